@@ -1,0 +1,3 @@
+"""EvoESAP: non-uniform expert pruning for sparse MoE language models."""
+
+__version__ = "0.1.0"

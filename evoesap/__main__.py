@@ -1,0 +1,5 @@
+import sys
+
+from evoesap.cli import main
+
+sys.exit(main())

@@ -1,0 +1,22 @@
+"""Progress bars that switch off when stderr is not a terminal or the user asked for quiet output."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterable
+
+from tqdm.auto import tqdm
+
+_quiet = False
+
+
+def set_quiet(quiet: bool) -> None:
+    global _quiet
+    _quiet = quiet
+
+
+def progress(iterable: Iterable[Any] | None = None, **kwargs: Any) -> tqdm:
+    """A tqdm bar, disabled under --quiet or when nobody is watching."""
+    kwargs.setdefault("disable", _quiet or not sys.stderr.isatty())
+    kwargs.setdefault("dynamic_ncols", True)
+    return tqdm(iterable, **kwargs)

@@ -1,0 +1,75 @@
+import json
+
+import pytest
+
+from evoesap import artifacts
+from evoesap.errors import ArtifactError
+
+
+def test_stage_output_publishes_payload_and_manifest_last(tmp_path):
+    out = str(tmp_path / "art")
+    with artifacts.stage_output(out, "demo", {"a": 1}, {}) as staging:
+        (staging / "x.txt").write_text("hello")
+    manifest = artifacts.read_manifest(out)
+    assert manifest.stage == "demo"
+    assert manifest.files["x.txt"] == artifacts.sha256_bytes(b"hello")
+
+
+def test_failed_stage_leaves_no_artifact(tmp_path):
+    out = tmp_path / "art"
+    with pytest.raises(RuntimeError):
+        with artifacts.stage_output(str(out), "demo", {}, {}) as staging:
+            (staging / "x.txt").write_text("half")
+            raise RuntimeError("boom")
+    assert not out.exists()
+    assert not list(tmp_path.iterdir())
+
+
+def test_failed_rerun_keeps_previous_artifact(tmp_path):
+    out = str(tmp_path / "art")
+    with artifacts.stage_output(out, "demo", {"v": 1}, {}) as staging:
+        (staging / "x.txt").write_text("v1")
+    with pytest.raises(RuntimeError):
+        with artifacts.stage_output(out, "demo", {"v": 2}, {}) as staging:
+            raise RuntimeError("boom")
+    assert (tmp_path / "art" / "x.txt").read_text() == "v1"
+
+
+def test_unfinished_artifact_is_refused(tmp_path):
+    (tmp_path / "art").mkdir()
+    with pytest.raises(ArtifactError, match="not a finished artifact"):
+        artifacts.read_manifest(str(tmp_path / "art"))
+
+
+def test_cache_key_follows_params_and_input_manifests(tmp_path):
+    src = str(tmp_path / "src")
+    with artifacts.stage_output(src, "a", {}, {}) as staging:
+        (staging / "f").write_text("1")
+    out = str(tmp_path / "out")
+    with artifacts.stage_output(out, "b", {"p": 1}, {"src": src}):
+        pass
+    assert artifacts.cached(out, "b", {"p": 1}, {"src": src}) is not None
+    assert artifacts.cached(out, "b", {"p": 2}, {"src": src}) is None
+    with artifacts.stage_output(src, "a", {}, {}) as staging:
+        (staging / "f").write_text("2")
+    assert artifacts.cached(out, "b", {"p": 1}, {"src": src}) is None
+
+
+def test_memory_uri_round_trip():
+    out = "memory://evoesap-test/art"
+    with artifacts.stage_output(out, "demo", {}, {}) as staging:
+        (staging / "sub").mkdir()
+        (staging / "sub" / "y.json").write_text(json.dumps({"k": 1}))
+    assert artifacts.read_json(artifacts.join(out, "sub", "y.json")) == {"k": 1}
+    with artifacts.local_copy(out) as local:
+        assert json.loads((local / "sub" / "y.json").read_text()) == {"k": 1}
+
+
+@pytest.mark.parametrize("name", ["..", "../x", "/abs", "a//b", "a/../b", "sp ace", ""])
+def test_names_cannot_escape_the_root(name):
+    with pytest.raises(ArtifactError):
+        artifacts.join("memory://root", name)
+
+
+def test_credentials_are_redacted():
+    assert artifacts.redact("s3://key:secret@bucket/x") == "s3://bucket/x"
