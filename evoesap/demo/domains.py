@@ -1,0 +1,192 @@
+"""Synthetic chat domains for the demo world: deterministic, disjoint splits, tiny vocabulary.
+
+Each domain turns a `numpy.random.Generator` into (user, assistant) pairs. The domains differ in what
+they exercise (arithmetic with worked steps, string algorithms, copying, memorised facts) so that a
+small MoE trained on them routes them to different experts and pruning has visible consequences.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from evoesap.errors import ConfigError
+
+# Evaluation first: when two splits would draw the same prompt, the earlier split keeps it.
+SPLITS: tuple[str, ...] = ("evaluation", "search_heldout", "search", "calibration", "train")
+SPLIT_SIZES: dict[str, int] = {"evaluation": 128, "search_heldout": 64, "search": 64, "calibration": 64}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One chat exchange; `extra` holds task fields such as multiple-choice options."""
+
+    user: str
+    assistant: str
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def to_json(self) -> dict:
+        row = {"messages": [{"role": "user", "content": self.user}, {"role": "assistant", "content": self.assistant}]}
+        row.update(self.extra)
+        return row
+
+
+# ---------------------------------------------------------------------------------------------- math
+_NAMES = ("Ann", "Bob", "Cai", "Dee", "Eli", "Fay", "Gus", "Ivy", "Jon", "Kim", "Lou", "Max")
+_ITEMS = ("apples", "coins", "books", "pens", "shells", "cards", "stamps", "eggs")
+
+
+def _math(rng: np.random.Generator) -> Sample:
+    """Add-then-subtract word problem; the answer shows both steps so it is tens of tokens long."""
+    name, item = _NAMES[rng.integers(len(_NAMES))], _ITEMS[rng.integers(len(_ITEMS))]
+    a, b = int(rng.integers(10, 50)), int(rng.integers(10, 50))
+    c = int(rng.integers(1, 20))
+    s = a + b
+    user = f"{name} has {a} {item}, gets {b} more and gives away {c}. How many {item} now?"
+    assistant = f"{a}+{b}={s}. {s}-{c}={s - c}. The answer is {s - c}."
+    return Sample(user, assistant)
+
+
+# ---------------------------------------------------------------------------------------------- code
+_LETTERS = "abcdefgh"
+
+
+def _code(rng: np.random.Generator) -> Sample:
+    """A string transform a programmer would write: reverse, sort, or bracket matching."""
+    op = int(rng.integers(3))
+    if op == 2:
+        n = int(rng.integers(2, 5)) * 2
+        brackets = "".join("()"[int(i)] for i in rng.integers(0, 2, size=n))
+        depth, ok = 0, True
+        for ch in brackets:
+            depth += 1 if ch == "(" else -1
+            ok = ok and depth >= 0
+        ok = ok and depth == 0
+        return Sample(f"balanced {brackets}", "yes" if ok else "no")
+    word = "".join(_LETTERS[int(i)] for i in rng.integers(0, len(_LETTERS), size=int(rng.integers(4, 9))))
+    if op == 0:
+        return Sample(f"reverse {word}", word[::-1])
+    return Sample(f"sort {word}", "".join(sorted(word)))
+
+
+# ---------------------------------------------------------------------------------------------- copy
+_SYMBOLS = string.ascii_lowercase + string.digits
+
+
+def _copy(rng: np.random.Generator) -> Sample:
+    """Verbatim copy or key lookup: needs attention, not memory."""
+    if rng.integers(2) == 0:
+        text = "".join(_SYMBOLS[int(i)] for i in rng.integers(0, len(_SYMBOLS), size=int(rng.integers(5, 13))))
+        return Sample(f"copy {text}", text)
+    keys = rng.choice(list(string.ascii_lowercase), size=4, replace=False)
+    values = rng.integers(0, 10, size=4)
+    table = " ".join(f"{k}={v}" for k, v in zip(keys, values))
+    j = int(rng.integers(4))
+    return Sample(f"{table}; {keys[j]}?", f"{keys[j]} is {values[j]}")
+
+
+# --------------------------------------------------------------------------------------------- facts
+_CITIES = ("Quenta", "Morvil", "Tasko", "Belund", "Xirra", "Pollen", "Dravik", "Sunmere",
+           "Okara", "Vellis", "Rhun", "Caddis")
+_CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
+
+
+def fact_table(seed: int, n: int) -> list[tuple[str, str]]:
+    """The knowledge base the model memorises: `n` invented names, each living in one city."""
+    rng = np.random.default_rng([seed, 7919])
+    names: list[str] = []
+    seen: set[str] = set()
+    while len(names) < n:
+        parts = [rng.choice(list(_CONSONANTS if i % 2 == 0 else _VOWELS)) for i in range(5)]
+        name = "".join(parts).capitalize()
+        if name not in seen:
+            seen.add(name)
+            names.append(name)
+    cities = rng.integers(0, len(_CITIES), size=n)
+    return [(name, _CITIES[int(c)]) for name, c in zip(names, cities)]
+
+
+def _fact_sample(name: str, city: str, rng: np.random.Generator) -> Sample:
+    """A fact as a question with its sentence answer plus a 4-way multiple-choice form of it."""
+    distractors = [c for c in _CITIES if c != city]
+    options = [str(c) for c in rng.choice(distractors, size=3, replace=False)]
+    label = int(rng.integers(4))
+    options.insert(label, city)
+    choices = [f"{name} lives in {c}." for c in options]
+    return Sample(f"Where does {name} live?", f"{name} lives in {city}.", {"choices": choices, "label": label})
+
+
+# ------------------------------------------------------------------------------------------- domains
+@dataclass(frozen=True)
+class Domain:
+    """A named generator; `memorised` domains train on their evaluation prompts by design (facts)."""
+
+    name: str
+    make: Callable[[np.random.Generator], Sample] | None
+    memorised: bool = False
+    multiple_choice: bool = False
+
+
+DOMAINS: dict[str, Domain] = {
+    "math": Domain("math", _math),
+    "code": Domain("code", _code),
+    "copy": Domain("copy", _copy),
+    "facts": Domain("facts", None, memorised=True, multiple_choice=True),
+}
+
+
+def generate_splits(domain: str, seed: int, train_size: int) -> dict[str, list[Sample]]:
+    """All splits of one domain; prompts never repeat across the evaluation/search/calibration splits.
+
+    Generative domains also keep their training prompts out of every other split. The facts domain
+    partitions its knowledge base over the evaluation/search/calibration splits and trains on all of it:
+    recall of memorised facts is what it measures.
+    """
+    if domain not in DOMAINS:
+        raise ConfigError(f"unknown demo domain {domain!r}; choose one of {sorted(DOMAINS)}")
+    spec = DOMAINS[domain]
+    rng = np.random.default_rng([seed, sorted(DOMAINS).index(domain)])
+    sizes = dict(SPLIT_SIZES, train=train_size)
+    out: dict[str, list[Sample]] = {}
+    if spec.memorised:
+        table = fact_table(seed, sum(SPLIT_SIZES.values()))
+        start = 0
+        for split in SPLITS[:-1]:
+            out[split] = [_fact_sample(n, c, rng) for n, c in table[start:start + sizes[split]]]
+            start += sizes[split]
+        out["train"] = [_fact_sample(n, c, rng) for n, c in table]
+        return out
+    seen: set[str] = set()
+    assert spec.make is not None
+    for split in SPLITS:
+        samples: list[Sample] = []
+        attempts = 0
+        while len(samples) < sizes[split]:
+            attempts += 1
+            if attempts > 50 * sizes[split] + 1000:
+                raise ConfigError(f"domain {domain!r} cannot produce {sizes[split]} distinct {split} prompts")
+            sample = spec.make(rng)
+            if sample.user not in seen:
+                seen.add(sample.user)
+                samples.append(sample)
+        out[split] = samples
+    return out
+
+
+def write_jsonl(samples: Iterable[Sample], path: Path) -> None:
+    """Messages-style JSONL, the format real users feed the pipeline."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as fh:
+        for s in samples:
+            fh.write(json.dumps(s.to_json(), ensure_ascii=False) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSONL file (used by training and tests)."""
+    with Path(path).open(encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
