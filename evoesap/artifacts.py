@@ -138,7 +138,12 @@ def manifest_sha256(uri: str) -> str:
 
 
 def describe_inputs(inputs: Mapping[str, str | None]) -> dict[str, dict[str, str]]:
-    """Input URIs with their manifest hashes; inputs that are not artifacts (hub names) keep only the URI."""
+    """Input URIs with their manifest hashes.
+
+    A local directory that is not an artifact (a model the user made) gets a fingerprint of its file
+    names, sizes and modification times instead, so that changing it invalidates the stage cache;
+    hub names keep only the name.
+    """
     described: dict[str, dict[str, str]] = {}
     for name, uri in sorted(inputs.items()):
         if uri is None:
@@ -146,8 +151,16 @@ def describe_inputs(inputs: Mapping[str, str | None]) -> dict[str, dict[str, str
         entry = {"uri": redact(uri)}
         if exists(join(uri, MANIFEST)):
             entry["manifest_sha256"] = manifest_sha256(uri)
+        elif Path(uri).exists():
+            entry["fingerprint"] = _fingerprint(Path(uri))
         described[name] = entry
     return described
+
+
+def _fingerprint(path: Path) -> str:
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    listing = [(p.relative_to(path).as_posix() if p != path else p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return sha256_bytes(json.dumps(listing).encode("utf-8"))
 
 
 def cache_key(stage: str, params: Mapping[str, Any], inputs: Mapping[str, Mapping[str, str]]) -> str:

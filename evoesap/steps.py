@@ -1,0 +1,87 @@
+"""The stage registry: run any stage by name into a content-addressed output, reusing finished ones.
+
+Orchestrators (the KFP components, `evoesap pipeline run`) call `run_step`; the output URI is
+`<storage_root>/<stage>/<key>` where the key hashes the stage, its parameters and its inputs'
+manifests, so a stage whose inputs and parameters are unchanged is found finished and skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from typing import Any, Mapping, Sequence
+
+from evoesap import artifacts
+from evoesap.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    module: str  # evoesap.stages.<module>
+    function: str  # run_<stage>
+    params_class: str  # frozen dataclass of the stage's parameters
+
+
+STEPS: dict[str, Step] = {
+    "calibrate": Step("calibrate", "run_calibrate", "CalibrateParams"),
+    "cache-logits": Step("cache_logits", "run_cache_logits", "CacheLogitsParams"),
+    "search": Step("search", "run_search", "SearchParams"),
+    "prune": Step("prune", "run_prune", "PruneParams"),
+    "evaluate": Step("evaluate", "run_evaluate", "EvaluateParams"),
+    "report": Step("report", "run_report", "ReportParams"),
+}
+
+
+def _stage(name: str) -> tuple[Any, type]:
+    if name not in STEPS:
+        raise ConfigError(f"unknown stage {name!r}; stages are {', '.join(STEPS)}")
+    step = STEPS[name]
+    module = importlib.import_module(f"evoesap.stages.{step.module}")
+    return getattr(module, step.function), getattr(module, step.params_class)
+
+
+def make_params(stage: str, values: Mapping[str, Any]) -> Any:
+    """The stage's parameter dataclass from plain values, with unknown names refused clearly."""
+    _, params_class = _stage(stage)
+    fields = {f.name for f in dataclasses.fields(params_class)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ConfigError(
+            f"unknown parameter(s) {', '.join(unknown)} for stage {stage!r}; valid: {', '.join(sorted(fields))}"
+        )
+    try:
+        return params_class(**values)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid parameters for stage {stage!r}: {exc}") from exc
+
+
+def _flat_inputs(inputs: Mapping[str, str | Sequence[str] | None]) -> dict[str, str | None]:
+    flat: dict[str, str | None] = {}
+    for name, value in inputs.items():
+        if isinstance(value, (list, tuple)):
+            flat.update({f"{name}.{i}": v for i, v in enumerate(value)})
+        else:
+            flat[name] = value
+    return flat
+
+
+def output_uri(stage: str, storage_root: str, inputs: Mapping[str, Any], params: Any) -> str:
+    """Content-addressed output location of a stage run."""
+    described = artifacts.describe_inputs(_flat_inputs(inputs))
+    key = artifacts.cache_key(stage, dataclasses.asdict(params), described)
+    return artifacts.join(storage_root, stage, key[:24])
+
+
+def run_step(stage: str, storage_root: str, inputs: Mapping[str, Any], params: Mapping[str, Any]) -> str:
+    """Run `stage` unless a finished artifact for the same inputs and parameters exists; return its URI."""
+    function, _ = _stage(stage)
+    parsed = make_params(stage, params)
+    out = output_uri(stage, storage_root, inputs, parsed)
+    if artifacts.exists(artifacts.join(out, artifacts.MANIFEST)):
+        log.info("reusing finished %s artifact at %s", stage, artifacts.redact(out))
+        return out
+    function(**{k: v for k, v in inputs.items()}, params=parsed, out_uri=out)
+    return out

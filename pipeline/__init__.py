@@ -1,0 +1,1 @@
+"""The EvoESAP pipeline: configuration, DAG, local run and cluster submission."""
