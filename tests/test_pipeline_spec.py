@@ -1,0 +1,185 @@
+"""The compiled KFP spec, the configuration schema, the images and the cluster submission request."""
+
+import json
+import re
+import threading
+import tomllib
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+import evoesap
+from components import DEFAULT_IMAGE
+from evoesap.errors import ConfigError
+from pipeline.config import PipelineConfig, load_config
+from pipeline.dag import compile_pipeline
+from pipeline.run import submit
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config(**overrides) -> PipelineConfig:
+    values = dict(
+        model="/models/full",
+        calibration_data="/data/code.jsonl",
+        search_data="/data/math.jsonl",
+        criteria=["reap", "frequency"],
+        sparsities=[0.25, 0.5],
+        storage_root="s3://bucket/runs",
+        resources={
+            "search": {"accelerator_type": "nvidia.com/gpu", "accelerator_count": 2, "memory": "64G", "cpu": "8"},
+            "evaluate": {"accelerator_type": "nvidia.com/gpu", "accelerator_count": 1},
+            "prune": {"cpu": "4", "memory": "32G", "accelerator_type": "nvidia.com/gpu", "accelerator_count": 1},
+        },
+    )
+    values.update(overrides)
+    return PipelineConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    path = compile_pipeline(_config(), tmp_path_factory.mktemp("spec") / "pipeline.yaml")
+    return yaml.safe_load(path.read_text())
+
+
+def _stage(task: dict) -> str:
+    return re.sub(r"^comp-|-\d+$", "", task["componentRef"]["name"])
+
+
+def test_compiled_spec_has_every_stage_and_the_fan_out(spec):
+    root = spec["root"]["dag"]["tasks"]
+    assert sorted(_stage(t) for t in root.values()) == ["cache-logits", "calibrate", "evaluate", "for-loop", "report"]
+    loop_name = next(n for n, t in root.items() if _stage(t) == "for-loop")
+    loop = root[loop_name]
+    assert set(loop["dependentTasks"]) == {"calibrate", "cache-logits"}
+    items = loop["parameterIterator"]["items"]
+    assert items == {"inputParameter": "pipelinechannel--grid"}
+    grid = spec["root"]["inputDefinitions"]["parameters"]["grid"]["defaultValue"]
+    assert grid == [{"criterion": c, "sparsity": s} for c in ("reap", "frequency") for s in (0.25, 0.5)]
+    inner = spec["components"][loop["componentRef"]["name"]]["dag"]["tasks"]
+    assert sorted(_stage(t) for t in inner.values()) == ["evaluate", "evaluate", "prune", "prune", "search"]
+    by_name = {name: t for name, t in inner.items()}
+    searched_prune = next(n for n, t in by_name.items() if _stage(t) == "prune" and t.get("dependentTasks") == ["search"])
+    assert any(t.get("dependentTasks") == [searched_prune] for t in inner.values() if _stage(t) == "evaluate")
+    report = next(t for t in root.values() if _stage(t) == "report")
+    assert set(report["dependentTasks"]) == {"evaluate", loop_name}
+
+
+def test_compiled_spec_carries_resources_retries_and_caching(spec):
+    executors = spec["deploymentSpec"]["executors"]
+    search = executors["exec-search"]["container"]
+    assert search["resources"]["accelerator"]["resourceType"] == "nvidia.com/gpu"
+    assert search["resources"]["accelerator"]["resourceCount"] == "2"
+    assert search["resources"]["resourceMemoryLimit"] == "64G"
+    assert search["resources"]["resourceCpuLimit"] == "8"
+    prune = executors["exec-prune"]["container"]
+    assert "accelerator" not in prune["resources"]  # prune is CPU surgery: no GPU node for it
+    assert all(e["container"]["image"] == DEFAULT_IMAGE for e in executors.values())
+    root = spec["root"]["dag"]["tasks"]
+    for name, task in root.items():
+        if not name.startswith("for-loop"):
+            assert task["cachingOptions"] == {"enableCache": True}
+            assert task["retryPolicy"]["maxRetryCount"] == 2
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert params["search_params"]["defaultValue"]["device_map"] == "auto"  # two GPUs: spread the model
+    assert "device_map" not in params["evaluate_params"].get("defaultValue", {})  # one GPU: no sharding
+
+
+def test_components_install_nothing_at_run_time(spec):
+    for executor in spec["deploymentSpec"]["executors"].values():
+        command = " ".join(executor["container"]["command"])
+        assert "pip install" not in command
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"unknown_key": 1}, "unknown_key"),
+        ({"sparsities": [0.0, 0.5]}, "sparsity"),
+        ({"criteria": ["magnitude"]}, "criteria"),
+        ({"resources": {"search": {"accelerator_count": 1}}}, "accelerator_type"),
+        ({"resources": {"searchh": {"cpu": "2"}}}, "searchh"),
+    ],
+)
+def test_bad_configuration_is_refused_with_the_offending_key(overrides, message):
+    data = {"model": "m", "calibration_data": "c", "search_data": "s", **overrides}
+    with pytest.raises(ConfigError, match=message):
+        load_config(data)
+
+
+def test_missing_configuration_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_images_components_and_pyproject_agree():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    project = pyproject["project"]
+    assert project["version"] == evoesap.__version__
+    assert DEFAULT_IMAGE.endswith(f":{evoesap.__version__}")
+    torch_range = next(d for d in project["dependencies"] if d.startswith("torch"))
+    makefile_torch = re.search(r"torch==([\d.]+)", (ROOT / "Makefile").read_text()).group(1)
+    packages = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
+        text = (ROOT / "images" / dockerfile).read_text()
+        assert f"ARG TORCH_VERSION={makefile_torch}" in text
+        assert "RUN pip install . " in text  # the package with pyproject's own pins
+        for package in packages:
+            name = package.rstrip("*")
+            assert f"COPY {name} ./{name}" in text
+    low, high = re.search(r">=([\d.]+),<([\d.]+)", torch_range).groups()
+    as_tuple = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
+    assert as_tuple(low) <= as_tuple(makefile_torch) < as_tuple(high)
+
+
+class _FakeKFP(BaseHTTPRequestHandler):
+    """Just enough of the KFP v2beta1 REST API to record what a submission sends."""
+
+    requests: list = []
+
+    def _reply(self, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # noqa: N802
+        self.requests.append(("GET", self.path, None))
+        if "healthz" in self.path:
+            self._reply({"multi_user": False})
+        else:
+            self._reply({})
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        self.requests.append(("POST", self.path, body))
+        if self.path.endswith("/experiments"):
+            self._reply({**body, "experiment_id": "exp-1"})
+        else:
+            self._reply({**body, "run_id": "run-1"})
+
+    def log_message(self, *args):
+        pass
+
+
+def test_submit_sends_the_compiled_spec_to_the_cluster_api():
+    _FakeKFP.requests = []
+    server = HTTPServer(("127.0.0.1", 0), _FakeKFP)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        run_id = submit(_config(name="nightly-prune"), f"http://127.0.0.1:{server.server_port}", experiment="release")
+    finally:
+        server.shutdown()
+    assert run_id == "run-1"
+    posts = {path.split("?")[0]: body for method, path, body in _FakeKFP.requests if method == "POST"}
+    assert posts["/apis/v2beta1/experiments"]["display_name"] == "release"
+    run = posts["/apis/v2beta1/runs"]
+    assert run["experiment_id"] == "exp-1"
+    assert run["pipeline_spec"]["pipelineInfo"]["name"] == "nightly-prune"
+    assert "exec-search" in run["pipeline_spec"]["deploymentSpec"]["executors"]
+    assert "secret" not in json.dumps(run).lower()
