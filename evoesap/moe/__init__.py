@@ -1,0 +1,34 @@
+"""The only package that knows transformers' MoE internals: inspect, mask, prune, save, load.
+
+Family differences live in one table (`families.FAMILIES`); everything else is one code path.
+"""
+
+from evoesap.moe.families import FAMILIES, PER_LAYER_KEY, Family
+from evoesap.moe.masking import masked
+from evoesap.moe.memory import BytesReport, bytes_report, expert_bytes, parameter_bytes
+from evoesap.moe.observe import observe_routing
+from evoesap.moe.spec import LayerSpec, MoEBlock, MoESpec, check_pruned, inspect, moe_blocks
+from evoesap.moe.surgery import load_pruned, prune_experts, save_pruned
+from evoesap.moe.tiny import tiny_model
+
+__all__ = [
+    "FAMILIES",
+    "PER_LAYER_KEY",
+    "BytesReport",
+    "Family",
+    "LayerSpec",
+    "MoEBlock",
+    "MoESpec",
+    "bytes_report",
+    "check_pruned",
+    "expert_bytes",
+    "inspect",
+    "load_pruned",
+    "masked",
+    "moe_blocks",
+    "observe_routing",
+    "parameter_bytes",
+    "prune_experts",
+    "save_pruned",
+    "tiny_model",
+]

@@ -1,0 +1,211 @@
+"""The facts that differ between MoE families, as one table of data read by one piece of code.
+
+Each row says where a family keeps its expert count and top-k in the config, which module routes,
+how it routes, which tensors are indexed by expert, and what the tiny test model looks like. A new
+family is a new row here, never a new class. Verified against transformers 5.24 (see FAMILIES.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from evoesap.errors import ModelError
+
+# Routing kinds; the maths of each lives in `evoesap.moe.routing`.
+SOFTMAX_TOPK = "softmax_topk"  # softmax over all experts, top-k, optional renormalisation, scaling
+SIGMOID_GROUP_TOPK = "sigmoid_group_topk"  # sigmoid, biased group-limited top-k, unbiased weights
+SOFTMAX_BIAS_TOPK = "softmax_bias_topk"  # softmax, top-k on probs + bias, unbiased probs renormalised
+TOPK_SOFTMAX = "topk_softmax"  # top-k on raw logits, softmax over the k chosen
+
+# The per-layer expert counts of a non-uniformly pruned checkpoint: {str(decoder index): count}.
+PER_LAYER_KEY = "evoesap_num_experts_per_layer"
+
+_FUSED = (("gate_up_proj", 0), ("down_proj", 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How one transformers MoE family is laid out; every field is data, read by shared code."""
+
+    model_type: str
+    num_experts_field: str  # config field stored in config.json (not an attribute_map alias)
+    top_k_field: str
+    routing: str  # one of the routing kinds above
+    block: str = "mlp"  # attribute of a decoder layer holding its MLP (an MoE block or a dense MLP)
+    router: str = "gate"  # attribute of the MoE block holding the router module
+    experts: str = "experts"  # attribute of the MoE block holding the fused experts module
+    # (path inside the router / experts module, expert axis) of every tensor indexed by expert
+    router_tensors: tuple[tuple[str, int], ...] = (("weight", 0),)
+    expert_tensors: tuple[tuple[str, int], ...] = _FUSED
+    selection_bias: str | None = None  # path inside the router of the bias added for selection only
+    renormalize: bool | str = False  # renormalise the top-k weights: always, never, or a config flag
+    scaling_field: str | None = None  # config field of the factor applied to routed weights
+    norm_min_field: str | None = None  # config field clamping the renormalisation denominator
+    group_fields: tuple[str, str] | None = None  # (n_group, topk_group) for group-limited top-k
+    group_when: tuple[str, str] | None = None  # (config field, value) that switches groups on
+    shared_experts: tuple[str, ...] = ()  # MoE-block attributes holding always-on shared experts
+    dense_layer_fields: tuple[str, ...] = ()  # config fields that choose the dense (non-MoE) layers
+    tiny: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # config of `tiny_model`
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tiny", MappingProxyType(dict(self.tiny)))
+
+
+_DEEPSEEK_ATTENTION = dict(
+    num_key_value_heads=4,  # DeepSeek-V2 requires as many KV heads as attention heads
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+)
+
+_ROWS = (
+    Family(
+        model_type="olmoe",
+        num_experts_field="num_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SOFTMAX_TOPK,
+        renormalize="norm_topk_prob",
+        tiny=dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    ),
+    Family(
+        model_type="qwen2_moe",
+        num_experts_field="num_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SOFTMAX_TOPK,
+        renormalize="norm_topk_prob",
+        shared_experts=("shared_expert",),
+        dense_layer_fields=("mlp_only_layers", "decoder_sparse_step"),
+        tiny=dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            mlp_only_layers=[1],
+        ),
+    ),
+    Family(
+        model_type="qwen3_moe",
+        num_experts_field="num_local_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SOFTMAX_TOPK,
+        renormalize="norm_topk_prob",
+        dense_layer_fields=("mlp_only_layers", "decoder_sparse_step"),
+        tiny=dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+            head_dim=16,
+        ),
+    ),
+    Family(
+        model_type="mixtral",
+        num_experts_field="num_local_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SOFTMAX_TOPK,
+        renormalize=True,
+        tiny=dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    ),
+    Family(
+        model_type="deepseek_v2",
+        num_experts_field="n_routed_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SOFTMAX_TOPK,
+        scaling_field="routed_scaling_factor",
+        group_fields=("n_group", "topk_group"),
+        group_when=("topk_method", "group_limited_greedy"),
+        shared_experts=("shared_experts",),
+        dense_layer_fields=("first_k_dense_replace",),
+        tiny=dict(
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.5,
+            **_DEEPSEEK_ATTENTION,
+        ),
+    ),
+    Family(
+        model_type="deepseek_v3",
+        num_experts_field="n_routed_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SIGMOID_GROUP_TOPK,
+        router_tensors=(("weight", 0), ("e_score_correction_bias", 0)),
+        selection_bias="e_score_correction_bias",
+        renormalize="norm_topk_prob",
+        scaling_field="routed_scaling_factor",
+        group_fields=("n_group", "topk_group"),
+        shared_experts=("shared_experts",),
+        dense_layer_fields=("first_k_dense_replace",),
+        tiny=dict(
+            n_routed_experts=16,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            **_DEEPSEEK_ATTENTION,
+        ),
+    ),
+    Family(
+        model_type="ernie4_5_moe",
+        num_experts_field="moe_num_experts",
+        top_k_field="moe_k",
+        routing=SOFTMAX_BIAS_TOPK,
+        router_tensors=(("weight", 0), ("moe_statics.e_score_correction_bias", 1)),
+        selection_bias="moe_statics.e_score_correction_bias",
+        renormalize=True,
+        norm_min_field="moe_norm_min",
+        shared_experts=("shared_experts",),
+        dense_layer_fields=("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval"),
+        tiny=dict(
+            moe_num_experts=8,
+            moe_k=2,
+            moe_intermediate_size=32,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+        ),
+    ),
+    Family(
+        model_type="gpt_oss",
+        num_experts_field="num_local_experts",
+        top_k_field="num_experts_per_tok",
+        routing=TOPK_SOFTMAX,
+        router="router",
+        router_tensors=(("weight", 0), ("bias", 0)),
+        expert_tensors=(
+            ("gate_up_proj", 0),  # [E, H, 2I], gate and up interleaved
+            ("gate_up_proj_bias", 0),
+            ("down_proj", 0),  # [E, I, H]
+            ("down_proj_bias", 0),
+        ),
+        tiny=dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            head_dim=16,
+            max_position_embeddings=131072,  # matches its YaRN rope parameters, which warn otherwise
+        ),
+    ),
+)
+
+FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in _ROWS})
+
+
+def family_of(model_type: str) -> Family:
+    """The table row of a transformers `model_type`; an unsupported one names the supported families."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise ModelError(
+            f"model_type {model_type!r} is not a supported MoE family; supported: "
+            f"{', '.join(sorted(FAMILIES))}"
+        ) from None

@@ -1,0 +1,53 @@
+"""Switch experts off without touching weights, routing exactly as if they had been removed.
+
+A forward hook on each affected router replaces its (weights, indices) with the routing recomputed
+from its raw logits plus a -inf mask. Weights and buffers are never written, so leaving the context
+(also through an exception) restores the model bit for bit, and entering it costs one small mask
+tensor per pruned layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from evoesap.moe.routing import ROUTES, route_params
+from evoesap.moe.spec import MoEBlock, LayerSpec, Pruned, check_pruned, get_path, inspect, model_family, moe_blocks
+
+
+@contextlib.contextmanager
+def masked(model: nn.Module, pruned: Pruned) -> Iterator[nn.Module]:
+    """Inside the context, `model` routes as if the experts in `pruned` (ordinal -> ids) were removed."""
+    spec = inspect(model)
+    sets = check_pruned(spec, pruned)
+    handles = []
+    try:
+        for block in moe_blocks(model):
+            ids = sets.get(block.ordinal)
+            if ids:
+                hook = _masking_hook(model, block, spec.layers[block.ordinal], ids)
+                handles.append(block.router.register_forward_hook(hook))
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _masking_hook(model: nn.Module, block: MoEBlock, layer: LayerSpec, ids: tuple[int, ...]):
+    family = model_family(model)
+    params = route_params(family, model.config, layer.top_k, layer.n_group, layer.topk_group)
+    route = ROUTES[layer.routing]
+    device = get_path(block.router, family.router_tensors[0][0]).device
+    mask = torch.zeros(layer.num_experts, dtype=torch.float32, device=device)  # [E]
+    mask[torch.tensor(ids, device=device)] = float("-inf")
+    bias = get_path(block.router, family.selection_bias).reshape(-1) if family.selection_bias else None  # [E]
+
+    def hook(module: nn.Module, args: tuple, output: tuple) -> tuple:
+        logits, weights, _ = output  # [T, E] raw, [T, k], [T, k]
+        new_weights, new_index = route(logits, mask, bias, params)
+        return logits, new_weights.to(weights.dtype), new_index
+
+    return hook

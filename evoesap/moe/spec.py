@@ -1,0 +1,198 @@
+"""What an MoE model looks like (its MoE layers in model order) and which pruned sets it admits."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import operator
+from typing import Iterable, Iterator, Mapping
+
+from torch import nn
+
+from evoesap.errors import ConfigError, ModelError
+from evoesap.moe.families import Family, family_of
+from evoesap.moe.routing import GROUP_AWARE, GROUP_SCORE_TOP
+
+Pruned = Mapping[int, Iterable[int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """One MoE layer as the search and the stages see it."""
+
+    ordinal: int  # 0..L-1 over MoE layers only
+    decoder_index: int  # position among all decoder layers, dense ones included
+    num_experts: int  # routed experts (shared experts are never pruned)
+    top_k: int
+    routing: str  # routing kind, see `evoesap.moe.families`
+    shared_experts: bool
+    n_group: int = 1  # expert groups of group-limited routing; 1 when routing is not group-limited
+    topk_group: int = 1  # groups each token may route into
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+    """The MoE layers of a model, in model order."""
+
+    family: str
+    layers: tuple[LayerSpec, ...]
+
+    @property
+    def num_experts(self) -> tuple[int, ...]:
+        return tuple(layer.num_experts for layer in self.layers)
+
+    @property
+    def top_k(self) -> tuple[int, ...]:
+        return tuple(layer.top_k for layer in self.layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEBlock:
+    """The live modules of one MoE layer."""
+
+    ordinal: int
+    decoder_index: int
+    block: nn.Module  # the decoder layer's MoE MLP
+    router: nn.Module
+    experts: nn.Module
+
+
+def model_family(model: nn.Module) -> Family:
+    """The family row of a loaded model, from `model.config.model_type`."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not isinstance(model, nn.Module) or not model_type:
+        raise ModelError(f"{type(model).__name__} is not a transformers model (no config.model_type)")
+    return family_of(model_type)
+
+
+def get_path(module: nn.Module, path: str) -> object:
+    """`module.a.b` for path "a.b"."""
+    return operator.attrgetter(path)(module)
+
+
+def expert_tensors(block: MoEBlock, family: Family) -> Iterator[tuple[nn.Module, str, int]]:
+    """(owning module, attribute name, expert axis) of every tensor of `block` indexed by expert."""
+    for module, tensors in ((block.router, family.router_tensors), (block.experts, family.expert_tensors)):
+        for path, axis in tensors:
+            *parents, name = path.split(".")
+            yield module.get_submodule(".".join(parents)), name, axis
+
+
+def moe_blocks(model: nn.Module) -> list[MoEBlock]:
+    """The MoE blocks of a model in model order; dense layers are skipped."""
+    family = model_family(model)
+    layers = getattr(getattr(model, "base_model", model), "layers", None)
+    if layers is None:
+        raise ModelError(f"{type(model).__name__} has no decoder layers at base_model.layers")
+    blocks: list[MoEBlock] = []
+    for index, layer in enumerate(layers):
+        block = getattr(layer, family.block, None)
+        router = getattr(block, family.router, None)
+        experts = getattr(block, family.experts, None)
+        if router is not None and experts is not None:
+            blocks.append(MoEBlock(len(blocks), index, block, router, experts))
+    if not blocks:
+        raise ModelError(
+            f"this {family.model_type} model has no MoE layers; check its config fields "
+            f"{', '.join(family.dense_layer_fields) or family.num_experts_field}"
+        )
+    return blocks
+
+
+def _groups(family: Family, config: object) -> tuple[int, int]:
+    if family.group_fields is None:
+        return 1, 1
+    if family.group_when is not None:
+        field, value = family.group_when
+        if getattr(config, field, None) != value:
+            return 1, 1
+    n_group, topk_group = (getattr(config, f, None) or 1 for f in family.group_fields)
+    return int(n_group), int(topk_group)
+
+
+def inspect(model: nn.Module) -> MoESpec:
+    """The MoE layers of `model`; expert counts are read from the modules, so pruned models work."""
+    family = model_family(model)
+    config = model.config
+    n_group, topk_group = _groups(family, config)
+    top_k = int(getattr(config, family.top_k_field))
+    layers = tuple(
+        LayerSpec(
+            ordinal=b.ordinal,
+            decoder_index=b.decoder_index,
+            num_experts=int(b.experts.num_experts),
+            top_k=top_k,
+            routing=family.routing,
+            shared_experts=any(getattr(b.block, a, None) is not None for a in family.shared_experts),
+            n_group=n_group,
+            topk_group=topk_group,
+        )
+        for b in moe_blocks(model)
+    )
+    return MoESpec(family.model_type, layers)
+
+
+def _as_int(value: object, what: str) -> int:
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"{what} must be an integer, got {value!r}") from None
+
+
+def check_pruned(spec: MoESpec, pruned: Pruned) -> dict[int, tuple[int, ...]]:
+    """Validated pruned sets (ordinal -> sorted expert ids), refused before anything changes.
+
+    ConfigError for unknown layers or experts, duplicates, or fewer than top-k experts left;
+    ModelError where removal would route differently from masking (group-limited routing).
+    """
+    if not isinstance(pruned, Mapping):
+        raise ConfigError(f"pruned must map MoE layer ordinal to expert ids, got {type(pruned).__name__}")
+    sets: dict[int, tuple[int, ...]] = {}
+    for key, ids in pruned.items():
+        ordinal = _as_int(key, "MoE layer ordinal")
+        if not 0 <= ordinal < len(spec.layers):
+            raise ConfigError(
+                f"unknown MoE layer {ordinal}: this {spec.family} model has {len(spec.layers)} MoE "
+                f"layers, ordinals 0..{len(spec.layers) - 1} (dense layers are not counted)"
+            )
+        layer = spec.layers[ordinal]
+        experts = [_as_int(e, f"expert id in MoE layer {ordinal}") for e in ids]
+        bad = sorted(e for e in experts if not 0 <= e < layer.num_experts)
+        if bad:
+            raise ConfigError(
+                f"unknown expert ids {bad} in MoE layer {ordinal}, which has experts 0..{layer.num_experts - 1}"
+            )
+        duplicates = sorted(e for e, n in collections.Counter(experts).items() if n > 1)
+        if duplicates:
+            raise ConfigError(f"duplicate expert ids {duplicates} in MoE layer {ordinal}")
+        if len(experts) > layer.num_experts - layer.top_k:
+            raise ConfigError(
+                f"MoE layer {ordinal} would lose {len(experts)} of its {layer.num_experts} experts; at most "
+                f"{layer.num_experts - layer.top_k} may go so that top-k={layer.top_k} experts remain"
+            )
+        _check_groups(spec.family, layer, experts)
+        sets[ordinal] = tuple(sorted(experts))
+    return sets
+
+
+def _check_groups(family: str, layer: LayerSpec, experts: list[int]) -> None:
+    """Group-limited routing survives removal only when every group loses the same experts count."""
+    if layer.n_group == 1 or not experts:
+        return
+    where = f"MoE layer {layer.ordinal} of this {family} model routes group-limited ({layer.n_group} groups)"
+    if layer.routing not in GROUP_AWARE:
+        raise ModelError(f"{where}; its routing cannot be reproduced after removal: prune nothing in it")
+    size = layer.num_experts // layer.n_group
+    removed = collections.Counter(e // size for e in experts)
+    per_group = sorted({removed.get(g, 0) for g in range(layer.n_group)})
+    if len(per_group) != 1:
+        raise ModelError(
+            f"{where}; removal must take the same number of experts from every group of {size}, "
+            f"got {dict(sorted(removed.items()))} removed per group"
+        )
+    kept = size - per_group[0]
+    if kept < GROUP_SCORE_TOP or kept * layer.topk_group < layer.top_k:
+        raise ModelError(
+            f"{where}; keeping {kept} experts per group leaves too few to score groups "
+            f"(need {GROUP_SCORE_TOP}) or to fill top-k={layer.top_k} from {layer.topk_group} groups"
+        )

@@ -1,0 +1,155 @@
+"""Physical expert removal and the safetensors checkpoint that stores it, stock-loadable where possible.
+
+Uniform pruning keeps one expert count, so stock `AutoModelForCausalLM.from_pretrained` loads it.
+Non-uniform pruning writes the per-layer counts to config.json (`PER_LAYER_KEY`); `load_pruned`
+builds the stock class from that config, shrinks each layer's expert tensors before the weights load,
+then loads strictly: no remote code, no `ignore_mismatched_sizes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from evoesap import artifacts
+from evoesap.errors import ArtifactError, ConfigError
+from evoesap.moe.families import PER_LAYER_KEY, Family, family_of
+from evoesap.moe.spec import MoEBlock, Pruned, check_pruned, expert_tensors, inspect, model_family, moe_blocks
+
+log = logging.getLogger(__name__)
+
+# from_pretrained options that would load something other than this checkpoint, exactly.
+_REFUSED_KWARGS = ("trust_remote_code", "ignore_mismatched_sizes", "output_loading_info")
+# from_pretrained options that also say where the config comes from.
+_CONFIG_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "subfolder")
+
+
+def _resize(block: MoEBlock, family: Family, num_experts: int, make: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
+    """Replace every expert-indexed tensor of `block` by `make(old, expert_axis)`, and the counts."""
+    with torch.no_grad():
+        for owner, name, axis in expert_tensors(block, family):
+            old = getattr(owner, name)
+            new = make(old, axis)
+            if isinstance(old, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=old.requires_grad)
+            setattr(owner, name, new)  # a buffer stays a buffer: nn.Module routes it to _buffers
+    for module in (block.block, block.router, block.experts):
+        if hasattr(module, "num_experts"):
+            module.num_experts = num_experts  # every experts backend reads the module's own count
+
+
+def record_counts(model: nn.Module) -> None:
+    """Write the modules' expert counts to the config: one int when uniform, else the per-layer map."""
+    family = model_family(model)
+    counts = {str(b.decoder_index): int(b.experts.num_experts) for b in moe_blocks(model)}
+    setattr(model.config, family.num_experts_field, max(counts.values()))  # stock classes build the widest
+    if len(set(counts.values())) > 1:
+        setattr(model.config, PER_LAYER_KEY, counts)
+    elif hasattr(model.config, PER_LAYER_KEY):
+        delattr(model.config, PER_LAYER_KEY)
+
+
+def prune_experts(model: nn.Module, pruned: Pruned) -> nn.Module:
+    """Remove the experts in `pruned` (MoE ordinal -> ids) from `model`, in place; returns it."""
+    sets = check_pruned(inspect(model), pruned)
+    family = model_family(model)
+    for block in moe_blocks(model):
+        ids = set(sets.get(block.ordinal, ()))
+        if not ids:
+            continue
+        total = int(block.experts.num_experts)
+        keep_ids = [e for e in range(total) if e not in ids]
+
+        def keep(old: torch.Tensor, axis: int, keep_ids: list[int] = keep_ids) -> torch.Tensor:
+            return old.index_select(axis, torch.tensor(keep_ids, device=old.device))
+
+        _resize(block, family, len(keep_ids), keep)
+    record_counts(model)
+    log.info("pruned %d experts from %d MoE layers", sum(map(len, sets.values())), len(sets))
+    return model
+
+
+def save_pruned(model: PreTrainedModel, tokenizer: Any | None, uri: str) -> None:
+    """Save a (pruned) model and its tokenizer as a safetensors checkpoint at any fsspec URI."""
+    record_counts(model)  # also refuses unsupported models before anything is written
+    fs, path = artifacts.split(uri)
+    if artifacts.is_local(uri):
+        _write(model, tokenizer, Path(path))
+        return
+    with tempfile.TemporaryDirectory(prefix="evoesap-ckpt-") as tmp:
+        _write(model, tokenizer, Path(tmp))
+        for file in sorted(p for p in Path(tmp).rglob("*") if p.is_file()):
+            fs.put_file(str(file), f"{path.rstrip('/')}/{file.relative_to(tmp).as_posix()}")
+
+
+def _write(model: PreTrainedModel, tokenizer: Any | None, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)  # safetensors is the only format transformers 5 writes
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+
+
+@contextlib.contextmanager
+def _source(uri_or_hub_name: str) -> Iterator[str]:
+    """A path or hub name that from_pretrained understands; object-store URIs are downloaded."""
+    if "://" in uri_or_hub_name:
+        with artifacts.local_copy(uri_or_hub_name) as local:
+            yield str(local)
+    else:
+        yield uri_or_hub_name
+
+
+def load_pruned(uri_or_hub_name: str, **from_pretrained_kwargs: Any) -> PreTrainedModel:
+    """Load a stock or pruned checkpoint (path, fsspec URI or hub name) strictly, without remote code."""
+    refused = sorted(k for k in _REFUSED_KWARGS if k in from_pretrained_kwargs)
+    if refused or from_pretrained_kwargs.get("use_safetensors", True) is not True:
+        raise ConfigError(
+            f"load_pruned does not accept {refused or ['use_safetensors=False']}: it loads safetensors "
+            "strictly and never runs remote code"
+        )
+    with _source(uri_or_hub_name) as source:
+        config_kwargs = {k: from_pretrained_kwargs[k] for k in _CONFIG_KWARGS if k in from_pretrained_kwargs}
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False, **config_kwargs)
+        stock = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        counts = getattr(config, PER_LAYER_KEY, None)
+        cls = _shrinking(stock, family_of(config.model_type), counts) if counts else stock
+        model, info = cls.from_pretrained(
+            source, config=config, use_safetensors=True, output_loading_info=True, **from_pretrained_kwargs
+        )
+    problems = {k: sorted(map(str, v)) for k, v in info.items() if v}
+    if problems:
+        raise ArtifactError(f"{uri_or_hub_name} does not match its model exactly: {problems}")
+    model.__class__ = stock  # the shrinking subclass only existed to resize before the weights load
+    return model
+
+
+def _shrinking(stock: type[PreTrainedModel], family: Family, counts: Mapping[str, int]) -> type[PreTrainedModel]:
+    """A subclass of the stock class whose constructor resizes each MoE layer to its saved count."""
+
+    def __init__(self: PreTrainedModel, config: Any, *args: Any, **kwargs: Any) -> None:
+        stock.__init__(self, config, *args, **kwargs)
+        blocks = moe_blocks(self)
+        if sorted(counts, key=int) != [str(b.decoder_index) for b in blocks]:
+            raise ArtifactError(
+                f"config.json {PER_LAYER_KEY} names decoder layers {sorted(counts, key=int)}, but the model "
+                f"has MoE layers {[b.decoder_index for b in blocks]}"
+            )
+        for block in blocks:
+            n = int(counts[str(block.decoder_index)])
+
+            def empty(old: torch.Tensor, axis: int, n: int = n) -> torch.Tensor:
+                shape = list(old.shape)
+                shape[axis] = n
+                return torch.empty(shape, dtype=old.dtype, device=old.device)
+
+            _resize(block, family, n, empty)
+
+    return type(stock.__name__, (stock,), {"__init__": __init__})
