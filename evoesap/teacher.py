@@ -421,9 +421,16 @@ class TeacherCache:
                     f"tokenizer hashes to {got_tok[:16]}: use the model's own tokenizer, or rebuild the cache "
                     "with `evoesap cache-logits`"
                 )
+        self.check_vocab(model)
+
+    def check_vocab(self, model: torch.nn.Module) -> None:
+        """Refuse a model whose vocabulary differs from the cache's."""
         vocab = int(model.get_output_embeddings().weight.shape[0])
         if vocab != self.meta.vocab_size:
-            raise ArtifactError(f"model vocabulary {vocab} != cache vocabulary {self.meta.vocab_size}: rebuild the cache")
+            raise ArtifactError(
+                f"the model's vocabulary has {vocab} tokens but the teacher cache's has {self.meta.vocab_size}: "
+                "score a model of the same family and tokenizer, or rebuild the cache with `evoesap cache-logits`"
+            )
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""The cache-logits stage: the full model's next-token distributions on the search samples -> teacher cache."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from evoesap import artifacts
+from evoesap.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+MODEL_DTYPES = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLogitsParams:
+    """What to cache and how; validated on construction, before any model is loaded."""
+
+    mode: str = "full"  # full: whole-vocabulary log-probabilities; topk: top-K + tail mass (ESAP bounds)
+    top_k: int = 64  # K for mode topk
+    dtype: str = "float16"  # storage of log-probabilities: float16 (half the bytes) or float32 (exact)
+    samples: int | None = 64  # search samples drawn from the data (None: all)
+    max_length: int = 2048  # tokens per sample, truncated from the end
+    batch_size: int = 8
+    seed: int = 42  # which samples are drawn
+    split: str = "train"
+    subset: str | None = None  # hub dataset configuration
+    messages_field: str = "messages"
+    prompt_field: str | None = None
+    response_field: str | None = None
+    text_field: str | None = None
+    enable_thinking: bool = False  # chat template switch for reasoning models
+    model_dtype: str = "auto"  # dtype the teacher runs in
+    device: str = "auto"  # auto: cuda when available
+
+    def __post_init__(self) -> None:
+        from evoesap.teacher import DTYPES, MODES
+
+        if self.mode not in MODES:
+            raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.mode == "topk" and int(self.top_k) < 1:
+            raise ConfigError(f"top_k must be at least 1 for mode topk, got {self.top_k}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.samples is not None and int(self.samples) < 1:
+            raise ConfigError(f"samples must be at least 1 (or None for all), got {self.samples}")
+        if int(self.max_length) < 2:
+            raise ConfigError(f"max_length must be at least 2, got {self.max_length}")
+        if int(self.batch_size) < 1:
+            raise ConfigError(f"batch_size must be at least 1, got {self.batch_size}")
+        if self.model_dtype not in MODEL_DTYPES:
+            raise ConfigError(f"model_dtype {self.model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
+        for name in ("top_k", "max_length", "batch_size", "seed"):  # configs may deliver ints as floats
+            object.__setattr__(self, name, int(getattr(self, name)))
+        if self.samples is not None:
+            object.__setattr__(self, "samples", int(self.samples))
+        self.fields()  # field combinations are checked here, not after the model has loaded
+
+    def fields(self):
+        from evoesap.data import FieldMap
+
+        return FieldMap(
+            messages=self.messages_field, prompt=self.prompt_field, response=self.response_field, text=self.text_field
+        )
+
+
+@contextlib.contextmanager
+def model_location(uri: str) -> Iterator[str]:
+    """A local directory for an artifact URI or local path; a hub name passes through unchanged."""
+    if "://" in uri or Path(uri).exists():
+        with artifacts.local_copy(uri) as local:
+            yield str(local)
+    else:
+        yield uri
+
+
+def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: str) -> artifacts.Manifest:
+    """Cache the teacher (`model`, a checkpoint URI or hub name) on `data` samples and publish it at `out_uri`."""
+    from transformers import AutoTokenizer
+
+    from evoesap import data as data_mod
+    from evoesap import moe, teacher
+
+    inputs = {"model": model, "data": data}
+    done = artifacts.cached(out_uri, "cache_logits", dataclasses.asdict(params), inputs)
+    if done is not None:
+        log.info("teacher cache at %s is up to date", artifacts.redact(out_uri))
+        return done
+    samples = data_mod.load_samples(
+        data, split=params.split, subset=params.subset, fields=params.fields(), n=params.samples, seed=params.seed
+    )
+    with model_location(model) as location:
+        log.info("loading %s", artifacts.redact(model))
+        tokenizer = AutoTokenizer.from_pretrained(location)
+        loaded = moe.load_pruned(location, dtype=MODEL_DTYPES[params.model_dtype])
+    device = params.device if params.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    loaded.to(device).eval()
+    tokenized = data_mod.tokenize_samples(
+        samples, tokenizer, max_length=params.max_length, enable_thinking=params.enable_thinking
+    )
+    with artifacts.stage_output(out_uri, "cache_logits", dataclasses.asdict(params), inputs) as staging:
+        teacher.write_cache(
+            loaded,
+            tokenized,
+            staging,
+            mode=params.mode,
+            top_k=params.top_k if params.mode == "topk" else None,
+            dtype=params.dtype,
+            batch_size=params.batch_size,
+            tokenizer=tokenizer,
+        )
+    return artifacts.read_manifest(out_uri)

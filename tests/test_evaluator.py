@@ -1,0 +1,165 @@
+"""CandidateEvaluator against live computations from the full model (independent of the cache path)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from evoesap import teacher
+from evoesap.data import TokenizedSample, scored_mask
+from evoesap.errors import ArtifactError, ConfigError
+from evoesap.evaluator import CandidateEvaluator, read_pruned
+
+from test_teacher import VOCAB, random_samples, tiny
+
+PRUNED = {0: [0, 1, 2], 1: [5]}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A tiny model, its samples and its float32 full and top-K caches, built once."""
+    root = tmp_path_factory.mktemp("world")
+    model, samples = tiny(), random_samples(6)
+    teacher.write_cache(model, samples, root / "full", mode="full", dtype="float32", batch_size=4)
+    teacher.write_cache(model, samples, root / "topk", mode="topk", top_k=8, dtype="float32", batch_size=4)
+    return model, samples, teacher.load_cache(str(root / "full")), teacher.load_cache(str(root / "topk"))
+
+
+def live(model, samples, pruned, per_position) -> float:
+    """Reference path: full logits of the unmasked and masked model at every position, one sample at a time,
+    the scored mask applied afterwards; mean over samples of per-sample means."""
+    from evoesap.moe import masked
+
+    means = []
+    for s in samples:
+        ids = torch.tensor([s.input_ids])
+        with torch.no_grad():
+            p_logits = model(ids).logits[0].double()  # [T, V]
+            with masked(model, pruned):
+                q_logits = model(ids).logits[0].double()
+        keep = torch.tensor(scored_mask(s.answer_mask))
+        targets = torch.tensor(s.input_ids[1:] + [0])
+        values = per_position(p_logits.log_softmax(-1)[keep], q_logits.log_softmax(-1)[keep], targets[keep])
+        means.append(values.mean())
+    return float(torch.stack(means).mean())
+
+
+def tv_esap(log_p, log_q, _targets):
+    return 1.0 - 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+
+
+def test_unpruned_model_scores_one_against_its_own_cache(world) -> None:
+    model, _, full, _ = world
+    assert abs(CandidateEvaluator(model, full).score({}) - 1.0) < 1e-4
+
+
+@pytest.mark.parametrize("pruned", [PRUNED, {0: [3, 4, 6, 7]}, {1: [0, 1, 2, 3]}])
+def test_esap_through_the_cache_matches_the_live_teacher(world, pruned) -> None:
+    model, samples, full, _ = world
+    got = CandidateEvaluator(model, full, batch_size=4).score(pruned)
+    want = live(model, samples, pruned, tv_esap)
+    assert want < 0.999  # the allocation changes the model, so the check means something
+    assert abs(got - want) < 1e-4
+
+
+def test_kl_and_nll_match_live_and_are_negated_as_fitness(world) -> None:
+    model, samples, full, _ = world
+    kl_live = live(model, samples, PRUNED, lambda lp, lq, _t: (lp.exp() * (lp - lq)).sum(-1))
+    nll_live = live(model, samples, PRUNED, lambda _lp, lq, t: -lq.gather(-1, t[:, None])[:, 0])
+    assert abs(CandidateEvaluator(model, full, metric="kl").score(PRUNED) + kl_live) < 1e-4
+    assert abs(CandidateEvaluator(model, full, metric="nll").score(PRUNED) + nll_live) < 1e-4
+
+
+def test_sap_is_seeded_and_close_to_esap(world) -> None:
+    model, _, full, _ = world
+    a = CandidateEvaluator(model, full, metric="sap", seed=3).score(PRUNED)
+    b = CandidateEvaluator(model, full, metric="sap", seed=3).score(PRUNED)
+    assert a == b and 0.0 < a <= 1.0
+    assert abs(CandidateEvaluator(model, full, metric="sap", seed=3).score({}) - 1.0) < 1e-4
+
+
+def test_topk_cache_bounds_contain_the_full_cache_value(world) -> None:
+    model, _, full, topk = world
+    exact = CandidateEvaluator(model, full).sample_values(PRUNED)
+    scorer = CandidateEvaluator(model, topk)
+    lower, upper = scorer.sample_bounds(PRUNED)
+    assert bool((lower <= exact + 1e-6).all()) and bool((exact <= upper + 1e-6).all())
+    lo, up = scorer.bounds(PRUNED)
+    assert scorer.score(PRUNED) == lo < up
+
+
+def test_scores_are_memoised_and_subsets_reuse_them(world) -> None:
+    model, _, full, _ = world
+    scorer = CandidateEvaluator(model, full, batch_size=2)
+    part = scorer.score(PRUNED, samples=[1, 4])
+    assert scorer.forwards == 2
+    whole = scorer.sample_values(PRUNED)
+    assert scorer.forwards == 6  # only the four missing samples ran
+    assert abs(part - float(whole[[1, 4]].double().mean())) < 1e-7
+    scorer.score({0: [2, 1, 0], 1: [5]})  # the same allocation in another order
+    assert scorer.forwards == 6
+
+
+def test_batch_size_does_not_change_the_score(world) -> None:
+    model, _, full, _ = world
+    one = CandidateEvaluator(model, full, batch_size=1).sample_values(PRUNED)
+    many = CandidateEvaluator(model, full, batch_size=6).sample_values(PRUNED)
+    torch.testing.assert_close(one, many, atol=1e-5, rtol=0)
+
+
+@contextlib.contextmanager
+def perturbed_at(model, position: int):
+    """The candidate differs from the teacher only in the logits at `position` (final norm output nudged)."""
+    norm = model.get_decoder().norm if hasattr(model, "get_decoder") else model.model.norm
+
+    def hook(_module, _inputs, out):
+        out = out.clone()
+        out[:, position] += torch.linspace(-3.0, 3.0, out.shape[-1])
+        return out
+
+    handle = norm.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def test_only_scored_positions_count(tmp_path) -> None:
+    """Answer tokens at 6..9: the logits at 5 predict the first answer token (scored); the logits at 9, after
+    the last answer token, predict a non-answer token (not scored, though an unshifted mask would score them)."""
+    model = tiny()
+    ids = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    sample = TokenizedSample(0, ids, [False] * 6 + [True] * 4 + [False] * 2)
+    teacher.write_cache(model, [sample], tmp_path, mode="full", dtype="float32")
+    cache = teacher.load_cache(str(tmp_path))
+    assert cache.positions.tolist() == [5, 6, 7, 8]
+    with perturbed_at(model, 5):
+        first = CandidateEvaluator(model, cache).score({})
+    with perturbed_at(model, 9):
+        after_last = CandidateEvaluator(model, cache).score({})
+    assert first < 0.99
+    assert abs(after_last - 1.0) < 1e-6
+
+
+def test_a_cache_from_another_model_is_refused(world) -> None:
+    _, _, full, _ = world
+    with pytest.raises(ArtifactError, match="cache-logits"):
+        CandidateEvaluator(tiny(seed=1), full)
+
+
+def test_metrics_needing_the_full_vocabulary_refuse_a_topk_cache(world) -> None:
+    model, _, _, topk = world
+    with pytest.raises(ConfigError, match="mode full"):
+        CandidateEvaluator(model, topk, metric="kl")
+    CandidateEvaluator(model, topk, metric="nll")
+
+
+def test_allocation_file_format(tmp_path) -> None:
+    (tmp_path / "allocation.json").write_text('{"pruned": {"0": [1, 2], "3": []}, "r": [2, 0]}')
+    assert read_pruned(str(tmp_path / "allocation.json")) == {0: [1, 2], 3: []}
+    assert read_pruned(str(tmp_path)) == {0: [1, 2], 3: []}
+    (tmp_path / "bad.json").write_text('{"r": [2, 0]}')
+    with pytest.raises(ConfigError, match="pruned"):
+        read_pruned(str(tmp_path / "bad.json"))
