@@ -1,0 +1,408 @@
+"""Level-switch evolutionary search over per-layer allocations: the paper's Algorithm 1, resumable.
+
+Pure Python + numpy; it knows nothing of torch. `fitness` maps an allocation (a tuple of per-layer
+removal counts, see `evoesap.allocation`) to a float, higher is better.
+
+- Feasible set: `sum(r) == budget`, `0 <= r[l] <= n_l - k_l`, every `r[l]` a multiple of `granularity`.
+- Generation 0: the seeds `uniform` (allocation.uniform), the caller's `init` allocations (for example
+  allocation.frequency_global), then the patterns `early_heavy`, `middle_heavy`, `late_heavy` (see
+  `seed_patterns`); repeats are dropped and the first `population` kept. The rest are drawn uniformly
+  from all feasible allocations, without replacement and never equal to a seed; only when the feasible
+  set is smaller than the population does it repeat allocations (then the search is exhaustive).
+- Each generation keeps the `elites` fittest (ties: the earlier population slot; elites come first, in
+  rank order) and adds `population - elites` offspring. An offspring applies `tau = min(U{1..max_steps},
+  U{1..max_steps})` level-switch steps to an elite drawn uniformly. A step moves `Δ` experts from layer
+  `b` to layer `a != b` (`r[a] += Δ`, `r[b] -= Δ`) with `Δ` a multiple of `granularity` up to
+  `max_transfer` (just `granularity` when `max_transfer` is smaller; granularity 2 gives the paper's
+  even-valued transfers). The paper draws `(a, b, Δ)` uniformly and resamples until the move is
+  feasible; we draw uniformly from the feasible moves directly, the same distribution without an
+  unbounded loop. From any feasible allocation a move exists whenever the feasible set has two or more
+  allocations (some layer can then gain and another lose `granularity` experts), and the search refuses
+  a single-allocation problem.
+- An offspring equal to a member already in the next population is redrawn (new parent, new tau), up to
+  32 times; after that, or when the population already holds every feasible allocation, the repeat is
+  kept. Every allocation is evaluated once (memo), and the best ever seen is returned (ties: the first).
+- All randomness comes from one `numpy.random.Generator(PCG64(seed))`.
+- With `checkpoint`, the state after every generation (parameters, population, memo, history, best, RNG
+  state) is written as JSON to that fsspec URI (a temporary file moved into place for local paths, a
+  single put for object stores). `resume=True` continues from it, and the result and history equal
+  those of an uninterrupted run. Parameters must match, except `generations`, which may be raised to
+  extend a finished search; a missing checkpoint starts afresh.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import logging
+import math
+import posixpath
+import uuid
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from evoesap import allocation, artifacts
+from evoesap.allocation import Allocation
+from evoesap.errors import ArtifactError, ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+Fitness = Callable[[Allocation], float]
+# on_generation(generation, best, best_fitness, mean_fitness_of_population, evaluations_so_far)
+OnGeneration = Callable[[int, Allocation, float, float, int], None]
+
+_FORMAT = "evoesap.search/1"
+_REDRAWS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class HistoryRecord:
+    """One population slot of one generation; `elite` marks the slots kept for the next generation."""
+
+    generation: int
+    candidate: int
+    allocation: Allocation
+    fitness: float
+    elite: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchResult:
+    best: Allocation
+    best_fitness: float
+    history: tuple[HistoryRecord, ...]  # (generations + 1) * population records, generation 0 first
+    evaluations: int  # distinct allocations evaluated = fitness calls of an uninterrupted run
+
+
+@dataclasses.dataclass(frozen=True)
+class _Params:
+    num_experts: tuple[int, ...]
+    top_k: tuple[int, ...]
+    budget: int
+    population: int
+    elites: int
+    generations: int
+    max_transfer: int
+    max_steps: int
+    granularity: int
+    seed: int
+    init: tuple[Allocation, ...]
+
+
+def seed_patterns(
+    num_experts: Sequence[int], top_k: Sequence[int], budget: int, granularity: int = 1
+) -> dict[str, Allocation]:
+    """The structured seeds of generation 0.
+
+    `uniform` is allocation.uniform. The others are allocation.proportional to linear layer weights
+    over the `L` MoE layers (`l = 0..L-1`): `early_heavy` `L - l`, `late_heavy` `l + 1`, `middle_heavy`
+    `min(l + 1, L - l)` (a tent peaking mid-depth), i.e. removals in those ratios, capped at each bound.
+    """
+    n_layers = len(num_experts)
+
+    def weighted(weights: list[int]) -> Allocation:
+        return allocation.proportional(weights, num_experts, top_k, budget, granularity)
+
+    return {
+        "uniform": allocation.uniform(num_experts, top_k, budget, granularity),
+        "early_heavy": weighted([n_layers - layer for layer in range(n_layers)]),
+        "middle_heavy": weighted([min(layer + 1, n_layers - layer) for layer in range(n_layers)]),
+        "late_heavy": weighted([layer + 1 for layer in range(n_layers)]),
+    }
+
+
+def level_switch_search(
+    fitness: Fitness,
+    num_experts: Sequence[int],
+    top_k: Sequence[int],
+    budget: int,
+    *,
+    population: int = 32,
+    elites: int = 4,
+    generations: int = 50,
+    max_transfer: int = 4,
+    max_steps: int = 3,
+    granularity: int = 1,
+    seed: int = 42,
+    init: Sequence[Sequence[int]] | None = None,
+    checkpoint: str | None = None,
+    resume: bool = False,
+    on_generation: OnGeneration | None = None,
+) -> SearchResult:
+    """Search the allocation that maximises `fitness` under the budget (see the module docstring).
+
+    init: extra seeds for generation 0, placed right after the uniform seed.
+    on_generation: called after each generation (0 is the initial population, so `generations + 1`
+    calls in all); on resume, once for the restored generation and then for each new one.
+    """
+    params = _validate(num_experts, top_k, budget, population, elites, generations, max_transfer, max_steps,
+                       granularity, seed, init)
+    space = allocation.FeasibleSet(params.num_experts, params.top_k, params.budget, params.granularity)
+    if space.size < 2:
+        raise ConfigError(
+            f"budget {params.budget} admits a single allocation {space.unrank(0)}: there is nothing to search; "
+            "use it directly"
+        )
+    if resume and checkpoint is None:
+        raise ConfigError("resume=True needs a checkpoint URI to resume from")
+    saved = _read_checkpoint(checkpoint, params) if resume and artifacts.exists(checkpoint) else None
+    if resume and saved is None:
+        log.info("no checkpoint at %s yet: starting the search afresh", artifacts.redact(str(checkpoint)))
+
+    caps = np.asarray(space.caps)  # [L] int, bounds in units of granularity
+    sizes = np.arange(1, max(1, params.max_transfer // params.granularity) + 1)  # [D] transfer sizes in units
+    rng = np.random.default_rng(params.seed)
+    memo: dict[Allocation, float] = {}
+    history: list[HistoryRecord] = []
+    best: Allocation | None = None
+    best_fitness = -math.inf
+
+    def evaluate(r: Allocation) -> float:
+        if r not in memo:
+            value = float(fitness(r))
+            if math.isnan(value):
+                raise DataError(f"fitness returned NaN for allocation {r}: the search cannot rank it; fix the fitness")
+            memo[r] = value
+        return memo[r]
+
+    def report(gen: int, pop: list[Allocation]) -> None:
+        mean = float(np.mean([memo[r] for r in pop]))
+        log.info("generation %d: best %.6g, mean %.6g, %d evaluations", gen, best_fitness, mean, len(memo))
+        if on_generation is not None:
+            on_generation(gen, best, best_fitness, mean, len(memo))
+
+    def finish(gen: int, pop: list[Allocation]) -> None:
+        nonlocal best, best_fitness
+        fits = [evaluate(r) for r in pop]
+        top = set(_top(fits, params.elites))
+        history.extend(HistoryRecord(gen, i, r, f, i in top) for i, (r, f) in enumerate(zip(pop, fits)))
+        for r, f in zip(pop, fits):
+            if best is None or f > best_fitness:
+                best, best_fitness = r, f
+        if checkpoint is not None:
+            _write_checkpoint(checkpoint, params, gen, pop, memo, history, best, best_fitness, rng)
+        report(gen, pop)
+
+    if saved is None:
+        start = 0
+        pop = _initial_population(_seeds(params), space, params.population, rng)
+        finish(0, pop)
+    else:
+        start, pop = saved["generation"], saved["population"]
+        memo.update(saved["memo"])
+        history.extend(saved["history"])
+        best, best_fitness = saved["best"], saved["best_fitness"]
+        rng.bit_generator.state = saved["rng"]
+        report(start, pop)
+
+    for gen in range(start + 1, params.generations + 1):
+        parents = [pop[i] for i in _top([memo[r] for r in pop], params.elites)]
+        pop = _next_population(parents, params, space, caps, sizes, rng)
+        finish(gen, pop)
+
+    assert best is not None
+    return SearchResult(best, best_fitness, tuple(history), len(memo))
+
+
+def _validate(
+    num_experts: Sequence[int],
+    top_k: Sequence[int],
+    budget: int,
+    population: int,
+    elites: int,
+    generations: int,
+    max_transfer: int,
+    max_steps: int,
+    granularity: int,
+    seed: int,
+    init: Sequence[Sequence[int]] | None,
+) -> _Params:
+    """Every parameter checked before the first fitness call, so a bad run fails in seconds, not hours."""
+    allocation.unit_caps(num_experts, top_k, granularity)
+    n = tuple(allocation.as_int("num_experts", v) for v in num_experts)
+    k = tuple(allocation.as_int("top_k", v) for v in top_k)
+    g = allocation.as_int("granularity", granularity)
+    b = allocation.check_budget(n, k, budget, g)
+    minimum = {"population": 2, "elites": 1, "generations": 0, "max_transfer": 1, "max_steps": 1, "seed": 0}
+    given = {"population": population, "elites": elites, "generations": generations,
+             "max_transfer": max_transfer, "max_steps": max_steps, "seed": seed}
+    ints = {name: allocation.as_int(name, value) for name, value in given.items()}
+    for name, value in ints.items():
+        if value < minimum[name]:
+            raise ConfigError(f"{name} must be >= {minimum[name]}, got {value}")
+    if ints["elites"] >= ints["population"]:
+        raise ConfigError(
+            f"elites {ints['elites']} must be smaller than population {ints['population']}, "
+            "or no offspring are ever made"
+        )
+    seeds = []
+    for i, r in enumerate(init or ()):
+        try:
+            seeds.append(allocation.check(r, n, k, b, g))
+        except ConfigError as exc:
+            raise ConfigError(f"init[{i}]: {exc}") from None
+    return _Params(n, k, b, granularity=g, init=tuple(seeds), **ints)
+
+
+def _seeds(params: _Params) -> list[Allocation]:
+    patterns = seed_patterns(params.num_experts, params.top_k, params.budget, params.granularity)
+    first = list(dict.fromkeys([patterns.pop("uniform"), *params.init]))
+    if len(first) > params.population:
+        raise ConfigError(
+            f"population {params.population} cannot hold the uniform seed and {len(params.init)} init seeds: "
+            "raise the population or pass fewer seeds"
+        )
+    return list(dict.fromkeys([*first, *patterns.values()]))[: params.population]
+
+
+def _initial_population(
+    seeds: list[Allocation], space: allocation.FeasibleSet, size: int, rng: np.random.Generator
+) -> list[Allocation]:
+    """Seeds, then allocations drawn uniformly from the feasible set without replacement (by rank)."""
+    pop = list(seeds)
+    taken = sorted(space.rank(r) for r in pop)
+    if space.size < size:
+        log.warning("population %d exceeds the %d feasible allocations: the search is exhaustive and "
+                    "the population repeats allocations", size, space.size)
+    while len(pop) < size:
+        if len(taken) == space.size:
+            pop.append(space.unrank(_randbelow(rng, space.size)))
+            continue
+        index = _randbelow(rng, space.size - len(taken))
+        for t in taken:  # the index-th rank not yet taken
+            if t > index:
+                break
+            index += 1
+        bisect.insort(taken, index)
+        pop.append(space.unrank(index))
+    return pop
+
+
+def _randbelow(rng: np.random.Generator, n: int) -> int:
+    """Uniform in [0, n) for any Python int n, since feasible-set sizes overflow int64."""
+    if n <= 2**62:
+        return int(rng.integers(n))
+    bits = n.bit_length()
+    words = (bits + 31) // 32
+    while True:
+        value = 0
+        for word in rng.integers(0, 2**32, size=words, dtype=np.uint64):
+            value = (value << 32) | int(word)
+        value >>= 32 * words - bits
+        if value < n:
+            return value
+
+
+def _top(fits: list[float], m: int) -> list[int]:
+    """Slots of the m fittest, best first; ties go to the earlier slot."""
+    return sorted(range(len(fits)), key=lambda i: (-fits[i], i))[:m]
+
+
+def _next_population(
+    parents: list[Allocation],
+    params: _Params,
+    space: allocation.FeasibleSet,
+    caps: np.ndarray,
+    sizes: np.ndarray,
+    rng: np.random.Generator,
+) -> list[Allocation]:
+    pop = list(parents)
+    members = set(pop)
+    for _ in range(params.population - len(parents)):
+        for _ in range(_REDRAWS):
+            child = _mutate(parents[int(rng.integers(len(parents)))], params, caps, sizes, rng)
+            if child not in members or len(members) >= space.size:
+                break
+        pop.append(child)
+        members.add(child)
+    return pop
+
+
+def _mutate(
+    parent: Allocation, params: _Params, caps: np.ndarray, sizes: np.ndarray, rng: np.random.Generator
+) -> Allocation:
+    g = params.granularity
+    tau = min(int(rng.integers(1, params.max_steps + 1)), int(rng.integers(1, params.max_steps + 1)))
+    x = np.asarray(parent) // g  # [L] int, in units of granularity
+    n_layers = len(x)
+    for _ in range(tau):
+        gains = x[:, None] + sizes[None, :] <= caps[:, None]  # [L, D] layer a can remove d more units
+        losses = x[:, None] >= sizes[None, :]  # [L, D] layer b can give d units back
+        feasible = gains[:, None, :] & losses[None, :, :]  # [a, b, D]
+        feasible[np.arange(n_layers), np.arange(n_layers), :] = False
+        moves = np.flatnonzero(feasible)
+        a, b, d = np.unravel_index(moves[rng.integers(len(moves))], feasible.shape)
+        x = x.copy()
+        x[a] += sizes[d]
+        x[b] -= sizes[d]
+    return tuple(int(v) * g for v in x)
+
+
+def _jsonable(params: _Params) -> dict[str, Any]:
+    return json.loads(json.dumps(dataclasses.asdict(params)))
+
+
+def _write_checkpoint(
+    uri: str,
+    params: _Params,
+    generation: int,
+    pop: list[Allocation],
+    memo: dict[Allocation, float],
+    history: list[HistoryRecord],
+    best: Allocation | None,
+    best_fitness: float,
+    rng: np.random.Generator,
+) -> None:
+    payload = {
+        "format": _FORMAT,
+        "params": _jsonable(params),
+        "generation": generation,
+        "population": [list(r) for r in pop],
+        "memo": [[list(r), f] for r, f in memo.items()],
+        "history": [[h.generation, h.candidate, list(h.allocation), h.fitness, h.elite] for h in history],
+        "best": list(best) if best is not None else None,
+        "best_fitness": best_fitness,
+        "rng": rng.bit_generator.state,
+    }
+    data = json.dumps(payload).encode("utf-8")
+    fs, path = artifacts.split(uri)
+    if artifacts.is_local(uri):
+        fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        partial = f"{path}.partial-{uuid.uuid4().hex[:8]}"
+        fs.pipe_file(partial, data)
+        fs.mv(partial, path)  # a rename: readers see the old checkpoint or the new one, never half
+    else:
+        fs.pipe_file(path, data)  # one object-store put is atomic by itself
+
+
+def _read_checkpoint(uri: str, params: _Params) -> dict[str, Any]:
+    try:
+        payload = json.loads(artifacts.read_bytes(uri).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(f"{artifacts.redact(uri)} is not a search checkpoint ({exc}); delete it to start afresh") from exc
+    if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
+        raise ArtifactError(f"{artifacts.redact(uri)} is not a {_FORMAT} checkpoint; delete it to start afresh")
+    now, then = _jsonable(params), payload["params"]
+    differ = [f"{key}: checkpoint {then.get(key)!r}, now {now[key]!r}"
+              for key in now if key != "generations" and then.get(key) != now[key]]
+    if differ:
+        raise ConfigError(
+            f"cannot resume from {artifacts.redact(uri)}: parameters differ ({'; '.join(differ)}); "
+            "resume with the same parameters or start afresh without resume"
+        )
+    if payload["generation"] > params.generations:
+        raise ConfigError(
+            f"checkpoint {artifacts.redact(uri)} already has {payload['generation']} generations, more than "
+            f"generations={params.generations}: resume with at least that many"
+        )
+    return {
+        "generation": payload["generation"],
+        "population": [tuple(r) for r in payload["population"]],
+        "memo": {tuple(r): float(f) for r, f in payload["memo"]},
+        "history": [HistoryRecord(g, c, tuple(a), float(f), bool(e)) for g, c, a, f, e in payload["history"]],
+        "best": tuple(payload["best"]),
+        "best_fitness": float(payload["best_fitness"]),
+        "rng": payload["rng"],
+    }
