@@ -1,0 +1,28 @@
+"""`evoesap report`."""
+
+from __future__ import annotations
+
+from typing import List
+
+import typer
+
+from evoesap.cli.app import app
+
+
+@app.command("report")
+def report_cmd(
+    runs: List[str] = typer.Option(..., "--runs", help="Evaluate artifacts (repeat the option): full, uniform, searched runs."),
+    out: str = typer.Option(..., "--out", help="Where to write the report artifact."),
+    searches: List[str] = typer.Option([], "--searches", help="Search artifacts whose history.parquet gives the search curves."),
+    title: str = typer.Option("EvoESAP report", "--title"),
+    digits: int = typer.Option(3, "--digits", help="Decimals in the benchmark table."),
+    html: bool = typer.Option(True, "--html/--no-html", help="Also write report.html."),
+) -> None:
+    """Tables like the paper's Table 2, memory savings, per-layer density plots and search curves.
+
+    Example: evoesap report --runs runs/eval-full --runs runs/eval-uniform --runs runs/eval-searched --searches runs/search --out runs/report
+    """
+    from evoesap.stages.report import ReportParams, run_report
+
+    run_report(list(runs), ReportParams(title=title, digits=digits, html=html), out, searches=list(searches))
+    typer.echo(out)

@@ -1,0 +1,127 @@
+"""The evaluate stage: one model through lm-eval suites, its memory footprint and expert counts -> metrics.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+import torch
+
+from evoesap import artifacts
+from evoesap import evaluate as ev
+from evoesap.errors import ConfigError, DataError
+from evoesap.stages.cache_logits import MODEL_DTYPES
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.json"
+LM_EVAL_FILE = "lm_eval_results.json"
+SCHEMA_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluateParams:
+    """What to run and how; the labels (criterion, sparsity, method) only name the run in the report."""
+
+    tasks: tuple[str, ...] = ("mc", "math")  # suites (mc, math, code), lm-eval task names, task directories
+    limit: float | None = None  # examples per task, for smoke runs (<1: a fraction)
+    batch_size: int | str = 8  # or "auto"
+    allow_code_execution: bool = False  # the code suite runs model-written code
+    enable_thinking: bool = False  # chat template switch for reasoning models (the paper turns it off)
+    think_end_token: str = "</think>"  # answer = text after this, when thinking is on
+    max_length: int | None = None  # context length for lm-eval; default: the model config's
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    model_dtype: str = "auto"  # as cache-logits: auto (the checkpoint's), bfloat16, float16, float32
+    esap_batch_size: int = 8  # held-out ESAP batch size, when a teacher cache is given
+    criterion: str | None = None
+    sparsity: float | None = None
+    method: str | None = None  # full, uniform, searched, frequency, ...
+
+    def __post_init__(self) -> None:
+        tasks = self.tasks.split(",") if isinstance(self.tasks, str) else self.tasks
+        object.__setattr__(self, "tasks", tuple(str(t).strip() for t in tasks if str(t).strip()))
+        if self.model_dtype not in MODEL_DTYPES:
+            raise ConfigError(f"model_dtype {self.model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
+        if self.limit is not None and self.limit <= 0:
+            raise ConfigError(f"limit must be positive, got {self.limit}")
+        if isinstance(self.batch_size, str) and not self.batch_size.startswith("auto"):
+            raise ConfigError(f"batch_size must be a positive integer or 'auto', got {self.batch_size!r}")
+        if isinstance(self.batch_size, (int, float)) and self.batch_size < 1:
+            raise ConfigError(f"batch_size must be a positive integer or 'auto', got {self.batch_size!r}")
+
+    def labels(self) -> dict[str, Any]:
+        return {"criterion": self.criterion, "sparsity": self.sparsity, "method": self.method}
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def _limit(limit: float | None) -> int | float | None:
+    """Whole numbers as int (lm-eval reads a float < 1 as a fraction); configs may turn ints into floats."""
+    return int(limit) if limit is not None and limit >= 1 and float(limit).is_integer() else limit
+
+
+def run_evaluate(
+    model: str,
+    params: EvaluateParams,
+    out_uri: str,
+    *,
+    teacher_cache: str | None = None,
+    allocation: str | None = None,
+) -> artifacts.Manifest:
+    """Evaluate `model` (a checkpoint URI or hub name) and publish metrics.json at `out_uri`.
+
+    `allocation` is recorded for lineage only; the expert counts are read from the model itself.
+    """
+    from evoesap import moe
+
+    plan = ev.resolve_tasks(params.tasks, allow_code_execution=params.allow_code_execution)
+    inputs = {"model": model, "teacher_cache": teacher_cache, "allocation": allocation}
+    done = artifacts.cached(out_uri, "evaluate", dataclasses.asdict(params), inputs)
+    if done is not None:
+        log.info("evaluation at %s is up to date", artifacts.redact(out_uri))
+        return done
+    tokenizer = moe.load_tokenizer(model)
+    if tokenizer is None:
+        raise DataError(f"{artifacts.redact(model)} has no tokenizer files: save the tokenizer with the model")
+    with artifacts.stage_output(out_uri, "evaluate", dataclasses.asdict(params), inputs) as staging:
+        log.info("loading %s", artifacts.redact(model))
+        loaded = moe.load_pruned(model, dtype=MODEL_DTYPES[params.model_dtype])
+        loaded.to(_device(params.device)).eval()
+        memory = ev.memory_footprint(loaded)
+        experts = ev.expert_counts(loaded)
+        esap = ev.heldout_esap(loaded, tokenizer, teacher_cache, params.esap_batch_size) if teacher_cache else None
+        records, raw = ev.run_lm_eval(
+            loaded,
+            tokenizer,
+            plan,
+            batch_size=params.batch_size,
+            limit=_limit(params.limit),
+            enable_thinking=params.enable_thinking,
+            think_end_token=params.think_end_token,
+            max_length=params.max_length,
+        )
+        metrics = {
+            "schema": SCHEMA_VERSION,
+            "model": artifacts.redact(model),
+            "labels": params.labels(),
+            "records": records,
+            "memory": memory,
+            "experts": experts,
+            "heldout_esap": esap,
+            "limit": params.limit,
+        }
+        (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
+        (staging / LM_EVAL_FILE).write_text(json.dumps(raw, indent=2, sort_keys=True, default=str))
+    return artifacts.read_manifest(out_uri)
+
+
+def read_metrics(run_uri: str) -> dict[str, Any]:
+    """The metrics.json of a finished evaluate artifact."""
+    artifacts.read_manifest(run_uri)
+    return artifacts.read_json(artifacts.join(run_uri, METRICS_FILE))

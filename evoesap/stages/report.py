@@ -1,0 +1,167 @@
+"""The report stage: evaluate runs and search histories -> report.md (+ report.html) with PNG plots."""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import io
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from evoesap import artifacts
+from evoesap import report as rp
+from evoesap.errors import ArtifactError, ConfigError, DataError
+from evoesap.stages.evaluate import read_metrics
+
+log = logging.getLogger(__name__)
+
+REPORT_FILE = "report.md"
+HTML_FILE = "report.html"
+HISTORY_FILE = "history.parquet"
+SCORES_FILE = "scores.parquet"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportParams:
+    """How the report looks; what it says comes from its inputs."""
+
+    title: str = "EvoESAP report"
+    digits: int = 3  # decimals in the benchmark table (the paper uses 3)
+    html: bool = True  # also write report.html
+
+    def __post_init__(self) -> None:
+        if not 1 <= int(self.digits) <= 8:
+            raise ConfigError(f"digits must be within 1..8, got {self.digits}")
+
+
+def _history(search_uri: str) -> tuple[str, pd.DataFrame, Mapping[str, Any]]:
+    manifest = artifacts.read_manifest(search_uri)
+    history = pd.read_parquet(io.BytesIO(artifacts.read_bytes(artifacts.join(search_uri, HISTORY_FILE))))
+    label = " ".join(
+        str(v) for v in (manifest.params.get("criterion"), _pct(manifest.params.get("sparsity"))) if v is not None
+    )
+    return label or search_uri, history, manifest.params | {"_inputs": manifest.inputs}
+
+
+def _pct(value: Any) -> str | None:
+    return None if value is None else f"{float(value):.0%}"
+
+
+def _frequency_allocation(search: Mapping[str, Any], experts: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The global frequency heuristic for a search's budget, from the scores that search used (None if unknown)."""
+    from evoesap import allocation
+
+    scores_uri = search["_inputs"].get("scores", {}).get("uri")
+    if scores_uri is None or search.get("sparsity") is None:
+        return None
+    scores = pd.read_parquet(io.BytesIO(artifacts.read_bytes(artifacts.join(scores_uri, SCORES_FILE))))
+    frequency = [
+        group.sort_values("expert")["frequency"].tolist() for _, group in scores.groupby("layer", sort=True)
+    ]
+    n, k = experts["num_experts"], experts["top_k"]
+    granularity = int(search.get("granularity", 1))
+    budget = allocation.budget(float(search["sparsity"]), n, k, granularity)
+    return allocation.frequency_global(frequency, n, k, budget, granularity)
+
+
+def run_allocations(
+    runs: Sequence[Mapping[str, Any]], searches: Sequence[Mapping[str, Any]]
+) -> dict[tuple[float, str], dict[str, tuple[Sequence[int], Sequence[int]]]]:
+    """Per (sparsity, criterion): method -> (r, n), with r read off each run's expert counts against the full model."""
+    full = [m for m in runs if m["labels"].get("method") == "full"]
+    if not full:
+        return {}
+    n = full[0]["experts"]["num_experts"]
+    groups: dict[tuple[float, str], dict[str, tuple[Sequence[int], Sequence[int]]]] = {}
+    for metrics in runs:
+        labels = metrics["labels"]
+        if labels.get("method") in (None, "full") or labels.get("sparsity") is None:
+            continue
+        kept = metrics["experts"]["num_experts"]
+        if len(kept) != len(n):
+            raise DataError(f"run {metrics['model']} has {len(kept)} MoE layers, the full model {len(n)}")
+        key = (float(labels["sparsity"]), str(labels.get("criterion") or ""))
+        groups.setdefault(key, {})[labels["method"]] = ([a - b for a, b in zip(n, kept)], n)
+    for search in searches:
+        key = (float(search.get("sparsity") or 0.0), str(search.get("criterion") or ""))
+        if key in groups and "frequency" not in groups[key]:
+            r = _frequency_allocation(search, full[0]["experts"])
+            if r is not None:
+                groups[key]["frequency"] = (list(r), n)
+    order = {m: i for i, m in enumerate(rp.METHOD_ORDER)}
+    return {
+        key: dict(sorted(methods.items(), key=lambda kv: order.get(kv[0], len(order))))
+        for key, methods in sorted(groups.items())
+    }
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches: Sequence[str] = ()) -> artifacts.Manifest:
+    """Write report.md (and report.html) with the benchmark table, memory figures and plots at `out_uri`."""
+    if not runs:
+        raise ConfigError("give at least one evaluate run (--runs)")
+    metrics = [read_metrics(uri) for uri in runs]
+    histories = [_history(uri) for uri in searches]
+    inputs = {**{f"runs.{i}": u for i, u in enumerate(runs)}, **{f"searches.{i}": u for i, u in enumerate(searches)}}
+    with artifacts.stage_output(out_uri, "report", dataclasses.asdict(params), inputs) as staging:
+        cols = rp.columns(metrics)
+        rows = rp.build_rows(metrics, [artifacts.redact(u) for u in runs], cols)
+        memory = rp.memory_rows(metrics)
+        sections = [
+            ("Benchmarks", rp.markdown_table(rows, cols, params.digits), rp.html_table(rows, cols, params.digits)),
+            ("Memory", rp.memory_markdown(memory), None),
+        ]
+        images: list[tuple[str, str]] = []
+        try:
+            allocations = run_allocations(metrics, [h[2] for h in histories])
+        except (ArtifactError, KeyError) as exc:  # a search without usable scores still gets its curve
+            log.warning("frequency-heuristic allocation unavailable: %s", exc)
+            allocations = run_allocations(metrics, [])
+        for (sparsity, criterion), methods in allocations.items():
+            name = f"density_{criterion or 'run'}_{round(sparsity * 100)}.png"
+            _save(rp.density_figure(methods, f"{criterion} at {sparsity:.0%} sparsity"), staging / name)
+            images.append((f"Expert density per layer: {criterion}, {sparsity:.0%}", name))
+        if histories:
+            _save(rp.search_curve_figure({label: h for label, h, _ in histories}), staging / "search_curves.png")
+            images.append(("Search curves", "search_curves.png"))
+        (staging / REPORT_FILE).write_text(_markdown(params, sections, images, metrics))
+        if params.html:
+            (staging / HTML_FILE).write_text(_html(params, sections, images))
+    return artifacts.read_manifest(out_uri)
+
+
+def _notes(metrics: Sequence[Mapping[str, Any]]) -> list[str]:
+    limits = sorted({str(m.get("limit")) for m in metrics if m.get("limit") is not None})
+    notes = ["Bold: the better of each uniform/searched pair; Δ rows: searched minus uniform."]
+    if limits:
+        notes.append(f"Smoke run: at most {', '.join(limits)} examples per task; not comparable with full evaluations.")
+    return notes
+
+
+def _markdown(params: ReportParams, sections: Sequence[tuple], images: Sequence[tuple[str, str]], metrics: Sequence) -> str:
+    parts = [f"# {params.title}", *_notes(metrics)]
+    for heading, md, _ in sections:
+        parts += [f"## {heading}", md]
+    if images:
+        parts.append("## Plots")
+        parts += [f"![{caption}]({name})" for caption, name in images]
+    return "\n\n".join(parts) + "\n"
+
+
+def _html(params: ReportParams, sections: Sequence[tuple], images: Sequence[tuple[str, str]]) -> str:
+    body = [f"<h1>{html.escape(params.title)}</h1>"]
+    for heading, md, table in sections:
+        body.append(f"<h2>{html.escape(heading)}</h2>")
+        body.append(table if table is not None else f"<pre>{html.escape(md)}</pre>")
+    for caption, name in images:
+        body.append(f"<figure><img src='{html.escape(name)}'><figcaption>{html.escape(caption)}</figcaption></figure>")
+    style = "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
+    return f"<!doctype html><html><head><meta charset='utf-8'><style>{style}</style></head><body>{''.join(body)}</body></html>\n"

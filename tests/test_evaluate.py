@@ -1,0 +1,202 @@
+"""lm-eval task resolution, local-task evaluation against an independent log-likelihood computation, memory figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from evoesap import artifacts
+from evoesap import evaluate as ev
+from evoesap.demo.tokenizer import build_tokenizer
+from evoesap.errors import ConfigError
+from evoesap.stages.evaluate import EvaluateParams, read_metrics, run_evaluate
+
+ROWS = [
+    {"q": "1+1", "a": "2", "choices": ["2", "3"], "label": 0},
+    {"q": "2+2", "a": "4", "choices": ["5", "4"], "label": 1},
+    {"q": "3+3", "a": "6", "choices": ["6", "7", "8"], "label": 0},
+    {"q": "4+1", "a": "5", "choices": ["9", "5"], "label": 1},
+]
+
+
+def write_tasks(root: Path) -> Path:
+    """A task directory: one multiple-choice and one generate_until exact-match task over the same JSONL."""
+    root.mkdir(parents=True, exist_ok=True)
+    data = root / "arith.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\ntag: arith\n"
+    (root / "mc.yaml").write_text(
+        "task: arith_mc\n" + common + "output_type: multiple_choice\n"
+        'doc_to_text: "q: {{q}} a:"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: label\n'
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\nmetadata:\n  version: 1.0\n"
+    )
+    (root / "gen.yaml").write_text(
+        "task: arith_gen\n" + common + "output_type: generate_until\n"
+        'doc_to_text: "q: {{q}} a:"\ndoc_to_target: "{{a}}"\n'
+        "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 3\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+        "metadata:\n  version: 1.0\n"
+    )
+    return root
+
+
+def tiny_olmoe(tokenizer) -> torch.nn.Module:
+    from evoesap import moe
+
+    return moe.tiny_model("olmoe", seed=0, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id).eval()
+
+
+def independent_mc_accuracy(model, tokenizer) -> tuple[float, float]:
+    """acc and acc_norm from summed continuation log-probabilities, computed here without lm-eval."""
+    acc, acc_norm = [], []
+    for row in ROWS:
+        context = tokenizer(f"q: {row['q']} a:", add_special_tokens=False).input_ids
+        scores, normed = [], []
+        for choice in row["choices"]:
+            cont = tokenizer(f" {choice}", add_special_tokens=False).input_ids
+            ids = torch.tensor([context + cont])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)  # [T, V] float32
+            positions = range(len(context) - 1, len(context) + len(cont) - 1)
+            total = sum(float(logp[t, tok]) for t, tok in zip(positions, cont))
+            scores.append(total)
+            normed.append(total / len(f" {choice}".encode()))
+        acc.append(max(range(len(scores)), key=scores.__getitem__) == row["label"])
+        acc_norm.append(max(range(len(normed)), key=normed.__getitem__) == row["label"])
+    return sum(acc) / len(acc), sum(acc_norm) / len(acc_norm)
+
+
+def test_every_named_suite_task_resolves_in_lm_eval_index():
+    from lm_eval.tasks import TaskManager
+
+    plan = ev.resolve_tasks(list(ev.SUITES), allow_code_execution=True)
+    index = TaskManager().task_index  # independent of the plan's own manager
+    expected = [name for suite in ev.SUITES.values() for name in suite.tasks]
+    assert [r.name for r in plan.requests] == expected
+    assert all(name in index for name in expected)
+    assert ev.MATH500_TASK in index and index[ev.MATH500_TASK].cfg["dataset_path"] == "HuggingFaceH4/MATH-500"
+    assert {r.name: r.chat_template for r in plan.requests}["gsm8k"] is True
+    assert {r.name: r.chat_template for r in plan.requests}["hellaswag"] is False
+
+
+def test_code_suite_refused_without_permission():
+    with pytest.raises(ConfigError, match="allow_code_execution"):
+        ev.resolve_tasks(["mc", "code"])
+
+
+def test_unknown_task_name_suggests_the_nearest():
+    with pytest.raises(ConfigError, match="did you mean 'hellaswag'"):
+        ev.resolve_tasks(["hellaswg"])
+    with pytest.raises(ConfigError, match="did you mean 'math'"):
+        ev.resolve_tasks(["mth"])
+
+
+def test_missing_task_directory_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        ev.resolve_tasks([str(tmp_path / "nope")])
+
+
+def test_local_directory_tasks_are_discovered_with_their_tag_as_domain(tmp_path):
+    plan = ev.resolve_tasks([str(write_tasks(tmp_path / "tasks"))])
+    by_name = {r.name: r for r in plan.requests}
+    assert set(by_name) == {"arith_mc", "arith_gen"}
+    assert by_name["arith_gen"].chat_template and not by_name["arith_mc"].chat_template
+    assert {r.domain for r in plan.requests} == {"arith"}
+
+
+def test_lm_eval_on_local_tasks_matches_independent_loglikelihood(tmp_path):
+    tokenizer = build_tokenizer()
+    model = tiny_olmoe(tokenizer)
+    plan = ev.resolve_tasks([str(write_tasks(tmp_path / "tasks"))])
+    records, raw = ev.run_lm_eval(model, tokenizer, plan, batch_size=2)
+    by_key = {(r["task"], r["metric"]): r for r in records}
+    acc, acc_norm = independent_mc_accuracy(model, tokenizer)
+    assert by_key[("arith_mc", "acc")]["value"] == pytest.approx(acc)
+    assert by_key[("arith_mc", "acc_norm")]["value"] == pytest.approx(acc_norm)
+    assert by_key[("arith_mc", "acc_norm")]["primary"] and not by_key[("arith_mc", "acc")]["primary"]
+    assert by_key[("arith_mc", "acc")]["samples"] == len(ROWS)
+    gen = by_key[("arith_gen", "exact_match")]
+    assert gen["primary"] and 0.0 <= gen["value"] <= 1.0 and gen["stderr"] is not None
+    assert set(raw["results"]) == {"arith_mc", "arith_gen"}
+
+
+def test_run_evaluate_writes_metrics_json(tmp_path):
+    from evoesap import moe
+
+    tokenizer = build_tokenizer()
+    model = tiny_olmoe(tokenizer)
+    checkpoint = tmp_path / "model"
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    tasks = write_tasks(tmp_path / "tasks")
+    params = EvaluateParams(tasks=(str(tasks),), limit=3, batch_size=2, model_dtype="float32", device="cpu",
+                            criterion="reap", sparsity=0.5, method="uniform")
+    manifest = run_evaluate(str(checkpoint), params, str(tmp_path / "eval"))
+    metrics = read_metrics(str(tmp_path / "eval"))
+    assert manifest.files["metrics.json"] == artifacts.sha256_file(tmp_path / "eval" / "metrics.json")
+    assert metrics["labels"] == {"criterion": "reap", "sparsity": 0.5, "method": "uniform"}
+    assert {(r["task"], r["metric"]) for r in metrics["records"]} >= {("arith_mc", "acc"), ("arith_gen", "exact_match")}
+    for record in metrics["records"]:
+        assert set(record) == {"task", "domain", "metric", "filter", "value", "stderr", "samples", "primary"}
+        assert record["samples"] == 3
+    spec = moe.inspect(model)
+    assert metrics["experts"]["num_experts"] == list(spec.num_experts)
+    assert metrics["memory"]["parameters"] == sum(p.numel() for p in model.parameters())
+    assert metrics["memory"]["bf16_bytes"] == 2 * metrics["memory"]["parameters"]
+
+
+def test_limit_validated_before_any_model_is_loaded(tmp_path):
+    with pytest.raises(ConfigError, match="limit"):
+        EvaluateParams(tasks=("mc",), limit=0)
+    with pytest.raises(ConfigError, match="does not exist"):
+        run_evaluate(str(tmp_path / "no-model"), EvaluateParams(tasks=(str(tmp_path / "none"),)), str(tmp_path / "o"))
+
+
+PRUNED = {0: [0, 3], 1: [1], 2: [], 3: [2, 4, 5]}
+
+
+def test_pruned_parameter_bytes_are_full_minus_removed_experts_exactly():
+    from evoesap import moe
+
+    full = moe.tiny_model("olmoe", seed=1)
+    before = ev.memory_footprint(full)
+    per_expert = moe.expert_bytes(full)
+    pruned = moe.prune_experts(moe.tiny_model("olmoe", seed=1), PRUNED)
+    after = ev.memory_footprint(pruned)
+    removed = sum(len(PRUNED[layer]) * per_expert[layer] for layer in PRUNED)
+    assert removed > 0
+    assert after["parameter_bytes"] == before["parameter_bytes"] - removed
+    # float32 tiny models: the bf16 load size is exactly half of what they hold
+    assert after["bf16_bytes"] * 2 == after["parameter_bytes"]
+    assert ev.expert_counts(pruned)["num_experts"] == [n - len(PRUNED[i]) for i, n in enumerate(moe.inspect(full).num_experts)]
+
+
+def test_heldout_esap_of_a_pruned_checkpoint_equals_masking_the_full_model(tmp_path):
+    from evoesap import moe, teacher
+    from evoesap.data import TokenizedSample
+    from evoesap.evaluator import CandidateEvaluator
+
+    full = moe.tiny_model("olmoe", seed=2)
+    gen = torch.Generator().manual_seed(0)
+    samples = [
+        TokenizedSample(i, torch.randint(3, 256, (12,), generator=gen).tolist(), [False] * 5 + [True] * 7)
+        for i in range(4)
+    ]
+    teacher.write_cache(full, samples, tmp_path / "cache", mode="full", dtype="float32", batch_size=2)
+    masked_score = CandidateEvaluator(full, str(tmp_path / "cache")).score(PRUNED)
+    pruned = moe.prune_experts(moe.tiny_model("olmoe", seed=2), PRUNED)
+    result = ev.heldout_esap(pruned, None, str(tmp_path / "cache"), batch_size=2)
+    assert result["samples"] == 4
+    assert result["esap"] == pytest.approx(masked_score, abs=1e-5)
+    assert result["esap"] < 1.0
+
+
+def test_evaluate_cli_reports_a_missing_task_directory_as_one_error(tmp_path, capsys):
+    from evoesap.cli import main
+
+    code = main(["evaluate", "--model", str(tmp_path), "--tasks", str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
+    assert code == 1
+    assert "does not exist" in capsys.readouterr().err
