@@ -150,3 +150,51 @@ def test_report_cli_writes_the_report(tmp_path):
     args = ["report", *[a for u in runs for a in ("--runs", u)], "--out", str(tmp_path / "r"), "--no-html"]
     assert main(args) == 0
     assert (tmp_path / "r" / "report.md").exists() and not (tmp_path / "r" / "report.html").exists()
+
+
+def test_full_uniform_and_searched_tiny_models_through_lm_eval_into_the_report(tmp_path):
+    """End to end on checkpoints: save full and pruned tiny OLMoEs, evaluate on local tasks, report, check every number."""
+    from evoesap import moe
+    from evoesap.demo.tokenizer import build_tokenizer
+    from evoesap.stages.evaluate import EvaluateParams, run_evaluate
+
+    from test_evaluate import write_tasks
+
+    tokenizer = build_tokenizer()
+    tasks = str(write_tasks(tmp_path / "tasks"))
+    allocations = {"full": [0, 0, 0, 0], "uniform": [4, 4, 4, 4], "searched": [2, 6, 4, 4]}
+    runs = []
+    for method, r in allocations.items():
+        model = moe.tiny_model("olmoe", seed=3, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+        if any(r):
+            model = moe.prune_experts(model, {layer: list(range(n)) for layer, n in enumerate(r)})
+        moe.save_pruned(model, tokenizer, str(tmp_path / f"model-{method}"))
+        labels = {} if method == "full" else {"criterion": "reap", "sparsity": 0.5}
+        params = EvaluateParams(tasks=(tasks,), batch_size=4, device="cpu", method=method, **labels)
+        run_evaluate(str(tmp_path / f"model-{method}"), params, str(tmp_path / f"eval-{method}"))
+        runs.append(str(tmp_path / f"eval-{method}"))
+    run_report(runs, ReportParams(digits=4), str(tmp_path / "report"))
+    by_method = {m: artifacts.read_json(str(Path(u) / "metrics.json")) for m, u in zip(allocations, runs)}
+    check_table((tmp_path / "report" / "report.md").read_text(), by_method, 4)
+    groups = run_allocations(list(by_method.values()), [])
+    assert groups[(0.5, "reap")] == {m: (allocations[m], [8, 8, 8, 8]) for m in ("uniform", "searched")}
+    full, uniform = by_method["full"]["memory"], by_method["uniform"]["memory"]
+    assert uniform["parameter_bytes"] < full["parameter_bytes"]
+
+
+def test_frequency_heuristic_panel_comes_from_the_search_scores(tmp_path):
+    from evoesap.stages.report import _history
+
+    rarity = {0: 1, 1: 100, 2: 2, 3: 100}  # layer 0 is rarest but keeps top_k=2; layer 2 is next
+    scores = pd.DataFrame([{"layer": l, "expert": e, "frequency": f, "seer": 0.0, "ean": 0.0, "reap": 0.0, "tokens": 1}
+                           for l, f in rarity.items() for e in range(8)])
+    buf = tmp_path / "s.parquet"
+    scores.to_parquet(buf)
+    scores_uri = publish(tmp_path / "scores", "calibrate", {"scores.parquet": buf.read_bytes()})
+    history_frame().to_parquet(tmp_path / "h.parquet")
+    with artifacts.stage_output(str(tmp_path / "search"), "search", {"criterion": "reap", "sparsity": 0.25, "granularity": 1},
+                                {"scores": scores_uri}) as staging:
+        (staging / "history.parquet").write_bytes((tmp_path / "h.parquet").read_bytes())
+    groups = run_allocations(list(RUNS.values()), [_history(str(tmp_path / "search"))[2]])
+    assert groups[(0.25, "reap")]["frequency"] == ([6, 0, 2, 0], N)
+    assert list(groups[(0.25, "reap")]) == ["uniform", "frequency", "searched"]
