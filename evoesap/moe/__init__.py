@@ -8,7 +8,7 @@ from evoesap.moe.masking import masked
 from evoesap.moe.memory import BytesReport, bytes_report, expert_bytes, parameter_bytes
 from evoesap.moe.observe import observe_routing
 from evoesap.moe.spec import LayerSpec, MoEBlock, MoESpec, check_pruned, inspect, moe_blocks
-from evoesap.moe.surgery import load_pruned, prune_experts, save_pruned
+from evoesap.moe.surgery import load_pruned, load_tokenizer, prune_experts, save_pruned
 from evoesap.moe.tiny import tiny_model
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "expert_bytes",
     "inspect",
     "load_pruned",
+    "load_tokenizer",
     "masked",
     "moe_blocks",
     "observe_routing",

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from evoesap import artifacts
@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 # from_pretrained options that would load something other than this checkpoint, exactly.
 _REFUSED_KWARGS = ("trust_remote_code", "ignore_mismatched_sizes", "output_loading_info")
+# Files of which any one means a checkpoint directory carries a tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # from_pretrained options that also say where the config comes from.
 _CONFIG_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "subfolder")
 
@@ -129,6 +131,15 @@ def load_pruned(uri_or_hub_name: str, **from_pretrained_kwargs: Any) -> PreTrain
         raise ArtifactError(f"{uri_or_hub_name} does not match its model exactly: {problems}")
     model.__class__ = stock  # the shrinking subclass only existed to resize before the weights load
     return model
+
+
+def load_tokenizer(uri_or_hub_name: str) -> Any | None:
+    """The tokenizer saved with a checkpoint (path, fsspec URI or hub name); None when it has none."""
+    with _source(uri_or_hub_name) as source:
+        local = Path(source)
+        if local.is_dir() and not any((local / name).exists() for name in _TOKENIZER_FILES):
+            return None
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
 
 
 def _shrinking(stock: type[PreTrainedModel], family: Family, counts: Mapping[str, int]) -> type[PreTrainedModel]:

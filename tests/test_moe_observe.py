@@ -1,0 +1,138 @@
+"""observe_routing: the routing the model applies, each routed expert's own output, and no change to the model."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from evoesap import moe
+
+FAMILIES = sorted(moe.FAMILIES)
+
+
+@functools.lru_cache(maxsize=None)
+def cached_model(family: str) -> torch.nn.Module:
+    return moe.tiny_model(family)
+
+
+def tokens(seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 256, (2, 10), generator=torch.Generator().manual_seed(seed))
+
+
+class Recorder:
+    """What the callback received, and what the routers and experts modules saw and returned."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.observed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.routed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.blocks = moe.moe_blocks(model)
+
+    def callback(self, ordinal, index, weights, expert_out) -> None:
+        assert ordinal not in self.observed  # one call per layer per forward
+        self.observed[ordinal] = (index.clone(), weights.clone(), expert_out.clone())
+
+    def router_hooks(self) -> list:
+        return [b.router.register_forward_hook(self._keep_routing(b.ordinal)) for b in self.blocks]
+
+    def _keep_routing(self, ordinal: int):
+        def hook(module, args, output) -> None:
+            self.routed[ordinal] = (output[2].clone(), output[1].clone())  # indices, weights
+
+        return hook
+
+
+def experts_outputs(model: torch.nn.Module, x: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Each experts module's (gate-weighted) output in a plain forward."""
+    outputs: dict[int, torch.Tensor] = {}
+    handles = [
+        b.experts.register_forward_hook(lambda m, a, o, ordinal=b.ordinal: outputs.__setitem__(ordinal, o.clone()))
+        for b in moe.moe_blocks(model)
+    ]
+    with torch.no_grad():
+        model(x)
+    for handle in handles:
+        handle.remove()
+    return outputs
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_observe_routing_reports_applied_routing_and_unweighted_expert_outputs(family, implementation):
+    model = cached_model(family)
+    model.set_experts_implementation(implementation)
+    x = tokens()
+    with torch.no_grad():
+        expected_logits = model(x).logits
+    expected_outputs = experts_outputs(model, x)
+
+    recorder = Recorder(model)
+    handles = recorder.router_hooks()
+    try:
+        with torch.no_grad(), moe.observe_routing(model, recorder.callback):
+            observed_logits = model(x).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    assert (observed_logits - expected_logits).abs().max() <= 1e-5  # the model's output is unchanged
+    assert sorted(recorder.observed) == [b.ordinal for b in recorder.blocks]
+    hidden = model.config.hidden_size
+    for block in recorder.blocks:
+        index, weights, expert_out = recorder.observed[block.ordinal]
+        router_index, router_weights = recorder.routed[block.ordinal]
+        tokens_k = router_index.shape
+        assert index.dtype == torch.long and weights.dtype == expert_out.dtype == torch.float32
+        assert expert_out.shape == (*tokens_k, hidden)  # routed tokens only, not every expert
+        assert torch.equal(index, router_index)
+        assert torch.equal(weights, router_weights.float())
+        # the gate-weighted sum is what the experts module returns in a plain forward
+        weighted = (expert_out * weights.unsqueeze(-1)).sum(dim=1)
+        assert (weighted - expected_outputs[block.ordinal]).abs().max() <= 1e-5
+    model.set_experts_implementation("grouped_mm")
+
+
+@pytest.mark.parametrize("family", ["olmoe", "gpt_oss", "deepseek_v3"])
+def test_expert_out_is_each_experts_own_output_on_its_token(family):
+    model = cached_model(family)
+    x = tokens(1)
+    recorder = Recorder(model)
+    inputs: dict[int, torch.Tensor] = {}
+    handles = [  # the experts' input tokens, captured before observe_routing repeats them
+        b.experts.register_forward_pre_hook(lambda m, a, ordinal=b.ordinal: inputs.__setitem__(ordinal, a[0].clone()))
+        for b in recorder.blocks
+    ]
+    try:
+        with torch.no_grad(), moe.observe_routing(model, recorder.callback):
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    block = recorder.blocks[-1]
+    index, _, expert_out = recorder.observed[block.ordinal]
+    hidden = inputs[block.ordinal]  # [T, H]
+    for token in (0, 7, hidden.shape[0] - 1):
+        for j in range(index.shape[1]):
+            alone = torch.tensor([[index[token, j]]])  # one token sent to one expert with weight 1
+            with torch.no_grad():
+                expected = block.experts(hidden[token : token + 1], alone, torch.ones(1, 1))
+            assert torch.allclose(expert_out[token, j], expected[0], atol=1e-6)
+
+
+def test_observe_routing_under_masking_never_reports_a_masked_expert():
+    model = cached_model("ernie4_5_moe")
+    pruned = {0: [0, 1, 2, 3, 4, 5], 1: [6], 2: []}
+    recorder = Recorder(model)
+    with torch.no_grad(), moe.masked(model, pruned), moe.observe_routing(model, recorder.callback):
+        model(tokens(2))
+    for ordinal, ids in pruned.items():
+        assert not set(ids) & set(recorder.observed[ordinal][0].unique().tolist())
+
+
+def test_observe_routing_removes_its_hooks_after_an_exception():
+    model = cached_model("qwen2_moe")
+    with pytest.raises(RuntimeError, match="stop"):
+        with moe.observe_routing(model, lambda *args: None):
+            raise RuntimeError("stop")
+    assert all(not b.experts._forward_hooks and not b.experts._forward_pre_hooks for b in moe.moe_blocks(model))
