@@ -243,19 +243,16 @@ def score_allocation(
     device: str = "auto",
 ) -> tuple[float, float]:
     """Load the full model and a cache, score one allocation (none: the full model) -> raw (lower, upper)."""
-    from transformers import AutoTokenizer
-
     from evoesap import moe
-    from evoesap.stages.cache_logits import MODEL_DTYPES, model_location
+    from evoesap.stages.cache_logits import MODEL_DTYPES
     from evoesap.teacher import load_cache
 
     if model_dtype not in MODEL_DTYPES:
         raise ConfigError(f"model_dtype {model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
     pruned = read_pruned(allocation) if allocation else {}
     loaded_cache = load_cache(cache)
-    with model_location(model) as location:
-        tokenizer = AutoTokenizer.from_pretrained(location)
-        loaded = moe.load_pruned(location, dtype=MODEL_DTYPES[model_dtype])
+    tokenizer = moe.load_tokenizer(model)
+    loaded = moe.load_pruned(model, dtype=MODEL_DTYPES[model_dtype])
     device = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     loaded.to(device).eval()
     scorer = CandidateEvaluator(loaded, loaded_cache, metric=metric, batch_size=batch_size, tokenizer=tokenizer)

@@ -11,22 +11,13 @@ import torch
 from evoesap import teacher
 from evoesap.data import TokenizedSample, scored_mask
 from evoesap.errors import ArtifactError, ConfigError
+from evoesap.moe import tiny_model
 
 VOCAB = 96
 
 
 def tiny(seed: int = 0) -> torch.nn.Module:
-    """A tiny random OLMoE (the MoE layer's own tiny model when it is available)."""
-    try:
-        from evoesap.moe import tiny_model
-    except ImportError:  # pragma: no cover - before evoesap.moe lands
-        from transformers import OlmoeConfig, OlmoeForCausalLM
-
-        torch.manual_seed(seed)
-        cfg = OlmoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
-                          max_position_embeddings=256, eos_token_id=1, pad_token_id=0, bos_token_id=2)
-        return OlmoeForCausalLM(cfg).eval()
+    """A tiny random OLMoE (float32, 4 layers of 8 experts, top-2)."""
     return tiny_model("olmoe", seed=seed, vocab_size=VOCAB).eval()
 
 

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-from pathlib import Path
-from typing import Iterator
 
 import torch
 
 from evoesap import artifacts
-from evoesap.errors import ConfigError
+from evoesap.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
@@ -70,20 +67,8 @@ class CacheLogitsParams:
         )
 
 
-@contextlib.contextmanager
-def model_location(uri: str) -> Iterator[str]:
-    """A local directory for an artifact URI or local path; a hub name passes through unchanged."""
-    if "://" in uri or Path(uri).exists():
-        with artifacts.local_copy(uri) as local:
-            yield str(local)
-    else:
-        yield uri
-
-
 def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: str) -> artifacts.Manifest:
     """Cache the teacher (`model`, a checkpoint URI or hub name) on `data` samples and publish it at `out_uri`."""
-    from transformers import AutoTokenizer
-
     from evoesap import data as data_mod
     from evoesap import moe, teacher
 
@@ -95,10 +80,11 @@ def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: 
     samples = data_mod.load_samples(
         data, split=params.split, subset=params.subset, fields=params.fields(), n=params.samples, seed=params.seed
     )
-    with model_location(model) as location:
-        log.info("loading %s", artifacts.redact(model))
-        tokenizer = AutoTokenizer.from_pretrained(location)
-        loaded = moe.load_pruned(location, dtype=MODEL_DTYPES[params.model_dtype])
+    tokenizer = moe.load_tokenizer(model)
+    if tokenizer is None:
+        raise DataError(f"{artifacts.redact(model)} has no tokenizer files: save the tokenizer with the model")
+    log.info("loading %s", artifacts.redact(model))
+    loaded = moe.load_pruned(model, dtype=MODEL_DTYPES[params.model_dtype])
     device = params.device if params.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     loaded.to(device).eval()
     tokenized = data_mod.tokenize_samples(
