@@ -5,11 +5,21 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from evoesap import moe
 
 FAMILIES = sorted(moe.FAMILIES)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread; two stall badly when other processes share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def one_expert_bytes(family: str, config) -> int:

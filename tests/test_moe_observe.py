@@ -12,6 +12,15 @@ from evoesap import moe
 FAMILIES = sorted(moe.FAMILIES)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread; two stall badly when other processes share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @functools.lru_cache(maxsize=None)
 def cached_model(family: str) -> torch.nn.Module:
     return moe.tiny_model(family)
@@ -118,6 +127,17 @@ def test_expert_out_is_each_experts_own_output_on_its_token(family):
             with torch.no_grad():
                 expected = block.experts(hidden[token : token + 1], alone, torch.ones(1, 1))
             assert torch.allclose(expert_out[token, j], expected[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_observe_routing_keeps_a_bfloat16_models_eager_output_bit_identical(family):
+    model = moe.tiny_model(family, **{moe.FAMILIES[family].top_k_field: 4}).to(torch.bfloat16)
+    model.set_experts_implementation("eager")
+    x = tokens(3)
+    with torch.no_grad():
+        expected = model(x).logits
+        with moe.observe_routing(model, lambda *args: None):
+            assert torch.equal(model(x).logits, expected)
 
 
 def test_observe_routing_under_masking_never_reports_a_masked_expert():

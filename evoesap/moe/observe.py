@@ -47,12 +47,25 @@ def _observe(block: MoEBlock, callback: RoutingCallback) -> list:
     def combine(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
         index, weights = routed.pop()
         tokens, k = index.shape
-        expert_out = output.float().view(tokens, k, -1)  # [T, k, H] unweighted
-        gates = weights.float()  # [T, k]
-        callback(block.ordinal, index, gates, expert_out)
-        return (expert_out * gates.unsqueeze(-1)).sum(dim=1).to(output.dtype)  # [T, H]
+        expert_out = output.view(tokens, k, -1)  # [T, k, H] unweighted, model dtype
+        callback(block.ordinal, index, weights.float(), expert_out.float())
+        return _weighted_sum(expert_out, index, weights)
 
     return [
         block.experts.register_forward_pre_hook(expand, with_kwargs=True),
         block.experts.register_forward_hook(combine, with_kwargs=True),
     ]
+
+
+def _weighted_sum(expert_out: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The experts module's own sum: products cast to the model dtype, added in ascending expert id.
+
+    Rounding like the experts backends do keeps a bfloat16 model's output bit-identical.
+    """
+    order = index.argsort(dim=1)  # [T, k]
+    products = (expert_out * weights.unsqueeze(-1)).to(expert_out.dtype)  # [T, k, H]
+    products = products.gather(1, order.unsqueeze(-1).expand_as(products))
+    total = torch.zeros_like(products[:, 0])  # [T, H]
+    for j in range(products.shape[1]):
+        total = total + products[:, j]
+    return total
