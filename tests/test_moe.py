@@ -370,7 +370,8 @@ def family_and_pruned(draw):
     spec = moe.inspect(cached_model(family))
     pruned = {}
     for layer in spec.layers:
-        ids = draw(st.lists(st.integers(0, layer.num_experts - 1), unique=True, max_size=layer.num_experts - layer.top_k))
+        most = layer.num_experts - layer.top_k
+        ids = draw(st.lists(st.integers(0, layer.num_experts - 1), unique=True, max_size=most))
         if ids or draw(st.booleans()):
             pruned[layer.ordinal] = ids
     return family, pruned

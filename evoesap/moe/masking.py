@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from evoesap.moe.routing import ROUTES, route_params
-from evoesap.moe.spec import MoEBlock, LayerSpec, Pruned, check_pruned, get_path, inspect, model_family, moe_blocks
+from evoesap.moe.spec import LayerSpec, MoEBlock, Pruned, check_pruned, get_path, inspect, model_family, moe_blocks
 
 
 @contextlib.contextmanager

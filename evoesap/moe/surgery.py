@@ -20,21 +20,23 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from evoesap import artifacts
-from evoesap.errors import ArtifactError, ConfigError
+from evoesap.errors import ArtifactError, ConfigError, ModelError
 from evoesap.moe.families import PER_LAYER_KEY, Family, family_of
 from evoesap.moe.spec import MoEBlock, Pruned, check_pruned, expert_tensors, inspect, model_family, moe_blocks
 
 log = logging.getLogger(__name__)
 
 # from_pretrained options that would load something other than this checkpoint, exactly.
-_REFUSED_KWARGS = ("trust_remote_code", "ignore_mismatched_sizes", "output_loading_info")
+_REFUSED_KWARGS = ("trust_remote_code", "ignore_mismatched_sizes", "output_loading_info", "config")
 # Files of which any one means a checkpoint directory carries a tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # from_pretrained options that also say where the config comes from.
 _CONFIG_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "subfolder")
 
 
-def _resize(block: MoEBlock, family: Family, num_experts: int, make: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
+def _resize(
+    block: MoEBlock, family: Family, num_experts: int, make: Callable[[torch.Tensor, int], torch.Tensor]
+) -> None:
     """Replace every expert-indexed tensor of `block` by `make(old, expert_axis)`, and the counts."""
     with torch.no_grad():
         for owner, name, axis in expert_tensors(block, family):
@@ -117,14 +119,17 @@ def load_pruned(uri_or_hub_name: str, **from_pretrained_kwargs: Any) -> PreTrain
             f"load_pruned does not accept {refused or ['use_safetensors=False']}: it loads safetensors "
             "strictly and never runs remote code"
         )
+    kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k != "use_safetensors"}
     with _source(uri_or_hub_name) as source:
-        config_kwargs = {k: from_pretrained_kwargs[k] for k in _CONFIG_KWARGS if k in from_pretrained_kwargs}
+        config_kwargs = {k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs}
         config = AutoConfig.from_pretrained(source, trust_remote_code=False, **config_kwargs)
+        if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+            raise ModelError(f"{uri_or_hub_name} ({config.model_type}) has no causal-LM class in transformers")
         stock = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         counts = getattr(config, PER_LAYER_KEY, None)
         cls = _shrinking(stock, family_of(config.model_type), counts) if counts else stock
         model, info = cls.from_pretrained(
-            source, config=config, use_safetensors=True, output_loading_info=True, **from_pretrained_kwargs
+            source, config=config, use_safetensors=True, output_loading_info=True, **kwargs
         )
     problems = {k: sorted(map(str, v)) for k, v in info.items() if v}
     if problems:
