@@ -1,0 +1,58 @@
+"""`evoesap search`."""
+
+from __future__ import annotations
+
+import typer
+
+from evoesap.cli.app import app
+
+
+@app.command("search")
+def search_cmd(
+    model: str = typer.Option(..., "--model", help="Full model: path, URI or hub name."),
+    scores: str = typer.Option(..., "--scores", help="Calibration artifact (scores.parquet)."),
+    cache: str = typer.Option(..., "--cache", help="Teacher cache artifact from cache-logits."),
+    out: str = typer.Option(..., "--out", help="Where to write the search artifact."),
+    criterion: str = typer.Option("reap", "--criterion", help="frequency, seer, ean or reap."),
+    sparsity: float = typer.Option(0.25, "--sparsity", help="Global share of routed experts removed."),
+    population: int = typer.Option(32, "--population"),
+    elites: int = typer.Option(4, "--elites"),
+    generations: int = typer.Option(50, "--generations"),
+    max_transfer: int = typer.Option(4, "--max-transfer", help="Largest level-switch transfer."),
+    max_steps: int = typer.Option(3, "--max-steps", help="tau_max: composed steps per offspring."),
+    granularity: int = typer.Option(1, "--granularity", help="Counts and transfers in multiples of this."),
+    seed: int = typer.Option(42, "--seed"),
+    metric: str = typer.Option("esap", "--metric", help="esap, sap, kl or nll."),
+    heldout_fraction: float = typer.Option(0.25, "--heldout-fraction", help="Cached samples kept for the generalisation check."),
+    fallback_to_uniform: bool = typer.Option(False, "--fallback-to-uniform", help="Return uniform when the search does not generalise."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted search from its checkpoint."),
+    batch_size: int = typer.Option(8, "--batch-size"),
+    model_dtype: str = typer.Option("auto", "--model-dtype"),
+    device: str = typer.Option("auto", "--device"),
+) -> None:
+    """Search the per-layer allocation with ESAP as fitness.
+
+    Example: evoesap search --model runs/demo/model --scores runs/cal --cache runs/cache --criterion reap --sparsity 0.25 --out runs/search
+    """
+    from evoesap.stages.search import SearchParams, run_search
+
+    params = SearchParams(
+        criterion=criterion,
+        sparsity=sparsity,
+        population=population,
+        elites=elites,
+        generations=generations,
+        max_transfer=max_transfer,
+        max_steps=max_steps,
+        granularity=granularity,
+        seed=seed,
+        metric=metric,
+        heldout_fraction=heldout_fraction,
+        fallback_to_uniform=fallback_to_uniform,
+        resume=resume,
+        batch_size=batch_size,
+        model_dtype=model_dtype,
+        device=device,
+    )
+    run_search(model, scores, cache, params, out)
+    typer.echo(out)

@@ -1,0 +1,57 @@
+"""Loading a model for a stage: dtype and device choices shared by every stage that runs a model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from evoesap import artifacts
+from evoesap.errors import ConfigError
+
+MODEL_DTYPES: dict[str, Any] = {
+    "auto": "auto",  # the checkpoint's own dtype
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+def check_model_dtype(name: str) -> None:
+    if name not in MODEL_DTYPES:
+        raise ConfigError(f"model_dtype {name!r} is not one of {', '.join(MODEL_DTYPES)}")
+
+
+def resolve_device(name: str) -> str:
+    """`auto` is cuda when a GPU is present, else cpu."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def load_model(uri: str, model_dtype: str = "auto", device: str = "auto", device_map: str | None = None) -> Any:
+    """A checkpoint (stock or pruned) in eval mode on its device; `device_map` shards it over several GPUs."""
+    from evoesap import moe
+
+    check_model_dtype(model_dtype)
+    if device_map:
+        return moe.load_pruned(uri, dtype=MODEL_DTYPES[model_dtype], device_map=device_map).eval()
+    return moe.load_pruned(uri, dtype=MODEL_DTYPES[model_dtype]).to(resolve_device(device)).eval()
+
+
+def inspect_checkpoint(uri: str) -> Any:
+    """The MoE layout of a full (unpruned) checkpoint from its config alone, without loading weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from evoesap import moe
+
+    if "://" in uri:
+        data = artifacts.read_json(artifacts.join(uri, "config.json"))
+        config = AutoConfig.for_model(**data)
+    else:
+        config = AutoConfig.from_pretrained(uri, trust_remote_code=False)
+    if getattr(config, moe.PER_LAYER_KEY, None):
+        raise ConfigError(f"{artifacts.redact(uri)} is already pruned: give the full model")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return moe.inspect(model)

@@ -1,0 +1,98 @@
+"""Stage `prune`: cut experts out of the checkpoint, by a searched allocation or uniformly.
+
+With an `allocation` (a search artifact) the per-layer pruned sets are taken from its
+allocation.json; without one, the uniform allocation of the same budget is pruned in the
+criterion's order. Either way the output is a safetensors checkpoint that `load_pruned` (and, when
+uniform, stock `AutoModelForCausalLM.from_pretrained`) loads without remote code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+from evoesap import allocation as alloc
+from evoesap import artifacts, runtime
+from evoesap.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ALLOCATION_FILE = "allocation.json"
+PRUNING_FILE = "pruning.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class PruneParams:
+    criterion: str = "reap"  # whose pruning order decides which experts go
+    sparsity: float = 0.25  # global share of routed experts removed
+    granularity: int = 1  # every per-layer count is a multiple of this (expert parallelism)
+    model_dtype: str = "auto"  # dtype the checkpoint is loaded and written in
+
+    def __post_init__(self) -> None:
+        from evoesap.importance import CRITERIA
+
+        if self.criterion not in CRITERIA:
+            raise ConfigError(f"criterion {self.criterion!r} is not one of {', '.join(CRITERIA)}")
+        if not 0 < self.sparsity < 1:
+            raise ConfigError(f"sparsity must lie in (0, 1), got {self.sparsity}")
+        object.__setattr__(self, "granularity", int(self.granularity))  # configs may deliver ints as floats
+        if self.granularity < 1:
+            raise ConfigError(f"granularity must be >= 1, got {self.granularity}")
+        runtime.check_model_dtype(self.model_dtype)
+
+
+def read_allocation(uri: str) -> dict:
+    """allocation.json of a search artifact."""
+    artifacts.read_manifest(uri)
+    return artifacts.read_json(artifacts.join(uri, ALLOCATION_FILE))
+
+
+def planned_pruning(scores_uri: str, params: PruneParams, num_experts: tuple[int, ...], top_k: tuple[int, ...], allocation: str | None) -> tuple[str, list[int], dict[int, list[int]]]:
+    """(method, removal counts, pruned expert ids per MoE layer) for this run."""
+    from evoesap.importance import pruning_order, read_scores
+
+    if allocation is not None:
+        searched = read_allocation(allocation)
+        for key in ("criterion", "sparsity"):
+            if searched[key] != getattr(params, key):
+                raise ConfigError(
+                    f"allocation at {artifacts.redact(allocation)} was searched with {key}={searched[key]!r}, "
+                    f"but prune was asked for {key}={getattr(params, key)!r}: pass the matching value"
+                )
+        counts = [int(c) for c in searched["removal_counts"]]
+        pruned = {int(layer): [int(e) for e in ids] for layer, ids in searched["pruned"].items()}
+        return "searched", counts, pruned
+    budget = alloc.budget(params.sparsity, num_experts, top_k, params.granularity)
+    counts = list(alloc.uniform(num_experts, top_k, budget, params.granularity))
+    orders = pruning_order(read_scores(scores_uri), params.criterion)
+    return "uniform", counts, alloc.pruned_sets(counts, orders)
+
+
+def run_prune(model: str, scores: str, params: PruneParams, out_uri: str, allocation: str | None = None) -> artifacts.Manifest:
+    """Physically prune `model` and publish the checkpoint with a pruning.json summary."""
+    from evoesap import moe
+
+    artifacts.read_manifest(scores)  # a clear error before loading anything
+    full = moe.load_pruned(model, dtype=runtime.MODEL_DTYPES[params.model_dtype])
+    spec = moe.inspect(full)
+    method, counts, pruned = planned_pruning(scores, params, spec.num_experts, spec.top_k, allocation)
+    tokenizer = moe.load_tokenizer(model)
+    bytes_before = moe.parameter_bytes(full)
+    moe.prune_experts(full, pruned)
+    summary = {
+        "method": method,
+        "criterion": params.criterion,
+        "sparsity": params.sparsity,
+        "removal_counts": counts,
+        "pruned": {str(layer): ids for layer, ids in sorted(pruned.items())},
+        "num_experts": [n - r for n, r in zip(spec.num_experts, counts)],
+        "parameter_bytes_full": bytes_before,
+        "parameter_bytes_pruned": moe.parameter_bytes(full),
+    }
+    inputs = {"model": model, "scores": scores, "allocation": allocation}
+    with artifacts.stage_output(out_uri, "prune", dataclasses.asdict(params), inputs) as staging:
+        moe.save_pruned(full, tokenizer, str(staging))
+        (staging / PRUNING_FILE).write_text(json.dumps(summary, indent=2))
+    log.info("pruned %s (%s): %d experts removed", artifacts.redact(model), method, sum(counts))
+    return artifacts.read_manifest(out_uri)

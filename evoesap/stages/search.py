@@ -1,0 +1,232 @@
+"""Stage `search`: the level-switch evolutionary search over per-layer allocations, ESAP as fitness.
+
+A share of the cached samples (`heldout_fraction`) never reaches the search; the best allocation and
+uniform are scored on it afterwards, because a small search set saturates and a search can overfit
+it. When the searched allocation does not beat uniform there beyond noise (two standard errors of
+the paired per-sample difference) the stage says so loudly and, with `fallback_to_uniform`, returns
+uniform instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from evoesap import allocation as alloc
+from evoesap import artifacts, runtime
+from evoesap.errors import ConfigError
+from evoesap.progress import progress
+
+log = logging.getLogger(__name__)
+
+ALLOCATION_FILE = "allocation.json"
+HISTORY_FILE = "history.parquet"
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchParams:
+    """Search settings; defaults are the paper's (seed 42, P 32, m 4, Delta_max 4, tau_max 3)."""
+
+    criterion: str = "reap"  # whose within-layer pruning order the allocation applies
+    sparsity: float = 0.25  # global share of routed experts removed
+    population: int = 32
+    elites: int = 4
+    generations: int = 50
+    max_transfer: int = 4  # largest level-switch transfer (multiples of granularity)
+    max_steps: int = 3  # tau_max: composed level-switch steps per offspring
+    granularity: int = 1  # per-layer counts and transfers in multiples of this (2: the paper's even transfers)
+    seed: int = 42
+    metric: str = "esap"  # esap, sap, kl or nll
+    heldout_fraction: float = 0.25  # share of cached samples kept out of the search for the generalisation check
+    fallback_to_uniform: bool = False  # return uniform when the search does not generalise
+    resume: bool = False  # continue from the checkpoint beside the output
+    batch_size: int = 8
+    model_dtype: str = "auto"
+    device: str = "auto"
+    device_map: str | None = None  # "auto" spreads a large model over several GPUs
+
+    def __post_init__(self) -> None:
+        from evoesap import fitness
+        from evoesap.importance import CRITERIA
+
+        for name in ("population", "elites", "generations", "max_transfer", "max_steps", "granularity", "seed", "batch_size"):
+            object.__setattr__(self, name, int(getattr(self, name)))  # configs may deliver ints as floats
+        if self.criterion not in CRITERIA:
+            raise ConfigError(f"criterion {self.criterion!r} is not one of {', '.join(CRITERIA)}")
+        if self.metric not in fitness.METRICS:
+            raise ConfigError(f"metric {self.metric!r} is not one of {', '.join(fitness.METRICS)}")
+        if not 0 < self.sparsity < 1:
+            raise ConfigError(f"sparsity must lie in (0, 1), got {self.sparsity}")
+        if not 0 <= self.heldout_fraction < 1:
+            raise ConfigError(f"heldout_fraction must lie in [0, 1), got {self.heldout_fraction}")
+        if self.elites >= self.population:
+            raise ConfigError(f"elites ({self.elites}) must be fewer than population ({self.population})")
+        if self.elites < 1 or self.generations < 0 or self.max_transfer < 1 or self.max_steps < 1:
+            raise ConfigError("elites, max_transfer and max_steps must be >= 1 and generations >= 0")
+        runtime.check_model_dtype(self.model_dtype)
+
+
+def split_samples(num_samples: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(search, held-out) sample indices: a seeded share held out, at least one sample left for the search."""
+    held = int(round(num_samples * fraction)) if num_samples > 1 else 0
+    held = min(held, num_samples - 1)
+    order = np.random.default_rng(seed).permutation(num_samples)
+    return sorted(order[held:].tolist()), sorted(order[:held].tolist())
+
+
+def generalisation(searched: np.ndarray, uniform: np.ndarray) -> dict[str, Any]:
+    """Paired comparison on held-out samples (values oriented so that higher is better)."""
+    diff = searched - uniform
+    n = len(diff)
+    stderr = float(diff.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+    mean = float(diff.mean()) if n else float("nan")
+    beats = n > 1 and mean > 2 * stderr
+    return {
+        "samples": n,
+        "searched": float(searched.mean()) if n else None,
+        "uniform": float(uniform.mean()) if n else None,
+        "difference": mean if n else None,
+        "stderr": stderr if n > 1 else None,
+        "beats_uniform": bool(beats),
+    }
+
+
+def _checkpoint_uri(out_uri: str) -> str:
+    return f"{out_uri.rstrip('/')}.checkpoint.json"
+
+
+def _history_frame(history: Any) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "generation": [h.generation for h in history],
+            "candidate": [h.candidate for h in history],
+            "allocation": [list(h.allocation) for h in history],
+            "fitness": [h.fitness for h in history],
+            "elite": [h.elite for h in history],
+        }
+    )
+
+
+def _plots(staging: Path, params: SearchParams, history: pd.DataFrame, allocations: dict[str, list[int]], n: tuple[int, ...]) -> None:
+    import matplotlib.pyplot as plt
+
+    from evoesap import report
+
+    label = f"{params.criterion} {params.sparsity:.0%}"
+    fig = report.search_curve_figure({label: history})
+    fig.savefig(staging / "search_curve.png", dpi=120)
+    plt.close(fig)
+    fig = report.density_figure({name: (r, n) for name, r in allocations.items()}, title=label)
+    fig.savefig(staging / "density.png", dpi=120)
+    plt.close(fig)
+
+
+def run_search(model: str, scores: str, cache: str, params: SearchParams, out_uri: str) -> artifacts.Manifest:
+    """Search the allocation for one criterion and sparsity; publish allocation.json, history and plots."""
+    from evoesap import search
+    from evoesap.evaluator import CandidateEvaluator
+    from evoesap.importance import pruning_order, read_scores
+    from evoesap.teacher import load_cache
+
+    artifacts.read_manifest(cache)  # both inputs must be finished artifacts before anything loads
+    orders = pruning_order(read_scores(scores), params.criterion)
+    spec = runtime.inspect_checkpoint(model)
+    if len(orders) != len(spec.layers):
+        raise ConfigError(f"scores cover {len(orders)} MoE layers but {artifacts.redact(model)} has {len(spec.layers)}")
+    n, k = spec.num_experts, spec.top_k
+    budget = alloc.budget(params.sparsity, n, k, params.granularity)
+    uniform = list(alloc.uniform(n, k, budget, params.granularity))
+
+    teacher = load_cache(cache)
+    search_ids, heldout_ids = split_samples(teacher.num_samples, params.heldout_fraction, params.seed)
+    loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
+    evaluator = CandidateEvaluator(loaded, teacher, metric=params.metric, batch_size=params.batch_size)
+
+    def fitness_of(r: tuple[int, ...]) -> float:
+        return evaluator.score(alloc.pruned_sets(r, orders), samples=search_ids)
+
+    bar = progress(total=params.generations + 1, desc=f"search {params.criterion} {params.sparsity:.0%}", unit="gen")
+
+    def on_generation(gen: int, best: Any, best_fitness: float, mean_fitness: float, evaluations: int) -> None:
+        bar.n = gen + 1
+        bar.set_postfix(best=f"{best_fitness:.5f}", mean=f"{mean_fitness:.5f}", evals=evaluations)
+        log.info("generation %d: best %.6f mean %.6f evaluations %d", gen, best_fitness, mean_fitness, evaluations)
+
+    try:
+        result = search.level_switch_search(
+            fitness_of,
+            n,
+            k,
+            budget,
+            population=params.population,
+            elites=params.elites,
+            generations=params.generations,
+            max_transfer=params.max_transfer,
+            max_steps=params.max_steps,
+            granularity=params.granularity,
+            seed=params.seed,
+            checkpoint=_checkpoint_uri(out_uri),
+            resume=params.resume,
+            on_generation=on_generation,
+        )
+    finally:
+        bar.close()
+
+    best = [int(x) for x in result.best]
+    sign = evaluator.metric.sign
+    check = None
+    if heldout_ids:
+        check = generalisation(
+            sign * evaluator.sample_values(alloc.pruned_sets(best, orders), samples=heldout_ids).numpy(),
+            sign * evaluator.sample_values(alloc.pruned_sets(uniform, orders), samples=heldout_ids).numpy(),
+        )
+        if not check["beats_uniform"]:
+            log.warning(
+                "SEARCHED ALLOCATION DOES NOT BEAT UNIFORM ON HELD-OUT SAMPLES: %s %.4f vs uniform %.4f "
+                "(difference %.2e, stderr %s)%s",
+                params.metric,
+                check["searched"],
+                check["uniform"],
+                check["difference"],
+                check["stderr"],
+                "; falling back to uniform" if params.fallback_to_uniform else
+                "; the search set may be too small or saturated (consider more or longer samples, or fallback_to_uniform)",
+            )
+    chosen = uniform if (check and not check["beats_uniform"] and params.fallback_to_uniform) else best
+    document = {
+        "criterion": params.criterion,
+        "sparsity": params.sparsity,
+        "metric": params.metric,
+        "budget": budget,
+        "granularity": params.granularity,
+        "num_experts": list(n),
+        "top_k": list(k),
+        "removal_counts": chosen,
+        "pruned": {str(layer): ids for layer, ids in sorted(alloc.pruned_sets(chosen, orders).items())},
+        "fitness": fitness_of(tuple(chosen)),
+        "searched": {"removal_counts": best, "fitness": result.best_fitness},
+        "uniform": {"removal_counts": uniform, "fitness": fitness_of(tuple(uniform))},
+        "fallback_applied": chosen is uniform and best != uniform,
+        "heldout": check,
+        "evaluations": result.evaluations,
+        "search_samples": len(search_ids),
+        "heldout_samples": len(heldout_ids),
+    }
+    history = _history_frame(result.history)
+    inputs = {"model": model, "scores": scores, "cache": cache}
+    with artifacts.stage_output(out_uri, "search", dataclasses.asdict(params), inputs) as staging:
+        (staging / ALLOCATION_FILE).write_text(json.dumps(document, indent=2))
+        history.to_parquet(staging / HISTORY_FILE, index=False)
+        _plots(staging, params, history, {"uniform": uniform, "searched": best}, n)
+    checkpoint = _checkpoint_uri(out_uri)
+    if artifacts.exists(checkpoint):
+        fs, path = artifacts.split(checkpoint)
+        fs.rm(path)
+    return artifacts.read_manifest(out_uri)
