@@ -125,7 +125,9 @@ def load_samples(
         raise DataError(f"asked for {n} samples but {source} has only {total}; lower the number of samples")
     else:
         order = np.random.default_rng(seed).permutation(total)[:n]
-    return [_to_sample(int(i), row, fields, source) for i, row in zip(order, rows.take(order))]
+    samples = [_to_sample(int(i), row, fields, source) for i, row in zip(order, rows.take(order))]
+    log.info("selected %d of %d samples from %s (seed %d)", len(samples), total, source, seed)
+    return samples
 
 
 def _file_format(source: str) -> str | None:
