@@ -34,8 +34,8 @@ SCORES_FILE = "scores.parquet"
 class _Sums:
     """Per-layer running sums on the model's device: counts, gate weights, norms, weighted norms."""
 
-    def __init__(self, num_experts: Sequence[int], device: torch.device) -> None:
-        self.sums = [torch.zeros(e, 4, dtype=torch.float64, device=device) for e in num_experts]  # [E, 4]
+    def __init__(self, num_experts: Sequence[int], devices: Sequence[torch.device]) -> None:
+        self.sums = [torch.zeros(e, 4, dtype=torch.float64, device=d) for e, d in zip(num_experts, devices)]  # [E, 4]
         self.tokens = [0] * len(num_experts)  # host ints: token counts come from the batches, no sync
         self.real: torch.Tensor | None = None  # [B*T] float64: 1 on the current batch's tokens, 0 on padding
         self.real_count = 0
@@ -44,6 +44,7 @@ class _Sums:
         real = self.real
         if real is None or real.numel() != index.shape[0]:
             raise RuntimeError(f"observer saw {index.shape[0]} tokens outside a calibration batch")
+        real = real.to(index.device, non_blocking=True)  # a no-op unless the model spans several devices
         norms = torch.linalg.vector_norm(out.float(), dim=-1).double()  # [T, k] float64
         gates = weights.double()  # [T, k]
         keep = real.unsqueeze(1).expand_as(gates)  # [T, k]: padding rows add zeros, no boolean indexing
@@ -84,8 +85,9 @@ def observe(
     if not tokenized:
         raise DataError("no calibration samples to observe")
     spec = moe.inspect(model)
-    device = next(model.parameters()).device
-    sums = _Sums([layer.num_experts for layer in spec.layers], device)
+    device = model.get_input_embeddings().weight.device
+    layer_devices = [next(block.experts.parameters()).device for block in moe.moe_blocks(model)]  # device_map
+    sums = _Sums([layer.num_experts for layer in spec.layers], layer_devices)
     bar = progress(total=len(tokenized), desc="calibrate", unit="sample")
     with torch.inference_mode(), moe.observe_routing(model, sums), bar:
         for batch in batches(tokenized, batch_size, pad_id):

@@ -174,7 +174,7 @@ def test_calibrate_stage_and_cli_write_scores(tmp_path):
     tok.save_pretrained(tmp_path / "model")
     rows = [{"messages": [{"role": "user", "content": f"what is {i}+{i}?"}, {"role": "assistant", "content": f"{2 * i}."}]} for i in range(12)]
     (tmp_path / "cal.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    params = CalibrateParams(samples=5, max_length=64, batch_size=2, seed=3, dtype="float32", device="cpu")
+    params = CalibrateParams(samples=5, max_length=64, batch_size=2, seed=3, model_dtype="float32", device="cpu")
 
     manifest = run_calibrate(str(tmp_path / "model"), str(tmp_path / "cal.jsonl"), params, str(tmp_path / "cal"))
     assert manifest.stage == "calibrate" and set(manifest.files) == {"scores.parquet"}
@@ -186,7 +186,7 @@ def test_calibrate_stage_and_cli_write_scores(tmp_path):
     pd.testing.assert_frame_equal(got, want, rtol=1e-6)
 
     assert main(["calibrate", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "cal.jsonl"), "--out", str(tmp_path / "cli"),
-                 "--samples", "5", "--max-length", "64", "--batch-size", "2", "--seed", "3", "--dtype", "float32", "--device", "cpu"]) == 0
+                 "--samples", "5", "--max-length", "64", "--batch-size", "2", "--seed", "3", "--model-dtype", "float32", "--device", "cpu"]) == 0
     pd.testing.assert_frame_equal(importance.read_scores(str(tmp_path / "cli")), got)
     assert main(["calibrate", "--model", "m", "--data", "d.jsonl", "--out", str(tmp_path / "x"), "--batch-size", "0"]) == 1
 
@@ -196,7 +196,8 @@ def test_calibrate_params_validated_before_any_loading():
 
     with pytest.raises(ConfigError, match="batch_size must be at least 1, got 0"):
         CalibrateParams(batch_size=0)
-    with pytest.raises(ConfigError, match="dtype 'int8'"):
-        CalibrateParams(dtype="int8")
+    with pytest.raises(ConfigError, match="model_dtype 'int8'"):
+        CalibrateParams(model_dtype="int8")
+    assert CalibrateParams(samples=64.0).samples == 64  # pipeline configs may deliver ints as floats
     with pytest.raises(ConfigError, match="prompt and response"):
         CalibrateParams(prompt_field="q")

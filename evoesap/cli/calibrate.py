@@ -24,8 +24,9 @@ def calibrate_cmd(
     text_field: str = typer.Option(None, "--text-field", help="Field with plain text; every token counts."),
     enable_thinking: bool = typer.Option(False, "--enable-thinking/--no-enable-thinking", help="Passed to the chat template."),
     pack: bool = typer.Option(False, "--pack/--no-pack", help="Concatenate samples into max-length sequences."),
-    dtype: str = typer.Option("auto", "--dtype", help="Model dtype: auto, float32, bfloat16, float16."),
+    model_dtype: str = typer.Option("auto", "--model-dtype", help="Model dtype: auto, float32, bfloat16, float16."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1, ..."),
+    device_map: str = typer.Option(None, "--device-map", help="'auto' spreads a large model over several GPUs."),
 ) -> None:
     """Score every expert (frequency, SEER, EAN, REAP) in one observer pass over calibration samples.
 
@@ -46,8 +47,9 @@ def calibrate_cmd(
         text_field=text_field,
         enable_thinking=enable_thinking,
         pack=pack,
-        dtype=dtype,
+        model_dtype=model_dtype,
         device=device,
+        device_map=device_map,
     )
     run_calibrate(model, data, params, out)
     typer.echo(out)

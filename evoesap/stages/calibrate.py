@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
 
-from evoesap import artifacts
+from evoesap import artifacts, runtime
 from evoesap.data import FieldMap
 from evoesap.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,17 +26,19 @@ class CalibrateParams:
     text_field: str | None = None  # plain text corpus: every token counts
     enable_thinking: bool = False  # passed to the chat template
     pack: bool = False  # concatenate samples into max_length sequences
-    dtype: str = "auto"  # model dtype; scores accumulate in float64 regardless
+    model_dtype: str = "auto"  # scores accumulate in float64 whatever the model dtype
     device: str = "auto"  # "auto": cuda when available, else cpu
+    device_map: str | None = None  # "auto" spreads a large model over several GPUs
 
     def __post_init__(self) -> None:
+        for name in ("samples", "max_length", "batch_size", "seed"):
+            object.__setattr__(self, name, int(getattr(self, name)))  # configs may deliver ints as floats
         for name in ("samples", "batch_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_length < 2:
             raise ConfigError(f"max_length must be at least 2, got {self.max_length}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        runtime.check_model_dtype(self.model_dtype)
         self.fields  # noqa: B018 - raises ConfigError on an inconsistent field mapping
 
     @property
@@ -56,35 +54,21 @@ def run_calibrate(model: str, data: str, params: CalibrateParams, out_uri: str) 
         log.info("calibrate: reusing %s", artifacts.redact(out_uri))
         return done
 
-    import torch
-    from transformers import AutoTokenizer
-
     from evoesap import data as data_mod
     from evoesap import importance, moe
 
     samples = data_mod.load_samples(data, split=params.split, subset=params.subset, fields=params.fields, n=params.samples, seed=params.seed)
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if params.device == "auto" else params.device)
+    tokenizer = moe.load_tokenizer(model)
+    if tokenizer is None:
+        raise ConfigError(f"{artifacts.redact(model)} has no tokenizer files: save the tokenizer with the model")
+    tokenized = data_mod.tokenize_samples(
+        samples, tokenizer, max_length=params.max_length, enable_thinking=params.enable_thinking, pack=params.pack
+    )
     with artifacts.stage_output(out_uri, "calibrate", dataclasses.asdict(params), inputs) as staging:
-        with _model_source(model) as source:
-            tokenizer = AutoTokenizer.from_pretrained(source)
-            net = moe.load_pruned(source, dtype=params.dtype if params.dtype == "auto" else getattr(torch, params.dtype))
-        net.to(device).eval()
+        net = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
         data_mod.check_vocab(tokenizer, net)
-        tokenized = data_mod.tokenize_samples(
-            samples, tokenizer, max_length=params.max_length, enable_thinking=params.enable_thinking, pack=params.pack
-        )
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         scores = importance.observe(net, tokenized, params.batch_size, pad_id=pad_id)
         scores.to_parquet(staging / importance.SCORES_FILE, index=False)
     log.info("calibrate: %d samples scored into %s", len(samples), artifacts.redact(out_uri))
     return artifacts.read_manifest(out_uri)
-
-
-@contextlib.contextmanager
-def _model_source(model: str) -> Iterator[str]:
-    """What from_pretrained accepts: a local directory (remote artifacts downloaded) or a hub name."""
-    if "://" in model:
-        with artifacts.local_copy(model) as path:
-            yield str(path)
-    else:
-        yield model
