@@ -5,7 +5,7 @@ weight the model applies to expert i's output, f_i(x) = expert i's unweighted ou
 Frequency = |A_i|, SEER = sum g_i(x), EAN = sum ||f_i(x)||_2, REAP = mean g_i(x) * ||f_i(x)||_2 (0 when
 A_i is empty). Every non-padding token counts, prompt and answer alike. The routing and expert outputs
 come from `evoesap.moe.observe_routing`, which computes experts only on routed tokens, so the pass costs
-about one forward instead of E/k of them. Sums accumulate in float64 on the model's device; the host
+about one forward instead of E/k of them. Sums accumulate in float64 on each MoE layer's device; the host
 sees them once, at the end.
 """
 
