@@ -1,0 +1,189 @@
+"""Build (or reuse) the demo world: data splits, tokenizer, trained model, lm-eval tasks, in one directory.
+
+The world is cached by content: `world.json` stores a hash of the generating code, seed, profile and
+library versions, and a call with the same inputs returns at once. A file lock makes concurrent callers
+(parallel test sessions) wait for one build instead of training twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import transformers
+
+from evoesap.demo import domains as _domains
+from evoesap.demo import tokenizer as _tokenizer
+from evoesap.demo import train as _train
+from evoesap.demo.profiles import get_profile
+from evoesap.demo.domains import DOMAINS, SPLITS, generate_splits, read_jsonl, write_jsonl
+from evoesap.demo.tasks import TAG, task_name, write_tasks
+from evoesap.errors import ArtifactError, ConfigError
+
+log = logging.getLogger(__name__)
+
+WORLD_FILE = "world.json"
+
+
+@dataclass(frozen=True)
+class DemoWorld:
+    """Where a built demo world's parts are; `info` holds build figures (time, parameters, bytes)."""
+
+    root: Path
+    model_dir: Path
+    data_dir: Path
+    tasks_dir: Path
+    generative_tasks: tuple[str, ...]  # exact-match generate_until tasks, one per domain
+    multiple_choice_tasks: tuple[str, ...]
+    tag: str  # lm-eval tag that selects every demo task
+    seed: int
+    profile: str
+    key: str  # content hash the cache is keyed on
+    info: dict = dataclasses.field(compare=False, hash=False)
+
+    @property
+    def domains(self) -> tuple[str, ...]:
+        return tuple(sorted(DOMAINS))
+
+    def data_file(self, domain: str, split: str) -> Path:
+        """JSONL of one domain's split (train, calibration, search, search_heldout, evaluation)."""
+        if domain not in DOMAINS or split not in SPLITS:
+            raise ConfigError(f"no demo data for domain {domain!r} split {split!r}; "
+                              f"domains {sorted(DOMAINS)}, splits {list(SPLITS)}")
+        return self.data_dir / domain / f"{split}.jsonl"
+
+
+def world_key(seed: int, profile: str) -> str:
+    """Hash of what decides the world: generator and training code, seed, profile values.
+
+    Library versions are recorded in `info` but not keyed on, so a world built elsewhere can be reused.
+    """
+    h = hashlib.sha256()
+    for module in (_domains, _tokenizer, _train):
+        h.update(Path(module.__file__).read_bytes())
+    h.update(json.dumps({"seed": seed, "profile": dataclasses.asdict(get_profile(profile))},
+                        sort_keys=True).encode())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _lock(root: Path) -> Iterator[None]:
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{root.name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _world(root: Path, meta: dict) -> DemoWorld:
+    mc = tuple(task_name(d, True) for d in sorted(DOMAINS) if DOMAINS[d].multiple_choice)
+    return DemoWorld(root=root, model_dir=root / "model", data_dir=root / "data", tasks_dir=root / "tasks",
+                     generative_tasks=tuple(task_name(d) for d in sorted(DOMAINS)), multiple_choice_tasks=mc,
+                     tag=TAG, seed=meta["seed"], profile=meta["profile"], key=meta["key"], info=meta["info"])
+
+
+def _ensure_tasks(root: Path) -> None:
+    """(Re)write the task YAMLs so their absolute paths point here, even if the directory was moved."""
+    tok = transformers.AutoTokenizer.from_pretrained(str(root / "model"))
+    files = {d: root / "data" / d / "evaluation.jsonl" for d in sorted(DOMAINS)}
+    write_tasks(root / "tasks", files, tok,
+                multiple_choice=tuple(d for d in DOMAINS if DOMAINS[d].multiple_choice))
+
+
+def _build_into(staging: Path, seed: int, profile_name: str) -> dict:
+    """Generate data, build the tokenizer, train and save the model into `staging`; returns build figures."""
+    profile = get_profile(profile_name)
+    start = time.perf_counter()
+    train_sets: dict[str, list[list[dict]]] = {}
+    for domain in sorted(DOMAINS):
+        splits = generate_splits(domain, seed, profile.train_size)
+        for split, samples in splits.items():
+            write_jsonl(samples, staging / "data" / domain / f"{split}.jsonl")
+        train_sets[domain] = [row["messages"] for row in read_jsonl(staging / "data" / domain / "train.jsonl")]
+    tok = _tokenizer.build_tokenizer(model_max_length=profile.max_positions)
+    model = _train.make_model(profile, tok, seed)
+    figures = _train.train(model, tok, train_sets, profile, seed)
+    model_dir = staging / "model"
+    model.save_pretrained(str(model_dir), safe_serialization=True)
+    _tokenizer.save_tokenizer(tok, model_dir)
+    params = sum(p.numel() for p in model.parameters())
+    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    weights = sorted(model_dir.glob("*.safetensors"))
+    return dict(figures, build_seconds=time.perf_counter() - start, parameters=params,
+                expert_parameters=expert_params, parameter_bytes=sum(p.numel() * p.element_size()
+                                                                     for p in model.parameters()),
+                safetensors_bytes=sum(w.stat().st_size for w in weights),
+                weights_sha256=weights_hash(model_dir), torch_threads=profile.threads,
+                torch_version=torch.__version__, transformers_version=transformers.__version__)
+
+
+def weights_hash(model_dir: Path) -> str:
+    """sha256 over every tensor (name, dtype, shape, bytes) of a checkpoint: equal iff weights are equal."""
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in sorted(f.keys()):
+                t = f.get_tensor(name).contiguous()
+                h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+                h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def load_demo_world(out_dir: str | Path) -> DemoWorld:
+    """The world already built in `out_dir`, without building."""
+    root = Path(out_dir).resolve()
+    meta_path = root / WORLD_FILE
+    if not meta_path.exists():
+        raise ArtifactError(f"{root} holds no finished demo world ({WORLD_FILE} missing); run `evoesap demo build`")
+    return _world(root, json.loads(meta_path.read_text()))
+
+
+def build_demo_world(out_dir: str | Path, seed: int = 0, profile: str = "default", force: bool = False) -> DemoWorld:
+    """Build the demo world in `out_dir`, or return the cached one when code, seed and profile match.
+
+    A directory that is not a demo world is never overwritten; a demo world with another key is rebuilt.
+    """
+    root = Path(out_dir).resolve()
+    key = world_key(seed, profile)
+    with _lock(root):
+        meta_path = root / WORLD_FILE
+        if root.exists() and any(root.iterdir()) and not meta_path.exists() and not force:
+            raise ConfigError(f"{root} exists and is not a demo world; choose an empty directory or pass force")
+        if meta_path.exists() and not force:
+            meta = json.loads(meta_path.read_text())
+            if meta.get("key") == key:
+                log.info("demo world in %s is up to date (key %s)", root, key[:12])
+                _ensure_tasks(root)
+                return _world(root, meta)
+            log.info("demo world in %s was built from other inputs; rebuilding", root)
+        log.info("building demo world (seed %d, profile %s) in %s", seed, profile, root)
+        staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.build-", dir=root.parent))
+        try:
+            info = _build_into(staging, seed, profile)
+            meta = {"key": key, "seed": seed, "profile": profile, "info": info}
+            (staging / WORLD_FILE).write_text(json.dumps(meta, indent=2))
+            if root.exists():
+                trash = root.with_name(f".{root.name}.old-{int(time.time())}")
+                root.rename(trash)
+                shutil.rmtree(trash, ignore_errors=True)
+            staging.rename(root)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        _ensure_tasks(root)
+        log.info("demo world built in %.0fs: %s", info["build_seconds"], root)
+        return _world(root, meta)
