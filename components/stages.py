@@ -1,4 +1,4 @@
-"""The six stage components. Each body imports the library and calls `run_step`, nothing else.
+"""The six stage components (plus the fan-out plan). Each body imports the library and calls `run_step`.
 
 Components return the URI of the artifact they made (or found finished) under `storage_root`; with
 an s3:// or gs:// root the stage reads and writes object storage itself, so the same components run
@@ -28,25 +28,37 @@ def cache_logits(model: str, data: str, storage_root: str, params: dict) -> str:
     return run_step("cache-logits", storage_root, {"model": model, "data": data}, params)
 
 
-def search(model: str, scores: str, cache: str, storage_root: str, params: dict, point: dict) -> str:
+def fan_out(grid: list, scores: str, cache: str, heldout_cache: str) -> list:
+    """Each criterion x sparsity point with the upstream artifacts it needs, as one loop item.
+
+    Upstream URIs travel inside the loop items rather than as separate task inputs of the loop, so
+    that the same DAG also runs under kfp.local (which binds a loop's task inputs to the item).
+    """
+    return [{**point, "scores": scores, "cache": cache, "heldout_cache": heldout_cache} for point in grid]
+
+
+def search(model: str, storage_root: str, params: dict, point: dict) -> str:
     from evoesap.steps import run_step
 
-    inputs = {"model": model, "scores": scores, "cache": cache}
-    return run_step("search", storage_root, inputs, {**params, **point})
+    inputs = {"model": model, "scores": point["scores"], "cache": point["cache"]}
+    grid = {"criterion": point["criterion"], "sparsity": point["sparsity"]}
+    return run_step("search", storage_root, inputs, {**params, **grid})
 
 
-def prune(model: str, scores: str, allocation: str, storage_root: str, params: dict, point: dict) -> str:
+def prune(model: str, allocation: str, storage_root: str, params: dict, point: dict) -> str:
     from evoesap.steps import run_step
 
-    inputs = {"model": model, "scores": scores, "allocation": allocation or None}
-    return run_step("prune", storage_root, inputs, {**params, **point})
+    inputs = {"model": model, "scores": point["scores"], "allocation": allocation or None}
+    grid = {"criterion": point["criterion"], "sparsity": point["sparsity"]}
+    return run_step("prune", storage_root, inputs, {**params, **grid})
 
 
 def evaluate(model: str, cache: str, storage_root: str, params: dict, method: str, point: dict) -> str:
     from evoesap.steps import run_step
 
-    labels = {"method": method, **point}
-    return run_step("evaluate", storage_root, {"model": model, "teacher_cache": cache}, {**params, **labels})
+    labels = {"method": method, **{k: point[k] for k in ("criterion", "sparsity") if k in point}}
+    inputs = {"model": model, "teacher_cache": cache or None}
+    return run_step("evaluate", storage_root, inputs, {**params, **labels})
 
 
 def report(full: str, searched: List[str], uniform: List[str], searches: List[str], storage_root: str, params: dict) -> str:
@@ -59,6 +71,7 @@ def report(full: str, searched: List[str], uniform: List[str], searches: List[st
 STAGE_FUNCTIONS: dict[str, Callable] = {
     "calibrate": calibrate,
     "cache-logits": cache_logits,
+    "fan-out": fan_out,
     "search": search,
     "prune": prune,
     "evaluate": evaluate,
@@ -70,6 +83,7 @@ STAGE_FUNCTIONS: dict[str, Callable] = {
 class StageComponents:
     calibrate: Callable
     cache_logits: Callable
+    fan_out: Callable
     search: Callable
     prune: Callable
     evaluate: Callable

@@ -52,6 +52,7 @@ def build_pipeline(config: PipelineConfig) -> Callable:
         model: str = config.model,
         calibration_data: str = config.calibration_data,
         search_data: str = config.search_data,
+        heldout_data: str = config.heldout_data or "",
         storage_root: str = config.storage_root,
         grid: list = config.grid(),
         calibrate_params: dict = _gpu_params("calibrate", config),
@@ -71,10 +72,19 @@ def build_pipeline(config: PipelineConfig) -> Callable:
             "cache-logits",
             config,
         )
+        heldout_cache = ""
+        if config.heldout_data:
+            heldout_cache = _configure(
+                comps.cache_logits(
+                    model=model, data=heldout_data, storage_root=storage_root, params=cache_logits_params
+                ),
+                "cache-logits",
+                config,
+            ).output
         full_eval = _configure(
             comps.evaluate(
                 model=model,
-                cache=cache.output,
+                cache=heldout_cache,
                 storage_root=storage_root,
                 params=evaluate_params,
                 method="full",
@@ -83,16 +93,14 @@ def build_pipeline(config: PipelineConfig) -> Callable:
             "evaluate",
             config,
         )
-        with dsl.ParallelFor(grid, name="criterion-x-sparsity") as point:
+        plan = _configure(
+            comps.fan_out(grid=grid, scores=scores.output, cache=cache.output, heldout_cache=heldout_cache),
+            "fan-out",
+            config,
+        )
+        with dsl.ParallelFor(plan.output, name="criterion-x-sparsity") as point:
             searched = _configure(
-                comps.search(
-                    model=model,
-                    scores=scores.output,
-                    cache=cache.output,
-                    storage_root=storage_root,
-                    params=search_params,
-                    point=point,
-                ),
+                comps.search(model=model, storage_root=storage_root, params=search_params, point=point),
                 "search",
                 config,
             )
@@ -100,12 +108,7 @@ def build_pipeline(config: PipelineConfig) -> Callable:
             for method, allocation in (("searched", searched.output), ("uniform", "")):
                 pruned[method] = _configure(
                     comps.prune(
-                        model=model,
-                        scores=scores.output,
-                        allocation=allocation,
-                        storage_root=storage_root,
-                        params=prune_params,
-                        point=point,
+                        model=model, allocation=allocation, storage_root=storage_root, params=prune_params, point=point
                     ),
                     "prune",
                     config,
@@ -115,7 +118,7 @@ def build_pipeline(config: PipelineConfig) -> Callable:
                 evals[method] = _configure(
                     comps.evaluate(
                         model=task.output,
-                        cache=cache.output,
+                        cache=point.heldout_cache,
                         storage_root=storage_root,
                         params=evaluate_params,
                         method=method,

@@ -22,7 +22,8 @@ def run_local(config: PipelineConfig) -> str:
     """Run the whole DAG here through kfp.local's SubprocessRunner; return the report artifact URI.
 
     Finished stages under `storage_root` are reused, so a run that was interrupted, or re-run with
-    another downstream parameter, repeats only what changed.
+    another downstream parameter, repeats only what changed. Retries are for transient cluster
+    failures; here they would only repeat an error, so local runs have none.
     """
     from kfp import local
 
@@ -31,7 +32,9 @@ def run_local(config: PipelineConfig) -> str:
             "model": _absolute(config.model) if Path(config.model).exists() else config.model,
             "calibration_data": _absolute(config.calibration_data),
             "search_data": _absolute(config.search_data),
+            "heldout_data": _absolute(config.heldout_data) if config.heldout_data else None,
             "storage_root": _absolute(config.storage_root),
+            "retries": 0,
         }
     )
     pipeline_root = config.pipeline_root or str(Path(tempfile.gettempdir()) / "evoesap-kfp-local")

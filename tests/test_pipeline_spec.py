@@ -50,12 +50,12 @@ def _stage(task: dict) -> str:
 
 def test_compiled_spec_has_every_stage_and_the_fan_out(spec):
     root = spec["root"]["dag"]["tasks"]
-    assert sorted(_stage(t) for t in root.values()) == ["cache-logits", "calibrate", "evaluate", "for-loop", "report"]
+    assert sorted(_stage(t) for t in root.values()) == ["cache-logits", "calibrate", "evaluate", "fan-out", "for-loop", "report"]
+    assert set(root["fan-out"]["dependentTasks"]) == {"calibrate", "cache-logits"}
     loop_name = next(n for n, t in root.items() if _stage(t) == "for-loop")
     loop = root[loop_name]
-    assert set(loop["dependentTasks"]) == {"calibrate", "cache-logits"}
-    items = loop["parameterIterator"]["items"]
-    assert items == {"inputParameter": "pipelinechannel--grid"}
+    assert loop["dependentTasks"] == ["fan-out"]
+    assert loop["parameterIterator"]["items"] == {"inputParameter": "pipelinechannel--fan-out-Output"}
     grid = spec["root"]["inputDefinitions"]["parameters"]["grid"]["defaultValue"]
     assert grid == [{"criterion": c, "sparsity": s} for c in ("reap", "frequency") for s in (0.25, 0.5)]
     inner = spec["components"][loop["componentRef"]["name"]]["dag"]["tasks"]

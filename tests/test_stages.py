@@ -11,8 +11,6 @@ from transformers import AutoModelForCausalLM
 
 from evoesap import allocation as alloc
 from evoesap import artifacts, moe
-from evoesap.demo.domains import generate_splits, write_jsonl
-from evoesap.demo.tokenizer import build_tokenizer
 from evoesap.errors import ConfigError
 from evoesap.evaluator import CandidateEvaluator
 from evoesap.importance import pruning_order, read_scores
@@ -21,6 +19,7 @@ from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate
 from evoesap.stages.prune import PruneParams, run_prune
 from evoesap.stages.search import SearchParams, generalisation, run_search
+from tiny_world import make_tiny_inputs
 
 SMALL = dict(population=6, elites=2, generations=3, heldout_fraction=0.25, batch_size=8)
 
@@ -28,20 +27,12 @@ SMALL = dict(population=6, elites=2, generations=3, heldout_fraction=0.25, batch
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("stages")
-    tok = build_tokenizer()
-    model = moe.tiny_model("olmoe", seed=3, vocab_size=len(tok))
-    model_dir = root / "model"
-    model.save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
-    splits = generate_splits("math", seed=0, train_size=4)
-    write_jsonl(splits["calibration"][:16], root / "calibration.jsonl")
-    write_jsonl(splits["search"][:12], root / "search.jsonl")
+    files = make_tiny_inputs(root)
     scores = str(root / "scores")
-    run_calibrate(str(model_dir), str(root / "calibration.jsonl"), CalibrateParams(samples=16, max_length=256), scores)
+    run_calibrate(files["model"], files["calibration"], CalibrateParams(samples=16, max_length=256), scores)
     cache = str(root / "cache")
-    params = CacheLogitsParams(samples=12, max_length=256, dtype="float32")
-    run_cache_logits(str(model_dir), str(root / "search.jsonl"), params, cache)
-    return {"root": root, "model": str(model_dir), "scores": scores, "cache": cache}
+    run_cache_logits(files["model"], files["search"], CacheLogitsParams(samples=12, max_length=256, dtype="float32"), cache)
+    return {"root": root, "model": files["model"], "scores": scores, "cache": cache}
 
 
 @pytest.fixture(scope="module")

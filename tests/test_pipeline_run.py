@@ -1,0 +1,179 @@
+"""The pipeline run for real: kfp.local end to end, stage reuse, restart after a kill, and S3 storage."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from evoesap import artifacts
+from evoesap.steps import run_step
+from pipeline.config import load_config
+from pipeline.run import run_local
+from tiny_world import make_tiny_inputs
+
+pytestmark = pytest.mark.slow
+
+SEARCH = {"population": 6, "elites": 2, "generations": 2, "batch_size": 8}
+CACHE = {"samples": 12, "max_length": 256, "dtype": "float32"}
+CALIBRATE = {"samples": 16, "max_length": 256}
+
+
+def _config(files: dict, storage: Path, **overrides) -> dict:
+    config = {
+        "name": "tiny",
+        "model": files["model"],
+        "calibration_data": files["calibration"],
+        "search_data": files["search"],
+        "heldout_data": files["heldout"],
+        "criteria": ["reap"],
+        "sparsities": [0.5],
+        "storage_root": str(storage),
+        "pipeline_root": str(storage.parent / f"{storage.name}-kfp"),
+        "calibrate": CALIBRATE,
+        "cache_logits": CACHE,
+        "search": {**SEARCH, "resume": True},
+        "evaluate": {"tasks": [files["tasks"]], "limit": 3, "batch_size": 4},
+    }
+    config.update(overrides)
+    return config
+
+
+def _artifacts(storage: Path, stage: str) -> list[Path]:
+    return sorted(p for p in (storage / stage).glob("*") if (p / "manifest.json").exists())
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return make_tiny_inputs(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def first_run(files, tmp_path_factory):
+    storage = tmp_path_factory.mktemp("run") / "artifacts"
+    config = load_config(_config(files, storage))
+    report = run_local(config)
+    return {"storage": storage, "report": report, "config": config}
+
+
+def test_pipeline_runs_end_to_end_locally(first_run):
+    storage = first_run["storage"]
+    report_dir = Path(first_run["report"])
+    assert artifacts.read_manifest(str(report_dir)).stage == "report"
+    text = (report_dir / "report.md").read_text()
+    assert "reap" in text and "uniform" in text and "searched" in text
+    assert len(_artifacts(storage, "calibrate")) == 1
+    assert len(_artifacts(storage, "cache-logits")) == 2  # search set and held-out set
+    assert len(_artifacts(storage, "search")) == 1
+    assert len(_artifacts(storage, "prune")) == 2  # searched and uniform
+    assert len(_artifacts(storage, "evaluate")) == 3  # full, searched, uniform
+    for run in _artifacts(storage, "evaluate"):
+        metrics = json.loads((run / "metrics.json").read_text())
+        assert metrics["records"], run
+    search = _artifacts(storage, "search")[0]
+    manifest = artifacts.read_manifest(str(search))
+    assert set(manifest.inputs) == {"model", "scores", "cache"}
+    calibrate = _artifacts(storage, "calibrate")[0]
+    assert manifest.inputs["scores"]["manifest_sha256"] == artifacts.manifest_sha256(str(calibrate))
+
+
+def test_new_sparsity_reuses_calibration_and_teacher_cache(first_run, files):
+    storage = first_run["storage"]
+    before = {p: artifacts.read_manifest(str(p)).started for p in _artifacts(storage, "calibrate") + _artifacts(storage, "cache-logits")}
+    run_local(load_config(_config(files, storage, sparsities=[0.25])))
+    after = {p: artifacts.read_manifest(str(p)).started for p in _artifacts(storage, "calibrate") + _artifacts(storage, "cache-logits")}
+    assert after == before  # calibration and teacher caching ran zero times
+    assert len(_artifacts(storage, "search")) == 2  # the new sparsity was searched
+
+
+def test_killed_local_run_restarts_and_finishes_with_the_same_allocation(first_run, files, tmp_path):
+    storage = tmp_path / "artifacts"
+    config_path = tmp_path / "pipeline.yaml"
+    config_path.write_text(yaml.safe_dump(_config(files, storage)))
+    command = [sys.executable, "-m", "evoesap", "--quiet", "pipeline", "run", str(config_path)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not list(storage.glob("search/*.checkpoint.json")):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert _artifacts(storage, "calibrate"), "the run was killed before any stage finished"
+    assert not _artifacts(storage, "report")
+    started = {p: artifacts.read_manifest(str(p)).started for p in _artifacts(storage, "calibrate")}
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    assert {p: artifacts.read_manifest(str(p)).started for p in _artifacts(storage, "calibrate")} == started
+    resumed = json.loads((_artifacts(storage, "search")[0] / "allocation.json").read_text())
+    original = json.loads((_artifacts(first_run["storage"], "search")[0] / "allocation.json").read_text())
+    assert resumed["removal_counts"] == original["removal_counts"]
+    assert _artifacts(storage, "report")
+
+
+@pytest.fixture
+def s3_bucket(monkeypatch):
+    """A real S3 endpoint (moto_server on loopback) with one bucket, used through s3fs."""
+    moto_server = Path(sys.executable).with_name("moto_server")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([str(moto_server), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        for name, value in {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "FSSPEC_S3_ENDPOINT_URL": endpoint,
+        }.items():
+            monkeypatch.setenv(name, value)
+        import fsspec
+
+        fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = endpoint
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        fs.mkdir("evoesap-test")
+        yield "s3://evoesap-test"
+    finally:
+        import fsspec
+
+        fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
+        server.terminate()
+        server.wait()
+
+
+def test_calibrate_to_prune_chain_against_s3(files, s3_bucket):
+    import fsspec
+
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.put(files["model"].rstrip("/") + "/", f"{s3_bucket}/models/tiny/", recursive=True)
+    fs.put(files["calibration"], f"{s3_bucket}/data/calibration.jsonl")
+    fs.put(files["search"], f"{s3_bucket}/data/search.jsonl")
+    model = f"{s3_bucket}/models/tiny"
+    root = f"{s3_bucket}/runs"
+    scores = run_step("calibrate", root, {"model": model, "data": f"{s3_bucket}/data/calibration.jsonl"}, CALIBRATE)
+    cache = run_step("cache-logits", root, {"model": model, "data": f"{s3_bucket}/data/search.jsonl"}, CACHE)
+    point = {"criterion": "reap", "sparsity": 0.5}
+    searched = run_step("search", root, {"model": model, "scores": scores, "cache": cache}, {**SEARCH, **point})
+    pruned = run_step("prune", root, {"model": model, "scores": scores, "allocation": searched}, point)
+    for uri, payload in ((scores, "scores.parquet"), (cache, "cache.json"), (searched, "allocation.json"), (pruned, "config.json")):
+        assert uri.startswith(f"{s3_bucket}/runs/")
+        manifest = artifacts.read_manifest(uri)
+        assert payload in manifest.files
+        assert fs.exists(f"{uri}/{payload}")
+        assert "testing" not in manifest.to_json()
+    assert artifacts.read_manifest(pruned).inputs["allocation"]["manifest_sha256"] == artifacts.manifest_sha256(searched)
+    from evoesap import moe
+
+    allocation = artifacts.read_json(f"{searched}/allocation.json")
+    kept = [n - r for n, r in zip(allocation["num_experts"], allocation["removal_counts"])]
+    assert list(moe.inspect(moe.load_pruned(pruned)).num_experts) == kept

@@ -1,0 +1,29 @@
+"""A tiny random OLMoE with the demo tokenizer and demo data: stage and pipeline tests without training."""
+
+from pathlib import Path
+
+from evoesap import moe
+from evoesap.demo.domains import generate_splits, write_jsonl
+from evoesap.demo.tasks import write_tasks
+from evoesap.demo.tokenizer import build_tokenizer
+
+
+def make_tiny_inputs(root: Path) -> dict[str, str]:
+    """Model directory (with tokenizer), calibration / search / held-out JSONL files and a local lm-eval task."""
+    tok = build_tokenizer()
+    model = moe.tiny_model("olmoe", seed=3, vocab_size=len(tok))
+    model_dir = root / "model"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    splits = generate_splits("math", seed=0, train_size=4)
+    write_jsonl(splits["calibration"][:16], root / "calibration.jsonl")
+    write_jsonl(splits["search"][:12], root / "search.jsonl")
+    write_jsonl(splits["evaluation"][:12], root / "heldout.jsonl")
+    write_tasks(root / "tasks", {"math": root / "heldout.jsonl"}, tok, multiple_choice=(), max_gen_toks=8)
+    return {
+        "model": str(model_dir),
+        "calibration": str(root / "calibration.jsonl"),
+        "search": str(root / "search.jsonl"),
+        "heldout": str(root / "heldout.jsonl"),
+        "tasks": str(root / "tasks"),
+    }
