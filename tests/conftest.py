@@ -1,0 +1,23 @@
+"""Shared fixtures: the trained demo world, built once and cached across test sessions."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def demo_cache_dir() -> Path:
+    """EVOESAP_DEMO_CACHE, else <repo>/.cache/demo-world (gitignored), so local reruns reuse the build."""
+    return Path(os.environ.get("EVOESAP_DEMO_CACHE", REPO / ".cache" / "demo-world"))
+
+
+@pytest.fixture(scope="session")
+def demo_world():
+    """The default demo world (seed 0); the first session on a machine trains it (minutes), later ones reuse it."""
+    from evoesap.demo import build_demo_world
+
+    return build_demo_world(demo_cache_dir(), seed=0, profile="default")

@@ -1,0 +1,212 @@
+"""The demo world: data format and disjointness, tokenizer round trips, caching, determinism, and the
+quality bars that make it useful (it has learned its domains, experts specialise, pruning hurts)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from evoesap.demo import DOMAINS, SPLITS, build_demo_world, routing_histograms, total_variation, weights_hash
+from evoesap.demo.domains import generate_splits, read_jsonl, write_jsonl
+from evoesap.demo.tasks import prompt_template, run_tasks, write_tasks
+from evoesap.demo.tokenizer import build_tokenizer
+from evoesap.demo.train import encode_chat
+from evoesap.errors import ConfigError
+
+EVAL_LIMIT = 64  # evaluation samples per task: keeps lm-eval generation to about a minute on 2 cores
+
+
+# ------------------------------------------------------------------------------------------- fast
+@pytest.mark.parametrize("domain", sorted(DOMAINS))
+def test_splits_are_disjoint_and_deterministic(domain):
+    a = generate_splits(domain, seed=3, train_size=300)
+    b = generate_splits(domain, seed=3, train_size=300)
+    assert [s.to_json() for s in a["evaluation"]] == [s.to_json() for s in b["evaluation"]]
+    held_out = [split for split in SPLITS if split != "train"]
+    prompts = {split: {s.user for s in a[split]} for split in SPLITS}
+    for i, x in enumerate(held_out):
+        assert len(prompts[x]) == len(a[x]), f"{domain}/{x} repeats a prompt"
+        for y in held_out[i + 1:]:
+            assert not prompts[x] & prompts[y], f"{domain}: {x} and {y} share prompts"
+    if DOMAINS[domain].memorised:
+        # Facts are learned, so training covers every evaluated fact; nothing else may appear there.
+        assert set().union(*(prompts[s] for s in held_out)) == prompts["train"]
+    else:
+        for x in held_out:
+            assert not prompts[x] & prompts["train"], f"{domain}: {x} leaks into train"
+    assert generate_splits(domain, seed=4, train_size=10)["evaluation"] != a["evaluation"]
+
+
+def test_jsonl_is_messages_style(tmp_path):
+    samples = generate_splits("facts", seed=0, train_size=10)["evaluation"][:5]
+    write_jsonl(samples, tmp_path / "x.jsonl")
+    for line in (tmp_path / "x.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        assert [m["role"] for m in row["messages"]] == ["user", "assistant"]
+        assert all(isinstance(m["content"], str) and m["content"] for m in row["messages"])
+        assert row["choices"][row["label"]] == row["messages"][1]["content"]
+
+
+def test_math_answers_are_worked_and_correct():
+    for s in generate_splits("math", seed=0, train_size=10)["evaluation"]:
+        nums = [int(t) for t in re.findall(r"\d+", s.user)]
+        assert s.assistant.endswith(f"The answer is {nums[0] + nums[1] - nums[2]}.")
+        assert len(build_tokenizer()(s.assistant)["input_ids"]) >= 25  # tens of tokens: ESAP must not saturate
+
+
+def test_tokenizer_round_trips_and_masks_assistant(tmp_path):
+    build_tokenizer().save_pretrained(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    chat = generate_splits("code", seed=0, train_size=10)["evaluation"][0].to_json()["messages"]
+    text = tok.apply_chat_template(chat, tokenize=False)
+    assert text == f"<|user|>{chat[0]['content']}<|end|><|assistant|>{chat[1]['content']}<|end|>"
+    ids, mask = encode_chat(tok, chat)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    # The masked tokens are exactly the assistant's content plus its end-of-turn (what generation must emit).
+    assert tok.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False) == chat[1]["content"] + "<|end|>"
+    assert tok.eos_token == "<|end|>" and tok.pad_token_id is not None
+    prompt = tok.apply_chat_template(chat[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|assistant|>")
+
+
+def test_task_prompt_matches_chat_template():
+    tok = build_tokenizer()
+    chat = [{"role": "user", "content": "reverse abcd"}]
+    rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert prompt_template(tok).replace("{{messages[0].content}}", "reverse abcd") == rendered
+
+
+def test_unknown_profile_and_foreign_directory_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="profile"):
+        build_demo_world(tmp_path / "w", profile="huge")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("not a demo world")
+    with pytest.raises(ConfigError, match="not a demo world"):
+        build_demo_world(tmp_path / "other", profile="quick")
+
+
+# ------------------------------------------------------------------------------------------- builds
+def test_same_seed_gives_identical_weights_and_second_call_is_cached(tmp_path):
+    """Two independent quick-profile builds (the default takes minutes) hash equal; a rebuild is skipped."""
+    a = build_demo_world(tmp_path / "a", seed=1, profile="quick")
+    b = build_demo_world(tmp_path / "b", seed=1, profile="quick")
+    assert weights_hash(a.model_dir) == weights_hash(b.model_dir) == a.info["weights_sha256"]
+    for domain in DOMAINS:
+        assert a.data_file(domain, "search").read_bytes() == b.data_file(domain, "search").read_bytes()
+    stamp = (a.model_dir / "model.safetensors").stat().st_mtime_ns
+    again = build_demo_world(tmp_path / "a", seed=1, profile="quick")
+    assert again.key == a.key and (a.model_dir / "model.safetensors").stat().st_mtime_ns == stamp
+    other = build_demo_world(tmp_path / "c", seed=2, profile="quick")
+    assert other.key != a.key and weights_hash(other.model_dir) != weights_hash(a.model_dir)
+
+
+def test_cli_build_prints_locations(tmp_path, capsys):
+    from evoesap.cli import main
+
+    assert main(["demo", "build", "--out", str(tmp_path / "w"), "--profile", "quick"]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / "w" / "model") in out and "evoesap_demo_math" in out
+    assert main(["demo", "build", "--out", str(tmp_path / "w"), "--profile", "nope"]) == 1
+
+
+# ------------------------------------------------------------------------------ the trained world
+def _load(world):
+    tok = AutoTokenizer.from_pretrained(str(world.model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(world.model_dir)).eval()
+    return model, tok
+
+
+@contextlib.contextmanager
+def _experts_removed(model, removed: dict[int, list[int]]):
+    """OLMoE routing with some experts gone: softmax over all logits with removed ones at -inf, then top-k.
+
+    Written here independently of evoesap.moe so the demo's claim does not rest on the code it serves.
+    """
+    handles = []
+    for layer_idx, ids in removed.items():
+        gate = model.model.layers[layer_idx].mlp.gate
+        dead = torch.tensor(ids, dtype=torch.long)
+
+        def hook(module, args, output, dead=dead):
+            logits = output[0]  # [T, E]
+            masked = logits.float().index_fill(-1, dead, float("-inf"))
+            probs = torch.softmax(masked, dim=-1)
+            weights, index = torch.topk(probs, module.top_k, dim=-1)  # [T, k]
+            if module.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+            return logits, weights.to(logits.dtype), index
+
+        handles.append(gate.register_forward_hook(hook))
+    try:
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.slow
+def test_trained_model_solves_every_domain_through_lm_eval(demo_world):
+    model, tok = _load(demo_world)
+    scores = run_tasks(model, tok, demo_world.tasks_dir,
+                       list(demo_world.generative_tasks + demo_world.multiple_choice_tasks), limit=EVAL_LIMIT)
+    print("\nfull model lm-eval:", json.dumps(scores))
+    for task in demo_world.generative_tasks:
+        assert scores[task] >= 0.9, f"{task} exact match {scores[task]:.3f} < 0.9"
+    for task in demo_world.multiple_choice_tasks:
+        assert scores[task] >= 0.9, f"{task} acc {scores[task]:.3f} < 0.9"
+
+
+@pytest.mark.slow
+def test_experts_specialise_by_domain(demo_world):
+    model, tok = _load(demo_world)
+    hists = {d: routing_histograms(model, tok, [r["messages"] for r in read_jsonl(demo_world.data_file(d, "search"))])
+             for d in demo_world.domains}
+    pairs = [(a, b) for i, a in enumerate(demo_world.domains) for b in demo_world.domains[i + 1:]]
+    tv = {f"{a}-{b}": float(total_variation(hists[a], hists[b]).mean()) for a, b in pairs}
+    mean_tv = float(np.mean(list(tv.values())))
+    print(f"\nrouting TV per domain pair (mean over layers): {json.dumps(tv)}; mean {mean_tv:.3f}")
+    assert mean_tv >= 0.2
+    # Balanced overall: the aux loss keeps every expert in use on the mixture of domains.
+    overall = np.mean(list(hists.values()), axis=0)  # [L, E]
+    assert (overall > 0).all()
+
+
+@pytest.mark.slow
+def test_random_half_pruning_hurts_at_least_one_domain(demo_world):
+    model, tok = _load(demo_world)
+    tasks = list(demo_world.generative_tasks)
+    full = run_tasks(model, tok, demo_world.tasks_dir, tasks, limit=EVAL_LIMIT)
+    rng = np.random.default_rng(0)
+    n_exp = model.config.num_experts
+    removed = {layer: sorted(rng.permutation(n_exp)[: n_exp // 2].tolist())
+               for layer in range(model.config.num_hidden_layers)}
+    with _experts_removed(model, removed):
+        pruned = run_tasks(model, tok, demo_world.tasks_dir, tasks, limit=EVAL_LIMIT)
+    drops = {t: full[t] - pruned[t] for t in tasks}
+    print(f"\nrandom 50% pruning: full {json.dumps(full)} pruned {json.dumps(pruned)} drop {json.dumps(drops)}")
+    assert max(drops.values()) >= 0.2
+
+
+def test_masking_hook_matches_plain_routing_when_nothing_removed():
+    """The pruning hook itself is exact: removing no expert leaves the logits unchanged."""
+    from evoesap.demo.profiles import PROFILES
+    from evoesap.demo.train import make_model
+
+    tok = build_tokenizer()
+    model = make_model(PROFILES["quick"], tok, seed=0).eval()
+    ids = tok("<|user|>copy abc<|end|><|assistant|>abc", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        base = model(ids).logits
+        with _experts_removed(model, {0: []}):
+            same = model(ids).logits
+        with _experts_removed(model, {0: [0, 1]}):
+            changed = model(ids).logits
+    torch.testing.assert_close(same, base)
+    assert not torch.allclose(changed, base)
