@@ -3,12 +3,15 @@
 A candidate is the full model with some experts masked out of the routers (`evoesap.moe.masked`);
 it runs teacher-forced over the cached samples, and the LM head runs only at scored positions, since
 the head and softmax over the vocabulary cost as much as several layers and only answer-predicting
-positions count. Results are memoised per allocation and per sample, so scoring a subset first
-(racing) and the full set later re-runs only the missing samples.
+positions count. Each sample is cut after its last scored position (causal attention: later tokens
+cannot change earlier logits). Results are memoised per allocation and per sample, so scoring a
+subset first (racing) and the full set later re-runs only the missing samples.
 
-The forward is split into `_hidden` (final hidden states of one padded batch) and `_score_rows`
-(head + metric at the scored rows) so that prefix reuse can later replace the first without touching
-the second.
+The decoder stack runs layer by layer (`evoesap.layerwise`), so that with `prefix_cache_bytes > 0` a
+candidate starts at its first MoE layer whose pruned set differs from a cached allocation's, from the
+hidden states cached there (`evoesap.prefix`); values equal a forward from scratch up to float
+rounding of differently padded batches. `layer_tokens` counts the decoder-layer x token work done,
+padding included, for cost figures in full-forward equivalents (`full_forward_tokens`).
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import torch
 
 from evoesap import artifacts, fitness
 from evoesap.errors import ConfigError
+from evoesap.layerwise import LayerRunner
+from evoesap.prefix import PrefixCache, Sets
 from evoesap.teacher import (
     TeacherCache,
-    final_hidden,
     head_logits,
     iter_batches,
     load_cache,
@@ -66,9 +70,13 @@ class CandidateEvaluator:
         seed: int = 0,
         verify: bool = True,
         weights_hash: str | None = None,
+        prefix_cache_bytes: int = 0,
+        keep: int = 4,
     ) -> None:
         """`verify=False` skips the weights check, for scoring a physically pruned checkpoint against
-        its full model's cache; `weights_hash` saves re-hashing a model whose hash is already known."""
+        its full model's cache; `weights_hash` saves re-hashing a model whose hash is already known.
+        `prefix_cache_bytes`: budget of the prefix cache (0: every candidate runs from the embeddings);
+        `keep`: allocations whose cached states are never evicted (the search's elites)."""
         self.model = model
         self.metric = fitness.metric(metric)
         if batch_size < 1:
@@ -86,9 +94,24 @@ class CandidateEvaluator:
             cache.check_vocab(model)
         self.device = model_device(model)
         self.cache = cache.to(self.device)
-        self._lengths = [int(ids.numel()) for ids in cache.input_ids]
         offsets = cache.offsets.tolist()
+        positions = cache.positions.tolist()
+        # each sample cut after its last scored position: nothing later reaches a scored logit
+        self._lengths = [positions[offsets[i + 1] - 1] + 1 for i in range(cache.num_samples)]
+        self._full_lengths = [int(ids.numel()) for ids in cache.input_ids]
         self._rows = [torch.arange(offsets[i], offsets[i + 1], device=self.device) for i in range(cache.num_samples)]
+        if prefix_cache_bytes < 0:
+            raise ConfigError(f"prefix_cache_bytes must be >= 0, got {prefix_cache_bytes}")
+        from evoesap.moe import inspect
+
+        self._runner = LayerRunner(model)
+        self._starts = [layer.decoder_index for layer in inspect(model).layers]  # MoE ordinal -> decoder layer
+        self.prefix: PrefixCache | None = None
+        if prefix_cache_bytes:
+            hidden = int(model.config.hidden_size)
+            itemsize = next(model.parameters()).element_size()
+            boundaries = [a for a in range(len(self._starts)) if a > 0 or self._starts[0] > 0]
+            self.prefix = PrefixCache(prefix_cache_bytes, boundaries, sum(self._lengths) * hidden * itemsize, keep)
         self._uniforms = None
         if self.metric.name == "sap":
             gen = torch.Generator().manual_seed(seed)
@@ -96,6 +119,7 @@ class CandidateEvaluator:
         # allocation -> (lower [S], upper [S]) float32 on the host, NaN where not computed yet
         self._memo: dict[AllocationKey, tuple[torch.Tensor, torch.Tensor]] = {}
         self.forwards = 0  # samples run through the model, for cost accounting
+        self.layer_tokens = 0  # decoder layers x tokens (padding included) actually run
 
     # ---------------------------------------------------------------------------------------------
     # Public API
@@ -126,7 +150,7 @@ class CandidateEvaluator:
         lower, upper = self._memo[key]
         missing = [i for i in index.tolist() if torch.isnan(lower[i])]
         if missing:
-            new_lower, new_upper = self._run(dict(key), missing)
+            new_lower, new_upper = self._run(key, missing)
             lower[missing], upper[missing] = new_lower, new_upper
         return lower[index].clone(), upper[index].clone()
 
@@ -135,8 +159,15 @@ class CandidateEvaluator:
         return self.cache.num_samples
 
     def clear(self) -> None:
-        """Forget memoised scores (for example after the model's weights changed)."""
+        """Forget memoised scores and cached states (for example after the model's weights changed)."""
         self._memo.clear()
+        if self.prefix is not None:
+            self.prefix.clear()
+
+    def full_forward_tokens(self, samples: Sequence[int] | None = None) -> int:
+        """Decoder layers x tokens of one plain full forward over `samples`: the unit of `layer_tokens`."""
+        index = self._sample_index(samples).tolist()
+        return self._runner.num_layers * sum(self._full_lengths[s] for s in index)
 
     # ---------------------------------------------------------------------------------------------
     # Work
@@ -151,32 +182,73 @@ class CandidateEvaluator:
             raise ConfigError(f"sample indices must be in 0..{self.cache.num_samples - 1}, got {list(samples)}")
         return index
 
-    def _run(self, pruned: Mapping[int, Sequence[int]], samples: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, key: AllocationKey, samples: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Masked forward over `samples` -> per-sample (lower, upper) on the host."""
         from evoesap.moe import masked
 
+        pruned = dict(key)
+        sets: Sets = tuple(tuple(pruned.get(a, ())) for a in range(len(self._starts)))
         lower = torch.empty(len(samples), device=self.device)  # [S'] float32
         upper = torch.empty(len(samples), device=self.device)
         slot = {s: j for j, s in enumerate(samples)}
+        groups: dict[int, list[int]] = {}  # first MoE ordinal to run -> samples starting there
+        cached: dict[int, torch.Tensor] = {}
+        for s in samples:
+            a, state = self.prefix.start(sets, s) if self.prefix is not None else (0, None)
+            groups.setdefault(a, []).append(s)
+            if state is not None:
+                cached[s] = state
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.inference_mode(), masked(self.model, pruned):
-                for batch in iter_batches([self._lengths[s] for s in samples], self.batch_size):
-                    chunk = [samples[b] for b in batch]
-                    hidden = self._hidden(chunk)  # [B, T, H]
-                    lo, up = self._score_rows(hidden, chunk)  # [B], [B]
-                    where = torch.tensor([slot[s] for s in chunk], device=self.device)
-                    lower[where], upper[where] = lo, up
-                    self.forwards += len(chunk)
+                for a, group in sorted(groups.items()):
+                    for batch in iter_batches([self._lengths[s] for s in group], self.batch_size):
+                        chunk = [group[b] for b in batch]
+                        hidden = self._hidden(chunk, sets, a, cached)  # [B, T, H]
+                        lo, up = self._score_rows(hidden, chunk)  # [B], [B]
+                        where = torch.tensor([slot[s] for s in chunk], device=self.device)
+                        lower[where], upper[where] = lo, up
+                        self.forwards += len(chunk)
         finally:
             self.model.train(was_training)
-        return lower.cpu(), upper.cpu()
+        lower, upper = lower.cpu(), upper.cpu()
+        if self.prefix is not None:
+            memo = self._memo[key][0].clone()
+            memo[samples] = lower
+            self.prefix.commit(sets, self.metric.sign * float(memo[~torch.isnan(memo)].double().mean()))
+        return lower, upper
 
-    def _hidden(self, chunk: list[int]) -> torch.Tensor:
-        """Final hidden states of the samples `chunk`, right-padded -> [B, T, H]."""
-        input_ids, attention_mask = pad_right([self.cache.input_ids[s] for s in chunk])
-        return final_hidden(self.model, input_ids.to(self.device), attention_mask.to(self.device))
+    def _hidden(self, chunk: list[int], sets: Sets, first: int, cached: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Hidden states after the last decoder layer (before the final norm) of `chunk`, right-padded -> [B, T, H].
+
+        The forward starts at MoE layer `first` from `cached` states (from the embeddings when 0), and
+        offers the states entering later MoE layers to the prefix cache on the way.
+        """
+        runner = self._runner
+        lengths = [self._lengths[s] for s in chunk]
+        input_ids, attention_mask = pad_right([self.cache.input_ids[s][:n] for s, n in zip(chunk, lengths)])
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        if first == 0:
+            start, hidden = 0, runner.embed(input_ids)  # [B, T, H]
+        else:
+            start = self._starts[first]
+            hidden = torch.zeros((len(chunk), input_ids.shape[1], cached[chunk[0]].shape[-1]),
+                                 dtype=cached[chunk[0]].dtype, device=self.device)  # [B, T, H]; padding stays 0
+            for row, (s, n) in enumerate(zip(chunk, lengths)):
+                hidden[row, :n] = cached[s]
+        ctx = runner.context(hidden, attention_mask)
+        stops = [a for a in (self.prefix.boundaries if self.prefix is not None else ()) if a > first]
+        for a in stops:
+            hidden = runner.run(hidden, ctx, start, self._starts[a])
+            self.layer_tokens += (self._starts[a] - start) * hidden.shape[0] * hidden.shape[1]
+            start = self._starts[a]
+            for row, (s, n) in enumerate(zip(chunk, lengths)):
+                if self.prefix.wants(sets, a, s):
+                    self.prefix.put(sets, a, s, hidden[row, :n].clone())  # [T_i, H]
+        hidden = runner.run(hidden, ctx, start, runner.num_layers)
+        self.layer_tokens += (runner.num_layers - start) * hidden.shape[0] * hidden.shape[1]
+        return hidden
 
     def _score_rows(self, hidden: torch.Tensor, chunk: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """LM head and metric at the scored positions of `chunk` -> per-sample (lower [B], upper [B])."""
@@ -184,7 +256,7 @@ class CandidateEvaluator:
         owner = torch.cat(
             [torch.full((self._rows[s].numel(),), b, dtype=torch.long, device=self.device) for b, s in enumerate(chunk)]
         )  # [P_b] long: batch row of each cache row
-        logits = head_logits(self.model, hidden[owner, self.cache.positions[rows]])  # [P_b, V]
+        logits = head_logits(self.model, self._runner.norm(hidden[owner, self.cache.positions[rows]]))  # [P_b, V]
         lower, upper = self._per_position(logits, rows)  # [P_b] float32 each
         n = len(chunk)
         return fitness.per_sample_mean(lower, owner, n), fitness.per_sample_mean(upper, owner, n)

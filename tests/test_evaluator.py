@@ -111,15 +111,18 @@ def test_batch_size_does_not_change_the_score(world) -> None:
 
 @contextlib.contextmanager
 def perturbed_at(model, position: int):
-    """The candidate differs from the teacher only in the logits at `position` (final norm output nudged)."""
-    norm = model.get_decoder().norm if hasattr(model, "get_decoder") else model.model.norm
+    """The candidate differs from the teacher only in the logits at `position` (last decoder layer's output
+    nudged; the evaluator may apply the final norm to scored rows only)."""
+    last = model.model.layers[-1]
 
     def hook(_module, _inputs, out):
+        if position >= out.shape[1]:  # the evaluator cut the sample before `position`
+            return out
         out = out.clone()
         out[:, position] += torch.linspace(-3.0, 3.0, out.shape[-1])
         return out
 
-    handle = norm.register_forward_hook(hook)
+    handle = last.register_forward_hook(hook)
     try:
         yield
     finally:

@@ -1,0 +1,96 @@
+"""A causal LM's decoder stack run layer by layer, so that a forward can start at any decoder layer.
+
+Prefix reuse (`evoesap.prefix`) resumes a candidate's forward from cached hidden states entering a
+layer; that needs the pieces `XModel.forward` builds once per batch (embeddings, position ids, rotary
+position embeddings, causal masks per attention kind) and the decoder layers called one at a time.
+transformers 5.x writes those pieces the same way in every MoE family (OLMoE, Qwen2/3-MoE, Mixtral,
+DeepSeek-V2/V3, ERNIE-4.5-MoE, GPT-OSS); the only difference is the attention kind per layer: a
+`layer_types` list in the config (Qwen2-MoE, GPT-OSS), else sliding for all layers when
+`config.sliding_window` is set (Mixtral, Qwen3-MoE), else full causal attention. Routers are still
+masked by `evoesap.moe.masked`'s hooks, which fire whoever calls the layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from evoesap.errors import ModelError
+
+_MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchContext:
+    """What every decoder layer of one padded batch receives besides the hidden states."""
+
+    position_ids: torch.Tensor  # [1, T] long
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]  # rotary (cos, sin), each [1, T, D]
+    masks: tuple[object, ...]  # per decoder layer: the 4-D mask, a BlockMask or None (is_causal)
+
+
+class LayerRunner:
+    """Embeddings, decoder layers and final norm of `model`'s base model, called separately."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        if not isinstance(base, torch.nn.Module):
+            raise ModelError(f"{type(model).__name__} has no base model at .{model.base_model_prefix}")
+        for part in ("layers", "norm", "rotary_emb"):
+            if not hasattr(base, part):
+                raise ModelError(f"{type(base).__name__} has no .{part}: layer-wise forwards need a decoder stack")
+        self.model, self.base, self.config = model, base, base.config
+        self.layers = list(base.layers[: self.config.num_hidden_layers])
+        kinds = getattr(self.config, "layer_types", None)
+        if kinds is None:
+            sliding = getattr(self.config, "sliding_window", None) is not None
+            kinds = ["sliding_attention" if sliding else "full_attention"] * len(self.layers)
+        unknown = sorted(set(kinds) - set(_MASKS))
+        if unknown:
+            raise ModelError(f"attention kinds {unknown} are not supported layer by layer; known: {sorted(_MASKS)}")
+        self.kinds = tuple(kinds[: len(self.layers)])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] long -> [B, T, H] model dtype."""
+        return self.base.get_input_embeddings()(input_ids)
+
+    def context(self, embeds: torch.Tensor, attention_mask: torch.Tensor) -> BatchContext:
+        """Position ids, rotary embeddings and per-layer masks of a right-padded batch ([B, T, H], [B, T])."""
+        position_ids = torch.arange(embeds.shape[1], device=embeds.device).unsqueeze(0)  # [1, T]
+        built = {
+            kind: _MASKS[kind](
+                config=self.config, inputs_embeds=embeds, attention_mask=attention_mask, cache=None,
+                position_ids=position_ids,
+            )
+            for kind in set(self.kinds)
+        }
+        rotary = self.base.rotary_emb(embeds, position_ids)
+        return BatchContext(position_ids, rotary, tuple(built[kind] for kind in self.kinds))
+
+    def run(self, hidden: torch.Tensor, ctx: BatchContext, start: int, stop: int) -> torch.Tensor:
+        """Decoder layers start..stop-1 on [B, T, H] -> [B, T, H]."""
+        for index in range(start, stop):
+            hidden = self.layers[index](
+                hidden,
+                attention_mask=ctx.masks[index],
+                position_ids=ctx.position_ids,
+                position_embeddings=ctx.position_embeddings,
+                cache=None,
+                use_cache=False,
+            )
+        return hidden
+
+    def norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm, per token, so it may run on the scored rows only: [..., H] -> [..., H]."""
+        return self.base.norm(hidden)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """The whole stack, layer by layer: equals the base model's last_hidden_state -> [B, T, H]."""
+        embeds = self.embed(input_ids)
+        return self.norm(self.run(embeds, self.context(embeds, attention_mask), 0, self.num_layers))

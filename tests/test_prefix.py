@@ -1,0 +1,161 @@
+"""Layer-by-layer forwards and prefix reuse against the model's own forward and from-scratch scoring."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from evoesap import allocation as alloc
+from evoesap import moe, search, teacher
+from evoesap.evaluator import CandidateEvaluator
+from evoesap.layerwise import LayerRunner
+from evoesap.prefix import PrefixCache, spread
+
+from test_teacher import random_samples
+
+FAMILIES = ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "gpt_oss"]
+# windows shorter than the samples, so that sliding-attention layers mask differently from full ones
+SLIDING = {
+    "gpt_oss": dict(sliding_window=4),
+    "mixtral": dict(sliding_window=5),
+    "qwen2_moe": dict(use_sliding_window=True, sliding_window=4, max_window_layers=4),
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Bit-level comparisons on one thread, as elsewhere in the suite."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layer_loop_equals_the_models_forward_for_each_family(family):
+    model = moe.tiny_model(family, seed=1, **SLIDING.get(family, {}))
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 200, (n,), generator=gen) for n in (9, 13, 6)]
+    ids, mask = teacher.pad_right(seqs)
+    runner = LayerRunner(model)
+    with torch.inference_mode():
+        expected = teacher.final_hidden(model, ids, mask)  # [B, T, H]
+        embeds = runner.embed(ids)
+        ctx = runner.context(embeds, mask)
+        whole = runner.forward(ids, mask)
+        split = runner.norm(runner.run(runner.run(embeds, ctx, 0, 2), ctx, 2, runner.num_layers))
+    for row, s in enumerate(seqs):  # real tokens only: padded rows are never read
+        torch.testing.assert_close(whole[row, : len(s)], expected[row, : len(s)], atol=0, rtol=0)
+        torch.testing.assert_close(split[row, : len(s)], expected[row, : len(s)], atol=0, rtol=0)
+
+
+def _world(family: str, tmp_path, samples: int = 7):
+    model = moe.tiny_model(family, seed=2, vocab_size=96, **SLIDING.get(family, {}))
+    teacher.write_cache(model, random_samples(samples, seed=3), tmp_path, mode="full", dtype="float32", batch_size=4)
+    return model, teacher.load_cache(str(tmp_path))
+
+
+def _random_pruned(spec: moe.MoESpec, rng: np.random.Generator) -> dict[int, list[int]]:
+    return {
+        layer.ordinal: sorted(rng.choice(layer.num_experts, size=int(rng.integers(0, layer.num_experts - layer.top_k + 1)),
+                                         replace=False).tolist())
+        for layer in spec.layers
+    }
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "deepseek_v2", "gpt_oss"])
+def test_prefix_reuse_gives_from_scratch_fitness_on_random_allocations(family, tmp_path):
+    """Children share a random-length prefix with a random earlier allocation; every value equals scratch."""
+    model, cache = _world(family, tmp_path)
+    spec = moe.inspect(model)
+    rng = np.random.default_rng(0)
+    seen = [_random_pruned(spec, rng)]
+    for _ in range(11):
+        parent = seen[int(rng.integers(len(seen)))]
+        child = dict(parent)
+        for layer in spec.layers[int(rng.integers(len(spec.layers))):]:
+            if rng.random() < 0.6:
+                child[layer.ordinal] = _random_pruned(spec, rng)[layer.ordinal]
+        seen.append(child)
+    scratch = CandidateEvaluator(model, cache, batch_size=3)
+    reuse = CandidateEvaluator(model, cache, batch_size=3, prefix_cache_bytes=1 << 30)
+    for i, pruned in enumerate(seen):
+        subset = None if i % 3 else [0, 2, 5]  # subsets too, as racing scores them
+        a, b = reuse.sample_values(pruned, subset), scratch.sample_values(pruned, subset)
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert reuse.layer_tokens < scratch.layer_tokens
+    assert reuse.prefix.peak_bytes <= 1 << 30
+
+
+def test_prefix_reuse_starts_at_the_first_changed_moe_layer(tmp_path):
+    model, cache = _world("qwen2_moe", tmp_path)  # decoder layer 1 is dense: MoE ordinals 0, 1, 2 at layers 0, 2, 3
+    starts = [layer.decoder_index for layer in moe.inspect(model).layers]
+    assert starts == [0, 2, 3]
+    evaluator = CandidateEvaluator(model, cache, batch_size=8, prefix_cache_bytes=1 << 30)
+    evaluator.score({0: [1], 1: [2], 2: [3]})
+    tokens = sum(evaluator._lengths)  # one batch of all samples: padded to the longest
+    padded = len(evaluator._lengths) * max(evaluator._lengths)
+    assert evaluator.layer_tokens == 4 * padded and tokens <= padded
+    evaluator.score({0: [1], 1: [2], 2: [4]})  # first change at MoE ordinal 2: decoder layer 3 only
+    assert evaluator.layer_tokens == 5 * padded
+    evaluator.score({0: [1], 1: [5], 2: [4]})  # ordinal 1: decoder layers 2 and 3
+    assert evaluator.layer_tokens == 7 * padded
+
+
+def test_a_small_budget_keeps_fewer_boundaries_never_exceeds_it_and_stays_exact(tmp_path):
+    model, cache = _world("olmoe", tmp_path)
+    probe = CandidateEvaluator(model, cache, prefix_cache_bytes=1 << 30)
+    one = sum(probe._lengths) * model.config.hidden_size * 4  # bytes of one boundary over all samples
+    budget = 3 * one  # keep=1: two allocations of one boundary fit, not three boundaries each
+    small = CandidateEvaluator(model, cache, batch_size=4, prefix_cache_bytes=budget, keep=1)
+    assert small.prefix.boundaries == (2,)
+    scratch = CandidateEvaluator(model, cache, batch_size=4)
+    rng = np.random.default_rng(5)
+    spec = moe.inspect(model)
+    base = _random_pruned(spec, rng)
+    for _ in range(8):
+        pruned = {**base, 3: [int(rng.integers(8))]}  # vary only the last layer so boundary 2 is hit
+        torch.testing.assert_close(small.sample_values(pruned), scratch.sample_values(pruned), atol=1e-6, rtol=0)
+        assert small.prefix.bytes <= budget
+    assert small.prefix.peak_bytes <= budget
+    assert small.layer_tokens < scratch.layer_tokens
+
+
+def test_eviction_keeps_the_fittest_allocations():
+    cache = PrefixCache(budget_bytes=3 * 40, boundaries=[1], boundary_bytes=40, keep=1)
+    state = torch.zeros(10)  # 40 bytes
+    for i, fit in enumerate([0.5, 0.9, 0.1, 0.7]):
+        sets = ((i,), ())
+        cache.put(sets, 1, 0, state.clone())
+        cache.commit(sets, fit)
+    kept = {key[1][0][0] for key in cache._entries}
+    assert kept == {0, 1, 3}  # the least fit (0.1) went first
+    assert cache.bytes == cache.peak_bytes == 120
+
+
+def test_spread_picks_evenly_spaced_boundaries():
+    assert spread([1, 2, 3], 5) == (1, 2, 3)
+    assert spread([1, 2, 3, 4, 5, 6, 7], 3) == (2, 4, 6)
+    assert spread([1, 2, 3], 0) == ()
+
+
+def test_prefix_reuse_gives_identical_values_along_a_real_search(tmp_path):
+    """The search's own candidate sequence (elites' children): every fitness equal to scratch within 1e-6,
+    and the same search result."""
+    model, cache = _world("olmoe", tmp_path, samples=8)
+    spec = moe.inspect(model)
+    orders = [list(range(layer.num_experts)) for layer in spec.layers]
+    n, k = spec.num_experts, spec.top_k
+    budget = alloc.budget(0.5, n, k)
+    runs = {}
+    for name, nbytes in (("scratch", 0), ("reuse", 1 << 30)):
+        evaluator = CandidateEvaluator(model, cache, batch_size=4, prefix_cache_bytes=nbytes)
+        result = search.level_switch_search(
+            lambda r: evaluator.score(alloc.pruned_sets(r, orders)), n, k, budget, population=8, elites=2,
+            generations=4, seed=1)
+        runs[name] = (result, evaluator.layer_tokens)
+    (a, work_a), (b, work_b) = runs["scratch"], runs["reuse"]
+    assert [h.allocation for h in a.history] == [h.allocation for h in b.history]
+    np.testing.assert_allclose([h.fitness for h in b.history], [h.fitness for h in a.history], atol=1e-6, rtol=0)
+    assert work_b < work_a
