@@ -28,6 +28,14 @@ removal counts, see `evoesap.allocation`) to a float, higher is better.
   single put for object stores). `resume=True` continues from it, and the result and history equal
   those of an uninterrupted run. Parameters must match, except `generations`, which may be raised to
   extend a finished search; a missing checkpoint starts afresh.
+- Racing (opt-in, `racing=Racing(...)` with `subset_fitness`): each generation's candidates that have
+  no full-set fitness yet are raced over growing sample subsets (`evoesap.racing` documents the
+  schedule) and only the survivors get `fitness`, the full-set score. Elites and the best allocation
+  are ranked on full-set scores only. `subset_fitness(allocation, level, generation)` scores on level
+  `level`'s subset of that generation; it holds no state the search must save, so a resumed racing
+  search equals an uninterrupted one. History records of candidates stopped early carry the level
+  they reached and their score there (`level`); the search draws no extra random numbers, so racing
+  off leaves Algorithm 1 and its results unchanged.
 """
 
 from __future__ import annotations
@@ -46,10 +54,13 @@ import numpy as np
 from evoesap import allocation, artifacts
 from evoesap.allocation import Allocation
 from evoesap.errors import ArtifactError, ConfigError, DataError
+from evoesap.racing import Racing
 
 log = logging.getLogger(__name__)
 
 Fitness = Callable[[Allocation], float]
+# subset_fitness(allocation, racing level, generation): fitness on that level's sample subset
+SubsetFitness = Callable[[Allocation, int, int], float]
 # on_generation(generation, best, best_fitness, mean_fitness_of_population, evaluations_so_far)
 OnGeneration = Callable[[int, Allocation, float, float, int], None]
 
@@ -59,13 +70,18 @@ _REDRAWS = 32
 
 @dataclasses.dataclass(frozen=True)
 class HistoryRecord:
-    """One population slot of one generation; `elite` marks the slots kept for the next generation."""
+    """One population slot of one generation; `elite` marks the slots kept for the next generation.
+
+    `level` is None when `fitness` is on the full search set, else the racing level the candidate
+    stopped at, with `fitness` its score on that level's subset.
+    """
 
     generation: int
     candidate: int
     allocation: Allocation
     fitness: float
     elite: bool
+    level: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +90,7 @@ class SearchResult:
     best_fitness: float
     history: tuple[HistoryRecord, ...]  # (generations + 1) * population records, generation 0 first
     evaluations: int  # distinct allocations evaluated = fitness calls of an uninterrupted run
+    subset_evaluations: int = 0  # subset_fitness calls of an uninterrupted run (racing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +106,7 @@ class _Params:
     granularity: int
     seed: int
     init: tuple[Allocation, ...]
+    racing: Racing | None = None
 
 
 def seed_patterns(
@@ -130,15 +148,21 @@ def level_switch_search(
     checkpoint: str | None = None,
     resume: bool = False,
     on_generation: OnGeneration | None = None,
+    racing: Racing | None = None,
+    subset_fitness: SubsetFitness | None = None,
 ) -> SearchResult:
     """Search the allocation that maximises `fitness` under the budget (see the module docstring).
 
     init: extra seeds for generation 0, placed right after the uniform seed.
+    racing, subset_fitness: successive halving over sample subsets (both or neither).
     on_generation: called after each generation (0 is the initial population, so `generations + 1`
     calls in all); on resume, once for the restored generation and then for each new one.
     """
     params = _validate(num_experts, top_k, budget, population, elites, generations, max_transfer, max_steps,
                        granularity, seed, init)
+    if (racing is None) != (subset_fitness is None):
+        raise ConfigError("racing needs both a Racing schedule and subset_fitness (or neither)")
+    params = dataclasses.replace(params, racing=racing)
     space = allocation.FeasibleSet(params.num_experts, params.top_k, params.budget, params.granularity)
     if space.size < 2:
         raise ConfigError(
@@ -158,6 +182,7 @@ def level_switch_search(
     history: list[HistoryRecord] = []
     best: Allocation | None = None
     best_fitness = -math.inf
+    subset_calls = 0
 
     def evaluate(r: Allocation) -> float:
         if r not in memo:
@@ -167,22 +192,49 @@ def level_switch_search(
             memo[r] = value
         return memo[r]
 
+    def race(gen: int, pop: list[Allocation]) -> dict[Allocation, tuple[int, float]]:
+        """Score the new members over the racing levels; survivors get full-set fitness (memo).
+        Returns the level reached and the score there of those stopped early."""
+        nonlocal subset_calls
+        assert racing is not None and subset_fitness is not None
+        entrants = [r for r in dict.fromkeys(pop) if r not in memo]
+        stopped: dict[Allocation, tuple[int, float]] = {}
+        for level in range(len(racing.fractions)):
+            if not entrants:
+                break
+            scores = [float(subset_fitness(r, level, gen)) for r in entrants]
+            subset_calls += len(entrants)
+            if any(math.isnan(v) for v in scores):
+                raise DataError(f"subset_fitness returned NaN at racing level {level}: the search cannot rank it")
+            stopped.update((r, (level, v)) for r, v in zip(entrants, scores))
+            keep = racing.survivors(len(entrants), params.elites if gen == 0 else 1)
+            entrants = [entrants[i] for i in _top(scores, keep)]
+        for r in entrants:
+            evaluate(r)
+            stopped.pop(r, None)
+        return stopped
+
     def report(gen: int, pop: list[Allocation]) -> None:
-        mean = float(np.mean([memo[r] for r in pop]))
+        mean = float(np.mean([memo[r] for r in pop if r in memo]))
         log.info("generation %d: best %.6g, mean %.6g, %d evaluations", gen, best_fitness, mean, len(memo))
         if on_generation is not None:
             on_generation(gen, best, best_fitness, mean, len(memo))
 
     def finish(gen: int, pop: list[Allocation]) -> None:
         nonlocal best, best_fitness
-        fits = [evaluate(r) for r in pop]
+        stopped = race(gen, pop) if racing is not None else {}
+        fits = [-math.inf if r in stopped else evaluate(r) for r in pop]  # stopped early: never elite
         top = set(_top(fits, params.elites))
-        history.extend(HistoryRecord(gen, i, r, f, i in top) for i, (r, f) in enumerate(zip(pop, fits)))
+        history.extend(
+            HistoryRecord(gen, i, r, f, i in top) if r not in stopped else
+            HistoryRecord(gen, i, r, stopped[r][1], False, stopped[r][0])
+            for i, (r, f) in enumerate(zip(pop, fits))
+        )
         for r, f in zip(pop, fits):
-            if best is None or f > best_fitness:
+            if r not in stopped and (best is None or f > best_fitness):
                 best, best_fitness = r, f
         if checkpoint is not None:
-            _write_checkpoint(checkpoint, params, gen, pop, memo, history, best, best_fitness, rng)
+            _write_checkpoint(checkpoint, params, gen, pop, memo, history, best, best_fitness, rng, subset_calls)
         report(gen, pop)
 
     if saved is None:
@@ -194,16 +246,17 @@ def level_switch_search(
         memo.update(saved["memo"])
         history.extend(saved["history"])
         best, best_fitness = saved["best"], saved["best_fitness"]
+        subset_calls = saved["subset_calls"]
         rng.bit_generator.state = saved["rng"]
         report(start, pop)
 
     for gen in range(start + 1, params.generations + 1):
-        parents = [pop[i] for i in _top([memo[r] for r in pop], params.elites)]
+        parents = [pop[i] for i in _top([memo.get(r, -math.inf) for r in pop], params.elites)]
         pop = _next_population(parents, params, space, caps, sizes, rng)
         finish(gen, pop)
 
     assert best is not None
-    return SearchResult(best, best_fitness, tuple(history), len(memo))
+    return SearchResult(best, best_fitness, tuple(history), len(memo), subset_calls)
 
 
 def _validate(
@@ -354,6 +407,7 @@ def _write_checkpoint(
     best: Allocation | None,
     best_fitness: float,
     rng: np.random.Generator,
+    subset_calls: int,
 ) -> None:
     payload = {
         "format": _FORMAT,
@@ -361,10 +415,12 @@ def _write_checkpoint(
         "generation": generation,
         "population": [list(r) for r in pop],
         "memo": [[list(r), f] for r, f in memo.items()],
-        "history": [[h.generation, h.candidate, list(h.allocation), h.fitness, h.elite] for h in history],
+        "history": [[h.generation, h.candidate, list(h.allocation), h.fitness, h.elite]
+                    + ([] if h.level is None else [h.level]) for h in history],
         "best": list(best) if best is not None else None,
         "best_fitness": best_fitness,
         "rng": rng.bit_generator.state,
+        "subset_calls": subset_calls,
     }
     data = json.dumps(payload).encode("utf-8")
     fs, path = artifacts.split(uri)
@@ -401,8 +457,9 @@ def _read_checkpoint(uri: str, params: _Params) -> dict[str, Any]:
         "generation": payload["generation"],
         "population": [tuple(r) for r in payload["population"]],
         "memo": {tuple(r): float(f) for r, f in payload["memo"]},
-        "history": [HistoryRecord(g, c, tuple(a), float(f), bool(e)) for g, c, a, f, e in payload["history"]],
+        "history": [HistoryRecord(g, c, tuple(a), float(f), bool(e), *level) for g, c, a, f, e, *level in payload["history"]],
         "best": tuple(payload["best"]),
         "best_fitness": float(payload["best_fitness"]),
         "rng": payload["rng"],
+        "subset_calls": int(payload.get("subset_calls", 0)),
     }
