@@ -18,5 +18,8 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+demo: $(STAMP)
+	$(PY) -m evoesap pipeline demo --out runs/demo
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

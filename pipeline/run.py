@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import re
+import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, TextIO
 
 from evoesap import artifacts
 from pipeline.config import PipelineConfig
@@ -18,12 +22,50 @@ def _absolute(uri: str) -> str:
     return str(Path(uri).resolve()) if "://" not in uri else uri
 
 
-def run_local(config: PipelineConfig) -> str:
+_TASK_LINE = re.compile(r"(Executing task|finished with status|Pipeline .* finished)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class _TaskEcho(io.TextIOBase):
+    """Everything to the log file; only task start/finish lines to the terminal."""
+
+    def __init__(self, log: TextIO, terminal: TextIO) -> None:
+        self.log, self.terminal, self._partial = log, terminal, ""
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        self._partial += text
+        *lines, self._partial = self._partial.split("\n")
+        for line in lines:
+            if _TASK_LINE.search(line) and not line.startswith(" "):
+                self.terminal.write(_ANSI.sub("", line) + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.log.flush()
+        self.terminal.flush()
+
+
+@contextlib.contextmanager
+def _quiet_kfp(log_path: Path | None) -> Iterator[None]:
+    """Send kfp.local's streamed task logs to `log_path`, echoing one line per task start and finish."""
+    if log_path is None:
+        yield
+        return
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as log_file:
+        echo = _TaskEcho(log_file, sys.stderr)
+        with contextlib.redirect_stdout(echo):
+            yield
+
+
+def run_local(config: PipelineConfig, log_path: Path | None = None) -> str:
     """Run the whole DAG here through kfp.local's SubprocessRunner; return the report artifact URI.
 
     Finished stages under `storage_root` are reused, so a run that was interrupted, or re-run with
     another downstream parameter, repeats only what changed. Retries are for transient cluster
-    failures; here they would only repeat an error, so local runs have none.
+    failures; here they would only repeat an error, so local runs have none. With `log_path`, the
+    tasks' full logs go there and the terminal shows one line per task.
     """
     from kfp import local
 
@@ -42,7 +84,8 @@ def run_local(config: PipelineConfig) -> str:
         raise ValueError(f"pipeline_root must be a local directory for local runs, got {pipeline_root!r}")
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=_absolute(pipeline_root))
     log.info("running pipeline %s locally; artifacts under %s", config.name, artifacts.redact(config.storage_root))
-    task = build_pipeline(config)()
+    with _quiet_kfp(log_path):
+        task = build_pipeline(config)()
     return task.output
 
 

@@ -58,12 +58,14 @@ def files(tmp_path_factory):
 def first_run(files, tmp_path_factory):
     storage = tmp_path_factory.mktemp("run") / "artifacts"
     config = load_config(_config(files, storage))
-    report = run_local(config)
-    return {"storage": storage, "report": report, "config": config}
+    log = storage.parent / "pipeline.log"
+    report = run_local(config, log_path=log)
+    return {"storage": storage, "report": report, "config": config, "log": log}
 
 
 def test_pipeline_runs_end_to_end_locally(first_run):
     storage = first_run["storage"]
+    assert "published calibrate artifact" in first_run["log"].read_text()  # task logs went to the file
     report_dir = Path(first_run["report"])
     assert artifacts.read_manifest(str(report_dir)).stage == "report"
     text = (report_dir / "report.md").read_text()

@@ -25,12 +25,15 @@ def compile_cmd(
 
 
 @pipeline_app.command("run")
-def run_cmd(config: Path = typer.Argument(..., help="Pipeline YAML configuration.")) -> None:
-    """Run the DAG on this machine (kfp.local).  Example: evoesap pipeline run demo.yaml"""
+def run_cmd(
+    config: Path = typer.Argument(..., help="Pipeline YAML configuration."),
+    log: Path = typer.Option(None, "--log", help="Write the tasks' full logs here; the terminal shows one line per task."),
+) -> None:
+    """Run the DAG on this machine (kfp.local).  Example: evoesap pipeline run demo.yaml --log runs/pipeline.log"""
     from pipeline.config import load_config
     from pipeline.run import run_local
 
-    typer.echo(run_local(load_config(config)))
+    typer.echo(run_local(load_config(config), log_path=log))
 
 
 @pipeline_app.command("submit")
@@ -44,3 +47,19 @@ def submit_cmd(
     from pipeline.run import submit
 
     typer.echo(submit(load_config(config), host, experiment=experiment))
+
+
+@pipeline_app.command("demo")
+def demo_cmd(
+    out: Path = typer.Option(Path("runs/demo"), "--out", help="Where the demo world and all artifacts go."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the demo world."),
+    profile: str = typer.Option("default", "--profile", help="Demo world profile: default or quick."),
+) -> None:
+    """Build the demo world and run the whole pipeline on it locally.  Example: evoesap pipeline demo --out runs/demo"""
+    from pipeline.demo import main_table, run_demo
+
+    out = out.resolve()
+    typer.echo(f"building the demo world and running the pipeline; task logs in {out / 'pipeline.log'}")
+    report = run_demo(out, seed=seed, profile=profile, log_path=out / "pipeline.log")
+    typer.echo(f"\nreport: {report}/report.md (and report.html, plots beside it)\n")
+    typer.echo(main_table(report))
