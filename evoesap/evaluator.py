@@ -315,17 +315,13 @@ def score_allocation(
     device: str = "auto",
 ) -> tuple[float, float]:
     """Load the full model and a cache, score one allocation (none: the full model) -> raw (lower, upper)."""
-    from evoesap import moe
-    from evoesap.stages.cache_logits import MODEL_DTYPES
+    from evoesap import moe, runtime
     from evoesap.teacher import load_cache
 
-    if model_dtype not in MODEL_DTYPES:
-        raise ConfigError(f"model_dtype {model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
+    runtime.check_model_dtype(model_dtype)
     pruned = read_pruned(allocation) if allocation else {}
     loaded_cache = load_cache(cache)
     tokenizer = moe.load_tokenizer(model)
-    loaded = moe.load_pruned(model, dtype=MODEL_DTYPES[model_dtype])
-    device = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    loaded.to(device).eval()
+    loaded = runtime.load_model(model, model_dtype, device)
     scorer = CandidateEvaluator(loaded, loaded_cache, metric=metric, batch_size=batch_size, tokenizer=tokenizer)
     return scorer.bounds(pruned)

@@ -5,14 +5,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import torch
-
-from evoesap import artifacts
+from evoesap import artifacts, runtime
 from evoesap.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
-
-MODEL_DTYPES = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +31,7 @@ class CacheLogitsParams:
     enable_thinking: bool = False  # chat template switch for reasoning models
     model_dtype: str = "auto"  # dtype the teacher runs in
     device: str = "auto"  # auto: cuda when available
+    device_map: str | None = None  # "auto" spreads a large model over several GPUs
 
     def __post_init__(self) -> None:
         from evoesap.teacher import DTYPES, MODES
@@ -51,8 +48,7 @@ class CacheLogitsParams:
             raise ConfigError(f"max_length must be at least 2, got {self.max_length}")
         if int(self.batch_size) < 1:
             raise ConfigError(f"batch_size must be at least 1, got {self.batch_size}")
-        if self.model_dtype not in MODEL_DTYPES:
-            raise ConfigError(f"model_dtype {self.model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
+        runtime.check_model_dtype(self.model_dtype)
         for name in ("top_k", "max_length", "batch_size", "seed"):  # configs may deliver ints as floats
             object.__setattr__(self, name, int(getattr(self, name)))
         if self.samples is not None:
@@ -84,9 +80,7 @@ def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: 
     if tokenizer is None:
         raise DataError(f"{artifacts.redact(model)} has no tokenizer files: save the tokenizer with the model")
     log.info("loading %s", artifacts.redact(model))
-    loaded = moe.load_pruned(model, dtype=MODEL_DTYPES[params.model_dtype])
-    device = params.device if params.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    loaded.to(device).eval()
+    loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
     tokenized = data_mod.tokenize_samples(
         samples, tokenizer, max_length=params.max_length, enable_thinking=params.enable_thinking
     )

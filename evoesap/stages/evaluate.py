@@ -7,12 +7,9 @@ import json
 import logging
 from typing import Any
 
-import torch
-
-from evoesap import artifacts
+from evoesap import artifacts, runtime
 from evoesap import evaluate as ev
 from evoesap.errors import ConfigError, DataError
-from evoesap.stages.cache_logits import MODEL_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +31,7 @@ class EvaluateParams:
     max_length: int | None = None  # context length for lm-eval; default: the model config's
     device: str = "auto"  # "auto": cuda when available, else cpu
     model_dtype: str = "auto"  # as cache-logits: auto (the checkpoint's), bfloat16, float16, float32
+    device_map: str | None = None  # "auto" spreads a large model over several GPUs
     esap_batch_size: int = 8  # held-out ESAP batch size, when a teacher cache is given
     criterion: str | None = None
     sparsity: float | None = None
@@ -42,8 +40,7 @@ class EvaluateParams:
     def __post_init__(self) -> None:
         tasks = self.tasks.split(",") if isinstance(self.tasks, str) else self.tasks
         object.__setattr__(self, "tasks", tuple(str(t).strip() for t in tasks if str(t).strip()))
-        if self.model_dtype not in MODEL_DTYPES:
-            raise ConfigError(f"model_dtype {self.model_dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
+        runtime.check_model_dtype(self.model_dtype)
         if self.limit is not None and self.limit <= 0:
             raise ConfigError(f"limit must be positive, got {self.limit}")
         if isinstance(self.batch_size, str) and not self.batch_size.startswith("auto"):
@@ -53,12 +50,6 @@ class EvaluateParams:
 
     def labels(self) -> dict[str, Any]:
         return {"criterion": self.criterion, "sparsity": self.sparsity, "method": self.method}
-
-
-def _device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
 
 
 def _limit(limit: float | None) -> int | float | None:
@@ -91,8 +82,7 @@ def run_evaluate(
         raise DataError(f"{artifacts.redact(model)} has no tokenizer files: save the tokenizer with the model")
     with artifacts.stage_output(out_uri, "evaluate", dataclasses.asdict(params), inputs) as staging:
         log.info("loading %s", artifacts.redact(model))
-        loaded = moe.load_pruned(model, dtype=MODEL_DTYPES[params.model_dtype])
-        loaded.to(_device(params.device)).eval()
+        loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
         memory = ev.memory_footprint(loaded)
         experts = ev.expert_counts(loaded)
         esap = ev.heldout_esap(loaded, tokenizer, teacher_cache, params.esap_batch_size) if teacher_cache else None
