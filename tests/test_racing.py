@@ -129,3 +129,39 @@ def test_subsets_are_nested_within_a_generation_and_redrawn_across_generations()
     assert racing.subset(samples, 0.125, 7, 3) == small
     assert racing.subset(samples, 0.125, 7, 4) != small
     assert racing.subset([5], 0.125, 7, 0) == [5]
+
+
+@pytest.fixture(scope="module")
+def stage_inputs(tmp_path_factory):
+    from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
+    from evoesap.stages.calibrate import CalibrateParams, run_calibrate
+    from tiny_world import make_tiny_inputs
+
+    root = tmp_path_factory.mktemp("racing-stage")
+    files = make_tiny_inputs(root)
+    run_calibrate(files["model"], files["calibration"], CalibrateParams(samples=16, max_length=256), str(root / "scores"))
+    run_cache_logits(files["model"], files["search"], CacheLogitsParams(samples=12, max_length=256, dtype="float32"),
+                     str(root / "cache"))
+    return root, files["model"]
+
+
+def test_search_stage_records_cost_and_prefix_reuse_changes_only_the_cost(stage_inputs):
+    """Same allocation and fitness (1e-6) with and without prefix reuse, less work with it; racing runs
+    through the stage, and allocation.json carries the cost in full-forward equivalents."""
+    from evoesap import artifacts
+    from evoesap.stages.search import SearchParams, run_search
+
+    root, model = stage_inputs
+    small = dict(criterion="reap", sparsity=0.5, population=6, elites=2, generations=3, batch_size=8)
+    docs = {}
+    for name, extra in {"exact": dict(prefix_reuse=False), "reuse": {}, "racing": dict(racing=True)}.items():
+        out = str(root / f"search-{name}")
+        run_search(model, str(root / "scores"), str(root / "cache"), SearchParams(**small, **extra), out)
+        docs[name] = artifacts.read_json(artifacts.join(out, "allocation.json"))
+    exact, reuse, raced = docs["exact"], docs["reuse"], docs["racing"]
+    assert reuse["searched"]["removal_counts"] == exact["searched"]["removal_counts"]
+    assert abs(reuse["searched"]["fitness"] - exact["searched"]["fitness"]) < 1e-6
+    assert exact["cost"]["full_forward_equivalents_per_candidate"] > 0.9  # each candidate: about one forward
+    assert reuse["cost"]["full_forward_equivalents"] < exact["cost"]["full_forward_equivalents"]
+    assert raced["cost"]["subset_evaluations"] > 0
+    assert raced["cost"]["full_set_evaluations"] < exact["cost"]["full_set_evaluations"]

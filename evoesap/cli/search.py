@@ -29,10 +29,14 @@ def search_cmd(
     batch_size: int = typer.Option(8, "--batch-size"),
     model_dtype: str = typer.Option("auto", "--model-dtype"),
     device: str = typer.Option("auto", "--device"),
+    racing: bool = typer.Option(False, "--racing", help="Race new candidates over sample subsets first; elites on the full set."),
+    racing_schedule: str = typer.Option("0.125,0.5:0.25", "--racing-schedule", help="Subset shares, then the share that advances."),
+    prefix_reuse: bool = typer.Option(True, "--prefix-reuse/--no-prefix-reuse", help="Start candidates from cached hidden states (exact)."),
+    prefix_cache_bytes: int = typer.Option(1 << 30, "--prefix-cache-bytes", help="Budget of the prefix cache, on the model's device."),
 ) -> None:
     """Search the per-layer allocation with ESAP as fitness.
 
-    Example: evoesap search --model runs/demo/model --scores runs/cal --cache runs/cache --criterion reap --sparsity 0.25 --out runs/search
+    Example: evoesap search --model runs/demo/model --scores runs/cal --cache runs/cache --criterion reap --sparsity 0.25 --out runs/search --racing
     """
     from evoesap.stages.search import SearchParams, run_search
 
@@ -53,6 +57,10 @@ def search_cmd(
         batch_size=batch_size,
         model_dtype=model_dtype,
         device=device,
+        racing=racing,
+        racing_schedule=racing_schedule,
+        prefix_reuse=prefix_reuse,
+        prefix_cache_bytes=prefix_cache_bytes,
     )
     run_search(model, scores, cache, params, out)
     typer.echo(out)

@@ -5,6 +5,12 @@ uniform are scored on it afterwards, because a small search set saturates and a 
 it. When the searched allocation does not beat uniform there beyond noise (two standard errors of
 the paired per-sample difference) the stage says so loudly and, with `fallback_to_uniform`, returns
 uniform instead.
+
+Cost: prefix reuse (on by default, exact) starts each candidate's forward at its first MoE layer that
+differs from a cached allocation's; racing (opt-in) scores new candidates on growing sample subsets
+first (`evoesap.racing`). allocation.json records the search's cost in full-forward equivalents: the
+decoder-layer x token work of the search divided by that of one plain forward over the search samples,
+in all and per candidate (distinct allocations scored on any subset).
 """
 
 from __future__ import annotations
@@ -51,12 +57,17 @@ class SearchParams:
     model_dtype: str = "auto"
     device: str = "auto"
     device_map: str | None = None  # "auto" spreads a large model over several GPUs
+    racing: bool = False  # successive halving over sample subsets (evoesap.racing); ranks elites on the full set
+    racing_schedule: str = "0.125,0.5:0.25"  # subset shares of the racing levels, then the share that advances
+    prefix_reuse: bool = True  # start candidates from cached hidden states of the fittest allocations (exact)
+    prefix_cache_bytes: int = 1 << 30  # budget of those cached states, on the model's device
 
     def __post_init__(self) -> None:
         from evoesap import fitness
         from evoesap.importance import CRITERIA
 
-        for name in ("population", "elites", "generations", "max_transfer", "max_steps", "granularity", "seed", "batch_size"):
+        for name in ("population", "elites", "generations", "max_transfer", "max_steps", "granularity", "seed", "batch_size",
+                     "prefix_cache_bytes"):
             object.__setattr__(self, name, int(getattr(self, name)))  # configs may deliver ints as floats
         if self.criterion not in CRITERIA:
             raise ConfigError(f"criterion {self.criterion!r} is not one of {', '.join(CRITERIA)}")
@@ -71,6 +82,12 @@ class SearchParams:
         if self.elites < 1 or self.generations < 0 or self.max_transfer < 1 or self.max_steps < 1:
             raise ConfigError("elites, max_transfer and max_steps must be >= 1 and generations >= 0")
         runtime.check_model_dtype(self.model_dtype)
+        if self.prefix_cache_bytes < 0:
+            raise ConfigError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
+        if self.racing:
+            from evoesap.racing import Racing
+
+            Racing.parse(self.racing_schedule)
 
 
 def split_samples(num_samples: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -103,15 +120,42 @@ def _checkpoint_uri(out_uri: str) -> str:
 
 
 def _history_frame(history: Any) -> pd.DataFrame:
-    return pd.DataFrame(
+    """One row per population slot; `fitness` is on the full search set. With racing, a candidate stopped
+    early has NaN there and its subset score in `race_fitness` at `race_level` (columns only then)."""
+    frame = pd.DataFrame(
         {
             "generation": [h.generation for h in history],
             "candidate": [h.candidate for h in history],
             "allocation": [list(h.allocation) for h in history],
-            "fitness": [h.fitness for h in history],
+            "fitness": [h.fitness if h.level is None else float("nan") for h in history],
             "elite": [h.elite for h in history],
         }
     )
+    if any(h.level is not None for h in history):
+        frame["race_level"] = pd.array([h.level for h in history], dtype="Int64")
+        frame["race_fitness"] = [h.fitness if h.level is not None else float("nan") for h in history]
+    return frame
+
+
+def _cost(evaluator: Any, result: Any, search_ids: list[int]) -> dict[str, Any]:
+    """The search's work in full-forward equivalents (hardware-independent), before any held-out scoring.
+
+    A resumed search counts only the work of this run; candidates are distinct allocations scored on
+    the full set or on a racing subset.
+    """
+    unit = evaluator.full_forward_tokens(search_ids)
+    raced_only = len({h.allocation for h in result.history if h.level is not None} -
+                     {h.allocation for h in result.history if h.level is None})
+    candidates = result.evaluations + raced_only
+    total = evaluator.layer_tokens / unit
+    return {
+        "full_forward_equivalents": total,
+        "candidates": candidates,
+        "full_forward_equivalents_per_candidate": total / max(1, candidates),
+        "full_set_evaluations": result.evaluations,
+        "subset_evaluations": result.subset_evaluations,
+        "samples_run": evaluator.forwards,
+    }
 
 
 def _plots(staging: Path, params: SearchParams, history: pd.DataFrame, allocations: dict[str, list[int]], n: tuple[int, ...]) -> None:
@@ -130,7 +174,7 @@ def _plots(staging: Path, params: SearchParams, history: pd.DataFrame, allocatio
 
 def run_search(model: str, scores: str, cache: str, params: SearchParams, out_uri: str) -> artifacts.Manifest:
     """Search the allocation for one criterion and sparsity; publish allocation.json, history and plots."""
-    from evoesap import search
+    from evoesap import racing, search
     from evoesap.evaluator import CandidateEvaluator
     from evoesap.importance import pruning_order, read_scores
     from evoesap.teacher import load_cache
@@ -147,10 +191,19 @@ def run_search(model: str, scores: str, cache: str, params: SearchParams, out_ur
     teacher = load_cache(cache)
     search_ids, heldout_ids = split_samples(teacher.num_samples, params.heldout_fraction, params.seed)
     loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
-    evaluator = CandidateEvaluator(loaded, teacher, metric=params.metric, batch_size=params.batch_size)
+    evaluator = CandidateEvaluator(
+        loaded, teacher, metric=params.metric, batch_size=params.batch_size,
+        prefix_cache_bytes=params.prefix_cache_bytes if params.prefix_reuse else 0, keep=params.elites,
+    )
+    schedule = racing.Racing.parse(params.racing_schedule) if params.racing else None
 
     def fitness_of(r: tuple[int, ...]) -> float:
         return evaluator.score(alloc.pruned_sets(r, orders), samples=search_ids)
+
+    def subset_fitness(r: tuple[int, ...], level: int, generation: int) -> float:
+        assert schedule is not None
+        samples = racing.subset(search_ids, schedule.fractions[level], params.seed, generation)
+        return evaluator.score(alloc.pruned_sets(r, orders), samples=samples)
 
     bar = progress(total=params.generations + 1, desc=f"search {params.criterion} {params.sparsity:.0%}", unit="gen")
 
@@ -175,9 +228,12 @@ def run_search(model: str, scores: str, cache: str, params: SearchParams, out_ur
             checkpoint=_checkpoint_uri(out_uri),
             resume=params.resume,
             on_generation=on_generation,
+            racing=schedule,
+            subset_fitness=subset_fitness if schedule is not None else None,
         )
     finally:
         bar.close()
+    cost = _cost(evaluator, result, search_ids)
 
     best = [int(x) for x in result.best]
     sign = evaluator.metric.sign
@@ -216,6 +272,7 @@ def run_search(model: str, scores: str, cache: str, params: SearchParams, out_ur
         "fallback_applied": chosen is uniform and best != uniform,
         "heldout": check,
         "evaluations": result.evaluations,
+        "cost": cost,
         "search_samples": len(search_ids),
         "heldout_samples": len(heldout_ids),
     }
