@@ -11,7 +11,7 @@ The decoder stack runs layer by layer (`evoesap.layerwise`), so that with `prefi
 candidate starts at its first MoE layer whose pruned set differs from a cached allocation's, from the
 hidden states cached there (`evoesap.prefix`); values equal a forward from scratch up to float
 rounding of differently padded batches. `layer_tokens` counts the decoder-layer x token work done,
-padding included, for cost figures in full-forward equivalents (`full_forward_tokens`).
+without padding, for cost figures in full-forward equivalents (`full_forward_tokens`).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class CandidateEvaluator:
         # allocation -> (lower [S], upper [S]) float32 on the host, NaN where not computed yet
         self._memo: dict[AllocationKey, tuple[torch.Tensor, torch.Tensor]] = {}
         self.forwards = 0  # samples run through the model, for cost accounting
-        self.layer_tokens = 0  # decoder layers x tokens (padding included) actually run
+        self.layer_tokens = 0  # decoder layers x tokens actually run (padding not counted)
 
     # ---------------------------------------------------------------------------------------------
     # Public API
@@ -238,16 +238,17 @@ class CandidateEvaluator:
             for row, (s, n) in enumerate(zip(chunk, lengths)):
                 hidden[row, :n] = cached[s]
         ctx = runner.context(hidden, attention_mask)
+        real = sum(lengths)  # tokens counted as work; padding is a batching artefact, not method cost
         stops = [a for a in (self.prefix.boundaries if self.prefix is not None else ()) if a > first]
         for a in stops:
             hidden = runner.run(hidden, ctx, start, self._starts[a])
-            self.layer_tokens += (self._starts[a] - start) * hidden.shape[0] * hidden.shape[1]
+            self.layer_tokens += (self._starts[a] - start) * real
             start = self._starts[a]
             for row, (s, n) in enumerate(zip(chunk, lengths)):
                 if self.prefix.wants(sets, a, s):
                     self.prefix.put(sets, a, s, hidden[row, :n].clone())  # [T_i, H]
         hidden = runner.run(hidden, ctx, start, runner.num_layers)
-        self.layer_tokens += (runner.num_layers - start) * hidden.shape[0] * hidden.shape[1]
+        self.layer_tokens += (runner.num_layers - start) * real
         return hidden
 
     def _score_rows(self, hidden: torch.Tensor, chunk: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

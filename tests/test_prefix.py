@@ -94,13 +94,13 @@ def test_prefix_reuse_starts_at_the_first_changed_moe_layer(tmp_path):
     assert starts == [0, 2, 3]
     evaluator = CandidateEvaluator(model, cache, batch_size=8, prefix_cache_bytes=1 << 30)
     evaluator.score({0: [1], 1: [2], 2: [3]})
-    tokens = sum(evaluator._lengths)  # one batch of all samples: padded to the longest
-    padded = len(evaluator._lengths) * max(evaluator._lengths)
-    assert evaluator.layer_tokens == 4 * padded and tokens <= padded
+    tokens = sum(evaluator._lengths)  # each sample cut after its last scored position
+    assert tokens < sum(int(ids.numel()) for ids in cache.input_ids)
+    assert evaluator.layer_tokens == 4 * tokens
     evaluator.score({0: [1], 1: [2], 2: [4]})  # first change at MoE ordinal 2: decoder layer 3 only
-    assert evaluator.layer_tokens == 5 * padded
+    assert evaluator.layer_tokens == 5 * tokens
     evaluator.score({0: [1], 1: [5], 2: [4]})  # ordinal 1: decoder layers 2 and 3
-    assert evaluator.layer_tokens == 7 * padded
+    assert evaluator.layer_tokens == 7 * tokens
 
 
 def test_a_small_budget_keeps_fewer_boundaries_never_exceeds_it_and_stays_exact(tmp_path):

@@ -1,0 +1,259 @@
+"""Search cost against the reference method, in one run on the same data: seconds and work per candidate.
+
+Rows:
+  (a) reference  the original method re-implemented: full-vocabulary teacher logits held in host
+                 memory as bfloat16, and per candidate a full masked forward (evoesap.moe.masked), the
+                 LM head at every position, float32 softmax of both and the minimum over the whole
+                 vocabulary at every position, the (shifted) answer mask applied afterwards.
+  (b) exact      CandidateEvaluator without prefix reuse (teacher cache, head at scored positions only).
+  (c) prefix     prefix reuse alone;  racing: racing alone;  prefix+racing: both.
+(b) and (c) run the same short level-switch search (same seed and settings); (a) scores candidates of
+that search's history, half before and half after the searches, so machine load hits it like the rest.
+Figures: seconds per candidate, full-forward equivalents per candidate (decoder-layer x token work /
+one plain forward over the search samples), peak memory (process peak RSS per row, reset between rows
+through /proc/self/clear_refs, plus the bytes of teacher data and cached states the row holds), and the
+search's final allocation with its full-set fitness. `--sweep` adds racing against exact search over
+seeds x criteria x sparsities (cost per generation, full-set ESAP loss).
+
+Example (the demo world):
+    .venv/bin/python benchmarks/bench_search.py --model .cache/demo-world/model \\
+        --data .cache/demo-world/data/{code,copy,facts,math}/search.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from evoesap import allocation as alloc
+from evoesap import moe, racing, search, teacher
+from evoesap.data import TokenizedSample, load_samples, scored_mask, tokenize_samples
+from evoesap.evaluator import CandidateEvaluator
+from evoesap.importance import observe, pruning_order
+
+
+def peak_rss_reset() -> None:
+    """Reset the process's peak RSS (Linux); silently nothing elsewhere."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def load_world(args: argparse.Namespace) -> tuple[torch.nn.Module, list[TokenizedSample], list[TokenizedSample]]:
+    model = moe.load_pruned(args.model, dtype=torch.float32).eval()
+    tok = moe.load_tokenizer(args.model)
+
+    def read(files: list[str], n: int) -> list[TokenizedSample]:
+        per = max(1, n // len(files))
+        samples = [s for f in files for s in load_samples(f, split="train", n=per, seed=0)]
+        tokenized = tokenize_samples(samples, tok, max_length=args.max_length)
+        return [dataclasses.replace(s, sample_id=i) for i, s in enumerate(tokenized)]
+
+    return model, read(args.data, args.samples), read(args.calibration or args.data, args.calibration_samples)
+
+
+class Reference:
+    """The reference method: bf16 full-vocabulary teacher logits on the host, everything at every position."""
+
+    def __init__(self, model: torch.nn.Module, tokenized: list[TokenizedSample], batch_size: int) -> None:
+        self.model, self.batch_size = model, batch_size
+        self.batches = []
+        with torch.inference_mode():
+            for start in range(0, len(tokenized), batch_size):
+                chunk = tokenized[start : start + batch_size]
+                ids, mask = teacher.pad_right([torch.tensor(s.input_ids) for s in chunk])
+                keep = torch.zeros(ids.shape, dtype=torch.bool)  # [B, T] scored positions
+                for row, s in enumerate(chunk):
+                    keep[row, : len(s.input_ids)] = torch.tensor(scored_mask(s.answer_mask))
+                logits = model(input_ids=ids, attention_mask=mask).logits.to(torch.bfloat16)  # [B, T, V] bf16
+                self.batches.append((ids, mask, keep, logits))
+        self.bytes = sum(b[3].numel() * b[3].element_size() for b in self.batches)
+
+    def score(self, pruned: dict[int, list[int]]) -> float:
+        means = []
+        with torch.inference_mode(), moe.masked(self.model, pruned):
+            for ids, mask, keep, teacher_logits in self.batches:
+                p = torch.softmax(teacher_logits.float(), -1)  # [B, T, V] float32, copied per batch
+                q = torch.softmax(self.model(input_ids=ids, attention_mask=mask).logits.float(), -1)  # [B, T, V]
+                per_pos = torch.minimum(p, q).sum(-1)  # [B, T]
+                means += [per_pos[row][keep[row]].mean() for row in range(ids.shape[0])]
+        return float(torch.stack(means).double().mean())
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    seconds: float = 0.0
+    candidates: int = 0
+    ffe: float = float("nan")  # full-forward equivalents in all
+    rss_mib: float = float("nan")
+    held_mib: float = float("nan")
+    best: tuple[int, ...] | None = None
+    best_fitness: float = float("nan")
+    generations: int = 0
+
+
+def run_search(model, cache, orders, n, k, budget, search_ids, args, *, prefix: bool, race: bool, seed: int) -> tuple[Row, search.SearchResult, CandidateEvaluator]:
+    evaluator = CandidateEvaluator(model, cache, batch_size=args.batch_size, prefix_cache_bytes=args.prefix_cache_bytes if prefix else 0,
+                                   keep=args.elites, verify=False)
+    schedule = racing.Racing.parse(args.racing_schedule) if race else None
+
+    def fitness(r):
+        return evaluator.score(alloc.pruned_sets(r, orders), samples=search_ids)
+
+    def subset_fitness(r, level, generation):
+        samples = racing.subset(search_ids, schedule.fractions[level], seed, generation)
+        return evaluator.score(alloc.pruned_sets(r, orders), samples=samples)
+
+    t0 = time.perf_counter()
+    result = search.level_switch_search(
+        fitness, n, k, budget, population=args.population, elites=args.elites, generations=args.generations,
+        seed=seed, racing=schedule, subset_fitness=subset_fitness if race else None)
+    seconds = time.perf_counter() - t0
+    raced = {h.allocation for h in result.history if h.level is not None} - {h.allocation for h in result.history if h.level is None}
+    name = {(False, False): "(b) exact", (True, False): "(c) prefix", (False, True): "racing", (True, True): "prefix+racing"}[(prefix, race)]
+    row = Row(name, seconds, result.evaluations + len(raced), evaluator.layer_tokens / evaluator.full_forward_tokens(search_ids),
+              best=result.best, best_fitness=result.best_fitness, generations=args.generations)
+    row.held_mib = ((evaluator.prefix.peak_bytes if evaluator.prefix else 0) + tensor_bytes(evaluator.cache)) / 2**20
+    return row, result, evaluator
+
+
+def tensor_bytes(cache: teacher.TeacherCache) -> int:
+    return sum(t.numel() * t.element_size() for t in (cache.logprobs, cache.topk_ids, cache.topk_logprobs, cache.tail_mass,
+                                                       cache.positions, cache.targets) if t is not None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="checkpoint directory with tokenizer (the demo world's model)")
+    parser.add_argument("--data", required=True, nargs="+", help="search samples (JSONL chats), one or more files")
+    parser.add_argument("--calibration", nargs="+", help="calibration samples for the pruning orders (default: --data)")
+    parser.add_argument("--samples", type=int, default=64, help="search samples (split evenly over --data files)")
+    parser.add_argument("--calibration-samples", type=int, default=128)
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--criterion", default="reap")
+    parser.add_argument("--sparsity", type=float, default=0.5)
+    parser.add_argument("--population", type=int, default=32)
+    parser.add_argument("--elites", type=int, default=4)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--racing-schedule", default="0.125,0.5:0.25")
+    parser.add_argument("--prefix-cache-bytes", type=int, default=1 << 30)
+    parser.add_argument("--reference-candidates", type=int, default=6)
+    parser.add_argument("--sweep", action="store_true", help="also racing vs exact over seeds x {reap, frequency} x {25%%, 50%%}")
+    parser.add_argument("--sweep-seeds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="1: no spin-waiting on a shared, loaded machine")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model, tokenized, calibration = load_world(args)
+    spec = moe.inspect(model)
+    n, k = spec.num_experts, spec.top_k
+    scores = observe(model, calibration, batch_size=args.batch_size)
+    tokens = sum(len(s.input_ids) for s in tokenized)
+    scored = sum(sum(scored_mask(s.answer_mask)) for s in tokenized)
+    print(f"machine: {platform.machine()} {platform.processor()}, torch {torch.__version__}, {args.threads} threads, "
+          f"experts implementation {model.config._experts_implementation}")
+    print(f"world: {args.model}; {len(tokenized)} search samples, {tokens} tokens, {scored} scored, vocab {model.config.vocab_size}, "
+          f"{len(spec.layers)} MoE layers of {n[0]} experts top-{k[0]}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        teacher.write_cache(model, tokenized, Path(tmp), mode="full", dtype="float16", batch_size=args.batch_size)
+        cache = teacher.load_cache(tmp)
+        search_ids = list(range(cache.num_samples))
+        orders = pruning_order(scores, args.criterion)
+        budget = alloc.budget(args.sparsity, n, k)
+
+        peak_rss_reset()
+        reference = Reference(model, tokenized, args.batch_size)
+        ref_rss = peak_rss_mib()
+        ref_times: list[float] = []
+        ref_values: dict[tuple[int, ...], float] = {}
+
+        def time_reference(candidates: list[tuple[int, ...]]) -> None:
+            for r in candidates:
+                t0 = time.perf_counter()
+                ref_values[r] = reference.score(alloc.pruned_sets(r, orders))
+                ref_times.append(time.perf_counter() - t0)
+
+        first = search.seed_patterns(n, k, budget)
+        half = args.reference_candidates // 2
+        time_reference(list(first.values())[:half])
+        rows, results = [], {}
+        for prefix, race in ((False, False), (True, False), (False, True), (True, True)):
+            peak_rss_reset()
+            row, result, evaluator = run_search(model, cache, orders, n, k, budget, search_ids, args, prefix=prefix, race=race, seed=args.seed)
+            row.rss_mib = peak_rss_mib()
+            rows.append(row)
+            results[row.name] = (result, evaluator)
+        exact_result, exact_eval = results["(b) exact"]
+        later = [h.allocation for h in exact_result.history if h.generation > 0][: args.reference_candidates - half]
+        time_reference(later)
+        ref_row = Row("(a) reference", sum(ref_times), len(ref_times), float(len(ref_times)), rss_mib=ref_rss,
+                      held_mib=reference.bytes / 2**20)
+        checks = [abs(ref_values[r] - exact_eval.score(alloc.pruned_sets(r, orders))) for r in ref_values]
+
+    full_fitness = {row.name: exact_eval.score(alloc.pruned_sets(row.best, orders)) for row in rows}
+    ref_per = ref_row.seconds / ref_row.candidates
+    print()
+    print("| method | s / candidate | vs (a) | FFE / candidate | FFE / generation | candidates | peak RSS MiB | held MiB | final allocation | full-set ESAP |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| (a) reference | {ref_per:.3f} | 1.0x | 1.000 | {args.population - args.elites:.2f} | {ref_row.candidates} (timed) | "
+          f"{ref_row.rss_mib:.0f} | {ref_row.held_mib:.1f} | - | - |")
+    for row in rows:
+        per = row.seconds / row.candidates
+        print(f"| {row.name} | {per:.3f} | {ref_per / per:.1f}x | {row.ffe / row.candidates:.3f} | {row.ffe / (row.generations + 1):.2f} | "
+              f"{row.candidates} | {row.rss_mib:.0f} | {row.held_mib:.1f} | {list(row.best)} | {full_fitness[row.name]:.6f} |")
+    print(f"\n(a) vs (b) ESAP on the same candidates: max |diff| {max(checks):.2e} (float16 cache vs bf16 logits)")
+    print(f"search: {args.criterion} {args.sparsity:.0%}, population {args.population}, elites {args.elites}, "
+          f"{args.generations} generations, seed {args.seed}; racing schedule {args.racing_schedule}")
+    if args.sweep:
+        sweep(model, cache, scores, n, k, search_ids, args)
+    print("\ncommand: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
+
+
+def sweep(model, cache, scores, n, k, search_ids, args) -> None:
+    """Racing against exact search (both with prefix reuse): cost per generation and full-set ESAP loss."""
+    print("\n| criterion | sparsity | seed | exact ESAP | racing ESAP | loss % | exact FFE/gen | racing FFE/gen | cheaper |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    losses, ratios = [], []
+    for criterion in ("reap", "frequency"):
+        orders = pruning_order(scores, criterion)
+        for sparsity in (0.25, 0.5):
+            budget = alloc.budget(sparsity, n, k)
+            for seed in range(args.sweep_seeds):
+                exact, _, ev = run_search(model, cache, orders, n, k, budget, search_ids, args, prefix=True, race=False, seed=seed)
+                raced, _, _ = run_search(model, cache, orders, n, k, budget, search_ids, args, prefix=True, race=True, seed=seed)
+                e = ev.score(alloc.pruned_sets(exact.best, orders))
+                r = ev.score(alloc.pruned_sets(raced.best, orders))
+                loss, ratio = 100 * (e - r) / e, exact.ffe / raced.ffe
+                losses.append(loss)
+                ratios.append(ratio)
+                print(f"| {criterion} | {sparsity:.0%} | {seed} | {e:.6f} | {r:.6f} | {loss:+.3f} | "
+                      f"{exact.ffe / (args.generations + 1):.2f} | {raced.ffe / (args.generations + 1):.2f} | {ratio:.1f}x |")
+    print(f"\nsweep: ESAP loss mean {np.mean(losses):+.3f}% max {np.max(losses):+.3f}%; racing cheaper per generation "
+          f"{np.min(ratios):.1f}x..{np.max(ratios):.1f}x (mean {np.mean(ratios):.1f}x)")
+
+
+if __name__ == "__main__":
+    main()
