@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import functools
 import json
 
 import numpy as np
@@ -14,31 +13,12 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from evoesap import moe
+from moe_support import FAMILIES, cached_model, one_thread, tokens  # noqa: F401 (one_thread is an autouse fixture)
 from evoesap.errors import ConfigError, ModelError
 
-FAMILIES = sorted(moe.FAMILIES)
 TOL = 1e-5
 # DeepSeek-V3's default tiny model routes group-limited; n_group=1 lets one layer keep exactly top-k.
 UNGROUPED = {"deepseek_v3": {"n_group": 1, "topk_group": 1}}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread; two stall badly when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@functools.lru_cache(maxsize=None)
-def cached_model(family: str, **overrides) -> torch.nn.Module:
-    """One tiny model per family and overrides; tests deepcopy it before changing anything."""
-    return moe.tiny_model(family, **overrides)
-
-
-def tokens(seed: int = 0, batch: int = 2, length: int = 16) -> torch.Tensor:
-    return torch.randint(3, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 @torch.no_grad()

@@ -9,17 +9,7 @@ import torch
 from safetensors import safe_open
 
 from evoesap import moe
-
-FAMILIES = sorted(moe.FAMILIES)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread; two stall badly when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from moe_support import FAMILIES, cached_model, one_thread, tokens  # noqa: F401 (one_thread is an autouse fixture)
 
 
 def one_expert_bytes(family: str, config) -> int:

@@ -2,32 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 
 import pytest
 import torch
 
 from evoesap import moe
-
-FAMILIES = sorted(moe.FAMILIES)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread; two stall badly when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@functools.lru_cache(maxsize=None)
-def cached_model(family: str) -> torch.nn.Module:
-    return moe.tiny_model(family)
-
-
-def tokens(seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 256, (2, 10), generator=torch.Generator().manual_seed(seed))
+from moe_support import FAMILIES, cached_model, one_thread, tokens  # noqa: F401 (one_thread is an autouse fixture)
 
 
 class Recorder:
