@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 from safetensors import safe_open
 
 from evoesap import moe
