@@ -159,3 +159,28 @@ def test_prefix_reuse_gives_identical_values_along_a_real_search(tmp_path):
     assert [h.allocation for h in a.history] == [h.allocation for h in b.history]
     np.testing.assert_allclose([h.fitness for h in b.history], [h.fitness for h in a.history], atol=1e-6, rtol=0)
     assert work_b < work_a
+
+
+@pytest.mark.slow
+def test_prefix_reuse_is_exact_along_a_search_on_the_demo_world(demo_world, tmp_path):
+    """The trained demo OLMoE and its search data: the same history and fitness values (1e-6) with reuse."""
+    from evoesap.data import load_samples, tokenize_samples
+
+    model = moe.load_pruned(str(demo_world.model_dir), dtype=torch.float32).eval()
+    tok = moe.load_tokenizer(str(demo_world.model_dir))
+    samples = [s for d in ("math", "code") for s in load_samples(str(demo_world.data_file(d, "search")), split="train", n=8, seed=0)]
+    tokenized = [s.__class__(i, s.input_ids, s.answer_mask) for i, s in enumerate(tokenize_samples(samples, tok, max_length=256))]
+    teacher.write_cache(model, tokenized, tmp_path, mode="full", dtype="float32", batch_size=8)
+    cache = teacher.load_cache(str(tmp_path))
+    spec = moe.inspect(model)
+    orders = [list(range(layer.num_experts)) for layer in spec.layers]
+    n, k = spec.num_experts, spec.top_k
+    results = []
+    for nbytes in (0, 1 << 30):
+        evaluator = CandidateEvaluator(model, cache, batch_size=8, prefix_cache_bytes=nbytes, verify=False)
+        results.append(search.level_switch_search(
+            lambda r: evaluator.score(alloc.pruned_sets(r, orders)), n, k, alloc.budget(0.5, n, k),
+            population=8, elites=2, generations=3, seed=0))
+    scratch, reuse = results
+    assert [h.allocation for h in scratch.history] == [h.allocation for h in reuse.history]
+    np.testing.assert_allclose([h.fitness for h in reuse.history], [h.fitness for h in scratch.history], atol=1e-6, rtol=0)
