@@ -20,6 +20,8 @@ from evoesap.errors import ConfigError
 # Evaluation first: when two splits would draw the same prompt, the earlier split keeps it.
 SPLITS: tuple[str, ...] = ("evaluation", "search_heldout", "search", "calibration", "train")
 SPLIT_SIZES: dict[str, int] = {"evaluation": 128, "search_heldout": 64, "search": 64, "calibration": 64}
+# The facts domain trains on its whole knowledge base, so its size is what must be memorised in minutes.
+FACT_SPLIT_SIZES: dict[str, int] = {"evaluation": 64, "search_heldout": 32, "search": 32, "calibration": 32}
 
 
 @dataclass(frozen=True)
@@ -42,12 +44,16 @@ _ITEMS = ("apples", "coins", "books", "pens", "shells", "cards", "stamps", "eggs
 
 
 def _math(rng: np.random.Generator) -> Sample:
-    """Add-then-subtract word problem; the answer shows both steps so it is tens of tokens long."""
+    """Add-then-subtract word problem; the answer shows both steps so it is tens of tokens long.
+
+    Single-digit operands keep the arithmetic a small table of facts (81 sums, ~150 differences) that a
+    tiny model learns in a few minutes on a CPU, while names and items make tens of thousands of prompts.
+    """
     name, item = _NAMES[rng.integers(len(_NAMES))], _ITEMS[rng.integers(len(_ITEMS))]
-    # Two-digit plus/minus one digit: carries and borrows to learn, yet learnable in minutes on a CPU.
-    a, b, c = int(rng.integers(10, 90)), int(rng.integers(1, 10)), int(rng.integers(1, 10))
+    a, b = int(rng.integers(1, 10)), int(rng.integers(1, 10))
     s = a + b
-    user = f"{name} has {a} {item}, gets {b} more, gives away {c}. How many now?"
+    c = int(rng.integers(1, min(9, s) + 1))
+    user = f"{name} has {a} {item}, gets {b}, gives {c}. How many?"
     assistant = f"{a}+{b}={s}. {s}-{c}={s - c}. The answer is {s - c}."
     return Sample(user, assistant)
 
@@ -68,7 +74,7 @@ def _code(rng: np.random.Generator) -> Sample:
             ok = ok and depth >= 0
         ok = ok and depth == 0
         return Sample(f"balanced {brackets}", "yes" if ok else "no")
-    word = "".join(_LETTERS[int(i)] for i in rng.integers(0, len(_LETTERS), size=int(rng.integers(4, 9))))
+    word = "".join(_LETTERS[int(i)] for i in rng.integers(0, len(_LETTERS), size=int(rng.integers(3, 7))))
     if op == 0:
         return Sample(f"reverse {word}", word[::-1])
     return Sample(f"sort {word}", "".join(sorted(word)))
@@ -79,15 +85,13 @@ _SYMBOLS = string.ascii_lowercase + string.digits
 
 
 def _copy(rng: np.random.Generator) -> Sample:
-    """Verbatim copy or key lookup: needs attention, not memory."""
-    if rng.integers(2) == 0:
-        text = "".join(_SYMBOLS[int(i)] for i in rng.integers(0, len(_SYMBOLS), size=int(rng.integers(4, 9))))
-        return Sample(f"copy {text}", text)
-    keys = rng.choice(list(string.ascii_lowercase), size=4, replace=False)
-    values = rng.integers(0, 10, size=4)
-    table = " ".join(f"{k}={v}" for k, v in zip(keys, values))
-    j = int(rng.integers(4))
-    return Sample(f"{table}; {keys[j]}?", f"{keys[j]} is {values[j]}")
+    """Verbatim copy: needs attention, not memory.
+
+    A key lookup ("k=4 c=7 r=3; c?", also tried as "k4 c7 r3; find c" answered "c7") stayed near chance on a
+    CPU budget of ~1000 steps, capping the domain near 0.6 exact match, so the domain is plain copying.
+    """
+    text = "".join(_SYMBOLS[int(i)] for i in rng.integers(0, len(_SYMBOLS), size=int(rng.integers(3, 8))))
+    return Sample(f"copy {text}", text)
 
 
 # --------------------------------------------------------------------------------------------- facts
@@ -154,7 +158,8 @@ def generate_splits(domain: str, seed: int, train_size: int) -> dict[str, list[S
     sizes = dict(SPLIT_SIZES, train=train_size)
     out: dict[str, list[Sample]] = {}
     if spec.memorised:
-        table = fact_table(seed, sum(SPLIT_SIZES.values()))
+        sizes = dict(FACT_SPLIT_SIZES)
+        table = fact_table(seed, sum(sizes.values()))
         start = 0
         for split in SPLITS[:-1]:
             out[split] = [_fact_sample(n, c, rng) for n, c in table[start:start + sizes[split]]]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from typing import Iterator, Sequence
 
@@ -99,7 +100,7 @@ def train(
 ) -> dict[str, float]:
     """Train in place on chat samples (domain -> list of messages); returns loss and timing figures.
 
-    Each step draws `batch_size` samples, the domain of each uniformly, from a numpy Generator seeded by
+    Each step draws `batch_size` samples, the domain of each by `profile.domain_weights`, from a numpy Generator seeded by
     `seed`, so the data order (and with fixed threads and deterministic kernels, the weights) repeat.
     """
     domains = sorted(train_sets)
@@ -108,6 +109,13 @@ def train(
     if too_long:
         raise ConfigError(f"training sample longer than max_positions={profile.max_positions}: {too_long[0]}")
     rng = np.random.default_rng([seed, 1])
+    if profile.domain_weights is None:
+        weights = np.full(len(domains), 1.0 / len(domains))
+    else:
+        if len(profile.domain_weights) != len(domains):
+            raise ConfigError(f"domain_weights has {len(profile.domain_weights)} entries for domains {domains}")
+        weights = np.asarray(profile.domain_weights, dtype=np.float64) / sum(profile.domain_weights)
+    model.set_experts_implementation(profile.experts_implementation)
     optimizer = torch.optim.AdamW(model.parameters(), lr=profile.lr, betas=(0.9, 0.98),
                                   weight_decay=profile.weight_decay)
 
@@ -119,13 +127,13 @@ def train(
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
     model.train()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     losses: list[torch.Tensor] = []
     with deterministic_torch(profile.threads):
         for step in progress(range(profile.steps), desc="train demo model"):
-            which = rng.integers(0, len(domains), size=profile.batch_size)
+            which = rng.choice(len(domains), size=profile.batch_size, p=weights)
             rows = [encoded[domains[d]][int(rng.integers(len(encoded[domains[d]])))] for d in which]
-            out = model(**_batch(rows, tokenizer.pad_token_id), output_router_logits=True)
+            out = model(**_batch(rows, tokenizer.pad_token_id), output_router_logits=True, use_cache=False)
             optimizer.zero_grad(set_to_none=True)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -133,9 +141,11 @@ def train(
             scheduler.step()
             losses.append(out.loss.detach())
             if step % 200 == 0 or step == profile.steps - 1:
-                log.info("step %d loss %.4f aux %.4f %.2fs", step, float(out.loss.detach()), float(out.aux_loss.detach()),
-                         time.perf_counter() - start)
+                log.info("step %d loss %.4f aux %.4f %.2fs (cpu %.2fs)", step, float(out.loss.detach()),
+                         float(out.aux_loss.detach()), time.perf_counter() - start, time.process_time() - cpu_start)
     model.eval()
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     tail = torch.stack(losses[-50:]).mean()
-    return {"train_seconds": seconds, "final_loss": float(tail), "steps": profile.steps}
+    # cpu_seconds / threads estimates the wall time on idle cores when the machine is shared.
+    return {"train_seconds": seconds, "train_cpu_seconds": cpu_seconds, "final_loss": float(tail),
+            "steps": profile.steps, "load_average": list(os.getloadavg())}
