@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test demo bench clean
 
+WORLD := .cache/demo-world
+
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -20,6 +22,14 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m evoesap pipeline demo --out runs/demo
+
+bench: $(STAMP)
+	$(PY) -m evoesap demo build --out $(WORLD)
+	$(PY) benchmarks/bench_calibrate.py
+	$(PY) benchmarks/bench_search.py --model $(WORLD)/model \
+		--data $(WORLD)/data/code/search.jsonl $(WORLD)/data/copy/search.jsonl $(WORLD)/data/facts/search.jsonl $(WORLD)/data/math/search.jsonl \
+		--calibration $(WORLD)/data/code/calibration.jsonl $(WORLD)/data/copy/calibration.jsonl $(WORLD)/data/facts/calibration.jsonl $(WORLD)/data/math/calibration.jsonl \
+		--sweep
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
