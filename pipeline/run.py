@@ -8,6 +8,7 @@ import logging
 import re
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
@@ -84,7 +85,9 @@ def run_local(config: PipelineConfig, log_path: Path | None = None) -> str:
         raise ValueError(f"pipeline_root must be a local directory for local runs, got {pipeline_root!r}")
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=_absolute(pipeline_root))
     log.info("running pipeline %s locally; artifacts under %s", config.name, artifacts.redact(config.storage_root))
-    with _quiet_kfp(log_path):
+    with _quiet_kfp(log_path), warnings.catch_warnings():
+        # kfp.local warns that cluster-only settings (display names, the stage image) do not apply here
+        warnings.filterwarnings("ignore", module=r"kfp\.local\..*")
         task = build_pipeline(config)()
     return task.output
 
