@@ -55,3 +55,24 @@ def inspect_checkpoint(uri: str) -> Any:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return moe.inspect(model)
+
+
+def tokenized_samples(model: str, data: str, params: Any, *, pack: bool = False) -> tuple[Any, list]:
+    """(tokenizer, tokenized samples) of a stage's data, drawn and tokenized as its parameters say.
+
+    `params` carries the data fields every data-reading stage shares: split, subset, fields,
+    samples, seed, max_length, enable_thinking.
+    """
+    from evoesap import data as data_mod
+    from evoesap import moe
+    from evoesap.errors import DataError
+
+    fields = params.fields() if callable(params.fields) else params.fields
+    samples = data_mod.load_samples(data, split=params.split, subset=params.subset, fields=fields, n=params.samples, seed=params.seed)
+    tokenizer = moe.load_tokenizer(model)
+    if tokenizer is None:
+        raise DataError(f"{artifacts.redact(model)} has no tokenizer files: save the tokenizer with the model")
+    tokenized = data_mod.tokenize_samples(
+        samples, tokenizer, max_length=params.max_length, enable_thinking=params.enable_thinking, pack=pack
+    )
+    return tokenizer, tokenized

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 
 from evoesap import artifacts, runtime
-from evoesap.errors import ConfigError, DataError
+from evoesap.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -65,25 +65,16 @@ class CacheLogitsParams:
 
 def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: str) -> artifacts.Manifest:
     """Cache the teacher (`model`, a checkpoint URI or hub name) on `data` samples and publish it at `out_uri`."""
-    from evoesap import data as data_mod
-    from evoesap import moe, teacher
+    from evoesap import teacher
 
     inputs = {"model": model, "data": data}
     done = artifacts.cached(out_uri, "cache_logits", dataclasses.asdict(params), inputs)
     if done is not None:
         log.info("teacher cache at %s is up to date", artifacts.redact(out_uri))
         return done
-    samples = data_mod.load_samples(
-        data, split=params.split, subset=params.subset, fields=params.fields(), n=params.samples, seed=params.seed
-    )
-    tokenizer = moe.load_tokenizer(model)
-    if tokenizer is None:
-        raise DataError(f"{artifacts.redact(model)} has no tokenizer files: save the tokenizer with the model")
+    tokenizer, tokenized = runtime.tokenized_samples(model, data, params)
     log.info("loading %s", artifacts.redact(model))
     loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
-    tokenized = data_mod.tokenize_samples(
-        samples, tokenizer, max_length=params.max_length, enable_thinking=params.enable_thinking
-    )
     with artifacts.stage_output(out_uri, "cache_logits", dataclasses.asdict(params), inputs) as staging:
         teacher.write_cache(
             loaded,

@@ -55,20 +55,14 @@ def run_calibrate(model: str, data: str, params: CalibrateParams, out_uri: str) 
         return done
 
     from evoesap import data as data_mod
-    from evoesap import importance, moe
+    from evoesap import importance
 
-    samples = data_mod.load_samples(data, split=params.split, subset=params.subset, fields=params.fields, n=params.samples, seed=params.seed)
-    tokenizer = moe.load_tokenizer(model)
-    if tokenizer is None:
-        raise ConfigError(f"{artifacts.redact(model)} has no tokenizer files: save the tokenizer with the model")
-    tokenized = data_mod.tokenize_samples(
-        samples, tokenizer, max_length=params.max_length, enable_thinking=params.enable_thinking, pack=params.pack
-    )
+    tokenizer, tokenized = runtime.tokenized_samples(model, data, params, pack=params.pack)
     with artifacts.stage_output(out_uri, "calibrate", dataclasses.asdict(params), inputs) as staging:
         net = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
         data_mod.check_vocab(tokenizer, net)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         scores = importance.observe(net, tokenized, params.batch_size, pad_id=pad_id)
         scores.to_parquet(staging / importance.SCORES_FILE, index=False)
-    log.info("calibrate: %d samples scored into %s", len(samples), artifacts.redact(out_uri))
+    log.info("calibrate: %d sequences scored into %s", len(tokenized), artifacts.redact(out_uri))
     return artifacts.read_manifest(out_uri)
