@@ -151,7 +151,8 @@ def _directory_requests(manager: Any, directory: Path, allow_code_execution: boo
             continue
         domain = sorted(entry.tags)[0] if entry.tags else directory.name
         request = _named_request(manager, name, allow_code_execution)
-        requests.append(dataclasses.replace(request, domain=domain, include_path=str(directory)))
+        # A local task writes its own prompt (doc_to_text); templating it again would wrap it twice.
+        requests.append(dataclasses.replace(request, domain=domain, include_path=str(directory), chat_template=False))
     if not requests:
         raise ConfigError(f"task directory {directory} holds no lm-eval task YAML (a file with a `task:` key)")
     return requests
