@@ -15,7 +15,7 @@ through /proc/self/clear_refs, plus the bytes of teacher data and cached states 
 search's final allocation with its full-set fitness. `--sweep` adds racing against exact search over
 seeds x criteria x sparsities (cost per generation, full-set ESAP loss).
 
-Example (the demo world):
+Example (the demo world; add --pad-vocab 50304 for OLMoE's vocabulary size):
     .venv/bin/python benchmarks/bench_search.py --model .cache/demo-world/model \\
         --data .cache/demo-world/data/{code,copy,facts,math}/search.jsonl
 """
@@ -61,6 +61,11 @@ def peak_rss_mib() -> float:
 def load_world(args: argparse.Namespace) -> tuple[torch.nn.Module, list[TokenizedSample], list[TokenizedSample]]:
     model = moe.load_pruned(args.model, dtype=torch.float32).eval()
     tok = moe.load_tokenizer(args.model)
+    if args.pad_vocab:
+        if args.pad_vocab < model.config.vocab_size:
+            raise SystemExit(f"--pad-vocab {args.pad_vocab} is below the vocabulary size {model.config.vocab_size}")
+        torch.manual_seed(0)  # the unused rows of the head and embeddings: seeded random init
+        model.resize_token_embeddings(args.pad_vocab, mean_resizing=False)
 
     def read(files: list[str], n: int) -> list[TokenizedSample]:
         per = max(1, n // len(files))
@@ -131,7 +136,7 @@ def run_search(model, cache, orders, n, k, budget, search_ids, args, *, prefix: 
     seconds = time.perf_counter() - t0
     raced = {h.allocation for h in result.history if h.level is not None} - {h.allocation for h in result.history if h.level is None}
     name = {(False, False): "(b) exact", (True, False): "(c) prefix", (False, True): "racing", (True, True): "prefix+racing"}[(prefix, race)]
-    row = Row(name, seconds, result.evaluations + len(raced), evaluator.layer_tokens / evaluator.full_forward_tokens(search_ids),
+    row = Row(name, seconds, result.evaluations + len(raced), evaluator.work / evaluator.full_forward_work(search_ids),
               best=result.best, best_fitness=result.best_fitness, generations=args.generations)
     row.held_mib = ((evaluator.prefix.peak_bytes if evaluator.prefix else 0) + tensor_bytes(evaluator.cache)) / 2**20
     return row, result, evaluator
@@ -150,6 +155,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64, help="search samples (split evenly over --data files)")
     parser.add_argument("--calibration-samples", type=int, default=128)
     parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--pad-vocab", type=int, default=0,
+                        help="pad the vocabulary to this size (50304: OLMoE's) with unused random rows, so that the "
+                             "head and softmax cost what they cost at real vocabulary sizes")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--criterion", default="reap")
     parser.add_argument("--sparsity", type=float, default=0.5)

@@ -152,14 +152,14 @@ def time_shape(shape: str, args: argparse.Namespace, device: torch.device) -> li
         evaluator = CandidateEvaluator(model, cache, batch_size=args.batch_size, verify=False, prefix_cache_bytes=budget,
                                        keep=1)
         evaluator.score(alloc.pruned_sets(parent, orders))  # the parent (and warm-up) are not timed
-        before = evaluator.layer_tokens
+        before = evaluator.work
         sync(device)
         t0 = time.perf_counter()
         for r in kids:
             evaluator.score(alloc.pruned_sets(r, orders))
         sync(device)
         seconds = (time.perf_counter() - t0) / len(kids)
-        ffe = (evaluator.layer_tokens - before) / evaluator.full_forward_tokens() / len(kids)
+        ffe = (evaluator.work - before) / evaluator.full_forward_work() / len(kids)
         out.append(Timing(shape, name, seconds, len(kids), ffe))
     del model
     if device.type == "cuda":

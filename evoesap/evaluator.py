@@ -3,15 +3,17 @@
 A candidate is the full model with some experts masked out of the routers (`evoesap.moe.masked`);
 it runs teacher-forced over the cached samples, and the LM head runs only at scored positions, since
 the head and softmax over the vocabulary cost as much as several layers and only answer-predicting
-positions count. Each sample is cut after its last scored position (causal attention: later tokens
+positions count; it runs over chunks of scored rows, so that the [rows, V] float32 temporaries stay
+in a CPU's cache and within bounds on a GPU. Each sample is cut after its last scored position (causal attention: later tokens
 cannot change earlier logits). Results are memoised per allocation and per sample, so scoring a
 subset first (racing) and the full set later re-runs only the missing samples.
 
-The decoder stack runs layer by layer (`evoesap.layerwise`), so that with `prefix_cache_bytes > 0` a
-candidate starts at its first MoE layer whose pruned set differs from a cached allocation's, from the
-hidden states cached there (`evoesap.prefix`); values equal a forward from scratch up to float
-rounding of differently padded batches. `layer_tokens` counts the decoder-layer x token work done,
-without padding, for cost figures in full-forward equivalents (`full_forward_tokens`).
+The decoder stack runs in half-layers (`evoesap.layerwise`), so that with `prefix_cache_bytes > 0` a
+candidate starts at the MoE block of its first MoE layer whose pruned set differs from a cached
+allocation's, from the hidden states cached there (`evoesap.prefix`), and the last layer's
+feed-forward half runs on scored positions only; values equal a forward from scratch up to float
+rounding of differently padded batches. `work` counts the active multiply-accumulates done, without
+padding, for cost figures in full-forward equivalents (`full_forward_work`).
 """
 
 from __future__ import annotations
@@ -105,13 +107,17 @@ class CandidateEvaluator:
         from evoesap.moe import inspect
 
         self._runner = LayerRunner(model)
+        self._costs = self._runner.half_costs()
         self._starts = [layer.decoder_index for layer in inspect(model).layers]  # MoE ordinal -> decoder layer
         self.prefix: PrefixCache | None = None
         if prefix_cache_bytes:
             hidden = int(model.config.hidden_size)
             itemsize = next(model.parameters()).element_size()
-            boundaries = [a for a in range(len(self._starts)) if a > 0 or self._starts[0] > 0]
+            boundaries = list(range(len(self._starts)))
             self.prefix = PrefixCache(prefix_cache_bytes, boundaries, sum(self._lengths) * hidden * itemsize, keep)
+        # scored rows per LM-head chunk: [rows, V] float32 temporaries of ~8 MiB fit a CPU's cache; 256 MiB on a GPU
+        chunk_bytes = 1 << (23 if self.device.type == "cpu" else 28)
+        self._head_rows = max(1, chunk_bytes // (4 * int(model.get_output_embeddings().weight.shape[0])))
         self._uniforms = None
         if self.metric.name == "sap":
             gen = torch.Generator().manual_seed(seed)
@@ -119,7 +125,7 @@ class CandidateEvaluator:
         # allocation -> (lower [S], upper [S]) float32 on the host, NaN where not computed yet
         self._memo: dict[AllocationKey, tuple[torch.Tensor, torch.Tensor]] = {}
         self.forwards = 0  # samples run through the model, for cost accounting
-        self.layer_tokens = 0  # decoder layers x tokens actually run (padding not counted)
+        self.work = 0  # active multiply-accumulates actually run (`LayerRunner.half_costs`; padding not counted)
 
     # ---------------------------------------------------------------------------------------------
     # Public API
@@ -164,10 +170,10 @@ class CandidateEvaluator:
         if self.prefix is not None:
             self.prefix.clear()
 
-    def full_forward_tokens(self, samples: Sequence[int] | None = None) -> int:
-        """Decoder layers x tokens of one plain full forward over `samples`: the unit of `layer_tokens`."""
+    def full_forward_work(self, samples: Sequence[int] | None = None) -> int:
+        """The work of one plain full forward over `samples` (every layer, every token): the unit of `work`."""
         index = self._sample_index(samples).tolist()
-        return self._runner.num_layers * sum(self._full_lengths[s] for s in index)
+        return sum(a + f for a, f in self._costs) * sum(self._full_lengths[s] for s in index)
 
     # ---------------------------------------------------------------------------------------------
     # Work
@@ -191,27 +197,20 @@ class CandidateEvaluator:
         lower = torch.empty(len(samples), device=self.device)  # [S'] float32
         upper = torch.empty(len(samples), device=self.device)
         slot = {s: j for j, s in enumerate(samples)}
-        groups: dict[int, list[int]] = {}  # first MoE ordinal to run -> samples starting there
-        cached: dict[int, torch.Tensor] = {}
-        for s in samples:
-            a, state = self.prefix.start(sets, s) if self.prefix is not None else (0, None)
-            groups.setdefault(a, []).append(s)
-            if state is not None:
-                cached[s] = state
+        starts = {s: self.prefix.start(sets, s) if self.prefix is not None else (-1, None) for s in samples}
         was_training = self.model.training
-        self.model.eval()
+        if was_training:
+            self.model.eval()
         try:
             with torch.inference_mode(), masked(self.model, pruned):
-                for a, group in sorted(groups.items()):
-                    for batch in iter_batches([self._lengths[s] for s in group], self.batch_size):
-                        chunk = [group[b] for b in batch]
-                        hidden = self._hidden(chunk, sets, a, cached)  # [B, T, H]
-                        lo, up = self._score_rows(hidden, chunk)  # [B], [B]
-                        where = torch.tensor([slot[s] for s in chunk], device=self.device)
-                        lower[where], upper[where] = lo, up
-                        self.forwards += len(chunk)
+                for batch in iter_batches([self._lengths[s] for s in samples], self.batch_size):
+                    order, lo, up = self._forward([samples[b] for b in batch], sets, starts)
+                    where = torch.tensor([slot[s] for s in order], device=self.device)
+                    lower[where], upper[where] = lo, up
+                    self.forwards += len(order)
         finally:
-            self.model.train(was_training)
+            if was_training:
+                self.model.train()
         lower, upper = lower.cpu(), upper.cpu()
         if self.prefix is not None:
             memo = self._memo[key][0].clone()
@@ -219,46 +218,81 @@ class CandidateEvaluator:
             self.prefix.commit(sets, self.metric.sign * float(memo[~torch.isnan(memo)].double().mean()))
         return lower, upper
 
-    def _hidden(self, chunk: list[int], sets: Sets, first: int, cached: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Hidden states after the last decoder layer (before the final norm) of `chunk`, right-padded -> [B, T, H].
+    def _forward(
+        self, chunk: list[int], sets: Sets, starts: Mapping[int, tuple[int, torch.Tensor | None]]
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """One batch through the candidate -> (its samples in row order, lower [B], upper [B]).
 
-        The forward starts at MoE layer `first` from `cached` states (from the embeddings when 0), and
-        offers the states entering later MoE layers to the prefix cache on the way.
+        Rows start where their cached state lies (`starts`: MoE ordinal and state, -1 for the
+        embeddings) and join the batch there; states at the prefix cache's boundaries are offered on the
+        way. The last decoder layer's feed-forward half, the final norm and the LM head run on the
+        scored positions only.
         """
         runner = self._runner
-        lengths = [self._lengths[s] for s in chunk]
-        input_ids, attention_mask = pad_right([self.cache.input_ids[s][:n] for s, n in zip(chunk, lengths)])
+        order = sorted(chunk, key=lambda s: starts[s][0])  # rows join in start order: the active rows are a prefix
+        lengths = [self._lengths[s] for s in order]
+        input_ids, attention_mask = pad_right([self.cache.input_ids[s][:n] for s, n in zip(order, lengths)])
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        if first == 0:
-            start, hidden = 0, runner.embed(input_ids)  # [B, T, H]
+        first = starts[order[0]][0]
+        active = sum(1 for s in order if starts[s][0] == first)
+        if first < 0:
+            hidden, point = runner.embed(input_ids[:active]), None  # [b, T, H]
         else:
-            start = self._starts[first]
-            hidden = torch.zeros((len(chunk), input_ids.shape[1], cached[chunk[0]].shape[-1]),
-                                 dtype=cached[chunk[0]].dtype, device=self.device)  # [B, T, H]; padding stays 0
-            for row, (s, n) in enumerate(zip(chunk, lengths)):
-                hidden[row, :n] = cached[s]
-        ctx = runner.context(hidden, attention_mask)
-        real = sum(lengths)  # tokens counted as work; padding is a batching artefact, not method cost
-        stops = [a for a in (self.prefix.boundaries if self.prefix is not None else ()) if a > first]
-        for a in stops:
-            hidden = runner.run(hidden, ctx, start, self._starts[a])
-            self.layer_tokens += (self._starts[a] - start) * real
-            start = self._starts[a]
-            for row, (s, n) in enumerate(zip(chunk, lengths)):
+            hidden, point = self._stack([starts[s][1] for s in order[:active]], input_ids.shape[1]), self._starts[first]
+        ctx = runner.context(hidden, attention_mask[:active])
+        stations = sorted({a for a in (self.prefix.boundaries if self.prefix is not None else ()) if a > first}
+                          | {starts[s][0] for s in order[active:]})
+        for a in stations:
+            hidden = self._advance(hidden, ctx, point, self._starts[a], sum(lengths[:active]))
+            point = self._starts[a]
+            for row, (s, n) in enumerate(zip(order[:active], lengths)):
                 if self.prefix.wants(sets, a, s):
                     self.prefix.put(sets, a, s, hidden[row, :n].clone())  # [T_i, H]
-        hidden = runner.run(hidden, ctx, start, runner.num_layers)
-        self.layer_tokens += (runner.num_layers - start) * real
+            joining = [s for s in order[active:] if starts[s][0] == a]
+            if joining:
+                hidden = torch.cat([hidden, self._stack([starts[s][1] for s in joining], hidden.shape[1])])
+                active += len(joining)
+                ctx = runner.context(hidden, attention_mask[:active])
+        last = runner.num_layers - 1
+        if point != last:
+            hidden = self._advance(hidden, ctx, point, last, sum(lengths))
+        return order, *self._score_rows(hidden, order)
+
+    def _advance(self, hidden: torch.Tensor, ctx: Any, point: int | None, target: int, tokens: int) -> torch.Tensor:
+        """From the state between the halves of decoder layer `point` (None: the embeddings) to that of
+        `target` > `point`: [b, T, H] -> [b, T, H]; counts the work on `tokens` real tokens."""
+        runner, costs = self._runner, self._costs
+        begin = 0 if point is None else point + 1
+        if point is not None:
+            hidden = runner.feed_forward(point, hidden)
+            self.work += costs[point][1] * tokens
+        hidden = runner.attend(target, runner.run(hidden, ctx, begin, target), ctx)
+        self.work += (sum(a + f for a, f in costs[begin:target]) + costs[target][0]) * tokens
+        return hidden
+
+    def _stack(self, states: list[torch.Tensor], length: int) -> torch.Tensor:
+        """Cached per-sample states ([T_i, H] each) right-padded with zeros -> [b, length, H]."""
+        hidden = torch.zeros((len(states), length, states[0].shape[-1]), dtype=states[0].dtype, device=self.device)
+        for row, state in enumerate(states):
+            hidden[row, : state.shape[0]] = state
         return hidden
 
     def _score_rows(self, hidden: torch.Tensor, chunk: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """LM head and metric at the scored positions of `chunk` -> per-sample (lower [B], upper [B])."""
+        """From the state between the last layer's halves ([B, T, H], rows in `chunk` order): that layer's
+        feed-forward, the final norm, LM head and metric at the scored positions -> (lower [B], upper [B])."""
         rows = torch.cat([self._rows[s] for s in chunk])  # [P_b] long: cache rows
         owner = torch.cat(
             [torch.full((self._rows[s].numel(),), b, dtype=torch.long, device=self.device) for b, s in enumerate(chunk)]
         )  # [P_b] long: batch row of each cache row
-        logits = head_logits(self.model, self._runner.norm(hidden[owner, self.cache.positions[rows]]))  # [P_b, V]
-        lower, upper = self._per_position(logits, rows)  # [P_b] float32 each
+        last = self._runner.num_layers - 1
+        picked = self._runner.feed_forward(last, hidden[owner, self.cache.positions[rows]].unsqueeze(0))[0]  # [P_b, H]
+        self.work += self._costs[last][1] * rows.numel()
+        normed = self._runner.norm(picked)  # [P_b, H]
+        lower, upper = torch.empty(rows.numel(), device=self.device), torch.empty(rows.numel(), device=self.device)
+        step = self._head_rows
+        for i in range(0, rows.numel(), step):  # [step, V] temporaries: cache-sized on a CPU, bounded on a GPU
+            logits = head_logits(self.model, normed[i : i + step])  # [step, V]
+            lower[i : i + step], upper[i : i + step] = self._per_position(logits, rows[i : i + step])
         n = len(chunk)
         return fitness.per_sample_mean(lower, owner, n), fitness.per_sample_mean(upper, owner, n)
 

@@ -22,10 +22,11 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
 
 
 def esap(teacher_logprobs: torch.Tensor, candidate_logits: torch.Tensor) -> torch.Tensor:
-    """Expected speculative acceptance probability, sum_v min(p, q) = 1 - TV(p, q), per row -> [N] float32."""
-    p = _f32(teacher_logprobs).exp()  # [N, V] float32
-    q = torch.softmax(_f32(candidate_logits), dim=-1)  # [N, V] float32
-    return torch.minimum(p, q).sum(dim=-1)  # [N]
+    """Expected speculative acceptance probability, sum_v min(p, q) = 1 - TV(p, q), per row -> [N] float32.
+
+    Computed as sum_v exp(min(log p, log q)): one [N, V] temporary fewer than exponentiating both sides."""
+    log_q = torch.log_softmax(_f32(candidate_logits), dim=-1)  # [N, V] float32
+    return torch.minimum(log_q, _f32(teacher_logprobs)).exp_().sum(dim=-1)  # [N]
 
 
 def sap_draws(candidate_logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

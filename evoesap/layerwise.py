@@ -1,13 +1,22 @@
-"""A causal LM's decoder stack run layer by layer, so that a forward can start at any decoder layer.
+"""A causal LM's decoder stack run half-layer by half-layer, so that a forward can start mid-model.
 
-Prefix reuse (`evoesap.prefix`) resumes a candidate's forward from cached hidden states entering a
-layer; that needs the pieces `XModel.forward` builds once per batch (embeddings, position ids, rotary
-position embeddings, causal masks per attention kind) and the decoder layers called one at a time.
-transformers 5.x writes those pieces the same way in every MoE family (OLMoE, Qwen2/3-MoE, Mixtral,
-DeepSeek-V2/V3, ERNIE-4.5-MoE, GPT-OSS); the only difference is the attention kind per layer: a
-`layer_types` list in the config (Qwen2-MoE, GPT-OSS), else sliding for all layers when
-`config.sliding_window` is set (Mixtral, Qwen3-MoE), else full causal attention. Routers are still
-masked by `evoesap.moe.masked`'s hooks, which fire whoever calls the layers.
+Prefix reuse (`evoesap.prefix`) resumes a candidate's forward from cached hidden states; that needs the
+pieces `XModel.forward` builds once per batch (embeddings, position ids, rotary position embeddings,
+causal masks per attention kind) and the decoder layers called in parts. transformers 5.x writes those
+pieces the same way in every MoE family (OLMoE, Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3, ERNIE-4.5-MoE,
+GPT-OSS); the only difference is the attention kind per layer: a `layer_types` list in the config
+(Qwen2-MoE, GPT-OSS), else sliding for all layers when `config.sliding_window` is set (Mixtral,
+Qwen3-MoE), else full causal attention.
+
+Every decoder layer of those families is the same pre-norm residual pair, `h + attn(norm(h))` then
+`h + mlp(norm(h))`, so it runs as two halves (`attend`, `feed_forward`). Pruning experts changes only the
+feed-forward half of a layer: the state between the halves is what a candidate can reuse, and the last
+layer's feed-forward half, being per token, can run on the scored positions alone. Routers are still
+masked by `evoesap.moe.masked`'s hooks, which fire whoever calls the modules.
+
+Work is counted in active multiply-accumulates per token (`half_costs`): the parameters a token passes
+through in each half, with an MoE layer's routed experts counted top-k of num-experts. Attention-score
+work, which grows with sequence length, is left out, so the figure is hardware- and length-independent.
 """
 
 from __future__ import annotations
@@ -17,9 +26,11 @@ import dataclasses
 import torch
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from evoesap import moe
 from evoesap.errors import ModelError
 
 _MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+_HALVES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # what every decoder layer must have
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +43,7 @@ class BatchContext:
 
 
 class LayerRunner:
-    """Embeddings, decoder layers and final norm of `model`'s base model, called separately."""
+    """Embeddings, decoder-layer halves and final norm of `model`'s base model, called separately."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         base = getattr(model, getattr(model, "base_model_prefix", ""), None)
@@ -43,6 +54,13 @@ class LayerRunner:
                 raise ModelError(f"{type(base).__name__} has no .{part}: layer-wise forwards need a decoder stack")
         self.model, self.base, self.config = model, base, base.config
         self.layers = list(base.layers[: self.config.num_hidden_layers])
+        for index, layer in enumerate(self.layers):
+            missing = [part for part in _HALVES if not hasattr(layer, part)]
+            if missing:
+                raise ModelError(
+                    f"decoder layer {index} ({type(layer).__name__}) has no {', '.join(missing)}: layer-wise forwards "
+                    "need pre-norm residual layers (input_layernorm, self_attn, post_attention_layernorm, mlp)"
+                )
         kinds = getattr(self.config, "layer_types", None)
         if kinds is None:
             sliding = getattr(self.config, "sliding_window", None) is not None
@@ -73,18 +91,46 @@ class LayerRunner:
         rotary = self.base.rotary_emb(embeds, position_ids)
         return BatchContext(position_ids, rotary, tuple(built[kind] for kind in self.kinds))
 
+    def attend(self, index: int, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
+        """The attention half of decoder layer `index`: [B, T, H] -> [B, T, H]."""
+        layer = self.layers[index]
+        out, _ = layer.self_attn(
+            hidden_states=layer.input_layernorm(hidden),
+            attention_mask=ctx.masks[index],
+            position_ids=ctx.position_ids,
+            position_embeddings=ctx.position_embeddings,
+            cache=None,
+            use_cache=False,
+        )
+        return hidden + out
+
+    def feed_forward(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The feed-forward half of decoder layer `index`, per token: [..., T, H] -> [..., T, H]."""
+        layer = self.layers[index]
+        out = layer.mlp(layer.post_attention_layernorm(hidden))
+        if isinstance(out, tuple):  # GPT-OSS also returns its router scores
+            out = out[0]
+        return hidden + out
+
     def run(self, hidden: torch.Tensor, ctx: BatchContext, start: int, stop: int) -> torch.Tensor:
         """Decoder layers start..stop-1 on [B, T, H] -> [B, T, H]."""
         for index in range(start, stop):
-            hidden = self.layers[index](
-                hidden,
-                attention_mask=ctx.masks[index],
-                position_ids=ctx.position_ids,
-                position_embeddings=ctx.position_embeddings,
-                cache=None,
-                use_cache=False,
-            )
+            hidden = self.feed_forward(index, self.attend(index, hidden, ctx))
         return hidden
+
+    def half_costs(self) -> list[tuple[int, int]]:
+        """Per decoder layer: active multiply-accumulates per token of (attention half, feed-forward half)."""
+        routed = {block.decoder_index: block for block in moe.moe_blocks(self.model)}
+        spec = {layer.decoder_index: layer for layer in moe.inspect(self.model).layers}
+        costs = []
+        for index, layer in enumerate(self.layers):
+            attention = _numel(layer.input_layernorm) + _numel(layer.self_attn)
+            feed_forward = _numel(layer.post_attention_layernorm) + _numel(layer.mlp)
+            if index in routed:  # a token passes through top-k of the routed experts
+                experts, info = _numel(routed[index].experts), spec[index]
+                feed_forward -= experts - experts * info.top_k // info.num_experts
+            costs.append((attention, feed_forward))
+        return costs
 
     def norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm, per token, so it may run on the scored rows only: [..., H] -> [..., H]."""
@@ -94,3 +140,7 @@ class LayerRunner:
         """The whole stack, layer by layer: equals the base model's last_hidden_state -> [B, T, H]."""
         embeds = self.embed(input_ids)
         return self.norm(self.run(embeds, self.context(embeds, attention_mask), 0, self.num_layers))
+
+
+def _numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

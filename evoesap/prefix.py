@@ -1,10 +1,11 @@
-"""Prefix reuse: hidden states entering MoE layers, kept for the fittest allocations under a byte budget.
+"""Prefix reuse: hidden states entering MoE feed-forwards, kept for the fittest allocations under a byte budget.
 
-The hidden state entering MoE layer `a` (at its decoder layer) depends only on the pruned sets of MoE
-layers `0..a-1`. A search offspring differs from its elite parent from some first changed layer on, so
-its forward can start there from the parent's cached state and give the same values as a forward from
-scratch. Entries are keyed by `(a, pruned sets of layers < a)`, so siblings and cousins share them and
-any cached allocation with the longest common prefix serves, not only the parent.
+The hidden state entering the feed-forward (MoE) half of MoE layer `a`'s decoder layer, after its
+attention half, depends only on the pruned sets of MoE layers `0..a-1`. A search offspring differs from
+its elite parent from some first changed layer on, so its forward can start at that layer's MoE block
+from the parent's cached state and give the same values as a forward from scratch. Entries are keyed
+by `(a, pruned sets of layers < a)`, so siblings and cousins share them and any cached allocation with
+the longest common prefix serves, not only the parent; the entry at `a = 0` serves every candidate.
 
 Memory: one boundary over the scored samples costs `boundary_bytes` (sum of tokens x hidden x dtype
 size). The budget is split so that `keep + 1` allocations fit (the elites plus the candidate being
@@ -47,8 +48,8 @@ class PrefixCache:
     """Per-sample hidden states at MoE-layer boundaries, reused by later allocations with the same prefix."""
 
     def __init__(self, budget_bytes: int, boundaries: list[int], boundary_bytes: int, keep: int = 4) -> None:
-        """`boundaries`: MoE ordinals worth caching at (0 only when dense layers precede the first MoE
-        layer); `keep`: allocations whose entries are never evicted (the search's elites)."""
+        """`boundaries`: MoE ordinals worth caching at; `keep`: allocations whose entries are never
+        evicted (the search's elites)."""
         self.budget = int(budget_bytes)
         self.keep = max(1, int(keep))
         slots = self.budget // max(1, (self.keep + 1) * boundary_bytes)
@@ -68,12 +69,12 @@ class PrefixCache:
         self.peak_bytes = 0
 
     def start(self, sets: Sets, sample: int) -> tuple[int, torch.Tensor | None]:
-        """The latest cached boundary for `sample` under `sets` -> (MoE ordinal, [T_i, H]) or (0, None)."""
+        """The latest cached boundary for `sample` under `sets` -> (MoE ordinal, [T_i, H]), else (-1, None)."""
         for a in reversed(self.boundaries):
             entry = self._entries.get((a, sets[:a]))
             if entry is not None and sample in entry.states:
                 return a, entry.states[sample]
-        return 0, None
+        return -1, None
 
     def wants(self, sets: Sets, a: int, sample: int) -> bool:
         """Whether the state entering MoE layer `a` of `sample` under `sets` should be offered."""

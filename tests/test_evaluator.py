@@ -111,16 +111,17 @@ def test_batch_size_does_not_change_the_score(world) -> None:
 
 @contextlib.contextmanager
 def perturbed_at(model, position: int):
-    """The candidate differs from the teacher only in the logits at `position` (last decoder layer's output
-    nudged; the evaluator may apply the final norm to scored rows only)."""
-    last = model.model.layers[-1]
+    """The candidate differs from the teacher only in the logits at `position` (the last decoder layer's attention
+    output nudged there; the evaluator runs that layer's feed-forward and the final norm on scored rows only)."""
+    last = model.model.layers[-1].self_attn
 
     def hook(_module, _inputs, out):
-        if position >= out.shape[1]:  # the evaluator cut the sample before `position`
+        hidden, *rest = out
+        if position >= hidden.shape[1]:  # the evaluator cut the sample before `position`
             return out
-        out = out.clone()
-        out[:, position] += torch.linspace(-3.0, 3.0, out.shape[-1])
-        return out
+        hidden = hidden.clone()
+        hidden[:, position] += torch.linspace(-3.0, 3.0, hidden.shape[-1])
+        return (hidden, *rest)
 
     handle = last.register_forward_hook(hook)
     try:

@@ -84,23 +84,55 @@ def test_prefix_reuse_gives_from_scratch_fitness_on_random_allocations(family, t
         subset = None if i % 3 else [0, 2, 5]  # subsets too, as racing scores them
         a, b = reuse.sample_values(pruned, subset), scratch.sample_values(pruned, subset)
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
-    assert reuse.layer_tokens < scratch.layer_tokens
+    assert reuse.work < scratch.work
     assert reuse.prefix.peak_bytes <= 1 << 30
 
 
-def test_prefix_reuse_starts_at_the_first_changed_moe_layer(tmp_path):
+def test_prefix_reuse_starts_at_the_moe_block_of_the_first_changed_layer(tmp_path):
     model, cache = _world("qwen2_moe", tmp_path)  # decoder layer 1 is dense: MoE ordinals 0, 1, 2 at layers 0, 2, 3
     starts = [layer.decoder_index for layer in moe.inspect(model).layers]
     assert starts == [0, 2, 3]
     evaluator = CandidateEvaluator(model, cache, batch_size=8, prefix_cache_bytes=1 << 30)
-    evaluator.score({0: [1], 1: [2], 2: [3]})
+    (att0, ff0), (att1, ff1), (att2, ff2), (att3, ff3) = LayerRunner(model).half_costs()
     tokens = sum(evaluator._lengths)  # each sample cut after its last scored position
+    scored = cache.meta.num_positions  # the last feed-forward half runs on scored positions only
     assert tokens < sum(int(ids.numel()) for ids in cache.input_ids)
-    assert evaluator.layer_tokens == 4 * tokens
-    evaluator.score({0: [1], 1: [2], 2: [4]})  # first change at MoE ordinal 2: decoder layer 3 only
-    assert evaluator.layer_tokens == 5 * tokens
-    evaluator.score({0: [1], 1: [5], 2: [4]})  # ordinal 1: decoder layers 2 and 3
-    assert evaluator.layer_tokens == 7 * tokens
+    steps = [
+        ({0: [1], 1: [2], 2: [3]}, (att0 + ff0 + att1 + ff1 + att2 + ff2 + att3) * tokens + ff3 * scored),
+        ({0: [1], 1: [2], 2: [4]}, ff3 * scored),  # first change at MoE ordinal 2: decoder layer 3's MoE block
+        ({0: [1], 1: [5], 2: [4]}, (ff2 + att3) * tokens + ff3 * scored),  # ordinal 1: layer 2's block on
+        ({0: [2], 1: [5], 2: [4]}, (ff0 + att1 + ff1 + att2 + ff2 + att3) * tokens + ff3 * scored),  # layer 0's attention is shared
+    ]
+    for pruned, work in steps:
+        before = evaluator.work
+        evaluator.score(pruned)
+        assert evaluator.work - before == work
+
+
+def test_rows_with_cached_states_at_different_layers_share_a_batch_and_stay_exact(tmp_path):
+    """Racing leaves deep states for a few samples only: those rows join the batch at their own layer."""
+    model, cache = _world("olmoe", tmp_path)
+    reuse = CandidateEvaluator(model, cache, batch_size=8, prefix_cache_bytes=1 << 30)
+    scratch = CandidateEvaluator(model, cache, batch_size=8)
+    reuse.score({})  # every sample's state entering the first MoE block, shared by all allocations
+    reuse.score({0: [1], 1: [2], 2: [3], 3: [4]}, samples=[0, 3])  # states at every boundary, two samples only
+    child = {0: [1], 1: [2], 2: [3], 3: [5]}
+    starts = {s: reuse.prefix.start(tuple(tuple(child.get(a, ())) for a in range(4)), s)[0] for s in range(7)}
+    assert starts[0] == starts[3] == 3 and {starts[s] for s in (1, 2, 4, 5, 6)} == {0}
+    torch.testing.assert_close(reuse.sample_values(child), scratch.sample_values(child), atol=1e-6, rtol=0)
+
+
+def test_half_costs_count_top_k_of_the_routed_experts():
+    model = moe.tiny_model("olmoe", seed=0)
+    runner = LayerRunner(model)
+    block = moe.moe_blocks(model)[0]
+    layer = runner.layers[0]
+    spec = moe.inspect(model).layers[0]
+    expert_params = sum(p.numel() for p in block.experts.parameters())
+    attention, feed_forward = runner.half_costs()[0]
+    assert attention == sum(p.numel() for m in (layer.input_layernorm, layer.self_attn) for p in m.parameters())
+    assert feed_forward == (sum(p.numel() for m in (layer.post_attention_layernorm, layer.mlp) for p in m.parameters())
+                            - expert_params + expert_params * spec.top_k // spec.num_experts)
 
 
 def test_a_small_budget_keeps_fewer_boundaries_never_exceeds_it_and_stays_exact(tmp_path):
@@ -119,7 +151,7 @@ def test_a_small_budget_keeps_fewer_boundaries_never_exceeds_it_and_stays_exact(
         torch.testing.assert_close(small.sample_values(pruned), scratch.sample_values(pruned), atol=1e-6, rtol=0)
         assert small.prefix.bytes <= budget
     assert small.prefix.peak_bytes <= budget
-    assert small.layer_tokens < scratch.layer_tokens
+    assert small.work < scratch.work
 
 
 def test_eviction_keeps_the_fittest_allocations():
@@ -154,7 +186,7 @@ def test_prefix_reuse_gives_identical_values_along_a_real_search(tmp_path):
         result = search.level_switch_search(
             lambda r: evaluator.score(alloc.pruned_sets(r, orders)), n, k, budget, population=8, elites=2,
             generations=4, seed=1)
-        runs[name] = (result, evaluator.layer_tokens)
+        runs[name] = (result, evaluator.work)
     (a, work_a), (b, work_b) = runs["scratch"], runs["reuse"]
     assert [h.allocation for h in a.history] == [h.allocation for h in b.history]
     np.testing.assert_allclose([h.fitness for h in b.history], [h.fitness for h in a.history], atol=1e-6, rtol=0)

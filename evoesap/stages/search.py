@@ -143,11 +143,11 @@ def _cost(evaluator: Any, result: Any, search_ids: list[int]) -> dict[str, Any]:
     A resumed search counts only the work of this run; candidates are distinct allocations scored on
     the full set or on a racing subset.
     """
-    unit = evaluator.full_forward_tokens(search_ids)
+    unit = evaluator.full_forward_work(search_ids)
     raced_only = len({h.allocation for h in result.history if h.level is not None} -
                      {h.allocation for h in result.history if h.level is None})
     candidates = result.evaluations + raced_only
-    total = evaluator.layer_tokens / unit
+    total = evaluator.work / unit
     return {
         "full_forward_equivalents": total,
         "candidates": candidates,
