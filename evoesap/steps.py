@@ -1,8 +1,10 @@
-"""The stage registry: run any stage by name into a content-addressed output, reusing finished ones.
+"""The stage registry: run any stage by name, reusing a finished output made from the same inputs and parameters.
 
-Orchestrators (the KFP components, `evoesap pipeline run`) call `run_step`; the output URI is
-`<storage_root>/<stage>/<key>` where the key hashes the stage, its parameters and its inputs'
-manifests, so a stage whose inputs and parameters are unchanged is found finished and skipped.
+`run_stage` runs a stage into a given output URI unless the manifest there records the same stage,
+parameters and inputs (the CLI's entry). Orchestrators (the KFP components, `evoesap pipeline run`)
+call `run_step`, which picks the URI itself: `<storage_root>/<stage>/<key>`, the key hashing the
+stage, its parameters and its inputs' manifests, so a stage whose inputs and parameters are unchanged
+is found finished and skipped.
 """
 
 from __future__ import annotations
@@ -75,13 +77,20 @@ def output_uri(stage: str, storage_root: str, inputs: Mapping[str, Any], params:
     return artifacts.join(storage_root, stage, key[:24])
 
 
-def run_step(stage: str, storage_root: str, inputs: Mapping[str, Any], params: Mapping[str, Any]) -> str:
-    """Run `stage` unless a finished artifact for the same inputs and parameters exists; return its URI."""
+def run_stage(stage: str, inputs: Mapping[str, Any], params: Any, out_uri: str) -> artifacts.Manifest:
+    """Run `stage` (parameters as its dataclass) into `out_uri`, or return the manifest already there when
+    it records the same stage, parameters and inputs."""
     function, _ = _stage(stage)
+    done = artifacts.cached(out_uri, stage, dataclasses.asdict(params), _flat_inputs(inputs))
+    if done is not None:
+        log.info("%s: reusing the finished artifact at %s", stage, artifacts.redact(out_uri))
+        return done
+    return function(**inputs, params=params, out_uri=out_uri)
+
+
+def run_step(stage: str, storage_root: str, inputs: Mapping[str, Any], params: Mapping[str, Any]) -> str:
+    """Run `stage` under `storage_root` at its content-addressed URI (see the module docstring); return that URI."""
     parsed = make_params(stage, params)
     out = output_uri(stage, storage_root, inputs, parsed)
-    if artifacts.exists(artifacts.join(out, artifacts.MANIFEST)):
-        log.info("reusing finished %s artifact at %s", stage, artifacts.redact(out))
-        return out
-    function(**{k: v for k, v in inputs.items()}, params=parsed, out_uri=out)
+    run_stage(stage, inputs, parsed, out)
     return out

@@ -171,3 +171,21 @@ def test_interrupted_search_resumes_to_the_uninterrupted_result(inputs, searched
     run_search(inputs["model"], inputs["scores"], inputs["cache"], params, out)
     assert _allocation(out)["removal_counts"] == _allocation(searched)["removal_counts"]
     pd.testing.assert_frame_equal(pd.read_parquet(f"{out}/history.parquet"), pd.read_parquet(f"{searched}/history.parquet"))
+
+
+def test_run_stage_reuses_a_finished_artifact_only_for_the_same_parameters_and_inputs(inputs, searched, monkeypatch):
+    from evoesap import steps
+
+    stage_inputs = {"model": inputs["model"], "scores": inputs["scores"], "cache": inputs["cache"]}
+    params = SearchParams(criterion="reap", sparsity=0.5, **SMALL)
+    before = artifacts.read_manifest(searched)
+    calls = []
+    real = search_stage.run_search
+    monkeypatch.setattr(search_stage, "run_search", lambda **kw: calls.append(kw) or real(**kw))
+    assert steps.run_stage("search", stage_inputs, params, searched) == before  # what `searched` published
+    assert calls == []
+    other = str(inputs["root"] / "search-reap-50-seed-7")
+    steps.run_stage("search", stage_inputs, SearchParams(criterion="reap", sparsity=0.5, **{**SMALL, "seed": 7}), other)
+    steps.run_stage("search", stage_inputs, params, other)  # another seed's artifact there: runs again
+    assert len(calls) == 2
+    assert _allocation(other) == _allocation(searched)

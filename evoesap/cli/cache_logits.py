@@ -33,7 +33,8 @@ def cache_logits_cmd(
 
     Example: evoesap cache-logits --model runs/demo/model --data runs/demo/search.jsonl --out runs/cache --mode topk --top-k 32
     """
-    from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
+    from evoesap.stages.cache_logits import CacheLogitsParams
+    from evoesap.steps import run_stage
 
     params = CacheLogitsParams(
         mode=mode, top_k=top_k, dtype=dtype, samples=samples, max_length=max_length, batch_size=batch_size,
@@ -41,5 +42,5 @@ def cache_logits_cmd(
         response_field=response_field, text_field=text_field, enable_thinking=enable_thinking,
         model_dtype=model_dtype, device=device,
     )
-    run_cache_logits(model, data, params, out)
+    run_stage("cache-logits", {"model": model, "data": data}, params, out)
     typer.echo(out)

@@ -32,7 +32,8 @@ def calibrate_cmd(
 
     Example: evoesap calibrate --model runs/demo/model --data runs/demo/data/calibration.jsonl --samples 64 --out runs/cal
     """
-    from evoesap.stages.calibrate import CalibrateParams, run_calibrate
+    from evoesap.stages.calibrate import CalibrateParams
+    from evoesap.steps import run_stage
 
     params = CalibrateParams(
         samples=samples,
@@ -51,5 +52,5 @@ def calibrate_cmd(
         device=device,
         device_map=device_map,
     )
-    run_calibrate(model, data, params, out)
+    run_stage("calibrate", {"model": model, "data": data}, params, out)
     typer.echo(out)

@@ -31,7 +31,8 @@ def evaluate_cmd(
 
     Example: evoesap evaluate --model runs/pruned --tasks mc,math,./my_tasks --out runs/eval --limit 20 --method searched
     """
-    from evoesap.stages.evaluate import EvaluateParams, run_evaluate
+    from evoesap.stages.evaluate import EvaluateParams
+    from evoesap.steps import run_stage
 
     params = EvaluateParams(
         tasks=tuple(tasks.split(",")), limit=limit, batch_size=int(batch_size) if batch_size.isdigit() else batch_size,
@@ -39,5 +40,5 @@ def evaluate_cmd(
         max_length=max_length, model_dtype=model_dtype, device=device, esap_batch_size=esap_batch_size,
         criterion=criterion, sparsity=sparsity, method=method,
     )
-    run_evaluate(model, params, out, teacher_cache=teacher_cache, allocation=allocation)
+    run_stage("evaluate", {"model": model, "teacher_cache": teacher_cache, "allocation": allocation}, params, out)
     typer.echo(out)

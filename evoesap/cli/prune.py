@@ -22,8 +22,9 @@ def prune_cmd(
 
     Example: evoesap prune --model runs/demo/model --scores runs/cal --allocation runs/search --criterion reap --sparsity 0.5 --out runs/pruned
     """
-    from evoesap.stages.prune import PruneParams, run_prune
+    from evoesap.stages.prune import PruneParams
+    from evoesap.steps import run_stage
 
     params = PruneParams(criterion=criterion, sparsity=sparsity, granularity=granularity, model_dtype=model_dtype)
-    run_prune(model, scores, params, out, allocation=allocation)
+    run_stage("prune", {"model": model, "scores": scores, "allocation": allocation}, params, out)
     typer.echo(out)

@@ -22,7 +22,8 @@ def report_cmd(
 
     Example: evoesap report --runs runs/eval-full --runs runs/eval-uniform --runs runs/eval-searched --searches runs/search --out runs/report
     """
-    from evoesap.stages.report import ReportParams, run_report
+    from evoesap.stages.report import ReportParams
+    from evoesap.steps import run_stage
 
-    run_report(list(runs), ReportParams(title=title, digits=digits, html=html), out, searches=list(searches))
+    run_stage("report", {"runs": list(runs), "searches": list(searches)}, ReportParams(title=title, digits=digits, html=html), out)
     typer.echo(out)

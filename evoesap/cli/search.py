@@ -30,7 +30,7 @@ def search_cmd(
     model_dtype: str = typer.Option("auto", "--model-dtype"),
     device: str = typer.Option("auto", "--device"),
     racing: bool = typer.Option(False, "--racing", help="Race new candidates over sample subsets first; elites on the full set."),
-    racing_schedule: str = typer.Option("0.125,0.5:0.25", "--racing-schedule", help="Subset shares, then the share that advances."),
+    racing_schedule: str = typer.Option("0.0625,0.25:0.25", "--racing-schedule", help="Subset shares, then the share that advances."),
     prefix_reuse: bool = typer.Option(True, "--prefix-reuse/--no-prefix-reuse", help="Start candidates from cached hidden states (exact)."),
     prefix_cache_bytes: int = typer.Option(1 << 30, "--prefix-cache-bytes", help="Budget of the prefix cache, on the model's device."),
 ) -> None:
@@ -38,7 +38,8 @@ def search_cmd(
 
     Example: evoesap search --model runs/demo/model --scores runs/cal --cache runs/cache --criterion reap --sparsity 0.25 --out runs/search --racing
     """
-    from evoesap.stages.search import SearchParams, run_search
+    from evoesap.stages.search import SearchParams
+    from evoesap.steps import run_stage
 
     params = SearchParams(
         criterion=criterion,
@@ -62,5 +63,5 @@ def search_cmd(
         prefix_reuse=prefix_reuse,
         prefix_cache_bytes=prefix_cache_bytes,
     )
-    run_search(model, scores, cache, params, out)
+    run_stage("search", {"model": model, "scores": scores, "cache": cache}, params, out)
     typer.echo(out)

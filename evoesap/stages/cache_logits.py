@@ -68,14 +68,10 @@ def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: 
     from evoesap import teacher
 
     inputs = {"model": model, "data": data}
-    done = artifacts.cached(out_uri, "cache_logits", dataclasses.asdict(params), inputs)
-    if done is not None:
-        log.info("teacher cache at %s is up to date", artifacts.redact(out_uri))
-        return done
     tokenizer, tokenized = runtime.tokenized_samples(model, data, params)
     log.info("loading %s", artifacts.redact(model))
     loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
-    with artifacts.stage_output(out_uri, "cache_logits", dataclasses.asdict(params), inputs) as staging:
+    with artifacts.stage_output(out_uri, "cache-logits", dataclasses.asdict(params), inputs) as staging:
         teacher.write_cache(
             loaded,
             tokenized,

@@ -47,12 +47,8 @@ class CalibrateParams:
 
 
 def run_calibrate(model: str, data: str, params: CalibrateParams, out_uri: str) -> artifacts.Manifest:
-    """Score every expert of `model` on `data` and publish scores.parquet (stage-cached)."""
+    """Score every expert of `model` on `data` and publish scores.parquet."""
     inputs = {"model": model, "data": data}
-    done = artifacts.cached(out_uri, "calibrate", dataclasses.asdict(params), inputs)
-    if done is not None:
-        log.info("calibrate: reusing %s", artifacts.redact(out_uri))
-        return done
 
     from evoesap import data as data_mod
     from evoesap import importance

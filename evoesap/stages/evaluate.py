@@ -73,10 +73,6 @@ def run_evaluate(
 
     plan = ev.resolve_tasks(params.tasks, allow_code_execution=params.allow_code_execution)
     inputs = {"model": model, "teacher_cache": teacher_cache, "allocation": allocation}
-    done = artifacts.cached(out_uri, "evaluate", dataclasses.asdict(params), inputs)
-    if done is not None:
-        log.info("evaluation at %s is up to date", artifacts.redact(out_uri))
-        return done
     tokenizer = moe.load_tokenizer(model)
     if tokenizer is None:
         raise DataError(f"{artifacts.redact(model)} has no tokenizer files: save the tokenizer with the model")
