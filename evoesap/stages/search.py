@@ -58,7 +58,7 @@ class SearchParams:
     device: str = "auto"
     device_map: str | None = None  # "auto" spreads a large model over several GPUs
     racing: bool = False  # successive halving over sample subsets (evoesap.racing); ranks elites on the full set
-    racing_schedule: str = "0.125,0.5:0.25"  # subset shares of the racing levels, then the share that advances
+    racing_schedule: str = "0.0625,0.25:0.25"  # subset shares of the racing levels, then the share that advances
     prefix_reuse: bool = True  # start candidates from cached hidden states of the fittest allocations (exact)
     prefix_cache_bytes: int = 1 << 30  # budget of those cached states, on the model's device
 
