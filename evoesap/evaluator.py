@@ -72,12 +72,13 @@ class CandidateEvaluator:
         seed: int = 0,
         verify: bool = True,
         weights_hash: str | None = None,
-        prefix_cache_bytes: int = 0,
+        prefix_cache_bytes: int | None = 0,
         keep: int = 4,
     ) -> None:
         """`verify=False` skips the weights check, for scoring a physically pruned checkpoint against
         its full model's cache; `weights_hash` saves re-hashing a model whose hash is already known.
-        `prefix_cache_bytes`: budget of the prefix cache (0: every candidate runs from the embeddings);
+        `prefix_cache_bytes`: budget of the prefix cache (0: every candidate runs from the embeddings; None:
+        half the memory still free on the model's device once the model and the teacher cache are there);
         `keep`: allocations whose cached states are never evicted (the search's elites)."""
         self.model = model
         self.metric = fitness.metric(metric)
@@ -102,6 +103,11 @@ class CandidateEvaluator:
         self._lengths = [positions[offsets[i + 1] - 1] + 1 for i in range(cache.num_samples)]
         self._full_lengths = [int(ids.numel()) for ids in cache.input_ids]
         self._rows = [torch.arange(offsets[i], offsets[i + 1], device=self.device) for i in range(cache.num_samples)]
+        if prefix_cache_bytes is None:
+            from evoesap.runtime import free_memory_bytes
+
+            prefix_cache_bytes = free_memory_bytes(self.device) // 2
+            log.info("prefix cache budget: %.2f GiB, half the free memory on %s", prefix_cache_bytes / 2**30, self.device)
         if prefix_cache_bytes < 0:
             raise ConfigError(f"prefix_cache_bytes must be >= 0, got {prefix_cache_bytes}")
         from evoesap.moe import inspect

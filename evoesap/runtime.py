@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,3 +78,16 @@ def tokenized_samples(model: str, data: str, params: Any, *, pack: bool = False)
         samples, tokenizer, max_length=params.max_length, enable_thinking=params.enable_thinking, pack=pack
     )
     return tokenizer, tokenized
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory still free on `device`: the GPU's own, else the host's available memory (1 GiB if unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError):
+        return 1 << 30

@@ -216,3 +216,23 @@ def test_prefix_reuse_is_exact_along_a_search_on_the_demo_world(demo_world, tmp_
     scratch, reuse = results
     assert [h.allocation for h in scratch.history] == [h.allocation for h in reuse.history]
     np.testing.assert_allclose([h.fitness for h in reuse.history], [h.fitness for h in scratch.history], atol=1e-6, rtol=0)
+
+
+def test_an_unset_budget_takes_half_the_free_memory_of_the_models_device(tmp_path, monkeypatch):
+    from evoesap import runtime
+
+    model, cache = _world("olmoe", tmp_path)
+    seen = []
+    monkeypatch.setattr(runtime, "free_memory_bytes", lambda device: seen.append(device) or 10 * 2**20)
+    evaluator = CandidateEvaluator(model, cache, prefix_cache_bytes=None)
+    assert seen == [torch.device("cpu")]
+    assert evaluator.prefix.budget == 5 * 2**20
+
+
+def test_free_host_memory_is_positive_and_below_the_physical_memory():
+    import os
+
+    from evoesap import runtime
+
+    free = runtime.free_memory_bytes(torch.device("cpu"))
+    assert 0 < free <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

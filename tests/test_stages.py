@@ -188,4 +188,5 @@ def test_run_stage_reuses_a_finished_artifact_only_for_the_same_parameters_and_i
     steps.run_stage("search", stage_inputs, SearchParams(criterion="reap", sparsity=0.5, **{**SMALL, "seed": 7}), other)
     steps.run_stage("search", stage_inputs, params, other)  # another seed's artifact there: runs again
     assert len(calls) == 2
-    assert _allocation(other) == _allocation(searched)
+    again, first = _allocation(other), _allocation(searched)
+    assert (again["pruned"], again["fitness"]) == (first["pruned"], first["fitness"])

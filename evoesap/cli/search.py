@@ -32,7 +32,9 @@ def search_cmd(
     racing: bool = typer.Option(False, "--racing", help="Race new candidates over sample subsets first; elites on the full set."),
     racing_schedule: str = typer.Option("0.0625,0.25:0.25", "--racing-schedule", help="Subset shares, then the share that advances."),
     prefix_reuse: bool = typer.Option(True, "--prefix-reuse/--no-prefix-reuse", help="Start candidates from cached hidden states (exact)."),
-    prefix_cache_bytes: int = typer.Option(1 << 30, "--prefix-cache-bytes", help="Budget of the prefix cache, on the model's device."),
+    prefix_cache_bytes: int = typer.Option(
+        None, "--prefix-cache-bytes", help="Budget of the prefix cache on the model's device (default: half its free memory)."
+    ),
 ) -> None:
     """Search the per-layer allocation with ESAP as fitness.
 

@@ -60,7 +60,7 @@ class SearchParams:
     racing: bool = False  # successive halving over sample subsets (evoesap.racing); ranks elites on the full set
     racing_schedule: str = "0.0625,0.25:0.25"  # subset shares of the racing levels, then the share that advances
     prefix_reuse: bool = True  # start candidates from cached hidden states of the fittest allocations (exact)
-    prefix_cache_bytes: int = 1 << 30  # budget of those cached states, on the model's device
+    prefix_cache_bytes: int | None = None  # budget of those cached states on the model's device; None: half its free memory
 
     def __post_init__(self) -> None:
         from evoesap import fitness
@@ -68,7 +68,8 @@ class SearchParams:
 
         for name in ("population", "elites", "generations", "max_transfer", "max_steps", "granularity", "seed", "batch_size",
                      "prefix_cache_bytes"):
-            object.__setattr__(self, name, int(getattr(self, name)))  # configs may deliver ints as floats
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))  # configs may deliver ints as floats
         if self.criterion not in CRITERIA:
             raise ConfigError(f"criterion {self.criterion!r} is not one of {', '.join(CRITERIA)}")
         if self.metric not in fitness.METRICS:
@@ -82,7 +83,7 @@ class SearchParams:
         if self.elites < 1 or self.generations < 0 or self.max_transfer < 1 or self.max_steps < 1:
             raise ConfigError("elites, max_transfer and max_steps must be >= 1 and generations >= 0")
         runtime.check_model_dtype(self.model_dtype)
-        if self.prefix_cache_bytes < 0:
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
             raise ConfigError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.racing:
             from evoesap.racing import Racing
@@ -155,6 +156,8 @@ def _cost(evaluator: Any, result: Any, search_ids: list[int]) -> dict[str, Any]:
         "full_set_evaluations": result.evaluations,
         "subset_evaluations": result.subset_evaluations,
         "samples_run": evaluator.forwards,
+        "prefix_cache_budget_bytes": evaluator.prefix.budget if evaluator.prefix is not None else 0,
+        "prefix_cache_peak_bytes": evaluator.prefix.peak_bytes if evaluator.prefix is not None else 0,
     }
 
 
