@@ -66,7 +66,7 @@ def check_budget(num_experts: Sequence[int], top_k: Sequence[int], budget: int, 
     if b > most:
         raise ConfigError(
             f"budget {b} is above sum(n - k) = {most}, the most experts that can go while every layer "
-            "keeps top_k experts: lower the sparsity"
+            "keeps the experts it must (top-k; more under group-limited routing): lower the sparsity"
         )
     if b % granularity:
         raise ConfigError(f"budget {b} is not a multiple of the granularity {granularity}")

@@ -113,6 +113,16 @@ def pruning_order(scores: pd.DataFrame | pa.Table, criterion: str) -> list[list[
     return [ordered.loc[ordered["layer"] == layer, "expert"].astype(int).tolist() for layer in layers]
 
 
+def model_orders(scores: pd.DataFrame | pa.Table, criterion: str, spec: moe.MoESpec) -> list[list[int]]:
+    """`pruning_order` for `spec`'s MoE layers, rearranged where group-limited routing needs it
+    (`evoesap.moe.admissible_order`), so that the first r experts of a layer are a removable set."""
+    orders = pruning_order(scores, criterion)
+    if len(orders) != len(spec.layers):
+        raise ConfigError(f"scores cover {len(orders)} MoE layers but the model has {len(spec.layers)}: "
+                          "calibrate this model")
+    return [moe.admissible_order(order, layer) for order, layer in zip(orders, spec.layers)]
+
+
 def read_scores(uri: str) -> pd.DataFrame:
     """scores.parquet of a finished calibrate artifact."""
     artifacts.read_manifest(uri)  # refuses an unfinished artifact

@@ -8,10 +8,10 @@ from evoesap.demo.tasks import write_tasks
 from evoesap.demo.tokenizer import build_tokenizer
 
 
-def make_tiny_inputs(root: Path) -> dict[str, str]:
+def make_tiny_inputs(root: Path, family: str = "olmoe") -> dict[str, str]:
     """Model directory (with tokenizer), calibration / search / held-out JSONL files and a local lm-eval task."""
     tok = build_tokenizer()
-    model = moe.tiny_model("olmoe", seed=3, vocab_size=len(tok))
+    model = moe.tiny_model(family, seed=3, vocab_size=len(tok))
     model_dir = root / "model"
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)

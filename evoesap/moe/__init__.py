@@ -7,7 +7,17 @@ from evoesap.moe.families import FAMILIES, PER_LAYER_KEY, Family
 from evoesap.moe.masking import masked
 from evoesap.moe.memory import BytesReport, bytes_report, expert_bytes, parameter_bytes
 from evoesap.moe.observe import observe_routing
-from evoesap.moe.spec import LayerSpec, MoEBlock, MoESpec, check_pruned, inspect, moe_blocks
+from evoesap.moe.spec import (
+    LayerSpec,
+    MoEBlock,
+    MoESpec,
+    PruningSpace,
+    admissible_order,
+    check_pruned,
+    inspect,
+    moe_blocks,
+    pruning_space,
+)
 from evoesap.moe.surgery import load_pruned, load_tokenizer, prune_experts, save_pruned
 from evoesap.moe.tiny import tiny_model
 
@@ -19,6 +29,8 @@ __all__ = [
     "LayerSpec",
     "MoEBlock",
     "MoESpec",
+    "PruningSpace",
+    "admissible_order",
     "bytes_report",
     "check_pruned",
     "expert_bytes",
@@ -28,6 +40,7 @@ __all__ = [
     "masked",
     "moe_blocks",
     "observe_routing",
+    "pruning_space",
     "parameter_bytes",
     "prune_experts",
     "save_pruned",

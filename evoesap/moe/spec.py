@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
+import math
 import operator
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping, Sequence
 
 from torch import nn
 
@@ -14,6 +16,7 @@ from evoesap.moe.families import Family, family_of
 from evoesap.moe.routing import GROUP_AWARE, GROUP_SCORE_TOP
 
 Pruned = Mapping[int, Iterable[int]]
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,3 +199,50 @@ def _check_groups(family: str, layer: LayerSpec, experts: list[int]) -> None:
             f"{where}; keeping {kept} experts per group leaves too few to score groups "
             f"(need {GROUP_SCORE_TOP}) or to fill top-k={layer.top_k} from {layer.topk_group} groups"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class PruningSpace:
+    """The removal counts a model admits: per layer at most `num_experts - min_kept`, in multiples of `granularity`."""
+
+    num_experts: tuple[int, ...]
+    min_kept: tuple[int, ...]  # top-k; more under group-limited routing (every group must keep enough to be scored)
+    granularity: int  # the asked granularity, raised to a multiple of the group count where routing is group-limited
+
+
+def pruning_space(spec: MoESpec, granularity: int = 1) -> PruningSpace:
+    """What an allocation may remove from `spec`'s layers, so that every pruned set passes `check_pruned`.
+
+    A group-limited layer (DeepSeek-V3 with n_group > 1) must lose the same number of experts from each
+    group, so its counts are multiples of n_group, and each group must keep enough experts to be
+    scored and to fill top-k; a group-limited layer whose routing cannot be recomputed keeps all.
+    """
+    kept, g = [], int(granularity)
+    for layer in spec.layers:
+        if layer.n_group == 1:
+            kept.append(layer.top_k)
+        elif layer.routing not in GROUP_AWARE:
+            kept.append(layer.num_experts)
+        else:
+            per_group = max(GROUP_SCORE_TOP, -(-layer.top_k // layer.topk_group))
+            kept.append(max(layer.top_k, layer.n_group * per_group))
+            g = math.lcm(g, layer.n_group)
+    if g != granularity:
+        log.warning("granularity %d raised to %d: this %s model routes group-limited, so every layer must lose "
+                    "the same number of experts from each group", granularity, g, spec.family)
+    return PruningSpace(spec.num_experts, tuple(kept), g)
+
+
+def admissible_order(order: Sequence[int], layer: LayerSpec) -> list[int]:
+    """A layer's pruning order (least important first), rearranged for group-limited routing.
+
+    Round j takes the j-th least important expert of every group, the rounds in order and the experts
+    of a round least important first, so that any prefix of n_group x m experts removes m from each
+    group. Layers without groups keep their order.
+    """
+    if layer.n_group == 1:
+        return list(order)
+    size = layer.num_experts // layer.n_group
+    rank = {expert: i for i, expert in enumerate(order)}
+    groups = [[e for e in order if e // size == g] for g in range(layer.n_group)]
+    return [e for j in range(size) for e in sorted((group[j] for group in groups), key=rank.__getitem__)]

@@ -15,6 +15,7 @@ import logging
 from evoesap import allocation as alloc
 from evoesap import artifacts, runtime
 from evoesap.errors import ConfigError
+from evoesap.moe.spec import MoESpec
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,10 @@ def read_allocation(uri: str) -> dict:
     return artifacts.read_json(artifacts.join(uri, ALLOCATION_FILE))
 
 
-def planned_pruning(scores_uri: str, params: PruneParams, num_experts: tuple[int, ...], top_k: tuple[int, ...], allocation: str | None) -> tuple[str, list[int], dict[int, list[int]]]:
+def planned_pruning(scores_uri: str, params: PruneParams, spec: MoESpec, allocation: str | None) -> tuple[str, list[int], dict[int, list[int]]]:
     """(method, removal counts, pruned expert ids per MoE layer) for this run."""
-    from evoesap.importance import pruning_order, read_scores
+    from evoesap import moe
+    from evoesap.importance import model_orders, read_scores
 
     if allocation is not None:
         searched = read_allocation(allocation)
@@ -63,9 +65,10 @@ def planned_pruning(scores_uri: str, params: PruneParams, num_experts: tuple[int
         counts = [int(c) for c in searched["removal_counts"]]
         pruned = {int(layer): [int(e) for e in ids] for layer, ids in searched["pruned"].items()}
         return "searched", counts, pruned
-    budget = alloc.budget(params.sparsity, num_experts, top_k, params.granularity)
-    counts = list(alloc.uniform(num_experts, top_k, budget, params.granularity))
-    orders = pruning_order(read_scores(scores_uri), params.criterion)
+    space = moe.pruning_space(spec, params.granularity)
+    budget = alloc.budget(params.sparsity, space.num_experts, space.min_kept, space.granularity)
+    counts = list(alloc.uniform(space.num_experts, space.min_kept, budget, space.granularity))
+    orders = model_orders(read_scores(scores_uri), params.criterion, spec)
     return "uniform", counts, alloc.pruned_sets(counts, orders)
 
 
@@ -76,7 +79,7 @@ def run_prune(model: str, scores: str, params: PruneParams, out_uri: str, alloca
     artifacts.read_manifest(scores)  # a clear error before loading anything
     full = moe.load_pruned(model, dtype=runtime.MODEL_DTYPES[params.model_dtype])
     spec = moe.inspect(full)
-    method, counts, pruned = planned_pruning(scores, params, spec.num_experts, spec.top_k, allocation)
+    method, counts, pruned = planned_pruning(scores, params, spec, allocation)
     tokenizer = moe.load_tokenizer(model)
     bytes_before = moe.parameter_bytes(full)
     moe.prune_experts(full, pruned)

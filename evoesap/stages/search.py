@@ -179,17 +179,17 @@ def run_search(model: str, scores: str, cache: str, params: SearchParams, out_ur
     """Search the allocation for one criterion and sparsity; publish allocation.json, history and plots."""
     from evoesap import racing, search
     from evoesap.evaluator import CandidateEvaluator
-    from evoesap.importance import pruning_order, read_scores
+    from evoesap import moe
+    from evoesap.importance import model_orders, read_scores
     from evoesap.teacher import load_cache
 
     artifacts.read_manifest(cache)  # both inputs must be finished artifacts before anything loads
-    orders = pruning_order(read_scores(scores), params.criterion)
     spec = runtime.inspect_checkpoint(model)
-    if len(orders) != len(spec.layers):
-        raise ConfigError(f"scores cover {len(orders)} MoE layers but {artifacts.redact(model)} has {len(spec.layers)}")
-    n, k = spec.num_experts, spec.top_k
-    budget = alloc.budget(params.sparsity, n, k, params.granularity)
-    uniform = list(alloc.uniform(n, k, budget, params.granularity))
+    orders = model_orders(read_scores(scores), params.criterion, spec)
+    space = moe.pruning_space(spec, params.granularity)
+    n, kept, granularity = space.num_experts, space.min_kept, space.granularity
+    budget = alloc.budget(params.sparsity, n, kept, granularity)
+    uniform = list(alloc.uniform(n, kept, budget, granularity))
 
     teacher = load_cache(cache)
     search_ids, heldout_ids = split_samples(teacher.num_samples, params.heldout_fraction, params.seed)
@@ -219,14 +219,14 @@ def run_search(model: str, scores: str, cache: str, params: SearchParams, out_ur
         result = search.level_switch_search(
             fitness_of,
             n,
-            k,
+            kept,
             budget,
             population=params.population,
             elites=params.elites,
             generations=params.generations,
             max_transfer=params.max_transfer,
             max_steps=params.max_steps,
-            granularity=params.granularity,
+            granularity=granularity,
             seed=params.seed,
             checkpoint=_checkpoint_uri(out_uri),
             resume=params.resume,
@@ -264,9 +264,10 @@ def run_search(model: str, scores: str, cache: str, params: SearchParams, out_ur
         "sparsity": params.sparsity,
         "metric": params.metric,
         "budget": budget,
-        "granularity": params.granularity,
+        "granularity": granularity,
         "num_experts": list(n),
-        "top_k": list(k),
+        "top_k": list(spec.top_k),
+        "min_kept": list(kept),
         "removal_counts": chosen,
         "pruned": {str(layer): ids for layer, ids in sorted(alloc.pruned_sets(chosen, orders).items())},
         "fitness": fitness_of(tuple(chosen)),
