@@ -11,8 +11,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def demo_cache_dir() -> Path:
-    """EVOESAP_DEMO_CACHE, else <repo>/.cache/demo-world (gitignored), so local reruns reuse the build."""
-    return Path(os.environ.get("EVOESAP_DEMO_CACHE", REPO / ".cache" / "demo-world"))
+    """EVOESAP_DEMO_CACHE (when set and not empty), else <repo>/.cache/demo-world (gitignored), so local reruns
+    reuse the build."""
+    return Path(os.environ.get("EVOESAP_DEMO_CACHE") or REPO / ".cache" / "demo-world")
 
 
 @pytest.fixture(scope="session")
