@@ -256,7 +256,8 @@ class CandidateEvaluator:
                     self.prefix.put(sets, a, s, hidden[row, :n].clone())  # [T_i, H]
             joining = [s for s in order[active:] if starts[s][0] == a]
             if joining:
-                hidden = torch.cat([hidden, self._stack([starts[s][1] for s in joining], hidden.shape[1])])
+                joined = self._stack([starts[s][1] for s in joining], hidden.shape[1]).to(hidden.device)
+                hidden = torch.cat([hidden, joined])
                 active += len(joining)
                 ctx = runner.context(hidden, attention_mask[:active])
         last = runner.num_layers - 1
@@ -291,13 +292,15 @@ class CandidateEvaluator:
             [torch.full((self._rows[s].numel(),), b, dtype=torch.long, device=self.device) for b, s in enumerate(chunk)]
         )  # [P_b] long: batch row of each cache row
         last = self._runner.num_layers - 1
-        picked = self._runner.feed_forward(last, hidden[owner, self.cache.positions[rows]].unsqueeze(0))[0]  # [P_b, H]
+        at = hidden.device  # the last layer's, when the model is sharded over GPUs
+        rows_at = hidden[owner.to(at), self.cache.positions[rows].to(at)]  # [P_b, H]
+        picked = self._runner.feed_forward(last, rows_at.unsqueeze(0))[0]  # [P_b, H]
         self.work += self._costs[last][1] * rows.numel()
         normed = self._runner.norm(picked)  # [P_b, H]
         lower, upper = torch.empty(rows.numel(), device=self.device), torch.empty(rows.numel(), device=self.device)
         step = self._head_rows
         for i in range(0, rows.numel(), step):  # [step, V] temporaries: cache-sized on a CPU, bounded on a GPU
-            logits = head_logits(self.model, normed[i : i + step])  # [step, V]
+            logits = head_logits(self.model, normed[i : i + step]).to(self.device)  # [step, V]
             lower[i : i + step], upper[i : i + step] = self._per_position(logits, rows[i : i + step])
         n = len(chunk)
         return fitness.per_sample_mean(lower, owner, n), fitness.per_sample_mean(upper, owner, n)

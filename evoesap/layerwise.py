@@ -38,7 +38,7 @@ class BatchContext:
     """What every decoder layer of one padded batch receives besides the hidden states."""
 
     position_ids: torch.Tensor  # [1, T] long
-    position_embeddings: tuple[torch.Tensor, torch.Tensor]  # rotary (cos, sin), each [1, T, D]
+    position_embeddings: object  # rotary: (cos, sin), each [1, T, D], or one complex tensor (DeepSeek-V2)
     masks: tuple[object, ...]  # per decoder layer: the 4-D mask, a BlockMask or None (is_causal)
 
 
@@ -69,6 +69,7 @@ class LayerRunner:
         if unknown:
             raise ModelError(f"attention kinds {unknown} are not supported layer by layer; known: {sorted(_MASKS)}")
         self.kinds = tuple(kinds[: len(self.layers)])
+        self.devices = [next(layer.parameters()).device for layer in self.layers]
 
     @property
     def num_layers(self) -> int:
@@ -92,21 +93,23 @@ class LayerRunner:
         return BatchContext(position_ids, rotary, tuple(built[kind] for kind in self.kinds))
 
     def attend(self, index: int, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
-        """The attention half of decoder layer `index`: [B, T, H] -> [B, T, H]."""
-        layer = self.layers[index]
+        """The attention half of decoder layer `index`: [B, T, H] -> [B, T, H] on that layer's device."""
+        layer, device = self.layers[index], self.devices[index]
+        hidden = hidden.to(device)  # a model sharded over GPUs (device_map): the halves bypass the layer's hooks
         out, _ = layer.self_attn(
             hidden_states=layer.input_layernorm(hidden),
-            attention_mask=ctx.masks[index],
-            position_ids=ctx.position_ids,
-            position_embeddings=ctx.position_embeddings,
+            attention_mask=_to(ctx.masks[index], device),
+            position_ids=ctx.position_ids.to(device),
+            position_embeddings=_to(ctx.position_embeddings, device),
             cache=None,
             use_cache=False,
         )
         return hidden + out
 
     def feed_forward(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
-        """The feed-forward half of decoder layer `index`, per token: [..., T, H] -> [..., T, H]."""
+        """The feed-forward half of decoder layer `index`, per token: [..., T, H] -> [..., T, H] on its device."""
         layer = self.layers[index]
+        hidden = hidden.to(self.devices[index])
         out = layer.mlp(layer.post_attention_layernorm(hidden))
         if isinstance(out, tuple):  # GPT-OSS also returns its router scores
             out = out[0]
@@ -134,7 +137,7 @@ class LayerRunner:
 
     def norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm, per token, so it may run on the scored rows only: [..., H] -> [..., H]."""
-        return self.base.norm(hidden)
+        return self.base.norm(hidden.to(next(self.base.norm.parameters()).device))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The whole stack, layer by layer: equals the base model's last_hidden_state -> [B, T, H]."""
@@ -144,3 +147,12 @@ class LayerRunner:
 
 def _numel(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def _to(value: object, device: torch.device) -> object:
+    """Tensors (also inside tuples) moved to `device`; anything else (None, a BlockMask) as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_to(v, device) for v in value)
+    return value

@@ -142,7 +142,8 @@ def final_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
 
 def head_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The LM head (and any final logit soft-capping the family applies) on [P, H] -> [P, V]."""
-    logits = model.get_output_embeddings()(hidden)  # [P, V] model dtype
+    head = model.get_output_embeddings()
+    logits = head(hidden.to(head.weight.device))  # [P, V] model dtype
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
