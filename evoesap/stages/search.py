@@ -6,11 +6,16 @@ it. When the searched allocation does not beat uniform there beyond noise (two s
 the paired per-sample difference) the stage says so loudly and, with `fallback_to_uniform`, returns
 uniform instead.
 
-Cost: prefix reuse (on by default, exact) starts each candidate's forward at its first MoE layer that
-differs from a cached allocation's; racing (opt-in) scores new candidates on growing sample subsets
-first (`evoesap.racing`). allocation.json records the search's cost in full-forward equivalents: the
-decoder-layer x token work of the search divided by that of one plain forward over the search samples,
-in all and per candidate (distinct allocations scored on any subset).
+Cost: prefix reuse (on by default, exact) starts each candidate's forward at the MoE block of its
+first MoE layer that differs from a cached allocation's; racing (opt-in) scores new candidates on
+growing sample subsets first (`evoesap.racing`). allocation.json records the search's cost in
+full-forward equivalents: the work of the search (active multiply-accumulates, `evoesap.layerwise`)
+divided by that of one plain forward over the search samples, in all and per candidate (distinct
+allocations scored on any subset), with the prefix cache's budget and peak.
+
+Group-limited routing (DeepSeek-V3 with n_group > 1) constrains removal per group: the search runs in
+the model's `moe.pruning_space` (granularity raised to a multiple of n_group, per-layer floors) over
+group-balanced orders (`importance.model_orders`).
 """
 
 from __future__ import annotations
