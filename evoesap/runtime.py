@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -81,13 +80,38 @@ def tokenized_samples(model: str, data: str, params: Any, *, pack: bool = False)
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Memory still free on `device`: the GPU's own, else the host's available memory (1 GiB if unknown)."""
+    """Memory still free on `device`: the GPU's own, else the host's available memory, capped by the
+    container's memory limit when there is one (a Kubernetes pod sees the node's /proc/meminfo); 1 GiB
+    if neither can be read."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
+    free = [room for room in (_host_available(), _cgroup_room()) if room is not None]
+    return min(free) if free else 1 << 30
+
+
+# (limit, usage) files of cgroup v2, then v1
+_CGROUP_FILES = (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"))
+
+
+def _host_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (OSError, ValueError):
-        return 1 << 30
+        pass
+    return None
+
+
+def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Limit minus usage of this process's memory cgroup; None when unlimited or unreadable."""
+    for limit_file, usage_file in _CGROUP_FILES:
+        try:
+            limit = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as a huge number
+            return None
+        return max(0, int(limit) - usage)
+    return None
