@@ -167,7 +167,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--racing-schedule", default="0.0625,0.25:0.25")
     parser.add_argument("--prefix-cache-bytes", type=int, default=1 << 30)
-    parser.add_argument("--reference-candidates", type=int, default=6)
+    parser.add_argument("--reference-candidates", type=int, default=16)
     parser.add_argument("--sweep", action="store_true", help="also racing vs exact over seeds x {reap, frequency} x {25%%, 50%%}")
     parser.add_argument("--sweep-seeds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="1: no spin-waiting on a shared, loaded machine")

@@ -245,10 +245,11 @@ class CandidateEvaluator:
             hidden, point = runner.embed(input_ids[:active]), None  # [b, T, H]
         else:
             hidden, point = self._stack([starts[s][1] for s in order[:active]], input_ids.shape[1]), self._starts[first]
-        ctx = runner.context(hidden, attention_mask[:active])
+        ctx = None  # masks and rotary embeddings of the active rows, built when an attention half first needs them
         stations = sorted({a for a in (self.prefix.boundaries if self.prefix is not None else ()) if a > first}
                           | {starts[s][0] for s in order[active:]})
         for a in stations:
+            ctx = ctx or runner.context(hidden, attention_mask[:active])
             hidden = self._advance(hidden, ctx, point, self._starts[a], sum(lengths[:active]))
             point = self._starts[a]
             for row, (s, n) in enumerate(zip(order[:active], lengths)):
@@ -259,9 +260,10 @@ class CandidateEvaluator:
                 joined = self._stack([starts[s][1] for s in joining], hidden.shape[1]).to(hidden.device)
                 hidden = torch.cat([hidden, joined])
                 active += len(joining)
-                ctx = runner.context(hidden, attention_mask[:active])
+                ctx = None
         last = runner.num_layers - 1
         if point != last:
+            ctx = ctx or runner.context(hidden, attention_mask[:active])
             hidden = self._advance(hidden, ctx, point, last, sum(lengths))
         return order, *self._score_rows(hidden, order)
 
