@@ -40,7 +40,7 @@ def fan_out(grid: list, scores: str, cache: str, heldout_cache: str) -> list:
 def search(model: str, storage_root: str, params: dict, point: dict) -> str:
     from evoesap.steps import run_step
 
-    inputs = {"model": model, "scores": point["scores"], "cache": point["cache"]}
+    inputs = {"model": model, "scores": point["scores"], "cache": point["cache"], "heldout_cache": point["heldout_cache"] or None}
     grid = {"criterion": point["criterion"], "sparsity": point["sparsity"]}
     return run_step("search", storage_root, inputs, {**params, **grid})
 

@@ -46,7 +46,7 @@ class PipelineConfig(BaseModel):
     model: str  # local path, fsspec URI or hub name of the full model
     calibration_data: str  # data for the importance criteria
     search_data: str  # data for the teacher cache and the ESAP fitness
-    heldout_data: str | None = None  # other samples of the search domain: held-out ESAP in evaluate
+    heldout_data: str | None = None  # other samples of the search domain: the search's held-out check, held-out ESAP in evaluate
     criteria: list[Literal["frequency", "seer", "ean", "reap"]] = ["reap"]
     sparsities: list[float] = [0.25]
     storage_root: str = "./runs/artifacts"  # where every artifact goes: a path, s3://, gs://

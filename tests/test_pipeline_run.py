@@ -86,9 +86,11 @@ def test_pipeline_runs_end_to_end_locally(first_run):
         assert metrics["records"], run
     search = _artifacts(storage, "search")[0]
     manifest = artifacts.read_manifest(str(search))
-    assert set(manifest.inputs) == {"model", "scores", "cache"}
+    assert set(manifest.inputs) == {"model", "scores", "cache", "heldout_cache"}  # the held-out set judges the search
     calibrate = _artifacts(storage, "calibrate")[0]
     assert manifest.inputs["scores"]["manifest_sha256"] == artifacts.manifest_sha256(str(calibrate))
+    caches = {artifacts.manifest_sha256(str(c)) for c in _artifacts(storage, "cache-logits")}
+    assert {manifest.inputs["cache"]["manifest_sha256"], manifest.inputs["heldout_cache"]["manifest_sha256"]} == caches
 
 
 def test_new_sparsity_reuses_calibration_and_teacher_cache(first_run, files):

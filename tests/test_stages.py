@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from evoesap import allocation as alloc
 from evoesap import artifacts, moe
-from evoesap.errors import ConfigError
+from evoesap.errors import ArtifactError, ConfigError
 from evoesap.evaluator import CandidateEvaluator
 from evoesap.importance import pruning_order, read_scores
 from evoesap.stages import search as search_stage
@@ -193,3 +193,38 @@ def test_run_stage_reuses_a_finished_artifact_only_for_the_same_parameters_and_i
     assert len(calls) == 2
     again, first = _allocation(other), _allocation(searched)
     assert (again["pruned"], again["fitness"]) == (first["pruned"], first["fitness"])
+
+
+def test_a_heldout_cache_judges_the_search_which_then_uses_every_cached_sample(inputs, tmp_path):
+    files = make_tiny_inputs(tmp_path)  # same seed: the same model weights and tokenizer as `inputs`
+    heldout = str(tmp_path / "heldout-cache")
+    run_cache_logits(inputs["model"], files["heldout"], CacheLogitsParams(samples=10, max_length=256, dtype="float32"), heldout)
+    out = str(tmp_path / "search")
+    params = SearchParams(criterion="reap", sparsity=0.5, **SMALL)
+    run_search(inputs["model"], inputs["scores"], inputs["cache"], params, out, heldout_cache=heldout)
+    doc = _allocation(out)
+    assert (doc["search_samples"], doc["heldout_samples"], doc["heldout"]["samples"]) == (12, 10, 10)
+    judge = CandidateEvaluator(AutoModelForCausalLM.from_pretrained(inputs["model"]), heldout)
+    orders = pruning_order(read_scores(inputs["scores"]), "reap")
+    for which in ("searched", "uniform"):
+        expected = judge.bounds(alloc.pruned_sets(doc[which]["removal_counts"], orders))[0]
+        assert doc["heldout"][which] == pytest.approx(expected, abs=1e-6)
+    assert "heldout_cache" in artifacts.read_manifest(out).inputs
+
+
+def test_a_heldout_cache_from_another_model_is_refused_before_the_search(inputs, tmp_path, monkeypatch):
+    from evoesap import search
+    other = tmp_path / "other"
+    other.mkdir()
+    files = make_tiny_inputs(other)
+    model = moe.tiny_model("olmoe", seed=4, vocab_size=AutoModelForCausalLM.from_pretrained(inputs["model"]).config.vocab_size)
+    model.save_pretrained(files["model"])  # other weights, same tokenizer
+    foreign = str(tmp_path / "foreign-cache")
+    run_cache_logits(files["model"], files["heldout"], CacheLogitsParams(samples=4, max_length=256, dtype="float32"), foreign)
+    searches = []
+    monkeypatch.setattr(search, "level_switch_search", lambda *a, **k: searches.append(a))
+    with pytest.raises(ArtifactError, match="weights"):
+        run_search(inputs["model"], inputs["scores"], inputs["cache"], SearchParams(criterion="reap", sparsity=0.5, **SMALL),
+                   str(tmp_path / "search"), heldout_cache=foreign)
+    assert searches == []
+    assert not artifacts.exists(str(tmp_path / "search" / "manifest.json"))

@@ -12,6 +12,9 @@ def search_cmd(
     model: str = typer.Option(..., "--model", help="Full model: path, URI or hub name."),
     scores: str = typer.Option(..., "--scores", help="Calibration artifact (scores.parquet)."),
     cache: str = typer.Option(..., "--cache", help="Teacher cache artifact from cache-logits."),
+    heldout_cache: str = typer.Option(
+        None, "--heldout-cache", help="Teacher cache of other samples for the held-out check (then --cache is all search)."
+    ),
     out: str = typer.Option(..., "--out", help="Where to write the search artifact."),
     criterion: str = typer.Option("reap", "--criterion", help="frequency, seer, ean or reap."),
     sparsity: float = typer.Option(0.25, "--sparsity", help="Global share of routed experts removed."),
@@ -23,7 +26,9 @@ def search_cmd(
     granularity: int = typer.Option(1, "--granularity", help="Counts and transfers in multiples of this."),
     seed: int = typer.Option(42, "--seed"),
     metric: str = typer.Option("esap", "--metric", help="esap, sap, kl or nll."),
-    heldout_fraction: float = typer.Option(0.25, "--heldout-fraction", help="Cached samples kept for the generalisation check."),
+    heldout_fraction: float = typer.Option(
+        0.25, "--heldout-fraction", help="Share of --cache kept for the held-out check when there is no --heldout-cache."
+    ),
     fallback_to_uniform: bool = typer.Option(False, "--fallback-to-uniform", help="Return uniform when the search does not generalise."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted search from its checkpoint."),
     batch_size: int = typer.Option(8, "--batch-size"),
@@ -65,5 +70,5 @@ def search_cmd(
         prefix_reuse=prefix_reuse,
         prefix_cache_bytes=prefix_cache_bytes,
     )
-    run_stage("search", {"model": model, "scores": scores, "cache": cache}, params, out)
+    run_stage("search", {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}, params, out)
     typer.echo(out)

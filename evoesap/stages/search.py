@@ -1,10 +1,11 @@
 """Stage `search`: the level-switch evolutionary search over per-layer allocations, ESAP as fitness.
 
-A share of the cached samples (`heldout_fraction`) never reaches the search; the best allocation and
-uniform are scored on it afterwards, because a small search set saturates and a search can overfit
-it. When the searched allocation does not beat uniform there beyond noise (two standard errors of
-the paired per-sample difference) the stage says so loudly and, with `fallback_to_uniform`, returns
-uniform instead.
+The best allocation and uniform are scored afterwards on samples the search never saw, because a
+small search set saturates and a search can overfit it: a separate held-out teacher cache when one is
+given (`heldout_cache`; the search then uses every sample of `cache`), else a share of the cached
+samples (`heldout_fraction`) kept out of the search. When the searched allocation does not beat
+uniform there beyond noise (two standard errors of the paired per-sample difference) the stage says
+so loudly and, with `fallback_to_uniform`, returns uniform instead.
 
 Cost: prefix reuse (on by default, exact) starts each candidate's forward at the MoE block of its
 first MoE layer that differs from a cached allocation's; racing (opt-in) scores new candidates on
@@ -55,7 +56,7 @@ class SearchParams:
     granularity: int = 1  # per-layer counts and transfers in multiples of this (2: the paper's even transfers)
     seed: int = 42
     metric: str = "esap"  # esap, sap, kl or nll
-    heldout_fraction: float = 0.25  # share of cached samples kept out of the search for the generalisation check
+    heldout_fraction: float = 0.25  # share of cached samples kept out of the search for the check (no heldout_cache)
     fallback_to_uniform: bool = False  # return uniform when the search does not generalise
     resume: bool = False  # continue from the checkpoint beside the output
     batch_size: int = 8
@@ -180,15 +181,21 @@ def _plots(staging: Path, params: SearchParams, history: pd.DataFrame, allocatio
     plt.close(fig)
 
 
-def run_search(model: str, scores: str, cache: str, params: SearchParams, out_uri: str) -> artifacts.Manifest:
-    """Search the allocation for one criterion and sparsity; publish allocation.json, history and plots."""
-    from evoesap import racing, search
+def run_search(
+    model: str, scores: str, cache: str, params: SearchParams, out_uri: str, heldout_cache: str | None = None
+) -> artifacts.Manifest:
+    """Search the allocation for one criterion and sparsity; publish allocation.json, history and plots.
+
+    `heldout_cache`: a teacher cache of other samples for the generalisation check (see the module docstring).
+    """
+    from evoesap import moe, racing, search
     from evoesap.evaluator import CandidateEvaluator
-    from evoesap import moe
     from evoesap.importance import model_orders, read_scores
     from evoesap.teacher import load_cache
 
-    artifacts.read_manifest(cache)  # both inputs must be finished artifacts before anything loads
+    for uri in (cache, heldout_cache):  # inputs must be finished artifacts before anything loads
+        if uri:
+            artifacts.read_manifest(uri)
     spec = runtime.inspect_checkpoint(model)
     orders = model_orders(read_scores(scores), params.criterion, spec)
     space = moe.pruning_space(spec, params.granularity)
@@ -197,11 +204,18 @@ def run_search(model: str, scores: str, cache: str, params: SearchParams, out_ur
     uniform = list(alloc.uniform(n, kept, budget, granularity))
 
     teacher = load_cache(cache)
-    search_ids, heldout_ids = split_samples(teacher.num_samples, params.heldout_fraction, params.seed)
+    heldout_teacher = load_cache(heldout_cache) if heldout_cache else None
+    if heldout_teacher is None:
+        search_ids, heldout_ids = split_samples(teacher.num_samples, params.heldout_fraction, params.seed)
+    else:
+        search_ids, heldout_ids = list(range(teacher.num_samples)), list(range(heldout_teacher.num_samples))
     loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
     evaluator = CandidateEvaluator(
         loaded, teacher, metric=params.metric, batch_size=params.batch_size,
         prefix_cache_bytes=params.prefix_cache_bytes if params.prefix_reuse else 0, keep=params.elites,
+    )
+    judge = evaluator if heldout_teacher is None else CandidateEvaluator(  # refuses another model's cache now
+        loaded, heldout_teacher, metric=params.metric, batch_size=params.batch_size, weights_hash=teacher.meta.model_hash,
     )
     schedule = racing.Racing.parse(params.racing_schedule) if params.racing else None
 
@@ -248,8 +262,8 @@ def run_search(model: str, scores: str, cache: str, params: SearchParams, out_ur
     check = None
     if heldout_ids:
         check = generalisation(
-            sign * evaluator.sample_values(alloc.pruned_sets(best, orders), samples=heldout_ids).numpy(),
-            sign * evaluator.sample_values(alloc.pruned_sets(uniform, orders), samples=heldout_ids).numpy(),
+            sign * judge.sample_values(alloc.pruned_sets(best, orders), samples=heldout_ids).numpy(),
+            sign * judge.sample_values(alloc.pruned_sets(uniform, orders), samples=heldout_ids).numpy(),
         )
         if not check["beats_uniform"]:
             log.warning(
@@ -286,7 +300,7 @@ def run_search(model: str, scores: str, cache: str, params: SearchParams, out_ur
         "heldout_samples": len(heldout_ids),
     }
     history = _history_frame(result.history)
-    inputs = {"model": model, "scores": scores, "cache": cache}
+    inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}
     with artifacts.stage_output(out_uri, "search", dataclasses.asdict(params), inputs) as staging:
         (staging / ALLOCATION_FILE).write_text(json.dumps(document, indent=2))
         history.to_parquet(staging / HISTORY_FILE, index=False)
