@@ -218,15 +218,21 @@ def test_prefix_reuse_is_exact_along_a_search_on_the_demo_world(demo_world, tmp_
     np.testing.assert_allclose([h.fitness for h in reuse.history], [h.fitness for h in scratch.history], atol=1e-6, rtol=0)
 
 
-def test_an_unset_budget_takes_half_the_free_memory_of_the_models_device(tmp_path, monkeypatch):
+def test_an_unset_budget_holds_a_generation_of_states_within_half_the_free_memory(tmp_path, monkeypatch):
+    from evoesap import evaluator as evaluator_module
     from evoesap import runtime
 
     model, cache = _world("olmoe", tmp_path)
+    probe = CandidateEvaluator(model, cache, prefix_cache_bytes=1 << 30)
+    one = sum(probe._lengths) * model.config.hidden_size * 4  # bytes of one boundary over all samples
+    useful = evaluator_module.AUTO_ALLOCATIONS_PER_ELITE * (4 + 1) * 4 * one  # keep=4, four MoE layers
     seen = []
-    monkeypatch.setattr(runtime, "free_memory_bytes", lambda device: seen.append(device) or 10 * 2**20)
-    evaluator = CandidateEvaluator(model, cache, prefix_cache_bytes=None)
-    assert seen == [torch.device("cpu")]
-    assert evaluator.prefix.budget == 5 * 2**20
+    for free, budget in ((1 << 40, useful), (useful, useful // 2)):
+        monkeypatch.setattr(runtime, "free_memory_bytes", lambda device, free=free: seen.append(device) or free)
+        auto = CandidateEvaluator(model, cache, prefix_cache_bytes=None, keep=4)
+        assert auto.prefix.budget == budget
+    assert seen == [torch.device("cpu")] * 2
+    assert CandidateEvaluator(model, cache, prefix_cache_bytes=None, keep=4).prefix.boundaries == (0, 1, 2, 3)
 
 
 def test_free_host_memory_is_positive_and_below_the_physical_memory():

@@ -38,7 +38,7 @@ def search_cmd(
     racing_schedule: str = typer.Option("0.0625,0.25:0.25", "--racing-schedule", help="Subset shares, then the share that advances."),
     prefix_reuse: bool = typer.Option(True, "--prefix-reuse/--no-prefix-reuse", help="Start candidates from cached hidden states (exact)."),
     prefix_cache_bytes: int = typer.Option(
-        None, "--prefix-cache-bytes", help="Budget of the prefix cache on the model's device (default: half its free memory)."
+        None, "--prefix-cache-bytes", help="Budget of the prefix cache on the model's device (default: states of 32 x (elites + 1) allocations, at most half its free memory)."
     ),
 ) -> None:
     """Search the per-layer allocation with ESAP as fitness.

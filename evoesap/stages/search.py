@@ -66,7 +66,7 @@ class SearchParams:
     racing: bool = False  # successive halving over sample subsets (evoesap.racing); ranks elites on the full set
     racing_schedule: str = "0.0625,0.25:0.25"  # subset shares of the racing levels, then the share that advances
     prefix_reuse: bool = True  # start candidates from cached hidden states of the fittest allocations (exact)
-    prefix_cache_bytes: int | None = None  # budget of those cached states on the model's device; None: half its free memory
+    prefix_cache_bytes: int | None = None  # budget of those cached states on the model's device; None: automatic (CandidateEvaluator)
 
     def __post_init__(self) -> None:
         from evoesap import fitness
