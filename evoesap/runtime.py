@@ -68,8 +68,9 @@ def tokenized_samples(model: str, data: str, params: Any, *, pack: bool = False)
     from evoesap import moe
     from evoesap.errors import DataError
 
-    fields = params.fields() if callable(params.fields) else params.fields
-    samples = data_mod.load_samples(data, split=params.split, subset=params.subset, fields=fields, n=params.samples, seed=params.seed)
+    samples = data_mod.load_samples(
+        data, split=params.split, subset=params.subset, fields=params.fields, n=params.samples, seed=params.seed
+    )
     tokenizer = moe.load_tokenizer(model)
     if tokenizer is None:
         raise DataError(f"{artifacts.redact(model)} has no tokenizer files: save the tokenizer with the model")

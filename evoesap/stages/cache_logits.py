@@ -6,6 +6,7 @@ import dataclasses
 import logging
 
 from evoesap import artifacts, runtime
+from evoesap.data import FieldMap
 from evoesap.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -53,11 +54,10 @@ class CacheLogitsParams:
             object.__setattr__(self, name, int(getattr(self, name)))
         if self.samples is not None:
             object.__setattr__(self, "samples", int(self.samples))
-        self.fields()  # field combinations are checked here, not after the model has loaded
+        self.fields  # noqa: B018 - field combinations are checked here, not after the model has loaded
 
-    def fields(self):
-        from evoesap.data import FieldMap
-
+    @property
+    def fields(self) -> FieldMap:
         return FieldMap(
             messages=self.messages_field, prompt=self.prompt_field, response=self.response_field, text=self.text_field
         )
