@@ -4,8 +4,8 @@ A candidate is the full model with some experts masked out of the routers (`evoe
 it runs teacher-forced over the cached samples, and the LM head runs only at scored positions, since
 the head and softmax over the vocabulary cost as much as several layers and only answer-predicting
 positions count; it runs over chunks of scored rows, so that the [rows, V] float32 temporaries stay
-in a CPU's cache and within bounds on a GPU. Each sample is cut after its last scored position (causal attention: later tokens
-cannot change earlier logits). Results are memoised per allocation and per sample, so scoring a
+in a CPU's cache and within bounds on a GPU. Each sample is cut after its last scored position
+(causal attention: later tokens cannot change earlier logits). Results are memoised per allocation and per sample, so scoring a
 subset first (racing) and the full set later re-runs only the missing samples.
 
 The decoder stack runs in half-layers (`evoesap.layerwise`), so that with `prefix_cache_bytes > 0` a

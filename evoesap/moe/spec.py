@@ -178,6 +178,12 @@ def check_pruned(spec: MoESpec, pruned: Pruned) -> dict[int, tuple[int, ...]]:
     return sets
 
 
+def _min_kept_per_group(layer: LayerSpec) -> int:
+    """Experts each group of a group-limited layer must keep: its best two score the group, and the
+    `topk_group` chosen groups must hold top-k experts between them."""
+    return max(GROUP_SCORE_TOP, -(-layer.top_k // layer.topk_group))
+
+
 def _check_groups(family: str, layer: LayerSpec, experts: list[int]) -> None:
     """Group-limited routing survives removal only when every group loses the same experts count."""
     if layer.n_group == 1 or not experts:
@@ -194,7 +200,7 @@ def _check_groups(family: str, layer: LayerSpec, experts: list[int]) -> None:
             f"got {dict(sorted(removed.items()))} removed per group"
         )
     kept = size - per_group[0]
-    if kept < GROUP_SCORE_TOP or kept * layer.topk_group < layer.top_k:
+    if kept < _min_kept_per_group(layer):
         raise ModelError(
             f"{where}; keeping {kept} experts per group leaves too few to score groups "
             f"(need {GROUP_SCORE_TOP}) or to fill top-k={layer.top_k} from {layer.topk_group} groups"
@@ -224,8 +230,7 @@ def pruning_space(spec: MoESpec, granularity: int = 1) -> PruningSpace:
         elif layer.routing not in GROUP_AWARE:
             kept.append(layer.num_experts)
         else:
-            per_group = max(GROUP_SCORE_TOP, -(-layer.top_k // layer.topk_group))
-            kept.append(max(layer.top_k, layer.n_group * per_group))
+            kept.append(max(layer.top_k, layer.n_group * _min_kept_per_group(layer)))
             g = math.lcm(g, layer.n_group)
     if g != granularity:
         log.warning("granularity %d raised to %d: this %s model routes group-limited, so every layer must lose "
