@@ -12,6 +12,11 @@ scoring at the paper's search size (64 samples x 4096 tokens, the second half of
   (c) prefix: a parent allocation, then children one level-switch step away (first changed MoE layer
       uniform over pairs of layers, as in the search), starting from the parent's cached states.
 
+With `--search-generations G`, each shape then runs the level-switch search itself (paper defaults:
+population 32, elites 4, seed 42; `--racing` for the default racing schedule) for G generations over
+the same random cache, with prefix reuse, and reports seconds per generation, FFE per candidate and the
+estimated time of a default 50-generation search.
+
 Meant to finish within 8 minutes on one H100 (80 GB). `--tiny` shrinks the models for a CPU smoke run
 (the tests run it in-process). Prints a short markdown table.
 
@@ -19,6 +24,7 @@ Examples:
     python benchmarks/gpu_search.py                                   # both shapes, paper size, cuda
     python benchmarks/gpu_search.py --shapes olmoe --samples 16 --length 2048
     python benchmarks/gpu_search.py --tiny --device cpu --samples 4 --length 32
+    python benchmarks/gpu_search.py --shapes olmoe --search-generations 3 --racing
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from evoesap import allocation as alloc
-from evoesap import moe
+from evoesap import moe, racing, search
 from evoesap.evaluator import CandidateEvaluator
 from evoesap.teacher import CacheMeta, TeacherCache
 
@@ -58,6 +64,7 @@ class Timing:
     seconds: float
     candidates: int
     ffe: float  # full-forward equivalents per candidate
+    note: str = ""
 
 
 def build_model(shape: str, tiny: bool, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -161,10 +168,49 @@ def time_shape(shape: str, args: argparse.Namespace, device: torch.device) -> li
         seconds = (time.perf_counter() - t0) / len(kids)
         ffe = (evaluator.work - before) / evaluator.full_forward_work() / len(kids)
         out.append(Timing(shape, name, seconds, len(kids), ffe))
+    if args.search_generations:
+        out.append(search_timing(shape, model, cache, n, k, orders, args, device))
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def search_timing(shape: str, model: torch.nn.Module, cache: TeacherCache, n: Sequence[int], k: Sequence[int],
+                  orders: list[list[int]], args: argparse.Namespace, device: torch.device) -> Timing:
+    """A truncated default search (racing optional); `seconds` is per candidate, `note` the extrapolation."""
+    evaluator = CandidateEvaluator(model, cache, batch_size=args.batch_size, verify=False,
+                                   prefix_cache_bytes=int(args.prefix_cache_gib * 2**30), keep=4)
+    schedule = racing.Racing() if args.racing else None
+    samples = list(range(cache.num_samples))
+
+    def fitness_of(r: tuple[int, ...]) -> float:
+        return evaluator.score(alloc.pruned_sets(r, orders))
+
+    def subset_fitness(r: tuple[int, ...], level: int, generation: int) -> float:
+        assert schedule is not None
+        return evaluator.score(alloc.pruned_sets(r, orders), racing.subset(samples, schedule.fractions[level], 42, generation))
+
+    stamps: list[float] = []
+    sync(device)
+    t0 = time.perf_counter()
+    result = search.level_switch_search(
+        fitness_of, n, k, alloc.budget(args.sparsity, n, k), generations=args.search_generations, granularity=1,
+        racing=schedule, subset_fitness=subset_fitness if schedule else None,
+        on_generation=lambda *_: (sync(device), stamps.append(time.perf_counter())),
+    )
+    seconds = time.perf_counter() - t0
+    raced_only = len({h.allocation for h in result.history if h.level is not None}
+                     - {h.allocation for h in result.history if h.level is None})
+    candidates = result.evaluations + raced_only
+    ffe = evaluator.work / evaluator.full_forward_work() / candidates
+    later = np.diff(stamps)  # seconds of each generation after the initial population
+    estimate = stamps[0] - t0 + 50 * float(np.mean(later)) if len(later) else float("nan")
+    method = f"search {args.search_generations} gen" + (" racing" if args.racing else "")
+    note = f"gen 0 {stamps[0] - t0:.1f} s, then {float(np.mean(later)):.1f} s/gen; 50 generations ~{estimate / 60:.1f} min"
+    if evaluator.prefix is not None:
+        note += f"; prefix peak {evaluator.prefix.peak_bytes / 2**30:.2f} GiB"
+    return Timing(shape, method, seconds / candidates, candidates, ffe, note)
 
 
 def main(argv: Sequence[str] | None = None) -> list[Timing]:
@@ -179,6 +225,8 @@ def main(argv: Sequence[str] | None = None) -> list[Timing]:
     parser.add_argument("--reference-candidates", type=int, default=1)
     parser.add_argument("--children", type=int, default=3)
     parser.add_argument("--prefix-cache-gib", type=float, default=8.0)
+    parser.add_argument("--search-generations", type=int, default=0, help="then time a search of this many generations")
+    parser.add_argument("--racing", action="store_true", help="the search races candidates (default schedule)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="test-size models (for a CPU smoke run)")
     args = parser.parse_args(argv)
@@ -188,11 +236,11 @@ def main(argv: Sequence[str] | None = None) -> list[Timing]:
     timings = [t for shape in args.shapes for t in time_shape(shape, args, device)]
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"device: {label}; {args.samples} samples x {args.length} tokens; tiny={args.tiny}")
-    print("| shape | method | s / candidate | vs (a) | FFE / candidate |")
-    print("|---|---|---|---|---|")
+    print("| shape | method | s / candidate | vs (a) | FFE / candidate | candidates | note |")
+    print("|---|---|---|---|---|---|---|")
     for t in timings:
         ref = next(r for r in timings if r.shape == t.shape and r.method == "(a) reference")
-        print(f"| {t.shape} | {t.method} | {t.seconds:.3f} | {ref.seconds / t.seconds:.1f}x | {t.ffe:.3f} |")
+        print(f"| {t.shape} | {t.method} | {t.seconds:.3f} | {ref.seconds / t.seconds:.1f}x | {t.ffe:.3f} | {t.candidates} | {t.note} |")
     if device.type == "cuda":
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
     return timings
