@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench lock image clean
 
 WORLD := .cache/demo-world
 
@@ -30,6 +30,15 @@ bench: $(STAMP)
 		--data $(WORLD)/data/code/search.jsonl $(WORLD)/data/copy/search.jsonl $(WORLD)/data/facts/search.jsonl $(WORLD)/data/math/search.jsonl \
 		--calibration $(WORLD)/data/code/calibration.jsonl $(WORLD)/data/copy/calibration.jsonl $(WORLD)/data/facts/calibration.jsonl $(WORLD)/data/math/calibration.jsonl \
 		--sweep
+
+lock: $(STAMP)
+	$(PY) images/lock.py
+
+# Builds the CPU stage image with buildah on a Debian base made with debootstrap, then runs a stage in it.
+image: $(STAMP)
+	command -v buildah >/dev/null && command -v debootstrap >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah debootstrap)
+	bash images/build.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

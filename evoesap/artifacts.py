@@ -183,6 +183,9 @@ def cached(out_uri: str, stage: str, params: Mapping[str, Any], inputs: Mapping[
 
 
 def _git_commit() -> str | None:
+    """The source commit: EVOESAP_GIT_COMMIT (set by the stage images at build time), else git's HEAD."""
+    if os.environ.get("EVOESAP_GIT_COMMIT"):
+        return os.environ["EVOESAP_GIT_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
