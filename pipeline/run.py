@@ -1,4 +1,4 @@
-"""Run the pipeline on this machine (kfp.local, the embedded default) or submit it to a cluster."""
+"""Run the pipeline on this machine (kfp.local, the embedded default); `pipeline.submit` sends it to a cluster."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, TextIO
+from typing import Iterator, TextIO
 
 from evoesap import artifacts
 from pipeline.config import PipelineConfig
-from pipeline.dag import build_pipeline, compile_pipeline
+from pipeline.dag import build_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -91,27 +91,3 @@ def run_local(config: PipelineConfig, log_path: Path | None = None) -> str:
         task = build_pipeline(config)()
     return task.output
 
-
-def submit(
-    config: PipelineConfig,
-    host: str,
-    *,
-    experiment: str | None = None,
-    run_name: str | None = None,
-    client_factory: Callable[..., Any] | None = None,
-) -> str:
-    """Compile and submit to a Kubeflow Pipelines endpoint; return the run id."""
-    import kfp
-
-    factory = client_factory or kfp.Client
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = compile_pipeline(config, Path(tmp) / "pipeline.yaml")
-        client = factory(host=host)
-        result = client.create_run_from_pipeline_package(
-            str(spec),
-            arguments={},
-            run_name=run_name,
-            experiment_name=experiment or config.name,
-            enable_caching=True,
-        )
-    return result.run_id

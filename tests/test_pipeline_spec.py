@@ -1,10 +1,7 @@
 """The compiled KFP spec, the configuration schema, the images and the cluster submission request."""
 
-import json
 import re
-import threading
 import tomllib
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,6 @@ from components import DEFAULT_IMAGE
 from evoesap.errors import ConfigError
 from pipeline.config import PipelineConfig, load_config
 from pipeline.dag import compile_pipeline
-from pipeline.run import submit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,61 +121,10 @@ def test_images_components_and_pyproject_agree():
     for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
         text = (ROOT / "images" / dockerfile).read_text()
         assert f"ARG TORCH_VERSION={makefile_torch}" in text
-        assert "RUN pip install . " in text  # the package with pyproject's own pins
+        assert "pip install -c requirements.lock ." in text  # the package, pinned by the lock
         for package in packages:
             name = package.rstrip("*")
             assert f"COPY {name} ./{name}" in text
     low, high = re.search(r">=([\d.]+),<([\d.]+)", torch_range).groups()
     as_tuple = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
     assert as_tuple(low) <= as_tuple(makefile_torch) < as_tuple(high)
-
-
-class _FakeKFP(BaseHTTPRequestHandler):
-    """Just enough of the KFP v2beta1 REST API to record what a submission sends."""
-
-    requests: list = []
-
-    def _reply(self, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):  # noqa: N802
-        self.requests.append(("GET", self.path, None))
-        if "healthz" in self.path:
-            self._reply({"multi_user": False})
-        else:
-            self._reply({})
-
-    def do_POST(self):  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-        self.requests.append(("POST", self.path, body))
-        if self.path.endswith("/experiments"):
-            self._reply({**body, "experiment_id": "exp-1"})
-        else:
-            self._reply({**body, "run_id": "run-1"})
-
-    def log_message(self, *args):
-        pass
-
-
-def test_submit_sends_the_compiled_spec_to_the_cluster_api():
-    _FakeKFP.requests = []
-    server = HTTPServer(("127.0.0.1", 0), _FakeKFP)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        run_id = submit(_config(name="nightly-prune"), f"http://127.0.0.1:{server.server_port}", experiment="release")
-    finally:
-        server.shutdown()
-    assert run_id == "run-1"
-    posts = {path.split("?")[0]: body for method, path, body in _FakeKFP.requests if method == "POST"}
-    assert posts["/apis/v2beta1/experiments"]["display_name"] == "release"
-    run = posts["/apis/v2beta1/runs"]
-    assert run["experiment_id"] == "exp-1"
-    assert run["pipeline_spec"]["pipelineInfo"]["name"] == "nightly-prune"
-    assert "exec-search" in run["pipeline_spec"]["deploymentSpec"]["executors"]
-    assert "secret" not in json.dumps(run).lower()

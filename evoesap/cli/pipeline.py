@@ -39,14 +39,35 @@ def run_cmd(
 @pipeline_app.command("submit")
 def submit_cmd(
     config: Path = typer.Argument(..., help="Pipeline YAML configuration."),
-    host: str = typer.Option(..., "--host", help="Kubeflow Pipelines API endpoint URL."),
+    host: str = typer.Option(..., "--host", envvar="KF_PIPELINES_ENDPOINT", help="Kubeflow Pipelines API endpoint URL."),
     experiment: str = typer.Option(None, "--experiment", help="Experiment name (default: the config's name)."),
+    run_name: str = typer.Option(None, "--run-name", help="Run (or recurring run) name (default: the config's name)."),
+    namespace: str = typer.Option(None, "--namespace", help="Profile namespace on a multi-user cluster."),
+    overrides: list[str] = typer.Option([], "--set", help="Override a pipeline parameter, key=value (repeatable)."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Turn KFP caching off for every task of this run."),
+    token: str = typer.Option(None, "--token", envvar="EVOESAP_KFP_TOKEN", show_default=False,
+                              help="Bearer token; prefer the EVOESAP_KFP_TOKEN variable (default: the kfp client's "
+                                   "own credentials, e.g. KF_PIPELINES_SA_TOKEN_PATH)."),
+    schedule: str = typer.Option(None, "--schedule", help="Cron schedule for a recurring run, e.g. '0 3 * * *'."),
+    interval: int = typer.Option(None, "--interval", help="Seconds between recurring runs (instead of --schedule)."),
+    max_concurrency: int = typer.Option(1, "--max-concurrency", help="Recurring runs allowed at once."),
+    catchup: bool = typer.Option(False, "--catchup", help="Backfill intervals missed while a recurring run was paused."),
 ) -> None:
-    """Submit the DAG to a cluster.  Example: evoesap pipeline submit demo.yaml --host https://kfp.example.org"""
-    from pipeline.config import load_config
-    from pipeline.run import submit
+    """Submit the DAG to a cluster, once or on a schedule.
 
-    typer.echo(submit(load_config(config), host, experiment=experiment))
+    Example: evoesap pipeline submit demo.yaml --host https://kfp.example.org --run-name nightly --set generations=100
+    """
+    from pipeline.config import load_config
+    from pipeline.submit import Submission, parse_overrides, submit
+
+    submission = Submission(
+        host=host, experiment=experiment, run_name=run_name, namespace=namespace, overrides=parse_overrides(overrides),
+        caching=not no_cache, token=token, schedule=schedule, interval_seconds=interval,
+        max_concurrency=max_concurrency, catchup=catchup,
+    )
+    run_id = submit(load_config(config), submission)
+    kind = "recurring run" if submission.recurring else "run"
+    typer.echo(f"submitted {kind} {run_id}")
 
 
 @pipeline_app.command("demo")
