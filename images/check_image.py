@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from evoesap import artifacts
 
 ROOT = Path(__file__).resolve().parents[1]
-CALIBRATE = ["calibrate", "--samples", "16", "--max-length", "128", "--quiet"]
+CALIBRATE = ["--quiet", "calibrate", "--samples", "16", "--max-length", "128"]
 
 
 @contextlib.contextmanager
