@@ -1,5 +1,5 @@
 """KFP components: one thin lightweight Python component per stage, each a call into `evoesap.steps`."""
 
-from components.stages import DEFAULT_IMAGE, StageComponents, make_components
+from evoesap.components.stages import DEFAULT_IMAGE, StageComponents, make_components
 
 __all__ = ["DEFAULT_IMAGE", "StageComponents", "make_components"]

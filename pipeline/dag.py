@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 from kfp import compiler, dsl
 
-from components import DEFAULT_IMAGE, make_components
-from pipeline.config import GPU_STAGES, PipelineConfig
+from evoesap.components import DEFAULT_IMAGE, make_components
+from evoesap.pipeline.config import GPU_STAGES, PipelineConfig
 
 
 def _configure(task: Any, stage: str, config: PipelineConfig) -> Any:

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from evoesap import artifacts
-from pipeline.config import PipelineConfig, load_config
-from pipeline.run import run_local
+from evoesap.pipeline.config import PipelineConfig, load_config
+from evoesap.pipeline.run import run_local
 
 log = logging.getLogger(__name__)
 

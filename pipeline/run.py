@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
 from evoesap import artifacts
-from pipeline.config import PipelineConfig
-from pipeline.dag import build_pipeline, compile_pipeline
+from evoesap.pipeline.config import PipelineConfig
+from evoesap.pipeline.dag import build_pipeline, compile_pipeline
 
 log = logging.getLogger(__name__)
 

@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 import evoesap
-from components import DEFAULT_IMAGE
+from evoesap.components import DEFAULT_IMAGE
 from evoesap.errors import ConfigError
-from pipeline.config import PipelineConfig, load_config
-from pipeline.dag import compile_pipeline
-from pipeline.run import submit
+from evoesap.pipeline.config import PipelineConfig, load_config
+from evoesap.pipeline.dag import compile_pipeline
+from evoesap.pipeline.run import submit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,13 +121,12 @@ def test_images_components_and_pyproject_agree():
     assert DEFAULT_IMAGE.endswith(f":{evoesap.__version__}")
     torch_range = next(d for d in project["dependencies"] if d.startswith("torch"))
     makefile_torch = re.search(r"torch==([\d.]+)", (ROOT / "Makefile").read_text()).group(1)
-    packages = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    folders = ["evoesap", *pyproject["tool"]["setuptools"]["package-dir"].values()]
     for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
         text = (ROOT / "images" / dockerfile).read_text()
         assert f"ARG TORCH_VERSION={makefile_torch}" in text
         assert "RUN pip install . " in text  # the package with pyproject's own pins
-        for package in packages:
-            name = package.rstrip("*")
+        for name in folders:
             assert f"COPY {name} ./{name}" in text
     low, high = re.search(r">=([\d.]+),<([\d.]+)", torch_range).groups()
     as_tuple = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731

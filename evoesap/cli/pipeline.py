@@ -18,8 +18,8 @@ def compile_cmd(
     output: Path = typer.Option(Path("pipeline.yaml"), "--output", "-o", help="Where to write the KFP spec."),
 ) -> None:
     """Compile the DAG to a KFP pipeline spec.  Example: evoesap pipeline compile demo.yaml -o pipeline.yaml"""
-    from pipeline.config import load_config
-    from pipeline.dag import compile_pipeline
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.dag import compile_pipeline
 
     typer.echo(str(compile_pipeline(load_config(config), output)))
 
@@ -30,8 +30,8 @@ def run_cmd(
     log: Path = typer.Option(None, "--log", help="Write the tasks' full logs here; the terminal shows one line per task."),
 ) -> None:
     """Run the DAG on this machine (kfp.local).  Example: evoesap pipeline run demo.yaml --log runs/pipeline.log"""
-    from pipeline.config import load_config
-    from pipeline.run import run_local
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.run import run_local
 
     typer.echo(run_local(load_config(config), log_path=log))
 
@@ -43,8 +43,8 @@ def submit_cmd(
     experiment: str = typer.Option(None, "--experiment", help="Experiment name (default: the config's name)."),
 ) -> None:
     """Submit the DAG to a cluster.  Example: evoesap pipeline submit demo.yaml --host https://kfp.example.org"""
-    from pipeline.config import load_config
-    from pipeline.run import submit
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.run import submit
 
     typer.echo(submit(load_config(config), host, experiment=experiment))
 
@@ -56,7 +56,7 @@ def demo_cmd(
     profile: str = typer.Option("default", "--profile", help="Demo world profile: default or quick."),
 ) -> None:
     """Build the demo world and run the whole pipeline on it locally.  Example: evoesap pipeline demo --out runs/demo"""
-    from pipeline.demo import main_table, run_demo
+    from evoesap.pipeline.demo import main_table, run_demo
 
     out = out.resolve()
     typer.echo(f"building the demo world and running the pipeline; task logs in {out / 'pipeline.log'}")
