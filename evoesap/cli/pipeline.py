@@ -31,9 +31,12 @@ def run_cmd(
 ) -> None:
     """Run the DAG on this machine (kfp.local).  Example: evoesap pipeline run demo.yaml --log runs/pipeline.log"""
     from evoesap.pipeline.config import load_config
-    from evoesap.pipeline.run import run_local
+    from evoesap.pipeline.run import report_uri, run_local
 
-    typer.echo(run_local(load_config(config), log_path=log))
+    outputs = run_local(load_config(config), log_path=log)
+    for model in outputs["pruned_models"]:
+        typer.echo(f"pruned model: {model.metadata['uri']}")
+    typer.echo(report_uri(outputs))
 
 
 @pipeline_app.command("submit")
