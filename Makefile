@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo bench clean components
 
 WORLD := .cache/demo-world
 
@@ -33,3 +33,6 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+
+components: $(STAMP)
+	$(PY) -m evoesap pipeline components --out components

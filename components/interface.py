@@ -53,9 +53,11 @@ def param_docs(stage: str) -> list[tuple[str, str, Any, str]]:
     return docs
 
 
-def params_description(stage: str) -> str:
-    """One line describing the `params` input of a stage's component, key by key."""
-    keys = "; ".join(f"{name} ({kind}, default {default!r}): {meaning}" for name, kind, default, meaning in param_docs(stage))
+def params_description(stage: str, exclude: tuple[str, ...] = ()) -> str:
+    """One line describing the `params` input of a stage's component, key by key (without the parameters
+    in `exclude`: the component's own inputs, which take precedence)."""
+    docs = [doc for doc in param_docs(stage) if doc[0] not in exclude]
+    keys = "; ".join(f"{name} ({kind}, default {default!r}): {meaning}" for name, kind, default, meaning in docs)
     section = stage.replace("-", "_")
     return (
         f"Parameters of the {stage} stage, as in the pipeline configuration's `{section}` section (unset keys "

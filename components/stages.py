@@ -10,6 +10,8 @@ documented key by key from the stage's parameters (`evoesap.components.interface
 
 # No `from __future__ import annotations` here: kfp reads the real type annotations.
 import dataclasses
+import inspect
+from pathlib import Path
 from typing import Callable, List, Optional
 
 from kfp import dsl
@@ -32,6 +34,8 @@ def calibrate(model: Input[Model], data: str, storage_root: str, scores: Output[
         model: The full MoE model: a checkpoint directory (a team's Output[Model], or dsl.importer of a path, URI or hub name).
         data: Calibration data: a JSONL/JSON/Parquet/CSV path or URI, or a hub dataset name.
         storage_root: (see module)
+
+    Returns:
         scores: Per-expert importance scores of every criterion (scores.parquet).
     """
     from evoesap.components.kfp_artifacts import publish, source
@@ -47,6 +51,8 @@ def cache_logits(model: Input[Model], data: str, storage_root: str, cache: Outpu
         model: The full MoE model (the teacher).
         data: Search (or held-out) data: a JSONL/JSON/Parquet/CSV path or URI, or a hub dataset name.
         storage_root: (see module)
+
+    Returns:
         cache: The teacher cache (token ids, answer masks and log-probabilities).
     """
     from evoesap.components.kfp_artifacts import publish, source
@@ -75,8 +81,10 @@ def search(
         criterion: Importance criterion whose order the allocation applies: frequency, seer, ean or reap.
         sparsity: Global share of routed experts removed, in (0, 1).
         storage_root: (see module)
-        allocation: The chosen allocation (allocation.json, search history); metadata: fitness, held-out check, cost.
         heldout_cache: Teacher cache of other samples for the held-out check; without it a share of `cache` is held out.
+
+    Returns:
+        allocation: The chosen allocation (allocation.json, search history); metadata: fitness, held-out check, cost.
     """
     from evoesap.components.kfp_artifacts import publish, source
     from evoesap.steps import run_step
@@ -103,8 +111,10 @@ def prune(
         criterion: Importance criterion: frequency, seer, ean or reap (must match the allocation's).
         sparsity: Global share of routed experts removed, in (0, 1) (must match the allocation's).
         storage_root: (see module)
-        pruned: The pruned checkpoint; metadata: method, criterion, sparsity, expert_counts, parameter_bytes.
         allocation: The search stage's allocation; omitted: the same budget spread uniformly over layers.
+
+    Returns:
+        pruned: The pruned checkpoint; metadata: method, criterion, sparsity, expert_counts, parameter_bytes.
     """
     from evoesap.components.kfp_artifacts import publish, source
     from evoesap.steps import run_step
@@ -126,9 +136,11 @@ def evaluate(
     Args:
         model: The model to evaluate: a pruned model from the prune stage (its method, criterion and sparsity label the run) or the full model.
         storage_root: (see module)
+        teacher_cache: A teacher cache of held-out samples: adds held-out ESAP to the metrics.
+
+    Returns:
         metrics: One scalar per task (its primary metric), for KFP's run comparison.
         evaluation: The full metrics.json (every metric, stderr, memory, expert counts, held-out ESAP).
-        teacher_cache: A teacher cache of held-out samples: adds held-out ESAP to the metrics.
     """
     from evoesap.components.kfp_artifacts import publish, publish_metrics, source
     from evoesap.steps import run_step
@@ -158,6 +170,8 @@ def report(
         uniform: Evaluations of the uniformly pruned models.
         searches: The search stage's allocations (search curves and densities).
         storage_root: (see module)
+
+    Returns:
         markdown: The report in Markdown (rendered in the KFP UI).
         page: The report as one HTML page with its plots inlined (rendered in the KFP UI).
     """
@@ -187,7 +201,9 @@ def _documented(stage: str, function: Callable) -> Callable:
     from evoesap.components.interface import params_description
 
     doc = _SOURCE_DOCS[stage].replace("storage_root: (see module)", _STORAGE)
-    function.__doc__ = doc.rstrip() + f"\n        params: {params_description(stage)}\n    "
+    own_inputs = tuple(inspect.signature(function).parameters)
+    params = f"        params: {params_description(stage, exclude=own_inputs)}\n"
+    function.__doc__ = doc.replace("\n    Returns:\n", f"{params}\n    Returns:\n")
     return function
 
 
@@ -205,3 +221,19 @@ def make_components(image: str = DEFAULT_IMAGE) -> StageComponents:
     """The components bound to a stage image; no packages are installed at run time."""
     wrap = dsl.component(base_image=image, install_kfp_package=False)
     return StageComponents(**{name.replace("-", "_"): wrap(_documented(name, fn)) for name, fn in STAGE_FUNCTIONS.items()})
+
+
+def write_component_yamls(directory: str | Path, image: str = DEFAULT_IMAGE) -> list[Path]:
+    """Compile each stage component to `<directory>/<stage>.yaml`, a step any KFP pipeline can load
+    (`kfp.components.load_component_from_file`)."""
+    from kfp import compiler
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    comps = make_components(image)
+    written = []
+    for stage in STAGE_FUNCTIONS:
+        path = directory / f"{stage.replace('-', '_')}.yaml"
+        compiler.Compiler().compile(getattr(comps, stage.replace("-", "_")), str(path))
+        written.append(path)
+    return written

@@ -24,6 +24,18 @@ def compile_cmd(
     typer.echo(str(compile_pipeline(load_config(config), output)))
 
 
+@pipeline_app.command("components")
+def components_cmd(
+    out: Path = typer.Option(Path("components"), "--out", help="Directory for the <stage>.yaml files."),
+    image: str = typer.Option(None, "--image", help="Stage image (default: the project's image of this version)."),
+) -> None:
+    """Compile each stage to a single-stage KFP component YAML.  Example: evoesap pipeline components --out components"""
+    from evoesap.components import DEFAULT_IMAGE, write_component_yamls
+
+    for path in write_component_yamls(out, image or DEFAULT_IMAGE):
+        typer.echo(str(path))
+
+
 @pipeline_app.command("run")
 def run_cmd(
     config: Path = typer.Argument(..., help="Pipeline YAML configuration."),
