@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench lock image clean
+.PHONY: install test demo bench lock image components clean
 
 WORLD := .cache/demo-world
 
@@ -42,3 +42,6 @@ image: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+
+components: $(STAMP)
+	$(PY) -m evoesap pipeline components --out components

@@ -1,5 +1,9 @@
-"""KFP components: one thin lightweight Python component per stage, each a call into `evoesap.steps`."""
+"""KFP components: one thin lightweight Python component per stage, each a call into `evoesap.steps`.
 
-from components.stages import DEFAULT_IMAGE, StageComponents, make_components
+The compiled single-stage components (`<stage>.yaml` beside this file) are made by
+`evoesap pipeline components` (`make components`) and checked by a test to be up to date.
+"""
 
-__all__ = ["DEFAULT_IMAGE", "StageComponents", "make_components"]
+from evoesap.components.stages import DEFAULT_IMAGE, StageComponents, make_components, write_component_yamls
+
+__all__ = ["DEFAULT_IMAGE", "StageComponents", "make_components", "write_component_yamls"]

@@ -1,77 +1,190 @@
-"""The six stage components (plus the fan-out plan). Each body imports the library and calls `run_step`.
+"""The six stage components, typed with KFP artifacts. Each body calls `run_step` and describes its result.
 
-Components return the URI of the artifact they made (or found finished) under `storage_root`; with
-an s3:// or gs:// root the stage reads and writes object storage itself, so the same components run
-under `kfp.local` and on a cluster.
+A stage runs into its content-addressed URI under `storage_root` (or finds it finished there, after
+checking the manifest and the payload), then fills its KFP output artifacts from it
+(`evoesap.components.kfp_artifacts`): the pipeline's lineage in ML Metadata is the lineage the manifests
+record. With an s3:// or gs:// root the stage reads and writes object storage itself, so the same
+components run under `kfp.local` and on a cluster. Every input is documented here; `params` is
+documented key by key from the stage's parameters (`evoesap.components.interface`).
 """
 
 # No `from __future__ import annotations` here: kfp reads the real type annotations.
 import dataclasses
-from typing import Callable, List
+import inspect
+from pathlib import Path
+from typing import Callable, List, Optional
 
 from kfp import dsl
+from kfp.dsl import HTML, Artifact, Dataset, Input, Markdown, Metrics, Model, Output
 
 from evoesap import __version__
 
 DEFAULT_IMAGE = f"evoesap/stage:{__version__}"  # built from images/Dockerfile; push it to your registry
 
-
-def calibrate(model: str, data: str, storage_root: str, params: dict) -> str:
-    from evoesap.steps import run_step
-
-    return run_step("calibrate", storage_root, {"model": model, "data": data}, params)
-
-
-def cache_logits(model: str, data: str, storage_root: str, params: dict) -> str:
-    from evoesap.steps import run_step
-
-    return run_step("cache-logits", storage_root, {"model": model, "data": data}, params)
+_STORAGE = (
+    "storage_root: Where EvoESAP keeps its content-addressed artifacts (a path, s3://, gs://); a stage whose "
+    "inputs and parameters are unchanged is found finished there and reused."
+)
 
 
-def fan_out(grid: list, scores: str, cache: str, heldout_cache: str) -> list:
-    """Each criterion x sparsity point with the upstream artifacts it needs, as one loop item.
+def calibrate(model: Input[Model], data: str, storage_root: str, scores: Output[Dataset], params: dict = {}):
+    """Score every expert of the model (frequency, SEER, EAN, REAP) in one pass over calibration samples.
 
-    Upstream URIs travel inside the loop items rather than as separate task inputs of the loop, so
-    that the same DAG also runs under kfp.local (which binds a loop's task inputs to the item).
+    Args:
+        model: The full MoE model: a checkpoint directory (a team's Output[Model], or dsl.importer of a path, URI or hub name).
+        data: Calibration data: a JSONL/JSON/Parquet/CSV path or URI, or a hub dataset name.
+        storage_root: (see module)
+
+    Returns:
+        scores: Per-expert importance scores of every criterion (scores.parquet).
     """
-    return [{**point, "scores": scores, "cache": cache, "heldout_cache": heldout_cache} for point in grid]
-
-
-def search(model: str, storage_root: str, params: dict, point: dict) -> str:
+    from evoesap.components.kfp_artifacts import publish, source
     from evoesap.steps import run_step
 
-    inputs = {"model": model, "scores": point["scores"], "cache": point["cache"], "heldout_cache": point["heldout_cache"] or None}
-    grid = {"criterion": point["criterion"], "sparsity": point["sparsity"]}
-    return run_step("search", storage_root, inputs, {**params, **grid})
+    publish(scores, run_step("calibrate", storage_root, {"model": source(model), "data": data}, params))
 
 
-def prune(model: str, allocation: str, storage_root: str, params: dict, point: dict) -> str:
+def cache_logits(model: Input[Model], data: str, storage_root: str, cache: Output[Dataset], params: dict = {}):
+    """Cache the full model's next-token log-probabilities on samples: the teacher the ESAP fitness compares to.
+
+    Args:
+        model: The full MoE model (the teacher).
+        data: Search (or held-out) data: a JSONL/JSON/Parquet/CSV path or URI, or a hub dataset name.
+        storage_root: (see module)
+
+    Returns:
+        cache: The teacher cache (token ids, answer masks and log-probabilities).
+    """
+    from evoesap.components.kfp_artifacts import publish, source
     from evoesap.steps import run_step
 
-    inputs = {"model": model, "scores": point["scores"], "allocation": allocation or None}
-    grid = {"criterion": point["criterion"], "sparsity": point["sparsity"]}
-    return run_step("prune", storage_root, inputs, {**params, **grid})
+    publish(cache, run_step("cache-logits", storage_root, {"model": source(model), "data": data}, params))
 
 
-def evaluate(model: str, cache: str, storage_root: str, params: dict, method: str, point: dict) -> str:
+def search(
+    model: Input[Model],
+    scores: Input[Dataset],
+    cache: Input[Dataset],
+    criterion: str,
+    sparsity: float,
+    storage_root: str,
+    allocation: Output[Artifact],
+    heldout_cache: Optional[Input[Dataset]] = None,
+    params: dict = {},
+):
+    """Search the per-layer expert allocation that maximises ESAP against the teacher cache.
+
+    Args:
+        model: The full MoE model.
+        scores: The calibrate stage's scores: the within-layer pruning order of `criterion`.
+        cache: The teacher cache of the search samples.
+        criterion: Importance criterion whose order the allocation applies: frequency, seer, ean or reap.
+        sparsity: Global share of routed experts removed, in (0, 1).
+        storage_root: (see module)
+        heldout_cache: Teacher cache of other samples for the held-out check; without it a share of `cache` is held out.
+
+    Returns:
+        allocation: The chosen allocation (allocation.json, search history); metadata: fitness, held-out check, cost.
+    """
+    from evoesap.components.kfp_artifacts import publish, source
     from evoesap.steps import run_step
 
-    labels = {"method": method, **{k: point[k] for k in ("criterion", "sparsity") if k in point}}
-    inputs = {"model": model, "teacher_cache": cache or None}
-    return run_step("evaluate", storage_root, inputs, {**params, **labels})
+    inputs = {"model": source(model), "scores": source(scores), "cache": source(cache), "heldout_cache": source(heldout_cache)}
+    publish(allocation, run_step("search", storage_root, inputs, {**params, "criterion": criterion, "sparsity": sparsity}))
 
 
-def report(full: str, searched: List[str], uniform: List[str], searches: List[str], storage_root: str, params: dict) -> str:
+def prune(
+    model: Input[Model],
+    scores: Input[Dataset],
+    criterion: str,
+    sparsity: float,
+    storage_root: str,
+    pruned: Output[Model],
+    allocation: Optional[Input[Artifact]] = None,
+    params: dict = {},
+):
+    """Physically remove experts and save a standard checkpoint: the searched allocation, or uniform without one.
+
+    Args:
+        model: The full MoE model.
+        scores: The calibrate stage's scores: which experts of a layer go first under `criterion`.
+        criterion: Importance criterion: frequency, seer, ean or reap (must match the allocation's).
+        sparsity: Global share of routed experts removed, in (0, 1) (must match the allocation's).
+        storage_root: (see module)
+        allocation: The search stage's allocation; omitted: the same budget spread uniformly over layers.
+
+    Returns:
+        pruned: The pruned checkpoint; metadata: method, criterion, sparsity, expert_counts, parameter_bytes.
+    """
+    from evoesap.components.kfp_artifacts import publish, source
     from evoesap.steps import run_step
 
-    inputs = {"runs": [full, *uniform, *searched], "searches": list(searches)}
-    return run_step("report", storage_root, inputs, params)
+    inputs = {"model": source(model), "scores": source(scores), "allocation": source(allocation)}
+    publish(pruned, run_step("prune", storage_root, inputs, {**params, "criterion": criterion, "sparsity": sparsity}))
+
+
+def evaluate(
+    model: Input[Model],
+    storage_root: str,
+    metrics: Output[Metrics],
+    evaluation: Output[Dataset],
+    teacher_cache: Optional[Input[Dataset]] = None,
+    params: dict = {},
+):
+    """Evaluate a model on lm-eval tasks (and held-out ESAP against a teacher cache).
+
+    Args:
+        model: The model to evaluate: a pruned model from the prune stage (its method, criterion and sparsity label the run) or the full model.
+        storage_root: (see module)
+        teacher_cache: A teacher cache of held-out samples: adds held-out ESAP to the metrics.
+
+    Returns:
+        metrics: One scalar per task (its primary metric), for KFP's run comparison.
+        evaluation: The full metrics.json (every metric, stderr, memory, expert counts, held-out ESAP).
+    """
+    from evoesap.components.kfp_artifacts import publish, publish_metrics, source
+    from evoesap.steps import run_step
+
+    labels = {k: model.metadata[k] for k in ("method", "criterion", "sparsity") if k in model.metadata}
+    labels = {"method": "full", **params, **labels}
+    uri = run_step("evaluate", storage_root, {"model": source(model), "teacher_cache": source(teacher_cache)}, labels)
+    publish(evaluation, uri)
+    publish_metrics(metrics, uri)
+
+
+def report(
+    full: Input[Dataset],
+    searched: Input[List[Dataset]],
+    uniform: Input[List[Dataset]],
+    searches: Input[List[Artifact]],
+    storage_root: str,
+    markdown: Output[Markdown],
+    page: Output[HTML],
+    params: dict = {},
+):
+    """The benchmark table, memory figures and plots of a set of evaluations and searches.
+
+    Args:
+        full: The evaluate stage's evaluation of the full model.
+        searched: Evaluations of the searched pruned models.
+        uniform: Evaluations of the uniformly pruned models.
+        searches: The search stage's allocations (search curves and densities).
+        storage_root: (see module)
+
+    Returns:
+        markdown: The report in Markdown (rendered in the KFP UI).
+        page: The report as one HTML page with its plots inlined (rendered in the KFP UI).
+    """
+    from evoesap.components.kfp_artifacts import publish_report, source
+    from evoesap.steps import run_step
+
+    inputs = {"runs": [source(a) for a in [full, *uniform, *searched]], "searches": [source(a) for a in searches]}
+    publish_report(markdown, page, run_step("report", storage_root, inputs, params))
 
 
 STAGE_FUNCTIONS: dict[str, Callable] = {
     "calibrate": calibrate,
     "cache-logits": cache_logits,
-    "fan-out": fan_out,
     "search": search,
     "prune": prune,
     "evaluate": evaluate,
@@ -79,11 +192,25 @@ STAGE_FUNCTIONS: dict[str, Callable] = {
 }
 
 
+_SOURCE_DOCS = {name: fn.__doc__ for name, fn in STAGE_FUNCTIONS.items()}
+
+
+def _documented(stage: str, function: Callable) -> Callable:
+    """`function` with the shared storage_root text and its `params` keys written into the docstring
+    (kfp reads input descriptions from the docstring's Args)."""
+    from evoesap.components.interface import params_description
+
+    doc = _SOURCE_DOCS[stage].replace("storage_root: (see module)", _STORAGE)
+    own_inputs = tuple(inspect.signature(function).parameters)
+    params = f"        params: {params_description(stage, exclude=own_inputs)}\n"
+    function.__doc__ = doc.replace("\n    Returns:\n", f"{params}\n    Returns:\n")
+    return function
+
+
 @dataclasses.dataclass(frozen=True)
 class StageComponents:
     calibrate: Callable
     cache_logits: Callable
-    fan_out: Callable
     search: Callable
     prune: Callable
     evaluate: Callable
@@ -93,4 +220,20 @@ class StageComponents:
 def make_components(image: str = DEFAULT_IMAGE) -> StageComponents:
     """The components bound to a stage image; no packages are installed at run time."""
     wrap = dsl.component(base_image=image, install_kfp_package=False)
-    return StageComponents(**{name.replace("-", "_"): wrap(fn) for name, fn in STAGE_FUNCTIONS.items()})
+    return StageComponents(**{name.replace("-", "_"): wrap(_documented(name, fn)) for name, fn in STAGE_FUNCTIONS.items()})
+
+
+def write_component_yamls(directory: str | Path, image: str = DEFAULT_IMAGE) -> list[Path]:
+    """Compile each stage component to `<directory>/<stage>.yaml`, a step any KFP pipeline can load
+    (`kfp.components.load_component_from_file`)."""
+    from kfp import compiler
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    comps = make_components(image)
+    written = []
+    for stage in STAGE_FUNCTIONS:
+        path = directory / f"{stage.replace('-', '_')}.yaml"
+        compiler.Compiler().compile(getattr(comps, stage.replace("-", "_")), str(path))
+        written.append(path)
+    return written

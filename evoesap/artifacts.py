@@ -179,7 +179,23 @@ def cached(out_uri: str, stage: str, params: Mapping[str, Any], inputs: Mapping[
         return None
     manifest = read_manifest(out_uri)
     key = cache_key(stage, params, describe_inputs(inputs))
-    return manifest if manifest.cache_key == key else None
+    if manifest.cache_key != key:
+        return None
+    fs, root = split(out_uri)
+    for rel, expected in manifest.files.items():  # a deleted or changed payload file is made again, never reused
+        path = f"{root.rstrip('/')}/{rel}"
+        if not fs.exists(path) or _sha256_fs(fs, path) != expected:
+            log.warning("%s: %s is missing or changed; making the artifact again", redact(out_uri), rel)
+            return None
+    return manifest
+
+
+def _sha256_fs(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _git_commit() -> str | None:

@@ -45,6 +45,11 @@ def _stage(name: str) -> tuple[Any, type]:
     return getattr(module, step.function), getattr(module, step.params_class)
 
 
+def params_class(stage: str) -> type:
+    """The frozen dataclass of a stage's parameters."""
+    return _stage(stage)[1]
+
+
 def make_params(stage: str, values: Mapping[str, Any]) -> Any:
     """The stage's parameter dataclass from plain values, with unknown names refused clearly."""
     _, params_class = _stage(stage)

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
@@ -48,7 +49,9 @@ def image_size(image: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--image", default="localhost/evoesap/stage:cpu")
-    parser.add_argument("--work", default=str(ROOT / ".cache" / "image" / "check"))
+    # under the temporary directory: the image's uid 10001 must be able to read what is mounted (here /work is
+    # readable by root alone)
+    parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "evoesap-image-check"))
     args = parser.parse_args()
     work = Path(args.work).resolve()
     world, inside_out, outside_out = work / "world", work / "inside", work / "outside"
@@ -58,6 +61,7 @@ def main() -> int:
     inside_out.chmod(0o777)  # the image runs as uid 10001
     subprocess.run([sys.executable, "-m", "evoesap", "demo", "build", "--out", str(world), "--profile", "quick"],
                    check=True, capture_output=True)
+    subprocess.run(["chmod", "-R", "a+rX", str(world)], check=True)  # built as root (0700 staging); read as 10001
     data = "data/code/calibration.jsonl"
     failures = []
     with container(args.image) as ctr:

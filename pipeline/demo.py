@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from evoesap import artifacts
-from pipeline.config import PipelineConfig, load_config
-from pipeline.run import run_local
+from evoesap.pipeline.config import PipelineConfig, load_config
+from evoesap.pipeline.run import report_uri, run_local
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def run_demo(out: Path, seed: int = 0, profile: str = "default", log_path: Path 
 
     config_path.write_text(yaml.safe_dump(config.model_dump(exclude_none=True), sort_keys=False))
     log.info("demo configuration written to %s", config_path)
-    return run_local(config, log_path=log_path)
+    return report_uri(run_local(config, log_path=log_path))
 
 
 def main_table(report_uri: str) -> str:

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Iterator, TextIO
 
 from evoesap import artifacts
-from pipeline.config import PipelineConfig
-from pipeline.dag import build_pipeline
+from evoesap.pipeline.config import PipelineConfig
+from evoesap.pipeline.dag import build_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,14 @@ def _quiet_kfp(log_path: Path | None) -> Iterator[None]:
             yield
 
 
-def run_local(config: PipelineConfig, log_path: Path | None = None) -> str:
-    """Run the whole DAG here through kfp.local's SubprocessRunner; return the report artifact URI.
+def report_uri(outputs: dict[str, Any]) -> str:
+    """The storage URI of the report among a pipeline run's outputs."""
+    return outputs["report"].metadata["uri"]
+
+
+def run_local(config: PipelineConfig, log_path: Path | None = None) -> dict[str, Any]:
+    """Run the whole DAG here through kfp.local's SubprocessRunner; return the pipeline's outputs
+    (`report`, `report_html`, `pruned_models`: KFP artifacts whose metadata says where each is stored).
 
     Finished stages under `storage_root` are reused, so a run that was interrupted, or re-run with
     another downstream parameter, repeats only what changed. Retries are for transient cluster
@@ -89,5 +95,5 @@ def run_local(config: PipelineConfig, log_path: Path | None = None) -> str:
         # kfp.local warns that cluster-only settings (display names, the stage image) do not apply here
         warnings.filterwarnings("ignore", module=r"kfp\.local\..*")
         task = build_pipeline(config)()
-    return task.output
+    return dict(task.outputs)
 

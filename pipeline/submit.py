@@ -48,7 +48,7 @@ class Submission:
     run_name: str | None = None  # default: the config's name
     namespace: str | None = None  # multi-user clusters: the profile namespace
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # pipeline parameters
-    caching: bool = True  # False: KFP caching off for every task of this run
+    caching: bool | None = None  # None: the compiled settings (KFP caching off, our reuse decides); False: off
     token: str | None = None  # bearer token; None: the kfp client's own credential discovery
     schedule: str | None = None  # cron, 5 fields (minute first) or KFP's 6 (seconds first)
     interval_seconds: int | None = None

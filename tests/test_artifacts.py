@@ -55,6 +55,21 @@ def test_cache_key_follows_params_and_input_manifests(tmp_path):
     assert artifacts.cached(out, "b", {"p": 1}, {"src": src}) is None
 
 
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_reuse_refuses_an_artifact_whose_payload_was_deleted_or_changed(tmp_path, damage):
+    out = tmp_path / "out"
+    with artifacts.stage_output(str(out), "b", {"p": 1}, {}) as staging:
+        (staging / "weights.bin").write_bytes(b"w" * 1000)
+        (staging / "config.json").write_text("{}")
+    assert artifacts.cached(str(out), "b", {"p": 1}, {}) is not None
+    if damage == "delete":
+        (out / "weights.bin").unlink()
+    else:
+        (out / "weights.bin").write_bytes(b"w" * 10)
+    assert (out / "manifest.json").exists()  # the manifest alone still claims a finished artifact
+    assert artifacts.cached(str(out), "b", {"p": 1}, {}) is None
+
+
 def test_memory_uri_round_trip():
     out = "memory://evoesap-test/art"
     with artifacts.stage_output(out, "demo", {}, {}) as staging:

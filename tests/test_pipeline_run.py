@@ -14,8 +14,8 @@ import yaml
 
 from evoesap import artifacts
 from evoesap.steps import run_step
-from pipeline.config import load_config
-from pipeline.run import run_local
+from evoesap.pipeline.config import load_config
+from evoesap.pipeline.run import run_local
 from tiny_world import make_tiny_inputs
 
 pytestmark = pytest.mark.slow

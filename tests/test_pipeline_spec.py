@@ -8,10 +8,10 @@ import pytest
 import yaml
 
 import evoesap
-from components import DEFAULT_IMAGE
+from evoesap.components import DEFAULT_IMAGE
 from evoesap.errors import ConfigError
-from pipeline.config import PipelineConfig, load_config
-from pipeline.dag import compile_pipeline
+from evoesap.pipeline.config import PipelineConfig, load_config
+from evoesap.pipeline.dag import compile_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def _config(**overrides) -> PipelineConfig:
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
-    path = compile_pipeline(_config(), tmp_path_factory.mktemp("spec") / "pipeline.yaml")
+    path = compile_pipeline(_config(heldout_data="/data/heldout.jsonl"), tmp_path_factory.mktemp("spec") / "pipeline.yaml")
     return yaml.safe_load(path.read_text())
 
 
@@ -44,26 +44,78 @@ def _stage(task: dict) -> str:
     return re.sub(r"^comp-|-\d+$", "", task["componentRef"]["name"])
 
 
-def test_compiled_spec_has_every_stage_and_the_fan_out(spec):
+def _dag(spec: dict, component: str) -> dict:
+    return spec["components"][component]["dag"]["tasks"]
+
+
+def _all_tasks(spec: dict) -> dict:
+    """Every task of every DAG in the spec (root, sub-pipeline, loop), by component-qualified name."""
+    dags = {"root": spec["root"]["dag"]["tasks"]}
+    dags.update({name: c["dag"]["tasks"] for name, c in spec["components"].items() if "dag" in c})
+    return {f"{where}/{name}": task for where, tasks in dags.items() for name, task in tasks.items()}
+
+
+def test_compiled_spec_imports_the_model_and_runs_the_dag_as_a_sub_pipeline(spec):
     root = spec["root"]["dag"]["tasks"]
-    assert sorted(_stage(t) for t in root.values()) == ["cache-logits", "calibrate", "evaluate", "fan-out", "for-loop", "report"]
-    assert set(root["fan-out"]["dependentTasks"]) == {"calibrate", "cache-logits"}
-    loop_name = next(n for n, t in root.items() if _stage(t) == "for-loop")
-    loop = root[loop_name]
-    assert loop["dependentTasks"] == ["fan-out"]
-    assert loop["parameterIterator"]["items"] == {"inputParameter": "pipelinechannel--fan-out-Output"}
+    assert sorted(root) == ["evoesap-stages", "importer"]
+    assert root["evoesap-stages"]["inputs"]["artifacts"]["model"]["taskOutputArtifact"]["producerTask"] == "importer"
+    stages = _dag(spec, "comp-evoesap-stages")
+    assert sorted(_stage(t) for t in stages.values()) == ["cache-logits", "cache-logits", "calibrate", "evaluate", "for-loop", "report"]
+    loop_name = next(n for n, t in stages.items() if _stage(t) == "for-loop")
+    loop = stages[loop_name]
+    assert set(loop["dependentTasks"]) == {"calibrate", "cache-logits", "cache-logits-2"}
+    assert loop["parameterIterator"]["items"] == {"inputParameter": "pipelinechannel--grid"}
     grid = spec["root"]["inputDefinitions"]["parameters"]["grid"]["defaultValue"]
     assert grid == [{"criterion": c, "sparsity": s} for c in ("reap", "frequency") for s in (0.25, 0.5)]
-    inner = spec["components"][loop["componentRef"]["name"]]["dag"]["tasks"]
+    inner = _dag(spec, loop["componentRef"]["name"])
     assert sorted(_stage(t) for t in inner.values()) == ["evaluate", "evaluate", "prune", "prune", "search"]
-    by_name = {name: t for name, t in inner.items()}
-    searched_prune = next(n for n, t in by_name.items() if _stage(t) == "prune" and t.get("dependentTasks") == ["search"])
+    searched_prune = next(n for n, t in inner.items() if _stage(t) == "prune" and t.get("dependentTasks") == ["search"])
     assert any(t.get("dependentTasks") == [searched_prune] for t in inner.values() if _stage(t) == "evaluate")
-    report = next(t for t in root.values() if _stage(t) == "report")
+    for task in inner.values():  # the loop item's fields, never the item itself, reach the stages
+        for name, value in task["inputs"].get("parameters", {}).items():
+            if value.get("componentInputParameter") == "pipelinechannel--grid-loop-item":
+                assert value["parameterExpressionSelector"] == f'parseJson(string_value)["{name}"]', name
+    report = next(t for t in stages.values() if _stage(t) == "report")
     assert set(report["dependentTasks"]) == {"evaluate", loop_name}
 
 
-def test_compiled_spec_carries_resources_retries_and_caching(spec):
+_ARTIFACTS = {  # stage -> (input artifact classes, output artifact classes)
+    "calibrate": (["Model"], ["Dataset"]),
+    "cache-logits": (["Model"], ["Dataset"]),
+    "search": (["Dataset", "Dataset", "Dataset", "Model"], ["Artifact"]),
+    "prune": (["Artifact", "Dataset", "Model"], ["Model"]),
+    "evaluate": (["Dataset", "Model"], ["Dataset", "Metrics"]),
+    "report": (["Artifact[]", "Dataset", "Dataset[]", "Dataset[]"], ["HTML", "Markdown"]),
+}
+
+
+def _classes(definitions: dict) -> list[str]:
+    return sorted(
+        a["artifactType"]["schemaTitle"].removeprefix("system.") + ("[]" if a.get("isArtifactList") else "")
+        for a in definitions.get("artifacts", {}).values()
+    )
+
+
+def test_every_stage_takes_and_makes_artifacts_of_the_right_class(spec):
+    seen = set()
+    for name, component in spec["components"].items():
+        stage = re.sub(r"^comp-|-\d+$", "", name)
+        if stage not in _ARTIFACTS:
+            continue
+        seen.add(stage)
+        inputs, outputs = _ARTIFACTS[stage]
+        assert _classes(component["inputDefinitions"]) == inputs, stage
+        assert _classes(component["outputDefinitions"]) == outputs, stage
+    assert seen == set(_ARTIFACTS)
+    assert _classes(spec["root"]["outputDefinitions"]) == ["HTML", "Markdown", "Model[]"]  # report, pruned models
+    stages_outputs = spec["components"]["comp-evoesap-stages"]["dag"]["outputs"]["artifacts"]
+    (selector,) = stages_outputs["pruned_models"]["artifactSelectors"]
+    loop = _dag(spec, "comp-evoesap-stages")[selector["producerSubtask"]]
+    searched_prune = next(n for n, t in _dag(spec, loop["componentRef"]["name"]).items() if t.get("dependentTasks") == ["search"])
+    assert selector["outputArtifactKey"] == f"pipelinechannel--{searched_prune}-pruned"  # the searched ones
+
+
+def test_compiled_spec_carries_resources_and_retries_and_never_kfp_caching(spec):
     executors = spec["deploymentSpec"]["executors"]
     search = executors["exec-search"]["container"]
     assert search["resources"]["accelerator"]["resourceType"] == "nvidia.com/gpu"
@@ -72,12 +124,12 @@ def test_compiled_spec_carries_resources_retries_and_caching(spec):
     assert search["resources"]["resourceCpuLimit"] == "8"
     prune = executors["exec-prune"]["container"]
     assert "accelerator" not in prune["resources"]  # prune is CPU surgery: no GPU node for it
-    assert all(e["container"]["image"] == DEFAULT_IMAGE for e in executors.values())
-    root = spec["root"]["dag"]["tasks"]
-    for name, task in root.items():
-        if not name.startswith("for-loop"):
-            assert task["cachingOptions"] == {"enableCache": True}
-            assert task["retryPolicy"]["maxRetryCount"] == 2
+    assert all(e["container"]["image"] == DEFAULT_IMAGE for e in executors.values() if "container" in e)
+    stage_tasks = {n: t for n, t in _all_tasks(spec).items() if _stage(t) in _ARTIFACTS}
+    assert len(stage_tasks) == 10  # calibrate, 2 cache-logits, full evaluate, report, search, 2 prune, 2 evaluate
+    for name, task in stage_tasks.items():
+        assert not task.get("cachingOptions", {}).get("enableCache", False), name  # our reuse checks storage
+        assert task["retryPolicy"]["maxRetryCount"] == 2, name
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert params["search_params"]["defaultValue"]["device_map"] == "auto"  # two GPUs: spread the model
     assert "device_map" not in params["evaluate_params"].get("defaultValue", {})  # one GPU: no sharding
@@ -85,6 +137,8 @@ def test_compiled_spec_carries_resources_retries_and_caching(spec):
 
 def test_components_install_nothing_at_run_time(spec):
     for executor in spec["deploymentSpec"]["executors"].values():
+        if "container" not in executor:
+            continue  # the importer
         command = " ".join(executor["container"]["command"])
         assert "pip install" not in command
 
@@ -117,13 +171,12 @@ def test_images_components_and_pyproject_agree():
     assert DEFAULT_IMAGE.endswith(f":{evoesap.__version__}")
     torch_range = next(d for d in project["dependencies"] if d.startswith("torch"))
     makefile_torch = re.search(r"torch==([\d.]+)", (ROOT / "Makefile").read_text()).group(1)
-    packages = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    folders = ["evoesap", *pyproject["tool"]["setuptools"]["package-dir"].values()]
     for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
         text = (ROOT / "images" / dockerfile).read_text()
         assert f"ARG TORCH_VERSION={makefile_torch}" in text
         assert "pip install -c requirements.lock ." in text  # the package, pinned by the lock
-        for package in packages:
-            name = package.rstrip("*")
+        for name in folders:
             assert f"COPY {name} ./{name}" in text
     low, high = re.search(r">=([\d.]+),<([\d.]+)", torch_range).groups()
     as_tuple = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731

@@ -12,8 +12,8 @@ import pytest
 
 from evoesap.cli import main
 from evoesap.errors import ConfigError
-from pipeline.config import PipelineConfig
-from pipeline.submit import Submission, parse_overrides, submit
+from evoesap.pipeline.config import PipelineConfig
+from evoesap.pipeline.submit import Submission, parse_overrides, submit
 
 CONFIG = dict(model="/models/full", calibration_data="/data/code.jsonl", search_data="/data/math.jsonl",
               criteria=["reap"], sparsities=[0.5], storage_root="s3://bucket/runs", name="nightly-prune")
@@ -104,8 +104,10 @@ def test_recurring_run_on_an_interval(kfp_api):
     assert int(job["max_concurrency"]) == 2 and job["no_catchup"] is False
 
 
-def test_no_cache_turns_caching_off_for_every_task(kfp_api):
-    submit(PipelineConfig(**CONFIG), Submission(host=kfp_api, caching=False))
+@pytest.mark.parametrize("caching", [None, False])
+def test_no_task_is_submitted_with_kfp_caching_on(kfp_api, caching):
+    """By default the compiled settings go (KFP caching off: our reuse checks storage); --no-cache says so too."""
+    submit(PipelineConfig(**CONFIG), Submission(host=kfp_api, caching=caching))
     tasks = _posts()["/apis/v2beta1/runs"]["pipeline_spec"]["root"]["dag"]["tasks"]
     assert tasks and all(task.get("cachingOptions", {}).get("enableCache") is not True for task in tasks.values())
 
@@ -135,7 +137,7 @@ def _unused_port() -> int:
 
 def test_unreachable_host_is_one_line_naming_it_before_compiling(monkeypatch):
     compiled = []
-    monkeypatch.setattr("pipeline.submit.compile_pipeline", lambda *a: compiled.append(a))
+    monkeypatch.setattr("evoesap.pipeline.submit.compile_pipeline", lambda *a: compiled.append(a))
     host = f"http://127.0.0.1:{_unused_port()}"
     with pytest.raises(ConfigError, match=f"cannot reach the Kubeflow Pipelines API at {host}.*reachable from this machine"):
         submit(PipelineConfig(**CONFIG), Submission(host=host))

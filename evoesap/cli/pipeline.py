@@ -18,10 +18,22 @@ def compile_cmd(
     output: Path = typer.Option(Path("pipeline.yaml"), "--output", "-o", help="Where to write the KFP spec."),
 ) -> None:
     """Compile the DAG to a KFP pipeline spec.  Example: evoesap pipeline compile demo.yaml -o pipeline.yaml"""
-    from pipeline.config import load_config
-    from pipeline.dag import compile_pipeline
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.dag import compile_pipeline
 
     typer.echo(str(compile_pipeline(load_config(config), output)))
+
+
+@pipeline_app.command("components")
+def components_cmd(
+    out: Path = typer.Option(Path("components"), "--out", help="Directory for the <stage>.yaml files."),
+    image: str = typer.Option(None, "--image", help="Stage image (default: the project's image of this version)."),
+) -> None:
+    """Compile each stage to a single-stage KFP component YAML.  Example: evoesap pipeline components --out components"""
+    from evoesap.components import DEFAULT_IMAGE, write_component_yamls
+
+    for path in write_component_yamls(out, image or DEFAULT_IMAGE):
+        typer.echo(str(path))
 
 
 @pipeline_app.command("run")
@@ -30,10 +42,13 @@ def run_cmd(
     log: Path = typer.Option(None, "--log", help="Write the tasks' full logs here; the terminal shows one line per task."),
 ) -> None:
     """Run the DAG on this machine (kfp.local).  Example: evoesap pipeline run demo.yaml --log runs/pipeline.log"""
-    from pipeline.config import load_config
-    from pipeline.run import run_local
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.run import report_uri, run_local
 
-    typer.echo(run_local(load_config(config), log_path=log))
+    outputs = run_local(load_config(config), log_path=log)
+    for model in outputs["pruned_models"]:
+        typer.echo(f"pruned model: {model.metadata['uri']}")
+    typer.echo(report_uri(outputs))
 
 
 @pipeline_app.command("submit")
@@ -55,14 +70,14 @@ def submit_cmd(
 ) -> None:
     """Submit the DAG to a cluster, once or on a schedule.
 
-    Example: evoesap pipeline submit demo.yaml --host https://kfp.example.org --run-name nightly --set generations=100
+    Example: evoesap pipeline submit demo.yaml --host https://kfp.example.org --run-name nightly --set search_params.generations=100
     """
-    from pipeline.config import load_config
-    from pipeline.submit import Submission, parse_overrides, submit
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.submit import Submission, parse_overrides, submit
 
     submission = Submission(
         host=host, experiment=experiment, run_name=run_name, namespace=namespace, overrides=parse_overrides(overrides),
-        caching=not no_cache, token=token, schedule=schedule, interval_seconds=interval,
+        caching=False if no_cache else None, token=token, schedule=schedule, interval_seconds=interval,
         max_concurrency=max_concurrency, catchup=catchup,
     )
     run_id = submit(load_config(config), submission)
@@ -77,7 +92,7 @@ def demo_cmd(
     profile: str = typer.Option("default", "--profile", help="Demo world profile: default or quick."),
 ) -> None:
     """Build the demo world and run the whole pipeline on it locally.  Example: evoesap pipeline demo --out runs/demo"""
-    from pipeline.demo import main_table, run_demo
+    from evoesap.pipeline.demo import main_table, run_demo
 
     out = out.resolve()
     typer.echo(f"building the demo world and running the pipeline; task logs in {out / 'pipeline.log'}")

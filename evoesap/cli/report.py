@@ -14,7 +14,7 @@ def report_cmd(
     runs: List[str] = typer.Option(..., "--runs", help="Evaluate artifacts (repeat the option): full, uniform, searched runs."),
     out: str = typer.Option(..., "--out", help="Where to write the report artifact."),
     searches: List[str] = typer.Option([], "--searches", help="Search artifacts whose history.parquet gives the search curves."),
-    title: str = typer.Option("EvoESAP report", "--title"),
+    title: str = typer.Option("EvoESAP report", "--title", help="Title of the report."),
     digits: int = typer.Option(3, "--digits", help="Decimals in the benchmark table."),
     html: bool = typer.Option(True, "--html/--no-html", help="Also write report.html."),
 ) -> None:

@@ -1,0 +1,108 @@
+"""What a finished artifact says about itself, for an orchestrator's metadata (KFP artifacts, ML Metadata).
+
+Everything here is read from the artifact's manifest and payload, so the metadata a KFP user sees is the
+lineage and the numbers our manifests record, never a second account of them.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+from evoesap import artifacts
+
+EXPORT_MAX_BYTES = 1 << 20  # files up to this size are copied into an orchestrator's artifact; weights never
+
+
+def _search(uri: str) -> dict[str, Any]:
+    doc = artifacts.read_json(artifacts.join(uri, "allocation.json"))
+    keys = ("criterion", "sparsity", "metric", "fitness", "heldout", "cost", "removal_counts", "fallback_applied", "evaluations")
+    return {k: doc.get(k) for k in keys}
+
+
+def _prune(uri: str) -> dict[str, Any]:
+    doc = artifacts.read_json(artifacts.join(uri, "pruning.json"))
+    return {
+        "method": doc["method"],
+        "criterion": doc["criterion"],
+        "sparsity": doc["sparsity"],
+        "expert_counts": doc["num_experts"],
+        "removal_counts": doc["removal_counts"],
+        "parameter_bytes": doc["parameter_bytes_pruned"],
+        "parameter_bytes_full": doc["parameter_bytes_full"],
+    }
+
+
+def _evaluate(uri: str) -> dict[str, Any]:
+    doc = artifacts.read_json(artifacts.join(uri, "metrics.json"))
+    return {**{k: v for k, v in doc["labels"].items() if v is not None}, "scores": task_scores(uri)}
+
+
+_BY_STAGE: dict[str, Callable[[str], dict[str, Any]]] = {"search": _search, "prune": _prune, "evaluate": _evaluate}
+
+
+def facts(uri: str) -> dict[str, Any]:
+    """The artifact's location, stage and manifest hash, plus the stage's own headline numbers."""
+    manifest = artifacts.read_manifest(uri)
+    common = {
+        "uri": artifacts.redact(uri),
+        "stage": manifest.stage,
+        "manifest_sha256": artifacts.manifest_sha256(uri),
+        "inputs": {name: entry.get("uri") for name, entry in manifest.inputs.items()},
+        "evoesap_version": manifest.version,
+    }
+    extra = _BY_STAGE.get(manifest.stage)
+    return {**common, **(extra(uri) if extra else {})}
+
+
+def task_scores(uri: str) -> dict[str, float]:
+    """`<task>/<metric>` -> value of each task's primary metric in an evaluate artifact."""
+    doc = artifacts.read_json(artifacts.join(uri, "metrics.json"))
+    return {f"{r['task']}/{r['metric']}": float(r["value"]) for r in doc["records"] if r.get("primary")}
+
+
+def export_small_files(uri: str, dest: Path, max_bytes: int = EXPORT_MAX_BYTES) -> list[str]:
+    """Copy the manifest and every payload file up to `max_bytes` into `dest`; return the copied names.
+
+    Large files (weights, logits) stay only at `uri`, which the metadata records.
+    """
+    manifest = artifacts.read_manifest(uri)
+    fs, root = artifacts.split(uri)
+    names = [artifacts.MANIFEST, *sorted(manifest.files)]
+    copied = []
+    for name in names:
+        path = f"{root.rstrip('/')}/{name}"
+        if fs.size(path) > max_bytes:
+            continue
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(fs.cat_file(path))
+        copied.append(name)
+    return copied
+
+
+_IMG = re.compile(r"<img src='([^']+)'")
+
+
+def standalone_html(uri: str) -> str:
+    """A report artifact's HTML with its plots inlined, so it renders as one file (the KFP UI's HTML view).
+
+    A report made without HTML gets its Markdown in a <pre> block.
+    """
+    manifest = artifacts.read_manifest(uri)
+    if "report.html" not in manifest.files:
+        text = artifacts.read_bytes(artifacts.join(uri, "report.md")).decode("utf-8")
+        return f"<!doctype html><meta charset='utf-8'><pre>{html.escape(text)}</pre>"
+    page = artifacts.read_bytes(artifacts.join(uri, "report.html")).decode("utf-8")
+
+    def inline(match: re.Match) -> str:
+        name = html.unescape(match.group(1))
+        if name not in manifest.files or not name.endswith(".png"):
+            return match.group(0)
+        data = base64.b64encode(artifacts.read_bytes(artifacts.join(uri, name))).decode("ascii")
+        return f"<img src='data:image/png;base64,{data}'"
+
+    return _IMG.sub(inline, page)
