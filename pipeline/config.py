@@ -15,26 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from evoesap.errors import ConfigError
 
+from .cluster import MODEL_STAGES, StageSettings, merged
+
 CRITERIA = ("frequency", "seer", "ean", "reap")
 STAGES = ("calibrate", "cache-logits", "search", "prune", "evaluate", "report")
-GPU_STAGES = ("calibrate", "cache-logits", "search", "evaluate")
-
-
-class Resources(BaseModel):
-    """What one stage's pods ask the cluster for."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    cpu: str | None = None  # e.g. "8"
-    memory: str | None = None  # e.g. "64G"
-    accelerator_type: str | None = None  # e.g. "nvidia.com/gpu"
-    accelerator_count: int = Field(0, ge=0)
-
-    @model_validator(mode="after")
-    def _accelerator_pair(self) -> "Resources":
-        if self.accelerator_count and not self.accelerator_type:
-            raise ValueError("accelerator_count is set but accelerator_type is not (e.g. nvidia.com/gpu)")
-        return self
 
 
 class PipelineConfig(BaseModel):
@@ -59,7 +43,8 @@ class PipelineConfig(BaseModel):
     prune: dict[str, Any] = {}
     evaluate: dict[str, Any] = {}
     report: dict[str, Any] = {}
-    resources: dict[Literal["calibrate", "cache-logits", "search", "prune", "evaluate", "report"], Resources] = {}
+    # Kubernetes settings per stage (pipeline.cluster.StageSettings); `all` applies to every stage
+    resources: dict[Literal["all", "calibrate", "cache-logits", "search", "prune", "evaluate", "report"], StageSettings] = {}
 
     @field_validator("sparsities")
     @classmethod
@@ -76,12 +61,30 @@ class PipelineConfig(BaseModel):
             raise ValueError(f"give at least one criterion of {', '.join(CRITERIA)}")
         return values
 
+    @model_validator(mode="after")
+    def _accelerators_where_a_model_runs(self) -> "PipelineConfig":
+        shared = self.resources.get("all")
+        if shared is not None and shared.accelerator_count:
+            raise ValueError(f"resources.all: set accelerators per stage, not for all (stages that can use one: "
+                             f"{', '.join(MODEL_STAGES)})")
+        for stage, settings in self.resources.items():
+            if stage not in (*MODEL_STAGES, "all") and settings.accelerator_count:
+                raise ValueError(
+                    f"resources.{stage}: {stage} loads no model and cannot use an accelerator (prune works on the "
+                    f"checkpoint files); remove its accelerator settings (stages that can: {', '.join(MODEL_STAGES)})"
+                )
+        return self
+
     def grid(self) -> list[dict[str, Any]]:
         """The fan-out: one point per criterion x sparsity."""
         return [{"criterion": c, "sparsity": s} for c in self.criteria for s in self.sparsities]
 
     def stage_params(self, stage: str) -> dict[str, Any]:
         return dict(getattr(self, stage.replace("-", "_")))
+
+    def settings(self, stage: str) -> StageSettings:
+        """The stage's Kubernetes settings: its own over `all`."""
+        return merged(self.resources.get("all"), self.resources.get(stage))
 
 
 def _check_stage_sections(config: PipelineConfig) -> None:

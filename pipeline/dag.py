@@ -7,6 +7,7 @@ another pipeline); `build_pipeline` imports the model from a path, URI or hub na
 """
 
 # No `from __future__ import annotations`: kfp reads the pipeline function's real annotations.
+import inspect
 from pathlib import Path
 from typing import Any, Callable, List, NamedTuple
 
@@ -14,37 +15,33 @@ from kfp import compiler, dsl
 from kfp.dsl import HTML, Input, Markdown, Model
 
 from evoesap.components import DEFAULT_IMAGE, make_components
-from evoesap.pipeline.config import GPU_STAGES, PipelineConfig
+from evoesap.pipeline import cluster
+from evoesap.pipeline.config import PipelineConfig
 
 
-def _configure(task: Any, stage: str, config: PipelineConfig) -> Any:
-    """Resources, retries and caching of one task, from the configuration."""
-    task.set_display_name(stage)
+def _configure(task: Any, stage: str, config: PipelineConfig, label: str | None = None) -> Any:
+    """Display name, caching and Kubernetes settings (`pipeline.cluster`) of one task."""
+    task.set_display_name(label or stage)
     # Never KFP's cache: it would return an output whose payload was deleted or changed in storage. Each
     # stage checks its own finished output instead (manifest, inputs' identity, payload sha256).
     task.set_caching_options(enable_caching=False)
-    if config.retries:
-        task.set_retry(num_retries=config.retries, backoff_duration="30s", backoff_factor=2.0)
-    res = config.resources.get(stage)
-    if res is None:
-        return task
-    if res.cpu:
-        task.set_cpu_limit(res.cpu)
-    if res.memory:
-        task.set_memory_limit(res.memory)
-    if res.accelerator_count and stage in GPU_STAGES:
-        task.set_accelerator_type(res.accelerator_type)
-        task.set_accelerator_limit(res.accelerator_count)
-    return task
+    return cluster.apply(task, config.settings(stage), config.retries)
 
 
 def _gpu_params(stage: str, config: PipelineConfig) -> dict[str, Any]:
     """Stage parameters, with the model spread over the task's GPUs when it has several."""
     params = config.stage_params(stage)
-    res = config.resources.get(stage)
-    if res is not None and res.accelerator_count > 1:
+    if config.settings(stage).accelerator_count > 1:
         params.setdefault("device_map", "auto")
     return params
+
+
+def _without(func: Callable, name: str) -> Callable:
+    """`func` with parameter `name` hidden from KFP (its default stays): no pipeline input that no task uses.
+    Applied before `dsl.pipeline`, which reads the signature."""
+    signature = inspect.signature(func)
+    func.__signature__ = signature.replace(parameters=[p for p in signature.parameters.values() if p.name != name])
+    return func
 
 
 Outputs = NamedTuple("Outputs", report=Markdown, report_html=HTML, pruned_models=List[Model])
@@ -77,12 +74,10 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
     comps = make_components(config.image or DEFAULT_IMAGE)
     d = _defaults(config)
 
-    @dsl.pipeline(name=f"{config.name}-stages", description="EvoESAP stages: calibrate ... report, for a given full model")
     def evoesap_stages(
         model: Input[Model],
         calibration_data: str = d["calibration_data"],
         search_data: str = d["search_data"],
-        heldout_data: str = d["heldout_data"],
         storage_root: str = d["storage_root"],
         grid: list = d["grid"],
         calibrate_params: dict = d["calibrate_params"],
@@ -91,20 +86,24 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
         prune_params: dict = d["prune_params"],
         evaluate_params: dict = d["evaluate_params"],
         report_params: dict = d["report_params"],
+        heldout_data: str = d["heldout_data"],  # last: hidden (`_without`) when the configuration has none
     ) -> Outputs:
-        def stage(name: str, task: Any) -> Any:
-            return _configure(task, name, config)
+        def stage(name: str, task: Any, label: str | None = None) -> Any:
+            return _configure(task, name, config, label)
 
         scores = stage("calibrate", comps.calibrate(model=model, data=calibration_data, storage_root=storage_root, params=calibrate_params))
-        cache = stage("cache-logits", comps.cache_logits(model=model, data=search_data, storage_root=storage_root, params=cache_logits_params))
+        cache = stage("cache-logits", comps.cache_logits(model=model, data=search_data, storage_root=storage_root,
+                                                         params=cache_logits_params), "cache-logits search set")
         heldout = {}
         if config.heldout_data:
             heldout["heldout_cache"] = stage(
                 "cache-logits",
                 comps.cache_logits(model=model, data=heldout_data, storage_root=storage_root, params=cache_logits_params),
+                "cache-logits held-out set",
             ).outputs["cache"]
         teacher = {"teacher_cache": heldout["heldout_cache"]} if heldout else {}
-        full = stage("evaluate", comps.evaluate(model=model, storage_root=storage_root, params=evaluate_params, **teacher))
+        full = stage("evaluate", comps.evaluate(model=model, storage_root=storage_root, params=evaluate_params, **teacher),
+                     "evaluate full")
         with dsl.ParallelFor(grid, name="criterion-x-sparsity") as point:
             point_args = dict(criterion=point.criterion, sparsity=point.sparsity, storage_root=storage_root)
             searched = stage(
@@ -115,12 +114,12 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
             allocations = {"searched": {"allocation": searched.outputs["allocation"]}, "uniform": {}}  # uniform: none
             pruned = {
                 method: stage("prune", comps.prune(model=model, scores=scores.outputs["scores"], params=prune_params,
-                                                   **allocation, **point_args))
+                                                   **allocation, **point_args), f"prune {method}")
                 for method, allocation in allocations.items()
             }  # fmt: skip
             evals = {
                 method: stage("evaluate", comps.evaluate(model=task.outputs["pruned"], storage_root=storage_root,
-                                                         params=evaluate_params, **teacher))
+                                                         params=evaluate_params, **teacher), f"evaluate {method}")
                 for method, task in pruned.items()
             }  # fmt: skip
         report = stage(
@@ -140,7 +139,9 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
             pruned_models=dsl.Collected(pruned["searched"].outputs["pruned"]),
         )
 
-    return evoesap_stages
+    func = evoesap_stages if config.heldout_data else _without(evoesap_stages, "heldout_data")
+    description = "EvoESAP stages: calibrate ... report, for a given full model"
+    return dsl.pipeline(name=f"{config.name}-stages", description=description)(func)
 
 
 def build_pipeline(config: PipelineConfig) -> Callable:
@@ -148,12 +149,10 @@ def build_pipeline(config: PipelineConfig) -> Callable:
     stages = build_subpipeline(config)
     d = _defaults(config)
 
-    @dsl.pipeline(name=config.name, description="EvoESAP: ESAP-guided non-uniform expert pruning")
     def evoesap_pipeline(
         model: str = config.model,
         calibration_data: str = d["calibration_data"],
         search_data: str = d["search_data"],
-        heldout_data: str = d["heldout_data"],
         storage_root: str = d["storage_root"],
         grid: list = d["grid"],
         calibrate_params: dict = d["calibrate_params"],
@@ -162,6 +161,7 @@ def build_pipeline(config: PipelineConfig) -> Callable:
         prune_params: dict = d["prune_params"],
         evaluate_params: dict = d["evaluate_params"],
         report_params: dict = d["report_params"],
+        heldout_data: str = d["heldout_data"],  # last: hidden (`_without`) when the configuration has none
     ) -> Outputs:
         imported = dsl.importer(artifact_uri=model, artifact_class=Model, reimport=False).set_display_name("model")
         imported.set_caching_options(False)  # as every stage: our reuse decides, never a cached KFP record
@@ -169,7 +169,7 @@ def build_pipeline(config: PipelineConfig) -> Callable:
             model=imported.output,
             calibration_data=calibration_data,
             search_data=search_data,
-            heldout_data=heldout_data,
+            **({"heldout_data": heldout_data} if config.heldout_data else {}),
             storage_root=storage_root,
             grid=grid,
             calibrate_params=calibrate_params,
@@ -184,7 +184,8 @@ def build_pipeline(config: PipelineConfig) -> Callable:
             report=run.outputs["report"], report_html=run.outputs["report_html"], pruned_models=run.outputs["pruned_models"]
         )
 
-    return evoesap_pipeline
+    func = evoesap_pipeline if config.heldout_data else _without(evoesap_pipeline, "heldout_data")
+    return dsl.pipeline(name=config.name, description="EvoESAP: ESAP-guided non-uniform expert pruning")(func)
 
 
 def compile_pipeline(config: PipelineConfig, out: str | Path) -> Path:

@@ -27,7 +27,7 @@ def _config(**overrides) -> PipelineConfig:
         resources={
             "search": {"accelerator_type": "nvidia.com/gpu", "accelerator_count": 2, "memory": "64G", "cpu": "8"},
             "evaluate": {"accelerator_type": "nvidia.com/gpu", "accelerator_count": 1},
-            "prune": {"cpu": "4", "memory": "32G", "accelerator_type": "nvidia.com/gpu", "accelerator_count": 1},
+            "prune": {"cpu": "4", "memory": "32G"},
         },
     )
     values.update(overrides)

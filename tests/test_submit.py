@@ -72,7 +72,7 @@ def _posts() -> dict[str, Any]:
 def test_run_with_name_overrides_and_experiment(kfp_api):
     submission = Submission(host=kfp_api, experiment="release", run_name="nightly-2026-11-26",
                             overrides=parse_overrides(["search_params.generations=7", "search_params.racing=true",
-                                                       "heldout_data=/data/heldout.jsonl"]))
+                                                       "storage_root=s3://other/runs"]))
     assert submit(PipelineConfig(**CONFIG), submission) == "run-1"
     posts = _posts()
     assert posts["/apis/v2beta1/experiments"]["display_name"] == "release"
@@ -80,7 +80,7 @@ def test_run_with_name_overrides_and_experiment(kfp_api):
     assert run["display_name"] == "nightly-2026-11-26"
     assert run["experiment_id"] == "exp-1"
     assert run["runtime_config"]["parameters"] == {"search_params": {"generations": 7, "racing": True},
-                                                   "heldout_data": "/data/heldout.jsonl"}
+                                                   "storage_root": "s3://other/runs"}
     assert run["pipeline_spec"]["pipelineInfo"]["name"] == "nightly-prune"
     assert "exec-search" in run["pipeline_spec"]["deploymentSpec"]["executors"]
 
@@ -124,6 +124,8 @@ def test_unknown_or_mistyped_override_is_refused_before_anything_is_created(kfp_
         submit(PipelineConfig(**CONFIG), Submission(host=kfp_api, overrides={"serch_params.generations": 7}))
     with pytest.raises(ConfigError, match="unknown parameter.*generatons.*for stage 'search'"):
         submit(PipelineConfig(**CONFIG), Submission(host=kfp_api, overrides={"search_params.generatons": 7}))
+    with pytest.raises(ConfigError, match="--set heldout_data: the pipeline has no such parameter"):  # none configured
+        submit(PipelineConfig(**CONFIG), Submission(host=kfp_api, overrides={"heldout_data": "/data/h.jsonl"}))
     with pytest.raises(ConfigError, match="grid='all'.*takes list"):
         submit(PipelineConfig(**CONFIG), Submission(host=kfp_api, overrides={"grid": "all"}))
     assert not _posts()

@@ -1,0 +1,129 @@
+"""Per-stage Kubernetes settings of the compiled pipeline: what a stage's pods ask the cluster for.
+
+The configuration's `resources` section holds one `StageSettings` per stage and an `all` entry merged
+under each of them (lists add up, mappings merge, a stage's own value wins). `apply` puts them on a
+task: requests and limits and accelerators through the KFP DSL, secrets, node selectors, tolerations,
+PVCs, an in-memory /dev/shm, scratch space and image pull secrets through kfp-kubernetes. KFP's spec
+has no ephemeral-storage resource, so scratch space is a generic ephemeral volume with TMPDIR on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+STAGES = ("calibrate", "cache-logits", "search", "prune", "evaluate", "report")
+MODEL_STAGES = ("calibrate", "cache-logits", "search", "evaluate")  # stages that load a model: may use accelerators
+SHM_MOUNT = "/dev/shm"
+SCRATCH_MOUNT = "/scratch"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Secret(_Strict):
+    """A Kubernetes secret whose keys become environment variables (object storage keys, HF_TOKEN)."""
+
+    name: str
+    env: dict[str, str] = Field(min_length=1)  # secret key -> environment variable
+
+
+class Toleration(_Strict):
+    key: str | None = None
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoExecute", "NoSchedule", "PreferNoSchedule"] | None = None
+    toleration_seconds: int | None = None
+
+
+class Volume(_Strict):
+    """An existing PersistentVolumeClaim mounted into the pod (e.g. a shared model cache)."""
+
+    pvc: str
+    mount_path: str
+    sub_path: str = ""
+
+
+class Scratch(_Strict):
+    """Temporary space of a given size for the stage (TMPDIR points at it)."""
+
+    size: str  # e.g. "200Gi"
+    storage_class: str | None = None
+
+
+class StageSettings(_Strict):
+    """What one stage's pods ask the cluster for; unset fields ask for nothing."""
+
+    cpu: str | None = None  # limit, e.g. "8"
+    memory: str | None = None  # limit, e.g. "64G"
+    cpu_request: str | None = None
+    memory_request: str | None = None
+    accelerator_type: str | None = None  # e.g. "nvidia.com/gpu"
+    accelerator_count: int = Field(0, ge=0)
+    secrets: list[Secret] = []
+    node_selector: dict[str, str] = {}
+    tolerations: list[Toleration] = []
+    volumes: list[Volume] = []
+    shm_size: str | None = None  # in-memory /dev/shm of this size (data loaders, NCCL)
+    scratch: Scratch | None = None
+    image_pull_secrets: list[str] = []
+    retries: int | None = Field(None, ge=0)  # None: the configuration's `retries`
+
+    @model_validator(mode="after")
+    def _accelerator_pair(self) -> "StageSettings":
+        if self.accelerator_count and not self.accelerator_type:
+            raise ValueError("accelerator_count is set but accelerator_type is not (e.g. nvidia.com/gpu)")
+        return self
+
+
+def merged(shared: StageSettings | None, own: StageSettings | None) -> StageSettings:
+    """`own` over `shared`: lists add up, mappings merge, other values from `own` where it sets them."""
+    if shared is None or own is None:
+        return own or shared or StageSettings()
+    values: dict[str, Any] = shared.model_dump(exclude_unset=True)
+    for name, value in own.model_dump(exclude_unset=True).items():
+        base = values.get(name)
+        if isinstance(value, list) and isinstance(base, list):
+            values[name] = base + value
+        elif isinstance(value, dict) and isinstance(base, dict) and name == "node_selector":
+            values[name] = {**base, **value}
+        else:
+            values[name] = value
+    return StageSettings(**values)
+
+
+def apply(task: Any, settings: StageSettings, retries: int) -> Any:
+    """Put one stage's settings on a task; `retries` is the configuration-wide default."""
+    from kfp import kubernetes
+
+    count = settings.retries if settings.retries is not None else retries
+    if count:
+        task.set_retry(num_retries=count, backoff_duration="30s", backoff_factor=2.0, backoff_max_duration="10m")
+    for setter, value in ((task.set_cpu_limit, settings.cpu), (task.set_memory_limit, settings.memory),
+                          (task.set_cpu_request, settings.cpu_request), (task.set_memory_request, settings.memory_request)):
+        if value:
+            setter(value)
+    if settings.accelerator_count:
+        task.set_accelerator_type(settings.accelerator_type)
+        task.set_accelerator_limit(settings.accelerator_count)
+    for secret in settings.secrets:
+        kubernetes.use_secret_as_env(task, secret_name=secret.name, secret_key_to_env=dict(secret.env))
+    for key, value in settings.node_selector.items():
+        kubernetes.add_node_selector(task, label_key=key, label_value=value)
+    for toleration in settings.tolerations:
+        kubernetes.add_toleration(task, **toleration.model_dump())
+    for volume in settings.volumes:
+        kubernetes.mount_pvc(task, pvc_name=volume.pvc, mount_path=volume.mount_path, sub_path=volume.sub_path)
+    if settings.shm_size:
+        kubernetes.empty_dir_mount(task, volume_name="shm", mount_path=SHM_MOUNT, medium="Memory",
+                                   size_limit=settings.shm_size)
+    if settings.scratch:
+        kubernetes.add_ephemeral_volume(task, volume_name="scratch", mount_path=SCRATCH_MOUNT,
+                                        access_modes=["ReadWriteOnce"], size=settings.scratch.size,
+                                        storage_class_name=settings.scratch.storage_class)
+        task.set_env_variable("TMPDIR", SCRATCH_MOUNT)
+    if settings.image_pull_secrets:
+        kubernetes.set_image_pull_secrets(task, list(settings.image_pull_secrets))
+    return task

@@ -1,0 +1,165 @@
+"""Per-stage Kubernetes settings in the compiled spec (pipeline.cluster), display names, and pipeline inputs."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from evoesap.errors import ConfigError
+from evoesap.pipeline.cluster import StageSettings, merged
+from evoesap.pipeline.config import load_config
+from evoesap.pipeline.dag import compile_pipeline
+
+BASE = dict(model="/models/full", calibration_data="/data/code.jsonl", search_data="/data/math.jsonl",
+            storage_root="s3://bucket/runs", criteria=["reap"], sparsities=[0.5])
+RESOURCES = {
+    "all": {"secrets": [{"name": "s3-credentials", "env": {"access_key": "AWS_ACCESS_KEY_ID", "secret_key": "AWS_SECRET_ACCESS_KEY"}}],
+            "image_pull_secrets": ["regcred"]},
+    "search": {"cpu_request": "4", "cpu": "8", "memory_request": "32G", "memory": "64G",
+               "accelerator_type": "nvidia.com/gpu", "accelerator_count": 1,
+               "node_selector": {"pool": "gpu"},
+               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+               "volumes": [{"pvc": "hf-cache", "mount_path": "/cache"}],
+               "secrets": [{"name": "hf", "env": {"token": "HF_TOKEN"}}],
+               "shm_size": "16Gi", "scratch": {"size": "100Gi"}, "retries": 0},
+    "prune": {"cpu_request": "2", "memory_request": "8G", "memory": "16G", "scratch": {"size": "200Gi", "storage_class": "fast"}},
+    "evaluate": {"node_selector": {"pool": "eval"}},
+}
+
+
+def _compile(tmp_path, **overrides) -> tuple[dict, dict]:
+    path = compile_pipeline(load_config({**BASE, **overrides}), tmp_path / "pipeline.yaml")
+    spec, *platform = yaml.safe_load_all(path.read_text())
+    executors = platform[0]["platforms"]["kubernetes"]["deploymentSpec"]["executors"] if platform else {}
+    return spec, executors
+
+
+def _executors_by_stage(spec: dict) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for name, component in spec["components"].items():
+        if "executorLabel" in component:
+            out.setdefault(re.sub(r"^comp-|-\d+$", "", name), []).append(component["executorLabel"])
+    return out
+
+
+def _tasks(spec: dict) -> dict[str, dict]:
+    tasks = dict(spec["root"]["dag"]["tasks"])
+    for component in spec["components"].values():
+        tasks.update(component.get("dag", {}).get("tasks", {}))
+    return tasks
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    return _compile(tmp_path_factory.mktemp("cluster"), resources=RESOURCES)
+
+
+def test_every_setting_reaches_exactly_the_stages_configured(compiled):
+    spec, platform = compiled
+    stages = _executors_by_stage(spec)
+    secret_names = lambda e: sorted(s["secretName"] for s in platform[e].get("secretAsEnv", []))  # noqa: E731
+    for stage, executors in stages.items():
+        if stage == "importer":
+            continue
+        for executor in executors:
+            settings = platform[executor]
+            # `all`: the storage secret and the pull secret on every stage
+            assert [p["secretName"] for p in settings["imagePullSecret"]] == ["regcred"], executor
+            expected = ["hf", "s3-credentials"] if stage == "search" else ["s3-credentials"]
+            assert secret_names(executor) == expected, executor
+            node = {"search": {"pool": "gpu"}, "evaluate": {"pool": "eval"}}.get(stage)
+            assert settings.get("nodeSelector", {}).get("labels") == node, executor
+            assert bool(settings.get("tolerations")) == (stage == "search"), executor
+            assert bool(settings.get("pvcMount")) == (stage == "search"), executor
+            assert bool(settings.get("emptyDirMounts")) == (stage == "search"), executor
+            assert bool(settings.get("genericEphemeralVolume")) == (stage in ("search", "prune")), executor
+    (search,) = stages["search"]
+    s3 = next(s for s in platform[search]["secretAsEnv"] if s["secretName"] == "s3-credentials")
+    assert {k["secretKey"]: k["envVar"] for k in s3["keyToEnv"]} == {"access_key": "AWS_ACCESS_KEY_ID",
+                                                                     "secret_key": "AWS_SECRET_ACCESS_KEY"}
+    assert platform[search]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert platform[search]["pvcMount"][0]["mountPath"] == "/cache"
+    (shm,) = platform[search]["emptyDirMounts"]
+    assert (shm["mountPath"], shm["medium"], shm["sizeLimit"]) == ("/dev/shm", "Memory", "16Gi")
+    (scratch,) = platform[search]["genericEphemeralVolume"]
+    assert scratch["size"] == "100Gi" and scratch["mountPath"] == "/scratch"
+    assert all(platform[e]["genericEphemeralVolume"][0]["storageClassName"] == "fast" for e in stages["prune"])
+
+
+def test_requests_limits_and_accelerators_reach_the_containers(compiled):
+    spec, _ = compiled
+    executors, stages = spec["deploymentSpec"]["executors"], _executors_by_stage(spec)
+    (search,) = stages["search"]
+    res = executors[search]["container"]["resources"]
+    assert (res["resourceCpuRequest"], res["resourceCpuLimit"]) == ("4", "8")
+    assert (res["resourceMemoryRequest"], res["resourceMemoryLimit"]) == ("32G", "64G")
+    assert res["accelerator"]["resourceType"] == "nvidia.com/gpu" and res["accelerator"]["resourceCount"] == "1"
+    assert {"name": "TMPDIR", "value": "/scratch"} in executors[search]["container"]["env"]
+    for prune in stages["prune"]:  # searched and uniform
+        res = executors[prune]["container"]["resources"]
+        assert (res["resourceCpuRequest"], res["resourceMemoryRequest"], res["resourceMemoryLimit"]) == ("2", "8G", "16G")
+        assert "accelerator" not in res and "resourceCpuLimit" not in res
+    for stage in ("calibrate", "report"):
+        assert not executors[stages[stage][0]]["container"].get("resources"), stage
+
+
+def test_retries_per_stage_with_a_bounded_backoff(compiled):
+    spec, _ = compiled
+    tasks = _tasks(spec)
+    search = next(t for t in tasks.values() if t["taskInfo"]["name"] == "search")
+    assert "retryPolicy" not in search  # retries: 0 for this stage
+    calibrate = next(t for t in tasks.values() if t["taskInfo"]["name"] == "calibrate")
+    assert calibrate["retryPolicy"]["maxRetryCount"] == 2
+    assert calibrate["retryPolicy"]["backoffMaxDuration"] == "600s"
+
+
+def test_display_names_are_unique_and_say_what_each_task_does(compiled):
+    spec, _ = compiled
+    names = [t["taskInfo"]["name"] for t in _tasks(spec).values()]
+    assert len(names) == len(set(names)), names
+    assert {"evaluate full", "evaluate searched", "evaluate uniform", "prune searched", "prune uniform",
+            "cache-logits search set", "calibrate", "search", "report"} <= set(names)
+
+
+def test_held_out_data_is_a_pipeline_input_only_when_configured(tmp_path):
+    spec, _ = _compile(tmp_path)
+    assert "heldout_data" not in spec["root"]["inputDefinitions"]["parameters"]
+    assert "heldout_data" not in spec["components"]["comp-evoesap-stages"]["inputDefinitions"]["parameters"]
+    spec, _ = _compile(tmp_path, heldout_data="/data/heldout.jsonl")
+    assert spec["root"]["inputDefinitions"]["parameters"]["heldout_data"]["defaultValue"] == "/data/heldout.jsonl"
+    assert "cache-logits held-out set" in {t["taskInfo"]["name"] for t in _tasks(spec).values()}
+
+
+def test_no_platform_section_without_cluster_settings(tmp_path):
+    _, platform = _compile(tmp_path)
+    assert not any(platform.values())
+
+
+@pytest.mark.parametrize(
+    ("resources", "message"),
+    [
+        ({"prune": {"accelerator_type": "nvidia.com/gpu", "accelerator_count": 1}}, "resources.prune: prune loads no model"),
+        ({"report": {"accelerator_type": "nvidia.com/gpu", "accelerator_count": 1}}, "resources.report: report loads no model"),
+        ({"all": {"accelerator_type": "nvidia.com/gpu", "accelerator_count": 1}}, "set accelerators per stage"),
+        ({"search": {"accelerator_count": 1}}, "accelerator_type is not"),
+        ({"search": {"tolerations": [{"operator": "Sometimes"}]}}, "operator"),
+        ({"search": {"secrets": [{"name": "s3", "env": {}}]}}, "env"),
+        ({"serch": {"cpu": "2"}}, "serch"),
+        ({"search": {"shm": "1Gi"}}, "shm"),
+    ],
+)
+def test_bad_cluster_settings_are_refused_with_the_key(resources, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config({**BASE, "resources": resources})
+
+
+def test_stage_settings_add_to_the_shared_ones():
+    shared = StageSettings(image_pull_secrets=["a"], node_selector={"zone": "x", "pool": "cpu"}, cpu="2", retries=3)
+    own = StageSettings(image_pull_secrets=["b"], node_selector={"pool": "gpu"}, cpu="8")
+    both = merged(shared, own)
+    assert both.image_pull_secrets == ["a", "b"]
+    assert both.node_selector == {"zone": "x", "pool": "gpu"}
+    assert (both.cpu, both.retries) == ("8", 3)
+    assert merged(None, own) == own and merged(shared, None) == shared
