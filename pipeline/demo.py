@@ -21,8 +21,9 @@ DEMO_SEARCH = {"population": 16, "elites": 4, "generations": 12, "batch_size": 1
 DEMO_EVALUATE = {"limit": 48, "batch_size": 16}
 
 
-def demo_config(world: Any, out: Path) -> PipelineConfig:
-    """The pipeline configuration for a built demo world, writing under `out`."""
+def demo_config(world: Any, out: Path, runner: str = "subprocess", image: str | None = None) -> PipelineConfig:
+    """The pipeline configuration for a built demo world, writing under `out` (with the docker runner,
+    kfp's root is `out` itself, so the stage containers see the world and the artifacts)."""
     return load_config(
         {
             "name": "evoesap-demo",
@@ -33,7 +34,8 @@ def demo_config(world: Any, out: Path) -> PipelineConfig:
             "criteria": ["reap", "frequency"],
             "sparsities": [0.25, 0.5],
             "storage_root": str(out / "artifacts"),
-            "pipeline_root": str(out / "kfp"),
+            "pipeline_root": str(out if runner == "docker" else out / "kfp"),
+            **({"image": image} if image else {}),
             "calibrate": {"samples": 64, "max_length": 256, "batch_size": 16},
             "cache_logits": {"samples": 64, "max_length": 256, "batch_size": 16, "dtype": "float32"},
             "search": DEMO_SEARCH,
@@ -43,18 +45,19 @@ def demo_config(world: Any, out: Path) -> PipelineConfig:
     )
 
 
-def run_demo(out: Path, seed: int = 0, profile: str = "default", log_path: Path | None = None) -> str:
+def run_demo(out: Path, seed: int = 0, profile: str = "default", log_path: Path | None = None,
+             runner: str = "subprocess", image: str | None = None) -> str:
     """Build (or reuse) the demo world under `out`, run the pipeline, return the report artifact URI."""
     from evoesap.demo.world import build_demo_world
 
     world = build_demo_world(out / "world", seed=seed, profile=profile)
-    config = demo_config(world, out)
+    config = demo_config(world, out, runner, image)
     config_path = out / "pipeline.yaml"
     import yaml
 
     config_path.write_text(yaml.safe_dump(config.model_dump(exclude_none=True), sort_keys=False))
     log.info("demo configuration written to %s", config_path)
-    return report_uri(run_local(config, log_path=log_path))
+    return report_uri(run_local(config, log_path=log_path, runner=runner))
 
 
 def main_table(report_uri: str) -> str:

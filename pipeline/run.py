@@ -5,14 +5,16 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import re
 import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Iterator, TextIO
+from typing import Any, Iterator, TextIO
 
 from evoesap import artifacts
+from evoesap.errors import ConfigError
 from evoesap.pipeline.config import PipelineConfig
 from evoesap.pipeline.dag import build_pipeline
 
@@ -60,19 +62,39 @@ def _quiet_kfp(log_path: Path | None) -> Iterator[None]:
             yield
 
 
+def _check_mounted(config: PipelineConfig, root: Path) -> None:
+    """With the docker runner, refuse local paths outside `pipeline_root` (the containers would not see them)."""
+    paths = {"model": config.model, "calibration_data": config.calibration_data, "search_data": config.search_data,
+             "heldout_data": config.heldout_data, "storage_root": config.storage_root}
+    for name, value in paths.items():
+        if not value or "://" in value or (name == "model" and not Path(value).exists()):  # a URI or a hub name
+            continue
+        if not Path(value).resolve().is_relative_to(root):
+            raise ConfigError(
+                f"{name} {value} lies outside pipeline_root {root}: the docker runner mounts only pipeline_root into "
+                "the stage containers; put it under pipeline_root or set pipeline_root to a folder holding it"
+            )
+
+
 def report_uri(outputs: dict[str, Any]) -> str:
     """The storage URI of the report among a pipeline run's outputs."""
     return outputs["report"].metadata["uri"]
 
 
-def run_local(config: PipelineConfig, log_path: Path | None = None) -> dict[str, Any]:
-    """Run the whole DAG here through kfp.local's SubprocessRunner; return the pipeline's outputs
-    (`report`, `report_html`, `pruned_models`: KFP artifacts whose metadata says where each is stored).
+RUNNERS = ("subprocess", "docker")
 
-    Finished stages under `storage_root` are reused, so a run that was interrupted, or re-run with
-    another downstream parameter, repeats only what changed. Retries are for transient cluster
-    failures; here they would only repeat an error, so local runs have none. With `log_path`, the
-    tasks' full logs go there and the terminal shows one line per task.
+
+def run_local(config: PipelineConfig, log_path: Path | None = None, runner: str = "subprocess") -> dict[str, Any]:
+    """Run the whole DAG here through kfp.local; return the pipeline's outputs (`report`,
+    `report_html`, `pruned_models`: KFP artifacts whose metadata says where each is stored).
+
+    `runner`: "subprocess" runs each stage in a process of this environment; "docker" runs each in its
+    own container of the stage image (`image`) through a Docker-compatible API (DOCKER_HOST), as the
+    current user; kfp mounts only `pipeline_root` into the containers, so every local input and the
+    storage root must lie under it. Finished stages under `storage_root` are reused, so a run that was
+    interrupted, or re-run with another downstream parameter, repeats only what changed. Retries are for
+    transient cluster failures; here they would only repeat an error, so local runs have none. With
+    `log_path`, the tasks' full logs go there and the terminal shows one line per task.
     """
     from kfp import local
 
@@ -89,7 +111,15 @@ def run_local(config: PipelineConfig, log_path: Path | None = None) -> dict[str,
     pipeline_root = config.pipeline_root or str(Path(tempfile.gettempdir()) / "evoesap-kfp-local")
     if "://" in pipeline_root:
         raise ValueError(f"pipeline_root must be a local directory for local runs, got {pipeline_root!r}")
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=_absolute(pipeline_root))
+    pipeline_root = _absolute(pipeline_root)
+    if runner == "docker":
+        _check_mounted(config, Path(pipeline_root))
+        chosen: Any = local.DockerRunner(user=f"{os.getuid()}:{os.getgid()}")
+    elif runner == "subprocess":
+        chosen = local.SubprocessRunner(use_venv=False)
+    else:
+        raise ConfigError(f"unknown runner {runner!r}; choose one of {', '.join(RUNNERS)}")
+    local.init(runner=chosen, pipeline_root=pipeline_root)
     log.info("running pipeline %s locally; artifacts under %s", config.name, artifacts.redact(config.storage_root))
     with _quiet_kfp(log_path), warnings.catch_warnings():
         # kfp.local warns that cluster-only settings (display names, the stage image) do not apply here

@@ -71,7 +71,7 @@ def test_images_share_one_base():
 @pytest.mark.parametrize("name", sorted(DOCKERFILES))
 def test_image_installs_with_the_lock_and_runs_as_a_numeric_user(name):
     text = DOCKERFILES[name]
-    assert "pip install -c requirements.lock ." in text
+    assert "pip install -r requirements.lock" in text and "pip install --no-deps -c requirements.lock ." in text
     users = re.findall(r"^USER (\S+)$", text, re.M)
     assert users and re.fullmatch(r"\d+:\d+", users[-1]) and not users[-1].startswith("0:"), users
     assert "EVOESAP_GIT_COMMIT=${GIT_COMMIT}" in text

@@ -40,12 +40,15 @@ def components_cmd(
 def run_cmd(
     config: Path = typer.Argument(..., help="Pipeline YAML configuration."),
     log: Path = typer.Option(None, "--log", help="Write the tasks' full logs here; the terminal shows one line per task."),
+    runner: str = typer.Option("subprocess", "--runner",
+                               help="subprocess (this environment) or docker (each stage in its own container of the "
+                                    "stage image, through DOCKER_HOST)."),
 ) -> None:
     """Run the DAG on this machine (kfp.local).  Example: evoesap pipeline run demo.yaml --log runs/pipeline.log"""
     from evoesap.pipeline.config import load_config
     from evoesap.pipeline.run import report_uri, run_local
 
-    outputs = run_local(load_config(config), log_path=log)
+    outputs = run_local(load_config(config), log_path=log, runner=runner)
     for model in outputs["pruned_models"]:
         typer.echo(f"pruned model: {model.metadata['uri']}")
     typer.echo(report_uri(outputs))
@@ -90,12 +93,16 @@ def demo_cmd(
     out: Path = typer.Option(Path("runs/demo"), "--out", help="Where the demo world and all artifacts go."),
     seed: int = typer.Option(0, "--seed", help="Seed of the demo world."),
     profile: str = typer.Option("default", "--profile", help="Demo world profile: default or quick."),
+    runner: str = typer.Option("subprocess", "--runner",
+                               help="subprocess (this environment) or docker (each stage in its own container of the "
+                                    "stage image, through DOCKER_HOST)."),
+    image: str = typer.Option(None, "--image", help="Stage image for the docker runner (default: the project's)."),
 ) -> None:
     """Build the demo world and run the whole pipeline on it locally.  Example: evoesap pipeline demo --out runs/demo"""
     from evoesap.pipeline.demo import main_table, run_demo
 
     out = out.resolve()
     typer.echo(f"building the demo world and running the pipeline; task logs in {out / 'pipeline.log'}")
-    report = run_demo(out, seed=seed, profile=profile, log_path=out / "pipeline.log")
+    report = run_demo(out, seed=seed, profile=profile, log_path=out / "pipeline.log", runner=runner, image=image)
     typer.echo(f"\nreport: {report}/report.md (and report.html, plots beside it)\n")
     typer.echo(main_table(report))
