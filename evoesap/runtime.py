@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +33,20 @@ def resolve_device(name: str) -> str:
 
 
 def load_model(uri: str, model_dtype: str = "auto", device: str = "auto", device_map: str | None = None) -> Any:
-    """A checkpoint (stock or pruned) in eval mode on its device; `device_map` shards it over several GPUs."""
+    """A checkpoint (stock or pruned) in eval mode on its device; `device_map` shards it over several GPUs.
+
+    A checkpoint we published (a prune artifact) is verified file by file first, on the one local copy
+    that is loaded (an object-store checkpoint is downloaded once)."""
     from evoesap import moe
 
     check_model_dtype(model_dtype)
-    if device_map:
-        return moe.load_pruned(uri, dtype=MODEL_DTYPES[model_dtype], device_map=device_map).eval()
-    return moe.load_pruned(uri, dtype=MODEL_DTYPES[model_dtype]).to(resolve_device(device)).eval()
+    remote = "://" in uri and not artifacts.is_local(uri)
+    with artifacts.local_copy(uri) if remote else contextlib.nullcontext(uri) as source:
+        if artifacts.exists(artifacts.join(str(source), artifacts.MANIFEST)):
+            artifacts.verify(uri, "prune", local=Path(source))
+        if device_map:
+            return moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype], device_map=device_map).eval()
+        return moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype]).to(resolve_device(device)).eval()
 
 
 def inspect_checkpoint(uri: str) -> Any:
@@ -45,11 +54,13 @@ def inspect_checkpoint(uri: str) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from evoesap import moe
+    from evoesap.identity import check_local_or_hub
 
     if "://" in uri:
         data = artifacts.read_json(artifacts.join(uri, "config.json"))
         config = AutoConfig.for_model(**data)
     else:
+        check_local_or_hub(uri)  # a missing path is never sent to the hub
         config = AutoConfig.from_pretrained(uri, trust_remote_code=False)
     if getattr(config, moe.PER_LAYER_KEY, None):
         raise ConfigError(f"{artifacts.redact(uri)} is already pruned: give the full model")
@@ -62,14 +73,17 @@ def tokenized_samples(model: str, data: str, params: Any, *, pack: bool = False)
     """(tokenizer, tokenized samples) of a stage's data, drawn and tokenized as its parameters say.
 
     `params` carries the data fields every data-reading stage shares: split, subset, fields,
-    samples, seed, max_length, enable_thinking.
+    samples, seed, max_length, enable_thinking. A `samples` equal to the stage's default takes all rows of
+    a smaller source (with a warning); any other number larger than the source is refused.
     """
     from evoesap import data as data_mod
     from evoesap import moe
     from evoesap.errors import DataError
 
+    default = next(f.default for f in dataclasses.fields(params) if f.name == "samples")
     samples = data_mod.load_samples(
-        data, split=params.split, subset=params.subset, fields=params.fields, n=params.samples, seed=params.seed
+        data, split=params.split, subset=params.subset, fields=params.fields, n=params.samples, seed=params.seed,
+        at_most=params.samples == default,  # a default larger than the source uses all of it (with a warning)
     )
     tokenizer = moe.load_tokenizer(model)
     if tokenizer is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import typing
 from typing import Any, Mapping, Sequence
 
 from evoesap import artifacts
@@ -59,10 +60,34 @@ def make_params(stage: str, values: Mapping[str, Any]) -> Any:
         raise ConfigError(
             f"unknown parameter(s) {', '.join(unknown)} for stage {stage!r}; valid: {', '.join(sorted(fields))}"
         )
+    _check_types(stage, params_class, values)
     try:
         return params_class(**values)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"invalid parameters for stage {stage!r}: {exc}") from exc
+
+
+def _check_types(stage: str, params_class: type, values: Mapping[str, Any]) -> None:
+    """Refuse values a config would otherwise coerce silently: 2.7 or true for an integer, "yes" for a switch.
+
+    A whole float (2.0) stays accepted for an integer: some orchestrators deliver every number as a float.
+    """
+    hints = typing.get_type_hints(params_class)
+    for name, value in values.items():
+        allowed = set(typing.get_args(hints[name])) or {hints[name]}
+        if value is None and type(None) in allowed or str in allowed and isinstance(value, str):
+            continue
+        if bool in allowed:
+            ok, what = isinstance(value, bool), "true or false"
+        elif int in allowed and float not in allowed:
+            ok = isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+            what = "an integer"
+        elif float in allowed:
+            ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        else:
+            continue
+        if not ok:
+            raise ConfigError(f"{stage}.{name} must be {what}, got {value!r}")
 
 
 def _flat_inputs(inputs: Mapping[str, str | Sequence[str] | None]) -> dict[str, str | None]:
@@ -86,6 +111,7 @@ def run_stage(stage: str, inputs: Mapping[str, Any], params: Any, out_uri: str) 
     """Run `stage` (parameters as its dataclass) into `out_uri`, or return the manifest already there when
     it records the same stage, parameters and inputs."""
     function, _ = _stage(stage)
+    artifacts.preflight(out_uri, stage, _flat_inputs(inputs))  # before any work: never destroy, inputs exist
     done = artifacts.cached(out_uri, stage, dataclasses.asdict(params), _flat_inputs(inputs))
     if done is not None:
         log.info("%s: reusing the finished artifact at %s", stage, artifacts.redact(out_uri))

@@ -35,7 +35,7 @@ class Toleration(_Strict):
     operator: Literal["Equal", "Exists"] = "Equal"
     value: str | None = None
     effect: Literal["NoExecute", "NoSchedule", "PreferNoSchedule"] | None = None
-    toleration_seconds: int | None = None
+    toleration_seconds: int | None = Field(None, strict=True)
 
 
 class Volume(_Strict):
@@ -61,7 +61,7 @@ class StageSettings(_Strict):
     cpu_request: str | None = None
     memory_request: str | None = None
     accelerator_type: str | None = None  # e.g. "nvidia.com/gpu"
-    accelerator_count: int = Field(0, ge=0)
+    accelerator_count: int = Field(0, ge=0, strict=True)  # strict: `true` or 1.5 is refused, not coerced
     secrets: list[Secret] = []
     node_selector: dict[str, str] = {}
     tolerations: list[Toleration] = []
@@ -69,7 +69,7 @@ class StageSettings(_Strict):
     shm_size: str | None = None  # in-memory /dev/shm of this size (data loaders, NCCL)
     scratch: Scratch | None = None
     image_pull_secrets: list[str] = []
-    retries: int | None = Field(None, ge=0)  # None: the configuration's `retries`
+    retries: int | None = Field(None, ge=0, strict=True)  # None: the configuration's `retries`
 
     @model_validator(mode="after")
     def _accelerator_pair(self) -> "StageSettings":

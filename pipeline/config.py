@@ -36,7 +36,7 @@ class PipelineConfig(BaseModel):
     storage_root: str = "./runs/artifacts"  # where every artifact goes: a path, s3://, gs://
     pipeline_root: str | None = None  # kfp.local's own scratch directory (local runs only)
     image: str | None = None  # the stage image; default: the project's image of this version
-    retries: int = Field(2, ge=0)  # per task, for transient failures
+    retries: int = Field(2, ge=0, strict=True)  # per task, for transient failures
     calibrate: dict[str, Any] = {}
     cache_logits: dict[str, Any] = {}
     search: dict[str, Any] = {}
