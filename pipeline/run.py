@@ -65,14 +65,23 @@ def report_uri(outputs: dict[str, Any]) -> str:
     return outputs["report"].metadata["uri"]
 
 
-def run_local(config: PipelineConfig, log_path: Path | None = None) -> dict[str, Any]:
+def run_local(
+    config: PipelineConfig,
+    log_path: Path | None = None,
+    *,
+    build: Callable[[PipelineConfig], Callable] = build_pipeline,
+    arguments: dict[str, Any] | None = None,
+    kfp_caching: bool = False,
+) -> dict[str, Any]:
     """Run the whole DAG here through kfp.local's SubprocessRunner; return the pipeline's outputs
     (`report`, `report_html`, `pruned_models`: KFP artifacts whose metadata says where each is stored).
 
     Finished stages under `storage_root` are reused, so a run that was interrupted, or re-run with
     another downstream parameter, repeats only what changed. Retries are for transient cluster
     failures; here they would only repeat an error, so local runs have none. With `log_path`, the
-    tasks' full logs go there and the terminal shows one line per task.
+    tasks' full logs go there and the terminal shows one line per task. `build` makes another pipeline
+    from the configuration (one that uses EvoESAP as a step), called with `arguments`; `kfp_caching`
+    turns on kfp.local's own task cache, which EvoESAP's stages never use (their tasks opt out).
     """
     from kfp import local
 
@@ -89,12 +98,12 @@ def run_local(config: PipelineConfig, log_path: Path | None = None) -> dict[str,
     pipeline_root = config.pipeline_root or str(Path(tempfile.gettempdir()) / "evoesap-kfp-local")
     if "://" in pipeline_root:
         raise ValueError(f"pipeline_root must be a local directory for local runs, got {pipeline_root!r}")
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=_absolute(pipeline_root))
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=_absolute(pipeline_root), enable_caching=kfp_caching)
     log.info("running pipeline %s locally; artifacts under %s", config.name, artifacts.redact(config.storage_root))
     with _quiet_kfp(log_path), warnings.catch_warnings():
         # kfp.local warns that cluster-only settings (display names, the stage image) do not apply here
         warnings.filterwarnings("ignore", module=r"kfp\.local\..*")
-        task = build_pipeline(config)()
+        task = build(config)(**(arguments or {}))
     return dict(task.outputs)
 
 
