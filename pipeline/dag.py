@@ -163,7 +163,8 @@ def build_pipeline(config: PipelineConfig) -> Callable:
         evaluate_params: dict = d["evaluate_params"],
         report_params: dict = d["report_params"],
     ) -> Outputs:
-        imported = dsl.importer(artifact_uri=model, artifact_class=Model, reimport=False).set_display_name("model")
+        imported = dsl.importer(artifact_uri=model, artifact_class=Model, reimport=False)
+        imported.set_display_name("model").set_caching_options(enable_caching=False)
         run = stages(
             model=imported.output,
             calibration_data=calibration_data,
@@ -177,7 +178,7 @@ def build_pipeline(config: PipelineConfig) -> Callable:
             prune_params=prune_params,
             evaluate_params=evaluate_params,
             report_params=report_params,
-        )
+        ).set_caching_options(enable_caching=False)
         return Outputs(
             report=run.outputs["report"], report_html=run.outputs["report_html"], pruned_models=run.outputs["pruned_models"]
         )
