@@ -163,8 +163,8 @@ def build_pipeline(config: PipelineConfig) -> Callable:
         report_params: dict = d["report_params"],
         heldout_data: str = d["heldout_data"],  # last: hidden (`_without`) when the configuration has none
     ) -> Outputs:
-        imported = dsl.importer(artifact_uri=model, artifact_class=Model, reimport=False).set_display_name("model")
-        imported.set_caching_options(False)  # as every stage: our reuse decides, never a cached KFP record
+        imported = dsl.importer(artifact_uri=model, artifact_class=Model, reimport=False)
+        imported.set_display_name("model").set_caching_options(enable_caching=False)
         run = stages(
             model=imported.output,
             calibration_data=calibration_data,
@@ -178,8 +178,7 @@ def build_pipeline(config: PipelineConfig) -> Callable:
             prune_params=prune_params,
             evaluate_params=evaluate_params,
             report_params=report_params,
-        )
-        run.set_caching_options(False)
+        ).set_caching_options(enable_caching=False)
         return Outputs(
             report=run.outputs["report"], report_html=run.outputs["report_html"], pruned_models=run.outputs["pruned_models"]
         )

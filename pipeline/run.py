@@ -11,7 +11,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 from evoesap import artifacts
 from evoesap.errors import ConfigError
@@ -84,7 +84,15 @@ def report_uri(outputs: dict[str, Any]) -> str:
 RUNNERS = ("subprocess", "docker")
 
 
-def run_local(config: PipelineConfig, log_path: Path | None = None, runner: str = "subprocess") -> dict[str, Any]:
+def run_local(
+    config: PipelineConfig,
+    log_path: Path | None = None,
+    *,
+    runner: str = "subprocess",
+    build: Callable[[PipelineConfig], Callable] = build_pipeline,
+    arguments: dict[str, Any] | None = None,
+    kfp_caching: bool = False,
+) -> dict[str, Any]:
     """Run the whole DAG here through kfp.local; return the pipeline's outputs (`report`,
     `report_html`, `pruned_models`: KFP artifacts whose metadata says where each is stored).
 
@@ -94,7 +102,9 @@ def run_local(config: PipelineConfig, log_path: Path | None = None, runner: str 
     storage root must lie under it. Finished stages under `storage_root` are reused, so a run that was
     interrupted, or re-run with another downstream parameter, repeats only what changed. Retries are for
     transient cluster failures; here they would only repeat an error, so local runs have none. With
-    `log_path`, the tasks' full logs go there and the terminal shows one line per task.
+    `log_path`, the tasks' full logs go there and the terminal shows one line per task. `build` makes
+    another pipeline from the configuration (one that uses EvoESAP as a step), called with `arguments`;
+    `kfp_caching` turns on kfp.local's own task cache, which EvoESAP's stages never use (their tasks opt out).
     """
     from kfp import local
 
@@ -119,11 +129,11 @@ def run_local(config: PipelineConfig, log_path: Path | None = None, runner: str 
         chosen = local.SubprocessRunner(use_venv=False)
     else:
         raise ConfigError(f"unknown runner {runner!r}; choose one of {', '.join(RUNNERS)}")
-    local.init(runner=chosen, pipeline_root=pipeline_root)
+    local.init(runner=chosen, pipeline_root=pipeline_root, enable_caching=kfp_caching)
     log.info("running pipeline %s locally; artifacts under %s", config.name, artifacts.redact(config.storage_root))
     with _quiet_kfp(log_path), warnings.catch_warnings():
         # kfp.local warns that cluster-only settings (display names, the stage image) do not apply here
         warnings.filterwarnings("ignore", module=r"kfp\.local\..*")
-        task = build_pipeline(config)()
+        task = build(config)(**(arguments or {}))
     return dict(task.outputs)
 

@@ -1,6 +1,7 @@
 """The single-stage component YAMLs other pipelines load: up to date, documented, usable as steps."""
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,33 @@ def test_a_yaml_component_is_a_step_of_a_team_pipeline(tmp_path):
     prune_task = spec["root"]["dag"]["tasks"]["prune"]
     assert prune_task["inputs"]["artifacts"]["model"]["taskOutputArtifact"] == {"outputArtifactKey": "model", "producerTask": "train"}
     assert "allocation" not in prune_task["inputs"].get("artifacts", {})  # optional: uniform pruning
+
+
+def test_overwritten_weights_at_the_same_uri_are_calibrated_again(tmp_path):
+    """A nightly re-prune of a model overwritten in place must not get last week's scores."""
+    from evoesap import artifacts, moe
+    from evoesap.components import make_components
+    from tiny_world import make_tiny_inputs
+
+    files = make_tiny_inputs(tmp_path / "inputs")
+    calibrate = make_components().calibrate.python_func
+    storage = str(tmp_path / "storage")
+
+    def run(name: str) -> dsl.Dataset:
+        scores = dsl.Dataset(name="scores", uri=str(tmp_path / "kfp" / name / "scores"))
+        calibrate(model=dsl.Model(name="model", uri=files["model"]), data=files["calibration"], storage_root=storage,
+                  scores=scores, params={"samples": 8, "max_length": 64})  # fmt: skip
+        return scores
+
+    first, again = run("first"), run("again")
+    assert again.metadata["uri"] == first.metadata["uri"]  # unchanged model: reused
+    vocab = json.loads((Path(files["model"]) / "config.json").read_text())["vocab_size"]
+    weights = sorted(Path(files["model"]).glob("*.safetensors"))
+    size = [w.stat().st_size for w in weights]
+    moe.tiny_model("olmoe", seed=4, vocab_size=vocab).save_pretrained(files["model"])  # same shapes, new weights
+    assert [w.stat().st_size for w in weights] == size  # same URI, same file sizes: only the content changed
+    overwritten = run("overwritten")
+    assert overwritten.metadata["uri"] != first.metadata["uri"]  # calibrated again, into a new artifact
+    old, new = (artifacts.read_manifest(a.metadata["uri"]) for a in (first, overwritten))
+    assert new.files["scores.parquet"] != old.files["scores.parquet"]  # scored from the new weights
+    assert new.inputs["model"] != old.inputs["model"] and new.inputs["model"]["uri"] == old.inputs["model"]["uri"]

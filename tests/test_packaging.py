@@ -50,6 +50,7 @@ def test_installed_package_imports_beside_a_team_repo_with_its_own_pipeline_and_
     )  # fmt: skip
     assert not (target / "pipeline").exists() and not (target / "components").exists()  # nothing top-level of ours
     assert (target / "evoesap" / "pipeline" / "dag.py").is_file()
+    assert (target / "evoesap" / "components" / "prune.yaml").is_file()  # the single-stage components ship too
     team = _team_repo(tmp_path / "team")
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = subprocess.run([sys.executable, "team.py"], cwd=team, env=env, check=True, capture_output=True, text=True)

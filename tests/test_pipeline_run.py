@@ -15,7 +15,7 @@ import yaml
 from evoesap import artifacts
 from evoesap.steps import run_step
 from evoesap.pipeline.config import load_config
-from evoesap.pipeline.run import run_local
+from evoesap.pipeline.run import report_uri, run_local
 from tiny_world import make_tiny_inputs
 
 pytestmark = pytest.mark.slow
@@ -65,8 +65,8 @@ def first_run(files, tmp_path_factory):
     storage = tmp_path_factory.mktemp("run") / "artifacts"
     config = load_config(_config(files, storage))
     log = storage.parent / "pipeline.log"
-    report = run_local(config, log_path=log)
-    return {"storage": storage, "report": report, "config": config, "log": log}
+    outputs = run_local(config, log_path=log)
+    return {"storage": storage, "report": report_uri(outputs), "outputs": outputs, "config": config, "log": log}
 
 
 def test_pipeline_runs_end_to_end_locally(first_run):
@@ -91,6 +91,49 @@ def test_pipeline_runs_end_to_end_locally(first_run):
     assert manifest.inputs["scores"]["manifest_sha256"] == artifacts.manifest_sha256(str(calibrate))
     caches = {artifacts.manifest_sha256(str(c)) for c in _artifacts(storage, "cache-logits")}
     assert {manifest.inputs["cache"]["manifest_sha256"], manifest.inputs["heldout_cache"]["manifest_sha256"]} == caches
+
+
+def _recorded_artifacts(pipeline_root: Path) -> dict[str, list[dict]]:
+    """Output artifacts as kfp.local recorded them (each task's executor_output.json), by output name."""
+    found: dict[str, list[dict]] = {}
+    for path in pipeline_root.rglob("executor_output.json"):
+        for name, entry in json.loads(path.read_text()).get("artifacts", {}).items():
+            found.setdefault(name, []).extend(entry["artifacts"])
+    return found
+
+
+def test_local_run_records_typed_artifacts_whose_metadata_matches_the_manifests(first_run):
+    storage, outputs = first_run["storage"], first_run["outputs"]
+    (pruned,) = outputs["pruned_models"]
+    summary = json.loads((Path(pruned.metadata["uri"]) / "pruning.json").read_text())
+    assert pruned.metadata["method"] == "searched"
+    assert [int(c) for c in pruned.metadata["expert_counts"]] == summary["num_experts"]
+    assert int(pruned.metadata["parameter_bytes"]) == summary["parameter_bytes_pruned"]
+    assert (Path(pruned.path) / "manifest.json").read_bytes() == (Path(pruned.metadata["uri"]) / "manifest.json").read_bytes()
+    assert not list(Path(pruned.path).glob("*.safetensors"))  # the weights stay in storage only
+    assert "<img src='data:image/png;base64," in Path(outputs["report_html"].path).read_text()
+    assert Path(outputs["report"].path).read_text() == (Path(first_run["report"]) / "report.md").read_text()
+    recorded = _recorded_artifacts(Path(first_run["config"].pipeline_root))
+    metrics = recorded["metrics"]
+    assert len(metrics) == 3  # full, searched, uniform
+    assert {name: len(v) for name, v in recorded.items()} == {
+        "scores": 1, "cache": 2, "allocation": 1, "pruned": 2, "evaluation": 3, "metrics": 3, "markdown": 1, "page": 1,
+    }  # fmt: skip
+    for name, entries in recorded.items():
+        for entry in entries if name != "metrics" else ():
+            manifest = artifacts.read_manifest(entry["metadata"]["uri"])
+            assert entry["metadata"]["stage"] == manifest.stage
+            assert entry["metadata"]["manifest_sha256"] == artifacts.manifest_sha256(entry["metadata"]["uri"])
+            assert entry["metadata"]["inputs"] == {k: v["uri"] for k, v in manifest.inputs.items()}  # lineage = manifests
+    (search,) = recorded["allocation"]
+    allocation = json.loads((storage / "search" / Path(search["metadata"]["uri"]).name / "allocation.json").read_text())
+    assert search["metadata"]["fitness"] == pytest.approx(allocation["fitness"])
+    assert search["metadata"]["cost"] == json.loads(json.dumps(allocation["cost"]))
+    for entry in metrics:
+        evaluation = next(d for d in recorded["evaluation"] if d["uri"].rsplit("/", 1)[0] == entry["uri"].rsplit("/", 1)[0])  # same task
+        records = json.loads((Path(evaluation["metadata"]["uri"]) / "metrics.json").read_text())["records"]
+        primary = {f"{r['task']}/{r['metric']}": r["value"] for r in records if r["primary"]}
+        assert entry["metadata"] == pytest.approx(primary)  # one scalar per task
 
 
 def test_new_sparsity_reuses_calibration_and_teacher_cache(first_run, files):

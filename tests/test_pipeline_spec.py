@@ -128,8 +128,9 @@ def test_compiled_spec_carries_resources_and_retries_and_never_kfp_caching(spec)
     stage_tasks = {n: t for n, t in _all_tasks(spec).items() if _stage(t) in _ARTIFACTS}
     assert len(stage_tasks) == 10  # calibrate, 2 cache-logits, full evaluate, report, search, 2 prune, 2 evaluate
     for name, task in stage_tasks.items():
-        assert not task.get("cachingOptions", {}).get("enableCache", False), name  # our reuse checks storage
         assert task["retryPolicy"]["maxRetryCount"] == 2, name
+    for name, task in _all_tasks(spec).items():  # the importer and the sub-pipeline too
+        assert not task.get("cachingOptions", {}).get("enableCache", False), name  # our reuse checks storage
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert params["search_params"]["defaultValue"]["device_map"] == "auto"  # two GPUs: spread the model
     assert "device_map" not in params["evaluate_params"].get("defaultValue", {})  # one GPU: no sharding

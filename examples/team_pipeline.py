@@ -1,0 +1,146 @@
+"""A team's release pipeline with EvoESAP as one of its steps: train -> EvoESAP -> publish.
+
+`train` stands for the team's own training step: it fine-tunes a checkpoint for a few steps on chat
+samples and emits an `Output[dsl.Model]`. EvoESAP takes that model as its input artifact (the whole DAG
+as a sub-pipeline, `build_subpipeline`) and hands back the searched pruned model of every
+criterion x sparsity point as `dsl.Model` artifacts. `publish` receives them and writes release notes
+from each model's own metadata (expert counts, parameter bytes, where the checkpoint is stored),
+checked against the checkpoint's config.
+
+Run it on this machine (kfp.local), on the demo world:
+
+    python -m evoesap pipeline demo --out runs/demo        # once: builds runs/demo/world
+    python examples/team_pipeline.py examples/demo.yaml --train-data runs/demo/world/data/code/calibration.jsonl
+
+or compile it for a cluster with `--compile team.yaml`.
+"""
+
+# No `from __future__ import annotations`: kfp reads the real type annotations.
+import argparse
+from pathlib import Path
+from typing import Callable, List, NamedTuple
+
+from kfp import compiler, dsl
+from kfp.dsl import Input, Markdown, Model, Output
+
+from evoesap.components import DEFAULT_IMAGE
+from evoesap.pipeline.config import PipelineConfig, load_config
+from evoesap.pipeline.dag import build_subpipeline
+
+
+@dsl.component(base_image=DEFAULT_IMAGE, install_kfp_package=False)
+def train(base_model: str, data: str, steps: int, learning_rate: float, model: Output[Model]):
+    """Fine-tune `base_model` for `steps` AdamW steps on the chat samples in `data`; save a safetensors checkpoint.
+
+    Args:
+        base_model: Checkpoint to start from: a path, URI or hub name.
+        data: Chat samples (JSONL with `messages`): the team's training data.
+        steps: Optimizer steps.
+        learning_rate: AdamW learning rate.
+
+    Returns:
+        model: The trained checkpoint (with its tokenizer); metadata: base_model, steps, final_loss.
+    """
+    import torch
+
+    from evoesap import moe
+    from evoesap.data import batches, load_samples, tokenize_samples
+
+    network = moe.load_pruned(base_model, dtype=torch.float32)
+    tokenizer = moe.load_tokenizer(base_model)
+    tokenized = tokenize_samples(load_samples(data), tokenizer, max_length=256)
+    optimizer = torch.optim.AdamW(network.parameters(), lr=learning_rate)
+    generator = torch.Generator().manual_seed(0)
+    network.train()
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        order = torch.randperm(len(tokenized), generator=generator)[:8].tolist()
+        batch = next(batches([tokenized[i] for i in order], 8, tokenizer.pad_token_id or 0))
+        labels = batch.input_ids.masked_fill(batch.attention_mask == 0, -100)  # [B, T] long
+        loss = network(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    network.save_pretrained(model.path, safe_serialization=True)
+    tokenizer.save_pretrained(model.path)
+    model.metadata.update({"base_model": base_model, "steps": steps, "final_loss": float(loss)})
+
+
+@dsl.component(base_image=DEFAULT_IMAGE, install_kfp_package=False)
+def publish(pruned_models: Input[List[Model]], report: Input[Markdown], release: Output[Markdown]):
+    """Release notes for the pruned models, from the metadata of the artifacts handed over.
+
+    Args:
+        pruned_models: EvoESAP's searched pruned models, one per criterion x sparsity.
+        report: EvoESAP's report.
+
+    Returns:
+        release: One line per model: criterion, sparsity, experts kept per layer, size, checkpoint URI.
+    """
+    import json
+    import os
+
+    lines = ["# Release", ""]
+    for pruned in pruned_models:
+        meta = pruned.metadata
+        counts = [int(c) for c in meta["expert_counts"]]  # KFP metadata numbers arrive as floats
+        config = json.load(open(os.path.join(pruned.path, "config.json")))  # the checkpoint's own record
+        stored = config.get("evoesap_num_experts_per_layer")
+        if stored is not None and sorted(stored.values()) != sorted(counts):
+            raise ValueError(f"{meta['uri']}: metadata expert counts {counts} disagree with its config {stored}")
+        lines.append(
+            f"- {meta['criterion']} at {meta['sparsity']:.0%}: experts per layer {counts}, "
+            f"{int(meta['parameter_bytes']) / 2**20:.2f} MiB of parameters, checkpoint {meta['uri']}"
+        )
+    lines += ["", f"Report: {report.metadata['uri']}"]
+    with open(release.path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    release.metadata["models"] = [
+        {"uri": m.metadata["uri"], "expert_counts": [int(c) for c in m.metadata["expert_counts"]]} for m in pruned_models
+    ]
+
+
+Release = NamedTuple("Release", release=Markdown, pruned_models=List[Model])
+
+
+def build_team_pipeline(config: PipelineConfig) -> Callable:
+    """train -> EvoESAP (the configuration's DAG, as a sub-pipeline) -> publish."""
+    evoesap = build_subpipeline(config)
+
+    @dsl.pipeline(name=f"{config.name}-team-release", description="train -> EvoESAP -> publish")
+    def team_release(
+        train_data: str,
+        base_model: str = config.model,
+        train_steps: int = 2,
+        learning_rate: float = 1e-4,
+        storage_root: str = config.storage_root,
+    ) -> Release:
+        trained = train(base_model=base_model, data=train_data, steps=train_steps, learning_rate=learning_rate)
+        # Pass at least one parameter with the model: kfp.local 2.17 binds a sub-pipeline's artifact
+        # inputs only then (a cluster binds them either way).
+        pruned = evoesap(model=trained.outputs["model"], storage_root=storage_root)
+        notes = publish(pruned_models=pruned.outputs["pruned_models"], report=pruned.outputs["report"])
+        return Release(release=notes.outputs["release"], pruned_models=pruned.outputs["pruned_models"])
+
+    return team_release
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="train -> EvoESAP -> publish, locally (kfp.local) or compiled")
+    parser.add_argument("config", type=Path, help="EvoESAP pipeline configuration (e.g. examples/demo.yaml)")
+    parser.add_argument("--train-data", required=True, help="JSONL chat samples for the train step")
+    parser.add_argument("--compile", type=Path, help="Write the compiled pipeline here instead of running it")
+    args = parser.parse_args()
+    config = load_config(args.config)
+    if args.compile:
+        compiler.Compiler().compile(build_team_pipeline(config), str(args.compile))
+        print(args.compile)
+        return
+    from evoesap.pipeline.run import run_local
+
+    outputs = run_local(config, build=build_team_pipeline, arguments={"train_data": str(Path(args.train_data).resolve())})
+    print(Path(outputs["release"].path).read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""examples/: the configurations compile, and a team pipeline train -> EvoESAP -> publish runs with kfp.local."""
+
+import importlib.util
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from evoesap import artifacts, moe
+from evoesap.pipeline.config import load_config
+from evoesap.pipeline.dag import compile_pipeline
+from evoesap.pipeline.run import run_local
+from tiny_world import make_tiny_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def _team_module():
+    spec = importlib.util.spec_from_file_location("team_pipeline", ROOT / "examples" / "team_pipeline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_examples_cover_the_demo_and_the_papers_models():
+    assert [p.stem for p in CONFIGS] == ["deepseek-v2-lite", "demo", "olmoe-1b-7b-instruct", "qwen3-30b-a3b"]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_example_configuration_is_documented_and_compiles(path, tmp_path):
+    text = path.read_text()
+    assert len(re.findall(r"^# \S", text, flags=re.M)) >= 2, f"{path.name} needs a comment saying what it runs"
+    spec = yaml.safe_load(compile_pipeline(load_config(path), tmp_path / "spec.yaml").read_text())
+    assert spec["pipelineInfo"]["name"] == yaml.safe_load(text)["name"]
+
+
+def test_readme_configuration_block_compiles(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", readme, flags=re.S)
+    configs = [yaml.safe_load(b) for b in blocks if "storage_root" in b]
+    assert configs, "README.md lost its pipeline configuration example"
+    for config in configs:
+        compile_pipeline(load_config(config), tmp_path / "readme.yaml")
+
+
+def test_team_pipeline_compiles_with_evoesap_as_a_sub_pipeline(tmp_path):
+    from kfp import compiler
+
+    team = _team_module()
+    compiler.Compiler().compile(team.build_team_pipeline(load_config(ROOT / "examples" / "demo.yaml")), str(tmp_path / "team.yaml"))
+    spec = yaml.safe_load((tmp_path / "team.yaml").read_text())
+    root = spec["root"]["dag"]["tasks"]
+    assert set(root) == {"train", "evoesap-demo-stages", "publish"}
+    model = root["evoesap-demo-stages"]["inputs"]["artifacts"]["model"]["taskOutputArtifact"]
+    assert model == {"outputArtifactKey": "model", "producerTask": "train"}
+    handed = root["publish"]["inputs"]["artifacts"]["pruned_models"]["taskOutputArtifact"]
+    assert handed == {"outputArtifactKey": "pruned_models", "producerTask": "evoesap-demo-stages"}
+
+
+@pytest.fixture(scope="module")
+def team_run(tmp_path_factory):
+    """The team pipeline on the tiny demo-world model, kfp.local's own task cache on as a team might run it."""
+    root = tmp_path_factory.mktemp("team")
+    files = make_tiny_inputs(root / "inputs")
+    config = load_config(
+        {
+            "name": "team",
+            "model": files["model"],
+            "calibration_data": files["calibration"],
+            "search_data": files["search"],
+            "criteria": ["reap"],
+            "sparsities": [0.5],
+            "storage_root": str(root / "artifacts"),
+            "pipeline_root": str(root / "kfp"),
+            "calibrate": {"samples": 8, "max_length": 128},
+            "cache_logits": {"samples": 8, "max_length": 128, "dtype": "float32"},
+            "search": {"population": 4, "elites": 2, "generations": 1, "batch_size": 8},
+            "evaluate": {"tasks": [files["tasks"]], "limit": 2, "batch_size": 4},
+        }
+    )
+    team = _team_module()
+
+    def run():
+        return run_local(config, build=team.build_team_pipeline, arguments={"train_data": files["calibration"]}, kfp_caching=True)
+
+    return {"run": run, "first": run(), "root": root, "base": files["model"]}
+
+
+def test_team_pipeline_publishes_the_pruned_models_it_was_handed(team_run):
+    first = team_run["first"]
+    (model,) = first["pruned_models"]
+    uri = model.metadata["uri"]
+    assert model.metadata["stage"] == "prune" and model.metadata["method"] == "searched"
+    kept = list(moe.inspect(moe.load_pruned(uri)).num_experts)  # the checkpoint itself, loaded independently
+    release = first["release"]
+    (published,) = release.metadata["models"]
+    assert published == {"uri": uri, "expert_counts": kept}
+    assert f"experts per layer {kept}" in Path(release.path).read_text()
+    trained = artifacts.read_manifest(uri).inputs["model"]["uri"]
+    assert trained != team_run["base"] and Path(trained).is_dir()  # pruned from the train step's output
+    allocation = artifacts.read_json(artifacts.join(model.metadata["inputs"]["allocation"], "allocation.json"))
+    assert [n - r for n, r in zip(allocation["num_experts"], allocation["removal_counts"])] == kept
+
+
+def test_deleted_checkpoint_and_report_are_made_again_not_reported_from_a_cache(team_run):
+    (model,) = team_run["first"]["pruned_models"]
+    pruned_dir = Path(model.metadata["uri"])
+    report_dir = team_run["root"] / "artifacts" / "report" / _only(team_run, "report")
+    calibrate_dir = team_run["root"] / "artifacts" / "calibrate" / _only(team_run, "calibrate")
+    calibrated = artifacts.read_manifest(str(calibrate_dir)).started
+    shutil.rmtree(pruned_dir)
+    shutil.rmtree(report_dir)
+    second = team_run["run"]()
+    (again,) = second["pruned_models"]
+    assert again.metadata["uri"] == str(pruned_dir)  # same inputs, same content address
+    assert artifacts.read_manifest(str(pruned_dir)).stage == "prune"  # it exists again, made again
+    assert list(moe.inspect(moe.load_pruned(str(pruned_dir))).num_experts) == [int(c) for c in again.metadata["expert_counts"]]
+    assert (report_dir / "report.md").is_file()
+    # The team's train step came from kfp.local's cache (its output still exists), so EvoESAP saw the same
+    # model and reused every stage whose output was untouched.
+    assert artifacts.read_manifest(str(pruned_dir)).inputs["model"]["uri"] == model.metadata["inputs"]["model"]
+    assert artifacts.read_manifest(str(calibrate_dir)).started == calibrated
+
+
+def _only(team_run, stage: str) -> str:
+    (name,) = [p.name for p in (team_run["root"] / "artifacts" / stage).iterdir() if (p / "manifest.json").exists()]
+    return name
