@@ -260,23 +260,23 @@ def run_search(
     best = [int(x) for x in result.best]
     sign = evaluator.metric.sign
     check = None
+    warnings: list[str] = []  # also in allocation.json, so the report shows what the log said
     if heldout_ids:
         check = generalisation(
             sign * judge.sample_values(alloc.pruned_sets(best, orders), samples=heldout_ids).numpy(),
             sign * judge.sample_values(alloc.pruned_sets(uniform, orders), samples=heldout_ids).numpy(),
         )
         if not check["beats_uniform"]:
-            log.warning(
-                "SEARCHED ALLOCATION DOES NOT BEAT UNIFORM ON HELD-OUT SAMPLES: %s %.4f vs uniform %.4f "
-                "(difference %.2e, stderr %s)%s",
-                params.metric,
-                check["searched"],
-                check["uniform"],
-                check["difference"],
-                check["stderr"],
-                "; falling back to uniform" if params.fallback_to_uniform else
-                "; the search set may be too small or saturated (consider more or longer samples, or fallback_to_uniform)",
+            headline = "searched allocation does not beat uniform on held-out samples"
+            stderr = "n/a" if check["stderr"] is None else f"{check['stderr']:.2e}"
+            detail = (
+                f"{params.metric} {check['searched']:.4f} vs uniform {check['uniform']:.4f} "
+                f"(difference {check['difference']:.2e}, stderr {stderr})"
+                + ("; falling back to uniform" if params.fallback_to_uniform else
+                   "; the search set may be too small or saturated (consider more or longer samples, or fallback_to_uniform)")
             )
+            warnings.append(f"{headline}: {detail}")
+            log.warning("%s: %s", headline.upper(), detail)
     chosen = uniform if (check and not check["beats_uniform"] and params.fallback_to_uniform) else best
     document = {
         "criterion": params.criterion,
@@ -294,6 +294,7 @@ def run_search(
         "uniform": {"removal_counts": uniform, "fitness": fitness_of(tuple(uniform))},
         "fallback_applied": chosen is uniform and best != uniform,
         "heldout": check,
+        "warnings": warnings,
         "evaluations": result.evaluations,
         "cost": cost,
         "search_samples": len(search_ids),
