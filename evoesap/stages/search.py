@@ -122,6 +122,15 @@ def generalisation(searched: np.ndarray, uniform: np.ndarray) -> dict[str, Any]:
     }
 
 
+def heldout_warning(check: dict[str, Any], metric: str, fallback: bool) -> str:
+    """The warning for a held-out check the searched allocation failed: headline, numbers, what to do."""
+    stderr = "n/a" if check["stderr"] is None else f"{check['stderr']:.2e}"
+    action = "falling back to uniform" if fallback else (
+        "the search set may be too small or saturated (consider more or longer samples, or fallback_to_uniform)")
+    return (f"searched allocation does not beat uniform on held-out samples: {metric} {check['searched']:.4f} vs "
+            f"uniform {check['uniform']:.4f} (difference {check['difference']:.2e}, stderr {stderr}); {action}")
+
+
 def _checkpoint_uri(out_uri: str) -> str:
     return f"{out_uri.rstrip('/')}.checkpoint.json"
 
@@ -267,15 +276,8 @@ def run_search(
             sign * judge.sample_values(alloc.pruned_sets(uniform, orders), samples=heldout_ids).numpy(),
         )
         if not check["beats_uniform"]:
-            headline = "searched allocation does not beat uniform on held-out samples"
-            stderr = "n/a" if check["stderr"] is None else f"{check['stderr']:.2e}"
-            detail = (
-                f"{params.metric} {check['searched']:.4f} vs uniform {check['uniform']:.4f} "
-                f"(difference {check['difference']:.2e}, stderr {stderr})"
-                + ("; falling back to uniform" if params.fallback_to_uniform else
-                   "; the search set may be too small or saturated (consider more or longer samples, or fallback_to_uniform)")
-            )
-            warnings.append(f"{headline}: {detail}")
+            warnings.append(heldout_warning(check, params.metric, params.fallback_to_uniform))
+            headline, detail = warnings[-1].split(": ", 1)
             log.warning("%s: %s", headline.upper(), detail)
     chosen = uniform if (check and not check["beats_uniform"] and params.fallback_to_uniform) else best
     document = {
