@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 class Node:
     """One artifact reached from the report's inputs."""
 
-    uri: str
+    uri: str  # without credentials
     manifest: artifacts.Manifest | None  # None: it could not be read (moved or deleted since)
     manifest_sha256: str | None
     used_as: tuple[str, ...]  # "<input name> of <stage>" for every edge that reached it
@@ -75,7 +75,7 @@ def walk(roots: Mapping[str, str], root_stage: str = "report") -> Lineage:
             identity, readers = sources.setdefault((name, entry["uri"]), ({k: str(v) for k, v in entry.items() if k != "uri"}, []))
             if reader not in readers:
                 readers.append(reader)
-    nodes = [Node(uri, manifests[uri], _sha(uri) if manifests[uri] else None, tuple(used_as[uri])) for uri in order]
+    nodes = [Node(artifacts.redact(uri), manifests[uri], _sha(uri) if manifests[uri] else None, tuple(used_as[uri])) for uri in order]
     return Lineage(nodes, [Source(name, uri, identity, tuple(readers)) for (name, uri), (identity, readers) in sources.items()])
 
 

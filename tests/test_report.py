@@ -431,3 +431,50 @@ def test_text_from_artifacts_reaches_the_page_literally(text):
     table = renderer.render(f"| h | c |\n|---|---|\n| {render.cell(rp.Cell(text))} | {render.cell(rp.Cell(text, 'code'))} |\n")
     assert f"<td>{literal}</td>\n<td><code>{literal}</code></td>" in html.unescape(table)
 
+
+
+def test_lineage_names_the_model_data_configuration_software_and_every_artifact(tmp_path):
+    """Searches and runs lead through their manifests to the model directory and data file, with their content identity."""
+    model, data = tmp_path / "model", tmp_path / "calibration.jsonl"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data.write_text('{"text": "x"}\n')
+    scores_frame = pd.DataFrame([{"layer": l, "expert": e, "frequency": e + 1, "seer": 0.0, "ean": 0.0, "reap": 0.0, "tokens": 1}
+                                 for l in range(len(N)) for e in range(N[l])])
+    with artifacts.stage_output(str(tmp_path / "scores"), "calibrate", {"samples": 64}, {"model": str(model), "data": str(data)}) as staging:
+        scores_frame.to_parquet(staging / "scores.parquet")
+    scores = str(tmp_path / "scores")
+    search = publish_search(tmp_path, allocation_doc(True, []), inputs={"model": str(model), "scores": scores}, params={"population": 16})
+    runs = []
+    for method, metrics in RUNS.items():
+        with artifacts.stage_output(str(tmp_path / method), "evaluate", {"limit": 48, "method": method}, {"model": str(model)}) as staging:
+            (staging / "metrics.json").write_text(json.dumps(metrics))
+        runs.append(str(tmp_path / method))
+    run_report(runs, ReportParams(title="Lineage | check"), str(tmp_path / "report"), searches=[search])
+    page = check_page((tmp_path / "report" / "report.html").read_text())
+
+    identity = artifacts.describe_inputs({"model": str(model), "data": str(data)})
+    sources = {row["URI"]: row for row in page.table("Input")}
+    assert set(sources) == {str(model), str(data)}
+    for name, path in (("model", model), ("data", data)):
+        assert sources[str(path)]["Input"] == name
+        assert sources[str(path)]["Content identity"] == f"fingerprint {identity[name]['fingerprint']}"
+    assert sources[str(model)]["Read by"] == "evaluate (runs of report); search (searches of report); calibrate (scores of search)"
+    assert sources[str(data)]["Read by"] == "calibrate (scores of search)"
+
+    config = {row["Stage"]: row["Parameters"] for row in page.table("Stage")}
+    assert config["calibrate"] == "samples=64"
+    assert config["evaluate"] == "limit=48, method in {full, searched, uniform}"
+    assert "population=16" in config["search"] and "title=Lineage | check" in config["report (this page)"]
+    software = page.table("Package version")
+    assert [row["Package version"] for row in software] == [__version__]
+
+    behind = {row["Artifact"]: row for row in page.table("Artifact")}
+    assert set(behind) == {*runs, search, scores}
+    for uri in (*runs, search, scores):
+        assert behind[uri]["Manifest sha256"] == artifacts.manifest_sha256(uri)
+    assert behind[runs[2]]["Gives"] == "Benchmarks and Memory: 25% reap searched"
+    assert behind[search]["Gives"] == "Summary and plots: reap 25%"
+    assert behind[scores]["Gives"] == "scores of search"
+    assert page.table("Sparsity", "Method")  # the title's pipe stayed text: the tables still parse
+    assert "<h1>Lineage | check</h1>" in (tmp_path / "report" / "report.html").read_text()

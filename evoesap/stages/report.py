@@ -159,7 +159,7 @@ def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches:
             "images": images,
             "sources": rp.sources_table(traced.sources),
             "configuration": rp.configuration_table(
-                [*lineage.configuration(traced.nodes, tuple(STEPS)), ("report (this page)", _params_text(params))]),
+                [*lineage.configuration(traced.nodes, tuple(STEPS)), ("report (this page)", _as_configuration(params))]),
             "software": rp.software_table(lineage.software(traced.nodes)),
             "artifacts": rp.artifacts_table(traced.nodes, gives),
         }
@@ -170,7 +170,7 @@ def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches:
     return artifacts.read_manifest(out_uri)
 
 
-def _params_text(params: ReportParams) -> dict[str, list[str]]:
+def _as_configuration(params: ReportParams) -> dict[str, list[str]]:
     return {k: [str(v)] for k, v in dataclasses.asdict(params).items()}
 
 
