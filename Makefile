@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench lock image components clean
+.PHONY: install test demo report-screenshot bench lock image components clean
 
 WORLD := .cache/demo-world
 
@@ -22,6 +22,12 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m evoesap pipeline demo --out runs/demo
+
+# docs/report.png: the demo's report.html as headless Chromium shows it 1400 px wide (runs the demo if missing)
+report-screenshot: $(STAMP)
+	command -v chromium >/dev/null 2>&1 || (apt-get update && apt-get install -y chromium)
+	test -d runs/demo/artifacts/report || $(MAKE) demo
+	$(PY) docs/report_screenshot.py --demo runs/demo --out docs/report.png
 
 bench: $(STAMP)
 	$(PY) -m evoesap demo build --out $(WORLD)

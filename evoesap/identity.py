@@ -57,6 +57,20 @@ def digest(record: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 
 
+def summary(record: dict[str, Any]) -> str:
+    """One short line naming the identity, for people (reports): kind, size or revision, digest prefix."""
+    kind = record.get("kind")
+    if kind == "hub":
+        return f"hub revision {record.get('revision')}"
+    if kind == "file" and "sha256" in record:
+        return f"file, {record.get('size')} bytes, sha256 {record['sha256'][:12]}"
+    if kind == "directory":
+        return f"directory of {len(record.get('files', {}))} files, digest {digest(record)[:12]}"
+    if kind == "artifact":
+        return f"artifact, manifest sha256 {record.get('manifest_sha256', '')[:12]}"
+    return f"{kind or 'input'}, digest {digest(record)[:12]}"
+
+
 def is_hub_name(name: str) -> bool:
     """True for `org/name` that is not an existing local path (what a hub would be asked for)."""
     return "://" not in name and not Path(name).exists() and bool(_HUB_NAME.match(name))

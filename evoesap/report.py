@@ -1,15 +1,15 @@
 """Tables and plots from evaluate runs and search histories, shaped like the paper's Table 2 and Figure 1.
 
-Everything here works on plain data (metrics dicts, allocations, history tables); reading artifacts is
-the stage's job. Figure builders return matplotlib Figures (Agg) so tests can inspect what they draw.
+Everything here works on plain data (metrics dicts, allocation.json documents, history tables); reading
+artifacts is the stage's job, laying the page out is the templates' (`evoesap.render`). Tables are
+`Table`s of text cells; figure builders return matplotlib Figures (Agg) so tests can inspect what they draw.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import html
 import math
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import matplotlib
 
@@ -19,6 +19,9 @@ import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from evoesap.errors import DataError  # noqa: E402
+
+if TYPE_CHECKING:
+    from evoesap.lineage import Node, Source
 
 METHOD_ORDER = ("full", "uniform", "frequency", "searched")
 PAIR = ("uniform", "searched")  # bolded against each other; deltas are searched - uniform
@@ -47,6 +50,21 @@ class Row:
     values: dict[Column, float]
     source: str  # the run's URI, so a reader can trace a number to its metrics.json
     bold: frozenset[Column] = frozenset()
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    text: str
+    style: str = ""  # "", "bold" or "code"
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """Header, lines of cells and each column's alignment; the templates turn it into Markdown (and so HTML)."""
+
+    header: tuple[str, ...]
+    rows: tuple[tuple[Cell, ...], ...]
+    align: tuple[str, ...]  # "left" or "right" per column
 
 
 def primary_values(metrics: Mapping[str, Any]) -> dict[tuple[str, str], tuple[str, float]]:
@@ -156,26 +174,17 @@ def table_cells(rows: Sequence[Row], cols: Sequence[Column], digits: int) -> lis
     return lines
 
 
-def markdown_table(rows: Sequence[Row], cols: Sequence[Column], digits: int = 3) -> str:
-    header = ["Sparsity", "Criterion", "Method", *[c.header for c in cols]]
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for label, cells in table_cells(rows, cols, digits):
-        values = [f"**{text}**" if bold else text for text, bold in cells]
-        out.append("| " + " | ".join([*label, *values]) + " |")
-    return "\n".join(out)
+def benchmark_table(rows: Sequence[Row], cols: Sequence[Column], digits: int = 3) -> Table:
+    """The paper's Table 2: a line per run (bold: the better of each uniform/searched pair) and Δ lines."""
+    lines = [
+        tuple(Cell(text) for text in label) + tuple(Cell(text, "bold" if bold else "") for text, bold in cells)
+        for label, cells in table_cells(rows, cols, digits)
+    ]
+    return Table(("Sparsity", "Criterion", "Method", *[c.header for c in cols]), tuple(lines), ("left",) * 3 + ("right",) * len(cols))
 
 
-def html_table(rows: Sequence[Row], cols: Sequence[Column], digits: int = 3) -> str:
-    header = "".join(f"<th>{html.escape(h)}</th>" for h in ["Sparsity", "Criterion", "Method", *[c.header for c in cols]])
-    body = []
-    for label, cells in table_cells(rows, cols, digits):
-        tds = [f"<td>{html.escape(text)}</td>" for text in label]
-        tds += [f"<td><b>{html.escape(text)}</b></td>" if bold else f"<td>{html.escape(text)}</td>" for text, bold in cells]
-        body.append("<tr>" + "".join(tds) + "</tr>")
-    return f"<table>\n<tr>{header}</tr>\n" + "\n".join(body) + "\n</table>"
-
-
-def _label(metrics: Mapping[str, Any]) -> str:
+def run_label(metrics: Mapping[str, Any]) -> str:
+    """"Full" or "25% reap searched": how tables name a run."""
     labels = metrics.get("labels", {})
     if _method(metrics) == "full":
         return "Full"
@@ -192,7 +201,7 @@ def memory_rows(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         memory = runs[i]["memory"]
         out.append(
             {
-                "run": _label(runs[i]),
+                "run": run_label(runs[i]),
                 "parameters": memory["parameters"],
                 "parameter_bytes": memory["parameter_bytes"],
                 "bf16_bytes": memory["bf16_bytes"],
@@ -207,16 +216,14 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.3f} GiB" if n >= 2**26 else f"{n / 2**20:.3f} MiB"
 
 
-def memory_markdown(rows: Sequence[Mapping[str, Any]]) -> str:
-    out = [
-        "| Run | Parameters | Parameter bytes | bf16 size | Saving vs full | Held-out ESAP |",
-        "|---|---|---|---|---|---|",
-    ]
+def memory_table(rows: Sequence[Mapping[str, Any]]) -> Table:
+    lines = []
     for r in rows:
         saving = "–" if r["saving"] is None else f"{r['saving']:.1%}"
         esap = "–" if r["heldout_esap"] is None else f"{r['heldout_esap']:.4f}"
-        out.append(f"| {r['run']} | {r['parameters']:,} | {r['parameter_bytes']:,} | {_gib(r['bf16_bytes'])} | {saving} | {esap} |")
-    return "\n".join(out)
+        lines.append(tuple(Cell(t) for t in (r["run"], f"{r['parameters']:,}", f"{r['parameter_bytes']:,}", _gib(r["bf16_bytes"]), saving, esap)))
+    header = ("Run", "Parameters", "Parameter bytes", "bf16 size", "Saving vs full", "Held-out ESAP")
+    return Table(header, tuple(lines), ("left",) + ("right",) * 5)
 
 
 def density_figure(allocations: Mapping[str, tuple[Sequence[int], Sequence[int]]], title: str = "") -> Figure:
@@ -262,3 +269,131 @@ def search_curve(history: pd.DataFrame) -> pd.DataFrame:
         raise DataError(f"search history lacks column(s) {', '.join(sorted(missing))}; has {', '.join(history.columns)}")
     per_gen = history.groupby("generation")["fitness"]
     return pd.DataFrame({"best": per_gen.max().cummax(), "mean": per_gen.mean()})
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One criterion x sparsity: what a release manager decides on, searched against uniform."""
+
+    sparsity: float
+    criterion: str
+    metric: str | None  # fitness of the held-out check (esap unless the search used another)
+    heldout: Mapping[str, Any] | None  # the search's check: samples, searched, uniform, difference, stderr, beats_uniform
+    fallback_applied: bool | None  # None: no search artifact given for this setting
+    task_delta: float | None  # mean over tasks of searched - uniform (primary metrics)
+    memory_saved: float | None  # share of the full model's bf16 size the pruned model saves
+    memory_saved_bytes: int | None
+    warnings: tuple[str, ...]
+
+
+def settings(runs: Sequence[Mapping[str, Any]], searches: Sequence[Mapping[str, Any]]) -> list[Setting]:
+    """Every criterion x sparsity that has a search (allocation.json documents) or a uniform/searched run pair."""
+    by_key: dict[tuple[float, str], dict[str, Mapping[str, Any]]] = {}
+    for metrics in runs:
+        labels = metrics.get("labels", {})
+        if labels.get("sparsity") is not None and _method(metrics) in PAIR:
+            by_key.setdefault((float(labels["sparsity"]), str(labels.get("criterion") or "")), {})[_method(metrics)] = metrics
+    found = {(float(s["sparsity"]), str(s["criterion"])): s for s in searches}
+    full = [m for m in runs if _method(m) == "full"]
+    out = []
+    for key in sorted(set(by_key) | set(found)):
+        pair, search = by_key.get(key, {}), found.get(key)
+        prims = [{t: v for t, (_, v) in primary_values(pair[m]).items()} for m in PAIR if m in pair]
+        shared = sorted(set(prims[0]) & set(prims[1])) if len(prims) == 2 else []
+        pruned = pair.get("searched") or pair.get("uniform")
+        saved = full[0]["memory"]["bf16_bytes"] - pruned["memory"]["bf16_bytes"] if full and pruned else None
+        out.append(
+            Setting(
+                sparsity=key[0],
+                criterion=key[1],
+                metric=search.get("metric") if search else None,
+                heldout=search.get("heldout") if search else None,
+                fallback_applied=bool(search.get("fallback_applied")) if search else None,
+                task_delta=sum(prims[1][t] - prims[0][t] for t in shared) / len(shared) if shared else None,
+                memory_saved=None if saved is None else saved / full[0]["memory"]["bf16_bytes"],
+                memory_saved_bytes=saved,
+                warnings=tuple(search.get("warnings") or ()) if search else (),
+            )
+        )
+    return out
+
+
+def _signed(value: float | None, digits: int) -> str:
+    return "–" if value is None else f"{value:+.{digits}f}"
+
+
+def summary_table(rows: Sequence[Setting], digits: int = 3) -> Table:
+    """Per setting: held-out fitness of searched and uniform, their paired difference and standard error, whether
+    the difference clears two standard errors, whether the search fell back to uniform, the task-average Δ, memory saved."""
+    lines = []
+    for s in rows:
+        check = s.heldout or {}
+        passed = None if not check else bool(check.get("beats_uniform"))
+        lines.append(
+            (
+                Cell(_sparsity(s.sparsity)),
+                Cell(s.criterion or "–"),
+                Cell(s.metric or "–"),
+                Cell(_fmt(check.get("searched"), 4)),
+                Cell(_fmt(check.get("uniform"), 4)),
+                Cell(_signed(check.get("difference"), 4)),
+                Cell(_fmt(check.get("stderr"), 4)),
+                Cell(str(check.get("samples", "–"))),
+                Cell("–" if passed is None else "passed" if passed else "failed", "" if passed is not False else "bold"),
+                Cell("–" if s.fallback_applied is None else "applied" if s.fallback_applied else "no", "bold" if s.fallback_applied else ""),
+                Cell(_signed(s.task_delta, digits)),
+                Cell("–" if s.memory_saved is None else f"{s.memory_saved:.1%} ({_gib(s.memory_saved_bytes)})"),
+            )
+        )
+    header = ("Sparsity", "Criterion", "Held-out metric", "Searched", "Uniform", "Difference", "Std. error", "Samples",
+              "Check (diff > 2 SE)", "Fallback to uniform", "Task avg Δ", "Memory saved vs full")
+    return Table(header, tuple(lines), ("left",) * 3 + ("right",) * 5 + ("left",) * 2 + ("right",) * 2)
+
+
+def headline(rows: Sequence[Setting]) -> str:
+    """One sentence: in how many settings the search beat uniform on held-out data and on the tasks."""
+    checked = [s for s in rows if s.heldout]
+    beat = sum(bool(s.heldout and s.heldout.get("beats_uniform")) for s in checked)
+    deltas = [s.task_delta for s in rows if s.task_delta is not None]
+    parts = []
+    if checked:
+        parts.append(f"the searched allocation beats uniform on held-out data in {beat} of {len(checked)} settings")
+    if deltas:
+        parts.append(f"it raises the task average in {sum(d > 0 for d in deltas)} of {len(deltas)}")
+    text = "; ".join(parts)
+    return text[:1].upper() + text[1:] + "." if text else ""
+
+
+def sources_table(sources: Sequence[Source]) -> Table:
+    """The model and data sets at the roots of the lineage, by URI and content identity."""
+    lines = [
+        (Cell(s.name), Cell(s.uri, "code"), Cell(s.identity or "– (URI only)"),
+         Cell("; ".join(s.read_by)))
+        for s in sources
+    ]
+    return Table(("Input", "URI", "Content identity", "Read by"), tuple(lines), ("left",) * 4)
+
+
+def configuration_table(stages: Sequence[tuple[str, Mapping[str, Sequence[str]]]]) -> Table:
+    """Each stage's parameters; a parameter that differs between its artifacts lists every value."""
+    lines = []
+    for stage, params in stages:
+        text = ", ".join(f"{k}={v[0]}" if len(v) == 1 else f"{k} in {{{', '.join(v)}}}" for k, v in params.items())
+        lines.append((Cell(stage), Cell(text)))
+    return Table(("Stage", "Parameters"), tuple(lines), ("left", "left"))
+
+
+def software_table(builds: Sequence[tuple[str, str | None, Sequence[str]]]) -> Table:
+    lines = [(Cell(version), Cell(commit or "unknown", "code" if commit else ""), Cell(", ".join(stages))) for version, commit, stages in builds]
+    return Table(("Package version", "Git commit", "Stages"), tuple(lines), ("left",) * 3)
+
+
+def artifacts_table(nodes: Sequence[Node], gives: Mapping[str, str]) -> Table:
+    """Every artifact behind the page: what it gives the report (or how the DAG used it) and its manifest hash."""
+    lines = [
+        (Cell(n.uri, "code"), Cell(n.manifest.stage if n.manifest else "unreadable"), Cell(gives.get(n.uri) or "; ".join(n.used_as)),
+         Cell(n.manifest_sha256 or "–", "code" if n.manifest_sha256 else ""))
+        for n in nodes
+    ]
+    return Table(("Artifact", "Stage", "Gives", "Manifest sha256"), tuple(lines), ("left",) * 4)
+

@@ -63,7 +63,7 @@ def run_demo(out: Path, seed: int = 0, profile: str = "default", log_path: Path 
 def main_table(report_uri: str) -> str:
     """The benchmark table of a report, for printing."""
     text = artifacts.read_bytes(artifacts.join(report_uri, "report.md")).decode("utf-8")
-    lines = text.splitlines()
+    lines = text.split("## Benchmarks", 1)[-1].splitlines()  # the summary's table comes first
     start = next((i for i, line in enumerate(lines) if line.startswith("|")), None)
     if start is None:
         return text

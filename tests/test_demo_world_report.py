@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_report import check_table
+from test_report import check_numbers, check_page, check_summary, check_table
 
 from evoesap import artifacts
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
@@ -64,11 +64,14 @@ def test_demo_full_uniform_and_searched_reap_50_report_equals_metrics_json(demo_
     for metrics in by_method.values():
         assert all(r["samples"] == LIMIT for r in metrics["records"] if r["primary"]), metrics["records"]
     check_table((report / "report.md").read_text(), by_method, DIGITS)
+    page = check_page((report / "report.html").read_text())  # self-contained, fully rendered
+    check_numbers(page, by_method, DIGITS)
 
     # 16 experts in each of 4 MoE layers, top-2: half of the 64 go, 8 per layer uniformly
     full_counts = [16, 16, 16, 16]
     searched_r = found["searched"]["removal_counts"]
     assert found["removal_counts"] == searched_r and not found["fallback_applied"]
+    check_summary(page, by_method, found, DIGITS)
     assert sum(searched_r) == 32 and all(0 <= r <= 16 - 2 for r in searched_r), searched_r
     expected = {"full": full_counts, "uniform": [8, 8, 8, 8], "searched": [16 - r for r in searched_r]}
     for method, counts in expected.items():

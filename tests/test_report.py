@@ -1,15 +1,22 @@
-"""The report: its table numbers trace back to metrics.json, the plots draw the allocations and histories given."""
+"""The report: its table numbers trace back to metrics.json, the plots draw the allocations and histories given,
+report.html is one self-contained, fully rendered page with a summary on top and the lineage at the bottom."""
 
 from __future__ import annotations
 
+import html
+import hashlib
 import json
 import re
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from markdown_it import MarkdownIt
 
-from evoesap import artifacts
+from evoesap import __version__, artifacts, render
 from evoesap import report as rp
 from evoesap.stages.report import ReportParams, run_allocations, run_report
 
@@ -103,15 +110,40 @@ def test_allocations_are_read_off_expert_counts_against_the_full_model():
     assert groups == {(0.25, "reap"): {"uniform": (ALLOCATIONS["uniform"], N), "searched": (ALLOCATIONS["searched"], N)}}
 
 
-def test_report_table_numbers_equal_metrics_json(tmp_path):
+def allocation_doc(beats: bool, warnings: list[str] | None) -> dict:
+    """An allocation.json as the search stage writes it; `warnings` None: one written before warnings were recorded."""
+    difference = 0.01223 if beats else 0.00123  # the stage's verdict: beyond two standard errors (0.00456) or not
+    doc = {
+        "criterion": "reap", "sparsity": 0.25, "metric": "esap", "budget": 8, "granularity": 1, "num_experts": N,
+        "removal_counts": ALLOCATIONS["searched"], "searched": {"removal_counts": ALLOCATIONS["searched"], "fitness": 0.91},
+        "uniform": {"removal_counts": ALLOCATIONS["uniform"], "fitness": 0.9}, "fallback_applied": False,
+        "heldout": {"samples": 16, "searched": 0.80011 + difference, "uniform": 0.80011, "difference": difference,
+                    "stderr": 0.00456, "beats_uniform": beats},
+    }
+    return doc if warnings is None else {**doc, "warnings": warnings}
+
+
+def publish_search(root: Path, doc: dict, name: str = "search", inputs: dict | None = None, params: dict | None = None) -> str:
+    history_frame().to_parquet(root / f"{name}.parquet")
+    files = {"history.parquet": (root / f"{name}.parquet").read_bytes(), "allocation.json": json.dumps(doc).encode()}
+    with artifacts.stage_output(str(root / name), "search", {"criterion": "reap", "sparsity": 0.25, **(params or {})},
+                                inputs or {}) as staging:
+        for file, data in files.items():
+            (staging / file).write_bytes(data)
+    return str(root / name)
+
+
+def make_report(tmp_path: Path, doc: dict, **params) -> tuple[Path, dict[str, dict]]:
     runs = [publish(tmp_path / m, "evaluate", {"metrics.json": json.dumps(d).encode()}) for m, d in RUNS.items()]
-    buf = tmp_path / "h.parquet"
-    history_frame().to_parquet(buf)
-    search = publish(tmp_path / "search", "search", {"history.parquet": buf.read_bytes()}, {"criterion": "reap", "sparsity": 0.25})
-    run_report(runs, ReportParams(digits=3), str(tmp_path / "report"), searches=[search])
-    out = tmp_path / "report"
+    search = publish_search(tmp_path, doc)
+    run_report(runs, ReportParams(digits=3, **params), str(tmp_path / "report"), searches=[search])
+    return tmp_path / "report", {m: artifacts.read_json(str(Path(u) / "metrics.json")) for m, u in zip(RUNS, runs)}
+
+
+def test_report_table_numbers_equal_metrics_json(tmp_path):
+    out, by_method = make_report(tmp_path, allocation_doc(True, []))
     assert {"report.md", "report.html", "search_curves.png", "density_reap_25.png"} <= {p.name for p in out.iterdir()}
-    check_table((out / "report.md").read_text(), {m: artifacts.read_json(str(Path(u) / "metrics.json")) for m, u in zip(RUNS, runs)}, 3)
+    check_table((out / "report.md").read_text(), by_method, 3)
     assert "saving" in (out / "report.md").read_text().lower()
 
 
@@ -198,3 +230,253 @@ def test_frequency_heuristic_panel_comes_from_the_search_scores(tmp_path):
     groups = run_allocations(list(RUNS.values()), [_history(str(tmp_path / "search"))[2]])
     assert groups[(0.25, "reap")]["frequency"] == ([6, 0, 2, 0], N)
     assert list(groups[(0.25, "reap")]) == ["uniform", "frequency", "searched"]
+
+
+# ---- report.html: one self-contained page, every table rendered, every number of metrics.json in a table ----
+
+RESOURCE_ATTRS = {"src", "href", "srcset", "poster", "data", "action", "background", "xlink:href", "formaction"}
+
+
+class Page(HTMLParser):
+    """What a browser would fetch (resource attributes, CSS url()), the visible text, and every table's cells."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.resources: list[str] = []
+        self.text: list[str] = []  # visible text outside <code>, per text node
+        self.tables: list[list[list[str]]] = []  # table -> rows -> cell texts
+        self.blockquotes: list[str] = []
+        self._stack: list[str] = []
+        self._cell: list[str] | None = None
+        self._quote: list[str] | None = None
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag, attrs):
+        self._stack.append(tag)
+        for name, value in attrs:
+            if name in RESOURCE_ATTRS:
+                self.resources.append(value or "")
+            if name == "style":
+                self.resources += re.findall(r"url\(\s*['\"]?([^'\")]*)", value or "")
+        if tag in ("link", "script", "iframe", "embed", "object", "base", "use"):
+            self.resources.append(f"<{tag}>")  # none of these belongs on the page, whatever it points to
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self.tables[-1].append([])
+        elif tag in ("td", "th"):
+            self._cell = []
+        elif tag == "blockquote":
+            self._quote = []
+
+    def handle_startendtag(self, tag, attrs):
+        self.handle_starttag(tag, attrs)
+        self._stack.pop()
+
+    def handle_endtag(self, tag):
+        while self._stack and self._stack.pop() != tag:
+            pass
+        if tag in ("td", "th") and self._cell is not None:
+            self.tables[-1][-1].append(" ".join("".join(self._cell).split()))
+            self._cell = None
+        elif tag == "blockquote" and self._quote is not None:
+            self.blockquotes.append(" ".join("".join(self._quote).split()))
+            self._quote = None
+
+    def handle_data(self, data):
+        if "style" in self._stack:
+            self.resources += re.findall(r"url\(\s*['\"]?([^'\")]*)", data)
+            return
+        if self._cell is not None:
+            self._cell.append(data)
+        if self._quote is not None:
+            self._quote.append(data)
+        if "code" not in self._stack:
+            self.text.append(data)
+
+    def table(self, first_header: str, containing: str | None = None) -> list[dict[str, str]]:
+        """The rows (header -> cell) of the table whose first header is `first_header` (and that has a `containing` header)."""
+        for table in self.tables:
+            header = table[0]
+            if header[0] == first_header and (containing is None or containing in header):
+                return [dict(zip(header, row)) for row in table[1:]]
+        raise AssertionError(f"no table headed {first_header!r} (containing {containing!r}); tables: {[t[0] for t in self.tables]}")
+
+
+def check_page(text: str) -> Page:
+    """Fails on anything a browser would fetch from elsewhere and on Markdown that reached the page unrendered."""
+    page = Page(text)
+    outside = [r for r in page.resources if not (r.startswith("data:") or r.startswith("#"))]
+    assert not outside, f"external or relative resources: {[r[:80] for r in outside]}"
+    for chunk in page.text:
+        for line in chunk.splitlines():
+            line = line.strip()
+            assert not line.startswith(("|", "#", "![", "```")), f"unrendered Markdown line: {line!r}"
+            assert not re.search(r"\*\*|__|\]\(|\|\s*-{3}|-{3}\s*\|", line), f"unrendered Markdown in: {line!r}"
+    assert page.tables, "no HTML table on the page"
+    return page
+
+
+def run_row(metrics: dict) -> tuple[str, ...]:
+    labels = metrics["labels"]
+    if labels.get("method") == "full":
+        return ("Full", "", "")
+    return (f"{labels['sparsity']:.0%}", labels["criterion"], labels["method"])
+
+
+def check_numbers(page: Page, by_method: dict[str, dict], digits: int) -> None:
+    """Every primary metric, memory figure and held-out ESAP of each metrics.json sits in the run's table row."""
+    bench = page.table("Sparsity", "Method")
+    memory = {row["Run"]: row for row in page.table("Run")}
+    for method, metrics in by_method.items():
+        label = run_row(metrics)
+        rows = [r for r in bench if (r["Sparsity"], r["Criterion"], r["Method"]) == label]
+        assert len(rows) == 1, (label, bench)
+        for record in metrics["records"]:
+            if record["primary"]:
+                assert rows[0][f"{record['task']} ({record['metric']})"] == f"{record['value']:.{digits}f}", (label, record)
+        mem = memory[" ".join(x for x in label if x)]
+        assert mem["Parameters"] == f"{metrics['memory']['parameters']:,}"
+        assert mem["Parameter bytes"] == f"{metrics['memory']['parameter_bytes']:,}"
+        esap = (metrics.get("heldout_esap") or {}).get("esap")
+        assert mem["Held-out ESAP"] == ("–" if esap is None else f"{esap:.4f}")
+
+
+def check_summary(page: Page, by_method: dict[str, dict], doc: dict, digits: int) -> dict[str, str]:
+    """The summary row of the search's setting against allocation.json and an independent task and memory computation."""
+    key = (f"{doc['sparsity']:.0%}", doc["criterion"])
+    rows = [r for r in page.table("Sparsity", "Task avg Δ") if (r["Sparsity"], r["Criterion"]) == key]
+    assert len(rows) == 1, rows
+    row, check = rows[0], doc["heldout"]
+    assert (row["Searched"], row["Uniform"]) == (f"{check['searched']:.4f}", f"{check['uniform']:.4f}")
+    assert (row["Difference"], row["Std. error"]) == (f"{check['difference']:+.4f}", f"{check['stderr']:.4f}")
+    assert row["Samples"] == str(check["samples"])
+    assert row["Check (diff > 2 SE)"] == ("passed" if check["difference"] > 2 * check["stderr"] else "failed")
+    assert row["Fallback to uniform"] == ("applied" if doc["fallback_applied"] else "no")
+    prim = {m: {r["task"]: r["value"] for r in by_method[m]["records"] if r["primary"]} for m in ("uniform", "searched")}
+    delta = sum(prim["searched"][t] - prim["uniform"][t] for t in prim["uniform"]) / len(prim["uniform"])
+    assert row["Task avg Δ"] == f"{delta:+.{digits}f}"
+    full, pruned = by_method["full"]["memory"]["bf16_bytes"], by_method["searched"]["memory"]["bf16_bytes"]
+    assert row["Memory saved vs full"].startswith(f"{1 - pruned / full:.1%} (")
+    return row
+
+
+@pytest.fixture(scope="module")
+def passing_report(tmp_path_factory) -> tuple[Path, dict[str, dict], dict]:
+    doc = allocation_doc(True, [])
+    return (*make_report(tmp_path_factory.mktemp("report"), doc), doc)
+
+
+def test_report_html_is_self_contained_rendered_and_holds_every_metrics_number(passing_report):
+    out, by_method, doc = passing_report
+    page = check_page((out / "report.html").read_text())
+    check_numbers(page, by_method, 3)
+    check_summary(page, by_method, doc, 3)
+    pngs = {p.name: p.read_bytes() for p in out.glob("*.png")}
+    embedded = [r for r in page.resources if r.startswith("data:image/png;base64,")]
+    assert sorted(embedded) == sorted(render.data_uri(b) for b in pngs.values())  # every plot, and only the plots, inline
+    assert not page.blockquotes  # no warning when the check passed
+
+
+@pytest.mark.parametrize(
+    "bad, problem",
+    [
+        ("<img src='density_reap_25.png'>", "relative"),
+        ("<img src='https://example.org/p.png'>", "external"),
+        ("<div style=\"background: url('p.png')\"></div>", "relative"),
+        ("<link rel=stylesheet href='s.css'>", "relative"),
+        ("<pre>| Run | Parameters |\n|---|---|</pre>", "unrendered"),
+        ("<p>**0.854**</p>", "unrendered"),
+        ("<p>## Memory</p>", "unrendered"),
+    ],
+)
+def test_page_check_refuses_outside_resources_and_unrendered_markdown(passing_report, bad, problem):
+    out = passing_report[0]
+    good = (out / "report.html").read_text()
+    check_page(good)
+    with pytest.raises(AssertionError, match=problem):
+        check_page(good.replace("</main>", bad + "</main>"))
+
+
+def test_number_check_fails_when_a_table_lacks_a_metrics_number(passing_report):
+    out, by_method, _ = passing_report
+    text = (out / "report.html").read_text()
+    check_numbers(check_page(text), by_method, 3)
+    dropped = text.replace(f"<td style=\"text-align:right\">{RUNS['searched']['memory']['parameters']:,}</td>",
+                           "<td style=\"text-align:right\">–</td>")
+    assert dropped != text
+    with pytest.raises(AssertionError):
+        check_numbers(check_page(dropped), by_method, 3)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["warnings-in-allocation-json", "older-allocation-json"])
+def test_a_search_that_does_not_beat_uniform_is_flagged_in_summary_and_warning(tmp_path, recorded):
+    warning = "searched allocation does not beat uniform on held-out samples: esap 0.8013 vs uniform 0.8001"
+    doc = allocation_doc(False, [warning] if recorded else None)
+    out, by_method = make_report(tmp_path, doc)
+    page = check_page((out / "report.html").read_text())
+    assert check_summary(page, by_method, doc, 3)["Check (diff > 2 SE)"] == "failed"
+    assert len(page.blockquotes) == 1 and page.blockquotes[0].startswith("Warning, reap 25%:")
+    assert "does not beat uniform on held-out samples" in page.blockquotes[0]
+    assert "does not beat uniform" in (out / "report.md").read_text()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126)).filter(str.strip))
+def test_text_from_artifacts_reaches_the_page_literally(text):
+    """Titles, labels, URIs and warnings come from artifacts: none may turn into markup, in a paragraph or a cell."""
+    renderer = MarkdownIt("commonmark", {"html": False}).enable("table")
+    literal = " ".join(text.split())
+    assert html.unescape(renderer.render(render.md(text))) == f"<p>{literal}</p>\n"
+    table = renderer.render(f"| h | c |\n|---|---|\n| {render.cell(rp.Cell(text))} | {render.cell(rp.Cell(text, 'code'))} |\n")
+    assert f"<td>{literal}</td>\n<td><code>{literal}</code></td>" in html.unescape(table)
+
+
+
+def test_lineage_names_the_model_data_configuration_software_and_every_artifact(tmp_path):
+    """Searches and runs lead through their manifests to the model directory and data file, with their content identity."""
+    model, data = tmp_path / "model", tmp_path / "calibration.jsonl"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data.write_text('{"text": "x"}\n')
+    scores_frame = pd.DataFrame([{"layer": l, "expert": e, "frequency": e + 1, "seer": 0.0, "ean": 0.0, "reap": 0.0, "tokens": 1}
+                                 for l in range(len(N)) for e in range(N[l])])
+    with artifacts.stage_output(str(tmp_path / "scores"), "calibrate", {"samples": 64}, {"model": str(model), "data": str(data)}) as staging:
+        scores_frame.to_parquet(staging / "scores.parquet")
+    scores = str(tmp_path / "scores")
+    search = publish_search(tmp_path, allocation_doc(True, []), inputs={"model": str(model), "scores": scores}, params={"population": 16})
+    runs = []
+    for method, metrics in RUNS.items():
+        with artifacts.stage_output(str(tmp_path / method), "evaluate", {"limit": 48, "method": method}, {"model": str(model)}) as staging:
+            (staging / "metrics.json").write_text(json.dumps(metrics))
+        runs.append(str(tmp_path / method))
+    run_report(runs, ReportParams(title="Lineage | check"), str(tmp_path / "report"), searches=[search])
+    page = check_page((tmp_path / "report" / "report.html").read_text())
+
+    sources = {row["URI"]: row for row in page.table("Input")}
+    assert set(sources) == {str(model), str(data)}
+    for name, path in (("model", model), ("data", data)):
+        assert sources[str(path)]["Input"] == name
+    data_sha = hashlib.sha256(data.read_bytes()).hexdigest()
+    assert sources[str(data)]["Content identity"] == f"file, {data.stat().st_size} bytes, sha256 {data_sha[:12]}"
+    assert sources[str(model)]["Content identity"].startswith("directory of 1 files, digest ")
+    assert sources[str(model)]["Read by"] == "evaluate (runs of report); search (searches of report); calibrate (scores of search)"
+    assert sources[str(data)]["Read by"] == "calibrate (scores of search)"
+
+    config = {row["Stage"]: row["Parameters"] for row in page.table("Stage")}
+    assert config["calibrate"] == "samples=64"
+    assert config["evaluate"] == "limit=48, method in {full, searched, uniform}"
+    assert "population=16" in config["search"] and "title=Lineage | check" in config["report (this page)"]
+    software = page.table("Package version")
+    assert [row["Package version"] for row in software] == [__version__]
+
+    behind = {row["Artifact"]: row for row in page.table("Artifact")}
+    assert set(behind) == {*runs, search, scores}
+    for uri in (*runs, search, scores):
+        assert behind[uri]["Manifest sha256"] == artifacts.manifest_sha256(uri)
+    assert behind[runs[2]]["Gives"] == "Benchmarks and Memory: 25% reap searched"
+    assert behind[search]["Gives"] == "Summary and plots: reap 25%"
+    assert behind[scores]["Gives"] == "scores of search"
+    assert page.table("Sparsity", "Method")  # the title's pipe stayed text: the tables still parse
+    assert "<h1>Lineage | check</h1>" in (tmp_path / "report" / "report.html").read_text()

@@ -152,6 +152,7 @@ def test_search_that_does_not_generalise_warns_and_can_fall_back_to_uniform(inpu
     doc = _allocation(out)
     assert doc["removal_counts"] == doc["uniform"]["removal_counts"]
     assert doc["fallback_applied"] == (doc["searched"]["removal_counts"] != doc["uniform"]["removal_counts"])
+    assert len(doc["warnings"]) == 1 and "does not beat uniform" in doc["warnings"][0]
 
 
 def test_interrupted_search_resumes_to_the_uninterrupted_result(inputs, searched, monkeypatch):

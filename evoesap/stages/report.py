@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import html
 import io
 import logging
 from pathlib import Path
@@ -105,22 +104,37 @@ def _save(fig: Any, path: Path) -> None:
     plt.close(fig)
 
 
+def _allocation(uri: str, search_params: Mapping[str, Any]) -> dict[str, Any]:
+    """allocation.json of a search, with its warnings (searches made before they were recorded get them rebuilt)."""
+    from evoesap.stages.prune import read_allocation
+    from evoesap.stages.search import heldout_warning
+
+    doc = read_allocation(uri)
+    if doc.get("warnings") is None:
+        check = doc.get("heldout")
+        failed = check and check.get("samples") and not check.get("beats_uniform")
+        fallback = bool(search_params.get("fallback_to_uniform"))
+        doc["warnings"] = [heldout_warning(check, doc.get("metric", "esap"), fallback)] if failed else []
+    return doc
+
+
 def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches: Sequence[str] = ()) -> artifacts.Manifest:
-    """Write report.md (and report.html) with the benchmark table, memory figures and plots at `out_uri`."""
+    """Write report.md (and a self-contained report.html): summary, benchmark and memory tables, plots, lineage."""
+    from evoesap import lineage, render
+    from evoesap.steps import STEPS
+
     if not runs:
         raise ConfigError("give at least one evaluate run (--runs)")
     inputs = {**{f"runs.{i}": u for i, u in enumerate(runs)}, **{f"searches.{i}": u for i, u in enumerate(searches)}}
     artifacts.preflight(out_uri, "report", inputs)
     metrics = [read_metrics(uri) for uri in runs]
     histories = [_history(uri) for uri in searches]
+    found = [_allocation(uri, h[2]) for uri, h in zip(searches, histories)]
+    traced = lineage.walk(inputs)
     with artifacts.stage_output(out_uri, "report", dataclasses.asdict(params), inputs) as staging:
         cols = rp.columns(metrics)
         rows = rp.build_rows(metrics, [artifacts.redact(u) for u in runs], cols)
-        memory = rp.memory_rows(metrics)
-        sections = [
-            ("Benchmarks", rp.markdown_table(rows, cols, params.digits), rp.html_table(rows, cols, params.digits)),
-            ("Memory", rp.memory_markdown(memory), None),
-        ]
+        settings = rp.settings(metrics, found)
         images: list[tuple[str, str]] = []
         try:
             allocations = run_allocations(metrics, [h[2] for h in histories])
@@ -134,36 +148,36 @@ def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches:
         if histories:
             _save(rp.search_curve_figure({label: h for label, h, _ in histories}), staging / "search_curves.png")
             images.append(("Search curves", "search_curves.png"))
-        (staging / REPORT_FILE).write_text(_markdown(params, sections, images, metrics))
+        gives = {artifacts.redact(u): f"Benchmarks and Memory: {rp.run_label(m)}" for u, m in zip(runs, metrics)}
+        gives |= {artifacts.redact(u): f"Summary and plots: {label}" for u, (label, _, _) in zip(searches, histories)}
+        context = {
+            "title": params.title,
+            "notes": _notes(metrics),
+            "headline": rp.headline(settings),
+            "summary": rp.summary_table(settings, params.digits),
+            "warnings": [(f"{s.criterion} {s.sparsity:.0%}", w) for s in settings for w in s.warnings],
+            "benchmarks": rp.benchmark_table(rows, cols, params.digits),
+            "memory": rp.memory_table(rp.memory_rows(metrics)),
+            "images": images,
+            "sources": rp.sources_table(traced.sources),
+            "configuration": rp.configuration_table(
+                [*lineage.configuration(traced.nodes, tuple(STEPS)), ("report (this page)", _as_configuration(params))]),
+            "software": rp.software_table(lineage.software(traced.nodes)),
+            "artifacts": rp.artifacts_table(traced.nodes, gives),
+        }
+        (staging / REPORT_FILE).write_text(render.markdown(context, image_src=lambda name: name))
         if params.html:
-            (staging / HTML_FILE).write_text(_html(params, sections, images))
+            embedded = render.markdown(context, image_src=lambda name: render.data_uri((staging / name).read_bytes()))
+            (staging / HTML_FILE).write_text(render.html_page(embedded, params.title))
     return artifacts.read_manifest(out_uri)
+
+
+def _as_configuration(params: ReportParams) -> dict[str, list[str]]:
+    return {k: [str(v)] for k, v in dataclasses.asdict(params).items()}
 
 
 def _notes(metrics: Sequence[Mapping[str, Any]]) -> list[str]:
     limits = sorted({str(m.get("limit")) for m in metrics if m.get("limit") is not None})
-    notes = ["Bold: the better of each uniform/searched pair; Δ rows: searched minus uniform."]
     if limits:
-        notes.append(f"Smoke run: at most {', '.join(limits)} examples per task; not comparable with full evaluations.")
-    return notes
-
-
-def _markdown(params: ReportParams, sections: Sequence[tuple], images: Sequence[tuple[str, str]], metrics: Sequence) -> str:
-    parts = [f"# {params.title}", *_notes(metrics)]
-    for heading, md, _ in sections:
-        parts += [f"## {heading}", md]
-    if images:
-        parts.append("## Plots")
-        parts += [f"![{caption}]({name})" for caption, name in images]
-    return "\n\n".join(parts) + "\n"
-
-
-def _html(params: ReportParams, sections: Sequence[tuple], images: Sequence[tuple[str, str]]) -> str:
-    body = [f"<h1>{html.escape(params.title)}</h1>"]
-    for heading, md, table in sections:
-        body.append(f"<h2>{html.escape(heading)}</h2>")
-        body.append(table if table is not None else f"<pre>{html.escape(md)}</pre>")
-    for caption, name in images:
-        body.append(f"<figure><img src='{html.escape(name)}'><figcaption>{html.escape(caption)}</figcaption></figure>")
-    style = "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}"
-    return f"<!doctype html><html><head><meta charset='utf-8'><style>{style}</style></head><body>{''.join(body)}</body></html>\n"
+        return [f"Smoke run: at most {', '.join(limits)} examples per task; not comparable with full evaluations."]
+    return []

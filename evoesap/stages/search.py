@@ -122,6 +122,15 @@ def generalisation(searched: np.ndarray, uniform: np.ndarray) -> dict[str, Any]:
     }
 
 
+def heldout_warning(check: dict[str, Any], metric: str, fallback: bool) -> str:
+    """The warning for a held-out check the searched allocation failed: headline, numbers, what to do."""
+    stderr = "n/a" if check["stderr"] is None else f"{check['stderr']:.2e}"
+    action = "falling back to uniform" if fallback else (
+        "the search set may be too small or saturated (consider more or longer samples, or fallback_to_uniform)")
+    return (f"searched allocation does not beat uniform on held-out samples: {metric} {check['searched']:.4f} vs "
+            f"uniform {check['uniform']:.4f} (difference {check['difference']:.2e}, stderr {stderr}); {action}")
+
+
 def _checkpoint_uri(out_uri: str) -> str:
     return f"{out_uri.rstrip('/')}.checkpoint.json"
 
@@ -262,23 +271,16 @@ def run_search(
     best = [int(x) for x in result.best]
     sign = evaluator.metric.sign
     check = None
+    warnings: list[str] = []  # also in allocation.json, so the report shows what the log said
     if heldout_ids:
         check = generalisation(
             sign * judge.sample_values(alloc.pruned_sets(best, orders), samples=heldout_ids).numpy(),
             sign * judge.sample_values(alloc.pruned_sets(uniform, orders), samples=heldout_ids).numpy(),
         )
         if not check["beats_uniform"]:
-            log.warning(
-                "SEARCHED ALLOCATION DOES NOT BEAT UNIFORM ON HELD-OUT SAMPLES: %s %.4f vs uniform %.4f "
-                "(difference %.2e, stderr %s)%s",
-                params.metric,
-                check["searched"],
-                check["uniform"],
-                check["difference"],
-                check["stderr"],
-                "; falling back to uniform" if params.fallback_to_uniform else
-                "; the search set may be too small or saturated (consider more or longer samples, or fallback_to_uniform)",
-            )
+            warnings.append(heldout_warning(check, params.metric, params.fallback_to_uniform))
+            headline, detail = warnings[-1].split(": ", 1)
+            log.warning("%s: %s", headline.upper(), detail)
     chosen = uniform if (check and not check["beats_uniform"] and params.fallback_to_uniform) else best
     document = {
         "criterion": params.criterion,
@@ -296,6 +298,7 @@ def run_search(
         "uniform": {"removal_counts": uniform, "fitness": fitness_of(tuple(uniform))},
         "fallback_applied": chosen is uniform and best != uniform,
         "heldout": check,
+        "warnings": warnings,
         "evaluations": result.evaluations,
         "cost": cost,
         "search_samples": len(search_ids),

@@ -1,0 +1,126 @@
+"""Lineage behind a report: follow artifact manifests from its inputs to every artifact and outside source.
+
+An artifact's manifest names its inputs; an input that is an artifact carries its manifest hash, one
+that is not (a model directory, a data file, a hub name) carries its content identity instead. Walking
+those inputs from the report's runs and searches reaches every artifact a number depends on, and the
+model and data sources at the roots, with the parameters and software that made each artifact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any, Mapping
+
+from evoesap import artifacts
+from evoesap.errors import ArtifactError
+from evoesap.identity import summary
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    """One artifact reached from the report's inputs."""
+
+    uri: str  # without credentials
+    manifest: artifacts.Manifest | None  # None: it could not be read (moved or deleted since)
+    manifest_sha256: str | None
+    used_as: tuple[str, ...]  # "<input name> of <stage>" for every edge that reached it
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """An input that is not an artifact: a model or a data set, named by URI and content identity."""
+
+    name: str  # the input name its readers gave it (model, data)
+    uri: str
+    identity: str  # the content identity the manifest records, in one line (evoesap.identity.summary)
+    read_by: tuple[str, ...]  # "<stage> (<how that artifact was used>)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Lineage:
+    nodes: list[Node]  # in the order reached: the report's inputs first
+    sources: list[Source]
+
+
+def _edge(name: str, stage: str) -> str:
+    return f"{name.split('.')[0]} of {stage}"  # runs.3 -> runs: every run plays the same part
+
+
+def walk(roots: Mapping[str, str], root_stage: str = "report") -> Lineage:
+    """Every artifact and outside source behind `roots` (input name -> artifact URI), breadth first."""
+    queue = [(uri, _edge(name, root_stage)) for name, uri in roots.items()]
+    used_as: dict[str, list[str]] = {}
+    order: list[str] = []
+    manifests: dict[str, artifacts.Manifest | None] = {}
+    sources: dict[tuple[str, str], tuple[str, list[str]]] = {}
+    while queue:
+        uri, edge = queue.pop(0)
+        if uri in used_as:
+            if edge not in used_as[uri]:
+                used_as[uri].append(edge)
+            continue
+        used_as[uri], manifests[uri] = [edge], _manifest(uri)
+        order.append(uri)
+        manifest = manifests[uri]
+        if manifest is None:
+            continue
+        reader = f"{manifest.stage} ({edge})"
+        for name, entry in sorted(manifest.inputs.items()):
+            if "manifest_sha256" in entry:
+                queue.append((entry["uri"], _edge(name, manifest.stage)))
+                continue
+            record = {k: v for k, v in entry.items() if k != "uri"}
+            identity, readers = sources.setdefault((name, entry["uri"]), (summary(record) if record else "", []))
+            if reader not in readers:
+                readers.append(reader)
+    nodes = [Node(artifacts.redact(uri), manifests[uri], _sha(uri) if manifests[uri] else None, tuple(used_as[uri])) for uri in order]
+    return Lineage(nodes, [Source(name, uri, identity, tuple(readers)) for (name, uri), (identity, readers) in sources.items()])
+
+
+def _manifest(uri: str) -> artifacts.Manifest | None:
+    try:
+        return artifacts.read_manifest(uri)
+    except ArtifactError as exc:
+        log.warning("lineage stops at %s: %s", artifacts.redact(uri), exc)
+        return None
+
+
+def _sha(uri: str) -> str | None:
+    try:
+        return artifacts.manifest_sha256(uri)
+    except ArtifactError:
+        return None
+
+
+def configuration(nodes: list[Node], stages: tuple[str, ...]) -> list[tuple[str, dict[str, list[str]]]]:
+    """Per stage (in `stages` order, then any other): parameter -> its distinct values over that stage's artifacts."""
+    by_stage: dict[str, dict[str, list[str]]] = {}
+    for node in nodes:
+        if node.manifest is None:
+            continue
+        params = by_stage.setdefault(node.manifest.stage, {})
+        for key, value in node.manifest.params.items():
+            text = _value(value)
+            if text not in params.setdefault(key, []):
+                params[key].append(text)
+    rank = {stage: i for i, stage in enumerate(stages)}
+    return sorted(((s, {k: sorted(v) for k, v in p.items()}) for s, p in by_stage.items()), key=lambda sp: (rank.get(sp[0], len(rank)), sp[0]))
+
+
+def _value(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def software(nodes: list[Node]) -> list[tuple[str, str | None, list[str]]]:
+    """(package version, git commit, stages) for each distinct build that made an artifact."""
+    builds: dict[tuple[str, str | None], list[str]] = {}
+    for node in nodes:
+        if node.manifest is not None:
+            stages = builds.setdefault((node.manifest.version, node.manifest.git_commit), [])
+            if node.manifest.stage not in stages:
+                stages.append(node.manifest.stage)
+    return [(version, commit, stages) for (version, commit), stages in builds.items()]
