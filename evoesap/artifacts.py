@@ -1,8 +1,12 @@
 """Artifacts: directories at fsspec URIs with a payload and a manifest.json published last.
 
-Every stage writes its payload into a local staging directory; `stage_output` then publishes it to the
-destination URI (rename for local paths, upload for object stores) and writes the manifest last, so a
-directory without a manifest is never mistaken for a finished artifact.
+Every stage checks its output location first (`preflight`: absent, empty, or an artifact of the same
+stage; never an input, `.`, `/` or a path through a file), writes its payload into a staging directory
+(beside a local output, in TMPDIR for an object store), and `stage_output` publishes it (one rename
+locally, an upload marked by publishing.json remotely) with the manifest last, so a directory without a
+manifest is never mistaken for a finished artifact. Readers check the manifest's stage and the sha256 of
+every payload file (`verify`, `read_payload`). Staging directories are locked by their process, so the
+next run of a stage removes what a killed one left (`clean_orphans`).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -18,6 +24,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -25,8 +32,8 @@ from typing import Any, Iterator, Mapping
 import fsspec
 from fsspec.core import url_to_fs
 
-from evoesap import __version__
-from evoesap.errors import ArtifactError
+from evoesap import __version__, identity
+from evoesap.errors import ArtifactError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +69,12 @@ def join(uri: str, *names: str) -> str:
     return "/".join([str(uri).rstrip("/"), *[str(n) for n in names]])
 
 
-def redact(uri: str) -> str:
-    """The URI without any user:password@ part, for logs and manifests."""
-    return re.sub(r"(^[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@", r"\1", str(uri))
+_USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
+
+
+def redact(text: str) -> str:
+    """`text` (a URI, or a message holding URIs) without any user:password@ part, for logs and manifests."""
+    return _USERINFO.sub(r"\1", str(text))
 
 
 def exists(uri: str) -> bool:
@@ -103,7 +113,7 @@ class Manifest:
 
     stage: str
     params: dict[str, Any]
-    inputs: dict[str, dict[str, str]]  # name -> {"uri", "manifest_sha256"}
+    inputs: dict[str, dict[str, Any]]  # name -> {"uri", "kind", and its identity: `evoesap.identity`}
     files: dict[str, str]  # relative path -> sha256
     cache_key: str
     version: str = __version__
@@ -116,20 +126,88 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
+        """Parse and check the shape; raises ValueError naming the first problem."""
         data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+        for name, kind in (("stage", str), ("params", dict), ("inputs", dict), ("files", dict), ("cache_key", str)):
+            if not isinstance(data.get(name), kind):
+                raise ValueError(f"field {name!r} is missing or not a {kind.__name__}")
+        bad = [k for k, v in data["files"].items() if not isinstance(v, str) or not _SHA256.match(v)]
+        if bad:
+            raise ValueError(f"files entry {bad[0]!r} has no sha256")
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
 
-def read_manifest(uri: str) -> Manifest:
-    """The manifest of a finished artifact; an unfinished or missing one is an error."""
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def rebuild_hint(stage: str | None) -> str:
+    return f"rebuild it with `evoesap {stage}`" if stage else "rebuild it with the stage that made it"
+
+
+def read_manifest(uri: str, stage: str | None = None) -> Manifest:
+    """The manifest of a finished artifact (of `stage`, when given); unfinished, malformed or another
+    stage's artifacts are refused with one line naming the artifact and the stage that rebuilds it."""
     manifest_uri = join(uri, MANIFEST)
     if not exists(manifest_uri):
         raise ArtifactError(
-            f"{redact(uri)} is not a finished artifact (no {MANIFEST}): run the stage that makes it, "
-            "or re-run it if it was interrupted"
+            f"{redact(uri)} is not a finished artifact (no {MANIFEST}): run `evoesap {stage or '<stage>'}` to make "
+            "it, or re-run it if it was interrupted"
         )
-    return Manifest.from_json(read_bytes(manifest_uri).decode("utf-8"))
+    try:
+        manifest = Manifest.from_json(read_bytes(manifest_uri).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        raise ArtifactError(f"{redact(manifest_uri)} is malformed ({exc}): {rebuild_hint(stage)}") from None
+    if stage is not None and manifest.stage != stage:
+        raise ArtifactError(
+            f"{redact(uri)} is a {manifest.stage!r} artifact, not {stage!r}: give the output of `evoesap {stage}`"
+        )
+    return manifest
+
+
+def verify(uri: str, stage: str, local: Path | None = None) -> Manifest:
+    """The manifest of the `stage` artifact at `uri`, after checking every payload file against its sha256.
+
+    `local`: a downloaded copy of the artifact to check instead of reading the URI again.
+    """
+    manifest = read_manifest(uri, stage)
+    for rel, expected in sorted(manifest.files.items()):
+        try:
+            target = join(uri, rel)
+        except ArtifactError:
+            raise ArtifactError(f"{redact(uri)} lists a file outside itself ({rel!r}): {rebuild_hint(stage)}") from None
+        try:
+            actual = sha256_file(local / rel) if local is not None else _sha256_uri(target)
+        except (FileNotFoundError, IsADirectoryError):
+            raise ArtifactError(f"{redact(uri)} is missing {rel}: {rebuild_hint(stage)}") from None
+        if actual != expected:
+            raise ArtifactError(
+                f"{redact(uri)}: {rel} does not match the sha256 in its manifest (truncated or changed): "
+                f"{rebuild_hint(stage)}"
+            )
+    return manifest
+
+
+def _sha256_uri(uri: str) -> str:
+    fs, path = split(uri)
+    digest = hashlib.sha256()
+    with fs.open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_payload(uri: str, name: str, manifest: Manifest) -> bytes:
+    """A payload file of an artifact, checked against the sha256 its manifest records."""
+    data = read_bytes(join(uri, name))
+    if manifest.files.get(name) != sha256_bytes(data):
+        raise ArtifactError(
+            f"{redact(uri)}: {name} does not match the sha256 in its manifest (truncated or changed): "
+            f"{rebuild_hint(manifest.stage)}"
+        )
+    return data
 
 
 def manifest_sha256(uri: str) -> str:
@@ -137,34 +215,25 @@ def manifest_sha256(uri: str) -> str:
     return sha256_bytes(read_bytes(join(uri, MANIFEST)))
 
 
-def describe_inputs(inputs: Mapping[str, str | None]) -> dict[str, dict[str, str]]:
-    """Input URIs with their manifest hashes.
+def _repo_type(name: str) -> str:
+    return "dataset" if name.split(".")[0].endswith("data") else "model"
 
-    A local directory that is not an artifact (a model the user made) gets a fingerprint of its file
-    names, sizes and modification times instead, so that changing it invalidates the stage cache;
-    hub names keep only the name.
-    """
-    described: dict[str, dict[str, str]] = {}
+
+def describe_inputs(inputs: Mapping[str, str | None]) -> dict[str, dict[str, Any]]:
+    """Input URIs with their content identity (`evoesap.identity`): our artifacts by their manifest's
+    sha256, other files and checkpoints by content or store metadata, hub names by resolved revision.
+    A missing input is refused here, before any work."""
+    described: dict[str, dict[str, Any]] = {}
     for name, uri in sorted(inputs.items()):
         if uri is None:
             continue
-        entry = {"uri": redact(uri)}
-        if exists(join(uri, MANIFEST)):
-            entry["manifest_sha256"] = manifest_sha256(uri)
-        elif Path(uri).exists():
-            entry["fingerprint"] = _fingerprint(Path(uri))
-        described[name] = entry
+        record, _ = identity.identify(uri, repo_type=_repo_type(name))
+        described[name] = {"uri": redact(uri), **record}
     return described
 
 
-def _fingerprint(path: Path) -> str:
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    listing = [(p.relative_to(path).as_posix() if p != path else p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    return sha256_bytes(json.dumps(listing).encode("utf-8"))
-
-
-def cache_key(stage: str, params: Mapping[str, Any], inputs: Mapping[str, Mapping[str, str]]) -> str:
-    """Hash of what determines a stage's output: its name, parameters and inputs' manifests."""
+def cache_key(stage: str, params: Mapping[str, Any], inputs: Mapping[str, Mapping[str, Any]]) -> str:
+    """Hash of what determines a stage's output: its name, parameters and inputs' identities."""
     payload = json.dumps(
         {"stage": stage, "params": dict(params), "inputs": {k: dict(v) for k, v in inputs.items()}},
         sort_keys=True,
@@ -174,28 +243,110 @@ def cache_key(stage: str, params: Mapping[str, Any], inputs: Mapping[str, Mappin
 
 
 def cached(out_uri: str, stage: str, params: Mapping[str, Any], inputs: Mapping[str, str | None]) -> Manifest | None:
-    """The existing manifest at `out_uri` when it was made by the same stage, parameters and inputs."""
+    """The manifest at `out_uri` when it was made by the same stage, parameters and inputs and its payload
+    is intact; None otherwise (a damaged artifact is made again, with a warning)."""
     if not exists(join(out_uri, MANIFEST)):
         return None
-    manifest = read_manifest(out_uri)
-    key = cache_key(stage, params, describe_inputs(inputs))
-    if manifest.cache_key != key:
+    try:
+        manifest = read_manifest(out_uri, stage)
+    except ArtifactError as exc:
+        log.warning("%s; making it again", exc)
         return None
-    fs, root = split(out_uri)
-    for rel, expected in manifest.files.items():  # a deleted or changed payload file is made again, never reused
-        path = f"{root.rstrip('/')}/{rel}"
-        if not fs.exists(path) or _sha256_fs(fs, path) != expected:
-            log.warning("%s: %s is missing or changed; making the artifact again", redact(out_uri), rel)
-            return None
-    return manifest
+    if manifest.cache_key != cache_key(stage, params, describe_inputs(inputs)):
+        return None
+    try:
+        return verify(out_uri, stage)
+    except ArtifactError as exc:
+        log.warning("%s; making it again", exc)
+        return None
 
 
-def _sha256_fs(fs: fsspec.AbstractFileSystem, path: str) -> str:
-    digest = hashlib.sha256()
-    with fs.open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+# ------------------------------------------------------------------------------- where outputs may go
+
+
+def preflight(out_uri: str, stage: str, inputs: Mapping[str, str | None]) -> None:
+    """Refuse, before any work, an output that could destroy something or inputs that do not exist.
+
+    `out_uri` must be absent, an empty directory or an artifact of the same `stage` (replaced on
+    publish); never `""`, `.`, `/`, the working directory, a path through a file, or a location equal
+    to, inside or around any input.
+    """
+    text = str(out_uri).strip()
+    if text in ("", ".", "./", "/") or not text:
+        raise ConfigError(f"--out {out_uri!r} is not allowed: give a new or empty directory (or an earlier {stage} output)")
+    fs, path = split(out_uri)
+    local = "file" in _protocols(fs)
+    where = redact(out_uri)
+    if local:
+        dest = Path(os.path.abspath(path))
+        if dest == Path(dest.anchor) or dest == Path.cwd():
+            raise ConfigError(f"--out {where} is the filesystem root or the working directory: give a new or empty directory")
+        for parent in dest.parents:
+            if parent.exists() and not parent.is_dir():
+                raise ConfigError(f"--out {where} goes through the file {parent}: choose a path under a directory")
+    _check_against_inputs(out_uri, inputs)
+    describe_inputs(inputs)  # refuses a missing input now
+    if not fs.exists(path):
+        return
+    if not fs.isdir(path):
+        raise ConfigError(f"--out {where} is an existing file: give a new or empty directory (or an earlier {stage} output)")
+    names = sorted(Path(p.rstrip("/")).name for p in fs.ls(path, detail=False))
+    if not names:
+        return
+    if MANIFEST in names:
+        try:
+            found = read_manifest(out_uri).stage
+        except ArtifactError:
+            found = None
+        if found == stage:
+            return
+        what = f"a {found!r} artifact" if found else "a malformed manifest"
+        raise ConfigError(f"--out {where} holds {what}, not a {stage} output: choose another --out (or delete it)")
+    if PUBLISHING in names and _publishing_stage(out_uri) == stage:
+        return  # an interrupted publish of this stage: finish it
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    raise ConfigError(
+        f"--out {where} is a directory holding files that are not an evoesap artifact ({shown}): give a new or "
+        f"empty directory (or an earlier {stage} output); nothing was changed"
+    )
+
+
+def _location(uri: str) -> tuple[tuple[str, ...], str]:
+    fs, path = split(uri)
+    if "file" in _protocols(fs):
+        return ("file",), os.path.realpath(path)
+    return _protocols(fs), "/" + path.strip("/")
+
+
+def _check_against_inputs(out_uri: str, inputs: Mapping[str, str | None]) -> None:
+    out_fs, out_path = _location(out_uri)
+    for name, uri in sorted(inputs.items()):
+        if uri is None or ("://" not in str(uri) and identity.is_hub_name(str(uri))):
+            continue
+        in_fs, in_path = _location(uri)
+        if in_fs != out_fs:
+            continue
+        inside = out_path == in_path or out_path.startswith(in_path.rstrip("/") + "/")
+        around = in_path.startswith(out_path.rstrip("/") + "/")
+        if inside or around:
+            relation = "is" if out_path == in_path else "lies inside" if inside else "holds"
+            raise ConfigError(
+                f"--out {redact(out_uri)} {relation} the input {name} ({redact(uri)}): publishing would overwrite it; "
+                "choose another --out"
+            )
+
+
+# ------------------------------------------------------------------------------- publishing
+
+PUBLISHING = "publishing.json"  # marks a remote artifact whose upload is under way (or was interrupted)
+_STARTED = time.time()  # orphans of killed runs are older than this process
+
+
+def _publishing_stage(uri: str) -> str | None:
+    try:
+        return json.loads(read_bytes(join(uri, PUBLISHING))).get("stage")
+    except (ArtifactError, ValueError, AttributeError):
+        return None
 
 
 def _git_commit() -> str | None:
@@ -218,72 +369,155 @@ def _now() -> str:
 
 
 @contextlib.contextmanager
+def _owned_dir(parent: Path, name: str) -> Iterator[Path]:
+    """A new directory `parent/name-<random>` locked (flock) by this process while it lives; removed after."""
+    parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=parent))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        os.close(fd)
+
+
+def _is_orphan(path: Path, locked: bool) -> bool:
+    """Left by a killed run: older than this process and (when `locked`) no live process holds its lock."""
+    try:
+        if path.stat().st_ctime >= _STARTED:
+            return False
+        if not locked:
+            return True
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def clean_orphans(out_uri: str, stage: str) -> list[Path]:
+    """Remove what killed runs of `stage` left: `.NAME.partial-*` / `.NAME.old-*` beside a local output and
+    `evoesap-<stage>-*` / `evoesap-in-*` staging directories in TMPDIR. Returns what was removed."""
+    places: list[tuple[Path, str, bool]] = [
+        (Path(tempfile.gettempdir()), f"evoesap-{stage}-*", True),
+        (Path(tempfile.gettempdir()), "evoesap-in-*", True),
+    ]
+    fs, path = split(out_uri)
+    if "file" in _protocols(fs):
+        dest = Path(os.path.abspath(path))
+        places += [(dest.parent, f".{dest.name}.partial-*", True), (dest.parent, f".{dest.name}.old-*", False)]
+    removed = []
+    for parent, pattern, locked in places:
+        for candidate in sorted(parent.glob(pattern)) if parent.is_dir() else []:
+            if candidate.is_dir() and _is_orphan(candidate, locked):
+                shutil.rmtree(candidate, ignore_errors=True)
+                removed.append(candidate)
+    for candidate in removed:
+        log.info("removed %s, left by an interrupted run", candidate)
+    return removed
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
 def stage_output(
     out_uri: str,
     stage: str,
     params: Mapping[str, Any],
     inputs: Mapping[str, str | None],
 ) -> Iterator[Path]:
-    """Yield a local staging directory; on success publish it to `out_uri` with its manifest last.
+    """Yield a staging directory; on success publish it to `out_uri` with its manifest last.
 
-    On an exception nothing is published and any earlier artifact at `out_uri` stays as it was.
+    A local output is staged beside it (`.NAME.partial-*`, published by one rename); a remote one in
+    TMPDIR. On an exception nothing is published and any earlier artifact at `out_uri` stays as it was.
     The published manifest is available afterwards through `read_manifest(out_uri)`.
     """
+    preflight(out_uri, stage, inputs)
+    clean_orphans(out_uri, stage)
     started = _now()
     described = describe_inputs(inputs)
     key = cache_key(stage, params, described)
-    staging = Path(tempfile.mkdtemp(prefix=f"evoesap-{stage}-"))
+    fs, path = split(out_uri)
+    if "file" in _protocols(fs):
+        dest = Path(os.path.abspath(path))
+        parent, prefix = dest.parent, f".{dest.name}.partial"
+    else:
+        parent, prefix = Path(tempfile.gettempdir()), f"evoesap-{stage}"
     try:
-        yield staging
-        files = {
-            p.relative_to(staging).as_posix(): sha256_file(p)
-            for p in sorted(staging.rglob("*"))
-            if p.is_file()
-        }
-        manifest = Manifest(
-            stage=stage,
-            params=json.loads(json.dumps(dict(params), default=str)),
-            inputs=described,
-            files=files,
-            cache_key=key,
-            git_commit=_git_commit(),
-            started=started,
-            ended=_now(),
-        )
-        _publish(staging, out_uri, manifest)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        with _owned_dir(parent, prefix) as staging:
+            yield staging
+            files = {
+                p.relative_to(staging).as_posix(): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()
+            }
+            manifest = Manifest(
+                stage=stage,
+                params=json.loads(json.dumps(dict(params), default=str)),
+                inputs=described,
+                files=files,
+                cache_key=key,
+                git_commit=_git_commit(),
+                started=started,
+                ended=_now(),
+            )
+            _publish(staging, out_uri, manifest)
+    except OSError as exc:
+        if exc.errno in _NO_SPACE:
+            raise ArtifactError(
+                f"no space left on the device for {redact(out_uri)} ({stage}): free space or choose another --out; "
+                "nothing was published"
+            ) from None
+        raise
 
 
 def _publish(staging: Path, out_uri: str, manifest: Manifest) -> None:
     fs, path = split(out_uri)
     if "file" in _protocols(fs):
-        _publish_local(staging, Path(path), manifest)
+        _publish_local(staging, Path(os.path.abspath(path)), manifest)
     else:
         _publish_remote(fs, staging, path, manifest)
     log.info("published %s artifact at %s", manifest.stage, redact(out_uri))
 
 
 def _publish_local(staging: Path, dest: Path, manifest: Manifest) -> None:
+    """Swap the staged directory in: the old artifact is renamed aside, the new one renamed in, the old removed."""
     (staging / MANIFEST).write_text(manifest.to_json())
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    partial = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
-    shutil.copytree(staging, partial)
     old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
-    if dest.exists():
-        os.replace(dest, old)
-    os.replace(partial, dest)
+    for _ in range(8):  # another process may publish the same output at the same moment
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(dest, old)
+        try:
+            os.rename(staging, dest)
+            break
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    else:
+        raise ArtifactError(f"{dest} kept changing while publishing: is another run writing it?")
     shutil.rmtree(old, ignore_errors=True)
 
 
 def _publish_remote(fs: fsspec.AbstractFileSystem, staging: Path, path: str, manifest: Manifest) -> None:
-    manifest_path = f"{path.rstrip('/')}/{MANIFEST}"
-    if fs.exists(manifest_path):
-        fs.rm(manifest_path)  # the old artifact stops counting as finished before its payload changes
+    """Mark the upload under way, retire the old manifest, replace the files, write the manifest, unmark."""
+    root = path.rstrip("/")
+    with fs.open(f"{root}/{PUBLISHING}", "wb") as f:
+        f.write(json.dumps({"stage": manifest.stage}).encode("utf-8"))
+    if fs.exists(f"{root}/{MANIFEST}"):
+        fs.rm(f"{root}/{MANIFEST}")  # the old artifact stops counting as finished before its payload changes
+    stale = [p for p in fs.find(root) if p[len(root) + 1 :] not in (*manifest.files, PUBLISHING)]
+    if stale:
+        fs.rm(stale)
     for rel in manifest.files:
-        fs.put_file(str(staging / rel), f"{path.rstrip('/')}/{rel}")
-    with fs.open(manifest_path, "wb") as f:
+        fs.put_file(str(staging / rel), f"{root}/{rel}")
+    with fs.open(f"{root}/{MANIFEST}", "wb") as f:
         f.write(manifest.to_json().encode("utf-8"))
+    fs.rm(f"{root}/{PUBLISHING}")
 
 
 @contextlib.contextmanager
@@ -293,11 +527,8 @@ def local_copy(uri: str) -> Iterator[Path]:
     if "file" in _protocols(fs):
         yield Path(path)
         return
-    tmp = Path(tempfile.mkdtemp(prefix="evoesap-in-"))
-    try:
-        if not fs.exists(path):
-            raise ArtifactError(f"{redact(uri)} does not exist")
+    if not fs.exists(path):
+        raise ArtifactError(f"{redact(uri)} does not exist")
+    with _owned_dir(Path(tempfile.gettempdir()), "evoesap-in") as tmp:
         fs.get(path.rstrip("/") + "/", str(tmp), recursive=True)
         yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -371,7 +371,12 @@ def score_allocation(
     from evoesap.teacher import load_cache
 
     runtime.check_model_dtype(model_dtype)
-    pruned = read_pruned(allocation) if allocation else {}
+    if allocation and artifacts.exists(artifacts.join(allocation, artifacts.MANIFEST)):  # a search artifact: checked
+        from evoesap.stages.prune import check_allocation, read_allocation
+
+        _, pruned = check_allocation(read_allocation(allocation), allocation, runtime.inspect_checkpoint(model))
+    else:
+        pruned = read_pruned(allocation) if allocation else {}
     loaded_cache = load_cache(cache)
     tokenizer = moe.load_tokenizer(model)
     loaded = runtime.load_model(model, model_dtype, device)

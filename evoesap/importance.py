@@ -15,6 +15,7 @@ import io
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import torch
@@ -101,6 +102,29 @@ def observe(
     return sums.table()
 
 
+def check_scores(scores: pd.DataFrame, where: str, num_experts: Sequence[int] | None = None) -> None:
+    """Refuse scores that would silently mis-rank experts: a missing column, a non-finite score, a layer
+    whose expert rows are not exactly 0..n-1 (n from `num_experts` when known)."""
+    hint = "rebuild it with `evoesap calibrate`"
+    missing = [c for c in ("layer", "expert", *CRITERIA) if c not in scores.columns]
+    if missing:
+        raise DataError(f"{where} has no column {missing[0]!r}: {hint}")
+    values = scores[list(CRITERIA)].to_numpy(dtype=np.float64)
+    bad = ~np.isfinite(values)
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        layer, expert = scores["layer"].iloc[row], scores["expert"].iloc[row]
+        raise DataError(f"{where}: {CRITERIA[col]} of layer {layer} expert {expert} is {values[row, col]}: {hint}")
+    for layer, group in scores.groupby("layer", sort=True):
+        n = num_experts[int(layer)] if num_experts is not None and 0 <= int(layer) < len(num_experts) else None
+        experts = sorted(group["expert"].astype(int).tolist())
+        expected = list(range(n if n is not None else max(experts) + 1))
+        if experts != expected:
+            missing_ids = sorted(set(expected) - set(experts))
+            problem = f"no row for expert(s) {missing_ids[:5]}" if missing_ids else "duplicate or extra expert rows"
+            raise DataError(f"{where}: layer {layer} has {problem} of its {len(expected)} experts: {hint}")
+
+
 def pruning_order(scores: pd.DataFrame | pa.Table, criterion: str) -> list[list[int]]:
     """Per MoE layer (by ordinal), expert ids from least to most important; ties go to the lower id."""
     if criterion not in CRITERIA:
@@ -116,7 +140,9 @@ def pruning_order(scores: pd.DataFrame | pa.Table, criterion: str) -> list[list[
 def model_orders(scores: pd.DataFrame | pa.Table, criterion: str, spec: moe.MoESpec) -> list[list[int]]:
     """`pruning_order` for `spec`'s MoE layers, rearranged where group-limited routing needs it
     (`evoesap.moe.admissible_order`), so that the first r experts of a layer are a removable set."""
-    orders = pruning_order(scores, criterion)
+    df = scores.to_pandas() if isinstance(scores, pa.Table) else scores
+    check_scores(df, "scores", [layer.num_experts for layer in spec.layers])
+    orders = pruning_order(df, criterion)
     if len(orders) != len(spec.layers):
         raise ConfigError(f"scores cover {len(orders)} MoE layers but the model has {len(spec.layers)}: "
                           "calibrate this model")
@@ -124,6 +150,8 @@ def model_orders(scores: pd.DataFrame | pa.Table, criterion: str, spec: moe.MoES
 
 
 def read_scores(uri: str) -> pd.DataFrame:
-    """scores.parquet of a finished calibrate artifact."""
-    artifacts.read_manifest(uri)  # refuses an unfinished artifact
-    return pd.read_parquet(io.BytesIO(artifacts.read_bytes(artifacts.join(uri, SCORES_FILE))))
+    """scores.parquet of a finished calibrate artifact, checked against its manifest: one finite row per expert."""
+    manifest = artifacts.read_manifest(uri, "calibrate")
+    scores = pd.read_parquet(io.BytesIO(artifacts.read_payload(uri, SCORES_FILE, manifest)))
+    check_scores(scores, f"{artifacts.redact(uri)}/{SCORES_FILE}")
+    return scores

@@ -86,6 +86,7 @@ def run_stage(stage: str, inputs: Mapping[str, Any], params: Any, out_uri: str) 
     """Run `stage` (parameters as its dataclass) into `out_uri`, or return the manifest already there when
     it records the same stage, parameters and inputs."""
     function, _ = _stage(stage)
+    artifacts.preflight(out_uri, stage, _flat_inputs(inputs))  # before any work: never destroy, inputs exist
     done = artifacts.cached(out_uri, stage, dataclasses.asdict(params), _flat_inputs(inputs))
     if done is not None:
         log.info("%s: reusing the finished artifact at %s", stage, artifacts.redact(out_uri))

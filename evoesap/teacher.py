@@ -457,7 +457,15 @@ def load_cache(uri: str) -> TeacherCache:
         meta_path = Path(root) / META_FILE
         if not meta_path.exists():
             raise ArtifactError(f"{artifacts.redact(uri)} is not a teacher cache (no {META_FILE}): run `evoesap cache-logits`")
-        meta = CacheMeta.from_json(meta_path.read_text())
+        if (Path(root) / artifacts.MANIFEST).exists():  # a published cache (stages require one): check every file
+            artifacts.verify(uri, "cache-logits", local=Path(root))
+        try:
+            meta = CacheMeta.from_json(meta_path.read_text())
+            for shard in meta.shards:
+                artifacts.join(uri, shard)  # shard names stay inside the artifact
+        except (ValueError, TypeError, KeyError, ArtifactError) as exc:
+            raise ArtifactError(f"{artifacts.redact(uri)}/{META_FILE} is malformed ({exc}): rebuild it with "
+                                "`evoesap cache-logits`") from None
         missing = [s for s in meta.shards if not (Path(root) / s).exists()]
         if missing or not (Path(root) / SAMPLES_FILE).exists():
             raise ArtifactError(

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from evoesap import artifacts
+from evoesap.identity import check_local_or_hub
 from evoesap.errors import ArtifactError, ConfigError, ModelError
 from evoesap.moe.families import PER_LAYER_KEY, Family, family_of
 from evoesap.moe.spec import MoEBlock, Pruned, check_pruned, expert_tensors, inspect, model_family, moe_blocks
@@ -108,6 +109,7 @@ def _source(uri_or_hub_name: str) -> Iterator[str]:
         with artifacts.local_copy(uri_or_hub_name) as local:
             yield str(local)
     else:
+        check_local_or_hub(uri_or_hub_name)  # a missing path is never sent to the hub
         yield uri_or_hub_name
 
 

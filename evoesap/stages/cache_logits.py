@@ -67,10 +67,15 @@ def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: 
     """Cache the teacher (`model`, a checkpoint URI or hub name) on `data` samples and publish it at `out_uri`."""
     from evoesap import teacher
 
+    from evoesap.data import check_vocab
+
     inputs = {"model": model, "data": data}
+    artifacts.preflight(out_uri, "cache-logits", inputs)
+    runtime.inspect_checkpoint(model)  # a dense or already pruned model is refused before any work
     tokenizer, tokenized = runtime.tokenized_samples(model, data, params)
     log.info("loading %s", artifacts.redact(model))
     loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
+    check_vocab(tokenizer, loaded)
     with artifacts.stage_output(out_uri, "cache-logits", dataclasses.asdict(params), inputs) as staging:
         teacher.write_cache(
             loaded,

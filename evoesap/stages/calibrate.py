@@ -49,6 +49,7 @@ class CalibrateParams:
 def run_calibrate(model: str, data: str, params: CalibrateParams, out_uri: str) -> artifacts.Manifest:
     """Score every expert of `model` on `data` and publish scores.parquet."""
     inputs = {"model": model, "data": data}
+    artifacts.preflight(out_uri, "calibrate", inputs)
 
     from evoesap import data as data_mod
     from evoesap import importance

@@ -73,6 +73,9 @@ def run_evaluate(
 
     plan = ev.resolve_tasks(params.tasks, allow_code_execution=params.allow_code_execution)
     inputs = {"model": model, "teacher_cache": teacher_cache, "allocation": allocation}
+    artifacts.preflight(out_uri, "evaluate", inputs)
+    if teacher_cache:
+        _check_heldout(teacher_cache, model, allocation)
     tokenizer = moe.load_tokenizer(model)
     if tokenizer is None:
         raise DataError(f"{artifacts.redact(model)} has no tokenizer files: save the tokenizer with the model")
@@ -107,7 +110,24 @@ def run_evaluate(
     return artifacts.read_manifest(out_uri)
 
 
+def _check_heldout(teacher_cache: str, model: str, allocation: str | None) -> None:
+    """Refuse, by lineage, a teacher cache that the search behind `model` optimised on: its ESAP is not held out."""
+    artifacts.read_manifest(teacher_cache, "cache-logits")  # a finished cache, before the model loads
+    digest = artifacts.manifest_sha256(teacher_cache)
+    search_uri = allocation
+    if search_uri is None and artifacts.exists(artifacts.join(model, artifacts.MANIFEST)):
+        search_uri = artifacts.read_manifest(model).inputs.get("allocation", {}).get("uri")
+    if not search_uri or not artifacts.exists(artifacts.join(search_uri, artifacts.MANIFEST)):
+        return
+    search_inputs = artifacts.read_manifest(search_uri).inputs
+    if search_inputs.get("cache", {}).get("manifest_sha256") == digest:
+        raise ConfigError(
+            f"--teacher-cache {artifacts.redact(teacher_cache)} is the cache the search {artifacts.redact(search_uri)} "
+            "optimised on, so its ESAP is not held out: give a cache of other samples (cache-logits on held-out data)"
+        )
+
+
 def read_metrics(run_uri: str) -> dict[str, Any]:
-    """The metrics.json of a finished evaluate artifact."""
-    artifacts.read_manifest(run_uri)
-    return artifacts.read_json(artifacts.join(run_uri, METRICS_FILE))
+    """The metrics.json of a finished evaluate artifact, checked against its manifest."""
+    manifest = artifacts.read_manifest(run_uri, "evaluate")
+    return json.loads(artifacts.read_payload(run_uri, METRICS_FILE, manifest))

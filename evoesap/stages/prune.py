@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from typing import Any
 
 from evoesap import allocation as alloc
 from evoesap import artifacts, runtime
-from evoesap.errors import ConfigError
+from evoesap.errors import ArtifactError, ConfigError
 from evoesap.moe.spec import MoESpec
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,51 @@ class PruneParams:
 
 
 def read_allocation(uri: str) -> dict:
-    """allocation.json of a search artifact."""
-    artifacts.read_manifest(uri)
-    return artifacts.read_json(artifacts.join(uri, ALLOCATION_FILE))
+    """allocation.json of a search artifact, checked against its manifest."""
+    manifest = artifacts.read_manifest(uri, "search")
+    try:
+        return json.loads(artifacts.read_payload(uri, ALLOCATION_FILE, manifest))
+    except ValueError as exc:
+        raise ArtifactError(f"{artifacts.redact(uri)}: {ALLOCATION_FILE} is not JSON ({exc}): "
+                                      "rebuild it with `evoesap search`") from None
+
+
+def check_allocation(doc: Any, uri: str, spec: MoESpec, params: PruneParams | None = None) -> tuple[list[int], dict[int, list[int]]]:
+    """(removal counts, pruned ids per MoE layer) of a search's allocation.json, refused unless they fit
+    `spec` and meet the budget of its sparsity, every layer is present and the lists agree with the counts.
+    With `params`, its criterion and sparsity must be the ones searched."""
+    from evoesap import moe
+
+    where = f"{artifacts.redact(uri)}/{ALLOCATION_FILE}"
+    hint = "rebuild it with `evoesap search`"
+    try:
+        counts = [alloc.as_int("removal_counts", c) for c in doc["removal_counts"]]
+        pruned = {int(layer): [alloc.as_int("expert id", e) for e in ids] for layer, ids in doc["pruned"].items()}
+        sparsity, granularity = float(doc["sparsity"]), int(doc.get("granularity", 1))
+    except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as exc:
+        raise ArtifactError(f"{where} is malformed ({type(exc).__name__}: {exc}): {hint}") from None
+    for key in ("criterion", "sparsity") if params is not None else ():
+        if doc.get(key) != getattr(params, key):
+            raise ConfigError(
+                f"allocation at {artifacts.redact(uri)} was searched with {key}={doc.get(key)!r}, "
+                f"but prune was asked for {key}={getattr(params, key)!r}: pass the matching value"
+            )
+    space = moe.pruning_space(spec, granularity)
+    if sorted(pruned) != list(range(len(spec.layers))):
+        raise ArtifactError(f"{where} has pruned lists for MoE layers {sorted(pruned)}, the model has "
+                            f"0..{len(spec.layers) - 1}: {hint}")
+    try:
+        budget = alloc.budget(sparsity, space.num_experts, space.min_kept, space.granularity)
+        alloc.check(counts, space.num_experts, space.min_kept, budget, space.granularity)
+        moe.check_pruned(spec, pruned)
+    except ConfigError as exc:
+        raise ArtifactError(f"{where} does not fit this model at sparsity {sparsity}: {exc}: {hint}") from None
+    disagree = [layer for layer, ids in sorted(pruned.items()) if len(ids) != counts[layer]]
+    if disagree:
+        layer = disagree[0]
+        raise ArtifactError(f"{where}: MoE layer {layer} lists {len(pruned[layer])} pruned experts but its removal "
+                            f"count is {counts[layer]}: {hint}")
+    return counts, pruned
 
 
 def planned_pruning(scores_uri: str, params: PruneParams, spec: MoESpec, allocation: str | None) -> tuple[str, list[int], dict[int, list[int]]]:
@@ -55,15 +98,7 @@ def planned_pruning(scores_uri: str, params: PruneParams, spec: MoESpec, allocat
     from evoesap.importance import model_orders, read_scores
 
     if allocation is not None:
-        searched = read_allocation(allocation)
-        for key in ("criterion", "sparsity"):
-            if searched[key] != getattr(params, key):
-                raise ConfigError(
-                    f"allocation at {artifacts.redact(allocation)} was searched with {key}={searched[key]!r}, "
-                    f"but prune was asked for {key}={getattr(params, key)!r}: pass the matching value"
-                )
-        counts = [int(c) for c in searched["removal_counts"]]
-        pruned = {int(layer): [int(e) for e in ids] for layer, ids in searched["pruned"].items()}
+        counts, pruned = check_allocation(read_allocation(allocation), allocation, spec, params)
         return "searched", counts, pruned
     space = moe.pruning_space(spec, params.granularity)
     budget = alloc.budget(params.sparsity, space.num_experts, space.min_kept, space.granularity)
@@ -76,10 +111,14 @@ def run_prune(model: str, scores: str, params: PruneParams, out_uri: str, alloca
     """Physically prune `model` and publish the checkpoint with a pruning.json summary."""
     from evoesap import moe
 
-    artifacts.read_manifest(scores)  # a clear error before loading anything
+    inputs = {"model": model, "scores": scores, "allocation": allocation}
+    artifacts.preflight(out_uri, "prune", inputs)
+    artifacts.verify(scores, "calibrate")  # a clear error before loading anything
+    if allocation is not None:
+        artifacts.verify(allocation, "search")
+    spec = runtime.inspect_checkpoint(model)
+    method, counts, pruned = planned_pruning(scores, params, spec, allocation)  # refused before the weights load
     full = moe.load_pruned(model, dtype=runtime.MODEL_DTYPES[params.model_dtype])
-    spec = moe.inspect(full)
-    method, counts, pruned = planned_pruning(scores, params, spec, allocation)
     tokenizer = moe.load_tokenizer(model)
     bytes_before = moe.parameter_bytes(full)
     moe.prune_experts(full, pruned)
@@ -93,7 +132,6 @@ def run_prune(model: str, scores: str, params: PruneParams, out_uri: str, alloca
         "parameter_bytes_full": bytes_before,
         "parameter_bytes_pruned": moe.parameter_bytes(full),
     }
-    inputs = {"model": model, "scores": scores, "allocation": allocation}
     with artifacts.stage_output(out_uri, "prune", dataclasses.asdict(params), inputs) as staging:
         moe.save_pruned(full, tokenizer, str(staging))
         (staging / PRUNING_FILE).write_text(json.dumps(summary, indent=2))

@@ -15,6 +15,7 @@ import pandas as pd
 from evoesap import artifacts
 from evoesap import report as rp
 from evoesap.errors import ArtifactError, ConfigError, DataError
+from evoesap.importance import read_scores
 from evoesap.stages.evaluate import read_metrics
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,8 @@ class ReportParams:
 
 
 def _history(search_uri: str) -> tuple[str, pd.DataFrame, Mapping[str, Any]]:
-    manifest = artifacts.read_manifest(search_uri)
-    history = pd.read_parquet(io.BytesIO(artifacts.read_bytes(artifacts.join(search_uri, HISTORY_FILE))))
+    manifest = artifacts.read_manifest(search_uri, "search")
+    history = pd.read_parquet(io.BytesIO(artifacts.read_payload(search_uri, HISTORY_FILE, manifest)))
     label = " ".join(
         str(v) for v in (manifest.params.get("criterion"), _pct(manifest.params.get("sparsity"))) if v is not None
     )
@@ -58,7 +59,7 @@ def _frequency_allocation(search: Mapping[str, Any], experts: Mapping[str, Any])
     scores_uri = search["_inputs"].get("scores", {}).get("uri")
     if scores_uri is None or search.get("sparsity") is None:
         return None
-    scores = pd.read_parquet(io.BytesIO(artifacts.read_bytes(artifacts.join(scores_uri, SCORES_FILE))))
+    scores = read_scores(scores_uri)
     frequency = [
         group.sort_values("expert")["frequency"].tolist() for _, group in scores.groupby("layer", sort=True)
     ]
@@ -108,9 +109,10 @@ def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches:
     """Write report.md (and report.html) with the benchmark table, memory figures and plots at `out_uri`."""
     if not runs:
         raise ConfigError("give at least one evaluate run (--runs)")
+    inputs = {**{f"runs.{i}": u for i, u in enumerate(runs)}, **{f"searches.{i}": u for i, u in enumerate(searches)}}
+    artifacts.preflight(out_uri, "report", inputs)
     metrics = [read_metrics(uri) for uri in runs]
     histories = [_history(uri) for uri in searches]
-    inputs = {**{f"runs.{i}": u for i, u in enumerate(runs)}, **{f"searches.{i}": u for i, u in enumerate(searches)}}
     with artifacts.stage_output(out_uri, "report", dataclasses.asdict(params), inputs) as staging:
         cols = rp.columns(metrics)
         rows = rp.build_rows(metrics, [artifacts.redact(u) for u in runs], cols)

@@ -193,9 +193,11 @@ def run_search(
     from evoesap.importance import model_orders, read_scores
     from evoesap.teacher import load_cache
 
+    inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}
+    artifacts.preflight(out_uri, "search", inputs)
     for uri in (cache, heldout_cache):  # inputs must be finished artifacts before anything loads
         if uri:
-            artifacts.read_manifest(uri)
+            artifacts.read_manifest(uri, "cache-logits")
     spec = runtime.inspect_checkpoint(model)
     orders = model_orders(read_scores(scores), params.criterion, spec)
     space = moe.pruning_space(spec, params.granularity)
@@ -300,7 +302,6 @@ def run_search(
         "heldout_samples": len(heldout_ids),
     }
     history = _history_frame(result.history)
-    inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}
     with artifacts.stage_output(out_uri, "search", dataclasses.asdict(params), inputs) as staging:
         (staging / ALLOCATION_FILE).write_text(json.dumps(document, indent=2))
         history.to_parquet(staging / HISTORY_FILE, index=False)
