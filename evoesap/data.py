@@ -96,10 +96,13 @@ def load_samples(
     fields: FieldMap = FieldMap(),
     n: int | None = None,
     seed: int = 0,
+    at_most: bool = False,
 ) -> list[Sample]:
     """`n` samples drawn without replacement by a seeded permutation (all, in file order, when `n` is None).
 
     The first `n` of a seed's permutation are taken, so a smaller `n` selects a subset of a larger one.
+    A source with fewer than `n` rows is refused, unless `at_most` (`n` is a default, not the user's ask):
+    then all its rows are used, with a warning.
     """
     if n is not None and n < 1:
         raise ConfigError(f"number of samples must be at least 1, got {n}")
@@ -109,6 +112,9 @@ def load_samples(
             raise ConfigError(f"subset {subset!r} applies to hub datasets only, not to the file {source}")
         rows = _FileRows(source, fmt, split)
     else:
+        from evoesap.identity import check_local_or_hub
+
+        check_local_or_hub(source)  # a mistyped path is not sent to the hub
         rows = _HubRows(source, split, subset)
     missing = [f for f in fields.needed if f not in rows.columns]
     if missing:
@@ -121,9 +127,11 @@ def load_samples(
         raise DataError(f"{source} has no rows")
     if n is None:
         order = np.arange(total)
-    elif n > total:
+    elif n > total and not at_most:
         raise DataError(f"asked for {n} samples but {source} has only {total}; lower the number of samples")
     else:
+        if n > total:
+            log.warning("%s has %d rows, fewer than the default of %d samples: using all of them", source, total, n)
         order = np.random.default_rng(seed).permutation(total)[:n]
     samples = [_to_sample(int(i), row, fields, source) for i, row in zip(order, rows.take(order))]
     log.info("selected %d of %d samples from %s (seed %d)", len(samples), total, source, seed)
@@ -148,19 +156,25 @@ class _FileRows:
                 raw = f.read()
         except FileNotFoundError as exc:
             raise DataError(f"data file {source} does not exist") from exc
-        if fmt == "parquet":
+        if fmt in ("parquet", "csv"):
+            import pyarrow as pa
+            import pyarrow.csv as pcsv
             import pyarrow.parquet as pq
 
-            self._rows = pq.read_table(io.BytesIO(raw)).to_pylist()
-        elif fmt == "csv":
-            import pyarrow.csv as pcsv
-
-            self._rows = pcsv.read_csv(io.BytesIO(raw)).to_pylist()
+            try:
+                table = pq.read_table(io.BytesIO(raw)) if fmt == "parquet" else pcsv.read_csv(io.BytesIO(raw))
+            except (pa.ArrowException, OSError) as exc:
+                raise DataError(f"{source} is not a readable {fmt} file ({exc}): check or re-export it") from None
+            self._rows = table.to_pylist()
         elif fmt == "jsonl":
-            text = raw.decode("utf-8")
-            self._rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+            self._rows = [_json_line(line, i, source) for i, line in enumerate(_text(raw, source).splitlines(), 1)
+                          if line.strip()]
         else:
-            self._rows = _json_records(json.loads(raw.decode("utf-8")), split, source)
+            try:
+                data = json.loads(_text(raw, source))
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{source} line {exc.lineno} column {exc.colno}: not valid JSON ({exc.msg})") from None
+            self._rows = _json_records(data, split, source)
         if not all(isinstance(r, Mapping) for r in self._rows):
             raise DataError(f"{source}: every row must be an object with named fields")
         self.columns = list(dict.fromkeys(k for r in self._rows for k in r))
@@ -170,6 +184,21 @@ class _FileRows:
 
     def take(self, order: np.ndarray) -> list[Mapping[str, Any]]:
         return [self._rows[i] for i in order]
+
+
+def _text(raw: bytes, source: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise DataError(f"{source} line {line} (byte {exc.start}) is not UTF-8 text: re-encode the file as UTF-8") from None
+
+
+def _json_line(line: str, number: int, source: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{source} line {number} column {exc.colno}: not valid JSON ({exc.msg})") from None
 
 
 def _json_records(data: Any, split: str, source: str) -> list[Any]:
@@ -210,6 +239,10 @@ class _HubRows:
 
 def _to_sample(index: int, row: Mapping[str, Any], fields: FieldMap, source: str) -> Sample:
     where = f"{source} row {index}"
+    absent = [f for f in fields.needed if f not in row]
+    if absent:
+        raise DataError(f"{where} has no field {absent[0]!r} (it has {', '.join(map(str, row)) or 'none'}): "
+                        "fix or drop the row, or choose the field with the messages/prompt/response/text options")
     if fields.mode == "text":
         text = row[fields.text]
         if not isinstance(text, str) or not text.strip():

@@ -212,7 +212,7 @@ def run_lm_eval(
         )
         names = [r.name for r in requests]
         log.info("lm-eval: %s (chat template %s, zero-shot %s)", ", ".join(names), chat, zero_shot)
-        with _code_execution_allowed() if unsafe else contextlib.nullcontext():
+        with _code_execution_allowed() if unsafe else contextlib.nullcontext(), _quiet_git_hash():
             results = simple_evaluate(
                 model=lm,
                 tasks=names,
@@ -230,6 +230,24 @@ def run_lm_eval(
         for key in ("results", "groups", "n-shot", "n-samples", "versions", "configs"):
             raw.setdefault(key, {}).update(results.get(key, {}))
     return records, raw
+
+
+@contextlib.contextmanager
+def _quiet_git_hash() -> Iterator[None]:
+    """lm-eval asks git for the working directory's commit and lets git print `fatal: not a git repository`
+    outside a checkout; ask the same question with git's stderr discarded."""
+    import subprocess
+    from unittest import mock
+
+    def describe() -> str | None:
+        try:
+            out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=5, check=True)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() or None
+
+    with mock.patch("lm_eval.evaluator.get_git_commit_hash", describe):
+        yield
 
 
 def _records(request: TaskRequest, results: Mapping[str, Any]) -> list[dict[str, Any]]:

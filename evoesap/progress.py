@@ -11,8 +11,16 @@ _quiet = False
 
 
 def set_quiet(quiet: bool) -> None:
+    """Quiet our bars and those of the libraries we call (transformers' loading and saving, the hub's)."""
     global _quiet
     _quiet = quiet
+    if quiet:
+        import huggingface_hub.utils
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+        huggingface_hub.utils.disable_progress_bars()
 
 
 def progress(iterable: Iterable[Any] | None = None, **kwargs: Any) -> tqdm:

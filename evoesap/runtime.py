@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ def load_model(uri: str, model_dtype: str = "auto", device: str = "auto", device
     from evoesap import moe
 
     check_model_dtype(model_dtype)
+    if artifacts.exists(artifacts.join(uri, artifacts.MANIFEST)):  # a checkpoint we published: check every file
+        artifacts.verify(uri, "prune")
     if device_map:
         return moe.load_pruned(uri, dtype=MODEL_DTYPES[model_dtype], device_map=device_map).eval()
     return moe.load_pruned(uri, dtype=MODEL_DTYPES[model_dtype]).to(resolve_device(device)).eval()
@@ -65,14 +68,17 @@ def tokenized_samples(model: str, data: str, params: Any, *, pack: bool = False)
     """(tokenizer, tokenized samples) of a stage's data, drawn and tokenized as its parameters say.
 
     `params` carries the data fields every data-reading stage shares: split, subset, fields,
-    samples, seed, max_length, enable_thinking.
+    samples, seed, max_length, enable_thinking. A `samples` equal to the stage's default takes all rows of
+    a smaller source (with a warning); any other number larger than the source is refused.
     """
     from evoesap import data as data_mod
     from evoesap import moe
     from evoesap.errors import DataError
 
+    default = next(f.default for f in dataclasses.fields(params) if f.name == "samples")
     samples = data_mod.load_samples(
-        data, split=params.split, subset=params.subset, fields=params.fields, n=params.samples, seed=params.seed
+        data, split=params.split, subset=params.subset, fields=params.fields, n=params.samples, seed=params.seed,
+        at_most=params.samples == default,  # a default larger than the source uses all of it (with a warning)
     )
     tokenizer = moe.load_tokenizer(model)
     if tokenizer is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import typing
 from typing import Any, Mapping, Sequence
 
 from evoesap import artifacts
@@ -59,10 +60,30 @@ def make_params(stage: str, values: Mapping[str, Any]) -> Any:
         raise ConfigError(
             f"unknown parameter(s) {', '.join(unknown)} for stage {stage!r}; valid: {', '.join(sorted(fields))}"
         )
+    _check_types(stage, params_class, values)
     try:
         return params_class(**values)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"invalid parameters for stage {stage!r}: {exc}") from exc
+
+
+def _check_types(stage: str, params_class: type, values: Mapping[str, Any]) -> None:
+    """Refuse values a config would otherwise coerce silently: 2.7 or true for an integer, "yes" for a switch.
+
+    A whole float (2.0) stays accepted for an integer: some orchestrators deliver every number as a float.
+    """
+    hints = typing.get_type_hints(params_class)
+    for name, value in values.items():
+        allowed = set(typing.get_args(hints[name])) or {hints[name]}
+        if value is None and type(None) in allowed:
+            continue
+        if allowed & {bool} and not isinstance(value, bool) and not allowed & {int, str}:
+            raise ConfigError(f"{stage}.{name} must be true or false, got {value!r}")
+        if int in allowed and float not in allowed and isinstance(value, (bool, float)):
+            if isinstance(value, bool) or not value.is_integer():
+                raise ConfigError(f"{stage}.{name} must be an integer, got {value!r}")
+        if float in allowed and isinstance(value, bool):
+            raise ConfigError(f"{stage}.{name} must be a number, got {value!r}")
 
 
 def _flat_inputs(inputs: Mapping[str, str | Sequence[str] | None]) -> dict[str, str | None]:

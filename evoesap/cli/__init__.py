@@ -40,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
             return exc.exit_code
         if state["debug"]:
             raise
+        from evoesap.artifacts import redact
+
         kind = "error" if isinstance(exc, EvoESAPError) else f"internal error ({type(exc).__name__})"
-        print(f"{kind}: {exc}", file=sys.stderr)
+        print(redact(f"{kind}: {exc}"), file=sys.stderr)
         return 1
     return 0
 

@@ -28,3 +28,20 @@ def _global(
     set_quiet(quiet)
     level = logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_redact_record)
+
+
+def _redact_record(record: logging.LogRecord) -> bool:
+    """No user:password@ of any URI reaches the log (the message is formatted here, then redacted)."""
+    from evoesap.artifacts import redact
+
+    record.msg, record.args = redact(record.getMessage()), None
+    return True
+
+
+def echo_uri(uri: str) -> None:
+    """Print an artifact's URI (the command's result) without credentials."""
+    from evoesap.artifacts import redact
+
+    typer.echo(redact(uri))

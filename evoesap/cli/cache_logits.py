@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from evoesap.cli.app import app
+from evoesap.cli.app import app, echo_uri
 
 
 @app.command("cache-logits")
@@ -43,4 +43,4 @@ def cache_logits_cmd(
         model_dtype=model_dtype, device=device,
     )
     run_stage("cache-logits", {"model": model, "data": data}, params, out)
-    typer.echo(out)
+    echo_uri(out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from evoesap.cli.app import app
+from evoesap.cli.app import app, echo_uri
 
 
 @app.command("calibrate")
@@ -53,4 +53,4 @@ def calibrate_cmd(
         device_map=device_map,
     )
     run_stage("calibrate", {"model": model, "data": data}, params, out)
-    typer.echo(out)
+    echo_uri(out)

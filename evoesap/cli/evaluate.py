@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from evoesap.cli.app import app
+from evoesap.cli.app import app, echo_uri
 
 
 @app.command("evaluate")
@@ -41,4 +41,4 @@ def evaluate_cmd(
         criterion=criterion, sparsity=sparsity, method=method,
     )
     run_stage("evaluate", {"model": model, "teacher_cache": teacher_cache, "allocation": allocation}, params, out)
-    typer.echo(out)
+    echo_uri(out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from evoesap.cli.app import app
+from evoesap.cli.app import app, echo_uri
 
 
 @app.command("prune")
@@ -27,4 +27,4 @@ def prune_cmd(
 
     params = PruneParams(criterion=criterion, sparsity=sparsity, granularity=granularity, model_dtype=model_dtype)
     run_stage("prune", {"model": model, "scores": scores, "allocation": allocation}, params, out)
-    typer.echo(out)
+    echo_uri(out)

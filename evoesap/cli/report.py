@@ -6,7 +6,7 @@ from typing import List
 
 import typer
 
-from evoesap.cli.app import app
+from evoesap.cli.app import app, echo_uri
 
 
 @app.command("report")
@@ -26,4 +26,4 @@ def report_cmd(
     from evoesap.steps import run_stage
 
     run_stage("report", {"runs": list(runs), "searches": list(searches)}, ReportParams(title=title, digits=digits, html=html), out)
-    typer.echo(out)
+    echo_uri(out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from evoesap.cli.app import app
+from evoesap.cli.app import app, echo_uri
 
 
 @app.command("search")
@@ -71,4 +71,4 @@ def search_cmd(
         prefix_cache_bytes=prefix_cache_bytes,
     )
     run_stage("search", {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}, params, out)
-    typer.echo(out)
+    echo_uri(out)
