@@ -75,15 +75,19 @@ def _check_types(stage: str, params_class: type, values: Mapping[str, Any]) -> N
     hints = typing.get_type_hints(params_class)
     for name, value in values.items():
         allowed = set(typing.get_args(hints[name])) or {hints[name]}
-        if value is None and type(None) in allowed:
+        if value is None and type(None) in allowed or str in allowed and isinstance(value, str):
             continue
-        if allowed & {bool} and not isinstance(value, bool) and not allowed & {int, str}:
-            raise ConfigError(f"{stage}.{name} must be true or false, got {value!r}")
-        if int in allowed and float not in allowed and isinstance(value, (bool, float)):
-            if isinstance(value, bool) or not value.is_integer():
-                raise ConfigError(f"{stage}.{name} must be an integer, got {value!r}")
-        if float in allowed and isinstance(value, bool):
-            raise ConfigError(f"{stage}.{name} must be a number, got {value!r}")
+        if bool in allowed:
+            ok, what = isinstance(value, bool), "true or false"
+        elif int in allowed and float not in allowed:
+            ok = isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+            what = "an integer"
+        elif float in allowed:
+            ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        else:
+            continue
+        if not ok:
+            raise ConfigError(f"{stage}.{name} must be {what}, got {value!r}")
 
 
 def _flat_inputs(inputs: Mapping[str, str | Sequence[str] | None]) -> dict[str, str | None]:

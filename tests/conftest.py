@@ -22,3 +22,11 @@ def demo_world():
     from evoesap.demo import build_demo_world
 
     return build_demo_world(demo_cache_dir(), seed=0, profile="default")
+
+
+@pytest.fixture(scope="session")
+def tiny_artifacts(tmp_path_factory):
+    """One artifact of every stage from a tiny random OLMoE (tests/tiny_artifacts.py), built once per session."""
+    from tiny_artifacts import build
+
+    return build(tmp_path_factory.mktemp("tiny-artifacts"))

@@ -1,0 +1,438 @@
+"""The bad-input catalogue (issue 13): every mistake a user can make gets one clear line and changes nothing.
+
+Data loss first: wherever `--out` points, the user's files stay byte-identical. Then what is read back
+is verified (manifests, payload sha256s, allocations and scores against the model and budget), then each
+unclear error of the issue. CLI cases run `evoesap.cli.main` in-process and check the one line on stderr.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from evoesap import artifacts, identity, runtime
+from evoesap.cli import main
+from evoesap.errors import ArtifactError, ConfigError, DataError, ModelError
+from evoesap.stages.cache_logits import run_cache_logits
+from evoesap.stages.prune import run_prune
+from tiny_artifacts import CACHE, CALIBRATE, PRUNE
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    """Every file under `path` (or `path` itself) with its bytes: equal snapshots mean nothing was touched."""
+    if path.is_file():
+        return {path.name: path.read_bytes()}
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def cli(capsys, *args: str) -> tuple[int, str]:
+    """Run the CLI in-process; (exit code, the last line on stderr)."""
+    code = main(["--quiet", *args])
+    lines = capsys.readouterr().err.strip().splitlines()
+    return code, lines[-1] if lines else ""
+
+
+def one_clear_line(code: int, line: str, *words: str) -> None:
+    assert code == 1 and line.startswith("error: "), line
+    for word in words:
+        assert word in line, (word, line)
+
+
+def stage_commands(world: dict[str, str], out: str) -> dict[str, list[str]]:
+    """A valid command line of every publishing stage, writing to `out`."""
+    return {
+        "calibrate": ["calibrate", "--model", world["model"], "--data", world["calibration"], "--samples", "8", "--out", out],
+        "cache-logits": ["cache-logits", "--model", world["model"], "--data", world["search"], "--samples", "4", "--out", out],
+        "search": ["search", "--model", world["model"], "--scores", world["scores"], "--cache", world["cache"],
+                   "--sparsity", "0.5", "--population", "4", "--elites", "1", "--generations", "1", "--out", out],
+        "prune": ["prune", "--model", world["model"], "--scores", world["scores"], "--sparsity", "0.5", "--out", out],
+        "evaluate": ["evaluate", "--model", world["pruned"], "--tasks", world["tasks"], "--limit", "1", "--out", out],
+        "report": ["report", "--runs", world["evaluated"], "--out", out],
+    }
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Refusals must come before any work: loading a model fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(runtime, "load_model", refuse)
+    from evoesap import moe
+
+    monkeypatch.setattr(moe, "load_pruned", refuse)
+
+
+@pytest.fixture
+def user_files(tmp_path):
+    """A directory of the user's files (not an artifact), with a nested one and a regular file beside it."""
+    home = tmp_path / "user"
+    (home / "notes").mkdir(parents=True)
+    (home / "thesis.tex").write_text("\\section{Results}\n")
+    (home / "notes" / "todo.txt").write_bytes(b"\x00\x01binary\xff")
+    (tmp_path / "data.bin").write_bytes(b"precious bytes")
+    return home
+
+
+STAGES = ["calibrate", "cache-logits", "search", "prune", "evaluate", "report"]
+
+
+# ------------------------------------------------------------------------ issue 1-3: data loss
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("out", [".", "", "./"])
+def test_out_dot_or_empty_is_refused_and_the_working_directory_is_untouched(
+    stage, out, tiny_artifacts, user_files, capsys, monkeypatch, no_model_loading
+):
+    monkeypatch.chdir(user_files)
+    before = snapshot(user_files)
+    code, line = cli(capsys, *stage_commands(tiny_artifacts, out)[stage])
+    one_clear_line(code, line, "--out")
+    assert snapshot(user_files) == before
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_out_an_existing_non_artifact_directory_is_refused_and_kept_byte_identical(
+    stage, tiny_artifacts, user_files, capsys, no_model_loading
+):
+    before = snapshot(user_files)
+    code, line = cli(capsys, *stage_commands(tiny_artifacts, str(user_files))[stage])
+    one_clear_line(code, line, str(user_files), "not an evoesap artifact", "thesis.tex")
+    assert snapshot(user_files) == before
+    assert sorted(p.name for p in user_files.parent.iterdir()) == ["data.bin", "user"]  # nothing left beside it
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_out_an_existing_file_is_refused_and_not_displaced(stage, tiny_artifacts, user_files, capsys, no_model_loading):
+    target = user_files.parent / "data.bin"
+    code, line = cli(capsys, *stage_commands(tiny_artifacts, str(target))[stage])
+    one_clear_line(code, line, "existing file")
+    assert target.read_bytes() == b"precious bytes"
+    assert sorted(p.name for p in user_files.parent.iterdir()) == ["data.bin", "user"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("kind", ["through a file", "filesystem root"])
+def test_out_through_a_file_or_at_the_root_is_refused_before_any_work(
+    stage, kind, tiny_artifacts, user_files, capsys, no_model_loading
+):
+    out = str(user_files.parent / "data.bin" / "sub") if kind == "through a file" else "/"
+    root_before = sorted(p.name for p in Path("/").iterdir())
+    code, line = cli(capsys, *stage_commands(tiny_artifacts, out)[stage])
+    one_clear_line(code, line, "--out")
+    assert sorted(p.name for p in Path("/").iterdir()) == root_before  # no /..partial-* left in the root
+    assert (user_files.parent / "data.bin").read_bytes() == b"precious bytes"
+
+
+@pytest.mark.parametrize("which", ["model", "scores"])
+def test_prune_output_equal_to_an_input_is_refused_and_the_input_kept(which, tiny_artifacts, tmp_path, capsys, no_model_loading):
+    model, scores = tmp_path / "model", tmp_path / "scores"
+    shutil.copytree(tiny_artifacts["model"], model)
+    shutil.copytree(tiny_artifacts["scores"], scores)
+    target = {"model": model, "scores": scores}[which]
+    before = snapshot(target)
+    code, line = cli(capsys, "prune", "--model", str(model), "--scores", str(scores), "--sparsity", "0.5", "--out", str(target))
+    one_clear_line(code, line, f"input {which}")
+    assert snapshot(target) == before
+
+
+def test_output_inside_or_around_an_input_is_refused(tiny_artifacts, tmp_path):
+    model = tmp_path / "ckpt"
+    shutil.copytree(tiny_artifacts["model"], model)
+    for out, relation in ((model / "pruned", "lies inside"), (tmp_path, "holds")):
+        with pytest.raises(ConfigError, match=relation):
+            run_prune(str(model), tiny_artifacts["scores"], PRUNE, str(out))
+
+
+def test_an_earlier_output_of_another_stage_is_refused(tiny_artifacts, tmp_path, capsys, no_model_loading):
+    other = tmp_path / "cache-copy"
+    shutil.copytree(tiny_artifacts["cache"], other)
+    before = snapshot(other)
+    code, line = cli(capsys, *stage_commands(tiny_artifacts, str(other))["calibrate"])
+    one_clear_line(code, line, "'cache-logits' artifact", "not a calibrate output")
+    assert snapshot(other) == before
+
+
+# ------------------------------------------------------------------------ issue 4-6, 8: verify what is read back
+
+
+def tampered(src: str, dest: Path, name: str, change) -> str:
+    """A copy of the artifact at `src` with `name` rewritten by `change(bytes) -> bytes` and the manifest's
+    sha256 updated, so only the content checks (not the hash check) can catch it."""
+    shutil.copytree(src, dest)
+    path = dest / name
+    path.write_bytes(change(path.read_bytes()))
+    manifest = json.loads((dest / artifacts.MANIFEST).read_text())
+    manifest["files"][name] = artifacts.sha256_file(path)
+    (dest / artifacts.MANIFEST).write_text(json.dumps(manifest))
+    return str(dest)
+
+
+def edit_json(edit):
+    def change(raw: bytes) -> bytes:
+        doc = json.loads(raw)
+        edit(doc)
+        return json.dumps(doc).encode()
+
+    return change
+
+
+def edit_parquet(edit):
+    def change(raw: bytes) -> bytes:
+        import io
+
+        frame = edit(pd.read_parquet(io.BytesIO(raw)))
+        buffer = io.BytesIO()
+        frame.to_parquet(buffer, index=False)
+        return buffer.getvalue()
+
+    return change
+
+
+def _move_one(doc):  # budget no longer met: one expert fewer in layer 0
+    doc["removal_counts"][0] -= 1
+    doc["pruned"]["0"] = doc["pruned"]["0"][:-1]
+
+
+def _list_disagrees(doc):  # counts meet the budget, but layer 0's list is one short
+    doc["pruned"]["0"] = doc["pruned"]["0"][:-1]
+
+
+def _missing_layer(doc):
+    del doc["pruned"]["1"]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [(_move_one, "not the budget"), (_list_disagrees, "removal count"), (_missing_layer, "pruned lists for MoE layers")],
+    ids=["budget-not-met", "counts-disagree-with-lists", "missing-layer"],
+)
+def test_prune_and_esap_refuse_an_allocation_that_does_not_fit_the_model_and_budget(
+    edit, message, tiny_artifacts, tmp_path, capsys, no_model_loading
+):
+    bad = tampered(tiny_artifacts["search_out"], tmp_path / "search", "allocation.json", edit_json(edit))
+    out = tmp_path / "pruned"
+    with pytest.raises(ArtifactError, match=message):
+        run_prune(tiny_artifacts["model"], tiny_artifacts["scores"], PRUNE, str(out), allocation=bad)
+    assert not out.exists()
+    code, line = cli(capsys, "esap", "--model", tiny_artifacts["model"], "--cache", tiny_artifacts["cache"], "--allocation", bad)
+    one_clear_line(code, line, message, "rebuild it with `evoesap search`")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda f: f[~((f["layer"] == 0) & (f["expert"] == 3))], "no row for expert(s) [3]"),
+        (lambda f: f.assign(reap=np.where((f["layer"] == 1) & (f["expert"] == 2), np.nan, f["reap"])), "reap of layer 1 expert 2 is nan"),
+    ],
+    ids=["missing-expert-row", "nan-score"],
+)
+def test_scores_with_a_missing_expert_or_a_non_finite_score_are_refused(edit, message, tiny_artifacts, tmp_path, capsys, no_model_loading):
+    bad = tampered(tiny_artifacts["scores"], tmp_path / "scores", "scores.parquet", edit_parquet(edit))
+    code, line = cli(capsys, "prune", "--model", tiny_artifacts["model"], "--scores", bad, "--sparsity", "0.5",
+                     "--out", str(tmp_path / "out"))
+    one_clear_line(code, line, message, "rebuild it with `evoesap calibrate`")
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_artifact_of_another_stage_is_refused_as_a_cache(tiny_artifacts, tmp_path, capsys, no_model_loading):
+    relabelled = tmp_path / "cache"
+    shutil.copytree(tiny_artifacts["cache"], relabelled)
+    manifest = json.loads((relabelled / artifacts.MANIFEST).read_text())
+    (relabelled / artifacts.MANIFEST).write_text(json.dumps({**manifest, "stage": "calibrate"}))
+    for cache in (tiny_artifacts["scores"], str(relabelled)):
+        code, line = cli(capsys, "search", "--model", tiny_artifacts["model"], "--scores", tiny_artifacts["scores"],
+                         "--cache", cache, "--sparsity", "0.5", "--out", str(tmp_path / "s"))
+        one_clear_line(code, line, "'calibrate' artifact, not 'cache-logits'")
+
+
+@pytest.mark.parametrize("text", ["{not json", "[]", '{"stage": 3}', '{"stage": "calibrate", "params": {}, "inputs": {}, '
+                                  '"files": {"scores.parquet": "abc"}, "cache_key": "k"}'])
+def test_a_malformed_manifest_gives_one_line_naming_the_artifact_and_the_rebuild(text, tiny_artifacts, tmp_path, capsys, no_model_loading):
+    scores = tmp_path / "scores"
+    shutil.copytree(tiny_artifacts["scores"], scores)
+    (scores / artifacts.MANIFEST).write_text(text)
+    code, line = cli(capsys, "prune", "--model", tiny_artifacts["model"], "--scores", str(scores), "--sparsity", "0.5",
+                     "--out", str(tmp_path / "out"))
+    one_clear_line(code, line, str(scores), "malformed", "rebuild it with `evoesap calibrate`")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_truncated_or_bit_flipped_cache_shard_is_caught_by_its_sha256(damage, tiny_artifacts, tmp_path, capsys):
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_artifacts["cache"], cache)
+    shard = sorted(cache.rglob("part-*.parquet"))[0]
+    raw = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    else:
+        raw[len(raw) // 2] ^= 0x10
+    shard.write_bytes(bytes(raw))
+    code, line = cli(capsys, "esap", "--model", tiny_artifacts["model"], "--cache", str(cache))
+    one_clear_line(code, line, shard.relative_to(cache).as_posix(), "sha256", "rebuild it with `evoesap cache-logits`")
+
+
+def test_a_damaged_payload_is_never_reused_and_is_made_again(tiny_artifacts, tmp_path):
+    from evoesap import steps
+
+    out = tmp_path / "scores"
+    shutil.copytree(tiny_artifacts["scores"], out)
+    (out / "scores.parquet").write_bytes(b"PAR1 truncated")
+    inputs = {"model": tiny_artifacts["model"], "data": tiny_artifacts["calibration"]}
+    manifest = steps.run_stage("calibrate", inputs, CALIBRATE, str(out))
+    assert artifacts.verify(str(out), "calibrate") == manifest
+
+
+def test_cache_shard_names_cannot_leave_the_artifact(tiny_artifacts, tmp_path, capsys):
+    outside = tmp_path / "other" / "positions"
+    outside.mkdir(parents=True)
+    shard = sorted(Path(tiny_artifacts["cache"]).rglob("part-*.parquet"))[0]
+    shutil.copy(shard, outside / "part-00000.parquet")
+
+    def escape(doc):
+        doc["shards"] = ["../other/positions/part-00000.parquet"]
+
+    bad = tampered(tiny_artifacts["cache"], tmp_path / "cache", "cache.json", edit_json(escape))
+    code, line = cli(capsys, "esap", "--model", tiny_artifacts["model"], "--cache", bad)
+    one_clear_line(code, line, "cache.json is malformed", "not allowed", "rebuild it with `evoesap cache-logits`")
+
+
+# ------------------------------------------------------------------------ issue 9: one clear line for bad input
+
+
+def test_a_missing_model_directory_is_named_and_never_sent_to_the_hub(tiny_artifacts, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(identity, "resolve_revision", lambda *a: pytest.fail("a missing path went to the hub"))
+    for model in (str(tmp_path / "no-such-model"), "no-such-model", "./runs/model"):
+        code, line = cli(capsys, "calibrate", "--model", model, "--data", tiny_artifacts["calibration"], "--out", str(tmp_path / "o"))
+        one_clear_line(code, line, model, "does not exist")
+
+
+def test_a_data_row_missing_the_field_is_named_with_its_row(tiny_artifacts, tmp_path, capsys):
+    rows = [json.loads(line) for line in Path(tiny_artifacts["calibration"]).read_text().splitlines()]
+    rows[3] = {"prompt": "where are the messages?"}
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, line = cli(capsys, "calibrate", "--model", tiny_artifacts["model"], "--data", str(data), "--samples", str(len(rows)),
+                     "--out", str(tmp_path / "o"))
+    one_clear_line(code, line, f"{data} row 3 has no field 'messages'")
+
+
+def test_non_utf8_data_names_the_file_and_line(tiny_artifacts, tmp_path, capsys):
+    data = tmp_path / "latin1.jsonl"
+    good = Path(tiny_artifacts["calibration"]).read_bytes().splitlines(keepends=True)
+    data.write_bytes(b"".join(good[:4]) + '{"messages": [{"role": "user", "content": "caf\u00e9"}]}\n'.encode("latin-1"))
+    code, line = cli(capsys, "calibrate", "--model", tiny_artifacts["model"], "--data", str(data), "--out", str(tmp_path / "o"))
+    one_clear_line(code, line, str(data), "line 5", "not UTF-8")
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "json"])
+def test_malformed_json_names_the_file_and_the_right_line(suffix, tiny_artifacts, tmp_path, capsys):
+    rows = [json.loads(line) for line in Path(tiny_artifacts["calibration"]).read_text().splitlines()][:1] * 20
+    data = tmp_path / f"broken.{suffix}"
+    if suffix == "jsonl":
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"messages": [}\n')
+    else:
+        data.write_text("[\n" + "".join(json.dumps(r) + ",\n" for r in rows[:19]) + "{oops}\n]\n")  # line 1 is "["
+    code, line = cli(capsys, "calibrate", "--model", tiny_artifacts["model"], "--data", str(data), "--out", str(tmp_path / "o"))
+    one_clear_line(code, line, str(data), "line 21", "not valid JSON")
+
+
+def test_cache_logits_refuses_a_tokenizer_larger_than_the_embedding(tiny_artifacts, tmp_path):
+    from evoesap import moe
+    from evoesap.demo.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    small = tmp_path / "small-vocab"
+    moe.tiny_model("olmoe", seed=3, vocab_size=len(tok) - 8).save_pretrained(small)
+    tok.save_pretrained(small)
+    with pytest.raises(DataError, match="tokenizer has .* tokens but the model's embedding has"):
+        run_cache_logits(str(small), tiny_artifacts["search"], CACHE, str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()
+
+
+def test_cache_logits_refuses_a_dense_model(tiny_artifacts, tmp_path, no_model_loading):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dense = tmp_path / "dense"
+    config = LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2)
+    LlamaForCausalLM(config).save_pretrained(dense)
+    with pytest.raises(ModelError, match="not a supported MoE family"):
+        run_cache_logits(str(dense), tiny_artifacts["search"], CACHE, str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()
+
+
+# ------------------------------------------------------------------------ issue 11-12: credentials, strict configs
+
+
+def test_credentials_in_a_uri_never_reach_errors_or_logs(tiny_artifacts, tmp_path, capsys, caplog):
+    secret_data = "http://alice:s3cr3t@127.0.0.1:9/calibration.jsonl"
+    code = main(["calibrate", "--model", tiny_artifacts["model"], "--data", secret_data, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 1 and "s3cr3t" not in err and "127.0.0.1:9" in err
+    assert "s3cr3t" not in caplog.text
+    assert artifacts.redact(f"moved {secret_data} and s3://k:v@b/x") == "moved http://127.0.0.1:9/calibration.jsonl and s3://b/x"
+
+
+@pytest.mark.parametrize("value", [2.7, True, "3"])
+def test_pipeline_yaml_refuses_non_integers_for_integer_parameters(value, tmp_path):
+    from pipeline.config import load_config
+
+    config = {"model": "m", "calibration_data": "c.jsonl", "search_data": "s.jsonl", "search": {"generations": value}}
+    with pytest.raises(ConfigError, match="generations"):
+        load_config(config)
+    assert load_config({**config, "search": {"generations": 2.0}}).search == {"generations": 2.0}  # whole floats pass
+
+
+# ------------------------------------------------------------------------ friction a new user meets
+
+
+def test_default_samples_use_a_smaller_file_whole_with_a_warning_an_explicit_larger_ask_is_refused(tiny_artifacts, caplog):
+    from evoesap.stages.calibrate import CalibrateParams
+
+    rows = len(Path(tiny_artifacts["calibration"]).read_text().splitlines())
+    _, tokenized = runtime.tokenized_samples(tiny_artifacts["model"], tiny_artifacts["calibration"], CalibrateParams(max_length=64))
+    assert sorted(s.sample_id for s in tokenized) == list(range(rows))
+    assert f"has {rows} rows, fewer than the default of 1024 samples" in caplog.text
+    with pytest.raises(DataError, match=f"asked for {rows + 1} samples"):
+        runtime.tokenized_samples(tiny_artifacts["model"], tiny_artifacts["calibration"], CalibrateParams(samples=rows + 1))
+
+
+def test_evaluate_refuses_the_search_cache_as_held_out(tiny_artifacts, tmp_path, capsys, no_model_loading):
+    for extra in ([], ["--allocation", tiny_artifacts["search_out"]]):
+        code, line = cli(capsys, "evaluate", "--model", tiny_artifacts["pruned"], "--tasks", tiny_artifacts["tasks"],
+                         "--teacher-cache", tiny_artifacts["cache"], *extra, "--out", str(tmp_path / "e"))
+        one_clear_line(code, line, "the cache the search", "not held out")
+
+
+def test_lm_eval_asks_git_quietly_outside_a_checkout(tmp_path, monkeypatch, capfd):
+    import lm_eval.evaluator
+
+    from evoesap.evaluate import _quiet_git_hash
+
+    monkeypatch.chdir(tmp_path)
+    with _quiet_git_hash():
+        assert lm_eval.evaluator.get_git_commit_hash() is None
+    assert "fatal" not in capfd.readouterr().err
+
+
+def test_quiet_silences_the_bars_of_transformers_and_the_hub(monkeypatch):
+    import huggingface_hub.utils
+    import transformers
+
+    from evoesap import progress
+
+    monkeypatch.setattr(progress, "_quiet", False)
+    try:
+        progress.set_quiet(True)
+        assert not transformers.utils.logging.is_progress_bar_enabled()
+        assert huggingface_hub.utils.are_progress_bars_disabled()
+        assert progress.progress(range(3)).disable
+    finally:
+        transformers.utils.logging.enable_progress_bar()
+        transformers.utils.logging.set_verbosity_warning()
+        huggingface_hub.utils.enable_progress_bars()
