@@ -481,7 +481,13 @@ def _publish(staging: Path, out_uri: str, manifest: Manifest) -> None:
     if "file" in _protocols(fs):
         _publish_local(staging, Path(os.path.abspath(path)), manifest)
     else:
-        _publish_remote(fs, staging, path, manifest)
+        try:
+            _publish_remote(fs, staging, path, manifest)
+        except Exception as exc:  # noqa: BLE001 - an object store fails in many ways; each means "not published"
+            raise ArtifactError(
+                f"publishing {redact(out_uri)} failed ({type(exc).__name__}: {redact(str(exc))[:200]}): it is not a "
+                f"finished artifact; re-run `evoesap {manifest.stage}` to publish it"
+            ) from exc
     log.info("published %s artifact at %s", manifest.stage, redact(out_uri))
 
 

@@ -1,0 +1,328 @@
+"""The fault catalogue (issue 13): kill -9 at every stage's boundary and during its publish, disk full, an
+object-store outage during publish, orphans of killed runs, inputs changed in place, concurrent publishes.
+
+After each fault: nothing unfinished counts as an artifact, an earlier artifact is either intact or
+absent (never half-replaced), and the next run of the same stage finishes and removes what was left.
+"""
+
+import errno
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from evoesap import artifacts, identity, steps
+from evoesap.errors import ArtifactError
+from tiny_artifacts import CACHE, CALIBRATE, SEARCH
+
+_KILLER = """
+import json, os, signal, sys
+from evoesap import artifacts, steps
+
+spec = json.loads(sys.argv[1])
+
+def die(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if spec["point"] == "boundary":  # the payload is staged, nothing is published yet
+    artifacts._publish = die
+else:  # during publish: the earlier artifact has just been renamed aside
+    real_publish, real_replace = artifacts._publish_local, os.replace
+
+    def publish(staging, dest, manifest):
+        def replace_then_die(src, dst):
+            real_replace(src, dst)
+            die()
+        artifacts.os.replace = replace_then_die
+        real_publish(staging, dest, manifest)
+
+    artifacts._publish_local = publish
+steps.run_stage(spec["stage"], spec["inputs"], steps.make_params(spec["stage"], spec["params"]), spec["out"])
+"""
+
+
+def rerun_cases(world: dict[str, str]) -> dict[str, tuple[str, dict, dict]]:
+    """Per stage: (the earlier artifact, inputs, parameters that differ from it, so the stage really runs)."""
+    return {
+        "calibrate": ("scores", {"model": world["model"], "data": world["calibration"]}, {"samples": 6, "max_length": 128}),
+        "cache-logits": ("cache", {"model": world["model"], "data": world["search"]},
+                         {"samples": 4, "max_length": 128, "dtype": "float32"}),
+        "search": ("search_out", {"model": world["model"], "scores": world["scores"], "cache": world["cache"]},
+                   {"criterion": "reap", "sparsity": 0.5, "population": 4, "elites": 1, "generations": 1, "seed": 7}),
+        "prune": ("pruned", {"model": world["model"], "scores": world["scores"]}, {"criterion": "reap", "sparsity": 0.5}),
+        "evaluate": ("evaluated", {"model": world["pruned"]},
+                     {"tasks": [world["tasks"]], "limit": 1, "batch_size": 2, "device": "cpu", "max_length": 128}),
+        "report": ("report", {"runs": [world["evaluated"]]}, {"title": "after a kill"}),
+    }
+
+
+def leftovers(out: Path, tmpdir: Path) -> list[str]:
+    beside = [p.name for p in out.parent.glob(f".{out.name}.*")]
+    return sorted(beside + [p.name for p in tmpdir.glob("evoesap-*")])
+
+
+@pytest.mark.parametrize("point", ["boundary", "publish"])
+@pytest.mark.parametrize("stage", ["calibrate", "cache-logits", "search", "prune", "evaluate", "report"])
+def test_kill_9_leaves_no_false_artifact_and_the_next_run_finishes_and_cleans_up(
+    stage, point, tiny_artifacts, tmp_path, monkeypatch
+):
+    name, inputs, params = rerun_cases(tiny_artifacts)[stage]
+    out = tmp_path / "out"
+    shutil.copytree(tiny_artifacts[name], out)
+    earlier = artifacts.read_manifest(str(out))
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    spec = {"stage": stage, "inputs": inputs, "params": params, "out": str(out), "point": point}
+    env = {**os.environ, "TMPDIR": str(tmpdir), "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", _KILLER, json.dumps(spec)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    if point == "boundary":  # the earlier artifact is untouched and still verifies
+        assert artifacts.verify(str(out), stage) == earlier
+        assert [n for n in leftovers(out, tmpdir) if ".partial-" in n]
+    else:  # renamed aside: no artifact at out, so nothing half-made can be taken for a finished one
+        assert not out.exists()
+        with pytest.raises(ArtifactError, match="not a finished artifact"):
+            artifacts.read_manifest(str(out))
+        assert {n.split("-")[0] for n in leftovers(out, tmpdir)} == {".out.old", ".out.partial"}
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+    monkeypatch.setattr(artifacts, "_STARTED", time.time())  # the next run: the killed one is older
+    manifest = steps.run_stage(stage, inputs, steps.make_params(stage, params), str(out))
+    assert artifacts.verify(str(out), stage) == manifest != earlier
+    assert leftovers(out, tmpdir) == []
+
+
+def test_disk_full_while_writing_leaves_nothing_and_keeps_the_earlier_artifact(tiny_artifacts, tmp_path, monkeypatch, capsys):
+    import pandas as pd
+
+    from evoesap.cli import main
+
+    out = tmp_path / "scores"
+    shutil.copytree(tiny_artifacts["scores"], out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full_disk(self, path, *args, **kwargs):
+        Path(path).write_bytes(b"PAR1 half a file")
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", full_disk)
+    code = main(["--quiet", "calibrate", "--model", tiny_artifacts["model"], "--data", tiny_artifacts["calibration"],
+                 "--samples", "6", "--max-length", "128", "--out", str(out)])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and line.startswith("error: no space left on the device") and "nothing was published" in line
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scores"]
+
+
+def test_orphans_are_removed_only_when_dead_and_older_than_the_run(tiny_artifacts, tmp_path, monkeypatch):
+    import fcntl
+
+    out = tmp_path / "scores"
+    tmpdir = tmp_path / "tmp"
+    dead = [tmp_path / ".scores.partial-dead", tmp_path / ".scores.old-dead", tmpdir / "evoesap-calibrate-dead",
+            tmpdir / "evoesap-in-dead"]
+    alive = tmp_path / ".scores.partial-alive"  # a concurrent run still holds its lock
+    other_stage = tmpdir / "evoesap-search-dead"  # another stage's staging: its own runs clean it
+    for path in (*dead, alive, other_stage):
+        path.mkdir(parents=True)
+        (path / "payload").write_bytes(b"x" * 1024)
+    lock = os.open(alive, os.O_RDONLY)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+        monkeypatch.setattr(artifacts, "_STARTED", time.time())
+        young = tmp_path / ".scores.partial-young"  # made after this run started: never an orphan of it
+        time.sleep(0.01)
+        young.mkdir()
+        removed = artifacts.clean_orphans(str(out), "calibrate")
+    finally:
+        os.close(lock)
+    assert sorted(removed) == sorted(dead)
+    assert alive.exists() and young.exists() and other_stage.exists()
+    assert not any(p.exists() for p in dead)
+
+
+def test_concurrent_publishes_of_one_output_leave_one_intact_artifact(tmp_path):
+    out = str(tmp_path / "art")
+    errors = []
+
+    def publish(i: int) -> None:
+        try:
+            with artifacts.stage_output(out, "demo", {"same": 1}, {}) as staging:
+                (staging / "x.txt").write_text("identical payload")
+        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=publish, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert artifacts.verify(out, "demo").files == {"x.txt": artifacts.sha256_bytes(b"identical payload")}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+# ------------------------------------------------------------------------ inputs changed in place
+
+
+def test_a_local_checkpoint_whose_weights_are_overwritten_is_run_again(tiny_artifacts, tmp_path, monkeypatch):
+    from evoesap import moe
+    from evoesap.stages import calibrate as calibrate_stage
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_artifacts["model"], model)
+    inputs = {"model": str(model), "data": tiny_artifacts["calibration"]}
+    out = str(tmp_path / "scores")
+    first = steps.run_stage("calibrate", inputs, CALIBRATE, out)
+    runs = []
+    real = calibrate_stage.run_calibrate
+    monkeypatch.setattr(calibrate_stage, "run_calibrate", lambda **kw: runs.append(1) or real(**kw))
+    assert steps.run_stage("calibrate", inputs, CALIBRATE, out) == first and runs == []
+    vocab = moe.load_pruned(str(model)).config.vocab_size
+    moe.tiny_model("olmoe", seed=11, vocab_size=vocab).save_pretrained(model)  # same shapes, other weights
+    again = steps.run_stage("calibrate", inputs, CALIBRATE, out)
+    assert runs == [1] and again.inputs["model"] != first.inputs["model"]
+
+
+def test_a_hub_name_is_identified_by_its_resolved_revision(monkeypatch):
+    revisions = {"org/model": "a" * 40}
+    monkeypatch.setattr(identity, "resolve_revision", lambda name, repo_type: revisions[name])
+    record, digest = identity.identify("org/model")
+    assert record == {"kind": "hub", "name": "org/model", "repo_type": "model", "revision": "a" * 40}
+    revisions["org/model"] = "b" * 40  # a new commit pushed under the same name
+    assert identity.identify("org/model")[1] != digest
+    assert artifacts.cache_key("s", {}, artifacts.describe_inputs({"model": "org/model"})) != artifacts.cache_key(
+        "s", {}, {"model": {"uri": "org/model", **record}})
+
+
+def test_a_checkpoint_is_identified_without_reading_its_weights(tiny_artifacts, tmp_path, monkeypatch):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_artifacts["model"], model)
+    monkeypatch.setattr(identity, "SMALL_FILE_BYTES", 1 << 10)  # the tiny weights count as large here
+    read = []
+    real_sha = identity._sha256
+    monkeypatch.setattr(identity, "_sha256", lambda fs, path: read.append(Path(path).name) or real_sha(fs, path))
+    record, digest = identity.identify(str(model))
+    assert "model.safetensors" not in read and "config.json" in read
+    weights = record["files"]["model.safetensors"]
+    assert set(weights) == {"size", "mtime"} and weights["size"] == (model / "model.safetensors").stat().st_size
+    (model / "config.json").write_text((model / "config.json").read_text() + " ")
+    assert identity.identify(str(model))[1] != digest
+
+
+# ------------------------------------------------------------------------ object store: in-place change, outage
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """A real S3 endpoint (moto's threaded server on loopback) that a test can stop and start again, keeping its data."""
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    import fsspec
+
+    fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = endpoint
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    bucket = f"evoesap-faults-{port}"  # the server's data lives in this process, shared by every test
+    fs.mkdir(bucket)
+    try:
+        yield server, fs, bucket
+    finally:
+        fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
+        server.stop()
+
+
+def test_a_remote_data_file_changed_in_place_is_run_again(tiny_artifacts, tmp_path, s3, monkeypatch):
+    from evoesap.stages import calibrate as calibrate_stage
+
+    _, fs, bucket = s3
+    data = f"s3://{bucket}/data/calibration.jsonl"
+    rows = Path(tiny_artifacts["calibration"]).read_text().splitlines(keepends=True)
+    fs.pipe(data, "".join(rows).encode())
+    inputs = {"model": tiny_artifacts["model"], "data": data}
+    out = str(tmp_path / "scores")
+    first = steps.run_stage("calibrate", inputs, CALIBRATE, out)
+    assert first.inputs["data"]["ETag"]
+    runs = []
+    real = calibrate_stage.run_calibrate
+    monkeypatch.setattr(calibrate_stage, "run_calibrate", lambda **kw: runs.append(1) or real(**kw))
+    steps.run_stage("calibrate", inputs, CALIBRATE, out)
+    assert runs == []
+    fs.pipe(data, "".join(reversed(rows)).encode())  # same URI, same size, other content
+    fs.invalidate_cache()
+    again = steps.run_stage("calibrate", inputs, CALIBRATE, out)
+    assert runs == [1] and again.inputs["data"]["ETag"] != first.inputs["data"]["ETag"]
+
+
+def test_an_object_store_outage_during_publish_leaves_no_finished_artifact_and_a_rerun_finishes(
+    tiny_artifacts, tmp_path, s3, monkeypatch
+):
+    server, fs, bucket = s3
+    out = f"s3://{bucket}/runs/cache"
+    inputs = {"model": tiny_artifacts["model"], "data": tiny_artifacts["search"]}
+    steps.run_stage("cache-logits", inputs, CACHE, out)  # an earlier artifact, then a re-run that meets the outage
+    s3_class = type(fs)
+    real_put = s3_class._put_file
+    calls = []
+
+    async def put_during_outage(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the first payload file is up, then the endpoint goes away
+            server.stop()
+        return await real_put(self, *args, **kwargs)
+
+    monkeypatch.setattr(s3_class, "_put_file", put_during_outage)
+    monkeypatch.setattr(s3_class, "retries", 1)
+    s3_class.clear_instance_cache()  # sync methods are bound when an instance is made
+    changed = steps.make_params("cache-logits", {"samples": 4, "max_length": 128, "dtype": "float32"})
+    with pytest.raises(ArtifactError, match="is not a finished artifact; re-run `evoesap cache-logits`") as caught:
+        steps.run_stage("cache-logits", inputs, changed, out)
+    assert "testing" not in str(caught.value)  # no credential in the one line
+    server.start()
+    monkeypatch.setattr(s3_class, "_put_file", real_put)
+    s3_class.clear_instance_cache()
+    fs = s3_class(skip_instance_cache=True)
+    with pytest.raises(ArtifactError, match="not a finished artifact"):
+        artifacts.read_manifest(out)
+    assert fs.exists(f"{bucket}/runs/cache/publishing.json")
+    manifest = steps.run_stage("cache-logits", inputs, changed, out)
+    assert artifacts.verify(out, "cache-logits") == manifest
+    assert not fs.exists(f"{bucket}/runs/cache/publishing.json")
+    assert sorted(fs.find(f"{bucket}/runs/cache")) == sorted(
+        f"{bucket}/runs/cache/{rel}" for rel in [*manifest.files, artifacts.MANIFEST])
+
+
+def test_search_then_prune_against_s3_verify_every_payload(tiny_artifacts, s3):
+    _, fs, bucket = s3
+    root = f"s3://{bucket}/runs"
+    scores = steps.run_step("calibrate", root, {"model": tiny_artifacts["model"], "data": tiny_artifacts["calibration"]},
+                            {"samples": 8, "max_length": 128})
+    cache = steps.run_step("cache-logits", root, {"model": tiny_artifacts["model"], "data": tiny_artifacts["search"]},
+                           {"samples": 6, "max_length": 128, "dtype": "float32"})
+    params = {k: v for k, v in SEARCH.__dict__.items() if k in ("population", "elites", "generations", "batch_size")}
+    searched = steps.run_step("search", root, {"model": tiny_artifacts["model"], "scores": scores, "cache": cache},
+                              {**params, "criterion": "reap", "sparsity": 0.5})
+    for uri, stage in ((scores, "calibrate"), (cache, "cache-logits"), (searched, "search")):
+        assert artifacts.verify(uri, stage).stage == stage
+    fs.pipe(f"{scores[5:]}/scores.parquet", b"PAR1 replaced")
+    with pytest.raises(ArtifactError, match="scores.parquet does not match the sha256"):
+        steps.run_step("prune", root, {"model": tiny_artifacts["model"], "scores": scores, "allocation": searched},
+                       {"criterion": "reap", "sparsity": 0.5})
+
