@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -32,15 +33,20 @@ def resolve_device(name: str) -> str:
 
 
 def load_model(uri: str, model_dtype: str = "auto", device: str = "auto", device_map: str | None = None) -> Any:
-    """A checkpoint (stock or pruned) in eval mode on its device; `device_map` shards it over several GPUs."""
+    """A checkpoint (stock or pruned) in eval mode on its device; `device_map` shards it over several GPUs.
+
+    A checkpoint we published (a prune artifact) is verified file by file first, on the one local copy
+    that is loaded (an object-store checkpoint is downloaded once)."""
     from evoesap import moe
 
     check_model_dtype(model_dtype)
-    if artifacts.exists(artifacts.join(uri, artifacts.MANIFEST)):  # a checkpoint we published: check every file
-        artifacts.verify(uri, "prune")
-    if device_map:
-        return moe.load_pruned(uri, dtype=MODEL_DTYPES[model_dtype], device_map=device_map).eval()
-    return moe.load_pruned(uri, dtype=MODEL_DTYPES[model_dtype]).to(resolve_device(device)).eval()
+    remote = "://" in uri and not artifacts.is_local(uri)
+    with artifacts.local_copy(uri) if remote else contextlib.nullcontext(uri) as source:
+        if artifacts.exists(artifacts.join(str(source), artifacts.MANIFEST)):
+            artifacts.verify(uri, "prune", local=Path(source))
+        if device_map:
+            return moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype], device_map=device_map).eval()
+        return moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype]).to(resolve_device(device)).eval()
 
 
 def inspect_checkpoint(uri: str) -> Any:

