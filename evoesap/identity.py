@@ -19,12 +19,15 @@ the same URI makes the stage run again. A name that is neither an existing path 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable
 
+import fsspec
 from fsspec.core import url_to_fs
 
 from evoesap.errors import ConfigError
@@ -107,6 +110,20 @@ def _file(fs: Any, path: str, local: bool, always_hash: bool = False) -> dict[st
 
 
 def _sha256(fs: Any, path: str) -> str:
+    if "file" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol):
+        stat = os.stat(path)
+        return _local_sha256(path, stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    return _stream_sha256(fs, path)
+
+
+@functools.lru_cache(maxsize=1024)
+def _local_sha256(path: str, size: int, mtime_ns: int, inode: int) -> str:
+    """Hashed once per process and file version: a stage identifies its inputs several times."""
+    del size, mtime_ns, inode  # part of the cache key only
+    return _stream_sha256(fsspec.filesystem("file"), path)
+
+
+def _stream_sha256(fs: Any, path: str) -> str:
     digest_ = hashlib.sha256()
     with fs.open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -114,6 +131,7 @@ def _sha256(fs: Any, path: str) -> str:
     return digest_.hexdigest()
 
 
+@functools.lru_cache(maxsize=64)
 def _hub_revision(name: str, repo_type: str) -> str:
     """The commit `name` resolves to: asked of the hub, else the locally cached snapshot (offline)."""
     import huggingface_hub

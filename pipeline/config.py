@@ -28,7 +28,7 @@ class Resources(BaseModel):
     cpu: str | None = None  # e.g. "8"
     memory: str | None = None  # e.g. "64G"
     accelerator_type: str | None = None  # e.g. "nvidia.com/gpu"
-    accelerator_count: int = Field(0, ge=0)
+    accelerator_count: int = Field(0, ge=0, strict=True)  # strict: `true` or 1.5 is refused, not coerced
 
     @model_validator(mode="after")
     def _accelerator_pair(self) -> "Resources":
@@ -52,7 +52,7 @@ class PipelineConfig(BaseModel):
     storage_root: str = "./runs/artifacts"  # where every artifact goes: a path, s3://, gs://
     pipeline_root: str | None = None  # kfp.local's own scratch directory (local runs only)
     image: str | None = None  # the stage image; default: the project's image of this version
-    retries: int = Field(2, ge=0)  # per task, for transient failures
+    retries: int = Field(2, ge=0, strict=True)  # per task, for transient failures
     calibrate: dict[str, Any] = {}
     cache_logits: dict[str, Any] = {}
     search: dict[str, Any] = {}

@@ -386,6 +386,8 @@ def test_pipeline_yaml_refuses_non_integers_for_integer_parameters(value, tmp_pa
     with pytest.raises(ConfigError, match="generations"):
         load_config(config)
     assert load_config({**config, "search": {"generations": 2.0}}).search == {"generations": 2.0}  # whole floats pass
+    with pytest.raises(ConfigError, match="retries"):
+        load_config({**config, "search": {}, "retries": value})
 
 
 # ------------------------------------------------------------------------ friction a new user meets

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from evoesap import artifacts, identity, steps
+from evoesap import artifacts, steps
 from evoesap.errors import ArtifactError
 from tiny_artifacts import CACHE, CALIBRATE, SEARCH
 
@@ -195,32 +195,6 @@ def test_a_local_checkpoint_whose_weights_are_overwritten_is_run_again(tiny_arti
     moe.tiny_model("olmoe", seed=11, vocab_size=vocab).save_pretrained(model)  # same shapes, other weights
     again = steps.run_stage("calibrate", inputs, CALIBRATE, out)
     assert runs == [1] and again.inputs["model"] != first.inputs["model"]
-
-
-def test_a_hub_name_is_identified_by_its_resolved_revision(monkeypatch):
-    revisions = {"org/model": "a" * 40}
-    monkeypatch.setattr(identity, "resolve_revision", lambda name, repo_type: revisions[name])
-    record, digest = identity.identify("org/model")
-    assert record == {"kind": "hub", "name": "org/model", "repo_type": "model", "revision": "a" * 40}
-    revisions["org/model"] = "b" * 40  # a new commit pushed under the same name
-    assert identity.identify("org/model")[1] != digest
-    assert artifacts.cache_key("s", {}, artifacts.describe_inputs({"model": "org/model"})) != artifacts.cache_key(
-        "s", {}, {"model": {"uri": "org/model", **record}})
-
-
-def test_a_checkpoint_is_identified_without_reading_its_weights(tiny_artifacts, tmp_path, monkeypatch):
-    model = tmp_path / "model"
-    shutil.copytree(tiny_artifacts["model"], model)
-    monkeypatch.setattr(identity, "SMALL_FILE_BYTES", 1 << 10)  # the tiny weights count as large here
-    read = []
-    real_sha = identity._sha256
-    monkeypatch.setattr(identity, "_sha256", lambda fs, path: read.append(Path(path).name) or real_sha(fs, path))
-    record, digest = identity.identify(str(model))
-    assert "model.safetensors" not in read and "config.json" in read
-    weights = record["files"]["model.safetensors"]
-    assert set(weights) == {"size", "mtime"} and weights["size"] == (model / "model.safetensors").stat().st_size
-    (model / "config.json").write_text((model / "config.json").read_text() + " ")
-    assert identity.identify(str(model))[1] != digest
 
 
 # ------------------------------------------------------------------------ object store: in-place change, outage
