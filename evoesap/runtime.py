@@ -54,7 +54,6 @@ def inspect_checkpoint(uri: str) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from evoesap import moe
-
     from evoesap.identity import check_local_or_hub
 
     if "://" in uri:

@@ -66,7 +66,6 @@ class CacheLogitsParams:
 def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: str) -> artifacts.Manifest:
     """Cache the teacher (`model`, a checkpoint URI or hub name) on `data` samples and publish it at `out_uri`."""
     from evoesap import teacher
-
     from evoesap.data import check_vocab
 
     inputs = {"model": model, "data": data}

@@ -50,8 +50,9 @@ def read_allocation(uri: str) -> dict:
     try:
         return json.loads(artifacts.read_payload(uri, ALLOCATION_FILE, manifest))
     except ValueError as exc:
-        raise ArtifactError(f"{artifacts.redact(uri)}: {ALLOCATION_FILE} is not JSON ({exc}): "
-                                      "rebuild it with `evoesap search`") from None
+        raise ArtifactError(
+            f"{artifacts.redact(uri)}: {ALLOCATION_FILE} is not JSON ({exc}): rebuild it with `evoesap search`"
+        ) from None
 
 
 def check_allocation(doc: Any, uri: str, spec: MoESpec, params: PruneParams | None = None) -> tuple[list[int], dict[int, list[int]]]:

@@ -124,7 +124,7 @@ def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches:
         images: list[tuple[str, str]] = []
         try:
             allocations = run_allocations(metrics, [h[2] for h in histories])
-        except (ArtifactError, KeyError) as exc:  # a search without usable scores still gets its curve
+        except (ArtifactError, DataError, KeyError) as exc:  # a search without usable scores still gets its curve
             log.warning("frequency-heuristic allocation unavailable: %s", exc)
             allocations = run_allocations(metrics, [])
         for (sparsity, criterion), methods in allocations.items():
