@@ -380,7 +380,7 @@ def test_credentials_in_a_uri_never_reach_errors_or_logs(tiny_artifacts, tmp_pat
 
 @pytest.mark.parametrize("value", [2.7, True, "3"])
 def test_pipeline_yaml_refuses_non_integers_for_integer_parameters(value, tmp_path):
-    from pipeline.config import load_config
+    from evoesap.pipeline.config import load_config
 
     config = {"model": "m", "calibration_data": "c.jsonl", "search_data": "s.jsonl", "search": {"generations": value}}
     with pytest.raises(ConfigError, match="generations"):

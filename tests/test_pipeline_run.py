@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from evoesap import artifacts
+from evoesap import artifacts, facts
 from evoesap.steps import run_step
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.run import report_uri, run_local
@@ -110,7 +110,9 @@ def test_local_run_records_typed_artifacts_whose_metadata_matches_the_manifests(
     assert [int(c) for c in pruned.metadata["expert_counts"]] == summary["num_experts"]
     assert int(pruned.metadata["parameter_bytes"]) == summary["parameter_bytes_pruned"]
     assert (Path(pruned.path) / "manifest.json").read_bytes() == (Path(pruned.metadata["uri"]) / "manifest.json").read_bytes()
-    assert not list(Path(pruned.path).glob("*.safetensors"))  # the weights stay in storage only
+    stored, view = Path(pruned.metadata["uri"]), Path(pruned.path)
+    small = {p.relative_to(stored).as_posix() for p in stored.rglob("*") if p.is_file() and p.stat().st_size <= facts.EXPORT_MAX_BYTES}
+    assert {p.relative_to(view).as_posix() for p in view.rglob("*") if p.is_file()} == small  # large files stay in storage
     assert "<img src='data:image/png;base64," in Path(outputs["report_html"].path).read_text()
     assert Path(outputs["report"].path).read_text() == (Path(first_run["report"]) / "report.md").read_text()
     recorded = _recorded_artifacts(Path(first_run["config"].pipeline_root))

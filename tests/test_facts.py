@@ -1,0 +1,39 @@
+"""What an artifact says about itself for KFP's metadata: its own numbers, small files only, one-file HTML."""
+
+import base64
+import json
+
+from evoesap import artifacts, facts
+
+
+def _artifact(path, stage, files):
+    with artifacts.stage_output(str(path), stage, {}, {}) as staging:
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
+    return str(path)
+
+
+def test_only_files_up_to_the_limit_are_exported_and_the_manifest_always(tmp_path):
+    uri = _artifact(tmp_path / "art", "prune", {"config.json": b"{}", "model.safetensors": b"w" * 5000})
+    copied = facts.export_small_files(uri, tmp_path / "view", max_bytes=1000)
+    assert sorted(copied) == ["config.json", "manifest.json"]
+    assert not (tmp_path / "view" / "model.safetensors").exists()
+    assert (tmp_path / "view" / "manifest.json").read_bytes() == (tmp_path / "art" / "manifest.json").read_bytes()
+
+
+def test_prune_facts_are_the_numbers_its_summary_records(tmp_path):
+    summary = {"method": "searched", "criterion": "reap", "sparsity": 0.5, "removal_counts": [2, 1], "num_experts": [2, 3],
+               "pruned": {}, "parameter_bytes_full": 100, "parameter_bytes_pruned": 60}  # fmt: skip
+    uri = _artifact(tmp_path / "art", "prune", {"pruning.json": json.dumps(summary).encode()})
+    got = facts.facts(uri)
+    assert got["expert_counts"] == [2, 3] and got["parameter_bytes"] == 60 and got["method"] == "searched"
+    assert got["uri"] == uri and got["manifest_sha256"] == artifacts.manifest_sha256(uri)
+
+
+def test_report_html_becomes_one_file_with_its_plots_inlined(tmp_path):
+    png = b"\x89PNG fake"
+    page = b"<html><img src='curve.png'><img src='elsewhere.png'></html>"
+    uri = _artifact(tmp_path / "art", "report", {"report.html": page, "curve.png": png, "report.md": b"# r"})
+    html = facts.standalone_html(uri)
+    assert f"<img src='data:image/png;base64,{base64.b64encode(png).decode()}'" in html
+    assert "<img src='elsewhere.png'>" in html  # not part of the artifact: left alone
