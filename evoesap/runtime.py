@@ -31,13 +31,20 @@ def resolve_device(name: str) -> str:
 
 
 def load_model(uri: str, model_dtype: str = "auto", device: str = "auto", device_map: str | None = None) -> Any:
-    """A checkpoint (stock or pruned) in eval mode on its device; `device_map` shards it over several GPUs."""
+    """A checkpoint (stock or pruned) in eval mode, its weights loaded straight onto their device: never a
+    whole host copy first (a 61 GB model on a 24 GB host). `device_map` shards it over several GPUs."""
     from evoesap import moe
 
     check_model_dtype(model_dtype)
-    if device_map:
-        return moe.load_pruned(uri, dtype=MODEL_DTYPES[model_dtype], device_map=device_map).eval()
-    return moe.load_pruned(uri, dtype=MODEL_DTYPES[model_dtype]).to(resolve_device(device)).eval()
+    placement = device_map or placement_map(resolve_device(device))
+    kwargs = {"device_map": placement} if placement else {}
+    return moe.load_pruned(uri, dtype=MODEL_DTYPES[model_dtype], **kwargs).eval()
+
+
+def placement_map(device: str) -> dict[str, str] | None:
+    """The `device_map` that puts the whole model on one device as it loads; None for the CPU, where
+    transformers loads anyway (and a device_map would add dispatch hooks for nothing)."""
+    return None if torch.device(device).type == "cpu" else {"": device}
 
 
 def inspect_checkpoint(uri: str) -> Any:
