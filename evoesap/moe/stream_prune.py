@@ -57,14 +57,14 @@ class StreamedPrune:
     num_experts: tuple[int, ...]  # experts per MoE layer after pruning
 
 
-def checkpoint_files(source: str) -> tuple[fsspec.AbstractFileSystem, str]:
+def checkpoint_files(source: str, patterns: tuple[str, ...] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, root) holding a checkpoint: a path or fsspec URI read in place; a hub name fetched to the
-    hub's cache (config, tokenizer and safetensors only)."""
+    hub's cache (config, tokenizer and safetensors only, or the files matching `patterns`)."""
     if "://" in source or Path(source).exists():
         return artifacts.split(source)
     from huggingface_hub import snapshot_download
 
-    return artifacts.split(snapshot_download(source, allow_patterns=_HUB_PATTERNS))
+    return artifacts.split(snapshot_download(source, allow_patterns=list(patterns or _HUB_PATTERNS)))
 
 
 def read_config(fs: fsspec.AbstractFileSystem, root: str) -> Any:
