@@ -22,7 +22,7 @@ from typing import Any
 from evoesap.errors import ConfigError
 
 GiB = 1 << 30
-RUNTIME_BYTES = 900 << 20  # anonymous memory of a stage process before its model or cache (measured: bench_memory)
+RUNTIME_BYTES = 330 << 20  # anonymous memory of a stage process before its model or cache (bench_memory: 329 MB)
 ACTIVATION_FLOATS = 16  # float32 values alive per token and hidden unit in a forward, besides the experts'
 CACHE_ROW_BYTES = 12  # sample id, position and target of one cached row
 FULL_PREFERRED_SHARE = 0.5  # full mode is the default while its cache takes at most this share of a device
@@ -169,7 +169,8 @@ def _stage_peaks(stage: str, shape: ModelShape, machine: Machine, data: Data, p:
     from evoesap.teacher import HEAD_BYTES, WRITE_QUEUE
 
     model = shape.bytes
-    loading = RUNTIME_BYTES + 2 * shape.largest_tensor  # a tensor read and placed at a time
+    # loading onto a GPU holds a tensor or two on the host at a time; on the CPU the model is the host's
+    loading = RUNTIME_BYTES + (2 * shape.largest_tensor if machine.devices else 0)
     cache_p = params["cache-logits"]
     cache = cache_bytes(data.cache_rows, shape.vocab, cache_p.mode, cache_p.top_k, cache_p.dtype)
     pruned = model - int(shape.expert_bytes * params["prune"].sparsity)
@@ -178,9 +179,9 @@ def _stage_peaks(stage: str, shape: ModelShape, machine: Machine, data: Data, p:
         return loading, model + _forward(shape, tokens), 0, 0
     if stage == "cache-logits":
         tokens = p.batch_size * p.max_length
-        rows = max(1, HEAD_BYTES // (3 * 4 * shape.vocab))
+        rows = min(tokens, max(1, HEAD_BYTES // (3 * 4 * shape.vocab)))  # scored rows per head chunk
         queued = (WRITE_QUEUE + 2) * rows * (cache // max(1, data.cache_rows))  # chunks queued, converted, written
-        return loading + queued, model + _forward(shape, tokens) + HEAD_BYTES, cache, cache
+        return loading + queued, model + _forward(shape, tokens) + rows * shape.vocab * 3 * 4, cache, cache
     if stage == "search":
         s = params["search"]
         tokens = s.batch_size * cache_p.max_length

@@ -18,7 +18,7 @@ import torch
 
 from evoesap.errors import ArtifactError
 
-COPY_BYTES = 64 << 20  # one read/write step: bounds a copy's memory, not its speed
+COPY_BYTES = 16 << 20  # one read/write step: bounds a copy's memory, not its speed
 HEADER_LIMIT = 100 << 20  # a header larger than this is not a safetensors file
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
