@@ -19,3 +19,7 @@ class ModelError(EvoESAPError):
 
 class ArtifactError(EvoESAPError):
     """An artifact is missing, unfinished, inconsistent or outside its root."""
+
+
+class ResourceError(EvoESAPError):
+    """A stage would need more memory or disk than the machine has (predicted before any work)."""

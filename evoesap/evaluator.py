@@ -79,13 +79,16 @@ class CandidateEvaluator:
         weights_hash: str | None = None,
         prefix_cache_bytes: int | None = 0,
         keep: int = 4,
+        cache_device_bytes: int | None = None,
     ) -> None:
         """`verify=False` skips the weights check, for scoring a physically pruned checkpoint against
         its full model's cache; `weights_hash` saves re-hashing a model whose hash is already known.
         `prefix_cache_bytes`: budget of the prefix cache (0: every candidate runs from the embeddings; None:
         room for every boundary of AUTO_ALLOCATIONS_PER_ELITE x (keep + 1) allocations, at most half the
         memory still free on the model's device once the model and the teacher cache are there);
-        `keep`: allocations whose cached states are never evicted (the search's elites)."""
+        `keep`: allocations whose cached states are never evicted (the search's elites).
+        `cache_device_bytes`: the most the teacher cache's [P, W] columns may take on a GPU (None: half the
+        free memory there; 0: never); a larger cache stays on the host and streams batch by batch."""
         self.model = model
         self.metric = fitness.metric(metric)
         if batch_size < 1:
@@ -102,7 +105,7 @@ class CandidateEvaluator:
         else:  # a physically pruned model (held-out ESAP): other weights, same vocabulary
             cache.check_vocab(model)
         self.device = model_device(model)
-        self.cache = cache.to(self.device)
+        self.cache = cache.to(self.device, heavy=self._cache_fits(cache, cache_device_bytes))
         offsets = cache.offsets.tolist()
         positions = cache.positions.tolist()
         # each sample cut after its last scored position: nothing later reaches a scored logit
@@ -189,6 +192,19 @@ class CandidateEvaluator:
 
     # ---------------------------------------------------------------------------------------------
     # Work
+
+    def _cache_fits(self, cache: TeacherCache, budget: int | None) -> bool:
+        """Whether the teacher columns go to the model's device (always, when that is the host)."""
+        if self.device.type == "cpu":
+            return True
+        if budget is None:
+            from evoesap.runtime import free_memory_bytes
+
+            budget = free_memory_bytes(self.device) // 2
+        fits = cache.heavy_bytes <= budget
+        log.info("teacher cache (%.2f GiB) %s", cache.heavy_bytes / 2**30,
+                 f"on {self.device}" if fits else f"streamed from the host: over the {budget / 2**30:.2f} GiB budget")
+        return fits
 
     def _sample_index(self, samples: Sequence[int] | None) -> torch.Tensor:
         if samples is None:
@@ -320,9 +336,10 @@ class CandidateEvaluator:
             return values, values
         if cache.mode == "topk":  # only esap reaches here (checked in __init__)
             return fitness.esap_topk_bounds(
-                cache.topk_ids[rows], cache.topk_logprobs[rows], cache.tail_mass[rows], logits
+                cache.column_rows("topk_ids", rows, self.device), cache.column_rows("topk_logprobs", rows, self.device),
+                cache.tail_mass[rows], logits
             )
-        teacher = cache.logprobs[rows]  # [P_b, V] stored dtype; fitness upcasts
+        teacher = cache.column_rows("logprobs", rows, self.device)  # [P_b, V] stored dtype; fitness upcasts
         if name == "esap":
             values = fitness.esap(teacher, logits)
         elif name == "kl":

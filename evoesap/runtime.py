@@ -33,20 +33,27 @@ def resolve_device(name: str) -> str:
 
 
 def load_model(uri: str, model_dtype: str = "auto", device: str = "auto", device_map: str | None = None) -> Any:
-    """A checkpoint (stock or pruned) in eval mode on its device; `device_map` shards it over several GPUs.
+    """A checkpoint (stock or pruned) in eval mode, its weights loaded straight onto their device: never a
+    whole host copy first (a 61 GB model on a 24 GB host). `device_map` shards it over several GPUs.
 
     A checkpoint we published (a prune artifact) is verified file by file first, on the one local copy
     that is loaded (an object-store checkpoint is downloaded once)."""
     from evoesap import moe
 
     check_model_dtype(model_dtype)
+    placement = device_map or placement_map(resolve_device(device))
+    kwargs = {"device_map": placement} if placement else {}
     remote = "://" in uri and not artifacts.is_local(uri)
     with artifacts.local_copy(uri) if remote else contextlib.nullcontext(uri) as source:
         if artifacts.exists(artifacts.join(str(source), artifacts.MANIFEST)):
             artifacts.verify(uri, "prune", local=Path(source))
-        if device_map:
-            return moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype], device_map=device_map).eval()
-        return moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype]).to(resolve_device(device)).eval()
+        return moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype], **kwargs).eval()
+
+
+def placement_map(device: str) -> dict[str, str] | None:
+    """The `device_map` that puts the whole model on one device as it loads; None for the CPU, where
+    transformers loads anyway (and a device_map would add dispatch hooks for nothing)."""
+    return None if torch.device(device).type == "cpu" else {"": device}
 
 
 def inspect_checkpoint(uri: str) -> Any:

@@ -116,6 +116,9 @@ def run_stage(stage: str, inputs: Mapping[str, Any], params: Any, out_uri: str) 
     if done is not None:
         log.info("%s: reusing the finished artifact at %s", stage, artifacts.redact(out_uri))
         return done
+    from evoesap import plan
+
+    plan.check_stage(stage, dict(inputs), params)  # refuses a stage that would not fit, before any work
     return function(**inputs, params=params, out_uri=out_uri)
 
 

@@ -11,9 +11,12 @@ Layout of a cache directory (the stage publishes it as an artifact with a manife
 - `samples.parquet`: sample_id, input_ids list<int32>, answer_mask list<bool>; enough to score a
   candidate from the cache alone.
 - `positions/part-NNNNN.parquet`: sample_id, position int32 (t), target int32 (token t+1) and
-  - mode `full`: logprobs fixed_size_list<float16|float32>[V] (log-softmax over the vocabulary);
-  - mode `topk`: topk_ids list<int32>[K], topk_logprobs list<float16|float32>[K], tail_mass float32
+  - mode `full`: logprobs (log-softmax over the vocabulary, V values);
+  - mode `topk`: topk_ids list<int32>[K], topk_logprobs (K values), tail_mass float32
     (1 - the top-K probability mass, summed over the tail itself so it never cancels).
+  Log-probabilities are stored as fixed_size_binary rows of W little-endian float16|float32 values:
+  Parquet writes a float16 list value by value (about 50 MB/s), a binary row as one block (GB/s).
+  Row groups hold about ROW_GROUP_BYTES, so that a reader decodes little at a time.
 
 float16 log-probabilities round p(v) by at most 2^-12 |log p(v)| relatively: ESAP read from a float16
 cache differs from float32 by about 1e-4 at most on typical distributions; use float32 where that
@@ -22,6 +25,8 @@ matters (tests, the live-vs-cache check).
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -41,13 +46,17 @@ from evoesap.progress import progress
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: log-probabilities as binary rows
 META_FILE = "cache.json"
 SAMPLES_FILE = "samples.parquet"
 SHARD_DIR = "positions"
 MODES = ("full", "topk")
 DTYPES = {"float16": (torch.float16, pa.float16()), "float32": (torch.float32, pa.float32())}
 SHARD_BYTES = 256 << 20  # a shard holds about this many bytes of log-probabilities
+ROW_GROUP_BYTES = 8 << 20  # a row group holds about this many: what a reader decodes at once
+HEAD_BYTES = 256 << 20  # the [rows, V] temporaries of the LM head and softmax together, on any device
+HEAD_TEMPORARIES = 3  # [rows, V] float32-sized tensors alive at once in `_write_rows`
+WRITE_QUEUE = 2  # chunks waiting for the writer thread at most
 
 
 class TokenizedLike(Protocol):
@@ -180,22 +189,32 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 class _ShardWriter:
-    """Parquet shards of about SHARD_BYTES each, written batch by batch (never the whole cache in RAM)."""
+    """Parquet shards of about SHARD_BYTES each, written chunk by chunk (never the whole cache in RAM) on a
+    background thread, so that the teacher's next forward overlaps the encoding and the disk."""
 
-    def __init__(self, root: Path, schema: pa.Schema, rows_per_shard: int) -> None:
+    def __init__(self, root: Path, schema: pa.Schema, rows_per_shard: int, rows_per_group: int) -> None:
         self.root, self.schema, self.rows_per_shard = root, schema, max(1, rows_per_shard)
+        self.rows_per_group = max(1, rows_per_group)
         (root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
         self.shards: list[str] = []
         self._writer: pq.ParquetWriter | None = None
         self._rows = 0
+        self._thread = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-writer")
+        self._pending: collections.deque[concurrent.futures.Future] = collections.deque()
 
     def write(self, table: pa.Table) -> None:
+        """Queue `table` for writing; waits while WRITE_QUEUE tables are already queued (bounded host memory)."""
+        while len(self._pending) >= WRITE_QUEUE:
+            self._pending.popleft().result()
+        self._pending.append(self._thread.submit(self._write, table))
+
+    def _write(self, table: pa.Table) -> None:
         start = 0
         while start < table.num_rows:
             if self._writer is None or self._rows >= self.rows_per_shard:
                 self._roll()
             take = min(table.num_rows - start, self.rows_per_shard - self._rows)
-            self._writer.write_table(table.slice(start, take))
+            self._writer.write_table(table.slice(start, take), row_group_size=self.rows_per_group)
             self._rows += take
             start += take
 
@@ -204,10 +223,21 @@ class _ShardWriter:
             self._writer.close()
         name = f"{SHARD_DIR}/part-{len(self.shards):05d}.parquet"
         self.shards.append(name)
-        self._writer = pq.ParquetWriter(self.root / name, self.schema)
+        light = [f.name for f in self.schema if not pa.types.is_fixed_size_binary(f.type)]
+        # binary rows of log-probabilities hardly compress and need no statistics or dictionary
+        self._writer = pq.ParquetWriter(
+            self.root / name, self.schema, use_dictionary=light, write_statistics=light,
+            compression={f.name: "snappy" if f.name in light else "none" for f in self.schema},
+        )
         self._rows = 0
 
     def close(self) -> None:
+        """Finish every queued write (raising the first error) and close the last shard."""
+        try:
+            while self._pending:
+                self._pending.popleft().result()
+        finally:
+            self._thread.shutdown(wait=True, cancel_futures=True)
         if self._writer is None:  # no scored position at all: still write an empty shard
             self._roll()
         self._writer.close()
@@ -217,6 +247,21 @@ def _fixed_list(values: np.ndarray, pa_type: pa.DataType) -> pa.Array:
     """[N, W] numpy -> fixed_size_list<pa_type>[W] without a Python object per value."""
     n, width = values.shape
     return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1), type=pa_type), width)
+
+
+def _binary_rows(values: np.ndarray) -> pa.Array:
+    """[N, W] numpy -> fixed_size_binary[W * itemsize], one row per value row, without copying."""
+    values = np.ascontiguousarray(values)
+    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(values.shape[1] * values.itemsize), len(values), [None, pa.py_buffer(values)])
+
+
+def _rows_of(column: pa.Array, dtype: np.dtype) -> np.ndarray:
+    """A fixed_size_binary or fixed/variable list column of N rows -> [N, W] numpy view (no copy)."""
+    n = len(column)
+    if pa.types.is_fixed_size_binary(column.type):
+        width = column.type.byte_width // dtype.itemsize
+        return np.frombuffer(column.buffers()[1], dtype=dtype, count=n * width, offset=column.offset * column.type.byte_width).reshape(n, width)
+    return column.flatten().to_numpy(zero_copy_only=False).reshape(n, -1)
 
 
 def _id_type(tokenized: Sequence[TokenizedLike]) -> pa.DataType:
@@ -234,8 +279,13 @@ def write_cache(
     batch_size: int = 8,
     tokenizer: Any = None,
     shard_bytes: int = SHARD_BYTES,
+    head_bytes: int = HEAD_BYTES,
 ) -> CacheMeta:
-    """Run the full model once over `tokenized` and write the cache into the local directory `out_dir`."""
+    """Run the full model once over `tokenized` and write the cache into the local directory `out_dir`.
+
+    Memory on the model's device: the model, one batch's forward, and `head_bytes` of [rows, V]
+    temporaries, whatever the batch size; on the host, WRITE_QUEUE chunks waiting to be written.
+    """
     if mode not in MODES:
         raise ConfigError(f"cache mode {mode!r} is not one of {MODES}")
     if dtype not in DTYPES:
@@ -250,24 +300,27 @@ def write_cache(
     vocab = int(model.get_output_embeddings().weight.shape[0])
     if mode == "topk" and not (top_k and 1 <= top_k <= vocab):
         raise ConfigError(f"top_k must be in 1..{vocab} for mode 'topk', got {top_k}")
-    torch_dtype, pa_dtype = DTYPES[dtype]
+    torch_dtype = DTYPES[dtype][0]
     out_dir = Path(out_dir)
     id_type = _id_type(tokenized)
 
     width = vocab if mode == "full" else 2 * top_k
     rows_per_shard = shard_bytes // max(1, width * torch_dtype.itemsize)
+    rows_per_group = ROW_GROUP_BYTES // max(1, width * torch_dtype.itemsize)
     fields = [("sample_id", id_type), ("position", pa.int32()), ("target", pa.int32())]
     if mode == "full":
-        fields.append(("logprobs", pa.list_(pa_dtype, vocab)))
+        fields.append(("logprobs", pa.binary(vocab * torch_dtype.itemsize)))
     else:
         fields += [
             ("topk_ids", pa.list_(pa.int32(), top_k)),
-            ("topk_logprobs", pa.list_(pa_dtype, top_k)),
+            ("topk_logprobs", pa.binary(top_k * torch_dtype.itemsize)),
             ("tail_mass", pa.float32()),
         ]
-    writer = _ShardWriter(out_dir, pa.schema(fields), rows_per_shard)
+    writer = _ShardWriter(out_dir, pa.schema(fields), rows_per_shard, rows_per_group)
 
     device = model_device(model)
+    head_rows = max(1, head_bytes // (HEAD_TEMPORARIES * 4 * vocab))
+    layout = _Rows(mode, top_k, torch_dtype, id_type, head_rows)
     scored = [scored_positions(s.answer_mask) for s in tokenized]
     empty = sum(1 for p in scored if not p)
     if empty:
@@ -282,7 +335,7 @@ def write_cache(
         with torch.inference_mode():
             for start in progress(range(0, len(keep), batch_size), desc="teacher", unit="batch"):
                 chunk = keep[start : start + batch_size]
-                total += _write_batch(model, tokenized, scored, chunk, writer, mode, top_k, torch_dtype, device, id_type)
+                total += _write_batch(model, tokenized, scored, chunk, writer, layout, device)
     finally:
         model.train(was_training)
         writer.close()
@@ -313,44 +366,62 @@ def write_cache(
     return meta
 
 
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """How scored rows become cache columns: mode, K, storage dtype, id type, rows per head chunk."""
+
+    mode: str
+    top_k: int | None
+    dtype: torch.dtype
+    id_type: pa.DataType
+    head_rows: int
+
+
 def _write_batch(
     model: torch.nn.Module,
     tokenized: Sequence[TokenizedLike],
     scored: list[list[int]],
     chunk: list[int],
     writer: _ShardWriter,
-    mode: str,
-    top_k: int | None,
-    torch_dtype: torch.dtype,
+    layout: _Rows,
     device: torch.device,
-    id_type: pa.DataType,
 ) -> int:
+    """One teacher forward over the samples `chunk`; the head and softmax then run in chunks of
+    `layout.head_rows` scored rows, each written as it is done."""
     seqs = [torch.as_tensor(list(tokenized[i].input_ids), dtype=torch.long) for i in chunk]
     input_ids, attention_mask = pad_right(seqs)
     rows = torch.cat([torch.full((len(scored[i]),), r, dtype=torch.long) for r, i in enumerate(chunk)])  # [P]
     pos = torch.cat([torch.as_tensor(scored[i], dtype=torch.long) for i in chunk])  # [P]
     hidden = final_hidden(model, input_ids.to(device), attention_mask.to(device))  # [B, T, H]
-    logits = head_logits(model, hidden[rows.to(device), pos.to(device)])  # [P, V] model dtype
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [P, V] float32
-    targets = input_ids[rows, pos + 1]  # [P] long: the token each scored position predicts
+    picked = hidden[rows.to(hidden.device), pos.to(hidden.device)]  # [P, H]
+    del hidden
+    targets = input_ids[rows, pos + 1].numpy().astype(np.int32)  # [P]: the token each scored position predicts
+    ids = [tokenized[i].sample_id for i in chunk for _ in scored[i]]
+    positions = pos.numpy().astype(np.int32)
+    for a in range(0, len(ids), layout.head_rows):
+        b = a + layout.head_rows
+        columns = {
+            "sample_id": pa.array(ids[a:b], type=layout.id_type),
+            "position": pa.array(positions[a:b]),
+            "target": pa.array(targets[a:b]),
+            **_teacher_columns(model, picked[a:b], layout),
+        }
+        writer.write(pa.table(columns, schema=writer.schema))
+    return len(ids)
 
-    columns: dict[str, pa.Array] = {
-        "sample_id": pa.array([tokenized[i].sample_id for i in chunk for _ in scored[i]], type=id_type),
-        "position": pa.array(pos.numpy().astype(np.int32)),
-        "target": pa.array(targets.numpy().astype(np.int32)),
+
+def _teacher_columns(model: torch.nn.Module, hidden: torch.Tensor, layout: _Rows) -> dict[str, pa.Array]:
+    """The teacher columns of scored rows [n, H]: at most HEAD_TEMPORARIES [n, V] float32-sized temporaries."""
+    logprobs = torch.log_softmax(head_logits(model, hidden).float(), dim=-1)  # [n, V] float32
+    if layout.mode == "full":
+        return {"logprobs": _binary_rows(logprobs.to(layout.dtype).cpu().numpy())}
+    top_lp, top_ids = logprobs.topk(layout.top_k, dim=-1)  # [n, K] float32, [n, K] long
+    tail = logprobs.exp_().scatter_(-1, top_ids, 0.0).sum(dim=-1)  # [n] float32, summed over the tail itself
+    return {
+        "topk_ids": _fixed_list(top_ids.to(torch.int32).cpu().numpy(), pa.int32()),
+        "topk_logprobs": _binary_rows(top_lp.to(layout.dtype).cpu().numpy()),
+        "tail_mass": pa.array(tail.cpu().numpy()),
     }
-    if mode == "full":
-        columns["logprobs"] = _fixed_list(logprobs.to(torch_dtype).cpu().numpy(), writer.schema.field("logprobs").type.value_type)
-    else:
-        top_lp, top_ids = logprobs.topk(top_k, dim=-1)  # [P, K] float32, [P, K] long
-        tail = logprobs.exp().scatter(-1, top_ids, 0.0).sum(dim=-1)  # [P] float32, summed over the tail itself
-        columns["topk_ids"] = _fixed_list(top_ids.to(torch.int32).cpu().numpy(), pa.int32())
-        columns["topk_logprobs"] = _fixed_list(
-            top_lp.to(torch_dtype).cpu().numpy(), writer.schema.field("topk_logprobs").type.value_type
-        )
-        columns["tail_mass"] = pa.array(tail.cpu().numpy())
-    writer.write(pa.table(columns, schema=writer.schema))
-    return int(pos.numel())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -371,7 +442,7 @@ class TeacherCache:
     positions: torch.Tensor  # [P] long
     targets: torch.Tensor  # [P] long
     logprobs: torch.Tensor | None = None  # [P, V] (mode full)
-    topk_ids: torch.Tensor | None = None  # [P, K] long (mode topk)
+    topk_ids: torch.Tensor | None = None  # [P, K] int32, as stored (mode topk)
     topk_logprobs: torch.Tensor | None = None  # [P, K]
     tail_mass: torch.Tensor | None = None  # [P] float32
 
@@ -397,13 +468,28 @@ class TeacherCache:
                 out[name] = value[rows]
         return out
 
-    def to(self, device: torch.device | str) -> "TeacherCache":
-        """The teacher columns moved to `device` once (not per candidate)."""
-        moved = {
-            name: (getattr(self, name).to(device) if getattr(self, name) is not None else None)
-            for name in ("positions", "targets", "logprobs", "topk_ids", "topk_logprobs", "tail_mass")
-        }
+    @property
+    def heavy_bytes(self) -> int:
+        """Bytes of the [P, W] teacher columns: what the cache costs wherever it sits."""
+        return sum(t.numel() * t.element_size() for t in (self.logprobs, self.topk_ids, self.topk_logprobs) if t is not None)
+
+    def to(self, device: torch.device | str, heavy: bool = True) -> "TeacherCache":
+        """The teacher columns moved to `device` once (not per candidate); with `heavy=False` the [P, W]
+        columns stay where they are (the host) and `column_rows` streams them batch by batch."""
+        names = ["positions", "targets", "tail_mass"] + (["logprobs", "topk_ids", "topk_logprobs"] if heavy else [])
+        moved = {name: getattr(self, name).to(device) for name in names if getattr(self, name) is not None}
         return dataclasses.replace(self, **moved)
+
+    def column_rows(self, name: str, rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Rows `rows` of column `name` on `device`: indexed in place, or gathered on the host and sent over
+        from pinned memory (a host-resident column of a GPU search)."""
+        column = getattr(self, name)
+        if column.device == device:
+            return column[rows]
+        picked = column[rows.to(column.device)]
+        if device.type == "cuda":
+            return picked.pin_memory().to(device, non_blocking=True)
+        return picked.to(device)
 
     def check_model(self, model: torch.nn.Module, tokenizer: Any = None, *, weights_hash: str | None = None) -> None:
         """Refuse a model (or tokenizer) other than the one the cache was made from."""
@@ -434,25 +520,17 @@ class TeacherCache:
             )
 
 
-def _tensor(array: np.ndarray) -> torch.Tensor:
-    """A torch view of a numpy array read from Arrow (read-only; never written, so no copy is made)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        return torch.from_numpy(array)
-
-
-def _column_2d(table: pa.Table, name: str) -> np.ndarray:
-    """A list column of equal widths -> [N, W] numpy, via the flat child array (no per-row objects)."""
-    col = table.column(name).combine_chunks()
-    width = col.type.list_size if pa.types.is_fixed_size_list(col.type) else None
-    flat = col.flatten().to_numpy(zero_copy_only=False)
-    if width is None:
-        width = flat.size // max(1, len(col))
-    return flat.reshape(len(col), width)
+_HEAVY = {"full": ("logprobs",), "topk": ("topk_ids", "topk_logprobs")}  # [P, W] columns, by mode
+READ_BYTES = 2 << 20  # [rows, W] bytes decoded at a time while loading: the loader's memory beside the cache
 
 
 def load_cache(uri: str) -> TeacherCache:
-    """Read a teacher cache from a local path or any fsspec URI."""
+    """Read a teacher cache from a local path or any fsspec URI, at about its own size in memory.
+
+    The light columns are read first to order the rows by (sample, position); each [P, W] column is
+    then allocated once, in its stored dtype (top-K ids stay int32), and filled batch by batch from
+    the shards, so no whole-column copy is ever made.
+    """
     with artifacts.local_copy(uri) as root:
         meta_path = Path(root) / META_FILE
         if not meta_path.exists():
@@ -466,45 +544,78 @@ def load_cache(uri: str) -> TeacherCache:
         except (ValueError, TypeError, KeyError, ArtifactError) as exc:
             raise ArtifactError(f"{artifacts.redact(uri)}/{META_FILE} is malformed ({exc}): rebuild it with "
                                 "`evoesap cache-logits`") from None
-        missing = [s for s in meta.shards if not (Path(root) / s).exists()]
+        files = [Path(root) / s for s in meta.shards]
+        missing = [s for s, f in zip(meta.shards, files) if not f.exists()]
         if missing or not (Path(root) / SAMPLES_FILE).exists():
             raise ArtifactError(
                 f"teacher cache {artifacts.redact(uri)} is incomplete (missing {missing or SAMPLES_FILE}): rebuild it"
             )
         samples = pq.read_table(Path(root) / SAMPLES_FILE)
-        table = pa.concat_tables([pq.read_table(Path(root) / s) for s in meta.shards])
-    return _from_tables(meta, samples, table)
+        light = pa.concat_tables([pq.read_table(f, columns=["sample_id", "position", "target"]) for f in files])
+        cache, destination = _index(meta, samples, light)
+        _fill(cache, files, destination)
+    return cache
 
 
-def _from_tables(meta: CacheMeta, samples: pa.Table, table: pa.Table) -> TeacherCache:
+def _index(meta: CacheMeta, samples: pa.Table, light: pa.Table) -> tuple[TeacherCache, np.ndarray | None]:
+    """The cache with its light columns in (sample, position) order and its [P, W] columns allocated,
+    and each stored row's place in that order (None when the shards are already in order)."""
     sample_ids = samples.column("sample_id").to_pylist()
     index = {sid: i for i, sid in enumerate(sample_ids)}
-    row_sample = np.array([index[s] for s in table.column("sample_id").to_pylist()], dtype=np.int64)  # [P]
-    position = table.column("position").to_numpy().astype(np.int64)  # [P]
+    row_sample = np.array([index[s] for s in light.column("sample_id").to_pylist()], dtype=np.int64)  # [P]
+    position = light.column("position").to_numpy().astype(np.int64)  # [P]
     order = np.lexsort((position, row_sample))
-    in_order = bool(np.all(order == np.arange(len(order))))
-    take = (lambda a: a) if in_order else (lambda a: a[order])
+    destination = None
+    if not np.array_equal(order, np.arange(len(order))):
+        destination = np.empty_like(order)
+        destination[order] = np.arange(len(order))  # stored row i goes to row destination[i]
     counts = np.bincount(row_sample, minlength=len(sample_ids))
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    input_ids = [torch.as_tensor(np.asarray(ids, dtype=np.int64)) for ids in samples.column("input_ids").to_pylist()]
-    cols: dict[str, torch.Tensor] = {}
-    if meta.mode == "full":
-        cols["logprobs"] = _tensor(np.ascontiguousarray(take(_column_2d(table, "logprobs"))))
-    else:
-        cols["topk_ids"] = torch.from_numpy(take(_column_2d(table, "topk_ids")).astype(np.int64))
-        cols["topk_logprobs"] = _tensor(np.ascontiguousarray(take(_column_2d(table, "topk_logprobs"))))
-        cols["tail_mass"] = torch.from_numpy(take(table.column("tail_mass").to_numpy()).astype(np.float32))
     if len(sample_ids) != meta.num_samples or int(offsets[-1]) != meta.num_positions:
         raise ArtifactError("teacher cache rows do not match cache.json counts: the cache is corrupt, rebuild it")
-    return TeacherCache(
+    rows, stored = meta.num_positions, DTYPES[meta.dtype][0]
+    if meta.mode == "full":
+        heavy = {"logprobs": torch.empty((rows, meta.vocab_size), dtype=stored)}  # [P, V]
+    else:
+        heavy = {
+            "topk_ids": torch.empty((rows, meta.top_k), dtype=torch.int32),  # [P, K] as stored
+            "topk_logprobs": torch.empty((rows, meta.top_k), dtype=stored),  # [P, K]
+            "tail_mass": torch.empty(rows, dtype=torch.float32),  # [P]
+        }
+    cache = TeacherCache(
         meta=meta,
         sample_ids=sample_ids,
-        input_ids=input_ids,
+        input_ids=[torch.as_tensor(np.asarray(ids, dtype=np.int64)) for ids in samples.column("input_ids").to_pylist()],
         offsets=torch.from_numpy(offsets),
-        positions=torch.from_numpy(take(position)),
-        targets=torch.from_numpy(take(table.column("target").to_numpy().astype(np.int64))),
-        **cols,
+        positions=torch.from_numpy(position if destination is None else position[order]),
+        targets=torch.from_numpy(light.column("target").to_numpy().astype(np.int64)[order]),
+        **heavy,
     )
+    return cache, destination
+
+
+def _fill(cache: TeacherCache, files: Sequence[Path], destination: np.ndarray | None) -> None:
+    """Copy the [P, W] columns (and tail mass) from the shards into the allocated tensors, a batch at a time."""
+    names = list(_HEAVY[cache.mode]) + (["tail_mass"] if cache.mode == "topk" else [])
+    width = sum(getattr(cache, name)[0].numel() * getattr(cache, name).element_size() for name in names)
+    row = 0
+    for file in files:
+        stream = pq.ParquetFile(file, pre_buffer=False, buffer_size=1 << 20)  # read as decoded, not a row group ahead
+        for batch in stream.iter_batches(batch_size=max(1, READ_BYTES // width), columns=names, use_threads=False):
+            n = batch.num_rows
+            where = slice(row, row + n) if destination is None else torch.from_numpy(destination[row : row + n])
+            for name in names:
+                column, target = batch.column(name), getattr(cache, name)
+                if name == "tail_mass":
+                    values = column.to_numpy(zero_copy_only=False)  # [n]
+                else:
+                    values = _rows_of(column, np.dtype(str(target.dtype).removeprefix("torch.")))  # [n, W] view
+                with warnings.catch_warnings():  # read-only Arrow memory: copied into the cache, never written
+                    warnings.filterwarnings("ignore", message=".*not writable.*")
+                    getattr(cache, name)[where] = torch.from_numpy(values)
+            row += n
+    if row != cache.meta.num_positions:
+        raise ArtifactError("teacher cache shards hold fewer rows than cache.json says: the cache is corrupt, rebuild it")
 
 
 def iter_batches(lengths: Sequence[int], batch_size: int) -> Iterator[list[int]]:

@@ -139,3 +139,77 @@ def test_incomplete_cache_is_refused(tmp_path) -> None:
     (tmp_path / meta.shards[0]).unlink()
     with pytest.raises(ArtifactError, match="incomplete"):
         teacher.load_cache(str(tmp_path))
+
+
+@pytest.mark.parametrize("mode", ["full", "topk"])
+def test_rows_stored_out_of_order_load_in_sample_and_position_order(tmp_path, mode) -> None:
+    import pyarrow.parquet as pq
+
+    model, samples = tiny(), random_samples(6, seed=3)
+    meta = teacher.write_cache(model, samples, tmp_path, mode=mode, top_k=5, dtype="float32", batch_size=2, shard_bytes=4096)
+    expected = teacher.load_cache(str(tmp_path))
+    tables = [pq.read_table(tmp_path / s) for s in meta.shards]  # shuffle rows across and within the shards
+    import pyarrow as pa
+
+    whole = pa.concat_tables(tables)
+    shuffled = whole.take(np.random.default_rng(0).permutation(whole.num_rows))
+    start = 0
+    for shard, table in zip(meta.shards, tables):
+        pq.write_table(shuffled.slice(start, table.num_rows), tmp_path / shard)
+        start += table.num_rows
+    got = teacher.load_cache(str(tmp_path))
+    for name in ("positions", "targets", "logprobs", "topk_ids", "topk_logprobs", "tail_mass"):
+        want = getattr(expected, name)
+        assert (want is None and getattr(got, name) is None) or torch.equal(getattr(got, name), want), name
+
+
+LOAD_PROBE = """
+import sys
+from evoesap import teacher
+def status(field):
+    for line in open('/proc/self/status'):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+teacher.load_cache(sys.argv[2])  # imports, thread pools and allocators warmed on a one-sample cache: the constant
+open('/proc/self/clear_refs', 'w').write('5')  # restart the peak (VmHWM) from the current RSS
+before = status('VmRSS:')
+cache = teacher.load_cache(sys.argv[1])
+held = sum(t.numel() * t.element_size() for t in (cache.logprobs, cache.topk_ids, cache.topk_logprobs) if t is not None)
+print(status('VmHWM:') - before, held)
+"""
+
+
+def test_a_cache_loads_at_about_its_own_size(tmp_path) -> None:
+    """Peak RSS growth of a process loading a cache grows by at most 1.2 bytes per byte of [P, V] columns
+    (two cache sizes, so that the loader's fixed overhead cancels; whole-column copies made it 2.2)."""
+    import subprocess
+    import sys
+
+    vocab = 32768
+    model = tiny_model("olmoe", seed=0, vocab_size=vocab, hidden_size=32, num_hidden_layers=1).eval()
+    rng = np.random.default_rng(0)
+    samples = [TokenizedSample(i, rng.integers(3, vocab, 128).tolist(), [False] + [True] * 127) for i in range(20)]
+    for name, n in (("warm", 1), ("half", 10), ("whole", 20)):
+        teacher.write_cache(model, samples[:n], tmp_path / name, mode="full", dtype="float16", batch_size=4, shard_bytes=32 << 20)
+    measured = {}
+    for name in ("half", "whole"):
+        probe = [sys.executable, "-c", LOAD_PROBE, str(tmp_path / name), str(tmp_path / "warm")]
+        measured[name] = tuple(map(int, subprocess.run(probe, capture_output=True, text=True, check=True).stdout.split()))
+    (grown_half, held_half), (grown, held) = measured["half"], measured["whole"]
+    assert held == 20 * 127 * vocab * 2 == 2 * held_half
+    slope = (grown - grown_half) / (held - held_half)
+    assert slope <= 1.2, f"loading grew RSS by {slope:.2f} bytes per cache byte ({grown / held:.2f}x the whole cache)"
+
+
+@pytest.mark.parametrize("mode", ["full", "topk"])
+def test_head_chunks_of_any_size_write_the_same_cache(tmp_path, mode) -> None:
+    """A byte budget of one row per head chunk gives the cache of unchunked batches (the temporaries no
+    longer grow with the batch)."""
+    model, samples = tiny(), random_samples(6, seed=4)
+    kwargs = dict(mode=mode, top_k=7, dtype="float32", batch_size=3)
+    teacher.write_cache(model, samples, tmp_path / "one", head_bytes=1, **kwargs)
+    teacher.write_cache(model, samples, tmp_path / "all", head_bytes=1 << 30, **kwargs)
+    one, whole = teacher.load_cache(str(tmp_path / "one")), teacher.load_cache(str(tmp_path / "all"))
+    for name in ("positions", "targets", "logprobs", "topk_ids", "topk_logprobs", "tail_mass"):
+        a, b = getattr(one, name), getattr(whole, name)
+        assert (a is None and b is None) or torch.allclose(a.float(), b.float(), atol=1e-6), name

@@ -18,6 +18,7 @@ from evoesap.moe.spec import (
     moe_blocks,
     pruning_space,
 )
+from evoesap.moe.stream_prune import StreamedPrune, prune_checkpoint
 from evoesap.moe.surgery import load_pruned, load_tokenizer, prune_experts, save_pruned
 from evoesap.moe.tiny import tiny_model
 
@@ -30,6 +31,7 @@ __all__ = [
     "MoEBlock",
     "MoESpec",
     "PruningSpace",
+    "StreamedPrune",
     "admissible_order",
     "bytes_report",
     "check_pruned",
@@ -40,6 +42,7 @@ __all__ = [
     "masked",
     "moe_blocks",
     "observe_routing",
+    "prune_checkpoint",
     "pruning_space",
     "parameter_bytes",
     "prune_experts",

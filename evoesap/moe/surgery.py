@@ -53,13 +53,17 @@ def _resize(
 
 def record_counts(model: nn.Module) -> None:
     """Write the modules' expert counts to the config: one int when uniform, else the per-layer map."""
-    family = model_family(model)
     counts = {str(b.decoder_index): int(b.experts.num_experts) for b in moe_blocks(model)}
-    setattr(model.config, family.num_experts_field, max(counts.values()))  # stock classes build the widest
+    set_counts(model.config, model_family(model), counts)
+
+
+def set_counts(config: Any, family: Family, counts: Mapping[str, int]) -> None:
+    """Expert counts per decoder layer into a config: one int when uniform, else the per-layer map."""
+    setattr(config, family.num_experts_field, max(counts.values()))  # stock classes build the widest
     if len(set(counts.values())) > 1:
-        setattr(model.config, PER_LAYER_KEY, counts)
-    elif hasattr(model.config, PER_LAYER_KEY):
-        delattr(model.config, PER_LAYER_KEY)
+        setattr(config, PER_LAYER_KEY, dict(counts))
+    elif hasattr(config, PER_LAYER_KEY):
+        delattr(config, PER_LAYER_KEY)
 
 
 def prune_experts(model: nn.Module, pruned: Pruned) -> nn.Module:

@@ -109,32 +109,33 @@ def planned_pruning(scores_uri: str, params: PruneParams, spec: MoESpec, allocat
 
 
 def run_prune(model: str, scores: str, params: PruneParams, out_uri: str, allocation: str | None = None) -> artifacts.Manifest:
-    """Physically prune `model` and publish the checkpoint with a pruning.json summary."""
+    """Physically prune `model` and publish the checkpoint with a pruning.json summary.
+
+    The checkpoint's files are rewritten shard by shard (`moe.prune_checkpoint`): memory stays at a
+    copy step, whatever the model's size; nothing is loaded onto a device.
+    """
     from evoesap import moe
 
     inputs = {"model": model, "scores": scores, "allocation": allocation}
     artifacts.preflight(out_uri, "prune", inputs)
-    artifacts.verify(scores, "calibrate")  # a clear error before loading anything
+    artifacts.verify(scores, "calibrate")  # a clear error before reading anything else
     if allocation is not None:
         artifacts.verify(allocation, "search")
     spec = runtime.inspect_checkpoint(model)
-    method, counts, pruned = planned_pruning(scores, params, spec, allocation)  # refused before the weights load
-    full = moe.load_pruned(model, dtype=runtime.MODEL_DTYPES[params.model_dtype])
-    tokenizer = moe.load_tokenizer(model)
-    bytes_before = moe.parameter_bytes(full)
-    moe.prune_experts(full, pruned)
-    summary = {
-        "method": method,
-        "criterion": params.criterion,
-        "sparsity": params.sparsity,
-        "removal_counts": counts,
-        "pruned": {str(layer): ids for layer, ids in sorted(pruned.items())},
-        "num_experts": [n - r for n, r in zip(spec.num_experts, counts)],
-        "parameter_bytes_full": bytes_before,
-        "parameter_bytes_pruned": moe.parameter_bytes(full),
-    }
+    method, counts, pruned = planned_pruning(scores, params, spec, allocation)  # refused before any weight is read
+    dtype = runtime.MODEL_DTYPES[params.model_dtype]
     with artifacts.stage_output(out_uri, "prune", dataclasses.asdict(params), inputs) as staging:
-        moe.save_pruned(full, tokenizer, str(staging))
+        result = moe.prune_checkpoint(model, pruned, staging, dtype=None if dtype == "auto" else dtype)
+        summary = {
+            "method": method,
+            "criterion": params.criterion,
+            "sparsity": params.sparsity,
+            "removal_counts": counts,
+            "pruned": {str(layer): ids for layer, ids in sorted(pruned.items())},
+            "num_experts": list(result.num_experts),
+            "parameter_bytes_full": result.bytes_full,
+            "parameter_bytes_pruned": result.bytes_pruned,
+        }
         (staging / PRUNING_FILE).write_text(json.dumps(summary, indent=2))
     log.info("pruned %s (%s): %d experts removed", artifacts.redact(model), method, sum(counts))
     return artifacts.read_manifest(out_uri)

@@ -227,7 +227,9 @@ def run_search(
     )
     judge = evaluator if heldout_teacher is None else CandidateEvaluator(  # refuses another model's cache now
         loaded, heldout_teacher, metric=params.metric, batch_size=params.batch_size, weights_hash=teacher.meta.model_hash,
+        cache_device_bytes=0,  # the held-out cache stays on the host: it must not take the search's device memory
     )
+    del teacher, heldout_teacher  # on a GPU the evaluator holds the device copy; the host copy goes now
     schedule = racing.Racing.parse(params.racing_schedule) if params.racing else None
 
     def fitness_of(r: tuple[int, ...]) -> float:

@@ -1,0 +1,202 @@
+"""Peak memory of every stage against model and cache bytes, and the planner's prediction of it.
+
+Random-weight OLMoE-shaped models of growing size (bf16, OLMoE's vocabulary) run calibrate,
+cache-logits, search and prune on the CPU, each stage in its own process (`python -m evoesap ...`)
+sampled every 10 ms from /proc/PID/status: peak RSS, peak anonymous memory (RssAnon: what the process
+allocated) and file-backed memory (RssFile: mapped files, such as memory-mapped safetensors, which the
+kernel can drop). A last process loads the teacher cache alone. Each row gives the peak anonymous memory
+over model bytes, the loaded cache over its bytes, and the planner's host prediction (`evoesap.plan`)
+with its error.
+
+    PYTHONPATH=$PWD python benchmarks/bench_memory.py                    # 0.3, 1 and 2 GB
+    PYTHONPATH=$PWD python benchmarks/bench_memory.py --sizes 0.3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+HIDDEN, EXPERTS, TOP_K, WIDTH, VOCAB = 1024, 16, 4, 512, 50304
+LAYER_PARAMS = 4 * HIDDEN * HIDDEN + EXPERTS * 3 * HIDDEN * WIDTH + EXPERTS * HIDDEN  # attention, experts, router
+SETTINGS = dict(samples=4, max_length=128, batch_size=2)
+# what every stage process imports before it loads anything: the baseline subtracted from its peaks
+RUNTIME_PROBE = ("import torch, transformers, pyarrow, pandas, evoesap.stages.search, evoesap.stages.prune, "
+                 "evoesap.plan, evoesap.teacher, transformers.models.olmoe.modeling_olmoe")
+CACHE_PROBE = """
+import sys
+from evoesap import teacher
+if len(sys.argv) > 1:
+    teacher.load_cache(sys.argv[1])
+"""
+CACHE_SAMPLES = 24  # x 127 scored rows x OLMoE's vocabulary in float16: a 307 MB cache to load
+
+
+def layers_for(gigabytes: float) -> int:
+    """Decoder layers that make an OLMoE-shaped model of about `gigabytes` in bf16."""
+    return max(2, round((gigabytes * 1e9 / 2 - 2 * VOCAB * HIDDEN) / LAYER_PARAMS))  # two: something to search
+
+
+def build(root: Path, layers: int) -> Path:
+    """Save a random bf16 model (sharded like hub checkpoints) with the demo tokenizer."""
+    from evoesap.demo.tokenizer import build_tokenizer
+
+    config = AutoConfig.for_model(
+        "olmoe", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=WIDTH, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+        max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(root / "model", max_shard_size="500MB")
+    build_tokenizer().save_pretrained(root / "model")
+    del model
+    return root / "model"
+
+
+class Probe:
+    """Peaks of a process's RSS, RssAnon and RssFile, sampled from /proc/PID/status."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak = pid, {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        path = f"/proc/{self.pid}/status"
+        while True:
+            try:
+                text = Path(path).read_text()
+            except OSError:
+                return
+            for line in text.splitlines():
+                key = line.split(":")[0]
+                if key in self.peak:
+                    self.peak[key] = max(self.peak[key], int(line.split()[1]) * 1024)
+            time.sleep(0.01)
+
+    def join(self) -> dict[str, int]:
+        self._thread.join()
+        return self.peak
+
+
+def measure(args: list[str]) -> dict[str, int]:
+    """Run a command, sampling its memory; its peaks in bytes."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    probe = Probe(proc.pid)
+    out, err = proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(args[:4])} failed: {err[-2000:]}")
+    return probe.join()
+
+
+def stage_commands(root: Path, model: Path, data: dict[str, str]) -> dict[str, list[str]]:
+    cli = [sys.executable, "-m", "evoesap"]
+    common = ["--samples", str(SETTINGS["samples"]), "--max-length", str(SETTINGS["max_length"]),
+              "--batch-size", str(SETTINGS["batch_size"]), "--model-dtype", "bfloat16", "--device", "cpu"]
+    return {
+        "runtime": [sys.executable, "-c", RUNTIME_PROBE],
+        "calibrate": [*cli, "calibrate", "--model", str(model), "--data", data["calibration"], "--out", str(root / "scores"), *common],
+        "cache-logits": [*cli, "cache-logits", "--model", str(model), "--data", data["search"], "--out", str(root / "cache"), *common],
+        "search": [*cli, "search", "--model", str(model), "--scores", str(root / "scores"), "--cache", str(root / "cache"),
+                   "--out", str(root / "search"), "--population", "4", "--elites", "1", "--generations", "1",
+                   "--batch-size", "2", "--model-dtype", "bfloat16", "--device", "cpu", "--no-prefix-reuse"],
+        "prune": [*cli, "prune", "--model", str(model), "--scores", str(root / "scores"), "--out", str(root / "pruned"),
+                  "--sparsity", "0.5"],
+    }
+
+
+def predictions(model: Path, cache_rows: int) -> dict[str, int]:
+    """The planner's host prediction of each stage on a CPU machine."""
+    from evoesap import plan
+    from evoesap.steps import make_params
+
+    shape = plan.model_shape(str(model), "bfloat16")
+    params = {
+        "calibrate": make_params("calibrate", {**SETTINGS, "samples": SETTINGS["samples"]}),
+        "cache-logits": make_params("cache-logits", SETTINGS),
+        "search": make_params("search", {"batch_size": 2, "prefix_reuse": False}),
+        "prune": make_params("prune", {"sparsity": 0.5}),
+        "evaluate": make_params("evaluate", {}),
+    }
+    data = plan.Data(SETTINGS["samples"] * SETTINGS["max_length"], cache_rows)
+    plans = plan.plan_stages(shape, plan.Machine(host=1 << 50), data, params)
+    return {p.stage: p.host for p in plans}
+
+
+def run_size(gigabytes: float, workdir: Path) -> list[dict]:
+    from evoesap import plan, teacher
+    from evoesap.demo.domains import generate_splits, write_jsonl
+
+    root = Path(tempfile.mkdtemp(dir=workdir))
+    model = build(root, layers_for(gigabytes))
+    splits = generate_splits("math", seed=0, train_size=4)
+    write_jsonl(splits["calibration"][:16], root / "calibration.jsonl")
+    write_jsonl(splits["search"][:16], root / "search.jsonl")
+    data = {"calibration": str(root / "calibration.jsonl"), "search": str(root / "search.jsonl")}
+    model_bytes = plan.model_shape(str(model), "bfloat16").bytes
+    rows, peaks = [], {}
+    for stage, command in stage_commands(root, model, data).items():
+        peaks[stage] = measure(command)
+    meta = teacher.CacheMeta.from_json((root / "cache" / teacher.META_FILE).read_text())
+    predicted = predictions(model, meta.num_positions)
+    runtime = peaks["runtime"]["RssAnon"]
+    for stage in ("calibrate", "cache-logits", "search", "prune"):
+        anon = peaks[stage]["RssAnon"]
+        rows.append({
+            "model_gb": round(model_bytes / 1e9, 2), "stage": stage, "peak_rss_mb": peaks[stage]["VmRSS"] >> 20,
+            "peak_anon_mb": anon >> 20, "peak_file_mb": peaks[stage]["RssFile"] >> 20, "runtime_anon_mb": runtime >> 20,
+            "anon_over_model": round((anon - runtime) / model_bytes, 3),
+            "predicted_mb": predicted[stage] >> 20, "planner_error": round(predicted[stage] / anon - 1, 3),
+        })
+    return rows
+
+
+def cache_load_row(workdir: Path) -> dict:
+    """Peak anonymous memory of loading a 307 MB full cache, over the cache's bytes (import baseline subtracted)."""
+    import numpy as np
+
+    from evoesap import moe, plan, teacher
+    from evoesap.data import TokenizedSample
+
+    model = moe.tiny_model("olmoe", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1)
+    rng = np.random.default_rng(0)
+    samples = [TokenizedSample(i, rng.integers(3, VOCAB, 128).tolist(), [False] + [True] * 127) for i in range(CACHE_SAMPLES)]
+    meta = teacher.write_cache(model, samples, workdir / "big-cache", mode="full", dtype="float16")
+    cache = plan.cache_bytes(meta.num_positions, VOCAB, "full", 64, "float16")
+    base = measure([sys.executable, "-c", CACHE_PROBE])["RssAnon"]
+    anon = measure([sys.executable, "-c", CACHE_PROBE, str(workdir / "big-cache")])["RssAnon"]
+    return {"stage": "cache-load", "cache_mb": cache >> 20, "peak_anon_mb": anon >> 20, "runtime_anon_mb": base >> 20,
+            "loaded_over_cache": round((anon - base) / cache, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="0.3,1,2", help="model sizes in GB (bf16), comma-separated")
+    parser.add_argument("--workdir", default=None, help="where models and artifacts go (default: a temporary directory)")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args()
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        rows = [cache_load_row(Path(tmp))]
+        rows += [row for size in args.sizes.split(",") for row in run_size(float(size), Path(tmp))]
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for row in rows:
+        print("| " + " | ".join(str(row.get(k, "")) for k in keys) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

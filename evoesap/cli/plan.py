@@ -1,0 +1,45 @@
+"""`evoesap plan`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from evoesap.cli.app import app
+
+
+@app.command("plan")
+def plan_cmd(
+    config: Path = typer.Argument(..., help="Pipeline YAML configuration."),
+    gpus: int = typer.Option(None, "--gpus", help="GPUs per stage pod (default: the config's search resources, else this machine's)."),
+    gpu_memory: str = typer.Option(None, "--gpu-memory", help="Memory of one GPU, e.g. 80GB (default: this machine's free)."),
+    host_memory: str = typer.Option(None, "--host-memory", help="Host memory, e.g. 256GB (default: the config's search memory, else this machine's free)."),
+    disk: str = typer.Option(None, "--disk", help="Free space where artifacts go, e.g. 500GB (default: not checked)."),
+) -> None:
+    """Predict every stage's peak host and GPU memory, disk and temporary space, from config.json alone.
+
+    Exits 1 when a stage would not fit, naming the setting to change.
+    Example: evoesap plan examples/qwen3.yaml --gpus 2 --gpu-memory 80GB --host-memory 256GB
+    """
+    from pipeline.config import load_config
+
+    from evoesap import plan
+
+    cfg = load_config(config)
+    here = plan.local_machine(cfg.search.get("device", "auto"))
+    wanted = cfg.resources.get("search")
+    count = gpus if gpus is not None else (wanted.accelerator_count if wanted and wanted.accelerator_type else here.devices)
+    host = plan.parse_bytes(host_memory) if host_memory else (
+        plan.parse_bytes(wanted.memory) if wanted and wanted.memory else here.host)
+    per_gpu = plan.parse_bytes(gpu_memory) if gpu_memory else here.device
+    if count and not per_gpu:
+        raise typer.BadParameter("give --gpu-memory: this machine has no GPU to read it from")
+    machine = plan.Machine(host, per_gpu if count else 0, count, plan.parse_bytes(disk) if disk else None)
+    shape, data, params, plans = plan.pipeline_plan(cfg, machine)
+    typer.echo(plan.format_table(shape, plans, data, params))
+    refused = [p.stage for p in plans if p.refusal]
+    if refused:
+        from evoesap.errors import ResourceError
+
+        raise ResourceError(f"{', '.join(refused)} would not fit: change the settings named above")

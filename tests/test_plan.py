@@ -1,0 +1,110 @@
+"""evoesap.plan: predictions from config.json alone, the example configs' tables and refusals, the stage check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from evoesap import moe, plan
+from evoesap.errors import ResourceError
+
+DATA = Path(__file__).parent / "data" / "plan"
+GB80 = 80 * 10**9
+
+
+def test_model_bytes_from_headers_and_from_config_alone_equal_the_loaded_model(tmp_path):
+    model = moe.tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path / "full", max_shard_size="50KB")
+    (tmp_path / "config-only").mkdir()
+    model.config.save_pretrained(tmp_path / "config-only")
+    want = moe.parameter_bytes(model)
+    assert plan.model_shape(str(tmp_path / "full")).bytes == want
+    assert plan.model_shape(str(tmp_path / "config-only")).bytes == want
+    assert plan.model_shape(str(tmp_path / "full"), "bfloat16").bytes == want // 2
+    assert plan.model_shape(str(tmp_path / "full")).expert_bytes == sum(
+        n * b for n, b in zip(moe.inspect(model).num_experts, moe.expert_bytes(model)))
+
+
+def test_pruned_checkpoint_bytes_come_from_its_files(tmp_path):
+    model = moe.tiny_model("olmoe")
+    model.save_pretrained(tmp_path / "full")
+    moe.prune_checkpoint(str(tmp_path / "full"), {0: [1, 2, 3], 2: [0]}, tmp_path / "pruned")
+    assert plan.model_shape(str(tmp_path / "pruned")).bytes == moe.parameter_bytes(moe.load_pruned(str(tmp_path / "pruned")))
+
+
+def test_cache_bytes_match_a_loaded_cache(tmp_path):
+    from evoesap import teacher
+    from evoesap.data import TokenizedSample
+
+    model = moe.tiny_model("olmoe", vocab_size=300)
+    samples = [TokenizedSample(i, list(range(3, 40)), [False] * 5 + [True] * 32) for i in range(3)]
+    for mode in ("full", "topk"):
+        meta = teacher.write_cache(model, samples, tmp_path / mode, mode=mode, top_k=16)
+        cache = teacher.load_cache(str(tmp_path / mode))
+        light = plan.CACHE_ROW_BYTES * meta.num_positions
+        tail = 4 * meta.num_positions if mode == "topk" else 0
+        assert plan.cache_bytes(meta.num_positions, 300, mode, 16, "float16") == cache.heavy_bytes + light + tail
+
+
+def example(name: str, gpus: int) -> tuple[plan.ModelShape, plan.Data, dict, list[plan.StagePlan]]:
+    from pipeline.config import load_config
+
+    config = load_config(DATA / f"{name}.yaml")
+    return plan.pipeline_plan(config, plan.Machine(256 * 10**9, GB80, gpus))
+
+
+def test_olmoe_fits_one_80gb_gpu_with_the_full_cache():
+    shape, data, params, plans = example("olmoe", 1)
+    assert shape.bytes == 13_838_323_712  # 6.92B parameters in bfloat16
+    assert params["cache-logits"].mode == "full"
+    assert plan.cache_bytes(data.cache_rows, shape.vocab, "full", 64, "float16") / 2**30 == pytest.approx(24.6, abs=0.1)
+    assert [p.refusal for p in plans] == [None] * 5
+
+
+def test_qwen3_defaults_to_topk_and_one_gpu_refuses_evaluate_naming_the_settings():
+    shape, data, params, plans = example("qwen3", 1)
+    assert shape.bytes == 61_064_245_248  # 30.5B parameters in bfloat16
+    assert params["cache-logits"].mode == "topk"  # the full cache (74 GiB) would not leave the search room
+    refused = {p.stage: p.refusal for p in plans if p.refusal}
+    assert list(refused) == ["evaluate"]
+    assert "evaluate.batch_size" in refused["evaluate"] and "device_map" in refused["evaluate"]
+
+
+def test_qwen3_over_two_gpus_fits_every_stage():
+    _, _, _, plans = example("qwen3-2gpu", 2)
+    assert [p.refusal for p in plans] == [None] * 5
+    one = {p.stage: p.device for p in example("qwen3", 1)[3]}
+    assert all(p.device < one[p.stage] for p in plans if p.device)
+
+
+def test_the_full_qwen3_cache_is_refused_for_the_search_naming_topk():
+    _, data, params, _ = example("qwen3", 1)
+    shape = plan.model_shape(str(DATA / "qwen3-30b-a3b"), "bfloat16")
+    import dataclasses
+
+    params["cache-logits"] = dataclasses.replace(params["cache-logits"], mode="full")
+    small_host = plan.Machine(64 * 10**9, GB80, 1)
+    search = plan.plan_stages(shape, small_host, data, params, only="search")[0]
+    assert search.refusal is not None and "cache_logits.mode: topk" in search.refusal
+
+
+def test_a_stage_that_would_not_fit_is_refused_before_any_work(tmp_path, monkeypatch):
+    from evoesap.stages.calibrate import CalibrateParams
+    from evoesap.steps import run_stage
+
+    moe.tiny_model("olmoe").save_pretrained(tmp_path / "model")
+    monkeypatch.setattr(plan, "local_machine", lambda device="auto": plan.Machine(host=1 << 20))
+    with pytest.raises(ResourceError, match="calibrate needs .* available: change calibrate.batch_size"):
+        run_stage("calibrate", {"model": str(tmp_path / "model"), "data": "missing.jsonl"}, CalibrateParams(samples=2),
+                  str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_parse_bytes_reads_kubernetes_sizes():
+    assert plan.parse_bytes("80GB") == 80 * 10**9
+    assert plan.parse_bytes("64Gi") == 64 << 30
+    assert plan.parse_bytes("512M") == 512 * 10**6
+    with pytest.raises(Exception, match="not a size"):
+        plan.parse_bytes("lots")
