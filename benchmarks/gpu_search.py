@@ -119,6 +119,10 @@ def reference_seconds(model: torch.nn.Module, cache: TeacherCache, pruned: dict[
     return time.perf_counter() - t0
 
 
+def _gib(value: float | None) -> int | None:
+    return None if value is None else int(value * 2**30)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -157,7 +161,7 @@ def time_shape(shape: str, args: argparse.Namespace, device: torch.device) -> li
 
     for name, budget in (("(b) exact", 0), ("(c) prefix", int(args.prefix_cache_gib * 2**30))):
         evaluator = CandidateEvaluator(model, cache, batch_size=args.batch_size, verify=False, prefix_cache_bytes=budget,
-                                       keep=1)
+                                       keep=1, cache_device_bytes=_gib(args.cache_device_gib))
         evaluator.score(alloc.pruned_sets(parent, orders))  # the parent (and warm-up) are not timed
         before = evaluator.work
         sync(device)
@@ -180,7 +184,8 @@ def search_timing(shape: str, model: torch.nn.Module, cache: TeacherCache, n: Se
                   orders: list[list[int]], args: argparse.Namespace, device: torch.device) -> Timing:
     """A truncated default search (racing optional); `seconds` is per candidate, `note` the extrapolation."""
     evaluator = CandidateEvaluator(model, cache, batch_size=args.batch_size, verify=False,
-                                   prefix_cache_bytes=int(args.prefix_cache_gib * 2**30), keep=4)
+                                   prefix_cache_bytes=int(args.prefix_cache_gib * 2**30), keep=4,
+                                   cache_device_bytes=_gib(args.cache_device_gib))
     schedule = racing.Racing() if args.racing else None
     samples = list(range(cache.num_samples))
 
@@ -225,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> list[Timing]:
     parser.add_argument("--reference-candidates", type=int, default=1)
     parser.add_argument("--children", type=int, default=3)
     parser.add_argument("--prefix-cache-gib", type=float, default=8.0)
+    parser.add_argument("--cache-device-gib", type=float, default=None,
+                        help="teacher cache budget on the GPU (0: stream it from pinned host memory; default: the evaluator's)")
     parser.add_argument("--search-generations", type=int, default=0, help="then time a search of this many generations")
     parser.add_argument("--racing", action="store_true", help="the search races candidates (default schedule)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
