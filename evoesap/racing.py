@@ -60,7 +60,7 @@ class Racing:
             raise ConfigError(f"racing advance must lie in (0, 1], got {self.advance}")
         if self.min_samples < 1 or self.min_positions < 0:
             raise ConfigError(
-                f"racing min_samples must be >= 1 and min_positions >= 0, got {self.min_samples} and {self.min_positions}"
+                f"racing_min_samples must be >= 1 and racing_min_positions >= 0, got {self.min_samples} and {self.min_positions}"
             )
 
     def survivors(self, entrants: int, minimum: int = 1) -> int:
