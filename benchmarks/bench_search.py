@@ -15,9 +15,16 @@ through /proc/self/clear_refs, plus the bytes of teacher data and cached states 
 search's final allocation with its full-set fitness. `--sweep` adds racing against exact search over
 seeds x criteria x sparsities (cost per generation, full-set ESAP loss).
 
-Example (the demo world; add --pad-vocab 50304 for OLMoE's vocabulary size):
+`--shape olmoe-1b-7b` (or `qwen3-30b-a3b`) replaces the demo world by a random-weight model with the
+real depth, expert count, top-k and vocabulary of that model but a reduced width (`SHAPE_WIDTH`), so
+that it runs on a CPU, and random search samples (`--samples` sequences of `--max-length` tokens,
+alternating prompt and answer spans, about 70% of positions scored). It also prints what a whole search
+with the default settings would cost, from the per-candidate figures.
+
+Examples (the demo world; add --pad-vocab 50304 for OLMoE's vocabulary size; a real-depth shape):
     .venv/bin/python benchmarks/bench_search.py --model .cache/demo-world/model \\
         --data .cache/demo-world/data/{code,copy,facts,math}/search.jsonl
+    .venv/bin/python benchmarks/bench_search.py --shape olmoe-1b-7b
 """
 
 from __future__ import annotations
@@ -56,6 +63,35 @@ def peak_rss_mib() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# Real depth, experts, top-k and vocabulary (gpu_search.SHAPES); this width, so that a search runs on a CPU.
+SHAPES = {"olmoe-1b-7b": "olmoe", "qwen3-30b-a3b": "qwen3"}
+SHAPE_WIDTH = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+                   num_key_value_heads=4, head_dim=16, max_position_embeddings=4096)
+
+
+def build_shape(args: argparse.Namespace) -> tuple[torch.nn.Module, list[TokenizedSample], list[TokenizedSample]]:
+    """A seeded random-weight model of a real MoE's depth, experts, top-k and vocabulary, and random samples."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gpu_search import SHAPES as REAL
+
+    model_type, values = REAL[SHAPES[args.shape]]
+    config = AutoConfig.for_model(model_type, **{**values, **SHAPE_WIDTH})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+
+    def sample(i: int) -> TokenizedSample:
+        ids = rng.integers(3, config.vocab_size, args.max_length).tolist()
+        mask, answer = [], False
+        while len(mask) < args.max_length:  # prompt spans of 16-48 tokens, answers of 48-144
+            mask += [answer] * int(rng.integers(48, 145) if answer else rng.integers(16, 49))
+            answer = not answer
+        return TokenizedSample(i, ids, mask[: args.max_length])
+
+    return model, [sample(i) for i in range(args.samples)], [sample(i) for i in range(args.calibration_samples)]
 
 
 def load_world(args: argparse.Namespace) -> tuple[torch.nn.Module, list[TokenizedSample], list[TokenizedSample]]:
@@ -115,29 +151,46 @@ class Row:
     best: tuple[int, ...] | None = None
     best_fitness: float = float("nan")
     generations: int = 0
+    marks: list[tuple[float, float]] = dataclasses.field(default_factory=list)  # (seconds, FFE) at each generation's end
+
+    def default_search(self, generations: int = 50) -> tuple[float, float]:
+        """(seconds, FFE) of a whole search of `generations` (plus generation 0): generation 0 as measured,
+        then each later one as the mean measured later generation."""
+        first, later = np.array(self.marks[0]), np.diff(np.array(self.marks), axis=0).mean(axis=0)
+        seconds, ffe = first + generations * later
+        return float(seconds), float(ffe)
+
+
+METHODS = {"exact": (False, False), "prefix": (True, False), "racing": (False, True), "prefix+racing": (True, True)}
 
 
 def run_search(model, cache, orders, n, k, budget, search_ids, args, *, prefix: bool, race: bool, seed: int) -> tuple[Row, search.SearchResult, CandidateEvaluator]:
     evaluator = CandidateEvaluator(model, cache, batch_size=args.batch_size, prefix_cache_bytes=args.prefix_cache_bytes if prefix else 0,
                                    keep=args.elites, verify=False)
-    schedule = racing.Racing.parse(args.racing_schedule) if race else None
+    schedule = racing.Racing.parse(args.racing_schedule, args.racing_min_samples, args.racing_min_positions) if race else None
+    positions = (cache.offsets[1:] - cache.offsets[:-1]).tolist()  # [S] scored positions per sample
+    if schedule is not None:
+        schedule.check([positions[i] for i in search_ids])
 
     def fitness(r):
         return evaluator.score(alloc.pruned_sets(r, orders), samples=search_ids)
 
     def subset_fitness(r, level, generation):
-        samples = racing.subset(search_ids, schedule.fractions[level], seed, generation)
+        samples = schedule.subset(search_ids, [positions[i] for i in search_ids], level, seed, generation)
         return evaluator.score(alloc.pruned_sets(r, orders), samples=samples)
 
+    marks: list[tuple[float, float]] = []
+    full = evaluator.full_forward_work(search_ids)
     t0 = time.perf_counter()
     result = search.level_switch_search(
         fitness, n, k, budget, population=args.population, elites=args.elites, generations=args.generations,
-        seed=seed, racing=schedule, subset_fitness=subset_fitness if race else None)
+        seed=seed, racing=schedule, subset_fitness=subset_fitness if race else None,
+        on_generation=lambda *_: marks.append((time.perf_counter() - t0, evaluator.work / full)))
     seconds = time.perf_counter() - t0
     raced = {h.allocation for h in result.history if h.level is not None} - {h.allocation for h in result.history if h.level is None}
     name = {(False, False): "(b) exact", (True, False): "(c) prefix", (False, True): "racing", (True, True): "prefix+racing"}[(prefix, race)]
     row = Row(name, seconds, result.evaluations + len(raced), evaluator.work / evaluator.full_forward_work(search_ids),
-              best=result.best, best_fitness=result.best_fitness, generations=args.generations)
+              best=result.best, best_fitness=result.best_fitness, generations=args.generations, marks=marks)
     row.held_mib = ((evaluator.prefix.peak_bytes if evaluator.prefix else 0) + tensor_bytes(evaluator.cache)) / 2**20
     return row, result, evaluator
 
@@ -149,8 +202,9 @@ def tensor_bytes(cache: teacher.TeacherCache) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="checkpoint directory with tokenizer (the demo world's model)")
-    parser.add_argument("--data", required=True, nargs="+", help="search samples (JSONL chats), one or more files")
+    parser.add_argument("--model", help="checkpoint directory with tokenizer (the demo world's model)")
+    parser.add_argument("--data", nargs="+", help="search samples (JSONL chats), one or more files")
+    parser.add_argument("--shape", choices=list(SHAPES), help="instead of --model/--data: a random model of that depth")
     parser.add_argument("--calibration", nargs="+", help="calibration samples for the pruning orders (default: --data)")
     parser.add_argument("--samples", type=int, default=64, help="search samples (split evenly over --data files)")
     parser.add_argument("--calibration-samples", type=int, default=128)
@@ -166,15 +220,24 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--racing-schedule", default="0.0625,0.25:0.25")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
+                        help="which searches to run beside the reference (the first non-racing one checks the values)")
+    parser.add_argument("--racing-min-samples", type=int, default=4)
+    parser.add_argument("--racing-min-positions", type=int, default=256)
+    parser.add_argument("--reference-batch-size", type=int, default=16)
     parser.add_argument("--prefix-cache-bytes", type=int, default=1 << 30)
     parser.add_argument("--reference-candidates", type=int, default=16)
     parser.add_argument("--sweep", action="store_true", help="also racing vs exact over seeds x {reap, frequency} x {25%%, 50%%}")
     parser.add_argument("--sweep-seeds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="1: no spin-waiting on a shared, loaded machine")
     args = parser.parse_args()
+    if (args.shape is None) == (args.model is None or args.data is None):
+        parser.error("give --model and --data (a demo world), or --shape (a random real-depth model)")
+    if METHODS[args.methods[0]][1]:
+        parser.error("--methods must start with exact or prefix (its search gives the reference's candidates)")
     torch.set_num_threads(args.threads)
 
-    model, tokenized, calibration = load_world(args)
+    model, tokenized, calibration = build_shape(args) if args.shape else load_world(args)
     spec = moe.inspect(model)
     n, k = spec.num_experts, spec.top_k
     scores = observe(model, calibration, batch_size=args.batch_size)
@@ -182,7 +245,7 @@ def main() -> None:
     scored = sum(sum(scored_mask(s.answer_mask)) for s in tokenized)
     print(f"machine: {platform.machine()} {platform.processor()}, torch {torch.__version__}, {args.threads} threads, "
           f"experts implementation {model.config._experts_implementation}")
-    print(f"world: {args.model}; {len(tokenized)} search samples, {tokens} tokens, {scored} scored, vocab {model.config.vocab_size}, "
+    print(f"world: {args.model or args.shape + ' (random weights, hidden ' + str(model.config.hidden_size) + ')'}; {len(tokenized)} search samples, {tokens} tokens, {scored} scored, vocab {model.config.vocab_size}, "
           f"{len(spec.layers)} MoE layers of {n[0]} experts top-{k[0]}")
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -193,7 +256,7 @@ def main() -> None:
         budget = alloc.budget(args.sparsity, n, k)
 
         peak_rss_reset()
-        reference = Reference(model, tokenized, args.batch_size)
+        reference = Reference(model, tokenized, args.reference_batch_size)
         ref_rss = peak_rss_mib()
         ref_times: list[float] = []
         ref_values: dict[tuple[int, ...], float] = {}
@@ -208,13 +271,13 @@ def main() -> None:
         half = args.reference_candidates // 2
         time_reference(list(first.values())[:half])
         rows, results = [], {}
-        for prefix, race in ((False, False), (True, False), (False, True), (True, True)):
+        for prefix, race in (METHODS[m] for m in args.methods):
             peak_rss_reset()
             row, result, evaluator = run_search(model, cache, orders, n, k, budget, search_ids, args, prefix=prefix, race=race, seed=args.seed)
             row.rss_mib = peak_rss_mib()
             rows.append(row)
             results[row.name] = (result, evaluator)
-        exact_result, exact_eval = results["(b) exact"]
+        exact_result, exact_eval = results[rows[0].name]  # the first method's: (b) exact or (c) prefix, same values
         later = [h.allocation for h in exact_result.history if h.generation > 0][: args.reference_candidates - half]
         time_reference(later)
         ref_row = Row("(a) reference", sum(ref_times), len(ref_times), float(len(ref_times)), rss_mib=ref_rss,
@@ -232,7 +295,16 @@ def main() -> None:
         per = row.seconds / row.candidates
         print(f"| {row.name} | {per:.3f} | {ref_per / per:.1f}x | {row.ffe / row.candidates:.3f} | {row.ffe / (row.generations + 1):.2f} | "
               f"{row.candidates} | {row.rss_mib:.0f} | {row.held_mib:.1f} | {list(row.best)} | {full_fitness[row.name]:.6f} |")
-    print(f"\n(a) vs (b) ESAP on the same candidates: max |diff| {max(checks):.2e} (float16 cache vs bf16 logits)")
+    if args.shape:  # what a default search (population 32, 50 generations) would take here
+        first = rows[0]
+        per_gen = (first.candidates - args.population) / max(1, first.generations)  # distinct candidates per later generation
+        default_candidates = args.population + 50 * per_gen
+        print(f"\nwhole default search (50 generations, ~{default_candidates:.0f} distinct candidates), estimated from "
+              f"generation 0 and the mean later generation of each row above: (a) reference "
+              f"{ref_per * default_candidates / 60:.1f} min ({ref_per:.3f} s each)"
+              + "".join(f"; {row.name} {row.default_search()[0] / 60:.1f} min, {row.default_search()[1] / default_candidates:.3f} "
+                        "FFE / candidate" for row in rows))
+    print(f"\n(a) vs {rows[0].name} ESAP on the same candidates: max |diff| {max(checks):.2e} (float16 cache vs bf16 logits)")
     print(f"search: {args.criterion} {args.sparsity:.0%}, population {args.population}, elites {args.elites}, "
           f"{args.generations} generations, seed {args.seed}; racing schedule {args.racing_schedule}")
     if args.sweep:

@@ -4,17 +4,21 @@ Samples come from a local file or any fsspec URI (JSONL, JSON, Parquet, CSV) or 
 A sample is a chat (`messages`: (role, content) pairs; prompt/response fields become one user and one
 assistant turn) or plain `text` (corpora like C4), where every token counts as an answer token.
 
-Answer masks mark exactly the tokens of assistant turns' content (not the role header, not the
-end-of-turn token). They are found by character spans, which works with any chat template, including
-those without `{% generation %}` markers: the conversation is rendered once to text; for each assistant
-turn the conversation before it is rendered with the generation prompt, so the search for that turn's
-content starts after its header (content that also appears in a prompt or a role name cannot be
-mistaken for it); tokens whose offset span overlaps a content span are answer tokens (a token that
-merges a separator into the content's first characters counts). This needs a tokenizer with offset
-mappings (every "fast" tokenizer).
+Answer masks mark exactly what the model produces in each assistant turn: the turn's content plus the
+token(s) that end the turn in the chat template (`<|im_end|>`, eos, `</s>`, `<|end|>`/`<|return|>`...),
+not the role header: a speculative draft must propose the end of turn too, since the target generates it.
+Content is found by character spans, which works with any chat template, including those without
+`{% generation %}` markers: the conversation is rendered once to text; for each assistant turn the
+conversation before it is rendered with the generation prompt, so the search for that turn's content
+starts after its header (content that also appears in a prompt or a role name cannot be mistaken for it);
+tokens whose offset span overlaps a content span are answer tokens (a token that merges a separator into
+the content's first characters counts). The end of a turn is the first special token after its content,
+with any whitespace tokens between them; a template that writes no special token there (only text, or the
+next turn's text) has no end-of-turn token to score. This needs a tokenizer with offset mappings (every
+"fast" tokenizer).
 
 Without a chat template, chats are rendered as plain lines `"{Role}: {content}\\n"` (`User: ...`,
-`Assistant: ...`) with the tokenizer's own special tokens (BOS) added.
+`Assistant: ...`) with the tokenizer's own special tokens (BOS) added; the newline ends an assistant turn.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ class Sample:
 class TokenizedSample:
     sample_id: int
     input_ids: list[int]
-    answer_mask: list[bool]  # True where the token is assistant content (all tokens for text samples)
+    answer_mask: list[bool]  # True on assistant content and its end-of-turn token(s) (all tokens for text samples)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,7 +311,7 @@ def tokenize_samples(
         raise ConfigError(f"max_length must be at least 2 (one context token, one target), got {max_length}")
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(f"{type(tokenizer).__name__} has no offset mapping; answer masks need a fast tokenizer")
-    encoded = [(s.id, *_encode(s, tokenizer, enable_thinking)) for s in samples]
+    encoded = [(s.id, *encode_sample(s, tokenizer, enable_thinking)) for s in samples]
     if pack:
         ids = [t for _, i, _ in encoded for t in i]
         mask = [a for _, _, m in encoded for a in m]
@@ -327,21 +331,45 @@ def tokenize_samples(
     return out
 
 
-def _encode(sample: Sample, tokenizer: Any, enable_thinking: bool) -> tuple[list[int], list[bool]]:
+def encode_sample(sample: Sample, tokenizer: Any, enable_thinking: bool = False) -> tuple[list[int], list[bool]]:
+    """Token ids of one untruncated sample and its answer mask; the one definition of what is scored
+    (calibration, search and evaluation score it, the demo model trains on it)."""
     if sample.text is not None:
         ids = tokenizer(sample.text, add_special_tokens=True)["input_ids"]
         return ids, [True] * len(ids)
-    if getattr(tokenizer, "chat_template", None):
-        text, spans = _render_chat(sample, tokenizer, enable_thinking)
-        add_special = False  # the template writes its own BOS, as apply_chat_template does
-    else:
-        text, spans = _render_plain(sample)
-        add_special = True
-    enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
-    mask = [any(a < end and b > start for start, end in spans) and b > a for a, b in enc["offset_mapping"]]
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    text, spans = _render_chat(sample, tokenizer, enable_thinking) if chat else _render_plain(sample)
+    # a chat template writes its own BOS, as apply_chat_template does
+    enc = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+    mask = [any(a < end and b > start for start, end in spans) and b > a for a, b in offsets]
     if not any(mask):
         raise DataError(f"sample {sample.id}: the answer produced no tokens")
-    return list(enc["input_ids"]), mask
+    if chat:
+        mask = _with_turn_ends(ids, offsets, text, mask, _special_ids(tokenizer))
+    return ids, mask
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    """Ids of the tokenizer's special tokens: named ones (eos, pad...) and added tokens flagged special."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return set(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+
+
+def _with_turn_ends(
+    ids: list[int], offsets: Sequence[tuple[int, int]], text: str, content: list[bool], special: set[int]
+) -> list[bool]:
+    """`content` plus, after each run of content tokens, the first special token and the whitespace before it."""
+    mask = list(content)
+    for i in range(len(ids) - 1):
+        if not content[i] or content[i + 1]:
+            continue
+        j = i + 1
+        while j < len(ids) and ids[j] not in special and not text[offsets[j][0] : offsets[j][1]].strip():
+            j += 1
+        if j < len(ids) and ids[j] in special:
+            mask[i + 1 : j + 1] = [True] * (j - i)
+    return mask
 
 
 def _render_chat(sample: Sample, tokenizer: Any, enable_thinking: bool) -> tuple[str, list[tuple[int, int]]]:
@@ -389,8 +417,8 @@ def _render_plain(sample: Sample) -> tuple[str, list[tuple[int, int]]]:
     parts, spans, pos = [], [], 0
     for role, content in sample.messages:
         head = f"{role.capitalize()}: "
-        if role == "assistant":
-            spans.append((pos + len(head), pos + len(head) + len(content)))
+        if role == "assistant":  # content and the newline that ends the turn
+            spans.append((pos + len(head), pos + len(head) + len(content) + 1))
         line = f"{head}{content}\n"
         parts.append(line)
         pos += len(line)

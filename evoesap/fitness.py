@@ -24,9 +24,10 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
 def esap(teacher_logprobs: torch.Tensor, candidate_logits: torch.Tensor) -> torch.Tensor:
     """Expected speculative acceptance probability, sum_v min(p, q) = 1 - TV(p, q), per row -> [N] float32.
 
-    Computed as sum_v exp(min(log p, log q)): one [N, V] temporary fewer than exponentiating both sides."""
+    Computed as sum_v exp(min(log p, log q)) in one [N, V] float32 buffer: the minimum reads the teacher
+    in its stored dtype (float16 upcasts exactly), so no float32 copy of the teacher rows is made."""
     log_q = torch.log_softmax(_f32(candidate_logits), dim=-1)  # [N, V] float32
-    return torch.minimum(log_q, _f32(teacher_logprobs)).exp_().sum(dim=-1)  # [N]
+    return torch.minimum(log_q, teacher_logprobs.to(log_q.device), out=log_q).exp_().sum(dim=-1)  # [N]
 
 
 def sap_draws(candidate_logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ removal counts, see `evoesap.allocation`) to a float, higher is better.
   extend a finished search; a missing checkpoint starts afresh.
 - Racing (opt-in, `racing=Racing(...)` with `subset_fitness`): each generation's candidates that have
   no full-set fitness yet are raced over growing sample subsets (`evoesap.racing` documents the
-  schedule) and only the survivors get `fitness`, the full-set score. Elites and the best allocation
+  schedule and the minimum each level scores) and only the survivors get `fitness`, the full-set score. Elites and the best allocation
   are ranked on full-set scores only. `subset_fitness(allocation, level, generation)` scores on level
   `level`'s subset of that generation; it holds no state the search must save, so a resumed racing
   search equals an uninterrupted one. History records of candidates stopped early carry the level

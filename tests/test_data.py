@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 import pandas as pd
 import pytest
@@ -27,14 +28,14 @@ CORPUS = [
 ]
 
 
-def _tokenizer(template: str | None = CHATML) -> PreTrainedTokenizerFast:
-    """A real byte-level BPE tokenizer with ChatML special tokens, built offline."""
+def _tokenizer(template: str | None = CHATML, specials: Sequence[str] = SPECIALS, **named: str) -> PreTrainedTokenizerFast:
+    """A real byte-level BPE tokenizer with the given special tokens (ChatML's by default), built offline."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 5, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", **named)
     fast.chat_template = template
     return fast
 
@@ -70,16 +71,90 @@ def _answer_text(tokenizer, ts) -> list[str]:
     return runs
 
 
-def test_chat_template_answer_mask_marks_exactly_assistant_content(tok):
+def test_chat_template_answer_mask_marks_assistant_content_and_end_of_turn(tok):
     (ts,) = data.tokenize_samples([CHAT], tok, max_length=512)
     # independent: the template's own token ids, and each assistant content as its own tokens
     assert ts.input_ids == tok.apply_chat_template([{"role": r, "content": c} for r, c in CHAT.messages], tokenize=True, return_dict=False)
-    assert _answer_text(tok, ts) == ["four", "assistant answers five"]
+    assert _answer_text(tok, ts) == ["four<|im_end|>", "assistant answers five<|im_end|>"]
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    for i, a in enumerate(ts.answer_mask):  # every run ends right before an end-of-turn token
-        if a and not ts.answer_mask[i + 1]:
-            assert ts.input_ids[i + 1] == im_end
-    assert sum(ts.answer_mask) == len(tok("four")["input_ids"]) + len(tok("assistant answers five")["input_ids"])
+    for i, a in enumerate(ts.answer_mask):  # every run ends on an end-of-turn token
+        if a and (i + 1 == len(ts.answer_mask) or not ts.answer_mask[i + 1]):
+            assert ts.input_ids[i] == im_end
+    assert sum(ts.answer_mask) == len(tok("four")["input_ids"]) + len(tok("assistant answers five")["input_ids"]) + 2
+
+
+# Chat templates shaped like those of the eight families (the role and end-of-turn layout, with this
+# test's small vocabulary): template, special tokens, named tokens, the scored runs (assistant content and
+# end of turn, decoded) and the text each run's first scored position sits on (the header's last token).
+BOS_DS, EOS_DS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+TEMPLATE_SHAPES = {
+    "chatml (qwen2_moe, qwen3_moe)": (
+        CHATML, SPECIALS, {},
+        ["four<|im_end|>", "assistant answers five<|im_end|>"], "\n",
+    ),
+    "tulu (olmoe)": (
+        "{% for m in messages %}{% if m['role'] == 'user' %}{{ '<|user|>\n' + m['content'] + '\n' }}"
+        "{% elif m['role'] == 'assistant' %}{{ '<|assistant|>\n' + m['content'] + eos_token }}"
+        "{% if not loop.last %}{{ '\n' }}{% endif %}{% endif %}"
+        "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}{% endfor %}",
+        ["<|user|>", "<|assistant|>", "<|endoftext|>", "<pad>"], {"eos_token": "<|endoftext|>"},
+        ["four<|endoftext|>", "assistant answers five<|endoftext|>"], "\n",
+    ),
+    "deepseek_v3": (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
+        "{% elif m['role'] == 'assistant' %}{{ '<｜Assistant｜>' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}",
+        [BOS_DS, EOS_DS, "<｜User｜>", "<｜Assistant｜>", "<pad>"], {"bos_token": BOS_DS, "eos_token": EOS_DS},
+        ["four" + EOS_DS, "assistant answers five" + EOS_DS], "<｜Assistant｜>",
+    ),
+    "deepseek_v2, ernie4_5_moe (plain role names)": (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ 'User: ' + m['content'] + '\n\n' }}"
+        "{% elif m['role'] == 'assistant' %}{{ 'Assistant: ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}",
+        [BOS_DS, EOS_DS, "<pad>"], {"bos_token": BOS_DS, "eos_token": EOS_DS},
+        [" four" + EOS_DS, " assistant answers five" + EOS_DS], ":",  # the space merges into the first word
+    ),
+    "mixtral [INST]": (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+        "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}",
+        ["<s>", "</s>", "<pad>"], {"bos_token": "<s>", "eos_token": "</s>"},
+        ["four</s>", "assistant answers five</s>"], "]",
+    ),
+    "harmony (gpt_oss)": (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+        "{{ '<|start|>assistant<|channel|>final<|message|>' + m['content'] }}"
+        "{% if loop.last and not add_generation_prompt %}{{ '<|return|>' }}{% else %}{{ '<|end|>' }}{% endif %}"
+        "{% else %}{{ '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}",
+        ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<pad>"], {"eos_token": "<|return|>"},
+        ["four<|end|>", "assistant answers five<|return|>"], "<|message|>",
+    ),
+}
+TWO_TURNS = Sample(
+    id=0,
+    messages=(("user", "what is two plus two"), ("assistant", "four"), ("user", "and the assistant"), ("assistant", "assistant answers five")),
+)
+
+
+@pytest.mark.parametrize("shape", sorted(TEMPLATE_SHAPES))
+def test_scored_positions_are_each_turns_content_and_end_for_every_template_shape(shape):
+    template, specials, named, runs, header_end = TEMPLATE_SHAPES[shape]
+    tok = _tokenizer(template, specials, **named)
+    (ts,) = data.tokenize_samples([TWO_TURNS], tok, max_length=512)
+    assert ts.input_ids == tok.apply_chat_template(
+        [{"role": r, "content": c} for r, c in TWO_TURNS.messages], tokenize=True, return_dict=False
+    )
+    assert _answer_text(tok, ts) == runs  # exactly content + end of turn: no header, no separator after
+    # Scored position t predicts token t+1: each run of scored positions starts on the header's last
+    # token and ends on the last content token (which predicts the end of turn).
+    scored = [t for t, s in enumerate(data.scored_mask(ts.answer_mask)) if s]
+    starts = [t for t in scored if t - 1 not in scored]
+    ends = [t for t in scored if t + 1 not in scored]
+    assert len(starts) == len(ends) == len(runs)
+    for start, end, run in zip(starts, ends, runs):
+        assert tok.decode(ts.input_ids[start : start + 1]) == header_end
+        assert tok.decode(ts.input_ids[start + 1 : end + 2]) == run
+        assert ts.input_ids[end + 1] in tok.all_special_ids + [tok.convert_tokens_to_ids(s) for s in specials]
 
 
 def test_enable_thinking_reaches_the_template():
@@ -93,14 +168,15 @@ def test_enable_thinking_reaches_the_template():
     (on,) = data.tokenize_samples([sample], tok, max_length=64, enable_thinking=True)
     think = tok.convert_tokens_to_ids("<think>")
     assert think in off.input_ids and think not in on.input_ids
-    assert _answer_text(tok, off) == _answer_text(tok, on) == ["world"]
+    assert _answer_text(tok, off) == _answer_text(tok, on) == ["world<|im_end|>"]
 
 
 def test_plain_fallback_without_chat_template():
     tok = _tokenizer(template=None)
     (ts,) = data.tokenize_samples([Sample(0, (("user", "two plus two"), ("assistant", "four")))], tok, max_length=64)
     assert tok.decode(ts.input_ids) == "User: two plus two\nAssistant: four\n"
-    assert _answer_text(tok, ts) == [" four"]  # byte-level BPE merges the separating space into the token
+    # byte-level BPE merges the separating space into the token; the newline ends the turn
+    assert _answer_text(tok, ts) == [" four\n"]
 
 
 def test_text_samples_are_all_answer(tok):

@@ -7,6 +7,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from evoesap import racing, search
 from evoesap.errors import ConfigError
@@ -109,26 +111,89 @@ def test_racing_needs_its_schedule_and_its_subset_fitness(kwargs, message):
         search.level_switch_search(FULL, N, K, BUDGET, generations=2, population=6, elites=2, **kwargs)
 
 
-@pytest.mark.parametrize("fractions, advance", [((0.5, 0.25), 0.25), ((0.5, 1.0), 0.25), ((), 0.25), ((0.5,), 0.0)])
-def test_bad_schedules_are_refused(fractions, advance):
+@pytest.mark.parametrize("fractions, advance, minimums", [
+    ((0.5, 0.25), 0.25, {}), ((0.5, 1.0), 0.25, {}), ((), 0.25, {}), ((0.5,), 0.0, {}),
+    ((0.5,), 0.25, {"min_samples": 0}), ((0.5,), 0.25, {"min_positions": -1}),
+])
+def test_bad_schedules_are_refused(fractions, advance, minimums):
     with pytest.raises(ConfigError):
-        racing.Racing(fractions, advance)
+        racing.Racing(fractions, advance, **minimums)
 
 
 def test_schedule_parses_from_text():
     assert racing.Racing.parse("0.125,0.5:0.25") == racing.Racing((0.125, 0.5), 0.25)
     assert racing.Racing.parse("0.2") == racing.Racing((0.2,), 0.25)
+    assert racing.Racing.parse("0.2", 2, 64) == racing.Racing((0.2,), 0.25, min_samples=2, min_positions=64)
+    assert racing.Racing.parse(racing.Racing().text) == racing.Racing()
     with pytest.raises(ConfigError, match="fractions:advance"):
         racing.Racing.parse("a,b")
 
 
 def test_subsets_are_nested_within_a_generation_and_redrawn_across_generations():
-    samples = list(range(100, 180))
-    small, large = racing.subset(samples, 0.125, 7, 3), racing.subset(samples, 0.5, 7, 3)
+    samples, positions = list(range(100, 180)), [300] * 80
+    small, large = SCHEDULE.subset(samples, positions, 0, 7, 3), SCHEDULE.subset(samples, positions, 1, 7, 3)
     assert len(small) == 10 and len(large) == 40 and set(small) <= set(large) <= set(samples)
-    assert racing.subset(samples, 0.125, 7, 3) == small
-    assert racing.subset(samples, 0.125, 7, 4) != small
-    assert racing.subset([5], 0.125, 7, 0) == [5]
+    assert SCHEDULE.subset(samples, positions, 0, 7, 3) == small
+    assert SCHEDULE.subset(samples, positions, 0, 7, 4) != small
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    positions=st.lists(st.integers(0, 400), min_size=1, max_size=60),
+    fractions=st.sampled_from([(0.0625, 0.25), (0.125, 0.5), (0.3,)]),
+    min_samples=st.integers(1, 8),
+    min_positions=st.integers(0, 1000),
+    generation=st.integers(0, 5),
+)
+def test_every_level_scores_its_minimum_samples_and_positions_and_no_more_than_needed(
+    positions, fractions, min_samples, min_positions, generation
+):
+    schedule = racing.Racing(fractions, 0.25, min_samples=min_samples, min_positions=min_positions)
+    samples = list(range(1000, 1000 + len(positions)))
+    scored = dict(zip(samples, positions))
+    order = np.random.default_rng([9, generation]).permutation(len(samples))  # independent: the documented draw
+    previous: set[int] = set()
+    for level, fraction in enumerate(fractions):
+        chosen = schedule.subset(samples, positions, level, 9, generation)
+        share = max(min_samples, math.ceil(fraction * len(samples)))
+        enough = len(chosen) >= min(share, len(samples)) and sum(scored[s] for s in chosen) >= min_positions
+        assert enough or len(chosen) == len(samples)  # the minimums, or everything there is
+        # the shortest prefix of the generation's order: one sample fewer would miss a requirement
+        assert sorted(chosen) == sorted(samples[i] for i in order[: len(chosen)])
+        if len(chosen) > 1:
+            fewer = [samples[i] for i in order[: len(chosen) - 1]]
+            assert len(fewer) < share or sum(scored[s] for s in fewer) < min_positions
+        assert previous <= set(chosen)  # nested
+        previous = set(chosen)
+
+
+def test_a_16_sample_search_set_no_longer_races_on_one_sample():
+    """The issue's case: 16 packed sequences of ~360 scored positions, 1/16 of which is one sample."""
+    positions = [360] * 16
+    schedule = racing.Racing((0.25,), 0.25)  # the default minimums: 4 samples, 256 positions
+    schedule.check(positions)
+    assert all(len(schedule.subset(list(range(16)), positions, 0, 0, g)) == 4 for g in range(5))
+
+
+@pytest.mark.parametrize("positions, schedule, message", [
+    # the default schedule on 16 samples: both levels would score the same 4 samples
+    ([360] * 16, racing.Racing(), r"racing level 0 \(share 0.0625\) may score 4 of the 16 search samples.*level 1's 4"),
+    # short answers: 16 samples of 15 positions never reach 256, so the level would be the whole set
+    ([15] * 16, racing.Racing((0.25,)), r"racing level 0 \(share 0.25\) may score 16 of the 16 .*whole search set"),
+    # fewer samples than the minimum
+    ([500] * 3, racing.Racing((0.5,)), r"may score 3 of the 3 search samples"),
+])
+def test_a_schedule_that_cannot_grow_within_the_search_set_is_refused_with_the_sizes(positions, schedule, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        schedule.check(positions)
+    assert "racing_min_samples" in str(info.value) and "racing_schedule" in str(info.value)
+
+
+def test_the_worst_case_checks_the_fewest_positions_first():
+    schedule = racing.Racing((0.0625, 0.25), 0.25, min_samples=1, min_positions=100)  # on 16: 1, then 4 samples
+    schedule.check([40] * 3 + [100] * 13)  # at worst the three short ones: 3 samples, fewer than level 1's 4
+    with pytest.raises(ConfigError, match="level 0 .* may score 4 of the 16 .*level 1's 4"):
+        schedule.check([30] * 4 + [100] * 12)  # at worst all four short ones: as many as level 1
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +219,9 @@ def test_search_stage_records_cost_and_prefix_reuse_changes_only_the_cost(stage_
     root, model = stage_inputs
     small = dict(criterion="reap", sparsity=0.5, population=6, elites=2, generations=3, batch_size=8)
     docs = {}
-    for name, extra in {"exact": dict(prefix_reuse=False), "reuse": {}, "racing": dict(racing=True)}.items():
+    # 9 search samples: 1/4 of them or 3, whichever is more, and 8 positions, are the level that fits
+    race = dict(racing=True, racing_schedule="0.25:0.25", racing_min_samples=3, racing_min_positions=8)
+    for name, extra in {"exact": dict(prefix_reuse=False), "reuse": {}, "racing": race}.items():
         out = str(root / f"search-{name}")
         run_search(model, str(root / "scores"), str(root / "cache"), SearchParams(**small, **extra), out)
         docs[name] = artifacts.read_json(artifacts.join(out, "allocation.json"))
@@ -165,3 +232,20 @@ def test_search_stage_records_cost_and_prefix_reuse_changes_only_the_cost(stage_
     assert reuse["cost"]["full_forward_equivalents"] < exact["cost"]["full_forward_equivalents"]
     assert raced["cost"]["subset_evaluations"] > 0
     assert raced["cost"]["full_set_evaluations"] < exact["cost"]["full_set_evaluations"]
+
+
+def test_search_stage_refuses_a_racing_schedule_too_large_for_its_search_set_before_loading_the_model(
+    stage_inputs, monkeypatch
+):
+    from evoesap import runtime
+    from evoesap.stages.search import SearchParams, run_search
+
+    root, model = stage_inputs
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the racing schedule was checked")
+
+    monkeypatch.setattr(runtime, "load_model", no_model)
+    params = SearchParams(criterion="reap", sparsity=0.5, population=6, elites=2, generations=1, racing=True)
+    with pytest.raises(ConfigError, match="racing level 0 .* of the 9 search samples"):
+        run_search(model, str(root / "scores"), str(root / "cache"), params, str(root / "search-refused"))

@@ -36,6 +36,8 @@ def search_cmd(
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:1, ..."),
     racing: bool = typer.Option(False, "--racing", help="Race new candidates over sample subsets first; elites on the full set."),
     racing_schedule: str = typer.Option("0.0625,0.25:0.25", "--racing-schedule", help="Subset shares, then the share that advances."),
+    racing_min_samples: int = typer.Option(4, "--racing-min-samples", help="Least samples any racing level scores."),
+    racing_min_positions: int = typer.Option(256, "--racing-min-positions", help="Least scored positions any racing level scores."),
     prefix_reuse: bool = typer.Option(True, "--prefix-reuse/--no-prefix-reuse", help="Start candidates from cached hidden states (exact)."),
     prefix_cache_bytes: int = typer.Option(
         None, "--prefix-cache-bytes", help="Budget of the prefix cache on the model's device (default: states of 32 x (elites + 1) allocations, at most half its free memory)."
@@ -67,6 +69,8 @@ def search_cmd(
         device=device,
         racing=racing,
         racing_schedule=racing_schedule,
+        racing_min_samples=racing_min_samples,
+        racing_min_positions=racing_min_positions,
         prefix_reuse=prefix_reuse,
         prefix_cache_bytes=prefix_cache_bytes,
     )

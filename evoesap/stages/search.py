@@ -35,6 +35,7 @@ from evoesap import allocation as alloc
 from evoesap import artifacts, runtime
 from evoesap.errors import ConfigError
 from evoesap.progress import progress
+from evoesap.racing import Racing
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class SearchParams:
     device_map: str | None = None  # "auto" spreads a large model over several GPUs
     racing: bool = False  # successive halving over sample subsets (evoesap.racing); ranks elites on the full set
     racing_schedule: str = "0.0625,0.25:0.25"  # subset shares of the racing levels, then the share that advances
+    racing_min_samples: int = 4  # every racing level scores at least this many samples...
+    racing_min_positions: int = 256  # ...and this many scored positions (evoesap.racing says why)
     prefix_reuse: bool = True  # start candidates from cached hidden states of the fittest allocations (exact)
     prefix_cache_bytes: int | None = None  # budget of those cached states on the model's device; None: automatic (CandidateEvaluator)
 
@@ -73,7 +76,7 @@ class SearchParams:
         from evoesap.importance import CRITERIA
 
         for name in ("population", "elites", "generations", "max_transfer", "max_steps", "granularity", "seed", "batch_size",
-                     "prefix_cache_bytes"):
+                     "prefix_cache_bytes", "racing_min_samples", "racing_min_positions"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))  # configs may deliver ints as floats
         if self.criterion not in CRITERIA:
@@ -92,9 +95,11 @@ class SearchParams:
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
             raise ConfigError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.racing:
-            from evoesap.racing import Racing
+            self.schedule()
 
-            Racing.parse(self.racing_schedule)
+    def schedule(self) -> Racing | None:
+        """The racing schedule, or None without racing."""
+        return Racing.parse(self.racing_schedule, self.racing_min_samples, self.racing_min_positions) if self.racing else None
 
 
 def split_samples(num_samples: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -197,7 +202,7 @@ def run_search(
 
     `heldout_cache`: a teacher cache of other samples for the generalisation check (see the module docstring).
     """
-    from evoesap import moe, racing, search
+    from evoesap import moe, search
     from evoesap.evaluator import CandidateEvaluator
     from evoesap.importance import model_orders, read_scores
     from evoesap.teacher import load_cache
@@ -220,6 +225,11 @@ def run_search(
         search_ids, heldout_ids = split_samples(teacher.num_samples, params.heldout_fraction, params.seed)
     else:
         search_ids, heldout_ids = list(range(teacher.num_samples)), list(range(heldout_teacher.num_samples))
+    schedule = params.schedule()
+    scored = (teacher.offsets[1:] - teacher.offsets[:-1]).tolist()  # [S] scored positions per sample
+    search_positions = [scored[i] for i in search_ids]
+    if schedule is not None:
+        schedule.check(search_positions)  # before the model loads
     loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
     evaluator = CandidateEvaluator(
         loaded, teacher, metric=params.metric, batch_size=params.batch_size,
@@ -230,14 +240,13 @@ def run_search(
         cache_device_bytes=0,  # the held-out cache stays on the host: it must not take the search's device memory
     )
     del teacher, heldout_teacher  # on a GPU the evaluator holds the device copy; the host copy goes now
-    schedule = racing.Racing.parse(params.racing_schedule) if params.racing else None
 
     def fitness_of(r: tuple[int, ...]) -> float:
         return evaluator.score(alloc.pruned_sets(r, orders), samples=search_ids)
 
     def subset_fitness(r: tuple[int, ...], level: int, generation: int) -> float:
         assert schedule is not None
-        samples = racing.subset(search_ids, schedule.fractions[level], params.seed, generation)
+        samples = schedule.subset(search_ids, search_positions, level, params.seed, generation)
         return evaluator.score(alloc.pruned_sets(r, orders), samples=samples)
 
     bar = progress(total=params.generations + 1, desc=f"search {params.criterion} {params.sparsity:.0%}", unit="gen")
