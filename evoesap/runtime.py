@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,13 @@ def placement_map(device: str) -> dict[str, str] | None:
     """The `device_map` that puts the whole model on one device as it loads; None for the CPU, where
     transformers loads anyway (and a device_map would add dispatch hooks for nothing)."""
     return None if torch.device(device).type == "cpu" else {"": device}
+
+
+def release_memory() -> None:
+    """Return a dropped model's memory (host and GPU) before another process loads one."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def inspect_checkpoint(uri: str) -> Any:

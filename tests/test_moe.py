@@ -179,6 +179,23 @@ def test_nonuniform_checkpoint_refuses_stock_loading_rather_than_loading_wrongly
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_nonuniform_checkpoint_names_the_serving_plugin_architecture_and_uniform_stays_stock(family, tmp_path):
+    model = copy.deepcopy(cached_model(family, **UNGROUPED.get(family, {})))
+    stock_name = type(model).__name__
+    moe.save_pruned(model, None, str(tmp_path / "full"))
+    assert json.loads((tmp_path / "full" / "config.json").read_text())["architectures"] == [stock_name]
+
+    pruned = moe.prune_experts(model, nonuniform_sets(moe.inspect(model), seed=1))
+    moe.save_pruned(pruned, None, str(tmp_path / "nonuniform"))
+    config = json.loads((tmp_path / "nonuniform" / "config.json").read_text())
+    assert config["architectures"] == [moe.NONUNIFORM_ARCHITECTURE_PREFIX + stock_name]
+    reloaded = moe.load_pruned(str(tmp_path / "nonuniform"))  # the name changes nothing for our loader
+    assert type(reloaded) is type(model)
+    moe.save_pruned(reloaded, None, str(tmp_path / "again"))  # a reloaded model keeps the serving name
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["architectures"] == config["architectures"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_uniform_pruning_round_trips_through_stock_from_pretrained(family, tmp_path):
     model = cached_model(family)  # DeepSeek-V3 stays group-limited: one expert from each group of 4
     spec = moe.inspect(model)

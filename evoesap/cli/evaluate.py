@@ -20,6 +20,7 @@ def evaluate_cmd(
     max_length: int = typer.Option(None, "--max-length", help="Context length; default: the model's."),
     model_dtype: str = typer.Option("auto", "--model-dtype", help="auto, bfloat16, float16 or float32."),
     device: str = typer.Option("auto", "--device"),
+    backend: str = typer.Option("hf", "--backend", help="lm-eval model: hf (transformers) or vllm (needs EVOESAP_VLLM_PYTHON)."),
     teacher_cache: str = typer.Option(None, "--teacher-cache", help="Full model's cache on held-out samples: adds held-out ESAP."),
     esap_batch_size: int = typer.Option(8, "--esap-batch-size"),
     allocation: str = typer.Option(None, "--allocation", help="Allocation artifact the model was pruned with (lineage)."),
@@ -37,7 +38,7 @@ def evaluate_cmd(
     params = EvaluateParams(
         tasks=tuple(tasks.split(",")), limit=limit, batch_size=int(batch_size) if batch_size.isdigit() else batch_size,
         allow_code_execution=allow_code_execution, enable_thinking=enable_thinking, think_end_token=think_end_token,
-        max_length=max_length, model_dtype=model_dtype, device=device, esap_batch_size=esap_batch_size,
+        max_length=max_length, model_dtype=model_dtype, device=device, backend=backend, esap_batch_size=esap_batch_size,
         criterion=criterion, sparsity=sparsity, method=method,
     )
     run_stage("evaluate", {"model": model, "teacher_cache": teacher_cache, "allocation": allocation}, params, out)

@@ -3,7 +3,7 @@
 Family differences live in one table (`families.FAMILIES`); everything else is one code path.
 """
 
-from evoesap.moe.families import FAMILIES, PER_LAYER_KEY, Family
+from evoesap.moe.families import FAMILIES, NONUNIFORM_ARCHITECTURE_PREFIX, PER_LAYER_KEY, Family
 from evoesap.moe.masking import masked
 from evoesap.moe.memory import BytesReport, bytes_report, expert_bytes, parameter_bytes
 from evoesap.moe.observe import observe_routing
@@ -24,6 +24,7 @@ from evoesap.moe.tiny import tiny_model
 
 __all__ = [
     "FAMILIES",
+    "NONUNIFORM_ARCHITECTURE_PREFIX",
     "PER_LAYER_KEY",
     "BytesReport",
     "Family",

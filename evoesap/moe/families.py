@@ -21,6 +21,10 @@ TOPK_SOFTMAX = "topk_softmax"  # top-k on raw logits, softmax over the k chosen
 
 # The per-layer expert counts of a non-uniformly pruned checkpoint: {str(decoder index): count}.
 PER_LAYER_KEY = "evoesap_num_experts_per_layer"
+# A non-uniform checkpoint's config.json names its architecture as this prefix + the stock class name
+# (EvoESAPOlmoeForCausalLM): the evoesap-vllm plugin (serving/vllm) registers exactly those names, and
+# a vLLM without the plugin refuses them as unsupported instead of failing on a weight shape.
+NONUNIFORM_ARCHITECTURE_PREFIX = "EvoESAP"
 
 _FUSED = (("gate_up_proj", 0), ("down_proj", 0))
 

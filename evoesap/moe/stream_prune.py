@@ -27,7 +27,7 @@ from evoesap.errors import ArtifactError, ConfigError
 from evoesap.moe import shards
 from evoesap.moe.families import PER_LAYER_KEY
 from evoesap.moe.spec import Pruned, check_pruned, expert_tensors, inspect, model_family, moe_blocks
-from evoesap.moe.surgery import set_counts
+from evoesap.moe.surgery import name_nonuniform, set_counts
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,8 @@ def prune_checkpoint(source: str, pruned: Pruned, out_dir: Path, dtype: torch.dt
     if dtype is not None:
         config.dtype = dtype
     config.save_pretrained(out_dir)
+    if hasattr(config, PER_LAYER_KEY):  # the architecture the serving plugin registers, as save_pruned names it
+        name_nonuniform(out_dir / "config.json", type(meta).__name__)
     _copy_small_files(fs, root, out_dir, names)
     log.info("streamed prune: %d -> %d tensor bytes", full, written)
     return StreamedPrune(full, written, tuple(counts[str(layer.decoder_index)] for layer in spec.layers))

@@ -9,6 +9,7 @@ then loads strictly: no remote code, no `ignore_mismatched_sizes`.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import tempfile
 from pathlib import Path
@@ -22,7 +23,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from evoesap import artifacts
 from evoesap.identity import check_local_or_hub
 from evoesap.errors import ArtifactError, ConfigError, ModelError
-from evoesap.moe.families import PER_LAYER_KEY, Family, family_of
+from evoesap.moe.families import NONUNIFORM_ARCHITECTURE_PREFIX, PER_LAYER_KEY, Family, family_of
 from evoesap.moe.spec import MoEBlock, Pruned, check_pruned, expert_tensors, inspect, model_family, moe_blocks
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,17 @@ def save_pruned(model: PreTrainedModel, tokenizer: Any | None, uri: str) -> None
 def _write(model: PreTrainedModel, tokenizer: Any | None, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)  # safetensors is the only format transformers 5 writes
+    if hasattr(model.config, PER_LAYER_KEY):
+        name_nonuniform(directory / "config.json", type(model).__name__)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+
+
+def name_nonuniform(config_file: Path, stock_name: str) -> None:
+    """Name the architecture the serving plugin registers; save_pretrained always writes the stock class."""
+    config = json.loads(config_file.read_text())
+    config["architectures"] = [NONUNIFORM_ARCHITECTURE_PREFIX + stock_name]
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 @contextlib.contextmanager

