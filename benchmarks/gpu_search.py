@@ -188,13 +188,14 @@ def search_timing(shape: str, model: torch.nn.Module, cache: TeacherCache, n: Se
                                    cache_device_bytes=_gib(args.cache_device_gib))
     schedule = racing.Racing() if args.racing else None
     samples = list(range(cache.num_samples))
+    positions = (cache.offsets[1:] - cache.offsets[:-1]).tolist()  # scored positions per sample
 
     def fitness_of(r: tuple[int, ...]) -> float:
         return evaluator.score(alloc.pruned_sets(r, orders))
 
     def subset_fitness(r: tuple[int, ...], level: int, generation: int) -> float:
         assert schedule is not None
-        return evaluator.score(alloc.pruned_sets(r, orders), racing.subset(samples, schedule.fractions[level], 42, generation))
+        return evaluator.score(alloc.pruned_sets(r, orders), schedule.subset(samples, positions, level, 42, generation))
 
     stamps: list[float] = []
     sync(device)
