@@ -33,6 +33,7 @@ import fsspec
 from fsspec.core import url_to_fs
 
 from evoesap import __version__, identity
+from evoesap.identity import redact  # artifacts.redact: the one redaction, used everywhere
 from evoesap.errors import ArtifactError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -67,14 +68,6 @@ def join(uri: str, *names: str) -> str:
                     "separated by '/', without '..' or empty parts"
                 )
     return "/".join([str(uri).rstrip("/"), *[str(n) for n in names]])
-
-
-_USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
-
-
-def redact(text: str) -> str:
-    """`text` (a URI, or a message holding URIs) without any user:password@ part, for logs and manifests."""
-    return _USERINFO.sub(r"\1", str(text))
 
 
 def exists(uri: str) -> bool:

@@ -39,8 +39,9 @@ _STORE_KEYS = ("ETag", "etag", "VersionId", "version_id", "generation", "md5Hash
 _USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
 
 
-def _redact(uri: str) -> str:
-    return _USERINFO.sub(r"\1", str(uri))
+def redact(text: str) -> str:
+    """`text` (a URI, or a message holding URIs) without any user:password@ part, for logs and records."""
+    return _USERINFO.sub(r"\1", str(text))
 
 
 def identify(uri: str, *, repo_type: str = "model") -> tuple[dict[str, Any], str]:
@@ -94,7 +95,7 @@ def _record(uri: str, repo_type: str) -> dict[str, Any]:
     fs, path = url_to_fs(uri)
     local = "file" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol)
     if not fs.exists(path):
-        raise ConfigError(f"{_redact(uri)} does not exist: check the path or URI")
+        raise ConfigError(f"{redact(uri)} does not exist: check the path or URI")
     if fs.isfile(path):
         return {"kind": "file", **_file(fs, path, local, always_hash=True)}
     manifest = f"{path.rstrip('/')}/{MANIFEST}"
