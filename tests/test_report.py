@@ -477,6 +477,6 @@ def test_lineage_names_the_model_data_configuration_software_and_every_artifact(
         assert behind[uri]["Manifest sha256"] == artifacts.manifest_sha256(uri)
     assert behind[runs[2]]["Gives"] == "Benchmarks and Memory: 25% reap searched"
     assert behind[search]["Gives"] == "Summary and plots: reap 25%"
-    assert behind[scores]["Gives"] == "scores of search"
+    assert behind[scores]["Gives"] == "scores of search (25% reap)"
     assert page.table("Sparsity", "Method")  # the title's pipe stayed text: the tables still parse
     assert "<h1>Lineage | check</h1>" in (tmp_path / "report" / "report.html").read_text()
