@@ -27,7 +27,7 @@ class Node:
     uri: str  # without credentials
     manifest: artifacts.Manifest | None  # None: it could not be read (moved or deleted since)
     manifest_sha256: str | None
-    used_as: tuple[str, ...]  # "<input name> of <stage>" for every edge that reached it
+    used_as: tuple[tuple[str, tuple[str, ...]], ...]  # ("<input name> of <stage>", settings of those artifacts) per edge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,34 +50,46 @@ def _edge(name: str, stage: str) -> str:
     return f"{name.split('.')[0]} of {stage}"  # runs.3 -> runs: every run plays the same part
 
 
+def _setting(params: Mapping[str, Any]) -> str:
+    """"25% reap searched": the grid point an artifact belongs to, from its parameters ('' when none)."""
+    sparsity = params.get("sparsity")
+    parts = [None if sparsity is None else f"{float(sparsity):.0%}", params.get("criterion"), params.get("method")]
+    return " ".join(str(p) for p in parts if p)
+
+
 def walk(roots: Mapping[str, str], root_stage: str = "report") -> Lineage:
     """Every artifact and outside source behind `roots` (input name -> artifact URI), breadth first."""
-    queue = [(uri, _edge(name, root_stage)) for name, uri in roots.items()]
-    used_as: dict[str, list[str]] = {}
+    queue = [(uri, _edge(name, root_stage), "") for name, uri in roots.items()]
+    used_as: dict[str, dict[str, list[str]]] = {}  # uri -> edge -> settings of the artifacts that used it so
     order: list[str] = []
     manifests: dict[str, artifacts.Manifest | None] = {}
     sources: dict[tuple[str, str], tuple[str, list[str]]] = {}
     while queue:
-        uri, edge = queue.pop(0)
-        if uri in used_as:
-            if edge not in used_as[uri]:
-                used_as[uri].append(edge)
+        uri, edge, setting = queue.pop(0)
+        seen = uri in used_as
+        settings = used_as.setdefault(uri, {}).setdefault(edge, [])
+        if setting and setting not in settings:
+            settings.append(setting)
+        if seen:
             continue
-        used_as[uri], manifests[uri] = [edge], _manifest(uri)
+        manifests[uri] = manifest = _manifest(uri)
         order.append(uri)
-        manifest = manifests[uri]
         if manifest is None:
             continue
         reader = f"{manifest.stage} ({edge})"
         for name, entry in sorted(manifest.inputs.items()):
             if "manifest_sha256" in entry:
-                queue.append((entry["uri"], _edge(name, manifest.stage)))
+                queue.append((entry["uri"], _edge(name, manifest.stage), _setting(manifest.params)))
                 continue
             record = {k: v for k, v in entry.items() if k != "uri"}
             identity, readers = sources.setdefault((name, entry["uri"]), (summary(record) if record else "", []))
             if reader not in readers:
                 readers.append(reader)
-    nodes = [Node(artifacts.redact(uri), manifests[uri], _sha(uri) if manifests[uri] else None, tuple(used_as[uri])) for uri in order]
+    nodes = [
+        Node(artifacts.redact(uri), manifests[uri], _sha(uri) if manifests[uri] else None,
+             tuple((edge, tuple(settings)) for edge, settings in used_as[uri].items()))
+        for uri in order
+    ]
     return Lineage(nodes, [Source(name, uri, identity, tuple(readers)) for (name, uri), (identity, readers) in sources.items()])
 
 

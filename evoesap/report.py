@@ -17,6 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 import pandas as pd  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from evoesap.errors import DataError  # noqa: E402
 
@@ -238,6 +239,7 @@ def density_figure(allocations: Mapping[str, tuple[Sequence[int], Sequence[int]]
         ax.bar(range(len(density)), density, color="tab:blue")
         ax.set_title(f"{label} (mean {sum(density) / len(density):.2f})")
         ax.set_xlabel("MoE layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
         ax.set_ylim(0, 1)
     axes[0][0].set_ylabel("Expert density (1 - r/n)")
     if title:
@@ -250,14 +252,14 @@ def search_curve_figure(histories: Mapping[str, pd.DataFrame]) -> Figure:
     """Best-so-far and mean fitness per generation for each search."""
     if not histories:
         raise DataError("no search histories to plot")
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     for label, history in histories.items():
         curve = search_curve(history)
         line = ax.plot(curve.index, curve["best"], label=f"{label} best")[0]
         ax.plot(curve.index, curve["mean"], linestyle="--", color=line.get_color(), label=f"{label} mean")
     ax.set_xlabel("Generation")
     ax.set_ylabel("Fitness")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes, never over a curve
     fig.tight_layout()
     return fig
 
@@ -322,6 +324,13 @@ def _signed(value: float | None, digits: int) -> str:
     return "–" if value is None else f"{value:+.{digits}f}"
 
 
+def _fine(value: float | None, sign: str = "") -> str:
+    """4 decimals, or 2 significant digits when smaller than that shows (a held-out ESAP gap can be 1e-6)."""
+    if value is None or not math.isfinite(value):
+        return "–"
+    return f"{value:{sign}.4f}" if value == 0 or abs(value) >= 1e-3 else f"{value:{sign}.1e}"
+
+
 def summary_table(rows: Sequence[Setting], digits: int = 3) -> Table:
     """Per setting: held-out fitness of searched and uniform, their paired difference and standard error, whether
     the difference clears two standard errors, whether the search fell back to uniform, the task-average Δ, memory saved."""
@@ -336,8 +345,8 @@ def summary_table(rows: Sequence[Setting], digits: int = 3) -> Table:
                 Cell(s.metric or "–"),
                 Cell(_fmt(check.get("searched"), 4)),
                 Cell(_fmt(check.get("uniform"), 4)),
-                Cell(_signed(check.get("difference"), 4)),
-                Cell(_fmt(check.get("stderr"), 4)),
+                Cell(_fine(check.get("difference"), "+")),
+                Cell(_fine(check.get("stderr"))),
                 Cell(str(check.get("samples", "–"))),
                 Cell("–" if passed is None else "passed" if passed else "failed", "" if passed is not False else "bold"),
                 Cell("–" if s.fallback_applied is None else "applied" if s.fallback_applied else "no", "bold" if s.fallback_applied else ""),
@@ -391,9 +400,14 @@ def software_table(builds: Sequence[tuple[str, str | None, Sequence[str]]]) -> T
 def artifacts_table(nodes: Sequence[Node], gives: Mapping[str, str]) -> Table:
     """Every artifact behind the page: what it gives the report (or how the DAG used it) and its manifest hash."""
     lines = [
-        (Cell(n.uri, "code"), Cell(n.manifest.stage if n.manifest else "unreadable"), Cell(gives.get(n.uri) or "; ".join(n.used_as)),
+        (Cell(n.uri, "code"), Cell(n.manifest.stage if n.manifest else "unreadable"), Cell(gives.get(n.uri) or _used_as(n)),
          Cell(n.manifest_sha256 or "–", "code" if n.manifest_sha256 else ""))
         for n in nodes
     ]
     return Table(("Artifact", "Stage", "Gives", "Manifest sha256"), tuple(lines), ("left",) * 4)
+
+
+def _used_as(node: Node) -> str:
+    """"scores of search (25% frequency, 25% reap); scores of prune (...)"."""
+    return "; ".join(f"{edge} ({', '.join(sorted(settings))})" if settings else edge for edge, settings in node.used_as)
 

@@ -112,7 +112,7 @@ def test_allocations_are_read_off_expert_counts_against_the_full_model():
 
 def allocation_doc(beats: bool, warnings: list[str] | None) -> dict:
     """An allocation.json as the search stage writes it; `warnings` None: one written before warnings were recorded."""
-    difference = 0.01223 if beats else 0.00123  # the stage's verdict: beyond two standard errors (0.00456) or not
+    difference = 0.01223 if beats else 4.2e-6  # the stage's verdict: beyond two standard errors (0.00456) or not
     doc = {
         "criterion": "reap", "sparsity": 0.25, "metric": "esap", "budget": 8, "granularity": 1, "num_experts": N,
         "removal_counts": ALLOCATIONS["searched"], "searched": {"removal_counts": ALLOCATIONS["searched"], "fitness": 0.91},
@@ -350,7 +350,9 @@ def check_summary(page: Page, by_method: dict[str, dict], doc: dict, digits: int
     assert len(rows) == 1, rows
     row, check = rows[0], doc["heldout"]
     assert (row["Searched"], row["Uniform"]) == (f"{check['searched']:.4f}", f"{check['uniform']:.4f}")
-    assert (row["Difference"], row["Std. error"]) == (f"{check['difference']:+.4f}", f"{check['stderr']:.4f}")
+    fine = {k: f"{check[k]:{s}.4f}" if abs(check[k]) >= 1e-3 or check[k] == 0 else f"{check[k]:{s}.1e}"
+            for k, s in (("difference", "+"), ("stderr", ""))}  # a held-out gap can be 1e-6: never shown as 0.0000
+    assert (row["Difference"], row["Std. error"]) == (fine["difference"], fine["stderr"])
     assert row["Samples"] == str(check["samples"])
     assert row["Check (diff > 2 SE)"] == ("passed" if check["difference"] > 2 * check["stderr"] else "failed")
     assert row["Fallback to uniform"] == ("applied" if doc["fallback_applied"] else "no")
@@ -412,7 +414,7 @@ def test_number_check_fails_when_a_table_lacks_a_metrics_number(passing_report):
 
 @pytest.mark.parametrize("recorded", [True, False], ids=["warnings-in-allocation-json", "older-allocation-json"])
 def test_a_search_that_does_not_beat_uniform_is_flagged_in_summary_and_warning(tmp_path, recorded):
-    warning = "searched allocation does not beat uniform on held-out samples: esap 0.8013 vs uniform 0.8001"
+    warning = "searched allocation does not beat uniform on held-out samples: esap 0.8001 vs uniform 0.8001"
     doc = allocation_doc(False, [warning] if recorded else None)
     out, by_method = make_report(tmp_path, doc)
     page = check_page((out / "report.html").read_text())
@@ -477,6 +479,6 @@ def test_lineage_names_the_model_data_configuration_software_and_every_artifact(
         assert behind[uri]["Manifest sha256"] == artifacts.manifest_sha256(uri)
     assert behind[runs[2]]["Gives"] == "Benchmarks and Memory: 25% reap searched"
     assert behind[search]["Gives"] == "Summary and plots: reap 25%"
-    assert behind[scores]["Gives"] == "scores of search"
+    assert behind[scores]["Gives"] == "scores of search (25% reap)"
     assert page.table("Sparsity", "Method")  # the title's pipe stayed text: the tables still parse
     assert "<h1>Lineage | check</h1>" in (tmp_path / "report" / "report.html").read_text()

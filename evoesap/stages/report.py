@@ -177,7 +177,7 @@ def _as_configuration(params: ReportParams) -> dict[str, list[str]]:
 
 
 def _notes(metrics: Sequence[Mapping[str, Any]]) -> list[str]:
-    limits = sorted({str(m.get("limit")) for m in metrics if m.get("limit") is not None})
+    limits = sorted({f"{float(m['limit']):g}" for m in metrics if m.get("limit") is not None})  # configs may turn 48 into 48.0
     if limits:
         return [f"Smoke run: at most {', '.join(limits)} examples per task; not comparable with full evaluations."]
     return []
