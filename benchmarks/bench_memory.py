@@ -108,7 +108,7 @@ def stage_commands(root: Path, model: Path, data: dict[str, str]) -> dict[str, l
         "calibrate": [*cli, "calibrate", "--model", str(model), "--data", data["calibration"], "--out", str(root / "scores"), *common],
         "cache-logits": [*cli, "cache-logits", "--model", str(model), "--data", data["search"], "--out", str(root / "cache"), *common],
         "search": [*cli, "search", "--model", str(model), "--scores", str(root / "scores"), "--cache", str(root / "cache"),
-                   "--out", str(root / "search"), "--population", "4", "--elites", "1", "--generations", "1",
+                   "--out", str(root / "search"), "--population", "2", "--elites", "1", "--generations", "0",
                    "--batch-size", "2", "--model-dtype", "bfloat16", "--device", "cpu", "--no-prefix-reuse"],
         "prune": [*cli, "prune", "--model", str(model), "--scores", str(root / "scores"), "--out", str(root / "pruned"),
                   "--sparsity", "0.5"],
@@ -188,7 +188,11 @@ def main() -> None:
     os.environ.setdefault("TQDM_DISABLE", "1")
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         rows = [cache_load_row(Path(tmp))]
-        rows += [row for size in args.sizes.split(",") for row in run_size(float(size), Path(tmp))]
+        print(json.dumps(rows[-1]), flush=True)
+        for size in args.sizes.split(","):  # rows as they come: a large size may take long on a shared machine
+            for row in run_size(float(size), Path(tmp)):
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     keys = list(dict.fromkeys(k for row in rows for k in row))
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))

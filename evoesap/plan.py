@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import types
 from typing import Any
 
 from evoesap.errors import ConfigError
 
+log = logging.getLogger(__name__)
 GiB = 1 << 30
 RUNTIME_BYTES = 330 << 20  # anonymous memory of a stage process before its model or cache (bench_memory: 329 MB)
 ACTIVATION_FLOATS = 16  # float32 values alive per token and hidden unit in a forward, besides the experts'
@@ -302,13 +304,17 @@ def local_machine(device: str = "auto") -> Machine:
 def check_stage(stage: str, inputs: dict[str, Any], params: Any) -> StagePlan | None:
     """Refuse (ResourceError) a stage that would not fit this machine, before it loads anything; its plan."""
     from evoesap import artifacts
-    from evoesap.errors import ResourceError
+    from evoesap.errors import EvoESAPError, ResourceError
     from evoesap.stages.cache_logits import CacheLogitsParams
     from evoesap.stages.search import SearchParams
 
     if stage not in ("calibrate", "cache-logits", "search", "prune", "evaluate"):
         return None
-    shape = model_shape(inputs["model"], getattr(params, "model_dtype", "auto"))
+    try:
+        shape = model_shape(inputs["model"], getattr(params, "model_dtype", "auto"))
+    except (EvoESAPError, OSError, ValueError) as exc:  # an unreadable model: the stage itself says what is wrong
+        log.info("%s: no memory plan (%s)", stage, exc)
+        return None
     machine = local_machine(getattr(params, "device", "cpu"))
     cache_p, rows, heldout = CacheLogitsParams(), 0, 0
     if stage == "search":
