@@ -19,12 +19,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from evoesap import moe
 from evoesap.demo.tokenizer import build_tokenizer
+from test_moe import nonuniform_sets
 
 REPO = Path(__file__).resolve().parents[1]
 GENERATE = Path(__file__).with_name("vllm_generate.py")
@@ -78,18 +78,6 @@ def servable_model(family: str, vocab_size: int) -> torch.nn.Module:
         for block in moe.moe_blocks(model):
             block.router.moe_statics.e_score_correction_bias.data.zero_()
     return model
-
-
-def nonuniform_sets(spec: moe.MoESpec, seed: int) -> dict[int, list[int]]:
-    """First MoE layer down to top-k, the last untouched, the rest in between: random ids."""
-    rng = np.random.default_rng(seed)
-    last = len(spec.layers) - 1
-    pruned = {}
-    for layer in spec.layers:
-        most = layer.num_experts - layer.top_k
-        count = most if layer.ordinal == 0 else 0 if layer.ordinal == last else int(rng.integers(1, most))
-        pruned[layer.ordinal] = sorted(rng.choice(layer.num_experts, count, replace=False).tolist())
-    return pruned
 
 
 @torch.no_grad()
