@@ -310,20 +310,20 @@ def check_stage(stage: str, inputs: dict[str, Any], params: Any) -> StagePlan | 
 
     if stage not in ("calibrate", "cache-logits", "search", "prune", "evaluate"):
         return None
+    cache_p, rows, heldout = CacheLogitsParams(), 0, 0
     try:
         shape = model_shape(inputs["model"], getattr(params, "model_dtype", "auto"))
-    except (EvoESAPError, OSError, ValueError) as exc:  # an unreadable model: the stage itself says what is wrong
-        log.info("%s: no memory plan (%s)", stage, exc)
+        if stage == "search":
+            meta = artifacts.read_json(artifacts.join(inputs["cache"], "cache.json"))
+            cache_p = CacheLogitsParams(mode=meta["mode"], top_k=meta["top_k"] or 1, dtype=meta["dtype"])
+            rows = int(meta["num_positions"])
+            if inputs.get("heldout_cache"):
+                heldout = int(artifacts.read_json(artifacts.join(inputs["heldout_cache"], "cache.json"))["num_positions"])
+    except (EvoESAPError, OSError, ValueError, KeyError, TypeError) as exc:
+        log.info("%s: no memory plan (%s)", stage, exc)  # an unreadable input: the stage itself says what is wrong
         return None
     machine = local_machine(getattr(params, "device", "cpu"))
-    cache_p, rows, heldout = CacheLogitsParams(), 0, 0
-    if stage == "search":
-        meta = artifacts.read_json(artifacts.join(inputs["cache"], "cache.json"))
-        cache_p = CacheLogitsParams(mode=meta["mode"], top_k=meta["top_k"] or 1, dtype=meta["dtype"])
-        rows = int(meta["num_positions"])
-        if inputs.get("heldout_cache"):
-            heldout = int(artifacts.read_json(artifacts.join(inputs["heldout_cache"], "cache.json"))["num_positions"])
-    elif stage == "cache-logits":
+    if stage == "cache-logits":
         cache_p, rows = params, (params.samples or 0) * params.max_length
     calibrate_tokens = params.samples * params.max_length if stage == "calibrate" else 0
     all_params = {

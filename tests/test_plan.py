@@ -95,9 +95,11 @@ def test_a_stage_that_would_not_fit_is_refused_before_any_work(tmp_path, monkeyp
     from evoesap.steps import run_stage
 
     moe.tiny_model("olmoe").save_pretrained(tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "two words"}\n' * 2)
     monkeypatch.setattr(plan, "local_machine", lambda device="auto": plan.Machine(host=1 << 20))
     with pytest.raises(ResourceError, match="calibrate needs .* available: change calibrate.batch_size"):
-        run_stage("calibrate", {"model": str(tmp_path / "model"), "data": "missing.jsonl"}, CalibrateParams(samples=2),
+        run_stage("calibrate", {"model": str(tmp_path / "model"), "data": str(data)}, CalibrateParams(samples=2),
                   str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
 
