@@ -76,6 +76,18 @@ def test_tokenizer_round_trips_and_masks_assistant(tmp_path):
     assert prompt.endswith("<|assistant|>")
 
 
+def test_training_mask_equals_the_scored_answer_of_evoesap_data():
+    """The demo learns exactly the tokens the search scores (content + end of turn), in every domain."""
+    from evoesap.data import Sample, encode_sample
+
+    tok = build_tokenizer()
+    for domain in ("code", "copy", "facts", "math"):
+        for row in generate_splits(domain, seed=1, train_size=10)["evaluation"][:8]:
+            messages = row.to_json()["messages"]
+            sample = Sample(id=0, messages=tuple((m["role"], m["content"]) for m in messages))
+            assert encode_chat(tok, messages) == encode_sample(sample, tok), domain
+
+
 def test_task_prompt_matches_chat_template():
     tok = build_tokenizer()
     chat = [{"role": "user", "content": "reverse abcd"}]
