@@ -490,10 +490,12 @@ def _publish(staging: Path, out_uri: str, manifest: Manifest) -> None:
 def _publish_local(staging: Path, dest: Path, manifest: Manifest) -> None:
     """Swap the staged directory in: the old artifact is renamed aside, the new one renamed in, the old removed."""
     (staging / MANIFEST).write_text(manifest.to_json())
-    old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
+    olds = []
     for _ in range(8):  # another process may publish the same output at the same moment
+        old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"  # a new name each try: one may be taken
         with contextlib.suppress(FileNotFoundError):
             os.replace(dest, old)
+            olds.append(old)
         try:
             os.rename(staging, dest)
             break
@@ -502,7 +504,8 @@ def _publish_local(staging: Path, dest: Path, manifest: Manifest) -> None:
                 raise
     else:
         raise ArtifactError(f"{dest} kept changing while publishing: is another run writing it?")
-    shutil.rmtree(old, ignore_errors=True)
+    for old in olds:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _publish_remote(fs: fsspec.AbstractFileSystem, staging: Path, path: str, manifest: Manifest) -> None:

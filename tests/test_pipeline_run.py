@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -113,7 +114,7 @@ def test_local_run_records_typed_artifacts_whose_metadata_matches_the_manifests(
     stored, view = Path(pruned.metadata["uri"]), Path(pruned.path)
     small = {p.relative_to(stored).as_posix() for p in stored.rglob("*") if p.is_file() and p.stat().st_size <= facts.EXPORT_MAX_BYTES}
     assert {p.relative_to(view).as_posix() for p in view.rglob("*") if p.is_file()} == small  # large files stay in storage
-    assert "<img src='data:image/png;base64," in Path(outputs["report_html"].path).read_text()
+    assert re.search(r"<img [^>]*src=[\"']data:image/png;base64,", Path(outputs["report_html"].path).read_text())
     assert Path(outputs["report"].path).read_text() == (Path(first_run["report"]) / "report.md").read_text()
     recorded = _recorded_artifacts(Path(first_run["config"].pipeline_root))
     metrics = recorded["metrics"]
