@@ -1,7 +1,7 @@
 """A character-level fast tokenizer with a chat template, built offline with `tokenizers`.
 
-A real chat template (with `{% generation %}` markers for assistant masks) makes the demo exercise the
-same chat-template code path as a hub model; characters keep the vocabulary ~100 tokens.
+A real chat template (without `{% generation %}` markers, like most hub models') makes the demo exercise
+the same chat-template code path as a hub model; characters keep the vocabulary ~100 tokens.
 """
 
 from __future__ import annotations
@@ -15,15 +15,11 @@ from transformers import PreTrainedTokenizerFast
 USER, ASSISTANT, SYSTEM, END, PAD, UNK = "<|user|>", "<|assistant|>", "<|system|>", "<|end|>", "<|pad|>", "<|unk|>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, END, UNK, USER, ASSISTANT, SYSTEM)
 
-# Each turn is `<|role|>content<|end|>`; the assistant turn (content and its end token) is what the model
-# learns to produce, so it is wrapped in generation markers for `return_assistant_tokens_mask`.
+# Each turn is `<|role|>content<|end|>`; the assistant's content and its `<|end|>` are what the model
+# learns to produce (`evoesap.data`'s answer mask).
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "{{ '<|assistant|>' }}{% generation %}{{ message['content'] }}{{ '<|end|>' }}{% endgeneration %}"
-    "{% else %}"
     "{{ '<|' + message['role'] + '|>' }}{{ message['content'] }}{{ '<|end|>' }}"
-    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from transformers import OlmoeConfig, OlmoeForCausalLM, PreTrainedTokenizerBase
 
+from evoesap.data import Sample, encode_sample
 from evoesap.demo.profiles import Profile
 from evoesap.errors import ConfigError
 from evoesap.progress import progress
@@ -55,10 +56,9 @@ def make_model(profile: Profile, tokenizer: PreTrainedTokenizerBase, seed: int) 
 
 
 def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict]) -> tuple[list[int], list[bool]]:
-    """Token ids of a chat through its template, and which tokens are the assistant's (what is learned)."""
-    enc = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True)
-    return list(enc["input_ids"]), [bool(m) for m in enc["assistant_masks"]]
+    """Token ids of a chat through its template, and the tokens learned: the answer mask of `evoesap.data`
+    (assistant content and end of turn), so the model is trained on exactly what the search scores."""
+    return encode_sample(Sample(id=0, messages=tuple((m["role"], m["content"]) for m in messages)), tokenizer)
 
 
 @contextlib.contextmanager

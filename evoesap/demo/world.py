@@ -23,6 +23,7 @@ from typing import Iterator
 import torch
 import transformers
 
+from evoesap import data as _data
 from evoesap.demo import domains as _domains
 from evoesap.demo import tokenizer as _tokenizer
 from evoesap.demo import train as _train
@@ -65,12 +66,12 @@ class DemoWorld:
 
 
 def world_key(seed: int, profile: str) -> str:
-    """Hash of what decides the world: generator and training code, seed, profile values.
+    """Hash of what decides the world: generator, training and answer-mask code, seed, profile values.
 
     Library versions are recorded in `info` but not keyed on, so a world built elsewhere can be reused.
     """
     h = hashlib.sha256()
-    for module in (_domains, _tokenizer, _train):
+    for module in (_data, _domains, _tokenizer, _train):
         h.update(Path(module.__file__).read_bytes())
     h.update(json.dumps({"seed": seed, "profile": dataclasses.asdict(get_profile(profile))},
                         sort_keys=True).encode())
