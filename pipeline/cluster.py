@@ -87,7 +87,7 @@ def merged(shared: StageSettings | None, own: StageSettings | None) -> StageSett
         base = values.get(name)
         if isinstance(value, list) and isinstance(base, list):
             values[name] = base + value
-        elif isinstance(value, dict) and isinstance(base, dict) and name == "node_selector":
+        elif isinstance(value, dict) and isinstance(base, dict):
             values[name] = {**base, **value}
         else:
             values[name] = value
