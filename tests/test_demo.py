@@ -169,8 +169,11 @@ def test_trained_model_solves_every_domain_through_lm_eval(demo_world):
     scores = run_tasks(model, tok, demo_world.tasks_dir,
                        list(demo_world.generative_tasks + demo_world.multiple_choice_tasks), limit=EVAL_LIMIT)
     print("\nfull model lm-eval:", json.dumps(scores))
-    # Lowered from 0.9 on 2026-11-26: the world built in this environment scores math 0.891 and code 0.922
-    # (limit 64) where an earlier build scored 0.984 and 0.9375 (benchmarks/RESULTS.md); not yet explained.
+    # 0.85, not 0.9: the same training code and inputs gave a world scoring math 0.984 / code 0.9375 on an
+    # earlier machine and 0.891 / 0.922 here (limit 64; benchmarks/RESULTS.md, "Demo world"). Training is
+    # bit-reproducible on one machine but not across CPUs' float rounding, and the misses are one-off
+    # slips (a carry in 17-7, a parenthesis count), so the bar leaves room for that spread, not for a
+    # broken world (an untrained or wrongly masked model scores near 0).
     for task in demo_world.generative_tasks:
         assert scores[task] >= 0.85, f"{task} exact match {scores[task]:.3f} < 0.85"
     for task in demo_world.multiple_choice_tasks:
