@@ -7,7 +7,7 @@ samples), search and the streamed prune, each as its own `python -m evoesap` pro
 sampled from /proc (bench_memory.Probe: RssAnon apart from file-backed pages), device memory from NVML
 (memory used on the GPU above what was used before the stage started, CUDA context included). Each row
 also carries the planner's prediction for the same settings (`evoesap.plan`), so its error can be read
-off. Rows are printed (and appended to `--json`) as they come: a run cut short keeps what it measured.
+off; each stage's own output goes to WORKDIR/<stage>.log. Rows are printed (and appended to `--json`) as they come: a run cut short keeps what it measured.
 
     python benchmarks/gpu_stages.py --workdir /tmp/stages --json $OUT/stages.jsonl
     python benchmarks/gpu_stages.py --tiny --device cpu --workdir /tmp/s    # a CPU smoke run, minutes
@@ -62,17 +62,18 @@ class DeviceProbe:
         return self.peak - self.base
 
 
-def run_stage(command: list[str], on_gpu: bool) -> dict[str, Any]:
-    """Run one stage process; its host peaks, device peak and wall seconds."""
+def run_stage(command: list[str], on_gpu: bool, log: Path) -> dict[str, Any]:
+    """Run one stage process, its output to `log`; its host peaks, device peak and wall seconds."""
     device = DeviceProbe() if on_gpu else None
     start = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    host = Probe(proc.pid)
-    _, err = proc.communicate()
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        host = Probe(proc.pid)
+        proc.wait()
     seconds = time.perf_counter() - start
     peak_device = device.stop() if device else 0
     if proc.returncode:
-        raise RuntimeError(f"{' '.join(command[3:5])} failed: {err[-3000:]}")
+        raise RuntimeError(f"{' '.join(command[3:5])} failed: {log.read_text()[-3000:]}")
     peaks = host.join()
     return {"seconds": round(seconds, 1), "host_anon_gib": peaks["RssAnon"] / 2**30,
             "host_file_gib": peaks["RssFile"] / 2**30, "device_gib": peak_device / 2**30}
@@ -116,6 +117,10 @@ def main() -> None:
     parser.add_argument("--full-samples", type=int, default=16, help="samples of the full-mode cache (26 GB at 64 x 4096)")
     parser.add_argument("--length", type=int, default=4096, help="tokens per sample")
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--population", type=int, default=4, help="search population (the paper's 32)")
+    parser.add_argument("--elites", type=int, default=1)
+    parser.add_argument("--generations", type=int, default=1, help="search generations (the paper's 50)")
+    parser.add_argument("--racing", action="store_true", help="search with the default racing schedule")
     parser.add_argument("--stages", default="calibrate,cache-logits,search,cache-logits-full,prune")
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--json", default=None, help="append each row here as a JSON line")
@@ -147,7 +152,8 @@ def main() -> None:
                                     *data, *run], args.calibration_samples * args.length, "cache"),
         "cache-logits": ("cache-logits", ["--data", str(root / "search.jsonl"), *cache_args["cache"], *data, *run], 0, "cache"),
         "search": ("search", ["--scores", str(root / "scores"), "--cache", str(root / "cache"), "--sparsity", "0.5",
-                              "--population", "4", "--elites", "1", "--generations", "1",
+                              "--population", str(args.population), "--elites", str(args.elites),
+                              "--generations", str(args.generations), *(["--racing"] if args.racing else []),
                               "--batch-size", str(args.batch_size), *run], 0, "cache"),
         "cache-logits-full": ("cache-logits", ["--data", str(root / "search.jsonl"), *cache_args["cache-full"], *data, *run],
                               0, "cache-full"),
@@ -156,7 +162,8 @@ def main() -> None:
     for name in args.stages.split(","):
         stage, own, calibrate_tokens, cache_dir = stages[name]
         out = root / {"calibrate": "scores", "cache-logits": cache_dir}.get(stage, stage)
-        measured = run_stage([*cli, stage, "--model", str(model), "--out", str(out), *own], on_gpu and stage != "prune")
+        measured = run_stage([*cli, stage, "--model", str(model), "--out", str(out), *own], on_gpu and stage != "prune",
+                             root / f"{name}.log")
         meta_file = root / cache_dir / "cache.json"  # calibrate runs before any cache exists
         meta = json.loads(meta_file.read_text()) if meta_file.exists() else {"mode": "topk", "top_k": 64, "num_positions": 0}
         cache_p = make_params("cache-logits", {**settings, "mode": meta["mode"], "top_k": meta["top_k"] or 64})
@@ -168,6 +175,8 @@ def main() -> None:
         row = {"shape": args.shape, "stage": name, "model_gib": shape.bytes / 2**30, "cache_rows": rows, **measured,
                "planned_host_gib": predicted.host / 2**30, "planned_device_gib": predicted.device / 2**30,
                "gpu": torch.cuda.get_device_name(0) if on_gpu else "cpu"}
+        if stage == "search":  # what the search did: candidates, FFE per candidate, prefix cache (allocation.json)
+            row["search_cost"] = json.loads((out / "allocation.json").read_text())["cost"]
         row = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
         print(json.dumps(row), flush=True)
         if args.json:
