@@ -253,8 +253,7 @@ def run_search(
 
     def on_generation(gen: int, best: Any, best_fitness: float, mean_fitness: float, evaluations: int) -> None:
         bar.n = gen + 1
-        bar.set_postfix(best=f"{best_fitness:.5f}", mean=f"{mean_fitness:.5f}", evals=evaluations)
-        log.info("generation %d: best %.6f mean %.6f evaluations %d", gen, best_fitness, mean_fitness, evaluations)
+        bar.set_postfix(best=f"{best_fitness:.5f}", mean=f"{mean_fitness:.5f}", evals=evaluations)  # evoesap.search logs it
 
     try:
         result = search.level_switch_search(
