@@ -1,4 +1,4 @@
-"""The candidate's forward: batching, the layer-by-layer decoder stack and the LM head, against the model's own forward."""
+"""The layer-by-layer decoder stack and the LM head against the model's own forward."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from evoesap import moe
 from evoesap.scoring import forward
 from evoesap.scoring.forward import LayerRunner
 
+from moe_support import one_thread  # noqa: F401 (one_thread is an autouse fixture)
 from test_scoring_teacher import VOCAB, tiny
 
 FAMILIES = ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "gpt_oss"]
@@ -18,15 +19,6 @@ SLIDING = {
     "mixtral": dict(sliding_window=5),
     "qwen2_moe": dict(use_sliding_window=True, sliding_window=4, max_window_layers=4),
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Bit-level comparisons on one thread, as elsewhere in the suite."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -13,8 +13,10 @@ from evoesap.scoring.evaluator import CandidateEvaluator
 from evoesap.scoring.forward import LayerRunner
 from evoesap.scoring.prefix import PrefixCache, spread
 
-from test_scoring_forward import SLIDING, one_thread  # noqa: F401 (one_thread: the autouse fixture, here too)
+from moe_support import one_thread  # noqa: F401 (one_thread is an autouse fixture)
+from test_scoring_forward import SLIDING
 from test_scoring_teacher import random_samples
+
 
 def _world(family: str, tmp_path, samples: int = 7):
     model = moe.tiny_model(family, seed=2, vocab_size=96, **SLIDING.get(family, {}))

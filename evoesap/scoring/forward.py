@@ -1,12 +1,10 @@
-"""Forward passes of a candidate: batches of cached samples, the decoder stack, the LM head.
+"""Forward passes for scoring: batches of cached samples, the decoder stack, the LM head at scored rows.
 
-Batches: samples grouped by length (`iter_batches`) and right-padded (`pad_right`); under causal
-attention right padding leaves every real token's hidden state exactly as unpadded. The teacher's
-plain forward (`final_hidden`) and the LM head at chosen rows (`head_logits`) serve both the teacher
-cache and the candidates.
+Samples are grouped by length (`iter_batches`) and right-padded (`pad_right`). The teacher runs the
+whole stack at once (`final_hidden`); a candidate runs it half-layer by half-layer (`LayerRunner`), so
+that its forward can start mid-model; both end with the LM head at the scored rows only (`head_logits`).
 
-The decoder stack also runs half-layer by half-layer (`LayerRunner`), so that a forward can start
-mid-model. Prefix reuse (`evoesap.scoring.prefix`) resumes a candidate's forward from cached hidden
+Layer by layer: prefix reuse (`evoesap.scoring.prefix`) resumes a candidate's forward from cached hidden
 states; that needs the pieces `XModel.forward` builds once per batch (embeddings, position ids, rotary
 position embeddings, causal masks per attention kind) and the decoder layers called in parts.
 transformers 5.x writes those pieces the same way in every MoE family (OLMoE, Qwen2/3-MoE, Mixtral,
@@ -37,7 +35,8 @@ import torch
 
 from evoesap.errors import ModelError
 
-_MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}  # in masking_utils
+# per attention kind, the function of transformers.masking_utils that builds its mask
+_MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 _HALVES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # what every decoder layer must have
 
 

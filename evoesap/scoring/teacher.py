@@ -147,7 +147,6 @@ def scored_positions(answer_mask: Sequence[bool]) -> list[int]:
     return [t for t, m in enumerate(scored_mask(answer_mask)) if m]
 
 
-
 class _ShardWriter:
     """Parquet shards of about SHARD_BYTES each, written chunk by chunk (never the whole cache in RAM) on a
     background thread, so that the teacher's next forward overlaps the encoding and the disk."""
