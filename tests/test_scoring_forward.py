@@ -1,9 +1,11 @@
-"""The layer-by-layer decoder stack and the LM head against the model's own forward."""
+"""Batching, the layer-by-layer decoder stack and the LM head, checked against the model's own forward."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from evoesap import moe
 from evoesap.scoring import forward
@@ -19,6 +21,26 @@ SLIDING = {
     "mixtral": dict(sliding_window=5),
     "qwen2_moe": dict(use_sliding_window=True, sliding_window=4, max_window_layers=4),
 }
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=30), st.integers(1, 8))
+def test_batches_hold_every_sample_once_longest_first(lengths, batch_size):
+    batches = list(forward.iter_batches(lengths, batch_size))
+    flat = [i for batch in batches for i in batch]
+    assert sorted(flat) == list(range(len(lengths)))
+    assert all(1 <= len(batch) <= batch_size for batch in batches)
+    assert [lengths[i] for i in flat] == sorted(lengths, reverse=True)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 500), min_size=1, max_size=20), min_size=1, max_size=6))
+def test_right_padding_keeps_each_sequence_at_the_start_of_its_row(seqs):
+    ids, mask = forward.pad_right([torch.tensor(s) for s in seqs], pad_id=0)
+    assert ids.shape == mask.shape == (len(seqs), max(map(len, seqs)))
+    for row, s in enumerate(seqs):
+        assert ids[row, : len(s)].tolist() == s and not ids[row, len(s) :].any()
+        assert mask[row].tolist() == [1] * len(s) + [0] * (ids.shape[1] - len(s))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
