@@ -17,22 +17,23 @@ import time
 import numpy as np
 import torch
 
-from evoesap import moe, teacher
+from evoesap import moe
 from evoesap.data import TokenizedSample
+from evoesap.scoring import forward, teacher
 
 
 def floor_seconds(model: torch.nn.Module, samples: list[TokenizedSample], batch_size: int) -> float:
     """One forward + head + log-softmax over every scored row, results discarded: the unavoidable work."""
-    device = teacher.model_device(model)
+    device = forward.model_device(model)
     start = time.perf_counter()
     with torch.inference_mode():
         for a in range(0, len(samples), batch_size):
             chunk = samples[a : a + batch_size]
-            ids, mask = teacher.pad_right([torch.tensor(s.input_ids) for s in chunk])
-            hidden = teacher.final_hidden(model, ids.to(device), mask.to(device))  # [B, T, H]
+            ids, mask = forward.pad_right([torch.tensor(s.input_ids) for s in chunk])
+            hidden = forward.final_hidden(model, ids.to(device), mask.to(device))  # [B, T, H]
             rows = [(r, t) for r, s in enumerate(chunk) for t in teacher.scored_positions(s.answer_mask)]
             picked = hidden[torch.tensor([r for r, _ in rows]), torch.tensor([t for _, t in rows])]  # [P, H]
-            logprobs = torch.log_softmax(teacher.head_logits(model, picked).float(), dim=-1)  # [P, V]
+            logprobs = torch.log_softmax(forward.head_logits(model, picked).float(), dim=-1)  # [P, V]
             float(logprobs[-1, -1])  # waits for the device
     return time.perf_counter() - start
 

@@ -25,9 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from evoesap import moe, teacher
+from evoesap import moe
 from evoesap.data import TokenizedSample, load_samples, scored_mask, tokenize_samples
-from evoesap.evaluator import CandidateEvaluator
+from evoesap.scoring import forward, teacher
+from evoesap.scoring.evaluator import CandidateEvaluator
 
 
 def build_world(args: argparse.Namespace) -> tuple[torch.nn.Module, list[TokenizedSample], str]:
@@ -72,7 +73,7 @@ def reference_score(model: torch.nn.Module, tokenized: list[TokenizedSample], pr
     with torch.inference_mode():
         for start in range(0, len(tokenized), batch_size):
             chunk = tokenized[start : start + batch_size]
-            ids, mask = teacher.pad_right([torch.tensor(s.input_ids) for s in chunk])
+            ids, mask = forward.pad_right([torch.tensor(s.input_ids) for s in chunk])
             p = torch.softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)  # [B, T, V]
             with moe.masked(model, pruned):
                 q = torch.softmax(model(input_ids=ids, attention_mask=mask).logits.float(), -1)  # [B, T, V]

@@ -32,10 +32,10 @@ LAYER_PARAMS = 4 * HIDDEN * HIDDEN + EXPERTS * 3 * HIDDEN * WIDTH + EXPERTS * HI
 SETTINGS = dict(samples=4, max_length=128, batch_size=2)
 # what every stage process imports before it loads anything: the baseline subtracted from its peaks
 RUNTIME_PROBE = ("import torch, transformers, pyarrow, pandas, evoesap.stages.search, evoesap.stages.prune, "
-                 "evoesap.plan, evoesap.teacher, transformers.models.olmoe.modeling_olmoe")
+                 "evoesap.plan, evoesap.scoring.teacher, transformers.models.olmoe.modeling_olmoe")
 CACHE_PROBE = """
 import sys
-from evoesap import teacher
+from evoesap.scoring import teacher
 if len(sys.argv) > 1:
     teacher.load_cache(sys.argv[1])
 """
@@ -134,7 +134,8 @@ def predictions(model: Path, cache_rows: int) -> dict[str, int]:
 
 
 def run_size(gigabytes: float, workdir: Path) -> list[dict]:
-    from evoesap import plan, teacher
+    from evoesap import plan
+    from evoesap.scoring import teacher
     from evoesap.demo.domains import generate_splits, write_jsonl
 
     root = Path(tempfile.mkdtemp(dir=workdir))
@@ -165,7 +166,8 @@ def cache_load_row(workdir: Path) -> dict:
     """Peak anonymous memory of loading a 307 MB full cache, over the cache's bytes (import baseline subtracted)."""
     import numpy as np
 
-    from evoesap import moe, plan, teacher
+    from evoesap import moe, plan
+    from evoesap.scoring import teacher
     from evoesap.data import TokenizedSample
 
     model = moe.tiny_model("olmoe", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1)

@@ -42,10 +42,11 @@ import numpy as np
 import torch
 
 from evoesap import allocation as alloc
-from evoesap import moe, racing, search, teacher
+from evoesap import moe, racing, search
 from evoesap.data import TokenizedSample, load_samples, scored_mask, tokenize_samples
-from evoesap.evaluator import CandidateEvaluator
 from evoesap.importance import observe, pruning_order
+from evoesap.scoring import forward, teacher
+from evoesap.scoring.evaluator import CandidateEvaluator
 
 
 def peak_rss_reset() -> None:
@@ -121,7 +122,7 @@ class Reference:
         with torch.inference_mode():
             for start in range(0, len(tokenized), batch_size):
                 chunk = tokenized[start : start + batch_size]
-                ids, mask = teacher.pad_right([torch.tensor(s.input_ids) for s in chunk])
+                ids, mask = forward.pad_right([torch.tensor(s.input_ids) for s in chunk])
                 keep = torch.zeros(ids.shape, dtype=torch.bool)  # [B, T] scored positions
                 for row, s in enumerate(chunk):
                     keep[row, : len(s.input_ids)] = torch.tensor(scored_mask(s.answer_mask))

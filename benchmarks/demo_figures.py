@@ -37,8 +37,8 @@ import torch
 
 from evoesap import allocation as alloc
 from evoesap import artifacts, moe
-from evoesap.evaluator import CandidateEvaluator
 from evoesap.importance import CRITERIA, pruning_order, read_scores
+from evoesap.scoring.evaluator import CandidateEvaluator
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate
 from evoesap.stages.search import SearchParams, generalisation, run_search

@@ -40,8 +40,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from evoesap import allocation as alloc
 from evoesap import moe, racing, search
-from evoesap.evaluator import CandidateEvaluator
-from evoesap.teacher import CacheMeta, TeacherCache
+from evoesap.scoring.evaluator import CandidateEvaluator
+from evoesap.scoring.teacher import CacheMeta, TeacherCache
 
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "olmoe": ("olmoe", dict(num_hidden_layers=16, hidden_size=2048, num_experts=64, num_experts_per_tok=8,

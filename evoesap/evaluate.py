@@ -339,7 +339,7 @@ def heldout_esap(model: torch.nn.Module, tokenizer: Any, cache_uri: str, batch_s
 
     The weights differ from the teacher's by design, so the evaluator checks only the vocabulary.
     """
-    from evoesap.evaluator import CandidateEvaluator
+    from evoesap.scoring.evaluator import CandidateEvaluator
 
     scorer = CandidateEvaluator(model, cache_uri, metric="esap", batch_size=batch_size, tokenizer=tokenizer, verify=False)
     lower, upper = scorer.bounds({})

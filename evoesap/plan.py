@@ -168,7 +168,7 @@ def plan_stages(shape: ModelShape, machine: Machine, data: Data, params: dict[st
 def _stage_peaks(stage: str, shape: ModelShape, machine: Machine, data: Data, p: Any, params: dict[str, Any]) -> tuple[int, int, int, int]:
     """(host, device, disk, temp) of one stage; device figures go to the host when there is no accelerator."""
     from evoesap.moe.shards import COPY_BYTES
-    from evoesap.teacher import HEAD_BYTES, WRITE_QUEUE
+    from evoesap.scoring.teacher import HEAD_BYTES, WRITE_QUEUE
 
     model = shape.bytes
     # loading onto a GPU holds a tensor or two on the host at a time; on the CPU the model is the host's

@@ -175,9 +175,10 @@ def test_pruned_parameter_bytes_are_full_minus_removed_experts_exactly():
 
 
 def test_heldout_esap_of_a_pruned_checkpoint_equals_masking_the_full_model(tmp_path):
-    from evoesap import moe, teacher
+    from evoesap import moe
     from evoesap.data import TokenizedSample
-    from evoesap.evaluator import CandidateEvaluator
+    from evoesap.scoring import teacher
+    from evoesap.scoring.evaluator import CandidateEvaluator
 
     full = moe.tiny_model("olmoe", seed=2)
     gen = torch.Generator().manual_seed(0)

@@ -35,7 +35,7 @@ def test_pruned_checkpoint_bytes_come_from_its_files(tmp_path):
 
 
 def test_cache_bytes_match_a_loaded_cache(tmp_path):
-    from evoesap import teacher
+    from evoesap.scoring import teacher
     from evoesap.data import TokenizedSample
 
     model = moe.tiny_model("olmoe", vocab_size=300)

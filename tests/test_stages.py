@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 from evoesap import allocation as alloc
 from evoesap import artifacts, moe
 from evoesap.errors import ArtifactError, ConfigError
-from evoesap.evaluator import CandidateEvaluator
 from evoesap.importance import pruning_order, read_scores
+from evoesap.scoring.evaluator import CandidateEvaluator
 from evoesap.stages import search as search_stage
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate

@@ -24,7 +24,7 @@ def esap_cmd(
 
     Example: evoesap esap --model runs/demo/model --cache runs/cache --allocation allocation.json
     """
-    from evoesap.evaluator import score_allocation
+    from evoesap.scoring.evaluator import score_allocation
 
     lower, upper = score_allocation(
         model, cache, allocation, metric=metric, batch_size=batch_size, model_dtype=model_dtype, device=device

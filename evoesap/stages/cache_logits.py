@@ -35,7 +35,7 @@ class CacheLogitsParams:
     device_map: str | None = None  # "auto" spreads a large model over several GPUs
 
     def __post_init__(self) -> None:
-        from evoesap.teacher import DTYPES, MODES
+        from evoesap.scoring.teacher import DTYPES, MODES
 
         if self.mode not in MODES:
             raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
@@ -65,8 +65,8 @@ class CacheLogitsParams:
 
 def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: str) -> artifacts.Manifest:
     """Cache the teacher (`model`, a checkpoint URI or hub name) on `data` samples and publish it at `out_uri`."""
-    from evoesap import teacher
     from evoesap.data import check_vocab
+    from evoesap.scoring import teacher
 
     inputs = {"model": model, "data": data}
     artifacts.preflight(out_uri, "cache-logits", inputs)

@@ -10,7 +10,7 @@ so loudly and, with `fallback_to_uniform`, returns uniform instead.
 Cost: prefix reuse (on by default, exact) starts each candidate's forward at the MoE block of its
 first MoE layer that differs from a cached allocation's; racing (opt-in) scores new candidates on
 growing sample subsets first (`evoesap.racing`). allocation.json records the search's cost in
-full-forward equivalents: the work of the search (active multiply-accumulates, `evoesap.layerwise`)
+full-forward equivalents: the work of the search (active multiply-accumulates, `evoesap.scoring.forward`)
 divided by that of one plain forward over the search samples, in all and per candidate (distinct
 allocations scored on any subset), with the prefix cache's budget and peak.
 
@@ -72,7 +72,7 @@ class SearchParams:
     prefix_cache_bytes: int | None = None  # budget of those cached states on the model's device; None: automatic (CandidateEvaluator)
 
     def __post_init__(self) -> None:
-        from evoesap import fitness
+        from evoesap.scoring import metrics
         from evoesap.importance import CRITERIA
 
         for name in ("population", "elites", "generations", "max_transfer", "max_steps", "granularity", "seed", "batch_size",
@@ -81,8 +81,8 @@ class SearchParams:
                 object.__setattr__(self, name, int(getattr(self, name)))  # configs may deliver ints as floats
         if self.criterion not in CRITERIA:
             raise ConfigError(f"criterion {self.criterion!r} is not one of {', '.join(CRITERIA)}")
-        if self.metric not in fitness.METRICS:
-            raise ConfigError(f"metric {self.metric!r} is not one of {', '.join(fitness.METRICS)}")
+        if self.metric not in metrics.METRICS:
+            raise ConfigError(f"metric {self.metric!r} is not one of {', '.join(metrics.METRICS)}")
         if not 0 < self.sparsity < 1:
             raise ConfigError(f"sparsity must lie in (0, 1), got {self.sparsity}")
         if not 0 <= self.heldout_fraction < 1:
@@ -203,9 +203,9 @@ def run_search(
     `heldout_cache`: a teacher cache of other samples for the generalisation check (see the module docstring).
     """
     from evoesap import moe, search
-    from evoesap.evaluator import CandidateEvaluator
     from evoesap.importance import model_orders, read_scores
-    from evoesap.teacher import load_cache
+    from evoesap.scoring.evaluator import CandidateEvaluator
+    from evoesap.scoring.teacher import load_cache
 
     inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}
     artifacts.preflight(out_uri, "search", inputs)

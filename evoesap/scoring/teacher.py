@@ -33,7 +33,7 @@ import json
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -43,6 +43,7 @@ import torch
 from evoesap import artifacts
 from evoesap.errors import ArtifactError, ConfigError, DataError
 from evoesap.progress import progress
+from evoesap.scoring.forward import final_hidden, head_logits, model_device, pad_right
 
 log = logging.getLogger(__name__)
 
@@ -136,27 +137,7 @@ class CacheMeta:
 
 
 # --------------------------------------------------------------------------------------------------
-# Teacher-forced forward with the LM head only where it is needed
-
-
-def final_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Last hidden states (after the final norm) of a causal LM -> [B, T, H], without the LM head."""
-    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    if isinstance(base, torch.nn.Module) and base is not model:
-        out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True)
-    return out.hidden_states[-1]
-
-
-def head_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The LM head (and any final logit soft-capping the family applies) on [P, H] -> [P, V]."""
-    head = model.get_output_embeddings()
-    logits = head(hidden.to(head.weight.device))  # [P, V] model dtype
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+# Writing: one teacher-forced forward, the LM head only at scored positions
 
 
 def scored_positions(answer_mask: Sequence[bool]) -> list[int]:
@@ -164,28 +145,6 @@ def scored_positions(answer_mask: Sequence[bool]) -> list[int]:
     from evoesap.data import scored_mask
 
     return [t for t, m in enumerate(scored_mask(answer_mask)) if m]
-
-
-def pad_right(seqs: Sequence[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad 1-D long tensors -> (input_ids [B, T], attention_mask [B, T]).
-
-    Right padding under causal attention leaves every real token's hidden state exactly as unpadded.
-    """
-    length = max(int(s.numel()) for s in seqs)
-    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), length), dtype=torch.long)
-    for row, s in enumerate(seqs):
-        ids[row, : s.numel()] = s
-        mask[row, : s.numel()] = 1
-    return ids, mask
-
-
-def model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-# --------------------------------------------------------------------------------------------------
-# Writing
 
 
 class _ShardWriter:
@@ -432,7 +391,7 @@ def _teacher_columns(model: torch.nn.Module, hidden: torch.Tensor, layout: _Rows
 class TeacherCache:
     """A loaded cache: rows grouped by sample in cache order (`offsets[i]:offsets[i+1]` is sample i).
 
-    Log-probabilities stay in their stored dtype (float16 halves memory); fitness upcasts per batch.
+    Log-probabilities stay in their stored dtype (float16 halves memory); the metrics upcast per batch.
     """
 
     meta: CacheMeta
@@ -617,9 +576,3 @@ def _fill(cache: TeacherCache, files: Sequence[Path], destination: np.ndarray | 
     if row != cache.meta.num_positions:
         raise ArtifactError("teacher cache shards hold fewer rows than cache.json says: the cache is corrupt, rebuild it")
 
-
-def iter_batches(lengths: Sequence[int], batch_size: int) -> Iterator[list[int]]:
-    """Indices grouped into batches of similar length (longest first), to waste little on padding."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    for start in range(0, len(order), batch_size):
-        yield order[start : start + batch_size]

@@ -1,4 +1,4 @@
-"""Fitness maths against an independent numpy (float64) reference, and the top-K bounds' invariant."""
+"""Metrics (fitness maths) against an independent numpy (float64) reference, and the top-K bounds' invariant."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evoesap import fitness
 from evoesap.errors import ConfigError
+from evoesap.scoring import metrics
 
 
 def _np_log_softmax(x: np.ndarray) -> np.ndarray:
@@ -38,9 +38,9 @@ def test_esap_kl_nll_match_numpy_reference(seed: int) -> None:
     ref_nll = -log_q[np.arange(len(targets)), targets]
 
     t_lp, t_cl = torch.from_numpy(lp), torch.from_numpy(cl)
-    np.testing.assert_allclose(fitness.esap(t_lp, t_cl).numpy(), ref_esap, atol=1e-6)
-    np.testing.assert_allclose(fitness.kl(t_lp, t_cl).numpy(), ref_kl, atol=1e-6)
-    np.testing.assert_allclose(fitness.nll(t_cl, torch.from_numpy(targets)).numpy(), ref_nll, atol=1e-6)
+    np.testing.assert_allclose(metrics.esap(t_lp, t_cl).numpy(), ref_esap, atol=1e-6)
+    np.testing.assert_allclose(metrics.kl(t_lp, t_cl).numpy(), ref_kl, atol=1e-6)
+    np.testing.assert_allclose(metrics.nll(t_cl, torch.from_numpy(targets)).numpy(), ref_nll, atol=1e-6)
 
 
 def test_esap_is_one_minus_total_variation() -> None:
@@ -48,13 +48,13 @@ def test_esap_is_one_minus_total_variation() -> None:
     p = np.exp(lp.astype(np.float64))
     q = np.exp(_np_log_softmax(cl))
     tv = 0.5 * np.abs(p - q).sum(axis=-1)
-    np.testing.assert_allclose(fitness.esap(torch.from_numpy(lp), torch.from_numpy(cl)).numpy(), 1.0 - tv, atol=1e-6)
+    np.testing.assert_allclose(metrics.esap(torch.from_numpy(lp), torch.from_numpy(cl)).numpy(), 1.0 - tv, atol=1e-6)
 
 
 def test_esap_is_one_for_identical_distributions_in_half_precision() -> None:
     lp, _ = _random_pair(3, v=4096)
     logits = torch.from_numpy(lp).to(torch.bfloat16)
-    values = fitness.esap(torch.log_softmax(logits.float(), -1), logits)
+    values = metrics.esap(torch.log_softmax(logits.float(), -1), logits)
     assert values.dtype == torch.float32
     torch.testing.assert_close(values, torch.ones_like(values), atol=1e-5, rtol=0)
 
@@ -72,9 +72,9 @@ def test_sap_matches_numpy_reference_with_the_same_seed(seed: int) -> None:
                   for i in range(n)])
     ref = np.minimum(1.0, np.exp(lp.astype(np.float64)[np.arange(n), y] - log_q[np.arange(n), y]))
 
-    got = fitness.sap(torch.from_numpy(lp), torch.from_numpy(cl), torch.Generator().manual_seed(seed))
+    got = metrics.sap(torch.from_numpy(lp), torch.from_numpy(cl), torch.Generator().manual_seed(seed))
     np.testing.assert_allclose(got.numpy(), ref, atol=1e-6)
-    again = fitness.sap(torch.from_numpy(lp), torch.from_numpy(cl), torch.Generator().manual_seed(seed))
+    again = metrics.sap(torch.from_numpy(lp), torch.from_numpy(cl), torch.Generator().manual_seed(seed))
     assert torch.equal(got, again)
 
 
@@ -82,14 +82,14 @@ def test_sap_averages_to_esap() -> None:
     lp, cl = _random_pair(11, n=4, v=13, scale=1.0)
     t_lp = torch.from_numpy(np.repeat(lp, 20000, axis=0))
     t_cl = torch.from_numpy(np.repeat(cl, 20000, axis=0))
-    draws = fitness.sap(t_lp, t_cl, torch.Generator().manual_seed(0)).view(4, 20000).mean(dim=1)
-    torch.testing.assert_close(draws, fitness.esap(torch.from_numpy(lp), torch.from_numpy(cl)), atol=0.01, rtol=0)
+    draws = metrics.sap(t_lp, t_cl, torch.Generator().manual_seed(0)).view(4, 20000).mean(dim=1)
+    torch.testing.assert_close(draws, metrics.esap(torch.from_numpy(lp), torch.from_numpy(cl)), atol=0.01, rtol=0)
 
 
 def test_sap_needs_exactly_one_source_of_randomness() -> None:
     lp, cl = _random_pair(0, n=2, v=5)
     with pytest.raises(ConfigError):
-        fitness.sap(torch.from_numpy(lp), torch.from_numpy(cl))
+        metrics.sap(torch.from_numpy(lp), torch.from_numpy(cl))
 
 
 @settings(max_examples=60, deadline=None)
@@ -108,8 +108,8 @@ def test_topk_bounds_contain_the_full_vocabulary_esap(seed: int, v: int, k: int,
     lp = torch.log_softmax(teacher_logits, -1)
     top_lp, top_ids = lp.topk(k, dim=-1)
     tail = lp.exp().scatter(-1, top_ids, 0.0).sum(-1)
-    lower, upper = fitness.esap_topk_bounds(top_ids, top_lp, tail, cand)
-    exact = fitness.esap(lp, cand)
+    lower, upper = metrics.esap_topk_bounds(top_ids, top_lp, tail, cand)
+    exact = metrics.esap(lp, cand)
     assert bool((lower <= exact + 1e-6).all()), (lower - exact).max()
     assert bool((exact <= upper + 1e-6).all()), (exact - upper).max()
     if k == v:
@@ -119,12 +119,12 @@ def test_topk_bounds_contain_the_full_vocabulary_esap(seed: int, v: int, k: int,
 def test_per_sample_mean_weighs_samples_equally() -> None:
     values = torch.tensor([1.0, 1.0, 1.0, 0.0])
     index = torch.tensor([0, 0, 0, 1])
-    means = fitness.per_sample_mean(values, index, 3)
+    means = metrics.per_sample_mean(values, index, 3)
     assert means[:2].tolist() == [1.0, 0.0] and torch.isnan(means[2])
-    assert fitness.dataset_mean(means) == 0.5
+    assert metrics.dataset_mean(means) == 0.5
 
 
 def test_metric_registry_makes_higher_better() -> None:
-    assert fitness.metric("esap").sign == 1.0 and fitness.metric("kl").sign == -1.0
+    assert metrics.metric("esap").sign == 1.0 and metrics.metric("kl").sign == -1.0
     with pytest.raises(ConfigError, match="esap"):
-        fitness.metric("tv")
+        metrics.metric("tv")

@@ -1,12 +1,16 @@
-"""A causal LM's decoder stack run half-layer by half-layer, so that a forward can start mid-model.
+"""Forward passes for scoring: batches of cached samples, the decoder stack, the LM head at scored rows.
 
-Prefix reuse (`evoesap.prefix`) resumes a candidate's forward from cached hidden states; that needs the
-pieces `XModel.forward` builds once per batch (embeddings, position ids, rotary position embeddings,
-causal masks per attention kind) and the decoder layers called in parts. transformers 5.x writes those
-pieces the same way in every MoE family (OLMoE, Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3, ERNIE-4.5-MoE,
-GPT-OSS); the only difference is the attention kind per layer: a `layer_types` list in the config
-(Qwen2-MoE, GPT-OSS), else sliding for all layers when `config.sliding_window` is set (Mixtral,
-Qwen3-MoE), else full causal attention.
+Samples are grouped by length (`iter_batches`) and right-padded (`pad_right`). The teacher runs the
+whole stack at once (`final_hidden`); a candidate runs it half-layer by half-layer (`LayerRunner`), so
+that its forward can start mid-model; both end with the LM head at the scored rows only (`head_logits`).
+
+Layer by layer: prefix reuse (`evoesap.scoring.prefix`) resumes a candidate's forward from cached hidden
+states; that needs the pieces `XModel.forward` builds once per batch (embeddings, position ids, rotary
+position embeddings, causal masks per attention kind) and the decoder layers called in parts.
+transformers 5.x writes those pieces the same way in every MoE family (OLMoE, Qwen2/3-MoE, Mixtral,
+DeepSeek-V2/V3, ERNIE-4.5-MoE, GPT-OSS); the only difference is the attention kind per layer: a
+`layer_types` list in the config (Qwen2-MoE, GPT-OSS), else sliding for all layers when
+`config.sliding_window` is set (Mixtral, Qwen3-MoE), else full causal attention.
 
 Every decoder layer of those families is the same pre-norm residual pair, `h + attn(norm(h))` then
 `h + mlp(norm(h))`, so it runs as two halves (`attend`, `feed_forward`). Pruning experts changes only the
@@ -17,20 +21,70 @@ masked by `evoesap.moe.masked`'s hooks, which fire whoever calls the modules.
 Work is counted in active multiply-accumulates per token (`half_costs`): the parameters a token passes
 through in each half, with an MoE layer's routed experts counted top-k of num-experts. Attention-score
 work, which grows with sequence length, is left out, so the figure is hardware- and length-independent.
+
+transformers' masking utilities and `evoesap.moe` are imported when a `LayerRunner` is built, so that
+readers of the teacher cache, which use the helpers here, do not pay their seconds of start-up.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterator, Sequence
 
 import torch
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from evoesap import moe
 from evoesap.errors import ModelError
 
-_MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+# per attention kind, the function of transformers.masking_utils that builds its mask
+_MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 _HALVES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # what every decoder layer must have
+
+
+# --------------------------------------------------------------------------------------------------
+# Batches
+
+
+def iter_batches(lengths: Sequence[int], batch_size: int) -> Iterator[list[int]]:
+    """Indices grouped into batches of similar length (longest first), to waste little on padding."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    for start in range(0, len(order), batch_size):
+        yield order[start : start + batch_size]
+
+
+def pad_right(seqs: Sequence[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad 1-D long tensors -> (input_ids [B, T], attention_mask [B, T]).
+
+    Right padding under causal attention leaves every real token's hidden state exactly as unpadded.
+    """
+    length = max(int(s.numel()) for s in seqs)
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, : s.numel()] = s
+        mask[row, : s.numel()] = 1
+    return ids, mask
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+# --------------------------------------------------------------------------------------------------
+# The whole stack at once (the teacher's forward)
+
+
+def final_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Last hidden states (after the final norm) of a causal LM -> [B, T, H], without the LM head."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if isinstance(base, torch.nn.Module) and base is not model:
+        out = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True)
+    return out.hidden_states[-1]
+
+
+# --------------------------------------------------------------------------------------------------
+# The stack half-layer by half-layer (a candidate's forward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +123,9 @@ class LayerRunner:
         if unknown:
             raise ModelError(f"attention kinds {unknown} are not supported layer by layer; known: {sorted(_MASKS)}")
         self.kinds = tuple(kinds[: len(self.layers)])
+        from transformers import masking_utils
+
+        self._masks = {kind: getattr(masking_utils, _MASKS[kind]) for kind in set(self.kinds)}
         self.devices = [next(layer.parameters()).device for layer in self.layers]
 
     @property
@@ -83,11 +140,11 @@ class LayerRunner:
         """Position ids, rotary embeddings and per-layer masks of a right-padded batch ([B, T, H], [B, T])."""
         position_ids = torch.arange(embeds.shape[1], device=embeds.device).unsqueeze(0)  # [1, T]
         built = {
-            kind: _MASKS[kind](
+            kind: mask(
                 config=self.config, inputs_embeds=embeds, attention_mask=attention_mask, cache=None,
                 position_ids=position_ids,
             )
-            for kind in set(self.kinds)
+            for kind, mask in self._masks.items()
         }
         rotary = self.base.rotary_emb(embeds, position_ids)
         return BatchContext(position_ids, rotary, tuple(built[kind] for kind in self.kinds))
@@ -123,6 +180,8 @@ class LayerRunner:
 
     def half_costs(self) -> list[tuple[int, int]]:
         """Per decoder layer: active multiply-accumulates per token of (attention half, feed-forward half)."""
+        from evoesap import moe
+
         routed = {block.decoder_index: block for block in moe.moe_blocks(self.model)}
         spec = {layer.decoder_index: layer for layer in moe.inspect(self.model).layers}
         costs = []
@@ -156,3 +215,17 @@ def _to(value: object, device: torch.device) -> object:
     if isinstance(value, tuple):
         return tuple(_to(v, device) for v in value)
     return value
+
+
+# --------------------------------------------------------------------------------------------------
+# The LM head
+
+
+def head_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head (and any final logit soft-capping the family applies) on [P, H] -> [P, V]."""
+    head = model.get_output_embeddings()
+    logits = head(hidden.to(head.weight.device))  # [P, V] model dtype
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits

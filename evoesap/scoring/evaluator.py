@@ -8,9 +8,9 @@ in a CPU's cache and within bounds on a GPU. Each sample is cut after its last s
 (causal attention: later tokens cannot change earlier logits). Results are memoised per allocation and per sample, so scoring a
 subset first (racing) and the full set later re-runs only the missing samples.
 
-The decoder stack runs in half-layers (`evoesap.layerwise`), so that with `prefix_cache_bytes > 0` a
+The decoder stack runs in half-layers (`evoesap.scoring.forward`), so that with `prefix_cache_bytes > 0` a
 candidate starts at the MoE block of its first MoE layer whose pruned set differs from a cached
-allocation's, from the hidden states cached there (`evoesap.prefix`), and the last layer's
+allocation's, from the hidden states cached there (`evoesap.scoring.prefix`), and the last layer's
 feed-forward half runs on scored positions only; values equal a forward from scratch up to float
 rounding of differently padded batches. `work` counts the active multiply-accumulates done, without
 padding, for cost figures in full-forward equivalents (`full_forward_work`).
@@ -24,18 +24,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from evoesap import artifacts, fitness
+from evoesap import artifacts
 from evoesap.errors import ConfigError
-from evoesap.layerwise import LayerRunner
-from evoesap.prefix import PrefixCache, Sets
-from evoesap.teacher import (
-    TeacherCache,
-    head_logits,
-    iter_batches,
-    load_cache,
-    model_device,
-    pad_right,
-)
+from evoesap.scoring import metrics
+from evoesap.scoring.forward import LayerRunner, head_logits, iter_batches, model_device, pad_right
+from evoesap.scoring.prefix import PrefixCache, Sets
+from evoesap.scoring.teacher import TeacherCache, load_cache
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +84,7 @@ class CandidateEvaluator:
         `cache_device_bytes`: the most the teacher cache's [P, W] columns may take on a GPU (None: half the
         free memory there; 0: never); a larger cache stays on the host and streams batch by batch."""
         self.model = model
-        self.metric = fitness.metric(metric)
+        self.metric = metrics.metric(metric)
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size = batch_size
@@ -148,12 +142,12 @@ class CandidateEvaluator:
     def score(self, pruned: Mapping[int, Iterable[int]], samples: Sequence[int] | None = None) -> float:
         """Search fitness of `pruned` (MoE ordinal -> expert ids) over `samples` (cache indices; all by default)."""
         lower, _ = self.sample_bounds(pruned, samples)
-        return self.metric.sign * fitness.dataset_mean(lower)
+        return self.metric.sign * metrics.dataset_mean(lower)
 
     def bounds(self, pruned: Mapping[int, Iterable[int]], samples: Sequence[int] | None = None) -> tuple[float, float]:
         """Dataset-level (lower, upper) of the raw metric; equal except for ESAP on a top-K cache."""
         lower, upper = self.sample_bounds(pruned, samples)
-        return fitness.dataset_mean(lower), fitness.dataset_mean(upper)
+        return metrics.dataset_mean(lower), metrics.dataset_mean(upper)
 
     def sample_values(self, pruned: Mapping[int, Iterable[int]], samples: Sequence[int] | None = None) -> torch.Tensor:
         """Raw per-sample metric (mean over each sample's scored positions) -> [len(samples)] float32."""
@@ -327,25 +321,25 @@ class CandidateEvaluator:
             logits = head_logits(self.model, normed[i : i + step]).to(self.device)  # [step, V]
             lower[i : i + step], upper[i : i + step] = self._per_position(logits, rows[i : i + step])
         n = len(chunk)
-        return fitness.per_sample_mean(lower, owner, n), fitness.per_sample_mean(upper, owner, n)
+        return metrics.per_sample_mean(lower, owner, n), metrics.per_sample_mean(upper, owner, n)
 
     def _per_position(self, logits: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cache, name = self.cache, self.metric.name
         if name == "nll":
-            values = fitness.nll(logits, cache.targets[rows])
+            values = metrics.nll(logits, cache.targets[rows])
             return values, values
         if cache.mode == "topk":  # only esap reaches here (checked in __init__)
-            return fitness.esap_topk_bounds(
+            return metrics.esap_topk_bounds(
                 cache.column_rows("topk_ids", rows, self.device), cache.column_rows("topk_logprobs", rows, self.device),
                 cache.tail_mass[rows], logits
             )
-        teacher = cache.column_rows("logprobs", rows, self.device)  # [P_b, V] stored dtype; fitness upcasts
+        teacher = cache.column_rows("logprobs", rows, self.device)  # [P_b, V] stored dtype; the metrics upcast
         if name == "esap":
-            values = fitness.esap(teacher, logits)
+            values = metrics.esap(teacher, logits)
         elif name == "kl":
-            values = fitness.kl(teacher, logits)
+            values = metrics.kl(teacher, logits)
         else:  # sap
-            values = fitness.sap(teacher, logits, uniforms=self._uniforms[rows])
+            values = metrics.sap(teacher, logits, uniforms=self._uniforms[rows])
         return values, values
 
 
@@ -385,7 +379,6 @@ def score_allocation(
 ) -> tuple[float, float]:
     """Load the full model and a cache, score one allocation (none: the full model) -> raw (lower, upper)."""
     from evoesap import moe, runtime
-    from evoesap.teacher import load_cache
 
     runtime.check_model_dtype(model_dtype)
     if allocation and artifacts.exists(artifacts.join(allocation, artifacts.MANIFEST)):  # a search artifact: checked

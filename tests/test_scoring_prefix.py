@@ -1,4 +1,4 @@
-"""Layer-by-layer forwards and prefix reuse against the model's own forward and from-scratch scoring."""
+"""Prefix reuse against from-scratch scoring, and the prefix cache's budget and eviction."""
 
 from __future__ import annotations
 
@@ -7,47 +7,15 @@ import pytest
 import torch
 
 from evoesap import allocation as alloc
-from evoesap import moe, search, teacher
-from evoesap.evaluator import CandidateEvaluator
-from evoesap.layerwise import LayerRunner
-from evoesap.prefix import PrefixCache, spread
+from evoesap import moe, search
+from evoesap.scoring import teacher
+from evoesap.scoring.evaluator import CandidateEvaluator
+from evoesap.scoring.forward import LayerRunner
+from evoesap.scoring.prefix import PrefixCache, spread
 
-from test_teacher import random_samples
-
-FAMILIES = ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "gpt_oss"]
-# windows shorter than the samples, so that sliding-attention layers mask differently from full ones
-SLIDING = {
-    "gpt_oss": dict(sliding_window=4),
-    "mixtral": dict(sliding_window=5),
-    "qwen2_moe": dict(use_sliding_window=True, sliding_window=4, max_window_layers=4),
-}
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Bit-level comparisons on one thread, as elsewhere in the suite."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_layer_loop_equals_the_models_forward_for_each_family(family):
-    model = moe.tiny_model(family, seed=1, **SLIDING.get(family, {}))
-    gen = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(3, 200, (n,), generator=gen) for n in (9, 13, 6)]
-    ids, mask = teacher.pad_right(seqs)
-    runner = LayerRunner(model)
-    with torch.inference_mode():
-        expected = teacher.final_hidden(model, ids, mask)  # [B, T, H]
-        embeds = runner.embed(ids)
-        ctx = runner.context(embeds, mask)
-        whole = runner.forward(ids, mask)
-        split = runner.norm(runner.run(runner.run(embeds, ctx, 0, 2), ctx, 2, runner.num_layers))
-    for row, s in enumerate(seqs):  # real tokens only: padded rows are never read
-        torch.testing.assert_close(whole[row, : len(s)], expected[row, : len(s)], atol=0, rtol=0)
-        torch.testing.assert_close(split[row, : len(s)], expected[row, : len(s)], atol=0, rtol=0)
+from moe_support import one_thread  # noqa: F401 (one_thread is an autouse fixture)
+from test_scoring_forward import SLIDING
+from test_scoring_teacher import random_samples
 
 
 def _world(family: str, tmp_path, samples: int = 7):
@@ -120,19 +88,6 @@ def test_rows_with_cached_states_at_different_layers_share_a_batch_and_stay_exac
     starts = {s: reuse.prefix.start(tuple(tuple(child.get(a, ())) for a in range(4)), s)[0] for s in range(7)}
     assert starts[0] == starts[3] == 3 and {starts[s] for s in (1, 2, 4, 5, 6)} == {0}
     torch.testing.assert_close(reuse.sample_values(child), scratch.sample_values(child), atol=1e-6, rtol=0)
-
-
-def test_half_costs_count_top_k_of_the_routed_experts():
-    model = moe.tiny_model("olmoe", seed=0)
-    runner = LayerRunner(model)
-    block = moe.moe_blocks(model)[0]
-    layer = runner.layers[0]
-    spec = moe.inspect(model).layers[0]
-    expert_params = sum(p.numel() for p in block.experts.parameters())
-    attention, feed_forward = runner.half_costs()[0]
-    assert attention == sum(p.numel() for m in (layer.input_layernorm, layer.self_attn) for p in m.parameters())
-    assert feed_forward == (sum(p.numel() for m in (layer.post_attention_layernorm, layer.mlp) for p in m.parameters())
-                            - expert_params + expert_params * spec.top_k // spec.num_experts)
 
 
 def test_a_small_budget_keeps_fewer_boundaries_never_exceeds_it_and_stays_exact(tmp_path):
@@ -219,7 +174,7 @@ def test_prefix_reuse_is_exact_along_a_search_on_the_demo_world(demo_world, tmp_
 
 
 def test_an_unset_budget_holds_a_generation_of_states_within_half_the_free_memory(tmp_path, monkeypatch):
-    from evoesap import evaluator as evaluator_module
+    from evoesap.scoring import evaluator as evaluator_module
     from evoesap import runtime
 
     model, cache = _world("olmoe", tmp_path)
@@ -233,44 +188,3 @@ def test_an_unset_budget_holds_a_generation_of_states_within_half_the_free_memor
         assert auto.prefix.budget == budget
     assert seen == [torch.device("cpu")] * 2
     assert CandidateEvaluator(model, cache, prefix_cache_bytes=None, keep=4).prefix.boundaries == (0, 1, 2, 3)
-
-
-def test_free_host_memory_is_positive_and_below_the_physical_memory():
-    import os
-
-    from evoesap import runtime
-
-    free = runtime.free_memory_bytes(torch.device("cpu"))
-    assert 0 < free <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-@pytest.mark.parametrize(
-    "files, room",
-    [
-        ({"memory.max": "4294967296\n", "memory.current": "1073741824\n"}, 3 << 30),  # cgroup v2 with a limit
-        ({"memory.max": "max\n", "memory.current": "1073741824\n"}, None),  # v2 without
-        ({"memory/memory.limit_in_bytes": "2147483648", "memory/memory.usage_in_bytes": "536870912"}, 3 << 29),  # v1
-        ({"memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": "1"}, None),
-        ({}, None),
-    ],
-)
-def test_a_containers_memory_limit_caps_the_free_host_memory(tmp_path, files, room):
-    """A Kubernetes pod sees the node's /proc/meminfo: the cgroup's limit minus usage is what it may still use."""
-    from evoesap import runtime
-
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    assert runtime._cgroup_room(tmp_path) == room
-
-
-def test_free_host_memory_is_the_smaller_of_host_and_container_room(monkeypatch):
-    from evoesap import runtime
-
-    monkeypatch.setattr(runtime, "_host_available", lambda: 20 << 30)
-    monkeypatch.setattr(runtime, "_cgroup_room", lambda: 3 << 30)
-    assert runtime.free_memory_bytes(torch.device("cpu")) == 3 << 30
-    monkeypatch.setattr(runtime, "_cgroup_room", lambda: None)
-    assert runtime.free_memory_bytes(torch.device("cpu")) == 20 << 30
-    monkeypatch.setattr(runtime, "_host_available", lambda: None)
-    assert runtime.free_memory_bytes(torch.device("cpu")) == 1 << 30

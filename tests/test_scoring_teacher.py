@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from evoesap import teacher
 from evoesap.data import TokenizedSample, scored_mask
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.moe import tiny_model
+from evoesap.scoring import teacher
 
 VOCAB = 96
 
@@ -38,14 +38,6 @@ def live_logprobs(model: torch.nn.Module, sample: TokenizedSample) -> torch.Tens
         logits = model(torch.tensor([sample.input_ids])).logits[0].float()  # [T, V]
     keep = torch.tensor(scored_mask(sample.answer_mask))
     return torch.log_softmax(logits[keep], dim=-1)
-
-
-def test_head_at_scored_positions_equals_the_model_logits() -> None:
-    model = tiny()
-    ids = torch.randint(3, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        hidden = teacher.final_hidden(model, ids, torch.ones_like(ids))
-        torch.testing.assert_close(teacher.head_logits(model, hidden[:, [3, 9]]), model(ids).logits[:, [3, 9]])
 
 
 def test_full_cache_round_trips_the_teacher_log_probabilities(tmp_path) -> None:
@@ -165,7 +157,7 @@ def test_rows_stored_out_of_order_load_in_sample_and_position_order(tmp_path, mo
 
 LOAD_PROBE = """
 import sys
-from evoesap import teacher
+from evoesap.scoring import teacher
 def status(field):
     for line in open('/proc/self/status'):
         if line.startswith(field):
