@@ -49,6 +49,7 @@ class ModelShape:
     expert_width: int  # an expert's intermediate size
     largest_tensor: int  # bytes of the largest single tensor: what loading and the weights hash hold at once
     itemsize: int = 2  # bytes per weight and activation in the dtype the stages run in
+    dense_linear_bytes: int = 0  # nn.Linear weights run for every token (attention, shared experts), not the LM head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +112,10 @@ def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
     spec = moe.inspect(meta)
     experts = [int(counts[str(layer.decoder_index)]) for layer in spec.layers] if counts else list(spec.num_experts)
     scale = target.itemsize / next(meta.parameters()).element_size()
+    routed = {id(m) for block in moe.moe_blocks(meta) for m in block.experts.modules()}
+    head = meta.get_output_embeddings()
+    dense = sum(m.weight.numel() for m in meta.modules()
+                if isinstance(m, torch.nn.Linear) and m is not head and id(m) not in routed)
     return ModelShape(
         model_type=config.model_type,
         bytes=sum(sizes),
@@ -122,6 +127,7 @@ def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
         expert_width=int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size),
         largest_tensor=max(sizes),
         itemsize=target.itemsize,
+        dense_linear_bytes=dense * target.itemsize,
     )
 
 
@@ -183,7 +189,9 @@ def _stage_peaks(stage: str, shape: ModelShape, machine: Machine, data: Data, p:
     if machine.devices:  # loading onto a GPU holds a tensor or two on the host at a time
         loading = RUNTIME_BYTES + 2 * shape.largest_tensor
     else:  # on the CPU transformers stacks the checkpoint's per-expert tensors into new ones while their
-        loading = RUNTIME_BYTES + shape.expert_bytes  # mapped file pages stay resident: the experts twice
+        # mapped file pages stay resident (the experts twice), and oneDNN keeps a reordered copy of every
+        # half-precision dense nn.Linear weight it has run (measured: none with torch.backends.mkldnn off)
+        loading = RUNTIME_BYTES + shape.expert_bytes + (shape.dense_linear_bytes if shape.itemsize == 2 else 0)
     cache_p = params["cache-logits"]
     cache = cache_bytes(data.cache_rows, shape.vocab, cache_p.mode, cache_p.top_k, cache_p.dtype)
     pruned = model - int(shape.expert_bytes * params["prune"].sparsity)

@@ -179,3 +179,28 @@ def test_default_cache_mode_keeps_the_full_cache_within_half_of_the_search_memor
     for device, want in ((2 * full, "full"), (2 * full - 1, "topk")):
         mode, why = plan.default_cache_mode(shape, plan.Machine(1 << 50, device, 1), data, CacheLogitsParams())
         assert mode == want, why
+
+
+def test_cpu_host_plan_is_runtime_model_restacked_experts_dense_copies_one_layer_and_head_chunks(tmp_path):
+    """The CPU figures, term by term, from the loaded model's own parameters (not the planner's module walk)."""
+    from evoesap import teacher
+    from evoesap.steps import make_params
+
+    model = moe.tiny_model("olmoe", vocab_size=500).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "m")
+    shape = plan.model_shape(str(tmp_path / "m"), "bfloat16")
+    cfg = model.config
+    attention = sum(p.numel() * 2 for n, p in model.named_parameters() if ".self_attn." in n and n.endswith("_proj.weight"))
+    assert shape.dense_linear_bytes == attention  # OLMoE: q, k, v, o; the router is no nn.Linear, the head is left out
+    settings = {"samples": 4, "max_length": 32, "batch_size": 2}
+    params = {"calibrate": make_params("calibrate", settings), "cache-logits": make_params("cache-logits", {**settings, "mode": "full"}),
+              "search": make_params("search", {"batch_size": 2}), "prune": make_params("prune", {"sparsity": 0.5}),
+              "evaluate": make_params("evaluate", {})}
+    rows = 100
+    host = {p.stage: p.host for p in plan.plan_stages(shape, plan.Machine(1 << 50), plan.Data(4 * 32, rows), params)}
+    base = plan.RUNTIME_BYTES + moe.parameter_bytes(model) + shape.expert_bytes + attention
+    layer = 64 * 2 * (8 * cfg.hidden_size + 3 * cfg.num_experts_per_tok * cfg.intermediate_size)  # 2 x 32 tokens, bf16
+    assert host["calibrate"] == base + layer
+    full_row = 500 * 2 + plan.CACHE_ROW_BYTES
+    queue = (teacher.WRITE_QUEUE + 2) * 64 * full_row  # the batch's 64 rows fit one head chunk
+    assert host["cache-logits"] == base + layer + 64 * 500 * teacher.HEAD_TEMPORARIES * 4 + max(queue, shape.largest_tensor)
