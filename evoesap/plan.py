@@ -174,8 +174,11 @@ def plan_stages(shape: ModelShape, machine: Machine, data: Data, params: dict[st
             device = math.ceil(device / machine.devices) if sharded else device
         if not on_gpu:
             host, device = host + device, 0
+        # the checkpoint's expert pages left mapped after restacking: resident, but the kernel drops them when short
+        droppable = shape.expert_bytes if not on_gpu and stage != "prune" else 0
         temp = temp if remote_out else 0
-        plans.append(StagePlan(stage, host, device, disk, temp, _refusal(stage, shape, machine, host, device, disk + temp, p, params, data)))
+        refusal = _refusal(stage, shape, machine, host - droppable, device, disk + temp, p, params, data)
+        plans.append(StagePlan(stage, host, device, disk, temp, refusal))
     return plans
 
 
@@ -277,6 +280,9 @@ def format_table(shape: ModelShape, plans: list[StagePlan], data: Data, params: 
         f"teacher cache of {data.cache_rows:,} rows: full {gib(cache_bytes(data.cache_rows, shape.vocab, 'full', cache_p.top_k, cache_p.dtype))} GiB, "
         f"top-{cache_p.top_k} {gib(cache_bytes(data.cache_rows, shape.vocab, 'topk', cache_p.top_k, cache_p.dtype))} GiB "
         f"({cache_p.dtype}; mode {cache_p.mode})",
+        "",
+        "host: peak resident memory; without a GPU it includes the checkpoint's expert pages left mapped after "
+        "loading, which the kernel drops when memory is short (not counted against the machine)",
         "",
         "| stage | host GiB | per-GPU GiB | disk GiB | temp GiB | fits |",
         "|---|---:|---:|---:|---:|---|",
