@@ -2,14 +2,17 @@
 
 Random-weight OLMoE-shaped models of growing size (bf16, OLMoE's vocabulary) run calibrate,
 cache-logits, search and prune on the CPU, each stage in its own process (`python -m evoesap ...`)
-sampled every 10 ms from /proc/PID/status: peak RSS, peak anonymous memory (RssAnon: what the process
-allocated) and file-backed memory (RssFile: mapped files, such as memory-mapped safetensors, which the
-kernel can drop). A last process loads the teacher cache alone. Each row gives the peak anonymous memory
-over model bytes, the loaded cache over its bytes, and the planner's host prediction (`evoesap.plan`)
-with its error.
+sampled every 10 ms: from /proc/PID/status peak RSS, anonymous memory (RssAnon: what the process
+allocated) and file-backed memory (RssFile); from /proc/PID/smaps the resident pages of the
+memory-mapped safetensors, and the peak of anonymous + those weights at one instant (what the
+planner's host figure predicts). A first process loads a teacher cache alone. Each row gives the
+peak anonymous memory over model bytes, the loaded cache over its bytes, and the planner's host
+prediction (`evoesap.plan`) with its error; `--repredict` recomputes only the planner's columns of
+an earlier run's --json rows (from config.json of the same models).
 
     PYTHONPATH=$PWD python benchmarks/bench_memory.py                    # 0.3, 1 and 2 GB
     PYTHONPATH=$PWD python benchmarks/bench_memory.py --sizes 0.3 --json out.json
+    PYTHONPATH=$PWD python benchmarks/bench_memory.py --repredict out.json
 """
 
 from __future__ import annotations
