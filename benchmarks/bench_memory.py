@@ -2,14 +2,17 @@
 
 Random-weight OLMoE-shaped models of growing size (bf16, OLMoE's vocabulary) run calibrate,
 cache-logits, search and prune on the CPU, each stage in its own process (`python -m evoesap ...`)
-sampled every 10 ms from /proc/PID/status: peak RSS, peak anonymous memory (RssAnon: what the process
-allocated) and file-backed memory (RssFile: mapped files, such as memory-mapped safetensors, which the
-kernel can drop). A last process loads the teacher cache alone. Each row gives the peak anonymous memory
-over model bytes, the loaded cache over its bytes, and the planner's host prediction (`evoesap.plan`)
-with its error.
+sampled every 10 ms: from /proc/PID/status peak RSS, anonymous memory (RssAnon: what the process
+allocated) and file-backed memory (RssFile); from /proc/PID/smaps the resident pages of the
+memory-mapped safetensors, and the peak of anonymous + those weights at one instant (what the
+planner's host figure predicts). A first process loads a teacher cache alone. Each row gives the
+peak anonymous memory over model bytes, the loaded cache over its bytes, and the planner's host
+prediction (`evoesap.plan`) with its error; `--repredict` recomputes only the planner's columns of
+an earlier run's --json rows (from config.json of the same models).
 
     PYTHONPATH=$PWD python benchmarks/bench_memory.py                    # 0.3, 1 and 2 GB
     PYTHONPATH=$PWD python benchmarks/bench_memory.py --sizes 0.3 --json out.json
+    PYTHONPATH=$PWD python benchmarks/bench_memory.py --repredict out.json
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ RUNTIME_PROBE = ("import torch, transformers, pyarrow, pandas, evoesap.stages.se
                  "evoesap.plan, evoesap.scoring.teacher, transformers.models.olmoe.modeling_olmoe")
 CACHE_PROBE = """
 import sys
+import pyarrow.parquet
 from evoesap.scoring import teacher
 if len(sys.argv) > 1:
     teacher.load_cache(sys.argv[1])
@@ -47,16 +51,20 @@ def layers_for(gigabytes: float) -> int:
     return max(2, round((gigabytes * 1e9 / 2 - 2 * VOCAB * HIDDEN) / LAYER_PARAMS))  # two: something to search
 
 
+def olmoe_config(layers: int) -> AutoConfig:
+    return AutoConfig.for_model(
+        "olmoe", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=WIDTH, num_hidden_layers=layers,
+        num_attention_heads=16, num_key_value_heads=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+        max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        dtype="bfloat16",
+    )
+
+
 def build(root: Path, layers: int) -> Path:
     """Save a random bf16 model (sharded like hub checkpoints) with the demo tokenizer."""
     from evoesap.demo.tokenizer import build_tokenizer
 
-    config = AutoConfig.for_model(
-        "olmoe", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=WIDTH, num_hidden_layers=layers,
-        num_attention_heads=16, num_key_value_heads=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-        max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(olmoe_config(layers), dtype=torch.bfloat16)
     model.save_pretrained(root / "model", max_shard_size="500MB")
     build_tokenizer().save_pretrained(root / "model")
     del model
@@ -64,24 +72,34 @@ def build(root: Path, layers: int) -> Path:
 
 
 class Probe:
-    """Peaks of a process's RSS, RssAnon and RssFile, sampled from /proc/PID/status."""
+    """Peaks of a process's RSS, RssAnon, RssFile (/proc/PID/status) and of its resident safetensors pages
+    (/proc/PID/smaps: the memory-mapped weights), and the peak of anonymous + weights at the same instant."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.peak = pid, {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
+        self.pid, self.peak = pid, {"VmRSS": 0, "RssAnon": 0, "RssFile": 0, "weights": 0, "anon+weights": 0}
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        path = f"/proc/{self.pid}/status"
         while True:
             try:
-                text = Path(path).read_text()
+                status = Path(f"/proc/{self.pid}/status").read_text()
+                smaps = Path(f"/proc/{self.pid}/smaps").read_text()
             except OSError:
                 return
-            for line in text.splitlines():
-                key = line.split(":")[0]
-                if key in self.peak:
-                    self.peak[key] = max(self.peak[key], int(line.split()[1]) * 1024)
+            now = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in status.splitlines()
+                   if line.split(":")[0] in ("VmRSS", "RssAnon", "RssFile")}
+            if len(now) < 3:  # a zombie: the process has ended
+                return
+            now["weights"], mapped = 0, False
+            for line in smaps.splitlines():
+                if line[:1].isdigit() or line[:1] in "abcdef" and "-" in line.split(" ")[0]:
+                    mapped = line.rstrip().endswith(".safetensors")
+                elif mapped and line.startswith("Rss:"):
+                    now["weights"] += int(line.split()[1]) * 1024
+            now["anon+weights"] = now["RssAnon"] + now["weights"]
+            for key, value in now.items():
+                self.peak[key] = max(self.peak[key], value)
             time.sleep(0.01)
 
     def join(self) -> dict[str, int]:
@@ -115,15 +133,15 @@ def stage_commands(root: Path, model: Path, data: dict[str, str]) -> dict[str, l
     }
 
 
-def predictions(model: Path, cache_rows: int) -> dict[str, int]:
-    """The planner's host prediction of each stage on a CPU machine."""
+def predictions(model: Path, cache_rows: int, mode: str) -> dict[str, int]:
+    """The planner's host prediction of each stage on a CPU machine (a cache of `cache_rows` rows in `mode`)."""
     from evoesap import plan
     from evoesap.steps import make_params
 
     shape = plan.model_shape(str(model), "bfloat16")
     params = {
-        "calibrate": make_params("calibrate", {**SETTINGS, "samples": SETTINGS["samples"]}),
-        "cache-logits": make_params("cache-logits", SETTINGS),
+        "calibrate": make_params("calibrate", SETTINGS),
+        "cache-logits": make_params("cache-logits", {**SETTINGS, "mode": mode}),
         "search": make_params("search", {"batch_size": 2, "prefix_reuse": False}),
         "prune": make_params("prune", {"sparsity": 0.5}),
         "evaluate": make_params("evaluate", {}),
@@ -133,13 +151,32 @@ def predictions(model: Path, cache_rows: int) -> dict[str, int]:
     return {p.stage: p.host for p in plans}
 
 
+def config_only(root: Path, layers: int) -> Path:
+    """config.json of the benchmark's model with `layers` layers, no weights: what the planner reads."""
+    olmoe_config(layers).save_pretrained(root / f"config-{layers}")
+    return root / f"config-{layers}"
+
+
+def repredict(rows: list[dict], workdir: Path) -> list[dict]:
+    """The rows of an earlier run with the current planner's predictions and errors (no stage is rerun)."""
+    out = []
+    for row in rows:
+        if "layers" in row:
+            predicted = predictions(config_only(workdir, row["layers"]), row["cache_rows"], row.get("cache_mode", "full"))
+            row = {**row, "predicted_mb": predicted[row["stage"]] >> 20,
+                   "planner_error": round(predicted[row["stage"]] / (row["peak_held_mb"] << 20) - 1, 3)}
+        out.append(row)
+    return out
+
+
 def run_size(gigabytes: float, workdir: Path) -> list[dict]:
     from evoesap import plan
     from evoesap.scoring import teacher
     from evoesap.demo.domains import generate_splits, write_jsonl
 
     root = Path(tempfile.mkdtemp(dir=workdir))
-    model = build(root, layers_for(gigabytes))
+    layers = layers_for(gigabytes)
+    model = build(root, layers)
     splits = generate_splits("math", seed=0, train_size=4)
     write_jsonl(splits["calibration"][:16], root / "calibration.jsonl")
     write_jsonl(splits["search"][:16], root / "search.jsonl")
@@ -149,15 +186,17 @@ def run_size(gigabytes: float, workdir: Path) -> list[dict]:
     for stage, command in stage_commands(root, model, data).items():
         peaks[stage] = measure(command)
     meta = teacher.CacheMeta.from_json((root / "cache" / teacher.META_FILE).read_text())
-    predicted = predictions(model, meta.num_positions)
+    predicted = predictions(model, meta.num_positions, meta.mode)
     runtime = peaks["runtime"]["RssAnon"]
     for stage in ("calibrate", "cache-logits", "search", "prune"):
-        anon = peaks[stage]["RssAnon"]
+        anon, held = peaks[stage]["RssAnon"], peaks[stage]["anon+weights"]
         rows.append({
-            "model_gb": round(model_bytes / 1e9, 2), "stage": stage, "peak_rss_mb": peaks[stage]["VmRSS"] >> 20,
-            "peak_anon_mb": anon >> 20, "peak_file_mb": peaks[stage]["RssFile"] >> 20, "runtime_anon_mb": runtime >> 20,
+            "model_gb": round(model_bytes / 1e9, 2), "layers": layers, "cache_rows": meta.num_positions, "cache_mode": meta.mode,
+            "stage": stage,
+            "peak_rss_mb": peaks[stage]["VmRSS"] >> 20, "peak_anon_mb": anon >> 20, "peak_file_mb": peaks[stage]["RssFile"] >> 20,
+            "peak_weights_mb": peaks[stage]["weights"] >> 20, "peak_held_mb": held >> 20, "runtime_anon_mb": runtime >> 20,
             "anon_over_model": round((anon - runtime) / model_bytes, 3),
-            "predicted_mb": predicted[stage] >> 20, "planner_error": round(predicted[stage] / anon - 1, 3),
+            "predicted_mb": predicted[stage] >> 20, "planner_error": round(predicted[stage] / held - 1, 3),
         })
     return rows
 
@@ -186,15 +225,19 @@ def main() -> None:
     parser.add_argument("--sizes", default="0.3,1,2", help="model sizes in GB (bf16), comma-separated")
     parser.add_argument("--workdir", default=None, help="where models and artifacts go (default: a temporary directory)")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--repredict", default=None, help="a --json file of an earlier run: recompute the planner's columns only")
     args = parser.parse_args()
     os.environ.setdefault("TQDM_DISABLE", "1")
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        rows = [cache_load_row(Path(tmp))]
-        print(json.dumps(rows[-1]), flush=True)
-        for size in args.sizes.split(","):  # rows as they come: a large size may take long on a shared machine
-            for row in run_size(float(size), Path(tmp)):
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        if args.repredict:
+            rows = repredict(json.loads(Path(args.repredict).read_text()), Path(tmp))
+        else:
+            rows = [cache_load_row(Path(tmp))]
+            print(json.dumps(rows[-1]), flush=True)
+            for size in args.sizes.split(","):  # rows as they come: a large size may take long on a shared machine
+                for row in run_size(float(size), Path(tmp)):
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     keys = list(dict.fromkeys(k for row in rows for k in row))
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))

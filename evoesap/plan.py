@@ -6,9 +6,11 @@ disk for the artifact and temporary space, for calibrate, cache-logits, search, 
 and the teacher cache in full and top-K modes. `check` refuses, before any work, a stage whose
 prediction exceeds what the machine (or the configured resources) has, naming the setting to change.
 
-The formulas follow the stages' designed peaks; constants (the interpreter with torch, transformers
-and pyarrow imported; activations per token) are measured by benchmarks/bench_memory.py, which also
-records the planner's error against measured peaks.
+The formulas follow what the stages allocate (the model, one decoder layer's activations, the LM-head
+row chunks, the cache writer's queue, the weights hash's one-tensor copy); the one measured constant is
+the interpreter with torch, transformers and pyarrow imported. A host figure counts the memory-mapped
+weights the stage touches as well as what it allocates. benchmarks/bench_memory.py records the planner's
+error against measured peaks.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from evoesap.errors import ConfigError
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30
-RUNTIME_BYTES = 330 << 20  # anonymous memory of a stage process before its model or cache (bench_memory: 329 MB)
-ACTIVATION_FLOATS = 16  # float32 values alive per token and hidden unit in a forward, besides the experts'
+RUNTIME_BYTES = 320 << 20  # anonymous memory of a stage process before its model or cache (bench_memory: 315 MiB)
+# [tokens, hidden] tensors alive in one decoder layer's forward: the residual, its norm, q, k, v, the
+# attention output, its projection and the MoE block's output (scores of the attention are not kept:
+# SDPA); besides them the gate, up and activation products of each routed (token, expert) pair
+LAYER_HIDDEN_STATES = 8
 CACHE_ROW_BYTES = 12  # sample id, position and target of one cached row
 FULL_PREFERRED_SHARE = 0.5  # full mode is the default while its cache takes at most this share of a device
 
@@ -42,7 +47,9 @@ class ModelShape:
     layers: int
     top_k: int
     expert_width: int  # an expert's intermediate size
-    largest_tensor: int  # bytes of the largest single tensor: what loading and pruning hold at once
+    largest_tensor: int  # bytes of the largest single tensor: what loading and the weights hash hold at once
+    itemsize: int = 2  # bytes per weight and activation in the dtype the stages run in
+    dense_linear_bytes: int = 0  # nn.Linear weights run for every token (attention, shared experts), not the LM head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +112,10 @@ def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
     spec = moe.inspect(meta)
     experts = [int(counts[str(layer.decoder_index)]) for layer in spec.layers] if counts else list(spec.num_experts)
     scale = target.itemsize / next(meta.parameters()).element_size()
+    routed = {id(m) for block in moe.moe_blocks(meta) for m in block.experts.modules()}
+    head = meta.get_output_embeddings()
+    dense = sum(m.weight.numel() for m in meta.modules()
+                if isinstance(m, torch.nn.Linear) and m is not head and id(m) not in routed)
     return ModelShape(
         model_type=config.model_type,
         bytes=sum(sizes),
@@ -115,6 +126,8 @@ def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
         top_k=int(getattr(config, family.top_k_field)),
         expert_width=int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size),
         largest_tensor=max(sizes),
+        itemsize=target.itemsize,
+        dense_linear_bytes=dense * target.itemsize,
     )
 
 
@@ -141,8 +154,9 @@ def cache_bytes(rows: int, vocab: int, mode: str, top_k: int, dtype: str) -> int
 
 
 def _forward(shape: ModelShape, tokens: int) -> int:
-    """Activations of a forward over `tokens` tokens, no gradients: one layer's worth plus the residual."""
-    return tokens * (ACTIVATION_FLOATS * shape.hidden + 3 * shape.top_k * shape.expert_width) * 4
+    """Activations of a forward over `tokens` tokens without gradients or KV cache: one decoder layer's
+    (earlier layers' are freed), in the model's dtype."""
+    return tokens * shape.itemsize * (LAYER_HIDDEN_STATES * shape.hidden + 3 * shape.top_k * shape.expert_width)
 
 
 def plan_stages(shape: ModelShape, machine: Machine, data: Data, params: dict[str, Any], *, remote_out: bool = False,
@@ -160,39 +174,50 @@ def plan_stages(shape: ModelShape, machine: Machine, data: Data, params: dict[st
             device = math.ceil(device / machine.devices) if sharded else device
         if not on_gpu:
             host, device = host + device, 0
+        # the checkpoint's expert pages left mapped after restacking: resident, but the kernel drops them when short
+        droppable = shape.expert_bytes if not on_gpu and stage != "prune" else 0
         temp = temp if remote_out else 0
-        plans.append(StagePlan(stage, host, device, disk, temp, _refusal(stage, shape, machine, host, device, disk + temp, p, params, data)))
+        refusal = _refusal(stage, shape, machine, host - droppable, device, disk + temp, p, params, data)
+        plans.append(StagePlan(stage, host, device, disk, temp, refusal))
     return plans
 
 
 def _stage_peaks(stage: str, shape: ModelShape, machine: Machine, data: Data, p: Any, params: dict[str, Any]) -> tuple[int, int, int, int]:
     """(host, device, disk, temp) of one stage; device figures go to the host when there is no accelerator."""
+    from evoesap.scoring.evaluator import HEAD_CHUNK_BYTES
     from evoesap.moe.shards import COPY_BYTES
-    from evoesap.scoring.teacher import HEAD_BYTES, WRITE_QUEUE
+    from evoesap.scoring.teacher import HEAD_BYTES, HEAD_TEMPORARIES, WRITE_QUEUE
 
     model = shape.bytes
-    # loading onto a GPU holds a tensor or two on the host at a time; on the CPU the model is the host's
-    loading = RUNTIME_BYTES + (2 * shape.largest_tensor if machine.devices else 0)
+    if machine.devices:  # loading onto a GPU holds a tensor or two on the host at a time
+        loading = RUNTIME_BYTES + 2 * shape.largest_tensor
+    else:  # on the CPU transformers stacks the checkpoint's per-expert tensors into new ones while their
+        # mapped file pages stay resident (the experts twice), and oneDNN keeps a reordered copy of every
+        # half-precision dense nn.Linear weight it has run (measured: none with torch.backends.mkldnn off)
+        loading = RUNTIME_BYTES + shape.expert_bytes + (shape.dense_linear_bytes if shape.itemsize == 2 else 0)
     cache_p = params["cache-logits"]
     cache = cache_bytes(data.cache_rows, shape.vocab, cache_p.mode, cache_p.top_k, cache_p.dtype)
     pruned = model - int(shape.expert_bytes * params["prune"].sparsity)
-    if stage == "calibrate":
+    if stage == "calibrate":  # the forward keeps one position's logits (logits_to_keep=1)
         tokens = min(data.calibrate_tokens, p.batch_size * p.max_length)
         return loading, model + _forward(shape, tokens), 0, 0
     if stage == "cache-logits":
         tokens = p.batch_size * p.max_length
-        rows = min(tokens, max(1, HEAD_BYTES // (3 * 4 * shape.vocab)))  # scored rows per head chunk
-        queued = (WRITE_QUEUE + 2) * rows * (cache // max(1, data.cache_rows))  # chunks queued, converted, written
-        return loading + queued, model + _forward(shape, tokens) + rows * shape.vocab * 3 * 4, cache, cache
+        rows = min(tokens, max(1, HEAD_BYTES // (HEAD_TEMPORARIES * 4 * shape.vocab)))  # scored rows per head chunk
+        queued = (WRITE_QUEUE + 2) * rows * (cache // max(1, data.cache_rows))  # chunks queued, being written, being built
+        # the weights hash at the end copies one tensor at a time to the host, after the last chunk is written
+        head = rows * shape.vocab * HEAD_TEMPORARIES * 4
+        return loading + max(queued, shape.largest_tensor), model + _forward(shape, tokens) + head, cache, cache
     if stage == "search":
         s = params["search"]
         tokens = s.batch_size * cache_p.max_length
         heldout = cache_bytes(data.heldout_rows, shape.vocab, cache_p.mode, cache_p.top_k, cache_p.dtype)
-        device = model + _forward(shape, tokens) + (s.prefix_cache_bytes or 0)
+        head = HEAD_CHUNK_BYTES["gpu" if machine.devices else "cpu"] * HEAD_TEMPORARIES
+        device = model + _forward(shape, tokens) + head + (s.prefix_cache_bytes or 0)
         on_device = machine.devices > 0 and cache <= (machine.device - device) // 2
         device += cache if on_device else 0
-        host = loading + cache + heldout
-        return host, device, 1 << 20, 0
+        # the evaluator hashes the weights (one tensor copied to the host at a time) with the caches loaded
+        return loading + cache + heldout + shape.largest_tensor, device, 1 << 20, 0
     if stage == "prune":
         return RUNTIME_BYTES + COPY_BYTES, 0, pruned, pruned
     tokens = (p.batch_size if isinstance(p.batch_size, int) else 1) * (p.max_length or cache_p.max_length)
@@ -223,10 +248,25 @@ def _refusal(stage: str, shape: ModelShape, machine: Machine, host: int, device:
     return None
 
 
-def default_cache_mode(shape: ModelShape, machine: Machine, data: Data, top_k: int = 64, dtype: str = "float16") -> str:
-    """`full` while the full cache takes at most FULL_PREFERRED_SHARE of the search's memory, else `topk`."""
+def default_cache_mode(shape: ModelShape, machine: Machine, data: Data, cache_p: Any,
+                       search_p: Any = None) -> tuple[str, str]:
+    """(mode, why) for a cache whose mode is unset: `full` while the full cache takes at most
+    FULL_PREFERRED_SHARE of the search's memory (the GPU's, else the host's) and a search holding it
+    fits `machine`; `topk` otherwise."""
+    from evoesap.stages.search import SearchParams
+
+    full = dataclasses.replace(cache_p, mode="full")
+    size = cache_bytes(data.cache_rows, shape.vocab, "full", full.top_k, full.dtype)
     room = machine.device if machine.devices else machine.host
-    return "full" if cache_bytes(data.cache_rows, shape.vocab, "full", top_k, dtype) <= FULL_PREFERRED_SHARE * room else "topk"
+    if size > FULL_PREFERRED_SHARE * room:
+        where = "a GPU's" if machine.devices else "the host's"
+        return "topk", (f"the full cache ({size / GiB:.1f} GiB) would take more than {FULL_PREFERRED_SHARE:.0%} of "
+                        f"{where} {room / GiB:.1f} GiB")
+    params = {"cache-logits": full, "search": search_p or SearchParams(), "prune": types.SimpleNamespace(sparsity=0.0)}
+    search = plan_stages(shape, machine, data, params, only="search")[0]
+    if search.refusal:
+        return "topk", f"with the full cache ({size / GiB:.1f} GiB) the search would not fit: {search.refusal}"
+    return "full", f"the full cache ({size / GiB:.1f} GiB) fits the search"
 
 
 def format_table(shape: ModelShape, plans: list[StagePlan], data: Data, params: dict[str, Any]) -> str:
@@ -240,6 +280,9 @@ def format_table(shape: ModelShape, plans: list[StagePlan], data: Data, params: 
         f"teacher cache of {data.cache_rows:,} rows: full {gib(cache_bytes(data.cache_rows, shape.vocab, 'full', cache_p.top_k, cache_p.dtype))} GiB, "
         f"top-{cache_p.top_k} {gib(cache_bytes(data.cache_rows, shape.vocab, 'topk', cache_p.top_k, cache_p.dtype))} GiB "
         f"({cache_p.dtype}; mode {cache_p.mode})",
+        "",
+        "host: peak resident memory; without a GPU it includes the checkpoint's expert pages left mapped after "
+        "loading, which the kernel drops when memory is short (not counted against the machine)",
         "",
         "| stage | host GiB | per-GPU GiB | disk GiB | temp GiB | fits |",
         "|---|---:|---:|---:|---:|---|",
@@ -282,8 +325,9 @@ def pipeline_plan(config: Any, machine: Machine) -> tuple[ModelShape, Data, dict
         raise ConfigError("cache_logits.samples is unset (all samples): set it so that the cache can be planned")
     rows = cache_p.samples * cache_p.max_length
     data = Data(params["calibrate"].samples * params["calibrate"].max_length, rows, rows if config.heldout_data else 0)
-    if "mode" not in config.cache_logits:  # the default: full unless the full cache would crowd the search
-        params["cache-logits"] = dataclasses.replace(cache_p, mode=default_cache_mode(shape, machine, data, cache_p.top_k, cache_p.dtype))
+    if cache_p.mode is None:  # unset: full unless the full cache would crowd or not fit the search
+        mode, _ = default_cache_mode(shape, machine, data, cache_p, params["search"])
+        params["cache-logits"] = dataclasses.replace(cache_p, mode=mode)
     remote = "://" in config.storage_root and not config.storage_root.startswith("file://")
     return shape, data, params, plan_stages(shape, machine, data, params, remote_out=remote)
 
@@ -324,17 +368,38 @@ def check_stage(stage: str, inputs: dict[str, Any], params: Any) -> StagePlan | 
         return None
     machine = local_machine(getattr(params, "device", "cpu"))
     if stage == "cache-logits":
-        cache_p, rows = params, (params.samples or 0) * params.max_length
+        rows = (params.samples or 0) * params.max_length
+        cache_p = params if params.mode else dataclasses.replace(params, mode=default_cache_mode(shape, machine, Data(0, rows), params)[0])
     calibrate_tokens = params.samples * params.max_length if stage == "calibrate" else 0
     all_params = {
         "calibrate": params, "cache-logits": cache_p, "search": params if stage == "search" else SearchParams(),
         # evaluate's model is already pruned: nothing more comes off its bytes
         "prune": params if stage == "prune" else types.SimpleNamespace(sparsity=0.0), "evaluate": params,
     }
-    plan = _stage_plan(stage, shape, machine, Data(calibrate_tokens, rows, heldout), all_params)
+    data = Data(calibrate_tokens, rows, heldout)
+    plan = _stage_plan(stage, shape, machine, data, all_params)
     if plan.refusal:
         raise ResourceError(plan.refusal)
+    if stage == "cache-logits" and params.mode == "full":  # asked for: a full cache the search could not hold is refused now
+        search = _stage_plan("search", shape, machine, data, all_params).refusal
+        if search:
+            raise ResourceError(f"cache_logits.mode is full, but {search}")
     return plan
+
+
+def cache_mode(model: str, params: Any, rows: int) -> str:
+    """The cache-logits stage's mode: `params.mode` when set, else `default_cache_mode` on this machine
+    for `rows` scored rows, with a log line saying why."""
+    if params.mode:
+        return params.mode
+    shape = model_shape(model, params.model_dtype)
+    mode, why = default_cache_mode(shape, local_machine(params.device), Data(0, rows), params)
+    if mode == "topk":
+        log.warning("cache mode topk (top_k %d; ESAP only): %s. Set --mode full (cache_logits.mode: full) to force "
+                    "the full cache", params.top_k, why)
+    else:
+        log.info("cache mode full: %s", why)
+    return mode
 
 
 def _stage_plan(stage: str, shape: ModelShape, machine: Machine, data: Data, params: dict[str, Any]) -> StagePlan:

@@ -110,3 +110,99 @@ def test_parse_bytes_reads_kubernetes_sizes():
     assert plan.parse_bytes("512M") == 512 * 10**6
     with pytest.raises(Exception, match="not a size"):
         plan.parse_bytes("lots")
+
+
+def _cache_logits_case(tmp_path):
+    """A tiny model and data, a cache-logits setting, and a host that holds a top-K search but not a full one."""
+    import dataclasses
+    import types
+
+    from evoesap import runtime
+    from evoesap.stages.cache_logits import CacheLogitsParams
+    from evoesap.stages.search import SearchParams
+    from tiny_world import make_tiny_inputs
+
+    files = make_tiny_inputs(tmp_path)
+    params = CacheLogitsParams(top_k=8, samples=12, max_length=128, batch_size=1, device="cpu")
+    rows = sum(len(s.input_ids) for s in runtime.tokenized_samples(files["model"], files["search"], params)[1])
+    shape = plan.model_shape(files["model"])
+
+    def search_host(mode: str) -> int:
+        params_by_stage = {"cache-logits": dataclasses.replace(params, mode=mode), "search": SearchParams(),
+                           "prune": types.SimpleNamespace(sparsity=0.0)}
+        return plan.plan_stages(shape, plan.Machine(1 << 50), plan.Data(0, rows), params_by_stage, only="search")[0].host
+
+    full, topk = search_host("full"), search_host("topk")
+    # the two searches differ by the two caches' sizes, as cache_bytes gives them
+    assert full - topk == rows * ((shape.vocab - 8) * 2 - 8 * 4 - 4) == (
+        plan.cache_bytes(rows, shape.vocab, "full", 8, "float16") - plan.cache_bytes(rows, shape.vocab, "topk", 8, "float16"))
+    # refusals leave out the checkpoint's expert pages that stay mapped after loading (the kernel drops them)
+    between = (full + topk) // 2 - shape.expert_bytes
+    return files, params, plan.Machine(host=between), plan.Machine(host=2 * full)
+
+
+def test_an_unset_cache_mode_is_topk_where_a_search_could_not_hold_the_full_cache(tmp_path, monkeypatch, caplog):
+    import json
+    import logging
+
+    from evoesap.steps import run_stage
+
+    files, params, small, large = _cache_logits_case(tmp_path)
+    assert params.mode is None  # unset by default: the stage chooses
+    for machine, want in ((small, "topk"), (large, "full")):
+        monkeypatch.setattr(plan, "local_machine", lambda device="auto", m=machine: m)
+        out = tmp_path / want
+        with caplog.at_level(logging.INFO, logger="evoesap.plan"):
+            run_stage("cache-logits", {"model": files["model"], "data": files["search"]}, params, str(out))
+        assert json.loads((out / "cache.json").read_text())["mode"] == want
+        assert json.loads((out / "manifest.json").read_text())["params"]["mode"] is None  # recorded as asked: reusable
+    assert "cache mode topk" in caplog.text and "--mode full" in caplog.text and "cache mode full" in caplog.text
+
+
+def test_an_explicit_full_cache_that_no_search_here_could_hold_is_refused_naming_topk(tmp_path, monkeypatch):
+    import dataclasses
+
+    from evoesap.steps import run_stage
+
+    files, params, small, _ = _cache_logits_case(tmp_path)
+    monkeypatch.setattr(plan, "local_machine", lambda device="auto": small)
+    with pytest.raises(ResourceError, match="cache_logits.mode is full, but search needs .*cache_logits.mode: topk"):
+        run_stage("cache-logits", {"model": files["model"], "data": files["search"]},
+                  dataclasses.replace(params, mode="full"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_default_cache_mode_keeps_the_full_cache_within_half_of_the_search_memory():
+    from evoesap.stages.cache_logits import CacheLogitsParams
+
+    shape = plan.model_shape(str(DATA / "olmoe-1b-7b"), "bfloat16")
+    data = plan.Data(0, 64 * 4096)
+    full = plan.cache_bytes(data.cache_rows, shape.vocab, "full", 64, "float16")
+    for device, want in ((2 * full, "full"), (2 * full - 1, "topk")):
+        mode, why = plan.default_cache_mode(shape, plan.Machine(1 << 50, device, 1), data, CacheLogitsParams())
+        assert mode == want, why
+
+
+def test_cpu_host_plan_is_runtime_model_restacked_experts_dense_copies_one_layer_and_head_chunks(tmp_path):
+    """The CPU figures, term by term, from the loaded model's own parameters (not the planner's module walk)."""
+    from evoesap.scoring import teacher
+    from evoesap.steps import make_params
+
+    model = moe.tiny_model("olmoe", vocab_size=500).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "m")
+    shape = plan.model_shape(str(tmp_path / "m"), "bfloat16")
+    cfg = model.config
+    attention = sum(p.numel() * 2 for n, p in model.named_parameters() if ".self_attn." in n and n.endswith("_proj.weight"))
+    assert shape.dense_linear_bytes == attention  # OLMoE: q, k, v, o; the router is no nn.Linear, the head is left out
+    settings = {"samples": 4, "max_length": 32, "batch_size": 2}
+    params = {"calibrate": make_params("calibrate", settings), "cache-logits": make_params("cache-logits", {**settings, "mode": "full"}),
+              "search": make_params("search", {"batch_size": 2}), "prune": make_params("prune", {"sparsity": 0.5}),
+              "evaluate": make_params("evaluate", {})}
+    rows = 100
+    host = {p.stage: p.host for p in plan.plan_stages(shape, plan.Machine(1 << 50), plan.Data(4 * 32, rows), params)}
+    base = plan.RUNTIME_BYTES + moe.parameter_bytes(model) + shape.expert_bytes + attention
+    layer = 64 * 2 * (8 * cfg.hidden_size + 3 * cfg.num_experts_per_tok * cfg.intermediate_size)  # 2 x 32 tokens, bf16
+    assert host["calibrate"] == base + layer
+    full_row = 500 * 2 + plan.CACHE_ROW_BYTES
+    queue = (teacher.WRITE_QUEUE + 2) * 64 * full_row  # the batch's 64 rows fit one head chunk
+    assert host["cache-logits"] == base + layer + 64 * 500 * teacher.HEAD_TEMPORARIES * 4 + max(queue, shape.largest_tensor)

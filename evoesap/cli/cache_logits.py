@@ -12,7 +12,7 @@ def cache_logits_cmd(
     model: str = typer.Option(..., "--model", help="Full model: path, URI or hub name."),
     data: str = typer.Option(..., "--data", help="Search samples: JSONL/JSON/Parquet/CSV path or URI, or a hub dataset."),
     out: str = typer.Option(..., "--out", help="Where to write the teacher cache artifact."),
-    mode: str = typer.Option("full", "--mode", help="full (whole vocabulary) or topk (top-K + tail mass: ESAP bounds)."),
+    mode: str = typer.Option(None, "--mode", help="full (whole vocabulary) or topk (top-K + tail mass: ESAP bounds); unset: full where it fits this machine."),
     top_k: int = typer.Option(64, "--top-k", help="K for --mode topk."),
     dtype: str = typer.Option("float16", "--dtype", help="Storage of log-probabilities: float16 or float32."),
     samples: int = typer.Option(64, "--samples", help="Number of search samples drawn from the data."),

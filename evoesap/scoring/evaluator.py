@@ -39,6 +39,8 @@ AllocationKey = tuple[tuple[int, tuple[int, ...]], ...]
 # (a default demo search: 0.375 FFE per candidate; 0.481 with 8) while a small model's search does not
 # take half of a machine's free memory. Large models hit the half-of-free-memory bound first.
 AUTO_ALLOCATIONS_PER_ELITE = 32
+# [rows, V] float32 bytes per LM-head chunk of scored rows: ~8 MiB fit a CPU's cache; 256 MiB on a GPU
+HEAD_CHUNK_BYTES = {"cpu": 1 << 23, "gpu": 1 << 28}
 
 
 def allocation_key(pruned: Mapping[int, Iterable[int]]) -> AllocationKey:
@@ -124,8 +126,7 @@ class CandidateEvaluator:
         self.prefix: PrefixCache | None = None
         if prefix_cache_bytes:
             self.prefix = PrefixCache(prefix_cache_bytes, boundaries, boundary_bytes, keep)
-        # scored rows per LM-head chunk: [rows, V] float32 temporaries of ~8 MiB fit a CPU's cache; 256 MiB on a GPU
-        chunk_bytes = 1 << (23 if self.device.type == "cpu" else 28)
+        chunk_bytes = HEAD_CHUNK_BYTES["cpu" if self.device.type == "cpu" else "gpu"]
         self._head_rows = max(1, chunk_bytes // (4 * int(model.get_output_embeddings().weight.shape[0])))
         self._uniforms = None
         if self.metric.name == "sap":

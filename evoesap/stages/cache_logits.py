@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 class CacheLogitsParams:
     """What to cache and how; validated on construction, before any model is loaded."""
 
-    mode: str = "full"  # full: whole-vocabulary log-probabilities; topk: top-K + tail mass (ESAP bounds)
+    mode: str | None = None  # full: whole-vocabulary log-probabilities; topk: top-K + tail mass (ESAP bounds); None: full where it fits (plan.default_cache_mode)
     top_k: int = 64  # K for mode topk
     dtype: str = "float16"  # storage of log-probabilities: float16 (half the bytes) or float32 (exact)
     samples: int | None = 64  # search samples drawn from the data (None: all)
@@ -37,7 +37,7 @@ class CacheLogitsParams:
     def __post_init__(self) -> None:
         from evoesap.scoring.teacher import DTYPES, MODES
 
-        if self.mode not in MODES:
+        if self.mode is not None and self.mode not in MODES:
             raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
         if self.mode == "topk" and int(self.top_k) < 1:
             raise ConfigError(f"top_k must be at least 1 for mode topk, got {self.top_k}")
@@ -65,6 +65,7 @@ class CacheLogitsParams:
 
 def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: str) -> artifacts.Manifest:
     """Cache the teacher (`model`, a checkpoint URI or hub name) on `data` samples and publish it at `out_uri`."""
+    from evoesap import plan
     from evoesap.data import check_vocab
     from evoesap.scoring import teacher
 
@@ -72,6 +73,7 @@ def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: 
     artifacts.preflight(out_uri, "cache-logits", inputs)
     runtime.inspect_checkpoint(model)  # a dense or already pruned model is refused before any work
     tokenizer, tokenized = runtime.tokenized_samples(model, data, params)
+    mode = plan.cache_mode(model, params, sum(len(s.input_ids) for s in tokenized))  # the manifest keeps params as asked
     log.info("loading %s", artifacts.redact(model))
     loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
     check_vocab(tokenizer, loaded)
@@ -80,8 +82,8 @@ def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: 
             loaded,
             tokenized,
             staging,
-            mode=params.mode,
-            top_k=params.top_k if params.mode == "topk" else None,
+            mode=mode,
+            top_k=params.top_k if mode == "topk" else None,
             dtype=params.dtype,
             batch_size=params.batch_size,
             tokenizer=tokenizer,
