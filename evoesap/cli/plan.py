@@ -22,7 +22,7 @@ def plan_cmd(
     Exits 1 when a stage would not fit, naming the setting to change.
     Example: evoesap plan examples/qwen3.yaml --gpus 2 --gpu-memory 80GB --host-memory 256GB
     """
-    from pipeline.config import load_config
+    from evoesap.pipeline.config import load_config
 
     from evoesap import plan
 
