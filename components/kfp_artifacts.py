@@ -20,14 +20,18 @@ def source(artifact: Any) -> str | None:
     """The URI a stage reads for an input artifact (None when an optional input was not given).
 
     One of ours: the storage URI in its metadata. Anything else (a team's model, an imported URI or hub
-    name): the local copy KFP made when there is one, else the artifact's URI itself.
+    name): the local copy KFP made when there is one, else the artifact's URI itself; a hub name whose
+    metadata names a `revision` (branch, tag or commit) is read at that revision (`org/name@revision`),
+    and a revision on anything else is refused.
     """
+    from evoesap.identity import pin
+
     if artifact is None:
         return None
     if artifact.metadata.get("uri") and artifact.metadata.get("stage"):
         return artifact.metadata["uri"]
     path = artifact.path
-    return path if path and os.path.exists(path) else artifact.uri
+    return pin(path if path and os.path.exists(path) else artifact.uri, artifact.metadata.get("revision") or None)
 
 
 def publish(artifact: Any, uri: str) -> None:

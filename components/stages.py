@@ -25,13 +25,18 @@ _STORAGE = (
     "storage_root: Where EvoESAP keeps its content-addressed artifacts (a path, s3://, gs://); a stage whose "
     "inputs and parameters are unchanged is found finished there and reused."
 )
+_FULL_MODEL = (
+    "model: The full MoE model: a checkpoint directory (a team's Output[Model]), or dsl.importer of a path, URI or hub "
+    "name; a hub name is read at the branch, tag or commit in the artifact's metadata `revision` (default: its "
+    "default branch), and identified by the commit that resolves to."
+)
 
 
 def calibrate(model: Input[Model], data: str, storage_root: str, scores: Output[Dataset], params: dict = {}):
     """Score every expert of the model (frequency, SEER, EAN, REAP) in one pass over calibration samples.
 
     Args:
-        model: The full MoE model: a checkpoint directory (a team's Output[Model], or dsl.importer of a path, URI or hub name).
+        model: (full model)
         data: Calibration data: a JSONL/JSON/Parquet/CSV path or URI, or a hub dataset name.
         storage_root: (see module)
 
@@ -48,7 +53,7 @@ def cache_logits(model: Input[Model], data: str, storage_root: str, cache: Outpu
     """Cache the full model's next-token log-probabilities on samples: the teacher the ESAP fitness compares to.
 
     Args:
-        model: The full MoE model (the teacher).
+        model: (full model)
         data: Search (or held-out) data: a JSONL/JSON/Parquet/CSV path or URI, or a hub dataset name.
         storage_root: (see module)
 
@@ -75,7 +80,7 @@ def search(
     """Search the per-layer expert allocation that maximises ESAP against the teacher cache.
 
     Args:
-        model: The full MoE model.
+        model: (full model)
         scores: The calibrate stage's scores: the within-layer pruning order of `criterion`.
         cache: The teacher cache of the search samples.
         criterion: Importance criterion whose order the allocation applies: frequency, seer, ean or reap.
@@ -106,7 +111,7 @@ def prune(
     """Physically remove experts and save a standard checkpoint: the searched allocation, or uniform without one.
 
     Args:
-        model: The full MoE model.
+        model: (full model)
         scores: The calibrate stage's scores: which experts of a layer go first under `criterion`.
         criterion: Importance criterion: frequency, seer, ean or reap (must match the allocation's).
         sparsity: Global share of routed experts removed, in (0, 1) (must match the allocation's).
@@ -134,7 +139,7 @@ def evaluate(
     """Evaluate a model on lm-eval tasks (and held-out ESAP against a teacher cache).
 
     Args:
-        model: The model to evaluate: a pruned model from the prune stage (its method, criterion and sparsity label the run) or the full model.
+        model: The model to evaluate: a pruned model from the prune stage (its method, criterion and sparsity label the run) or the full model (a hub name at its metadata `revision`).
         storage_root: (see module)
         teacher_cache: A teacher cache of held-out samples: adds held-out ESAP to the metrics.
 
@@ -196,11 +201,11 @@ _SOURCE_DOCS = {name: fn.__doc__ for name, fn in STAGE_FUNCTIONS.items()}
 
 
 def _documented(stage: str, function: Callable) -> Callable:
-    """`function` with the shared storage_root text and its `params` keys written into the docstring
+    """`function` with the shared storage_root and full-model texts and its `params` keys written into the docstring
     (kfp reads input descriptions from the docstring's Args)."""
     from evoesap.components.interface import params_description
 
-    doc = _SOURCE_DOCS[stage].replace("storage_root: (see module)", _STORAGE)
+    doc = _SOURCE_DOCS[stage].replace("storage_root: (see module)", _STORAGE).replace("model: (full model)", _FULL_MODEL)
     own_inputs = tuple(inspect.signature(function).parameters)
     params = f"        params: {params_description(stage, exclude=own_inputs)}\n"
     function.__doc__ = doc.replace("\n    Returns:\n", f"{params}\n    Returns:\n")

@@ -225,8 +225,11 @@ class _HubRows:
     def __init__(self, name: str, split: str, subset: str | None) -> None:
         import datasets
 
+        from evoesap.identity import hub_model
+
+        repo, revision = hub_model(name) or (name, None)  # `org/name@revision` pins a branch, tag or commit
         try:
-            self._ds = datasets.load_dataset(name, subset, split=split)
+            self._ds = datasets.load_dataset(repo, subset, split=split, revision=revision)
         except Exception as exc:  # noqa: BLE001 - datasets raises many kinds; all mean "cannot load"
             raise DataError(
                 f"cannot load {name!r} (split {split!r}, subset {subset!r}): {exc}; a local file needs a "

@@ -19,6 +19,7 @@ import torch
 
 from evoesap import vllm_eval
 from evoesap.errors import ConfigError, DataError
+from evoesap.identity import locate
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +230,7 @@ def run_lm_eval(
         if python is not None:
             results = vllm_eval.simple_evaluate(
                 python,
-                {"pretrained": str(model), "dtype": model_dtype, **_vllm_engine_args(), **lm_args},
+                {**_vllm_source(str(model)), "dtype": model_dtype, **_vllm_engine_args(), **lm_args},
                 settings,
                 list(plan.include_paths),
                 plan.include_defaults,
@@ -248,6 +249,14 @@ def run_lm_eval(
         for key in ("results", "groups", "n-shot", "n-samples", "versions", "configs"):
             raw.setdefault(key, {}).update(results.get(key, {}))
     return records, raw
+
+
+def _vllm_source(model: str) -> dict[str, str]:
+    """lm-eval's vLLM arguments naming the model: a hub model with its weights and tokenizer at the commit
+    its identity recorded (`identity.locate`), a local directory as given."""
+    pretrained, pinned = locate(model)
+    revision = pinned.get("revision")
+    return {"pretrained": pretrained, **({"revision": revision, "tokenizer_revision": revision} if revision else {})}
 
 
 @contextlib.contextmanager

@@ -10,11 +10,15 @@ One function, `identify(uri)`, gives a JSON-able record and its digest for any i
   weights: a 60 GB checkpoint is never read to identify it);
 - an object-store file or directory (s3://, gs://, ...): per file its size and the store's own content
   identity (ETag, version id or generation); files without one are hashed when small;
-- a hub name (`org/name`): the commit the name resolves to now.
+- a hub name (`org/name`, or `org/name@revision` pinned to a branch, tag or commit): the commit it
+  resolves to now.
 
 Both the reuse key (`artifacts.cache_key`) and the manifest record these, so an input changed in place at
 the same URI makes the stage run again. A name that is neither an existing path nor of the form
 `org/name` is refused here, so a mistyped path never goes to the hub.
+
+`locate` is where every loader (from_pretrained, the shard reader, lm-eval's vLLM) learns what to ask the hub
+for: the name and the commit its identity recorded, so the weights loaded are the ones identified.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from evoesap.errors import ConfigError
 MANIFEST = "manifest.json"
 SMALL_FILE_BYTES = 16 << 20  # files up to this size are hashed; larger ones (weights) are identified by metadata
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+_REVISION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/+-]*$")  # a branch, tag, commit or refs/pr/N
 _STORE_KEYS = ("ETag", "etag", "VersionId", "version_id", "generation", "md5Hash", "crc32c")
 _USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
 
@@ -72,26 +77,73 @@ def summary(record: dict[str, Any]) -> str:
     return f"{kind or 'input'}, digest {digest(record)[:12]}"
 
 
+def hub_model(name: str) -> tuple[str, str | None] | None:
+    """(hub name, revision or None) of `org/name` or `org/name@revision`; None for a URI or an existing path."""
+    text = str(name)
+    if "://" in text or Path(text).exists():
+        return None
+    repo, pinned, revision = text.partition("@")
+    if not _HUB_NAME.match(repo) or Path(repo).exists() or pinned and not _REVISION.match(revision):
+        return None
+    return repo, revision or None
+
+
 def is_hub_name(name: str) -> bool:
-    """True for `org/name` that is not an existing local path (what a hub would be asked for)."""
-    return "://" not in name and not Path(name).exists() and bool(_HUB_NAME.match(name))
+    """True for `org/name` (or `org/name@revision`) that is not an existing local path (what a hub would be asked for)."""
+    return hub_model(name) is not None
+
+
+def pin(model: str, revision: str | None) -> str:
+    """`model` pinned to a hub `revision` (branch, tag or commit) as `org/name@revision`; `model` itself without one.
+
+    Only hub names have revisions: one given for a local path or another URI is refused, before any work.
+    """
+    if not revision:
+        return model
+    if not _REVISION.match(revision):
+        raise ConfigError(f"revision {revision!r} is not a branch, tag or commit name: check the spelling")
+    ref = hub_model(model)
+    if ref is None:
+        raise ConfigError(
+            f"revision {revision!r} applies to hub models (org/name) only, but {redact(model)!r} is a local path or "
+            "URI: drop the revision (or give the hub name)"
+        )
+    if ref[1] not in (None, revision):
+        raise ConfigError(f"{model!r} already names revision {ref[1]!r}, and revision {revision!r} was given too: give one")
+    return f"{ref[0]}@{revision}"
+
+
+def locate(name: str, repo_type: str = "model") -> tuple[str, dict[str, str]]:
+    """(what from_pretrained or snapshot_download opens, their keyword arguments) for a path or hub name.
+
+    A hub name comes back with `revision`: the commit it resolves to (the one `identify` records, asked once
+    per process), so what loads is what was identified; a path comes back as given. A missing path is
+    refused here, never sent to the hub.
+    """
+    check_local_or_hub(name)
+    ref = hub_model(name)
+    if ref is None:
+        return name, {}
+    return ref[0], {"revision": resolve_revision(ref[0], repo_type, ref[1])}
 
 
 def check_local_or_hub(name: str) -> None:
     """Refuse a name that must be a local path (it looks like one, or is not `org/name`) but does not exist."""
-    if "://" in name or Path(name).exists() or _HUB_NAME.match(name):
+    if "://" in name or Path(name).exists() or hub_model(name):
         return
     raise ConfigError(
-        f"{name!r} does not exist: check the path (hub names have the form org/name and are not looked up "
-        "for anything else)"
+        f"{name!r} does not exist: check the path (hub names have the form org/name or org/name@revision and are "
+        "not looked up for anything else)"
     )
 
 
 def _record(uri: str, repo_type: str) -> dict[str, Any]:
     if "://" not in uri:
         check_local_or_hub(uri)
-        if is_hub_name(uri):
-            return {"kind": "hub", "name": uri, "repo_type": repo_type, "revision": resolve_revision(uri, repo_type)}
+        ref = hub_model(uri)
+        if ref is not None:
+            commit = resolve_revision(ref[0], repo_type, ref[1])
+            return {"kind": "hub", "name": ref[0], "repo_type": repo_type, "revision": commit}
     fs, path = url_to_fs(uri)
     local = "file" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol)
     if not fs.exists(path):
@@ -147,22 +199,27 @@ def _stream_sha256(fs: Any, path: str) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _hub_revision(name: str, repo_type: str) -> str:
-    """The commit `name` resolves to: asked of the hub, else the locally cached snapshot (offline)."""
+def _hub_revision(name: str, repo_type: str, revision: str | None = None) -> str:
+    """The commit `name` (at `revision`, else its default branch) resolves to: asked of the hub, else the
+    locally cached snapshot (offline)."""
     import huggingface_hub
 
     try:
-        info = huggingface_hub.HfApi().repo_info(name, repo_type=repo_type)
+        info = huggingface_hub.HfApi().repo_info(name, repo_type=repo_type, revision=revision)
         return str(info.sha)
     except Exception as online:  # noqa: BLE001 - any failure: try the local cache before giving up
         try:
-            snapshot = huggingface_hub.snapshot_download(name, repo_type=repo_type, local_files_only=True)
+            snapshot = huggingface_hub.snapshot_download(
+                name, repo_type=repo_type, revision=revision, local_files_only=True
+            )
             return Path(snapshot).name
         except Exception:  # noqa: BLE001
+            at = f" at revision {revision!r}" if revision else ""
             raise ConfigError(
-                f"cannot resolve the hub {repo_type} {name!r} to a revision ({type(online).__name__}): check the "
-                "name and the network, or give a local path"
+                f"cannot resolve the hub {repo_type} {name!r}{at} to a commit ({type(online).__name__}): check the "
+                "name, the revision and the network, or give a local path"
             ) from online
 
 
-resolve_revision: Callable[[str, str], str] = _hub_revision  # replaced in tests (no network there)
+# (name, repo_type, revision or None) -> commit; replaced in tests (no network there)
+resolve_revision: Callable[[str, str, str | None], str] = _hub_revision

@@ -319,7 +319,7 @@ def pipeline_plan(config: Any, machine: Machine) -> tuple[ModelShape, Data, dict
         "prune": make_params("prune", {**config.prune, **point}),
         "evaluate": make_params("evaluate", {**config.evaluate, "method": "full"}),
     }
-    shape = model_shape(config.model, params["search"].model_dtype)
+    shape = model_shape(config.pinned_model, params["search"].model_dtype)
     cache_p = params["cache-logits"]
     if cache_p.samples is None:
         raise ConfigError("cache_logits.samples is unset (all samples): set it so that the cache can be planned")

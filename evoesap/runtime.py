@@ -87,14 +87,14 @@ def inspect_checkpoint(uri: str) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from evoesap import moe
-    from evoesap.identity import check_local_or_hub
+    from evoesap.identity import locate
 
     if "://" in uri:
         data = artifacts.read_json(artifacts.join(uri, "config.json"))
         config = AutoConfig.for_model(**data)
     else:
-        check_local_or_hub(uri)  # a missing path is never sent to the hub
-        config = AutoConfig.from_pretrained(uri, trust_remote_code=False)
+        source, pinned = locate(uri)  # a missing path is never sent to the hub; a hub model at its commit
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False, **pinned)
     if getattr(config, moe.PER_LAYER_KEY, None):
         raise ConfigError(f"{artifacts.redact(uri)} is already pruned: give the full model")
     with torch.device("meta"):

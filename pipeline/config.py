@@ -28,6 +28,7 @@ class PipelineConfig(BaseModel):
 
     name: str = "evoesap"
     model: str  # local path, fsspec URI or hub name of the full model
+    revision: str | None = None  # hub models only: the branch, tag or commit of `model` (default: its default branch)
     calibration_data: str  # data for the importance criteria
     search_data: str  # data for the teacher cache and the ESAP fitness
     heldout_data: str | None = None  # other samples of the search domain: the search's held-out check, held-out ESAP in evaluate
@@ -74,6 +75,13 @@ class PipelineConfig(BaseModel):
                     f"checkpoint files); remove its accelerator settings (stages that can: {', '.join(MODEL_STAGES)})"
                 )
         return self
+
+    @property
+    def pinned_model(self) -> str:
+        """`model` at `revision` (`org/name@revision`, `evoesap.identity.pin`), as every stage reads it."""
+        from evoesap.identity import pin
+
+        return pin(self.model, self.revision)
 
     def grid(self) -> list[dict[str, Any]]:
         """The fan-out: one point per criterion x sparsity."""
@@ -125,5 +133,6 @@ def load_config(source: str | Path | dict[str, Any]) -> PipelineConfig:
             f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
         )
         raise ConfigError(f"invalid {where}: {problems}") from exc
+    config.pinned_model  # noqa: B018 - a revision for a path or URI is refused here, before anything runs
     _check_stage_sections(config)
     return config

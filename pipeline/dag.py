@@ -145,12 +145,14 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
 
 
 def build_pipeline(config: PipelineConfig) -> Callable:
-    """The standalone pipeline: the full model given by path, URI or hub name (`dsl.importer`), then the DAG."""
+    """The standalone pipeline: the full model given by path, URI or hub name (`dsl.importer`, with a hub
+    model's `revision` in the imported artifact's metadata), then the DAG."""
     stages = build_subpipeline(config)
     d = _defaults(config)
 
     def evoesap_pipeline(
         model: str = config.model,
+        revision: str = config.revision or "",
         calibration_data: str = d["calibration_data"],
         search_data: str = d["search_data"],
         storage_root: str = d["storage_root"],
@@ -163,7 +165,8 @@ def build_pipeline(config: PipelineConfig) -> Callable:
         report_params: dict = d["report_params"],
         heldout_data: str = d["heldout_data"],  # last: hidden (`_without`) when the configuration has none
     ) -> Outputs:
-        imported = dsl.importer(artifact_uri=model, artifact_class=Model, reimport=False)
+        # the revision travels with the model artifact (its metadata, in ML Metadata too); every stage reads it there
+        imported = dsl.importer(artifact_uri=model, artifact_class=Model, reimport=False, metadata={"revision": revision})
         imported.set_display_name("model").set_caching_options(enable_caching=False)
         run = stages(
             model=imported.output,

@@ -22,6 +22,7 @@ import yaml
 
 from evoesap.artifacts import redact
 from evoesap.errors import ConfigError
+from evoesap.identity import pin
 from evoesap.steps import STEPS, make_params
 
 from .config import PipelineConfig
@@ -155,6 +156,9 @@ def resolve_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any]) -> 
         stage = name.removesuffix("_params").replace("_", "-")
         if name.endswith("_params") and stage in STEPS:
             make_params(stage, value)  # unknown fields and bad values: the stage's own one-line error
+    if {"model", "revision"} & set(arguments):
+        model, revision = (arguments.get(k, parameters.get(k, {}).get("defaultValue")) for k in ("model", "revision"))
+        pin(model, revision or None)  # a revision for a model that is not a hub name: refused now, not in the run
     return arguments
 
 

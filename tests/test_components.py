@@ -107,3 +107,15 @@ def test_overwritten_weights_at_the_same_uri_are_calibrated_again(tmp_path):
     old, new = (artifacts.read_manifest(a.metadata["uri"]) for a in (first, overwritten))
     assert new.files["scores.parquet"] != old.files["scores.parquet"]  # scored from the new weights
     assert new.inputs["model"] != old.inputs["model"] and new.inputs["model"]["uri"] == old.inputs["model"]["uri"]
+
+
+def test_a_hub_model_artifact_is_read_at_the_revision_in_its_metadata(tmp_path):
+    from evoesap.components.kfp_artifacts import source
+    from evoesap.errors import ConfigError
+
+    assert source(dsl.Model(name="model", uri="org/moe", metadata={"revision": "v1.0"})) == "org/moe@v1.0"
+    assert source(dsl.Model(name="model", uri="org/moe", metadata={"revision": ""})) == "org/moe"
+    ours = dsl.Model(name="pruned", uri="kfp://x", metadata={"stage": "prune", "uri": "s3://root/prune/k", "revision": "v1"})
+    assert source(ours) == "s3://root/prune/k"  # our artifacts are named by their storage URI, never pinned
+    with pytest.raises(ConfigError, match="applies to hub models"):
+        source(dsl.Model(name="model", uri=str(tmp_path), metadata={"revision": "v1.0"}))

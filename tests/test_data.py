@@ -292,18 +292,19 @@ def test_bad_requests_are_clear(tmp_path):
         FieldMap(prompt="p")
 
 
-def test_hub_names_go_to_datasets(monkeypatch):
+@pytest.mark.parametrize(("source", "name", "revision"), [("org/chat", "org/chat", None), ("org/chat@v2", "org/chat", "v2")])
+def test_hub_names_go_to_datasets_at_their_pinned_revision(source, name, revision, monkeypatch):
     import datasets
 
     seen = {}
 
-    def fake_load(name, subset, split):
-        seen.update(name=name, subset=subset, split=split)
+    def fake_load(name, subset, split, revision):
+        seen.update(name=name, subset=subset, split=split, revision=revision)
         return datasets.Dataset.from_list(ROWS[:4])
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load)
-    out = data.load_samples("org/chat", split="test", subset="en", n=2, seed=0, fields=FieldMap(text="text"))
-    assert seen == {"name": "org/chat", "subset": "en", "split": "test"}
+    out = data.load_samples(source, split="test", subset="en", n=2, seed=0, fields=FieldMap(text="text"))
+    assert seen == {"name": name, "subset": "en", "split": "test", "revision": revision}
     assert [s.text for s in out] == [f"doc {s.id}" for s in out]
 
 

@@ -160,6 +160,22 @@ def test_bad_configuration_is_refused_with_the_offending_key(overrides, message)
         load_config(data)
 
 
+def test_the_model_revision_is_a_pipeline_parameter_carried_by_the_imported_model(tmp_path):
+    config = load_config({"model": "org/moe", "revision": "v1.0", "calibration_data": "c", "search_data": "s"})
+    assert config.revision == "v1.0" and config.pinned_model == "org/moe@v1.0"
+    spec = yaml.safe_load(compile_pipeline(config, tmp_path / "spec.yaml").read_text())
+    assert spec["root"]["inputDefinitions"]["parameters"]["revision"]["defaultValue"] == "v1.0"
+    importer = spec["root"]["dag"]["tasks"]["importer"]["inputs"]["parameters"]
+    assert importer["metadata"]["componentInputParameter"] == "revision"
+    (executor,) = [e["importer"] for e in spec["deploymentSpec"]["executors"].values() if "importer" in e]
+    assert executor["metadata"] == {"revision": "{{$.inputs.parameters['metadata']}}"}
+
+
+def test_a_revision_for_a_model_that_is_not_a_hub_name_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="applies to hub models"):
+        load_config({"model": str(tmp_path), "revision": "v1", "calibration_data": "c", "search_data": "s"})
+
+
 def test_missing_configuration_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

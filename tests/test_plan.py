@@ -49,7 +49,7 @@ def test_cache_bytes_match_a_loaded_cache(tmp_path):
 
 
 def example(name: str, gpus: int) -> tuple[plan.ModelShape, plan.Data, dict, list[plan.StagePlan]]:
-    from pipeline.config import load_config
+    from evoesap.pipeline.config import load_config
 
     config = load_config(DATA / f"{name}.yaml")
     return plan.pipeline_plan(config, plan.Machine(256 * 10**9, GB80, gpus))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import typer
 
@@ -45,3 +46,11 @@ def echo_uri(uri: str) -> None:
     from evoesap.artifacts import redact
 
     typer.echo(redact(uri))
+
+
+def revision_option() -> Any:
+    """`--revision`, the same on every command that loads the full model."""
+    return typer.Option(
+        None, "--revision", help="Hub models only: branch, tag or commit of --model (default: the default branch)."
+    )
+

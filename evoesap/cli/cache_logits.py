@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import typer
 
-from evoesap.cli.app import app, echo_uri
+from evoesap.cli.app import app, echo_uri, revision_option
+from evoesap.identity import pin
 
 
 @app.command("cache-logits")
 def cache_logits_cmd(
     model: str = typer.Option(..., "--model", help="Full model: path, URI or hub name."),
+    revision: str = revision_option(),
     data: str = typer.Option(..., "--data", help="Search samples: JSONL/JSON/Parquet/CSV path or URI, or a hub dataset."),
     out: str = typer.Option(..., "--out", help="Where to write the teacher cache artifact."),
     mode: str = typer.Option(None, "--mode", help="full (whole vocabulary) or topk (top-K + tail mass: ESAP bounds); unset: full where it fits this machine."),
@@ -42,5 +44,5 @@ def cache_logits_cmd(
         response_field=response_field, text_field=text_field, enable_thinking=enable_thinking,
         model_dtype=model_dtype, device=device,
     )
-    run_stage("cache-logits", {"model": model, "data": data}, params, out)
+    run_stage("cache-logits", {"model": pin(model, revision), "data": data}, params, out)
     echo_uri(out)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import typer
 
-from evoesap.cli.app import app, echo_uri
+from evoesap.cli.app import app, echo_uri, revision_option
+from evoesap.identity import pin
 
 
 @app.command("calibrate")
 def calibrate_cmd(
     model: str = typer.Option(..., "--model", help="Model: path, URI or hub name."),
+    revision: str = revision_option(),
     data: str = typer.Option(..., "--data", help="Calibration data: JSONL/JSON/Parquet/CSV path or URI, or a hub dataset."),
     out: str = typer.Option(..., "--out", help="Where to write the scores artifact."),
     samples: int = typer.Option(1024, "--samples", help="Samples drawn from the data."),
@@ -52,5 +54,5 @@ def calibrate_cmd(
         device=device,
         device_map=device_map,
     )
-    run_stage("calibrate", {"model": model, "data": data}, params, out)
+    run_stage("calibrate", {"model": pin(model, revision), "data": data}, params, out)
     echo_uri(out)

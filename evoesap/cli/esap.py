@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import typer
 
-from evoesap.cli.app import app
+from evoesap.cli.app import app, revision_option
+from evoesap.identity import pin
 
 
 @app.command("esap")
 def esap_cmd(
     model: str = typer.Option(..., "--model", help="The full model the cache was made from: path, URI or hub name."),
+    revision: str = revision_option(),
     cache: str = typer.Option(..., "--cache", help="Teacher cache artifact (evoesap cache-logits)."),
     allocation: str = typer.Option(
         None, "--allocation",
@@ -27,6 +29,6 @@ def esap_cmd(
     from evoesap.scoring.evaluator import score_allocation
 
     lower, upper = score_allocation(
-        model, cache, allocation, metric=metric, batch_size=batch_size, model_dtype=model_dtype, device=device
+        pin(model, revision), cache, allocation, metric=metric, batch_size=batch_size, model_dtype=model_dtype, device=device
     )
     typer.echo(f"{lower:.6f}" if upper == lower else f"{lower:.6f} (top-K bounds: {lower:.6f} .. {upper:.6f})")

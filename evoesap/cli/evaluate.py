@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import typer
 
-from evoesap.cli.app import app, echo_uri
+from evoesap.cli.app import app, echo_uri, revision_option
+from evoesap.identity import pin
 
 
 @app.command("evaluate")
 def evaluate_cmd(
     model: str = typer.Option(..., "--model", help="Checkpoint (path or URI) or hub name; pruned checkpoints load too."),
+    revision: str = revision_option(),
     tasks: str = typer.Option("mc,math", "--tasks", help="Comma-separated: suites mc, math, code; lm-eval task names; task directories."),
     out: str = typer.Option(..., "--out", help="Where to write the metrics artifact."),
     limit: float = typer.Option(None, "--limit", help="At most N examples per task (smoke runs)."),
@@ -41,5 +43,5 @@ def evaluate_cmd(
         max_length=max_length, model_dtype=model_dtype, device=device, backend=backend, esap_batch_size=esap_batch_size,
         criterion=criterion, sparsity=sparsity, method=method,
     )
-    run_stage("evaluate", {"model": model, "teacher_cache": teacher_cache, "allocation": allocation}, params, out)
+    run_stage("evaluate", {"model": pin(model, revision), "teacher_cache": teacher_cache, "allocation": allocation}, params, out)
     echo_uri(out)

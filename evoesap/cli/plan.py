@@ -20,9 +20,9 @@ def plan_cmd(
     """Predict every stage's peak host and GPU memory, disk and temporary space, from config.json alone.
 
     Exits 1 when a stage would not fit, naming the setting to change.
-    Example: evoesap plan examples/qwen3.yaml --gpus 2 --gpu-memory 80GB --host-memory 256GB
+    Example: evoesap plan examples/qwen3-30b-a3b.yaml --gpus 2 --gpu-memory 80GB --host-memory 256GB
     """
-    from pipeline.config import load_config
+    from evoesap.pipeline.config import load_config
 
     from evoesap import plan
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import typer
 
-from evoesap.cli.app import app, echo_uri
+from evoesap.cli.app import app, echo_uri, revision_option
+from evoesap.identity import pin
 
 
 @app.command("prune")
 def prune_cmd(
     model: str = typer.Option(..., "--model", help="Full model: path, URI or hub name."),
+    revision: str = revision_option(),
     scores: str = typer.Option(..., "--scores", help="Calibration artifact (scores.parquet)."),
     out: str = typer.Option(..., "--out", help="Where to write the pruned checkpoint artifact."),
     allocation: str = typer.Option(None, "--allocation", help="Search artifact; omit for the uniform allocation."),
@@ -26,5 +28,5 @@ def prune_cmd(
     from evoesap.steps import run_stage
 
     params = PruneParams(criterion=criterion, sparsity=sparsity, granularity=granularity, model_dtype=model_dtype)
-    run_stage("prune", {"model": model, "scores": scores, "allocation": allocation}, params, out)
+    run_stage("prune", {"model": pin(model, revision), "scores": scores, "allocation": allocation}, params, out)
     echo_uri(out)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import typer
 
-from evoesap.cli.app import app, echo_uri
+from evoesap.cli.app import app, echo_uri, revision_option
+from evoesap.identity import pin
 
 
 @app.command("search")
 def search_cmd(
     model: str = typer.Option(..., "--model", help="Full model: path, URI or hub name."),
+    revision: str = revision_option(),
     scores: str = typer.Option(..., "--scores", help="Calibration artifact (scores.parquet)."),
     cache: str = typer.Option(..., "--cache", help="Teacher cache artifact from cache-logits."),
     heldout_cache: str = typer.Option(
@@ -74,5 +76,5 @@ def search_cmd(
         prefix_reuse=prefix_reuse,
         prefix_cache_bytes=prefix_cache_bytes,
     )
-    run_stage("search", {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}, params, out)
+    run_stage("search", {"model": pin(model, revision), "scores": scores, "cache": cache, "heldout_cache": heldout_cache}, params, out)
     echo_uri(out)

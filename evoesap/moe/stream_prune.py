@@ -24,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from evoesap import artifacts
 from evoesap.errors import ArtifactError, ConfigError
+from evoesap.identity import locate
 from evoesap.moe import shards
 from evoesap.moe.families import PER_LAYER_KEY
 from evoesap.moe.spec import Pruned, check_pruned, expert_tensors, inspect, model_family, moe_blocks
@@ -58,13 +59,15 @@ class StreamedPrune:
 
 
 def checkpoint_files(source: str, patterns: tuple[str, ...] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """(filesystem, root) holding a checkpoint: a path or fsspec URI read in place; a hub name fetched to the
-    hub's cache (config, tokenizer and safetensors only, or the files matching `patterns`)."""
+    """(filesystem, root) holding a checkpoint: a path or fsspec URI read in place; a hub name (at its pinned
+    revision's commit) fetched to the hub's cache (config, tokenizer and safetensors only, or the files
+    matching `patterns`)."""
     if "://" in source or Path(source).exists():
         return artifacts.split(source)
     from huggingface_hub import snapshot_download
 
-    return artifacts.split(snapshot_download(source, allow_patterns=list(patterns or _HUB_PATTERNS)))
+    name, pinned = locate(source)  # a missing path is never sent to the hub; a hub model at its commit
+    return artifacts.split(snapshot_download(name, allow_patterns=list(patterns or _HUB_PATTERNS), **pinned))
 
 
 def read_config(fs: fsspec.AbstractFileSystem, root: str) -> Any:

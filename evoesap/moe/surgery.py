@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from evoesap import artifacts
-from evoesap.identity import check_local_or_hub
+from evoesap.identity import locate
 from evoesap.errors import ArtifactError, ConfigError, ModelError
 from evoesap.moe.families import NONUNIFORM_ARCHITECTURE_PREFIX, PER_LAYER_KEY, Family, family_of
 from evoesap.moe.spec import MoEBlock, Pruned, check_pruned, expert_tensors, inspect, model_family, moe_blocks
@@ -117,14 +117,14 @@ def name_nonuniform(config_file: Path, stock_name: str) -> None:
 
 
 @contextlib.contextmanager
-def _source(uri_or_hub_name: str) -> Iterator[str]:
-    """A path or hub name that from_pretrained understands; object-store URIs are downloaded."""
+def _source(uri_or_hub_name: str) -> Iterator[tuple[str, dict[str, str]]]:
+    """(a path or hub name that from_pretrained understands, its `revision` keyword for a hub name);
+    object-store URIs are downloaded."""
     if "://" in uri_or_hub_name:
         with artifacts.local_copy(uri_or_hub_name) as local:
-            yield str(local)
+            yield str(local), {}
     else:
-        check_local_or_hub(uri_or_hub_name)  # a missing path is never sent to the hub
-        yield uri_or_hub_name
+        yield locate(uri_or_hub_name)  # a missing path is never sent to the hub
 
 
 def load_pruned(uri_or_hub_name: str, **from_pretrained_kwargs: Any) -> PreTrainedModel:
@@ -136,7 +136,8 @@ def load_pruned(uri_or_hub_name: str, **from_pretrained_kwargs: Any) -> PreTrain
             "strictly and never runs remote code"
         )
     kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k != "use_safetensors"}
-    with _source(uri_or_hub_name) as source:
+    with _source(uri_or_hub_name) as (source, pinned):
+        kwargs.update(pinned)  # a hub model loads at the commit its identity recorded
         config_kwargs = {k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs}
         config = AutoConfig.from_pretrained(source, trust_remote_code=False, **config_kwargs)
         if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
@@ -156,11 +157,11 @@ def load_pruned(uri_or_hub_name: str, **from_pretrained_kwargs: Any) -> PreTrain
 
 def load_tokenizer(uri_or_hub_name: str) -> Any | None:
     """The tokenizer saved with a checkpoint (path, fsspec URI or hub name); None when it has none."""
-    with _source(uri_or_hub_name) as source:
+    with _source(uri_or_hub_name) as (source, pinned):
         local = Path(source)
         if local.is_dir() and not any((local / name).exists() for name in _TOKENIZER_FILES):
             return None
-        return AutoTokenizer.from_pretrained(source, trust_remote_code=False)
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=False, **pinned)
 
 
 def _shrinking(stock: type[PreTrainedModel], family: Family, counts: Mapping[str, int]) -> type[PreTrainedModel]:

@@ -141,7 +141,7 @@ def _check_heldout(teacher_cache: str, model: str, allocation: str | None) -> No
 
 @contextlib.contextmanager
 def _served_copy(model: str) -> Iterator[str]:
-    """What vLLM can open: a local directory or hub name as given, an object-store URI downloaded."""
+    """What vLLM can open: a local directory or hub name (pinned or not) as given, an object-store URI downloaded."""
     if "://" not in model:
         yield model
         return
