@@ -31,6 +31,11 @@ RUNTIME_BYTES = 320 << 20  # anonymous memory of a stage process before its mode
 # attention output, its projection and the MoE block's output (scores of the attention are not kept:
 # SDPA); besides them the gate, up and activation products of each routed (token, expert) pair
 LAYER_HIDDEN_STATES = 8
+# On a GPU, batches of thousands of tokens: the same tensors counted float32-sized and twice over (the
+# norms', router's and softmax's float32 upcasts, the caching allocator's freed blocks not yet reused);
+# benchmarks/gpu_stages.py at OLMoE-1B-7B size, batch 8 x 4,096: calibrate -14%, cache-logits +0% (RESULTS.md)
+GPU_LAYER_FLOAT32_STATES = 2 * LAYER_HIDDEN_STATES
+CUDA_CONTEXT_BYTES = 512 << 20  # the CUDA context and kernels on the device (NVML counts them; torch does not)
 CACHE_ROW_BYTES = 12  # sample id, position and target of one cached row
 FULL_PREFERRED_SHARE = 0.5  # full mode is the default while its cache takes at most this share of a device
 
@@ -153,9 +158,11 @@ def cache_bytes(rows: int, vocab: int, mode: str, top_k: int, dtype: str) -> int
     return rows * (width + CACHE_ROW_BYTES)
 
 
-def _forward(shape: ModelShape, tokens: int) -> int:
+def _forward(shape: ModelShape, tokens: int, on_gpu: bool = False) -> int:
     """Activations of a forward over `tokens` tokens without gradients or KV cache: one decoder layer's
-    (earlier layers' are freed), in the model's dtype."""
+    (earlier layers' are freed), in the model's dtype on the CPU, float32-sized on a GPU."""
+    if on_gpu:
+        return tokens * 4 * (GPU_LAYER_FLOAT32_STATES * shape.hidden + 3 * shape.top_k * shape.expert_width)
     return tokens * shape.itemsize * (LAYER_HIDDEN_STATES * shape.hidden + 3 * shape.top_k * shape.expert_width)
 
 
@@ -188,8 +195,10 @@ def _stage_peaks(stage: str, shape: ModelShape, machine: Machine, data: Data, p:
     from evoesap.moe.shards import COPY_BYTES
     from evoesap.scoring.teacher import HEAD_BYTES, HEAD_TEMPORARIES, WRITE_QUEUE
 
+    gpu = machine.devices > 0
     model = shape.bytes
-    if machine.devices:  # loading onto a GPU holds a tensor or two on the host at a time
+    context = CUDA_CONTEXT_BYTES if gpu else 0
+    if gpu:  # loading onto a GPU holds a tensor or two on the host at a time
         loading = RUNTIME_BYTES + 2 * shape.largest_tensor
     else:  # on the CPU transformers stacks the checkpoint's per-expert tensors into new ones while their
         # mapped file pages stay resident (the experts twice), and oneDNN keeps a reordered copy of every
@@ -200,28 +209,43 @@ def _stage_peaks(stage: str, shape: ModelShape, machine: Machine, data: Data, p:
     pruned = model - int(shape.expert_bytes * params["prune"].sparsity)
     if stage == "calibrate":  # the forward keeps one position's logits (logits_to_keep=1)
         tokens = min(data.calibrate_tokens, p.batch_size * p.max_length)
-        return loading, model + _forward(shape, tokens), 0, 0
+        return loading, context + model + _forward(shape, tokens, gpu), 0, 0
     if stage == "cache-logits":
         tokens = p.batch_size * p.max_length
         rows = min(tokens, max(1, HEAD_BYTES // (HEAD_TEMPORARIES * 4 * shape.vocab)))  # scored rows per head chunk
         queued = (WRITE_QUEUE + 2) * rows * (cache // max(1, data.cache_rows))  # chunks queued, being written, being built
         # the weights hash at the end copies one tensor at a time to the host, after the last chunk is written
         head = rows * shape.vocab * HEAD_TEMPORARIES * 4
-        return loading + max(queued, shape.largest_tensor), model + _forward(shape, tokens) + head, cache, cache
+        return loading + max(queued, shape.largest_tensor), context + model + _forward(shape, tokens, gpu) + head, cache, cache
     if stage == "search":
         s = params["search"]
         tokens = s.batch_size * cache_p.max_length
         heldout = cache_bytes(data.heldout_rows, shape.vocab, cache_p.mode, cache_p.top_k, cache_p.dtype)
         head = HEAD_CHUNK_BYTES["gpu" if machine.devices else "cpu"] * HEAD_TEMPORARIES
-        device = model + _forward(shape, tokens) + head + (s.prefix_cache_bytes or 0)
-        on_device = machine.devices > 0 and cache <= (machine.device - device) // 2
+        device = context + model + _forward(shape, tokens, gpu) + head
+        on_device = gpu and cache <= (machine.device - device) // 2
         device += cache if on_device else 0
+        if s.prefix_reuse:
+            device += _prefix_budget(shape, machine, s, cache_p, data, used=device if gpu else device + loading + cache + heldout)
         # the evaluator hashes the weights (one tensor copied to the host at a time) with the caches loaded
         return loading + cache + heldout + shape.largest_tensor, device, 1 << 20, 0
     if stage == "prune":
         return RUNTIME_BYTES + COPY_BYTES, 0, pruned, pruned
     tokens = (p.batch_size if isinstance(p.batch_size, int) else 1) * (p.max_length or cache_p.max_length)
-    return loading, pruned + _forward(shape, tokens) + 2 * tokens * shape.vocab * 4, 1 << 20, 0
+    return loading, context + pruned + _forward(shape, tokens, gpu) + 2 * tokens * shape.vocab * 4, 1 << 20, 0
+
+
+def _prefix_budget(shape: ModelShape, machine: Machine, s: Any, cache_p: Any, data: Data, used: int) -> int:
+    """The search's prefix cache: its set budget, else CandidateEvaluator's automatic one, half the memory
+    the rest of the stage leaves on the model's device, at most the states of the allocations worth keeping."""
+    from evoesap.scoring.evaluator import AUTO_ALLOCATIONS_PER_ELITE
+
+    if s.prefix_cache_bytes is not None:
+        return s.prefix_cache_bytes
+    tokens = cache_p.samples * cache_p.max_length if cache_p.samples else data.cache_rows  # search-set tokens, at most
+    useful = AUTO_ALLOCATIONS_PER_ELITE * (s.elites + 1) * shape.layers * tokens * shape.hidden * shape.itemsize
+    room = machine.device if machine.devices else machine.host
+    return min(max(0, room - used) // 2, useful)
 
 
 def _refusal(stage: str, shape: ModelShape, machine: Machine, host: int, device: int, disk: int, p: Any,

@@ -128,7 +128,8 @@ def _cache_logits_case(tmp_path):
     shape = plan.model_shape(files["model"])
 
     def search_host(mode: str) -> int:
-        params_by_stage = {"cache-logits": dataclasses.replace(params, mode=mode), "search": SearchParams(),
+        # without the prefix cache, which takes half of whatever the rest leaves and so never tips the balance
+        params_by_stage = {"cache-logits": dataclasses.replace(params, mode=mode), "search": SearchParams(prefix_reuse=False),
                            "prune": types.SimpleNamespace(sparsity=0.0)}
         return plan.plan_stages(shape, plan.Machine(1 << 50), plan.Data(0, rows), params_by_stage, only="search")[0].host
 
@@ -206,3 +207,34 @@ def test_cpu_host_plan_is_runtime_model_restacked_experts_dense_copies_one_layer
     full_row = 500 * 2 + plan.CACHE_ROW_BYTES
     queue = (teacher.WRITE_QUEUE + 2) * 64 * full_row  # the batch's 64 rows fit one head chunk
     assert host["cache-logits"] == base + layer + 64 * 500 * teacher.HEAD_TEMPORARIES * 4 + max(queue, shape.largest_tensor)
+
+
+def test_gpu_search_plan_counts_the_automatic_prefix_cache_as_half_of_what_the_rest_leaves(tmp_path):
+    """On a GPU the search's peak is the CUDA context, the model, one float32-sized layer, the head chunks,
+    the cache when it fits, and the prefix cache: its set budget, else half of the device memory left."""
+    from evoesap.scoring.evaluator import HEAD_CHUNK_BYTES
+    from evoesap.scoring.teacher import HEAD_TEMPORARIES
+    from evoesap.steps import make_params
+
+    model = moe.tiny_model("olmoe", vocab_size=500).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "m")
+    shape = plan.model_shape(str(tmp_path / "m"), "bfloat16")
+    cfg = model.config
+    gpu = plan.Machine(host=1 << 40, device=8 << 30, devices=1)
+    cache_p = make_params("cache-logits", {"samples": 4, "max_length": 32, "mode": "topk", "top_k": 8})
+    rows = 100
+    layer = 4 * 32 * 4 * (2 * 8 * cfg.hidden_size + 3 * cfg.num_experts_per_tok * cfg.intermediate_size)  # batch 4 x 32
+    rest = (plan.CUDA_CONTEXT_BYTES + moe.parameter_bytes(model) + layer + HEAD_CHUNK_BYTES["gpu"] * HEAD_TEMPORARIES
+            + plan.cache_bytes(rows, shape.vocab, "topk", 8, "float16"))
+
+    def device(machine=gpu, **search) -> int:
+        params = {"cache-logits": cache_p, "search": make_params("search", {"batch_size": 4, **search}),
+                  "prune": make_params("prune", {"sparsity": 0.5})}
+        return plan.plan_stages(shape, machine, plan.Data(0, rows), params, only="search")[0].device
+
+    assert device(prefix_reuse=False) == rest
+    assert device(prefix_cache_bytes=1 << 20) == rest + (1 << 20)
+    useful = 32 * (4 + 1) * cfg.num_hidden_layers * 4 * 32 * cfg.hidden_size * 2  # AUTO_ALLOCATIONS_PER_ELITE x (elites + 1)
+    assert useful < (gpu.device - rest) // 2 and device() == rest + useful  # room to spare: what is worth keeping
+    tight = plan.Machine(host=1 << 40, device=rest + useful, devices=1)
+    assert device(tight) == rest + useful // 2  # short of room: half of what is left
