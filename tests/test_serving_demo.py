@@ -82,5 +82,6 @@ def test_demo_searched_checkpoint_scores_the_same_through_the_vllm_and_hf_backen
         (em_hf, n_hf), (em_vllm, n_vllm) = scores["hf"][task], scores["vllm"][task]
         assert n_hf == n_vllm == LIMIT, (task, n_hf, n_vllm)
         assert abs(em_vllm - em_hf) <= 1 / LIMIT + 1e-9, (task, scores)  # within one sample
-    # The searched model still answers: agreement on all-wrong answers would show nothing.
-    assert all(scores["hf"][t][0] >= 0.25 for t in demo_world.generative_tasks), scores
+    # Half its experts gone, the searched model still answers some domains well (it forgets others):
+    # agreement on wrong answers alone would show little.
+    assert max(scores["hf"][t][0] for t in demo_world.generative_tasks) >= 0.75, scores
