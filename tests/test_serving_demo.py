@@ -3,8 +3,9 @@
 The checkpoint comes from our own stages, as `make demo` makes its searched checkpoints (calibrate on
 code, cache and search on math, prune by the found allocation), with tiny search settings. Through the
 plugin its greedy tokens equal transformers', and the demo's lm-eval tasks score the same through the
-`vllm` evaluation backend as through `hf`, within one sample per task. Two vLLM processes in all: one
-for the greedy check, one for every lm-eval task.
+`vllm` evaluation backend as through `hf`, within one sample per task (vLLM started as from a user's
+shell, so the backend's own CPU settings are what runs). Two vLLM processes in all: one for the greedy
+check, one for every lm-eval task.
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ def test_demo_searched_checkpoint_generates_transformers_greedy_tokens_through_t
 def test_demo_searched_checkpoint_scores_the_same_through_the_vllm_and_hf_backends(demo_world, searched, tmp_path,
                                                                                     monkeypatch):
     monkeypatch.setenv("EVOESAP_VLLM_PYTHON", vllm_python())
-    for name, value in VLLM_ENV.items():
-        monkeypatch.setenv(name, value)
+    # vLLM as a user's shell starts it (engine process, KV cache as the backend sizes it), bar the class cache.
+    for name in VLLM_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", VLLM_ENV["VLLM_CACHE_ROOT"])
     scores = {}
     for backend in ("hf", "vllm"):
         params = EvaluateParams(tasks=(str(demo_world.tasks_dir),), limit=LIMIT, batch_size=16, device="cpu",
