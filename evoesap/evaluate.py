@@ -277,9 +277,16 @@ def _quiet_git_hash() -> Iterator[None]:
         yield
 
 
+# vLLM's CPU backend otherwise books 92% of the machine's memory (`gpu_memory_utilization`) and refuses to
+# start when less is free, as on any shared machine. A fixed KV cache does not; 4 GiB holds many full-length
+# sequences of the models a CPU can evaluate.
+# VLLM_CPU_KVCACHE_SPACE (GiB), which vLLM reads itself, overrides it.
+CPU_KV_CACHE_BYTES = 4 * 2**30
+
+
 def _vllm_engine_args() -> dict[str, Any]:
-    """Without a GPU, vLLM runs eager: compiling costs minutes on a CPU and gains little there."""
-    return {} if torch.cuda.is_available() else {"enforce_eager": True}
+    """Without a GPU, vLLM runs eager (compiling costs minutes on a CPU and gains little) with a 4 GiB KV cache."""
+    return {} if torch.cuda.is_available() else {"enforce_eager": True, "kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
 
 
 def _records(request: TaskRequest, results: Mapping[str, Any]) -> list[dict[str, Any]]:

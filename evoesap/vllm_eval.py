@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -64,6 +65,12 @@ def simple_evaluate(
             env={**os.environ, **(env or {})}, capture_output=True, text=True,
         )  # fmt: skip
         if done.returncode != 0:
-            tail = "\n".join(done.stderr.strip().splitlines()[-20:])
-            raise EvoESAPError(f"lm-eval through vLLM failed (exit {done.returncode}):\n{tail}")
+            raise EvoESAPError(f"lm-eval through vLLM failed (exit {done.returncode}):\n{_failure(done.stderr)}")
         return json.loads(results_file.read_text())
+
+
+def _failure(stderr: str) -> str:
+    """The errors vLLM's processes raised (an engine's root cause sits far above the final traceback), then the tail."""
+    lines = stderr.strip().splitlines()
+    causes = list(dict.fromkeys(line for line in lines if re.search(r"\b[A-Z]\w*(Error|Exception): ", line)))
+    return "\n".join([*causes[:5], "...", *lines[-12:]] if causes else lines[-20:])

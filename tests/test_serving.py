@@ -317,3 +317,14 @@ def test_vllm_backend_scores_a_nonuniform_checkpoint_like_an_independent_computa
     assert values["vllm"].keys() == values["hf"].keys()
     for key, value in values["vllm"].items():
         assert abs(value - values["hf"][key]) <= 1 / len(ROWS) + 1e-9, key  # within one sample per task
+
+
+def test_vllm_backend_failure_names_the_engine_root_cause_printed_far_above_the_last_traceback():
+    from evoesap.vllm_eval import _failure
+
+    cause = "(VllmWorker-0 pid=7) ERROR [multiproc_executor.py:953] ValueError: Available memory on node 0 is less"
+    stderr = "\n".join(["INFO starting", cause, *[f"  File 'x.py', line {i}" for i in range(60)],
+                        "RuntimeError: Engine core initialization failed. See root cause above."])
+    message = _failure(stderr)
+    assert cause in message and message.splitlines()[-1].startswith("RuntimeError: Engine core")
+    assert _failure("a\nb") == "a\nb"  # nothing that looks like an error: the tail as it is
