@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 from bench_memory import Probe
-from gpu_search import SHAPES, TINY
-from transformers import AutoConfig, AutoModelForCausalLM
+from gpu_search import SHAPES, build_model
 
 from evoesap import plan
 from evoesap.steps import make_params
@@ -80,18 +79,19 @@ def run_stage(command: list[str], on_gpu: bool, log: Path) -> dict[str, Any]:
 
 
 def build_checkpoint(shape: str, tiny: bool, root: Path, device: str) -> Path:
-    """A random bf16 checkpoint of the shape, sharded like hub checkpoints, with the demo tokenizer."""
+    """A random bf16 checkpoint of the shape (`gpu_search.build_model`), sharded like hub checkpoints, with the
+    demo tokenizer and its special tokens."""
     from evoesap.demo.tokenizer import build_tokenizer
 
-    model_type, values = SHAPES[shape]
-    config = AutoConfig.for_model(model_type, **{**values, **(TINY if tiny else {})}, pad_token_id=0, bos_token_id=1,
-                                  eos_token_id=2, tie_word_embeddings=False)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tokenizer = build_tokenizer(model_max_length=1 << 20)
+    model = build_model(shape, tiny, torch.device(device), torch.bfloat16)
+    model.config.update({"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+                         "eos_token_id": tokenizer.eos_token_id})
     model.save_pretrained(root / "model", max_shard_size="5GB")
-    build_tokenizer(model_max_length=1 << 20).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
     del model
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if torch.cuda.is_available():  # the stages run in processes of their own: leave them the whole device
+        torch.cuda.empty_cache()
     return root / "model"
 
 

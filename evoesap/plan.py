@@ -236,16 +236,15 @@ def _stage_peaks(stage: str, shape: ModelShape, machine: Machine, data: Data, p:
 
 
 def _prefix_budget(shape: ModelShape, machine: Machine, s: Any, cache_p: Any, data: Data, used: int) -> int:
-    """The search's prefix cache: its set budget, else CandidateEvaluator's automatic one, half the memory
-    the rest of the stage leaves on the model's device, at most the states of the allocations worth keeping."""
-    from evoesap.scoring.evaluator import AUTO_ALLOCATIONS_PER_ELITE
+    """The search's prefix cache: its set budget, else CandidateEvaluator's automatic one (half the memory
+    the rest of the stage leaves on the model's device, at most the states of the allocations worth keeping)."""
+    from evoesap.scoring.evaluator import auto_prefix_budget
 
     if s.prefix_cache_bytes is not None:
         return s.prefix_cache_bytes
     tokens = cache_p.samples * cache_p.max_length if cache_p.samples else data.cache_rows  # search-set tokens, at most
-    useful = AUTO_ALLOCATIONS_PER_ELITE * (s.elites + 1) * shape.layers * tokens * shape.hidden * shape.itemsize
     room = machine.device if machine.devices else machine.host
-    return min(max(0, room - used) // 2, useful)
+    return auto_prefix_budget(room - used, s.elites, shape.layers, tokens * shape.hidden * shape.itemsize)
 
 
 def _refusal(stage: str, shape: ModelShape, machine: Machine, host: int, device: int, disk: int, p: Any,

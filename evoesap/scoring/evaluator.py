@@ -43,6 +43,12 @@ AUTO_ALLOCATIONS_PER_ELITE = 32
 HEAD_CHUNK_BYTES = {"cpu": 1 << 23, "gpu": 1 << 28}
 
 
+def auto_prefix_budget(free: int, keep: int, boundaries: int, boundary_bytes: int) -> int:
+    """The prefix cache's automatic budget: half the memory `free` on the model's device, at most room for every
+    boundary of AUTO_ALLOCATIONS_PER_ELITE x (keep + 1) allocations (the planner sizes the search by it too)."""
+    return min(max(0, free) // 2, AUTO_ALLOCATIONS_PER_ELITE * (keep + 1) * boundaries * boundary_bytes)
+
+
 def allocation_key(pruned: Mapping[int, Iterable[int]]) -> AllocationKey:
     """A canonical, hashable form of an allocation (layers without pruned experts dropped)."""
     key = []
@@ -118,8 +124,7 @@ class CandidateEvaluator:
         if prefix_cache_bytes is None:
             from evoesap.runtime import free_memory_bytes
 
-            useful = AUTO_ALLOCATIONS_PER_ELITE * (keep + 1) * len(boundaries) * boundary_bytes
-            prefix_cache_bytes = min(free_memory_bytes(self.device) // 2, useful)
+            prefix_cache_bytes = auto_prefix_budget(free_memory_bytes(self.device), keep, len(boundaries), boundary_bytes)
             log.info("prefix cache budget: %.2f GiB on %s", prefix_cache_bytes / 2**30, self.device)
         if prefix_cache_bytes < 0:
             raise ConfigError(f"prefix_cache_bytes must be >= 0, got {prefix_cache_bytes}")
