@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import sys
 from typing import Any
 
@@ -43,7 +44,11 @@ def evaluate(request: dict[str, Any]) -> dict[str, Any]:
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_path=request["include_paths"] or None, include_defaults=request["include_defaults"])
-    results = simple_evaluate(model=VLLM(**request["model_args"]), task_manager=manager, **request["evaluate"])
+    lm = VLLM(**request["model_args"])
+    try:
+        results = simple_evaluate(model=lm, task_manager=manager, **request["evaluate"])
+    finally:
+        lm.model.llm_engine.engine_core.shutdown()  # the engine's process stops here, not at interpreter exit
     return {key: results.get(key, {}) for key in KEPT}
 
 
@@ -55,6 +60,11 @@ def main() -> None:
     results = evaluate(request)
     with open(sys.argv[2], "w") as f:
         json.dump(results, f, default=str)
+    # Skip the interpreter's teardown: vLLM's CPU build sometimes aborts there ("terminate called without an
+    # active exception", exit -6; once in a CI run) after every result was written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":  # vLLM's engine processes re-import the main module
