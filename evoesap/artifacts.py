@@ -43,9 +43,20 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9._=+-]+$")
 
 
 def split(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem and the path inside it for a local path or any fsspec URI."""
+    """The filesystem and the path inside it for a local path or any fsspec URI. Credentials written into
+    an object-store URI are refused (they would end up in manifests and error messages)."""
+    scheme = str(uri).split("://", 1)[0] if "://" in str(uri) else ""
+    if scheme in _OBJECT_STORES and _USERINFO.match(str(uri)):
+        raise ConfigError(
+            f"{redact(uri)}: credentials inside a {scheme}:// URI are not used; remove them and give them through "
+            "the environment (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or fsspec's configuration"
+        )
     fs, path = url_to_fs(str(uri))
     return fs, path
+
+
+_OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
+_USERINFO = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/@\s]*@")
 
 
 def is_local(uri: str) -> bool:
@@ -149,6 +160,11 @@ def read_manifest(uri: str, stage: str | None = None) -> Manifest:
             f"{redact(uri)} is not a finished artifact (no {MANIFEST}): run `evoesap {stage or '<stage>'}` to make "
             "it, or re-run it if it was interrupted"
         )
+    if exists(join(uri, PUBLISHING)):
+        raise ArtifactError(
+            f"{redact(uri)} is not a finished artifact (its publish is under way or was interrupted): re-run "
+            f"`evoesap {stage or _publishing_record(uri).get('stage') or '<stage>'}` to finish it"
+        )
     try:
         manifest = Manifest.from_json(read_bytes(manifest_uri).decode("utf-8"))
     except (ValueError, UnicodeDecodeError, TypeError) as exc:  # JSONDecodeError is a ValueError
@@ -220,6 +236,11 @@ def describe_inputs(inputs: Mapping[str, str | None]) -> dict[str, dict[str, Any
     for name, uri in sorted(inputs.items()):
         if uri is None:
             continue
+        if not identity.is_hub_name(str(uri)) and exists(join(uri, PUBLISHING)):
+            raise ArtifactError(
+                f"the input {name} ({redact(uri)}) is not a finished artifact: its publish is under way or was "
+                f"interrupted; re-run `evoesap {_publishing_record(uri).get('stage') or '<stage>'}` that makes it"
+            )
         record, _ = identity.identify(uri, repo_type=_repo_type(name))
         described[name] = {"uri": redact(uri), **record}
     return described
@@ -257,51 +278,100 @@ def cached(out_uri: str, stage: str, params: Mapping[str, Any], inputs: Mapping[
 # ------------------------------------------------------------------------------- where outputs may go
 
 
-def preflight(out_uri: str, stage: str, inputs: Mapping[str, str | None]) -> None:
+def local_destination(path: str) -> Path:
+    """The one physical path of a local output (symlinks and `..` resolved once, as the kernel would), used
+    by the check and the publish alike: `L/../x` is never checked at one place and written at another."""
+    return Path(os.path.realpath(path))
+
+
+def preflight(out_uri: str, stage: str, inputs: Mapping[str, str | None]) -> str:
     """Refuse, before any work, an output that could destroy something or inputs that do not exist.
 
-    `out_uri` must be absent, an empty directory or an artifact of the same `stage` (replaced on
-    publish); never `""`, `.`, `/`, the working directory, a path through a file, or a location equal
-    to, inside or around any input.
+    `out_uri` must be absent, an empty directory or an artifact of the same `stage` holding nothing its
+    manifest does not list (replaced on publish); never `""`, `.`, `/`, the working directory, a mount
+    point, a read-only place, a path through a file, or a location equal to, inside or around any input.
+    Returns what the output holds now (`occupant`), which the publish checks again before it swaps.
     """
     text = str(out_uri).strip()
     if text in ("", ".", "./", "/") or not text:
         raise ConfigError(f"--out {out_uri!r} is not allowed: give a new or empty directory (or an earlier {stage} output)")
     fs, path = split(out_uri)
-    local = "file" in _protocols(fs)
-    where = redact(out_uri)
-    if local:
-        dest = Path(os.path.abspath(path))
-        if dest == Path(dest.anchor) or dest == Path.cwd():
-            raise ConfigError(f"--out {where} is the filesystem root or the working directory: give a new or empty directory")
-        for parent in dest.parents:
-            if parent.exists() and not parent.is_dir():
-                raise ConfigError(f"--out {where} goes through the file {parent}: choose a path under a directory")
+    if "file" in _protocols(fs):
+        _check_local_place(local_destination(path), redact(out_uri))
     _check_against_inputs(out_uri, inputs)
     describe_inputs(inputs)  # refuses a missing input now
+    return occupant(out_uri, stage)
+
+
+def _check_local_place(dest: Path, where: str) -> None:
+    if dest == Path(dest.anchor) or dest == Path.cwd():
+        raise ConfigError(f"--out {where} is the filesystem root or the working directory: give a new or empty directory")
+    for parent in dest.parents:
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(f"--out {where} goes through the file {parent}: choose a path under a directory")
+    if dest.is_dir() and os.path.ismount(dest):
+        raise ConfigError(f"--out {where} is a mount point, which cannot be replaced: give a directory inside it")
+    place = next(p for p in dest.parents if p.exists())  # staging and the swap happen in dest's parent
+    if not os.access(place, os.W_OK) or os.statvfs(place).f_flag & os.ST_RDONLY:
+        raise ConfigError(f"--out {where}: {place} is not writable (read-only or no permission): choose another --out")
+
+
+def occupant(out_uri: str, stage: str) -> str:
+    """What the output location holds: "absent", "empty", "artifact:<manifest sha256>" or
+    "publishing:<sha256>" (an interrupted remote publish of `stage`). Anything else (another stage's
+    artifact, user files, files an earlier artifact's manifest does not list) is refused: it is not ours
+    to replace."""
+    fs, path = split(out_uri)
+    where = redact(out_uri)
     if not fs.exists(path):
-        return
+        return "absent"
     if not fs.isdir(path):
         raise ConfigError(f"--out {where} is an existing file: give a new or empty directory (or an earlier {stage} output)")
     names = sorted(Path(p.rstrip("/")).name for p in fs.ls(path, detail=False))
     if not names:
-        return
+        return "empty"
+    if PUBLISHING in names and _publishing_record(out_uri).get("stage") == stage:
+        _refuse_unlisted(out_uri, stage, _ours_while_publishing(out_uri))
+        return f"publishing:{sha256_bytes(read_bytes(join(out_uri, PUBLISHING)))}"
     if MANIFEST in names:
         try:
-            found = read_manifest(out_uri).stage
+            manifest = read_manifest(out_uri)
         except ArtifactError:
-            found = None
-        if found == stage:
-            return
-        what = f"a {found!r} artifact" if found else "a malformed manifest"
-        raise ConfigError(f"--out {where} holds {what}, not a {stage} output: choose another --out (or delete it)")
-    if PUBLISHING in names and _publishing_stage(out_uri) == stage:
-        return  # an interrupted publish of this stage: finish it
+            manifest = None
+        if manifest is None or manifest.stage != stage:
+            what = f"a {manifest.stage!r} artifact" if manifest else "a malformed manifest"
+            raise ConfigError(f"--out {where} holds {what}, not a {stage} output: choose another --out (or delete it)")
+        _refuse_unlisted(out_uri, stage, set(manifest.files) | {MANIFEST})
+        return f"artifact:{sha256_bytes(read_bytes(join(out_uri, MANIFEST)))}"
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
     raise ConfigError(
         f"--out {where} is a directory holding files that are not an evoesap artifact ({shown}): give a new or "
         f"empty directory (or an earlier {stage} output); nothing was changed"
     )
+
+
+def _files_under(out_uri: str) -> list[str]:
+    """Every file under an output location, relative to it; symlinks are listed, never followed."""
+    fs, path = split(out_uri)
+    root = path.rstrip("/")
+    if "file" in _protocols(fs):
+        found = []
+        for base, dirs, files in os.walk(root):
+            rel = os.path.relpath(base, root)
+            found += [n if rel == "." else f"{rel}/{n}" for n in files]
+            found += [f"{rel}/{d}" if rel != "." else d for d in dirs if os.path.islink(os.path.join(base, d))]
+        return [f.replace(os.sep, "/") for f in found]
+    return [p[len(root) + 1 :] for p in fs.find(root)]
+
+
+def _refuse_unlisted(out_uri: str, stage: str, listed: set[str]) -> None:
+    unlisted = sorted(set(_files_under(out_uri)) - listed)
+    if unlisted:
+        shown = ", ".join(unlisted[:3]) + (", ..." if len(unlisted) > 3 else "")
+        raise ConfigError(
+            f"--out {redact(out_uri)} holds files that are not part of the {stage} artifact there ({shown}): move them "
+            "out or choose another --out; nothing was changed"
+        )
 
 
 def _location(uri: str) -> tuple[tuple[str, ...], str]:
@@ -335,11 +405,18 @@ PUBLISHING = "publishing.json"  # marks a remote artifact whose upload is under 
 _STARTED = time.time()  # orphans of killed runs are older than this process
 
 
-def _publishing_stage(uri: str) -> str | None:
+def _publishing_record(uri: str) -> dict[str, Any]:
+    """publishing.json: the stage being published and every file the publish may write or remove."""
     try:
-        return json.loads(read_bytes(join(uri, PUBLISHING))).get("stage")
-    except (ArtifactError, ValueError, AttributeError):
-        return None
+        record = json.loads(read_bytes(join(uri, PUBLISHING)))
+    except (ArtifactError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _ours_while_publishing(uri: str) -> set[str]:
+    files = _publishing_record(uri).get("files")
+    return {*(f for f in files if isinstance(f, str)), PUBLISHING, MANIFEST} if isinstance(files, list) else {PUBLISHING}
 
 
 def _git_commit() -> str | None:
@@ -399,24 +476,47 @@ def _is_orphan(path: Path, locked: bool) -> bool:
 
 def clean_orphans(out_uri: str, stage: str) -> list[Path]:
     """Remove what killed runs of `stage` left: `.NAME.partial-*` / `.NAME.old-*` beside a local output and
-    `evoesap-<stage>-*` / `evoesap-in-*` staging directories in TMPDIR. Returns what was removed."""
-    places: list[tuple[Path, str, bool]] = [
-        (Path(tempfile.gettempdir()), f"evoesap-{stage}-*", True),
-        (Path(tempfile.gettempdir()), "evoesap-in-*", True),
-    ]
+    `evoesap-<stage>-*` / `evoesap-in-*` staging directories in TMPDIR. Returns what was removed. A replaced
+    artifact left aside (`.old-*`) loses only the files its manifest lists."""
+    tmp = Path(tempfile.gettempdir())
+    places = [(tmp, f"evoesap-{stage}-*", True), (tmp, "evoesap-in-*", True)]
     fs, path = split(out_uri)
-    if "file" in _protocols(fs):
-        dest = Path(os.path.abspath(path))
-        places += [(dest.parent, f".{dest.name}.partial-*", True), (dest.parent, f".{dest.name}.old-*", False)]
     removed = []
     for parent, pattern, locked in places:
-        for candidate in sorted(parent.glob(pattern)) if parent.is_dir() else []:
-            if candidate.is_dir() and _is_orphan(candidate, locked):
-                shutil.rmtree(candidate, ignore_errors=True)
-                removed.append(candidate)
+        removed += [c for c in sorted(parent.glob(pattern)) if c.is_dir() and _is_orphan(c, locked)]
+    for candidate in removed:
+        shutil.rmtree(candidate, ignore_errors=True)
+    if "file" in _protocols(fs):
+        dest = local_destination(path)
+        staged = [c for c in sorted(dest.parent.glob(f".{dest.name}.partial-*")) if c.is_dir() and _is_orphan(c, True)]
+        replaced = [c for c in sorted(dest.parent.glob(f".{dest.name}.old-*")) if c.is_dir() and _is_orphan(c, False)]
+        for candidate in staged:
+            shutil.rmtree(candidate, ignore_errors=True)
+        for candidate in replaced:
+            _discard_replaced(candidate, dest)
+        removed += staged + replaced
     for candidate in removed:
         log.info("removed %s, left by an interrupted run", candidate)
     return removed
+
+
+def _discard_replaced(old: Path, dest: Path) -> None:
+    """Remove an artifact renamed aside by a publish: the files its manifest lists, then empty folders.
+    Anything else (a user's file that arrived after every check) is kept, renamed where it can be seen."""
+    try:
+        listed = set(Manifest.from_json((old / MANIFEST).read_text()).files) | {MANIFEST}
+    except (OSError, ValueError, TypeError):
+        listed = set()
+    for rel in listed:
+        with contextlib.suppress(OSError):
+            (old / rel).unlink()
+    for base, _, _ in sorted(os.walk(old), key=lambda entry: -len(entry[0])):
+        with contextlib.suppress(OSError):
+            os.rmdir(base)
+    if old.exists():
+        kept = dest.parent / f"{dest.name}.kept-{uuid.uuid4().hex[:8]}"
+        os.rename(old, kept)
+        log.warning("files that were not part of the replaced artifact at %s are kept in %s", dest, kept)
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -428,21 +528,25 @@ def stage_output(
     stage: str,
     params: Mapping[str, Any],
     inputs: Mapping[str, str | None],
+    seen: str | None = None,
 ) -> Iterator[Path]:
     """Yield a staging directory; on success publish it to `out_uri` with its manifest last.
 
     A local output is staged beside it (`.NAME.partial-*`, published by one rename); a remote one in
     TMPDIR. On an exception nothing is published and any earlier artifact at `out_uri` stays as it was.
+    `seen`: what the stage's own `preflight` found at `out_uri` before its work; the publish refuses to
+    replace anything else (a user's file, another run's artifact) and keeps the new artifact aside.
     The published manifest is available afterwards through `read_manifest(out_uri)`.
     """
-    preflight(out_uri, stage, inputs)
+    found = preflight(out_uri, stage, inputs)
+    seen = seen or found
     clean_orphans(out_uri, stage)
     started = _now()
     described = describe_inputs(inputs)
     key = cache_key(stage, params, described)
     fs, path = split(out_uri)
     if "file" in _protocols(fs):
-        dest = Path(os.path.abspath(path))
+        dest = local_destination(path)
         parent, prefix = dest.parent, f".{dest.name}.partial"
     else:
         parent, prefix = Path(tempfile.gettempdir()), f"evoesap-{stage}"
@@ -462,7 +566,8 @@ def stage_output(
                 started=started,
                 ended=_now(),
             )
-            _publish(staging, out_uri, manifest)
+            (staging / MANIFEST).write_text(manifest.to_json())
+            _publish(staging, out_uri, manifest, _Expected(out_uri, stage, seen, key, parent))
     except OSError as exc:
         if exc.errno in _NO_SPACE:
             raise ArtifactError(
@@ -472,13 +577,44 @@ def stage_output(
         raise
 
 
-def _publish(staging: Path, out_uri: str, manifest: Manifest) -> None:
+@dataclasses.dataclass(frozen=True)
+class _Expected:
+    """What a publish may replace: what preflight saw at the output, or an artifact of the same stage,
+    parameters and inputs (an identical run that published first)."""
+
+    out_uri: str
+    stage: str
+    seen: str
+    key: str
+    aside: Path  # where a refused publish keeps its staged artifact
+
+    def check(self, staging: Path) -> None:
+        try:
+            now = occupant(self.out_uri, self.stage)
+            problem = None if now == self.seen or self._same_work(now) else f"another {self.stage} run published there"
+        except ConfigError as exc:
+            problem = str(exc).removeprefix(f"--out {redact(self.out_uri)} ").split(":")[0]
+        if problem is None:
+            return
+        kept = self.aside / f"evoesap-unpublished-{self.stage}-{uuid.uuid4().hex[:8]}"
+        os.rename(staging, kept)
+        raise ArtifactError(
+            f"--out {redact(self.out_uri)} changed while this run worked ({problem}): nothing there was replaced; "
+            f"this run's {self.stage} artifact is kept at {kept}"
+        )
+
+    def _same_work(self, now: str) -> bool:
+        return now.startswith("artifact:") and read_manifest(self.out_uri).cache_key == self.key
+
+
+def _publish(staging: Path, out_uri: str, manifest: Manifest, expected: _Expected) -> None:
     fs, path = split(out_uri)
     if "file" in _protocols(fs):
-        _publish_local(staging, Path(os.path.abspath(path)), manifest)
+        _publish_local(staging, local_destination(path), expected)
     else:
+        expected.check(staging)
         try:
-            _publish_remote(fs, staging, path, manifest)
+            _publish_remote(fs, staging, out_uri, manifest)
         except Exception as exc:  # noqa: BLE001 - an object store fails in many ways; each means "not published"
             raise ArtifactError(
                 f"publishing {redact(out_uri)} failed ({type(exc).__name__}: {redact(str(exc))[:200]}): it is not a "
@@ -487,11 +623,12 @@ def _publish(staging: Path, out_uri: str, manifest: Manifest) -> None:
     log.info("published %s artifact at %s", manifest.stage, redact(out_uri))
 
 
-def _publish_local(staging: Path, dest: Path, manifest: Manifest) -> None:
-    """Swap the staged directory in: the old artifact is renamed aside, the new one renamed in, the old removed."""
-    (staging / MANIFEST).write_text(manifest.to_json())
+def _publish_local(staging: Path, dest: Path, expected: _Expected) -> None:
+    """Swap the staged directory in: the old artifact is renamed aside, the new one renamed in, the old removed
+    (only the files its manifest lists)."""
     olds = []
     for _ in range(8):  # another process may publish the same output at the same moment
+        expected.check(staging)
         old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"  # a new name each try: one may be taken
         with contextlib.suppress(FileNotFoundError):
             os.replace(dest, old)
@@ -505,17 +642,22 @@ def _publish_local(staging: Path, dest: Path, manifest: Manifest) -> None:
     else:
         raise ArtifactError(f"{dest} kept changing while publishing: is another run writing it?")
     for old in olds:
-        shutil.rmtree(old, ignore_errors=True)
+        _discard_replaced(old, dest)
 
 
-def _publish_remote(fs: fsspec.AbstractFileSystem, staging: Path, path: str, manifest: Manifest) -> None:
-    """Mark the upload under way, retire the old manifest, replace the files, write the manifest, unmark."""
-    root = path.rstrip("/")
+def _publish_remote(fs: fsspec.AbstractFileSystem, staging: Path, uri: str, manifest: Manifest) -> None:
+    """Mark the upload under way (naming every file it may write or remove), retire the old manifest,
+    replace the files, write the manifest, unmark. Only files the replaced artifact listed are removed."""
+    root = split(uri)[1].rstrip("/")
+    publishing = fs.exists(f"{root}/{PUBLISHING}")
+    replaced = _ours_while_publishing(uri) if publishing else set(read_manifest(uri).files) if fs.exists(f"{root}/{MANIFEST}") else set()
+    replaced -= {PUBLISHING, MANIFEST}
+    record = {"stage": manifest.stage, "files": sorted(replaced | set(manifest.files))}
     with fs.open(f"{root}/{PUBLISHING}", "wb") as f:
-        f.write(json.dumps({"stage": manifest.stage}).encode("utf-8"))
+        f.write(json.dumps(record).encode("utf-8"))
     if fs.exists(f"{root}/{MANIFEST}"):
         fs.rm(f"{root}/{MANIFEST}")  # the old artifact stops counting as finished before its payload changes
-    stale = [p for p in fs.find(root) if p[len(root) + 1 :] not in (*manifest.files, PUBLISHING)]
+    stale = [p for p in fs.find(root) if p[len(root) + 1 :] in replaced - set(manifest.files)]
     if stale:
         fs.rm(stale)
     for rel in manifest.files:

@@ -8,6 +8,8 @@ another pipeline); `build_pipeline` imports the model from a path, URI or hub na
 
 # No `from __future__ import annotations`: kfp reads the pipeline function's real annotations.
 import inspect
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, List, NamedTuple
 
@@ -17,6 +19,7 @@ from kfp.dsl import HTML, Input, Markdown, Model
 from evoesap.components import DEFAULT_IMAGE, make_components
 from evoesap.pipeline import cluster
 from evoesap.pipeline.config import PipelineConfig
+from evoesap.pipeline.files import SPEC_MARKER, claim_output_file
 
 
 def _configure(task: Any, stage: str, config: PipelineConfig, label: str | None = None) -> Any:
@@ -192,7 +195,10 @@ def build_pipeline(config: PipelineConfig) -> Callable:
 
 def compile_pipeline(config: PipelineConfig, out: str | Path) -> Path:
     """Write the pipeline spec YAML that a Kubeflow Pipelines cluster runs unchanged."""
-    out = Path(out)
+    out = claim_output_file(Path(out), "--output", SPEC_MARKER)
     out.parent.mkdir(parents=True, exist_ok=True)
-    compiler.Compiler().compile(build_pipeline(config), str(out))
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.partial-") as tmp:
+        staged = Path(tmp) / out.name
+        compiler.Compiler().compile(build_pipeline(config), str(staged))
+        os.replace(staged, out)  # a reader never sees half a spec
     return out

@@ -17,6 +17,7 @@ from evoesap import artifacts
 from evoesap.errors import ConfigError
 from evoesap.pipeline.config import PipelineConfig
 from evoesap.pipeline.dag import build_pipeline
+from evoesap.pipeline.files import LOG_HEADER, claim_output_file
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ def _quiet_kfp(log_path: Path | None) -> Iterator[None]:
         return
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as log_file:
+        if log_file.tell() == 0:
+            log_file.write(LOG_HEADER)
         echo = _TaskEcho(log_file, sys.stderr)
         with contextlib.redirect_stdout(echo):
             yield
@@ -108,6 +111,8 @@ def run_local(
     """
     from kfp import local
 
+    if log_path is not None:
+        claim_output_file(log_path, "--log", LOG_HEADER)
     config = config.model_copy(
         update={
             "model": _absolute(config.model) if Path(config.model).exists() else config.model,

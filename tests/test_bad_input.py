@@ -378,6 +378,15 @@ def test_credentials_in_a_uri_never_reach_errors_or_logs(tiny_artifacts, tmp_pat
     assert artifacts.redact(f"moved {secret_data} and s3://k:v@b/x") == "moved http://127.0.0.1:9/calibration.jsonl and s3://b/x"
 
 
+@pytest.mark.parametrize("option", ["--data", "--out"])
+def test_credentials_inside_an_object_store_uri_are_refused_without_showing_them(option, tiny_artifacts, tmp_path, capsys):
+    args = {"--data": tiny_artifacts["calibration"], "--out": str(tmp_path / "o")}
+    args[option] = "s3://AKIAEXAMPLE:s3cr3tvalue@bkt/x.jsonl"
+    code, line = cli(capsys, "calibrate", "--model", tiny_artifacts["model"], "--data", args["--data"], "--out", args["--out"])
+    one_clear_line(code, line, "credentials inside a s3:// URI", "s3://bkt/x.jsonl")
+    assert "s3cr3tvalue" not in line and "AKIAEXAMPLE" not in line
+
+
 @pytest.mark.parametrize("value", [2.7, True, "3"])
 def test_pipeline_yaml_refuses_non_integers_for_integer_parameters(value, tmp_path):
     from evoesap.pipeline.config import load_config
@@ -438,3 +447,148 @@ def test_quiet_silences_the_bars_of_transformers_and_the_hub(monkeypatch):
         transformers.utils.logging.enable_progress_bar()
         transformers.utils.logging.set_verbosity_warning()
         huggingface_hub.utils.enable_progress_bars()
+
+
+# ------------------------------------------------------------------------ issue 29: data loss, second round
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_out_through_a_symlink_and_dotdot_is_checked_and_published_at_the_same_place(
+    stage, tiny_artifacts, tmp_path, capsys, monkeypatch
+):
+    """`L/../x` is the parent of L's target (as the kernel resolves it): the check and the publish both use it,
+    so the user's `x` beside L is never touched."""
+    (tmp_path / "elsewhere" / "dir").mkdir(parents=True)
+    (tmp_path / "L").symlink_to(tmp_path / "elsewhere" / "dir")
+    (tmp_path / "userdir" / "sub").mkdir(parents=True)
+    (tmp_path / "userdir" / "notes.txt").write_text("precious\n")
+    (tmp_path / "userdir" / "sub" / "data.csv").write_text("1,2\n")
+    before = snapshot(tmp_path / "userdir")
+    monkeypatch.chdir(tmp_path)
+    code, line = cli(capsys, *stage_commands(tiny_artifacts, "L/../userdir")[stage])
+    assert code == 0, line
+    assert snapshot(tmp_path / "userdir") == before
+    assert artifacts.read_manifest(str(tmp_path / "elsewhere" / "userdir"), stage).stage == stage
+
+
+def test_prune_out_through_a_symlink_and_dotdot_never_replaces_the_input_model(tiny_artifacts, tmp_path, capsys, monkeypatch):
+    (tmp_path / "elsewhere" / "dir").mkdir(parents=True)
+    (tmp_path / "L").symlink_to(tmp_path / "elsewhere" / "dir")
+    model = tmp_path / "m"
+    shutil.copytree(tiny_artifacts["model"], model)
+    before = snapshot(model)
+    monkeypatch.chdir(tmp_path)
+    code, line = cli(capsys, "prune", "--model", "m", "--scores", tiny_artifacts["scores"], "--sparsity", "0.5",
+                     "--out", "L/../m")
+    assert code == 0, line
+    assert snapshot(model) == before
+    assert (tmp_path / "elsewhere" / "m" / artifacts.MANIFEST).is_file()
+
+
+def test_a_user_file_inside_an_earlier_artifact_of_the_same_stage_is_refused_and_kept(
+    tiny_artifacts, tmp_path, capsys, no_model_loading
+):
+    earlier = tmp_path / "c"
+    shutil.copytree(tiny_artifacts["scores"], earlier)
+    (earlier / "NOTES.md").write_text("n\n")
+    before = snapshot(earlier)
+    code, line = cli(capsys, "calibrate", "--model", tiny_artifacts["model"], "--data", tiny_artifacts["calibration"],
+                     "--samples", "8", "--seed", "3", "--out", str(earlier))
+    one_clear_line(code, line, "NOTES.md", "not part of the calibrate artifact", "move them out")
+    assert snapshot(earlier) == before
+
+
+@pytest.mark.parametrize("intruder", ["user file", "another run"])
+def test_out_changed_while_the_stage_worked_is_not_replaced_and_the_new_artifact_is_kept(
+    intruder, tiny_artifacts, tmp_path, monkeypatch
+):
+    """The output is checked again just before the swap: what appeared there meanwhile (a user's file, another
+    run's artifact) stays as it is, and this run's artifact is kept aside under a name the error gives."""
+    from evoesap import steps
+
+    out = tmp_path / "out"
+    real_publish = artifacts._publish
+
+    def meanwhile(staging, out_uri, manifest, expected):
+        if intruder == "user file":
+            out.mkdir()
+            (out / "notes.txt").write_text("mine\n")
+        else:
+            monkeypatch.setattr(artifacts, "_publish", real_publish)
+            steps.run_stage("calibrate", {"model": tiny_artifacts["model"], "data": tiny_artifacts["calibration"]},
+                            steps.make_params("calibrate", {"samples": 8, "max_length": 128, "seed": 5}), str(out))
+            monkeypatch.setattr(artifacts, "_publish", meanwhile)
+        return real_publish(staging, out_uri, manifest, expected)
+
+    monkeypatch.setattr(artifacts, "_publish", meanwhile)
+    before = None
+    with pytest.raises(ArtifactError, match="changed while this run worked") as caught:
+        steps.run_stage("calibrate", {"model": tiny_artifacts["model"], "data": tiny_artifacts["calibration"]},
+                        steps.make_params("calibrate", {"samples": 8, "max_length": 128, "seed": 9}), str(out))
+    if intruder == "user file":
+        assert snapshot(out) == {"notes.txt": b"mine\n"}
+    else:
+        before = artifacts.verify(str(out), "calibrate")
+        assert before.params["seed"] == 5
+    kept = Path(str(caught.value).rsplit("kept at ", 1)[1])
+    assert artifacts.verify(str(kept), "calibrate").params["seed"] == 9
+
+
+def test_a_half_published_model_is_not_accepted_as_an_input(tiny_artifacts, tmp_path, capsys, no_model_loading):
+    """A prefix left by an interrupted upload (publishing.json, no manifest) is not a model."""
+    half = tmp_path / "half"
+    shutil.copytree(tiny_artifacts["pruned"], half)
+    (half / artifacts.MANIFEST).unlink()
+    (half / artifacts.PUBLISHING).write_text(json.dumps({"stage": "prune", "files": ["config.json"]}))
+    for args in (["calibrate", "--model", str(half), "--data", tiny_artifacts["calibration"], "--samples", "8"],
+                 ["evaluate", "--model", str(half), "--tasks", tiny_artifacts["tasks"], "--limit", "1"]):
+        code, line = cli(capsys, *args, "--out", str(tmp_path / args[0]))
+        one_clear_line(code, line, str(half), "not a finished artifact", "evoesap prune")
+
+
+def test_a_mount_point_or_a_read_only_place_is_refused_before_any_work(tiny_artifacts, tmp_path, capsys, monkeypatch, no_model_loading):
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    monkeypatch.setattr(artifacts.os.path, "ismount", lambda p: str(p) == str(mount))
+    code, line = cli(capsys, *stage_commands(tiny_artifacts, str(mount))["calibrate"])
+    one_clear_line(code, line, "mount point", "inside it")
+    monkeypatch.setattr(artifacts.os, "access", lambda p, mode: not str(p).startswith(str(tmp_path / "ro")))
+    (tmp_path / "ro").mkdir()
+    code, line = cli(capsys, *stage_commands(tiny_artifacts, str(tmp_path / "ro" / "out"))["calibrate"])
+    one_clear_line(code, line, "not writable", "choose another --out")
+
+
+def test_ctrl_c_exits_130_with_a_message_and_publishes_nothing(tiny_artifacts, tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runtime, "load_model", interrupted)
+    out = tmp_path / "out"
+    code = main(["--quiet", *stage_commands(tiny_artifacts, str(out))["calibrate"]])
+    assert code == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == []
+
+
+@pytest.mark.parametrize("option", ["compile -o", "run --log"])
+def test_pipeline_commands_never_write_over_the_config_or_a_user_file(option, tmp_path, capsys):
+    config = tmp_path / "cfg.yaml"
+    config.write_text("name: mine\nmodel: m\n")
+    user = tmp_path / "notes.txt"
+    user.write_text("precious\n")
+    verb, flag = option.split()
+    for target, words in ((config, ("is the input",)), (user, ("did not write",)), (tmp_path, ("is a directory",))):
+        code, line = cli(capsys, "pipeline", verb, str(config), flag, str(target))
+        one_clear_line(code, line, flag, *words)
+    assert config.read_text() == "name: mine\nmodel: m\n" and user.read_text() == "precious\n"
+
+
+def test_pipeline_compile_replaces_its_own_spec(tmp_path, capsys):
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.dag import compile_pipeline
+
+    config = load_config(Path(__file__).resolve().parents[1] / "examples" / "demo.yaml")
+    spec = tmp_path / "pipeline.yaml"
+    first = compile_pipeline(config, spec).read_text()
+    assert compile_pipeline(config, spec).read_text() == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipeline.yaml"]

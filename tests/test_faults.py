@@ -304,3 +304,19 @@ def test_search_then_prune_against_s3_verify_every_payload(tiny_artifacts, s3):
         steps.run_step("prune", root, {"model": tiny_artifacts["model"], "scores": scores, "allocation": searched},
                        {"criterion": "reap", "sparsity": 0.5})
 
+
+
+def test_a_user_file_in_an_earlier_remote_artifact_is_never_removed_as_stale(tiny_artifacts, s3):
+    """Only files the replaced artifact's manifest lists are ours to remove; a re-run is refused, nothing changes."""
+    from evoesap.errors import ConfigError
+
+    _, fs, bucket = s3
+    out = f"s3://{bucket}/runs/scores"
+    inputs = {"model": tiny_artifacts["model"], "data": tiny_artifacts["calibration"]}
+    steps.run_stage("calibrate", inputs, CALIBRATE, out)
+    fs.pipe(f"{bucket}/runs/scores/NOTES.md", b"mine")
+    before = sorted(fs.find(f"{bucket}/runs/scores"))
+    with pytest.raises(ConfigError, match="NOTES.md"):
+        steps.run_stage("calibrate", inputs, steps.make_params("calibrate", {"samples": 8, "max_length": 128, "seed": 4}), out)
+    fs.invalidate_cache()
+    assert sorted(fs.find(f"{bucket}/runs/scores")) == before and fs.cat(f"{bucket}/runs/scores/NOTES.md") == b"mine"

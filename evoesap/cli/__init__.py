@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     _load_commands()
     command = typer.main.get_command(app)
     try:
-        command.main(args=argv if argv is not None else sys.argv[1:], prog_name="evoesap", standalone_mode=False)
+        returned = command.main(args=argv if argv is not None else sys.argv[1:], prog_name="evoesap", standalone_mode=False)
     except typer.Exit as exc:
         return exc.exit_code
     except (typer.BadParameter, typer.Abort) as exc:  # pragma: no cover - click formats these itself
@@ -45,7 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         kind = "error" if isinstance(exc, EvoESAPError) else f"internal error ({type(exc).__name__})"
         print(redact(f"{kind}: {exc}"), file=sys.stderr)
         return 1
+    if returned == INTERRUPTED:  # typer turns Ctrl-C into this exit code when click does not exit itself
+        print("interrupted: stopped before finishing; nothing was published (re-run to start again)", file=sys.stderr)
+        return INTERRUPTED
     return 0
+
+
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 
 
 if __name__ == "__main__":

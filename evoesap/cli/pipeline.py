@@ -20,7 +20,9 @@ def compile_cmd(
     """Compile the DAG to a KFP pipeline spec.  Example: evoesap pipeline compile demo.yaml -o pipeline.yaml"""
     from evoesap.pipeline.config import load_config
     from evoesap.pipeline.dag import compile_pipeline
+    from evoesap.pipeline.files import SPEC_MARKER, claim_output_file
 
+    claim_output_file(output, "--output", SPEC_MARKER, inputs=(config,))
     typer.echo(str(compile_pipeline(load_config(config), output)))
 
 
@@ -46,8 +48,11 @@ def run_cmd(
 ) -> None:
     """Run the DAG on this machine (kfp.local).  Example: evoesap pipeline run demo.yaml --log runs/pipeline.log"""
     from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.files import LOG_HEADER, claim_output_file
     from evoesap.pipeline.run import report_uri, run_local
 
+    if log is not None:
+        claim_output_file(log, "--log", LOG_HEADER, inputs=(config,))
     outputs = run_local(load_config(config), log_path=log, runner=runner)
     for model in outputs["pruned_models"]:
         typer.echo(f"pruned model: {model.metadata['uri']}")

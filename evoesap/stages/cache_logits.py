@@ -70,14 +70,14 @@ def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: 
     from evoesap.scoring import teacher
 
     inputs = {"model": model, "data": data}
-    artifacts.preflight(out_uri, "cache-logits", inputs)
+    seen = artifacts.preflight(out_uri, "cache-logits", inputs)
     runtime.inspect_checkpoint(model)  # a dense or already pruned model is refused before any work
     tokenizer, tokenized = runtime.tokenized_samples(model, data, params)
     mode = plan.cache_mode(model, params, sum(len(s.input_ids) for s in tokenized))  # the manifest keeps params as asked
     log.info("loading %s", artifacts.redact(model))
     loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
     check_vocab(tokenizer, loaded)
-    with artifacts.stage_output(out_uri, "cache-logits", dataclasses.asdict(params), inputs) as staging:
+    with artifacts.stage_output(out_uri, "cache-logits", dataclasses.asdict(params), inputs, seen) as staging:
         teacher.write_cache(
             loaded,
             tokenized,

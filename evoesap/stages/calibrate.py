@@ -49,13 +49,13 @@ class CalibrateParams:
 def run_calibrate(model: str, data: str, params: CalibrateParams, out_uri: str) -> artifacts.Manifest:
     """Score every expert of `model` on `data` and publish scores.parquet."""
     inputs = {"model": model, "data": data}
-    artifacts.preflight(out_uri, "calibrate", inputs)
+    seen = artifacts.preflight(out_uri, "calibrate", inputs)
 
     from evoesap import data as data_mod
     from evoesap import importance
 
     tokenizer, tokenized = runtime.tokenized_samples(model, data, params, pack=params.pack)
-    with artifacts.stage_output(out_uri, "calibrate", dataclasses.asdict(params), inputs) as staging:
+    with artifacts.stage_output(out_uri, "calibrate", dataclasses.asdict(params), inputs, seen) as staging:
         net = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
         data_mod.check_vocab(tokenizer, net)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

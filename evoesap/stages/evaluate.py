@@ -78,13 +78,13 @@ def run_evaluate(
     plan = ev.resolve_tasks(params.tasks, allow_code_execution=params.allow_code_execution)
     python = vllm_eval.vllm_python() if params.backend == "vllm" else None  # fails before anything loads
     inputs = {"model": model, "teacher_cache": teacher_cache, "allocation": allocation}
-    artifacts.preflight(out_uri, "evaluate", inputs)
+    seen = artifacts.preflight(out_uri, "evaluate", inputs)
     if teacher_cache:
         _check_heldout(teacher_cache, model, allocation)
     tokenizer = moe.load_tokenizer(model)
     if tokenizer is None:
         raise DataError(f"{artifacts.redact(model)} has no tokenizer files: save the tokenizer with the model")
-    with artifacts.stage_output(out_uri, "evaluate", dataclasses.asdict(params), inputs) as staging:
+    with artifacts.stage_output(out_uri, "evaluate", dataclasses.asdict(params), inputs, seen) as staging:
         log.info("loading %s", artifacts.redact(model))
         loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
         memory = ev.memory_footprint(loaded)

@@ -117,14 +117,14 @@ def run_prune(model: str, scores: str, params: PruneParams, out_uri: str, alloca
     from evoesap import moe
 
     inputs = {"model": model, "scores": scores, "allocation": allocation}
-    artifacts.preflight(out_uri, "prune", inputs)
+    seen = artifacts.preflight(out_uri, "prune", inputs)
     artifacts.verify(scores, "calibrate")  # a clear error before reading anything else
     if allocation is not None:
         artifacts.verify(allocation, "search")
     spec = runtime.inspect_checkpoint(model)
     method, counts, pruned = planned_pruning(scores, params, spec, allocation)  # refused before any weight is read
     dtype = runtime.MODEL_DTYPES[params.model_dtype]
-    with artifacts.stage_output(out_uri, "prune", dataclasses.asdict(params), inputs) as staging:
+    with artifacts.stage_output(out_uri, "prune", dataclasses.asdict(params), inputs, seen) as staging:
         result = moe.prune_checkpoint(model, pruned, staging, dtype=None if dtype == "auto" else dtype)
         summary = {
             "method": method,

@@ -126,12 +126,12 @@ def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches:
     if not runs:
         raise ConfigError("give at least one evaluate run (--runs)")
     inputs = {**{f"runs.{i}": u for i, u in enumerate(runs)}, **{f"searches.{i}": u for i, u in enumerate(searches)}}
-    artifacts.preflight(out_uri, "report", inputs)
+    seen = artifacts.preflight(out_uri, "report", inputs)
     metrics = [read_metrics(uri) for uri in runs]
     histories = [_history(uri) for uri in searches]
     found = [_allocation(uri, h[2]) for uri, h in zip(searches, histories)]
     traced = lineage.walk(inputs)
-    with artifacts.stage_output(out_uri, "report", dataclasses.asdict(params), inputs) as staging:
+    with artifacts.stage_output(out_uri, "report", dataclasses.asdict(params), inputs, seen) as staging:
         cols = rp.columns(metrics)
         rows = rp.build_rows(metrics, [artifacts.redact(u) for u in runs], cols)
         settings = rp.settings(metrics, found)

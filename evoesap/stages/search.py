@@ -208,7 +208,7 @@ def run_search(
     from evoesap.scoring.teacher import load_cache
 
     inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}
-    artifacts.preflight(out_uri, "search", inputs)
+    seen = artifacts.preflight(out_uri, "search", inputs)
     for uri in (cache, heldout_cache):  # inputs must be finished artifacts before anything loads
         if uri:
             artifacts.read_manifest(uri, "cache-logits")
@@ -315,7 +315,7 @@ def run_search(
         "heldout_samples": len(heldout_ids),
     }
     history = _history_frame(result.history)
-    with artifacts.stage_output(out_uri, "search", dataclasses.asdict(params), inputs) as staging:
+    with artifacts.stage_output(out_uri, "search", dataclasses.asdict(params), inputs, seen) as staging:
         (staging / ALLOCATION_FILE).write_text(json.dumps(document, indent=2))
         history.to_parquet(staging / HISTORY_FILE, index=False)
         _plots(staging, params, history, {"uniform": uniform, "searched": best}, n)
