@@ -135,10 +135,10 @@ def stage_commands(root: Path, model: Path, data: dict[str, str]) -> dict[str, l
 
 def predictions(model: Path, cache_rows: int, mode: str) -> dict[str, int]:
     """The planner's host prediction of each stage on a CPU machine (a cache of `cache_rows` rows in `mode`)."""
-    from evoesap import plan
+    from evoesap import footprint
     from evoesap.steps import make_params
 
-    shape = plan.model_shape(str(model), "bfloat16")
+    shape = footprint.model_shape(str(model), "bfloat16")
     params = {
         "calibrate": make_params("calibrate", SETTINGS),
         "cache-logits": make_params("cache-logits", {**SETTINGS, "mode": mode}),
@@ -146,8 +146,8 @@ def predictions(model: Path, cache_rows: int, mode: str) -> dict[str, int]:
         "prune": make_params("prune", {"sparsity": 0.5}),
         "evaluate": make_params("evaluate", {}),
     }
-    data = plan.Data(SETTINGS["samples"] * SETTINGS["max_length"], cache_rows)
-    plans = plan.plan_stages(shape, plan.Machine(host=1 << 50), data, params)
+    data = footprint.Data(SETTINGS["samples"] * SETTINGS["max_length"], cache_rows)
+    plans = footprint.plan_stages(shape, footprint.Machine(host=1 << 50), data, params)
     return {p.stage: p.host for p in plans}
 
 
@@ -170,7 +170,7 @@ def repredict(rows: list[dict], workdir: Path) -> list[dict]:
 
 
 def run_size(gigabytes: float, workdir: Path) -> list[dict]:
-    from evoesap import plan
+    from evoesap import footprint
     from evoesap.scoring import teacher
     from evoesap.demo.domains import generate_splits, write_jsonl
 
@@ -181,7 +181,7 @@ def run_size(gigabytes: float, workdir: Path) -> list[dict]:
     write_jsonl(splits["calibration"][:16], root / "calibration.jsonl")
     write_jsonl(splits["search"][:16], root / "search.jsonl")
     data = {"calibration": str(root / "calibration.jsonl"), "search": str(root / "search.jsonl")}
-    model_bytes = plan.model_shape(str(model), "bfloat16").bytes
+    model_bytes = footprint.model_shape(str(model), "bfloat16").bytes
     rows, peaks = [], {}
     for stage, command in stage_commands(root, model, data).items():
         peaks[stage] = measure(command)
@@ -205,7 +205,7 @@ def cache_load_row(workdir: Path) -> dict:
     """Peak anonymous memory of loading a 307 MB full cache, over the cache's bytes (import baseline subtracted)."""
     import numpy as np
 
-    from evoesap import moe, plan
+    from evoesap import footprint, moe
     from evoesap.scoring import teacher
     from evoesap.data import TokenizedSample
 
@@ -213,7 +213,7 @@ def cache_load_row(workdir: Path) -> dict:
     rng = np.random.default_rng(0)
     samples = [TokenizedSample(i, rng.integers(3, VOCAB, 128).tolist(), [False] + [True] * 127) for i in range(CACHE_SAMPLES)]
     meta = teacher.write_cache(model, samples, workdir / "big-cache", mode="full", dtype="float16")
-    cache = plan.cache_bytes(meta.num_positions, VOCAB, "full", 64, "float16")
+    cache = footprint.cache_bytes(meta.num_positions, VOCAB, "full", 64, "float16")
     base = measure([sys.executable, "-c", CACHE_PROBE])["RssAnon"]
     anon = measure([sys.executable, "-c", CACHE_PROBE, str(workdir / "big-cache")])["RssAnon"]
     return {"stage": "cache-load", "cache_mb": cache >> 20, "peak_anon_mb": anon >> 20, "runtime_anon_mb": base >> 20,

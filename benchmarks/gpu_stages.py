@@ -30,7 +30,7 @@ import torch
 from bench_memory import Probe
 from gpu_search import SHAPES, build_model
 
-from evoesap import plan
+from evoesap import footprint
 from evoesap.steps import make_params
 
 
@@ -138,8 +138,8 @@ def main() -> None:
           f"in {time.perf_counter() - start:.0f} s", flush=True)
     write_chats(root / "calibration.jsonl", args.calibration_samples, args.length, 0)
     write_chats(root / "search.jsonl", args.samples, args.length, 1)
-    machine = plan.local_machine(args.device)
-    shape = plan.model_shape(str(model), "bfloat16")
+    machine = footprint.local_machine(args.device)
+    shape = footprint.model_shape(str(model), "bfloat16")
 
     cli = [sys.executable, "-m", "evoesap"]
     run = ["--model-dtype", "bfloat16", "--device", args.device]
@@ -171,7 +171,7 @@ def main() -> None:
                   "cache-logits": cache_p, "search": make_params("search", {"batch_size": args.batch_size}),
                   "prune": make_params("prune", {"sparsity": 0.5}), "evaluate": make_params("evaluate", {})}
         rows = int(meta["num_positions"])
-        predicted = plan.plan_stages(shape, machine, plan.Data(calibrate_tokens, rows), params, only=stage)[0]
+        predicted = footprint.plan_stages(shape, machine, footprint.Data(calibrate_tokens, rows), params, only=stage)[0]
         row = {"shape": args.shape, "stage": name, "model_gib": shape.bytes / 2**30, "cache_rows": rows, **measured,
                "planned_host_gib": predicted.host / 2**30, "planned_device_gib": predicted.device / 2**30,
                "gpu": torch.cuda.get_device_name(0) if on_gpu else "cpu"}

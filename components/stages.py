@@ -18,6 +18,7 @@ from kfp import dsl
 from kfp.dsl import HTML, Artifact, Dataset, Input, Markdown, Metrics, Model, Output
 
 from evoesap import __version__
+from evoesap.stages import STAGES
 
 DEFAULT_IMAGE = f"evoesap/stage:{__version__}"  # built from images/Dockerfile; push it to your registry
 
@@ -187,14 +188,7 @@ def report(
     publish_report(markdown, page, run_step("report", storage_root, inputs, params))
 
 
-STAGE_FUNCTIONS: dict[str, Callable] = {
-    "calibrate": calibrate,
-    "cache-logits": cache_logits,
-    "search": search,
-    "prune": prune,
-    "evaluate": evaluate,
-    "report": report,
-}
+STAGE_FUNCTIONS: dict[str, Callable] = {stage.name: globals()[stage.section] for stage in STAGES}
 
 
 _SOURCE_DOCS = {name: fn.__doc__ for name, fn in STAGE_FUNCTIONS.items()}
@@ -212,20 +206,14 @@ def _documented(stage: str, function: Callable) -> Callable:
     return function
 
 
-@dataclasses.dataclass(frozen=True)
-class StageComponents:
-    calibrate: Callable
-    cache_logits: Callable
-    search: Callable
-    prune: Callable
-    evaluate: Callable
-    report: Callable
+# The components bound to one image, as attributes named like the YAML sections (`components.cache_logits`).
+StageComponents = dataclasses.make_dataclass("StageComponents", [stage.section for stage in STAGES], frozen=True)
 
 
 def make_components(image: str = DEFAULT_IMAGE) -> StageComponents:
     """The components bound to a stage image; no packages are installed at run time."""
     wrap = dsl.component(base_image=image, install_kfp_package=False)
-    return StageComponents(**{name.replace("-", "_"): wrap(_documented(name, fn)) for name, fn in STAGE_FUNCTIONS.items()})
+    return StageComponents(**{stage.section: wrap(_documented(stage.name, STAGE_FUNCTIONS[stage.name])) for stage in STAGES})
 
 
 def write_component_yamls(directory: str | Path, image: str = DEFAULT_IMAGE) -> list[Path]:
@@ -237,8 +225,8 @@ def write_component_yamls(directory: str | Path, image: str = DEFAULT_IMAGE) -> 
     directory.mkdir(parents=True, exist_ok=True)
     comps = make_components(image)
     written = []
-    for stage in STAGE_FUNCTIONS:
-        path = directory / f"{stage.replace('-', '_')}.yaml"
-        compiler.Compiler().compile(getattr(comps, stage.replace("-", "_")), str(path))
+    for stage in STAGES:
+        path = directory / f"{stage.section}.yaml"
+        compiler.Compiler().compile(getattr(comps, stage.section), str(path))
         written.append(path)
     return written

@@ -6,25 +6,23 @@ lineage and the numbers our manifests record, never a second account of them.
 
 from __future__ import annotations
 
-import base64
 import html
-import re
 from pathlib import Path
 from typing import Any, Callable
 
-from evoesap import artifacts
+from evoesap import artifacts, records
 
 EXPORT_MAX_BYTES = 1 << 20  # files up to this size are copied into an orchestrator's artifact; weights never
 
 
 def _search(uri: str) -> dict[str, Any]:
-    doc = artifacts.read_json(artifacts.join(uri, "allocation.json"))
+    doc = records.read(uri, records.ALLOCATION_FILE)
     keys = ("criterion", "sparsity", "metric", "fitness", "heldout", "cost", "removal_counts", "fallback_applied", "evaluations")
     return {k: doc.get(k) for k in keys}
 
 
 def _prune(uri: str) -> dict[str, Any]:
-    doc = artifacts.read_json(artifacts.join(uri, "pruning.json"))
+    doc = records.read(uri, records.PRUNING_FILE)
     return {
         "method": doc["method"],
         "criterion": doc["criterion"],
@@ -37,7 +35,7 @@ def _prune(uri: str) -> dict[str, Any]:
 
 
 def _evaluate(uri: str) -> dict[str, Any]:
-    doc = artifacts.read_json(artifacts.join(uri, "metrics.json"))
+    doc = records.read(uri, records.METRICS_FILE)
     return {**{k: v for k, v in doc["labels"].items() if v is not None}, "scores": task_scores(uri)}
 
 
@@ -60,7 +58,7 @@ def facts(uri: str) -> dict[str, Any]:
 
 def task_scores(uri: str) -> dict[str, float]:
     """`<task>/<metric>` -> value of each task's primary metric in an evaluate artifact."""
-    doc = artifacts.read_json(artifacts.join(uri, "metrics.json"))
+    doc = records.read(uri, records.METRICS_FILE)
     return {f"{r['task']}/{r['metric']}": float(r["value"]) for r in doc["records"] if r.get("primary")}
 
 
@@ -84,25 +82,11 @@ def export_small_files(uri: str, dest: Path, max_bytes: int = EXPORT_MAX_BYTES) 
     return copied
 
 
-_IMG = re.compile(r"<img src='([^']+)'")
-
-
 def standalone_html(uri: str) -> str:
-    """A report artifact's HTML with its plots inlined, so it renders as one file (the KFP UI's HTML view).
-
-    A report made without HTML gets its Markdown in a <pre> block.
-    """
-    manifest = artifacts.read_manifest(uri)
+    """A report artifact's HTML, one file with its plots inlined (the report stage embeds them), for the KFP
+    UI's HTML view. A report made without HTML gets its Markdown in a <pre> block."""
+    manifest = artifacts.read_manifest(uri, "report")
     if "report.html" not in manifest.files:
-        text = artifacts.read_bytes(artifacts.join(uri, "report.md")).decode("utf-8")
+        text = artifacts.read_payload(uri, "report.md", manifest).decode("utf-8")
         return f"<!doctype html><meta charset='utf-8'><pre>{html.escape(text)}</pre>"
-    page = artifacts.read_bytes(artifacts.join(uri, "report.html")).decode("utf-8")
-
-    def inline(match: re.Match) -> str:
-        name = html.unescape(match.group(1))
-        if name not in manifest.files or not name.endswith(".png"):
-            return match.group(0)
-        data = base64.b64encode(artifacts.read_bytes(artifacts.join(uri, name))).decode("ascii")
-        return f"<img src='data:image/png;base64,{data}'"
-
-    return _IMG.sub(inline, page)
+    return artifacts.read_payload(uri, "report.html", manifest).decode("utf-8")

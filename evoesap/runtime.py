@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import gc
 from pathlib import Path
 from typing import Any
@@ -105,18 +104,17 @@ def inspect_checkpoint(uri: str) -> Any:
 def tokenized_samples(model: str, data: str, params: Any, *, pack: bool = False) -> tuple[Any, list]:
     """(tokenizer, tokenized samples) of a stage's data, drawn and tokenized as its parameters say.
 
-    `params` carries the data fields every data-reading stage shares: split, subset, fields,
-    samples, seed, max_length, enable_thinking. A `samples` equal to the stage's default takes all rows of
-    a smaller source (with a warning); any other number larger than the source is refused.
+    `params` (`evoesap.params.SampleParams`) says which samples and how. Unset `samples` takes the stage's
+    default count, or every row of a smaller source (with a warning); a count asked for that is larger than
+    the source is refused.
     """
     from evoesap import data as data_mod
     from evoesap import moe
     from evoesap.errors import DataError
 
-    default = next(f.default for f in dataclasses.fields(params) if f.name == "samples")
     samples = data_mod.load_samples(
-        data, split=params.split, subset=params.subset, fields=params.fields, n=params.samples, seed=params.seed,
-        at_most=params.samples == default,  # a default larger than the source uses all of it (with a warning)
+        data, split=params.split, subset=params.subset, fields=params.fields, n=params.sample_count, seed=params.seed,
+        at_most=params.samples is None,
     )
     tokenizer = moe.load_tokenizer(model)
     if tokenizer is None:

@@ -1,4 +1,4 @@
-"""The stage registry: run any stage by name, reusing a finished output made from the same inputs and parameters.
+"""Run any stage of the registry (`evoesap.stages`) by name, reusing a finished output made from the same inputs and parameters.
 
 `run_stage` runs a stage into a given output URI unless the manifest there records the same stage,
 parameters and inputs (the CLI's entry). Orchestrators (the KFP components, `evoesap pipeline run`)
@@ -10,84 +10,23 @@ is found finished and skipped.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
-import typing
 from typing import Any, Mapping, Sequence
 
-from evoesap import artifacts
-from evoesap.errors import ConfigError
+from evoesap import artifacts, stages
+from evoesap import params as parameters
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class Step:
-    module: str  # evoesap.stages.<module>
-    function: str  # run_<stage>
-    params_class: str  # frozen dataclass of the stage's parameters
-
-
-STEPS: dict[str, Step] = {
-    "calibrate": Step("calibrate", "run_calibrate", "CalibrateParams"),
-    "cache-logits": Step("cache_logits", "run_cache_logits", "CacheLogitsParams"),
-    "search": Step("search", "run_search", "SearchParams"),
-    "prune": Step("prune", "run_prune", "PruneParams"),
-    "evaluate": Step("evaluate", "run_evaluate", "EvaluateParams"),
-    "report": Step("report", "run_report", "ReportParams"),
-}
-
-
-def _stage(name: str) -> tuple[Any, type]:
-    if name not in STEPS:
-        raise ConfigError(f"unknown stage {name!r}; stages are {', '.join(STEPS)}")
-    step = STEPS[name]
-    module = importlib.import_module(f"evoesap.stages.{step.module}")
-    return getattr(module, step.function), getattr(module, step.params_class)
-
-
 def params_class(stage: str) -> type:
     """The frozen dataclass of a stage's parameters."""
-    return _stage(stage)[1]
+    return stages.get(stage).params_class()
 
 
 def make_params(stage: str, values: Mapping[str, Any]) -> Any:
-    """The stage's parameter dataclass from plain values, with unknown names refused clearly."""
-    _, params_class = _stage(stage)
-    fields = {f.name for f in dataclasses.fields(params_class)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise ConfigError(
-            f"unknown parameter(s) {', '.join(unknown)} for stage {stage!r}; valid: {', '.join(sorted(fields))}"
-        )
-    _check_types(stage, params_class, values)
-    try:
-        return params_class(**values)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"invalid parameters for stage {stage!r}: {exc}") from exc
-
-
-def _check_types(stage: str, params_class: type, values: Mapping[str, Any]) -> None:
-    """Refuse values a config would otherwise coerce silently: 2.7 or true for an integer, "yes" for a switch.
-
-    A whole float (2.0) stays accepted for an integer: some orchestrators deliver every number as a float.
-    """
-    hints = typing.get_type_hints(params_class)
-    for name, value in values.items():
-        allowed = set(typing.get_args(hints[name])) or {hints[name]}
-        if value is None and type(None) in allowed or str in allowed and isinstance(value, str):
-            continue
-        if bool in allowed:
-            ok, what = isinstance(value, bool), "true or false"
-        elif int in allowed and float not in allowed:
-            ok = isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
-            what = "an integer"
-        elif float in allowed:
-            ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-        else:
-            continue
-        if not ok:
-            raise ConfigError(f"{stage}.{name} must be {what}, got {value!r}")
+    """The stage's parameter dataclass from plain values (`evoesap.params.make`)."""
+    return parameters.make(params_class(stage), values, stage)
 
 
 def _flat_inputs(inputs: Mapping[str, str | Sequence[str] | None]) -> dict[str, str | None]:
@@ -110,7 +49,7 @@ def output_uri(stage: str, storage_root: str, inputs: Mapping[str, Any], params:
 def run_stage(stage: str, inputs: Mapping[str, Any], params: Any, out_uri: str) -> artifacts.Manifest:
     """Run `stage` (parameters as its dataclass) into `out_uri`, or return the manifest already there when
     it records the same stage, parameters and inputs."""
-    function, _ = _stage(stage)
+    function = stages.get(stage).function()
     artifacts.preflight(out_uri, stage, _flat_inputs(inputs))  # before any work: never destroy, inputs exist
     done = artifacts.cached(out_uri, stage, dataclasses.asdict(params), _flat_inputs(inputs))
     if done is not None:

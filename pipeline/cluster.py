@@ -13,8 +13,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-STAGES = ("calibrate", "cache-logits", "search", "prune", "evaluate", "report")
-MODEL_STAGES = ("calibrate", "cache-logits", "search", "evaluate")  # stages that load a model: may use accelerators
 SHM_MOUNT = "/dev/shm"
 SCRATCH_MOUNT = "/scratch"
 

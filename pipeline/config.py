@@ -1,7 +1,7 @@
 """The pipeline's one YAML configuration, validated before anything runs.
 
-Stage sections (`calibrate`, `cache_logits`, `search`, `prune`, `evaluate`, `report`) hold exactly the
-parameters of that stage's Python API and CLI, under the same names; they are checked against the
+One section per stage of the registry (`evoesap.stages`: `calibrate`, `cache_logits`, ...) holds exactly
+the parameters of that stage's Python API and CLI, under the same names; they are checked against the
 stage's parameter dataclass, so an unknown or invalid key fails here with the valid names listed.
 """
 
@@ -11,18 +11,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from evoesap import stages
 from evoesap.errors import ConfigError
 
-from .cluster import MODEL_STAGES, StageSettings, merged
+from .cluster import StageSettings, merged
 
 CRITERIA = ("frequency", "seer", "ean", "reap")
-STAGES = ("calibrate", "cache-logits", "search", "prune", "evaluate", "report")
 
 
-class PipelineConfig(BaseModel):
-    """Everything one pipeline run needs: inputs, grid, stage parameters, storage and cluster settings."""
+class _Settings(BaseModel):
+    """Everything one pipeline run needs but the stage sections, which `PipelineConfig` adds from the registry."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -38,14 +38,8 @@ class PipelineConfig(BaseModel):
     pipeline_root: str | None = None  # kfp.local's own scratch directory (local runs only)
     image: str | None = None  # the stage image; default: the project's image of this version
     retries: int = Field(2, ge=0, strict=True)  # per task, for transient failures
-    calibrate: dict[str, Any] = {}
-    cache_logits: dict[str, Any] = {}
-    search: dict[str, Any] = {}
-    prune: dict[str, Any] = {}
-    evaluate: dict[str, Any] = {}
-    report: dict[str, Any] = {}
     # Kubernetes settings per stage (pipeline.cluster.StageSettings); `all` applies to every stage
-    resources: dict[Literal["all", "calibrate", "cache-logits", "search", "prune", "evaluate", "report"], StageSettings] = {}
+    resources: dict[Literal[("all", *stages.NAMES)], StageSettings] = {}  # type: ignore[valid-type]
 
     @field_validator("sparsities")
     @classmethod
@@ -67,12 +61,12 @@ class PipelineConfig(BaseModel):
         shared = self.resources.get("all")
         if shared is not None and shared.accelerator_count:
             raise ValueError(f"resources.all: set accelerators per stage, not for all (stages that can use one: "
-                             f"{', '.join(MODEL_STAGES)})")
+                             f"{', '.join(stages.MODEL_STAGES)})")
         for stage, settings in self.resources.items():
-            if stage not in (*MODEL_STAGES, "all") and settings.accelerator_count:
+            if stage not in (*stages.MODEL_STAGES, "all") and settings.accelerator_count:
                 raise ValueError(
                     f"resources.{stage}: {stage} loads no model and cannot use an accelerator (prune works on the "
-                    f"checkpoint files); remove its accelerator settings (stages that can: {', '.join(MODEL_STAGES)})"
+                    f"checkpoint files); remove its accelerator settings (stages that can: {', '.join(stages.MODEL_STAGES)})"
                 )
         return self
 
@@ -88,27 +82,37 @@ class PipelineConfig(BaseModel):
         return [{"criterion": c, "sparsity": s} for c in self.criteria for s in self.sparsities]
 
     def stage_params(self, stage: str) -> dict[str, Any]:
-        return dict(getattr(self, stage.replace("-", "_")))
+        """The stage's section as written (the fan-out's parameters are not in it)."""
+        return dict(getattr(self, stages.get(stage).section))
+
+    def parsed_params(self, stage: str, point: dict[str, Any] | None = None) -> Any:
+        """The stage's parameter dataclass: its section, with the values of a fan-out `point` (default: the
+        first) for the parameters the grid sets."""
+        from evoesap.steps import make_params
+
+        grid = stages.get(stage).grid
+        point = point or self.grid()[0]
+        return make_params(stage, {**self.stage_params(stage), **{name: point[name] for name in grid}})
 
     def settings(self, stage: str) -> StageSettings:
         """The stage's Kubernetes settings: its own over `all`."""
         return merged(self.resources.get("all"), self.resources.get(stage))
 
 
-def _check_stage_sections(config: PipelineConfig) -> None:
-    from evoesap.steps import make_params
+PipelineConfig = create_model(
+    "PipelineConfig",
+    __base__=_Settings,
+    __doc__="Everything one pipeline run needs: inputs, grid, one parameter section per stage, storage and cluster settings.",
+    **{stage.section: (dict[str, Any], {}) for stage in stages.STAGES},
+)
 
-    point = config.grid()[0]
-    make_params("calibrate", config.calibrate)
-    make_params("cache-logits", config.cache_logits)
-    make_params("search", {**config.search, **point})
-    make_params("prune", {**config.prune, **point})
-    make_params("evaluate", {**config.evaluate, "method": "full"})
-    make_params("report", config.report)
-    for stage in ("search", "prune"):
-        clash = sorted(set(config.stage_params(stage)) & {"criterion", "sparsity"})
+
+def _check_stage_sections(config: PipelineConfig) -> None:
+    for stage in stages.STAGES:
+        clash = sorted(set(config.stage_params(stage.name)) & set(stage.grid))
         if clash:
-            raise ConfigError(f"set {', '.join(clash)} at the top level (criteria, sparsities), not under {stage}")
+            raise ConfigError(f"set {', '.join(clash)} at the top level (criteria, sparsities), not under {stage.section}")
+        config.parsed_params(stage.name)
 
 
 def load_config(source: str | Path | dict[str, Any]) -> PipelineConfig:

@@ -23,7 +23,8 @@ import yaml
 from evoesap.artifacts import redact
 from evoesap.errors import ConfigError
 from evoesap.identity import pin
-from evoesap.steps import STEPS, make_params
+from evoesap.stages import NAMES
+from evoesap.steps import make_params
 
 from .config import PipelineConfig
 from .dag import compile_pipeline
@@ -154,7 +155,7 @@ def resolve_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any]) -> 
         arguments[name] = value
     for name, value in arguments.items():
         stage = name.removesuffix("_params").replace("_", "-")
-        if name.endswith("_params") and stage in STEPS:
+        if name.endswith("_params") and stage in NAMES:
             make_params(stage, value)  # unknown fields and bad values: the stage's own one-line error
     if {"model", "revision"} & set(arguments):
         model, revision = (arguments.get(k, parameters.get(k, {}).get("defaultValue")) for k in ("model", "revision"))

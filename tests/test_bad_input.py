@@ -409,8 +409,9 @@ def test_default_samples_use_a_smaller_file_whole_with_a_warning_an_explicit_lar
     _, tokenized = runtime.tokenized_samples(tiny_artifacts["model"], tiny_artifacts["calibration"], CalibrateParams(max_length=64))
     assert sorted(s.sample_id for s in tokenized) == list(range(rows))
     assert f"has {rows} rows, fewer than the default of 1024 samples" in caplog.text
-    with pytest.raises(DataError, match=f"asked for {rows + 1} samples"):
-        runtime.tokenized_samples(tiny_artifacts["model"], tiny_artifacts["calibration"], CalibrateParams(samples=rows + 1))
+    for asked in (rows + 1, CalibrateParams.DEFAULT_SAMPLES):  # given, even equal to the default: refused
+        with pytest.raises(DataError, match=f"asked for {asked} samples"):
+            runtime.tokenized_samples(tiny_artifacts["model"], tiny_artifacts["calibration"], CalibrateParams(samples=asked))
 
 
 def test_evaluate_refuses_the_search_cache_as_held_out(tiny_artifacts, tmp_path, capsys, no_model_loading):

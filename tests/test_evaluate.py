@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from evoesap import artifacts
+from evoesap import artifacts, records
 from evoesap import evaluate as ev
 from evoesap.demo.tokenizer import build_tokenizer
 from evoesap.errors import ConfigError
-from evoesap.stages.evaluate import EvaluateParams, read_metrics, run_evaluate
+from evoesap.stages.evaluate import EvaluateParams, run_evaluate
 
 ROWS = [
     {"q": "1+1", "a": "2", "choices": ["2", "3"], "label": 0},
@@ -135,7 +135,7 @@ def test_run_evaluate_writes_metrics_json(tmp_path):
     params = EvaluateParams(tasks=(str(tasks),), limit=3, batch_size=2, model_dtype="float32", device="cpu",
                             criterion="reap", sparsity=0.5, method="uniform")
     manifest = run_evaluate(str(checkpoint), params, str(tmp_path / "eval"))
-    metrics = read_metrics(str(tmp_path / "eval"))
+    metrics = records.read(str(tmp_path / "eval"), records.METRICS_FILE)
     assert manifest.files["metrics.json"] == artifacts.sha256_file(tmp_path / "eval" / "metrics.json")
     assert metrics["labels"] == {"criterion": "reap", "sparsity": 0.5, "method": "uniform"}
     assert {(r["task"], r["metric"]) for r in metrics["records"]} >= {("arith_mc", "acc"), ("arith_gen", "exact_match")}

@@ -2,6 +2,7 @@
 
 import base64
 import json
+import re
 
 from evoesap import artifacts, facts
 
@@ -30,10 +31,20 @@ def test_prune_facts_are_the_numbers_its_summary_records(tmp_path):
     assert got["uri"] == uri and got["manifest_sha256"] == artifacts.manifest_sha256(uri)
 
 
-def test_report_html_becomes_one_file_with_its_plots_inlined(tmp_path):
-    png = b"\x89PNG fake"
-    page = b"<html><img src='curve.png'><img src='elsewhere.png'></html>"
-    uri = _artifact(tmp_path / "art", "report", {"report.html": page, "curve.png": png, "report.md": b"# r"})
-    html = facts.standalone_html(uri)
-    assert f"<img src='data:image/png;base64,{base64.b64encode(png).decode()}'" in html
-    assert "<img src='elsewhere.png'>" in html  # not part of the artifact: left alone
+def test_report_html_is_one_file_with_its_plots_inlined_and_a_changed_page_is_refused(tiny_artifacts, tmp_path):
+    """The report stage embeds its plots, so the KFP HTML view gets the verified page itself, every image inline."""
+    import shutil
+
+    import pytest
+
+    from evoesap.errors import ArtifactError
+
+    html = facts.standalone_html(tiny_artifacts["report"])
+    sources = re.findall(r'<img src="([^"]+)"', html)
+    assert sources and all(src.startswith("data:image/png;base64,") for src in sources)
+    assert base64.b64decode(sources[0].split(",", 1)[1]).startswith(b"\x89PNG")
+    copy = tmp_path / "report"
+    shutil.copytree(tiny_artifacts["report"], copy)
+    (copy / "report.html").write_text("<html>changed</html>")
+    with pytest.raises(ArtifactError, match="report.html does not match the sha256"):
+        facts.standalone_html(str(copy))

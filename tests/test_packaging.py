@@ -61,14 +61,31 @@ def test_installed_package_imports_beside_a_team_repo_with_its_own_pipeline_and_
     assert "exec-search" in (team / "spec.yaml").read_text()
 
 
-def test_checkout_on_the_path_maps_the_same_names_to_its_own_folders(tmp_path):
+def test_the_editable_checkout_maps_the_same_names_to_its_own_folders(tmp_path):
+    """From a checkout (its editable install, as `make` does it) the names resolve to this checkout's
+    folders, beside a team repository's own `pipeline` and `components`."""
     team = _team_repo(tmp_path / "team")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "team.py"], cwd=team, env=env, check=True, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "team.py"], cwd=team, check=True, capture_output=True, text=True)
     team_dag, team_components, ours_pipeline, ours_components = out.stdout.split()
     assert (team_dag, team_components) == ("team-dag", "team-components")
     assert Path(ours_pipeline).parent == ROOT / "pipeline"
     assert Path(ours_components).parent == ROOT / "components"
+
+
+def test_no_module_is_loaded_under_two_names():
+    """The package never grafts the checkout onto its path, and nothing imports the top-level folders, so
+    `pipeline.cluster` and `evoesap.pipeline.cluster` can never be two copies of one file."""
+    import ast
+
+    import evoesap
+
+    assert list(evoesap.__path__) == [str(ROOT / "evoesap")]
+    for path in [*ROOT.glob("evoesap/**/*.py"), *ROOT.glob("components/*.py"), *ROOT.glob("pipeline/*.py"),
+                 *ROOT.glob("tests/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("examples/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            assert not [n for n in names if n.split(".")[0] in ("pipeline", "components")], (path, names)
 
 
 def test_pyproject_lists_every_package_of_the_source_tree():

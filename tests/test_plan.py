@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evoesap import moe, plan
+from evoesap import footprint, moe, plan
 from evoesap.errors import ResourceError
 
 DATA = Path(__file__).parent / "data" / "plan"
@@ -20,10 +20,10 @@ def test_model_bytes_from_headers_and_from_config_alone_equal_the_loaded_model(t
     (tmp_path / "config-only").mkdir()
     model.config.save_pretrained(tmp_path / "config-only")
     want = moe.parameter_bytes(model)
-    assert plan.model_shape(str(tmp_path / "full")).bytes == want
-    assert plan.model_shape(str(tmp_path / "config-only")).bytes == want
-    assert plan.model_shape(str(tmp_path / "full"), "bfloat16").bytes == want // 2
-    assert plan.model_shape(str(tmp_path / "full")).expert_bytes == sum(
+    assert footprint.model_shape(str(tmp_path / "full")).bytes == want
+    assert footprint.model_shape(str(tmp_path / "config-only")).bytes == want
+    assert footprint.model_shape(str(tmp_path / "full"), "bfloat16").bytes == want // 2
+    assert footprint.model_shape(str(tmp_path / "full")).expert_bytes == sum(
         n * b for n, b in zip(moe.inspect(model).num_experts, moe.expert_bytes(model)))
 
 
@@ -31,7 +31,7 @@ def test_pruned_checkpoint_bytes_come_from_its_files(tmp_path):
     model = moe.tiny_model("olmoe")
     model.save_pretrained(tmp_path / "full")
     moe.prune_checkpoint(str(tmp_path / "full"), {0: [1, 2, 3], 2: [0]}, tmp_path / "pruned")
-    assert plan.model_shape(str(tmp_path / "pruned")).bytes == moe.parameter_bytes(moe.load_pruned(str(tmp_path / "pruned")))
+    assert footprint.model_shape(str(tmp_path / "pruned")).bytes == moe.parameter_bytes(moe.load_pruned(str(tmp_path / "pruned")))
 
 
 def test_cache_bytes_match_a_loaded_cache(tmp_path):
@@ -43,23 +43,23 @@ def test_cache_bytes_match_a_loaded_cache(tmp_path):
     for mode in ("full", "topk"):
         meta = teacher.write_cache(model, samples, tmp_path / mode, mode=mode, top_k=16)
         cache = teacher.load_cache(str(tmp_path / mode))
-        light = plan.CACHE_ROW_BYTES * meta.num_positions
+        light = footprint.CACHE_ROW_BYTES * meta.num_positions
         tail = 4 * meta.num_positions if mode == "topk" else 0
-        assert plan.cache_bytes(meta.num_positions, 300, mode, 16, "float16") == cache.heavy_bytes + light + tail
+        assert footprint.cache_bytes(meta.num_positions, 300, mode, 16, "float16") == cache.heavy_bytes + light + tail
 
 
-def example(name: str, gpus: int) -> tuple[plan.ModelShape, plan.Data, dict, list[plan.StagePlan]]:
+def example(name: str, gpus: int) -> tuple[footprint.ModelShape, footprint.Data, dict, list[footprint.StagePlan]]:
     from evoesap.pipeline.config import load_config
 
     config = load_config(DATA / f"{name}.yaml")
-    return plan.pipeline_plan(config, plan.Machine(256 * 10**9, GB80, gpus))
+    return plan.pipeline_plan(config, footprint.Machine(256 * 10**9, GB80, gpus))
 
 
 def test_olmoe_fits_one_80gb_gpu_with_the_full_cache():
     shape, data, params, plans = example("olmoe", 1)
     assert shape.bytes == 13_838_323_712  # 6.92B parameters in bfloat16
     assert params["cache-logits"].mode == "full"
-    assert plan.cache_bytes(data.cache_rows, shape.vocab, "full", 64, "float16") / 2**30 == pytest.approx(24.6, abs=0.1)
+    assert footprint.cache_bytes(data.cache_rows, shape.vocab, "full", 64, "float16") / 2**30 == pytest.approx(24.6, abs=0.1)
     assert [p.refusal for p in plans] == [None] * 5
 
 
@@ -81,12 +81,12 @@ def test_qwen3_over_two_gpus_fits_every_stage():
 
 def test_the_full_qwen3_cache_is_refused_for_the_search_naming_topk():
     _, data, params, _ = example("qwen3", 1)
-    shape = plan.model_shape(str(DATA / "qwen3-30b-a3b"), "bfloat16")
+    shape = footprint.model_shape(str(DATA / "qwen3-30b-a3b"), "bfloat16")
     import dataclasses
 
     params["cache-logits"] = dataclasses.replace(params["cache-logits"], mode="full")
-    small_host = plan.Machine(64 * 10**9, GB80, 1)
-    search = plan.plan_stages(shape, small_host, data, params, only="search")[0]
+    small_host = footprint.Machine(64 * 10**9, GB80, 1)
+    search = footprint.plan_stages(shape, small_host, data, params, only="search")[0]
     assert search.refusal is not None and "cache_logits.mode: topk" in search.refusal
 
 
@@ -97,7 +97,7 @@ def test_a_stage_that_would_not_fit_is_refused_before_any_work(tmp_path, monkeyp
     moe.tiny_model("olmoe").save_pretrained(tmp_path / "model")
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "two words"}\n' * 2)
-    monkeypatch.setattr(plan, "local_machine", lambda device="auto": plan.Machine(host=1 << 20))
+    monkeypatch.setattr(footprint, "local_machine", lambda device="auto": footprint.Machine(host=1 << 20))
     with pytest.raises(ResourceError, match="calibrate needs .* available: change calibrate.batch_size"):
         run_stage("calibrate", {"model": str(tmp_path / "model"), "data": str(data)}, CalibrateParams(samples=2),
                   str(tmp_path / "out"))
@@ -115,8 +115,6 @@ def test_parse_bytes_reads_kubernetes_sizes():
 def _cache_logits_case(tmp_path):
     """A tiny model and data, a cache-logits setting, and a host that holds a top-K search but not a full one."""
     import dataclasses
-    import types
-
     from evoesap import runtime
     from evoesap.stages.cache_logits import CacheLogitsParams
     from evoesap.stages.search import SearchParams
@@ -125,21 +123,20 @@ def _cache_logits_case(tmp_path):
     files = make_tiny_inputs(tmp_path)
     params = CacheLogitsParams(top_k=8, samples=12, max_length=128, batch_size=1, device="cpu")
     rows = sum(len(s.input_ids) for s in runtime.tokenized_samples(files["model"], files["search"], params)[1])
-    shape = plan.model_shape(files["model"])
+    shape = footprint.model_shape(files["model"])
 
     def search_host(mode: str) -> int:
         # without the prefix cache, which takes half of whatever the rest leaves and so never tips the balance
-        params_by_stage = {"cache-logits": dataclasses.replace(params, mode=mode), "search": SearchParams(prefix_reuse=False),
-                           "prune": types.SimpleNamespace(sparsity=0.0)}
-        return plan.plan_stages(shape, plan.Machine(1 << 50), plan.Data(0, rows), params_by_stage, only="search")[0].host
+        params_by_stage = {"cache-logits": dataclasses.replace(params, mode=mode), "search": SearchParams(prefix_reuse=False)}
+        return footprint.plan_stages(shape, footprint.Machine(1 << 50), footprint.Data(0, rows), params_by_stage, only="search")[0].host
 
     full, topk = search_host("full"), search_host("topk")
     # the two searches differ by the two caches' sizes, as cache_bytes gives them
     assert full - topk == rows * ((shape.vocab - 8) * 2 - 8 * 4 - 4) == (
-        plan.cache_bytes(rows, shape.vocab, "full", 8, "float16") - plan.cache_bytes(rows, shape.vocab, "topk", 8, "float16"))
+        footprint.cache_bytes(rows, shape.vocab, "full", 8, "float16") - footprint.cache_bytes(rows, shape.vocab, "topk", 8, "float16"))
     # refusals leave out the checkpoint's expert pages that stay mapped after loading (the kernel drops them)
     between = (full + topk) // 2 - shape.expert_bytes
-    return files, params, plan.Machine(host=between), plan.Machine(host=2 * full)
+    return files, params, footprint.Machine(host=between), footprint.Machine(host=2 * full)
 
 
 def test_an_unset_cache_mode_is_topk_where_a_search_could_not_hold_the_full_cache(tmp_path, monkeypatch, caplog):
@@ -151,9 +148,9 @@ def test_an_unset_cache_mode_is_topk_where_a_search_could_not_hold_the_full_cach
     files, params, small, large = _cache_logits_case(tmp_path)
     assert params.mode is None  # unset by default: the stage chooses
     for machine, want in ((small, "topk"), (large, "full")):
-        monkeypatch.setattr(plan, "local_machine", lambda device="auto", m=machine: m)
+        monkeypatch.setattr(footprint, "local_machine", lambda device="auto", m=machine: m)
         out = tmp_path / want
-        with caplog.at_level(logging.INFO, logger="evoesap.plan"):
+        with caplog.at_level(logging.INFO, logger="evoesap.footprint"):
             run_stage("cache-logits", {"model": files["model"], "data": files["search"]}, params, str(out))
         assert json.loads((out / "cache.json").read_text())["mode"] == want
         assert json.loads((out / "manifest.json").read_text())["params"]["mode"] is None  # recorded as asked: reusable
@@ -166,7 +163,7 @@ def test_an_explicit_full_cache_that_no_search_here_could_hold_is_refused_naming
     from evoesap.steps import run_stage
 
     files, params, small, _ = _cache_logits_case(tmp_path)
-    monkeypatch.setattr(plan, "local_machine", lambda device="auto": small)
+    monkeypatch.setattr(footprint, "local_machine", lambda device="auto": small)
     with pytest.raises(ResourceError, match="cache_logits.mode is full, but search needs .*cache_logits.mode: topk"):
         run_stage("cache-logits", {"model": files["model"], "data": files["search"]},
                   dataclasses.replace(params, mode="full"), str(tmp_path / "out"))
@@ -175,12 +172,13 @@ def test_an_explicit_full_cache_that_no_search_here_could_hold_is_refused_naming
 
 def test_default_cache_mode_keeps_the_full_cache_within_half_of_the_search_memory():
     from evoesap.stages.cache_logits import CacheLogitsParams
+    from evoesap.stages.search import SearchParams
 
-    shape = plan.model_shape(str(DATA / "olmoe-1b-7b"), "bfloat16")
-    data = plan.Data(0, 64 * 4096)
-    full = plan.cache_bytes(data.cache_rows, shape.vocab, "full", 64, "float16")
+    shape = footprint.model_shape(str(DATA / "olmoe-1b-7b"), "bfloat16")
+    data = footprint.Data(0, 64 * 4096)
+    full = footprint.cache_bytes(data.cache_rows, shape.vocab, "full", 64, "float16")
     for device, want in ((2 * full, "full"), (2 * full - 1, "topk")):
-        mode, why = plan.default_cache_mode(shape, plan.Machine(1 << 50, device, 1), data, CacheLogitsParams())
+        mode, why = footprint.default_cache_mode(shape, footprint.Machine(1 << 50, device, 1), data, CacheLogitsParams(), SearchParams())
         assert mode == want, why
 
 
@@ -191,7 +189,7 @@ def test_cpu_host_plan_is_runtime_model_restacked_experts_dense_copies_one_layer
 
     model = moe.tiny_model("olmoe", vocab_size=500).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "m")
-    shape = plan.model_shape(str(tmp_path / "m"), "bfloat16")
+    shape = footprint.model_shape(str(tmp_path / "m"), "bfloat16")
     cfg = model.config
     attention = sum(p.numel() * 2 for n, p in model.named_parameters() if ".self_attn." in n and n.endswith("_proj.weight"))
     assert shape.dense_linear_bytes == attention  # OLMoE: q, k, v, o; the router is no nn.Linear, the head is left out
@@ -200,11 +198,11 @@ def test_cpu_host_plan_is_runtime_model_restacked_experts_dense_copies_one_layer
               "search": make_params("search", {"batch_size": 2}), "prune": make_params("prune", {"sparsity": 0.5}),
               "evaluate": make_params("evaluate", {})}
     rows = 100
-    host = {p.stage: p.host for p in plan.plan_stages(shape, plan.Machine(1 << 50), plan.Data(4 * 32, rows), params)}
-    base = plan.RUNTIME_BYTES + moe.parameter_bytes(model) + shape.expert_bytes + attention
+    host = {p.stage: p.host for p in footprint.plan_stages(shape, footprint.Machine(1 << 50), footprint.Data(4 * 32, rows), params)}
+    base = footprint.RUNTIME_BYTES + moe.parameter_bytes(model) + shape.expert_bytes + attention
     layer = 64 * 2 * (8 * cfg.hidden_size + 3 * cfg.num_experts_per_tok * cfg.intermediate_size)  # 2 x 32 tokens, bf16
     assert host["calibrate"] == base + layer
-    full_row = 500 * 2 + plan.CACHE_ROW_BYTES
+    full_row = 500 * 2 + footprint.CACHE_ROW_BYTES
     queue = (teacher.WRITE_QUEUE + 2) * 64 * full_row  # the batch's 64 rows fit one head chunk
     assert host["cache-logits"] == base + layer + 64 * 500 * teacher.HEAD_TEMPORARIES * 4 + max(queue, shape.largest_tensor)
 
@@ -218,23 +216,23 @@ def test_gpu_search_plan_counts_the_automatic_prefix_cache_as_half_of_what_the_r
 
     model = moe.tiny_model("olmoe", vocab_size=500).to(torch.bfloat16)
     model.save_pretrained(tmp_path / "m")
-    shape = plan.model_shape(str(tmp_path / "m"), "bfloat16")
+    shape = footprint.model_shape(str(tmp_path / "m"), "bfloat16")
     cfg = model.config
-    gpu = plan.Machine(host=1 << 40, device=8 << 30, devices=1)
+    gpu = footprint.Machine(host=1 << 40, device=8 << 30, devices=1)
     cache_p = make_params("cache-logits", {"samples": 4, "max_length": 32, "mode": "topk", "top_k": 8})
     rows = 100
     layer = 4 * 32 * 4 * (2 * 8 * cfg.hidden_size + 3 * cfg.num_experts_per_tok * cfg.intermediate_size)  # batch 4 x 32
-    rest = (plan.CUDA_CONTEXT_BYTES + moe.parameter_bytes(model) + layer + HEAD_CHUNK_BYTES["gpu"] * HEAD_TEMPORARIES
-            + plan.cache_bytes(rows, shape.vocab, "topk", 8, "float16"))
+    rest = (footprint.CUDA_CONTEXT_BYTES + moe.parameter_bytes(model) + layer + HEAD_CHUNK_BYTES["gpu"] * HEAD_TEMPORARIES
+            + footprint.cache_bytes(rows, shape.vocab, "topk", 8, "float16"))
 
     def device(machine=gpu, **search) -> int:
         params = {"cache-logits": cache_p, "search": make_params("search", {"batch_size": 4, **search}),
                   "prune": make_params("prune", {"sparsity": 0.5})}
-        return plan.plan_stages(shape, machine, plan.Data(0, rows), params, only="search")[0].device
+        return footprint.plan_stages(shape, machine, footprint.Data(0, rows), params, only="search")[0].device
 
     assert device(prefix_reuse=False) == rest
     assert device(prefix_cache_bytes=1 << 20) == rest + (1 << 20)
     useful = 32 * (4 + 1) * cfg.num_hidden_layers * 4 * 32 * cfg.hidden_size * 2  # AUTO_ALLOCATIONS_PER_ELITE x (elites + 1)
     assert useful < (gpu.device - rest) // 2 and device() == rest + useful  # room to spare: what is worth keeping
-    tight = plan.Machine(host=1 << 40, device=rest + useful, devices=1)
+    tight = footprint.Machine(host=1 << 40, device=rest + useful, devices=1)
     assert device(tight) == rest + useful // 2  # short of room: half of what is left

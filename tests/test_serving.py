@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from evoesap import moe
+from evoesap import moe, records
 from evoesap.demo.tokenizer import build_tokenizer
 from test_moe import nonuniform_sets
 
@@ -293,7 +293,7 @@ def test_stage_images_install_the_plugin_and_name_its_python():
 def test_vllm_backend_scores_a_nonuniform_checkpoint_like_an_independent_computation_and_the_hf_backend(
     tmp_path, monkeypatch
 ):
-    from evoesap.stages.evaluate import EvaluateParams, read_metrics, run_evaluate
+    from evoesap.stages.evaluate import EvaluateParams, run_evaluate
     from test_evaluate import ROWS, independent_mc_accuracy, write_tasks
 
     tok = build_tokenizer()
@@ -308,7 +308,7 @@ def test_vllm_backend_scores_a_nonuniform_checkpoint_like_an_independent_computa
     values = {}
     for backend in ("hf", "vllm"):
         run_evaluate(str(tmp_path / "model"), EvaluateParams(tasks=(tasks,), backend=backend), str(tmp_path / backend))
-        metrics = read_metrics(str(tmp_path / backend))
+        metrics = records.read(str(tmp_path / backend), records.METRICS_FILE)
         assert metrics["experts"]["num_experts"] == list(moe.inspect(pruned).num_experts)
         values[backend] = {(r["task"], r["metric"]): r["value"] for r in metrics["records"] if r["filter"] == "none"}
     acc, acc_norm = independent_mc_accuracy(moe.load_pruned(str(tmp_path / "model")), tok)

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 from test_serving import GENERATE, VLLM_ENV, run_vllm, transformers_greedy, vllm_python
 
-from evoesap import artifacts, moe
+from evoesap import artifacts, moe, records
 from evoesap.demo.domains import read_jsonl
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate
-from evoesap.stages.evaluate import EvaluateParams, read_metrics, run_evaluate
+from evoesap.stages.evaluate import EvaluateParams, run_evaluate
 from evoesap.stages.prune import PruneParams, run_prune
 from evoesap.stages.search import SearchParams, run_search
 
@@ -76,7 +76,7 @@ def test_demo_searched_checkpoint_scores_the_same_through_the_vllm_and_hf_backen
         params = EvaluateParams(tasks=(str(demo_world.tasks_dir),), limit=LIMIT, batch_size=16, device="cpu",
                                 backend=backend)
         run_evaluate(str(searched), params, str(tmp_path / backend))
-        metrics = read_metrics(str(tmp_path / backend))
+        metrics = records.read(str(tmp_path / backend), records.METRICS_FILE)
         assert metrics["experts"]["num_experts"] == list(moe.inspect(moe.load_pruned(str(searched))).num_experts)
         scores[backend] = {r["task"]: (r["value"], r["samples"]) for r in metrics["records"] if r["primary"]}
     tasks = set(demo_world.generative_tasks) | set(demo_world.multiple_choice_tasks)

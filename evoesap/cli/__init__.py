@@ -6,33 +6,37 @@ import importlib
 import pkgutil
 import sys
 
+import click
 import typer
 
 from evoesap.cli.app import app, state
+from evoesap.cli.stages import stage_commands
 from evoesap.errors import EvoESAPError
 
 
-def _load_commands() -> None:
-    """Import every command module of this package; each registers its verbs on `app`."""
+def command() -> click.Group:
+    """The whole `evoesap` command: the stage verbs generated from the registry, then every other command
+    module of this package (each registers its verbs on `app`)."""
     for info in pkgutil.iter_modules(__path__):
-        if info.name != "app":
+        if info.name not in ("app", "stages"):
             importlib.import_module(f"evoesap.cli.{info.name}")
+    group = typer.main.get_command(app)
+    for stage_command in stage_commands():
+        group.add_command(stage_command)
+    return group
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: exit 0 on success, 2 on usage errors, 1 on other errors (one line, traceback with --debug)."""
-    _load_commands()
-    command = typer.main.get_command(app)
+    command_group = command()
     try:
-        returned = command.main(args=argv if argv is not None else sys.argv[1:], prog_name="evoesap", standalone_mode=False)
+        returned = command_group.main(args=argv if argv is not None else sys.argv[1:], prog_name="evoesap", standalone_mode=False)
     except typer.Exit as exc:
         return exc.exit_code
     except (typer.BadParameter, typer.Abort) as exc:  # pragma: no cover - click formats these itself
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - the CLI turns every failure into one clear line
-        import click
-
         if isinstance(exc, click.exceptions.UsageError):
             exc.show()
             return 2

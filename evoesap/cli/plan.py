@@ -24,10 +24,10 @@ def plan_cmd(
     """
     from evoesap.pipeline.config import load_config
 
-    from evoesap import plan
+    from evoesap import footprint, plan
 
     cfg = load_config(config)
-    here = plan.local_machine(cfg.search.get("device", "auto"))
+    here = footprint.local_machine(cfg.search.get("device", "auto"))
     wanted = cfg.resources.get("search")
     count = gpus if gpus is not None else (wanted.accelerator_count if wanted and wanted.accelerator_type else here.devices)
     host = plan.parse_bytes(host_memory) if host_memory else (
@@ -35,7 +35,7 @@ def plan_cmd(
     per_gpu = plan.parse_bytes(gpu_memory) if gpu_memory else here.device
     if count and not per_gpu:
         raise typer.BadParameter("give --gpu-memory: this machine has no GPU to read it from")
-    machine = plan.Machine(host, per_gpu if count else 0, count, plan.parse_bytes(disk) if disk else None)
+    machine = footprint.Machine(host, per_gpu if count else 0, count, plan.parse_bytes(disk) if disk else None)
     shape, data, params, plans = plan.pipeline_plan(cfg, machine)
     typer.echo(plan.format_table(shape, plans, data, params))
     refused = [p.stage for p in plans if p.refusal]

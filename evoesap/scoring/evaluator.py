@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from evoesap import artifacts
+from evoesap import artifacts, records
 from evoesap.errors import ConfigError
 from evoesap.scoring import metrics
 from evoesap.scoring.forward import LayerRunner, head_logits, iter_batches, model_device, pad_right
@@ -356,7 +356,7 @@ def read_pruned(uri: str) -> dict[int, list[int]]:
     """
     target = uri
     if not uri.endswith(".json"):
-        target = artifacts.join(uri, "allocation.json")
+        target = artifacts.join(uri, records.ALLOCATION_FILE)
     try:
         data = json.loads(artifacts.read_bytes(target).decode("utf-8"))
     except json.JSONDecodeError as exc:
@@ -388,9 +388,8 @@ def score_allocation(
 
     runtime.check_model_dtype(model_dtype)
     if allocation and artifacts.exists(artifacts.join(allocation, artifacts.MANIFEST)):  # a search artifact: checked
-        from evoesap.stages.prune import check_allocation, read_allocation
-
-        _, pruned = check_allocation(read_allocation(allocation), allocation, runtime.inspect_checkpoint(model))
+        doc = records.read(allocation, records.ALLOCATION_FILE)
+        _, pruned = records.allocation_counts(doc, allocation, runtime.inspect_checkpoint(model))
     else:
         pruned = read_pruned(allocation) if allocation else {}
     loaded_cache = load_cache(cache)

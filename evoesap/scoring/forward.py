@@ -13,7 +13,7 @@ DeepSeek-V2/V3, ERNIE-4.5-MoE, GPT-OSS); the only difference is the attention ki
 `config.sliding_window` is set (Mixtral, Qwen3-MoE), else full causal attention.
 
 Every decoder layer of those families is the same pre-norm residual pair, `h + attn(norm(h))` then
-`h + mlp(norm(h))`, so it runs as two halves (`attend`, `feed_forward`). Pruning experts changes only the
+`h + block(norm(h))` (the family table's `block`, e.g. `mlp`), so it runs as two halves (`attend`, `feed_forward`). Pruning experts changes only the
 feed-forward half of a layer: the state between the halves is what a candidate can reuse, and the last
 layer's feed-forward half, being per token, can run on the scored positions alone. Routers are still
 masked by `evoesap.moe.masked`'s hooks, which fire whoever calls the modules.
@@ -37,7 +37,7 @@ from evoesap.errors import ModelError
 
 # per attention kind, the function of transformers.masking_utils that builds its mask
 _MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
-_HALVES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")  # what every decoder layer must have
+_HALVES = ("input_layernorm", "self_attn", "post_attention_layernorm")  # with the family's block: what a layer must have
 
 
 # --------------------------------------------------------------------------------------------------
@@ -106,14 +106,17 @@ class LayerRunner:
         for part in ("layers", "norm", "rotary_emb"):
             if not hasattr(base, part):
                 raise ModelError(f"{type(base).__name__} has no .{part}: layer-wise forwards need a decoder stack")
+        from evoesap.moe.families import family_of
+
         self.model, self.base, self.config = model, base, base.config
+        self.block = family_of(self.config.model_type).block  # the feed-forward half's module (an MoE block or an MLP)
         self.layers = list(base.layers[: self.config.num_hidden_layers])
         for index, layer in enumerate(self.layers):
-            missing = [part for part in _HALVES if not hasattr(layer, part)]
+            missing = [part for part in (*_HALVES, self.block) if not hasattr(layer, part)]
             if missing:
                 raise ModelError(
                     f"decoder layer {index} ({type(layer).__name__}) has no {', '.join(missing)}: layer-wise forwards "
-                    "need pre-norm residual layers (input_layernorm, self_attn, post_attention_layernorm, mlp)"
+                    f"need pre-norm residual layers ({', '.join(_HALVES)}, {self.block})"
                 )
         kinds = getattr(self.config, "layer_types", None)
         if kinds is None:
@@ -167,7 +170,7 @@ class LayerRunner:
         """The feed-forward half of decoder layer `index`, per token: [..., T, H] -> [..., T, H] on its device."""
         layer = self.layers[index]
         hidden = hidden.to(self.devices[index])
-        out = layer.mlp(layer.post_attention_layernorm(hidden))
+        out = getattr(layer, self.block)(layer.post_attention_layernorm(hidden))
         if isinstance(out, tuple):  # GPT-OSS also returns its router scores
             out = out[0]
         return hidden + out
@@ -187,7 +190,7 @@ class LayerRunner:
         costs = []
         for index, layer in enumerate(self.layers):
             attention = _numel(layer.input_layernorm) + _numel(layer.self_attn)
-            feed_forward = _numel(layer.post_attention_layernorm) + _numel(layer.mlp)
+            feed_forward = _numel(layer.post_attention_layernorm) + _numel(getattr(layer, self.block))
             if index in routed:  # a token passes through top-k of the routed experts
                 experts, info = _numel(routed[index].experts), spec[index]
                 feed_forward -= experts - experts * info.top_k // info.num_experts

@@ -8,41 +8,37 @@ import json
 import logging
 from typing import Any, Iterator
 
-from evoesap import artifacts, runtime, vllm_eval
+from evoesap import artifacts, records, runtime, vllm_eval
 from evoesap import evaluate as ev
 from evoesap.errors import ConfigError, DataError
+from evoesap.params import DeviceParams, param
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.json"
 LM_EVAL_FILE = "lm_eval_results.json"
 SCHEMA_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
-class EvaluateParams:
+class EvaluateParams(DeviceParams):
     """What to run and how; the labels (criterion, sparsity, method) only name the run in the report."""
 
-    tasks: tuple[str, ...] = ("mc", "math")  # suites (mc, math, code), lm-eval task names, task directories
-    limit: float | None = None  # examples per task, for smoke runs (<1: a fraction)
-    batch_size: int | str = 8  # or "auto"
-    allow_code_execution: bool = False  # the code suite runs model-written code
-    enable_thinking: bool = False  # chat template switch for reasoning models (the paper turns it off)
-    think_end_token: str = "</think>"  # answer = text after this, when thinking is on
-    max_length: int | None = None  # context length for lm-eval; default: the model config's
-    device: str = "auto"  # "auto": cuda when available, else cpu
-    backend: str = "hf"  # lm-eval's model: hf (transformers, here) or vllm (EVOESAP_VLLM_PYTHON's environment)
-    model_dtype: str = "auto"  # as cache-logits: auto (the checkpoint's), bfloat16, float16, float32
-    device_map: str | None = None  # "auto" spreads a large model over several GPUs
-    esap_batch_size: int = 8  # held-out ESAP batch size, when a teacher cache is given
-    criterion: str | None = None
-    sparsity: float | None = None
-    method: str | None = None  # full, uniform, searched, frequency, ...
+    tasks: tuple[str, ...] = param(("mc", "math"), "Comma-separated: suites mc, math, code; lm-eval task names; task "
+                                                   "directories.")
+    limit: float | None = param(None, "At most N examples per task, for smoke runs (below 1: a fraction).")
+    batch_size: int | str = param(8, "An integer or 'auto'.")
+    allow_code_execution: bool = param(False, "Run model-written code (the code suite); use a sandbox.")
+    enable_thinking: bool = param(False, "Chat template switch of reasoning models for generation tasks (the paper "
+                                         "turns it off).")
+    think_end_token: str = param("</think>", "The answer follows this, when thinking is on.")
+    max_length: int | None = param(None, "Context length for lm-eval; unset: the model config's.")
+    backend: str = param("hf", "lm-eval model: hf (transformers) or vllm (EVOESAP_VLLM_PYTHON's environment).")
+    esap_batch_size: int = param(8, "Batch size of held-out ESAP, when a teacher cache is given.")
+    criterion: str | None = param(None, "Label for the report: the criterion the model was pruned with.")
+    sparsity: float | None = param(None, "Label for the report: the sparsity the model was pruned at.")
+    method: str | None = param(None, "Label for the report: full, uniform, searched, frequency, ...")
 
     def __post_init__(self) -> None:
-        tasks = self.tasks.split(",") if isinstance(self.tasks, str) else self.tasks
-        object.__setattr__(self, "tasks", tuple(str(t).strip() for t in tasks if str(t).strip()))
-        runtime.check_model_dtype(self.model_dtype)
         if self.limit is not None and self.limit <= 0:
             raise ConfigError(f"limit must be positive, got {self.limit}")
         if isinstance(self.batch_size, str) and not self.batch_size.startswith("auto"):
@@ -51,6 +47,7 @@ class EvaluateParams:
             raise ConfigError(f"backend must be one of {', '.join(ev.BACKENDS)}, got {self.backend!r}")
         if isinstance(self.batch_size, (int, float)) and self.batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer or 'auto', got {self.batch_size!r}")
+        super().__post_init__()
 
     def labels(self) -> dict[str, Any]:
         return {"criterion": self.criterion, "sparsity": self.sparsity, "method": self.method}
@@ -98,26 +95,26 @@ def run_evaluate(
             max_length=params.max_length,
         )
         if python is None:
-            records, raw = ev.run_lm_eval(loaded, tokenizer, plan, **lm_eval_options)
+            task_records, raw = ev.run_lm_eval(loaded, tokenizer, plan, **lm_eval_options)
         else:
             dtype = str(next(loaded.parameters()).dtype).removeprefix("torch.")  # "auto" = as loaded here
             del loaded  # vLLM loads its own copy, in its own process
             runtime.release_memory()
             with _served_copy(model) as served:
-                records, raw = ev.run_lm_eval(
+                task_records, raw = ev.run_lm_eval(
                     served, tokenizer, plan, backend="vllm", model_dtype=dtype, **lm_eval_options
                 )
         metrics = {
             "schema": SCHEMA_VERSION,
             "model": artifacts.redact(model),
             "labels": params.labels(),
-            "records": records,
+            "records": task_records,
             "memory": memory,
             "experts": experts,
             "heldout_esap": esap,
             "limit": params.limit,
         }
-        (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=2, sort_keys=True))
+        records.write(staging, records.METRICS_FILE, metrics)
         (staging / LM_EVAL_FILE).write_text(json.dumps(raw, indent=2, sort_keys=True, default=str))
     return artifacts.read_manifest(out_uri)
 
@@ -147,9 +144,3 @@ def _served_copy(model: str) -> Iterator[str]:
         return
     with artifacts.local_copy(model) as local:
         yield str(local)
-
-
-def read_metrics(run_uri: str) -> dict[str, Any]:
-    """The metrics.json of a finished evaluate artifact, checked against its manifest."""
-    manifest = artifacts.read_manifest(run_uri, "evaluate")
-    return json.loads(artifacts.read_payload(run_uri, METRICS_FILE, manifest))

@@ -11,17 +11,16 @@ from typing import Any, Mapping, Sequence
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from evoesap import artifacts
+from evoesap import artifacts, records
 from evoesap import report as rp
 from evoesap.errors import ArtifactError, ConfigError, DataError
+from evoesap.params import param
 from evoesap.importance import read_scores
-from evoesap.stages.evaluate import read_metrics
 
 log = logging.getLogger(__name__)
 
 REPORT_FILE = "report.md"
 HTML_FILE = "report.html"
-HISTORY_FILE = "history.parquet"
 SCORES_FILE = "scores.parquet"
 
 
@@ -29,18 +28,18 @@ SCORES_FILE = "scores.parquet"
 class ReportParams:
     """How the report looks; what it says comes from its inputs."""
 
-    title: str = "EvoESAP report"
-    digits: int = 3  # decimals in the benchmark table (the paper uses 3)
-    html: bool = True  # also write report.html
+    title: str = param("EvoESAP report", "Title of the report.")
+    digits: int = param(3, "Decimals in the benchmark table (the paper uses 3).")
+    html: bool = param(True, "Also write report.html.")
 
     def __post_init__(self) -> None:
-        if not 1 <= int(self.digits) <= 8:
+        if not 1 <= self.digits <= 8:
             raise ConfigError(f"digits must be within 1..8, got {self.digits}")
 
 
 def _history(search_uri: str) -> tuple[str, pd.DataFrame, Mapping[str, Any]]:
     manifest = artifacts.read_manifest(search_uri, "search")
-    history = pd.read_parquet(io.BytesIO(artifacts.read_payload(search_uri, HISTORY_FILE, manifest)))
+    history = pd.read_parquet(io.BytesIO(artifacts.read_payload(search_uri, records.HISTORY_FILE, manifest)))
     label = " ".join(
         str(v) for v in (manifest.params.get("criterion"), _pct(manifest.params.get("sparsity"))) if v is not None
     )
@@ -106,10 +105,9 @@ def _save(fig: Any, path: Path) -> None:
 
 def _allocation(uri: str, search_params: Mapping[str, Any]) -> dict[str, Any]:
     """allocation.json of a search, with its warnings (searches made before they were recorded get them rebuilt)."""
-    from evoesap.stages.prune import read_allocation
     from evoesap.stages.search import heldout_warning
 
-    doc = read_allocation(uri)
+    doc = records.read(uri, records.ALLOCATION_FILE)
     if doc.get("warnings") is None:
         check = doc.get("heldout")
         failed = check and check.get("samples") and not check.get("beats_uniform")
@@ -121,13 +119,13 @@ def _allocation(uri: str, search_params: Mapping[str, Any]) -> dict[str, Any]:
 def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches: Sequence[str] = ()) -> artifacts.Manifest:
     """Write report.md (and a self-contained report.html): summary, benchmark and memory tables, plots, lineage."""
     from evoesap import lineage, render
-    from evoesap.steps import STEPS
+    from evoesap.stages import NAMES
 
     if not runs:
         raise ConfigError("give at least one evaluate run (--runs)")
     inputs = {**{f"runs.{i}": u for i, u in enumerate(runs)}, **{f"searches.{i}": u for i, u in enumerate(searches)}}
     seen = artifacts.preflight(out_uri, "report", inputs)
-    metrics = [read_metrics(uri) for uri in runs]
+    metrics = [records.read(uri, records.METRICS_FILE) for uri in runs]
     histories = [_history(uri) for uri in searches]
     found = [_allocation(uri, h[2]) for uri, h in zip(searches, histories)]
     traced = lineage.walk(inputs)
@@ -161,7 +159,7 @@ def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches:
             "images": images,
             "sources": rp.sources_table(traced.sources),
             "configuration": rp.configuration_table(
-                [*lineage.configuration(traced.nodes, tuple(STEPS)), ("report (this page)", _as_configuration(params))]),
+                [*lineage.configuration(traced.nodes, NAMES), ("report (this page)", _as_configuration(params))]),
             "software": rp.software_table(lineage.software(traced.nodes)),
             "artifacts": rp.artifacts_table(traced.nodes, gives),
         }

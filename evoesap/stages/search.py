@@ -22,7 +22,6 @@ group-balanced orders (`importance.model_orders`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from pathlib import Path
@@ -32,53 +31,51 @@ import numpy as np
 import pandas as pd
 
 from evoesap import allocation as alloc
-from evoesap import artifacts, runtime
+from evoesap import artifacts, records, runtime
 from evoesap.errors import ConfigError
+from evoesap.params import DeviceParams, param
 from evoesap.progress import progress
 from evoesap.racing import Racing
 
 log = logging.getLogger(__name__)
 
-ALLOCATION_FILE = "allocation.json"
-HISTORY_FILE = "history.parquet"
 
 
 @dataclasses.dataclass(frozen=True)
-class SearchParams:
+class SearchParams(DeviceParams):
     """Search settings; defaults are the paper's (seed 42, P 32, m 4, Delta_max 4, tau_max 3)."""
 
-    criterion: str = "reap"  # whose within-layer pruning order the allocation applies
-    sparsity: float = 0.25  # global share of routed experts removed
-    population: int = 32
-    elites: int = 4
-    generations: int = 50
-    max_transfer: int = 4  # largest level-switch transfer (multiples of granularity)
-    max_steps: int = 3  # tau_max: composed level-switch steps per offspring
-    granularity: int = 1  # per-layer counts and transfers in multiples of this (2: the paper's even transfers)
-    seed: int = 42
-    metric: str = "esap"  # esap, sap, kl or nll
-    heldout_fraction: float = 0.25  # share of cached samples kept out of the search for the check (no heldout_cache)
-    fallback_to_uniform: bool = False  # return uniform when the search does not generalise
-    resume: bool = False  # continue from the checkpoint beside the output
-    batch_size: int = 8
-    model_dtype: str = "auto"
-    device: str = "auto"
-    device_map: str | None = None  # "auto" spreads a large model over several GPUs
-    racing: bool = False  # successive halving over sample subsets (evoesap.racing); ranks elites on the full set
-    racing_schedule: str = "0.0625,0.25:0.25"  # subset shares of the racing levels, then the share that advances
-    racing_min_samples: int = 4  # every racing level scores at least this many samples...
-    racing_min_positions: int = 256  # ...and this many scored positions (evoesap.racing says why)
-    prefix_reuse: bool = True  # start candidates from cached hidden states of the fittest allocations (exact)
-    prefix_cache_bytes: int | None = None  # budget of those cached states on the model's device; None: automatic (CandidateEvaluator)
+    criterion: str = param("reap", "Importance criterion whose within-layer pruning order the allocation applies: "
+                                   "frequency, seer, ean or reap.")
+    sparsity: float = param(0.25, "Global share of routed experts removed, in (0, 1).")
+    population: int = param(32, "Candidate allocations per generation (P).")
+    elites: int = param(4, "Fittest allocations kept each generation (m).")
+    generations: int = param(50, "Generations of the evolutionary search.")
+    max_transfer: int = param(4, "Largest level-switch transfer, in multiples of granularity (Delta_max).")
+    max_steps: int = param(3, "tau_max: composed level-switch steps per offspring.")
+    granularity: int = param(1, "Per-layer counts and transfers in multiples of this (2: the paper's even transfers).")
+    seed: int = param(42, "Seed of the search.")
+    metric: str = param("esap", "Fitness: esap, sap, kl or nll.")
+    heldout_fraction: float = param(0.25, "Share of the cached samples kept out of the search for the held-out check "
+                                          "(when there is no heldout_cache).")
+    fallback_to_uniform: bool = param(False, "Return uniform when the searched allocation does not generalise.")
+    resume: bool = param(False, "Continue an interrupted search from its checkpoint beside the output.")
+    batch_size: int = param(8, "Sequences per forward.")
+    racing: bool = param(False, "Race new candidates over growing sample subsets first (successive halving); "
+                                "elites are ranked on the full set.")
+    racing_schedule: str = param("0.0625,0.25:0.25", "Subset shares of the racing levels, then the share that advances.")
+    racing_min_samples: int = param(4, "Least samples any racing level scores.")
+    racing_min_positions: int = param(256, "Least scored positions any racing level scores (evoesap.racing says why).")
+    prefix_reuse: bool = param(True, "Start candidates from cached hidden states of the fittest allocations (exact).")
+    prefix_cache_bytes: int | None = param(
+        None, "Budget of the prefix cache on the model's device; unset: states of 32 x (elites + 1) allocations, at "
+        "most half of the free memory."
+    )
 
     def __post_init__(self) -> None:
-        from evoesap.scoring import metrics
         from evoesap.importance import CRITERIA
+        from evoesap.scoring import metrics
 
-        for name in ("population", "elites", "generations", "max_transfer", "max_steps", "granularity", "seed", "batch_size",
-                     "prefix_cache_bytes", "racing_min_samples", "racing_min_positions"):
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, int(getattr(self, name)))  # configs may deliver ints as floats
         if self.criterion not in CRITERIA:
             raise ConfigError(f"criterion {self.criterion!r} is not one of {', '.join(CRITERIA)}")
         if self.metric not in metrics.METRICS:
@@ -91,11 +88,11 @@ class SearchParams:
             raise ConfigError(f"elites ({self.elites}) must be fewer than population ({self.population})")
         if self.elites < 1 or self.generations < 0 or self.max_transfer < 1 or self.max_steps < 1:
             raise ConfigError("elites, max_transfer and max_steps must be >= 1 and generations >= 0")
-        runtime.check_model_dtype(self.model_dtype)
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
             raise ConfigError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.racing:
             self.schedule()
+        super().__post_init__()
 
     def schedule(self) -> Racing | None:
         """The racing schedule, or None without racing."""
@@ -316,8 +313,8 @@ def run_search(
     }
     history = _history_frame(result.history)
     with artifacts.stage_output(out_uri, "search", dataclasses.asdict(params), inputs, seen) as staging:
-        (staging / ALLOCATION_FILE).write_text(json.dumps(document, indent=2))
-        history.to_parquet(staging / HISTORY_FILE, index=False)
+        records.write(staging, records.ALLOCATION_FILE, document)
+        history.to_parquet(staging / records.HISTORY_FILE, index=False)
         _plots(staging, params, history, {"uniform": uniform, "searched": best}, n)
     checkpoint = _checkpoint_uri(out_uri)
     if artifacts.exists(checkpoint):

@@ -1,0 +1,93 @@
+"""`evoesap <stage>`: one command per registry entry (`evoesap.stages.STAGES`), its options generated from the
+stage's inputs and parameter fields, so the CLI cannot drift from the Python API or the pipeline YAML."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Callable
+
+import click
+
+from evoesap import params as parameters
+from evoesap.cli.app import echo_uri
+from evoesap.stages import STAGES, Stage, StageInput
+
+
+def flag(name: str) -> str:
+    """The CLI spelling of a parameter or input name (`max_length` -> `--max-length`)."""
+    return "--" + name.replace("_", "-")
+
+
+def stage_commands() -> list[click.Command]:
+    return [StageCommand(stage) for stage in STAGES]
+
+
+class StageCommand(click.Command):
+    """`evoesap <stage>`; its options are built on first use, so listing the verbs imports no stage code."""
+
+    def __init__(self, stage: Stage) -> None:
+        super().__init__(stage.name, callback=_runner(stage), help=f"{stage.summary}\n\nExample: {stage.example}",
+                         short_help=stage.summary)
+        self.stage = stage
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        if not self.params:
+            self.params = options(self.stage)
+        return super().get_params(ctx)
+
+
+def options(stage: Stage) -> list[click.Option]:
+    """The command's options: inputs, --revision where a model can be pinned, --out, then every parameter (the
+    stage's own first, then the groups it shares with other stages)."""
+    found = [_input_option(item) for item in stage.inputs]
+    if any(item.model for item in stage.inputs):
+        found.append(click.Option(
+            ["--revision"], default=None,
+            help="Hub models only: branch, tag or commit of --model (default: the default branch).",
+        ))
+    found.append(click.Option(["--out"], required=True, help=f"Where to write {stage.output}."))
+    cls = stage.params_class()
+    hints = typing.get_type_hints(cls)
+    own_first = sorted(dataclasses.fields(cls), key=lambda field: field.name not in cls.__annotations__)
+    return found + [_param_option(field, hints[field.name]) for field in own_first]
+
+
+def _input_option(item: StageInput) -> click.Option:
+    if item.many:
+        return click.Option([flag(item.name)], multiple=True, required=item.required, help=item.help)
+    return click.Option([flag(item.name)], required=item.required, default=None, help=item.help)
+
+
+def _param_option(field: dataclasses.Field, hint: Any) -> click.Option:
+    kinds = parameters.kinds(hint)
+    name, text, default = flag(field.name), parameters.help_of(field), field.default
+    if bool in kinds:
+        return click.Option([f"{name}/--no-{name[2:]}"], default=default, show_default=True, help=text)
+    if tuple in kinds:
+        return click.Option([name], type=str, default=",".join(default), show_default=True, help=text)
+    if str in kinds:
+        kind: Any = click.STRING
+    elif int in kinds:
+        kind = click.INT
+    elif float in kinds:
+        kind = click.FLOAT
+    else:
+        kind = click.STRING
+    return click.Option([name], type=kind, default=default, show_default=default is not None, help=text)
+
+
+def _runner(stage: Stage) -> Callable[..., None]:
+    def run(**options: Any) -> None:
+        from evoesap.identity import pin
+        from evoesap.steps import make_params, run_stage
+
+        out, revision = options.pop("out"), options.pop("revision", None)
+        inputs: dict[str, Any] = {}
+        for item in stage.inputs:
+            value = options.pop(item.name)
+            inputs[item.name] = list(value) if item.many else pin(value, revision) if item.model else value
+        run_stage(stage.name, inputs, make_params(stage.name, options), out)
+        echo_uri(out)
+
+    return run

@@ -1,0 +1,143 @@
+"""Stage parameters, each declared once: a dataclass field carries its default and its meaning.
+
+The CLI options (`evoesap.cli.stages`), the pipeline YAML's stage sections, the KFP components'
+`params` documentation and the Python API all read the same fields, so a name, a default or a help
+text can only be written in one place. `make` builds a stage's parameters from plain values (a YAML
+section, a KFP dict, CLI options) with the one coercion that orchestrators need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, ClassVar, Mapping
+
+from evoesap.errors import ConfigError
+
+_HELP = "help"
+
+
+def param(default: Any, help: str) -> Any:  # noqa: A002 - the word every CLI library uses
+    """A parameter field: its default and the one sentence that documents it everywhere."""
+    return dataclasses.field(default=default, metadata={_HELP: help})
+
+
+def help_of(field: dataclasses.Field) -> str:
+    """The documented meaning of a parameter field; a field declared without one is a programming error."""
+    if _HELP not in field.metadata:
+        raise TypeError(f"parameter field {field.name!r} has no help: declare it with evoesap.params.param")
+    return field.metadata[_HELP]
+
+
+def kinds(field_type: Any) -> set[Any]:
+    """The plain types a field accepts (`int | None` -> {int, NoneType}; `tuple[str, ...]` -> {tuple})."""
+    if typing.get_origin(field_type) is tuple:
+        return {tuple}
+    return set(typing.get_args(field_type)) or {field_type}
+
+
+def make(params_class: type, values: Mapping[str, Any], where: str) -> Any:
+    """`params_class` from plain values: unknown names refused with the valid ones listed, values a
+    config would otherwise coerce silently (2.7 or true for an integer, "yes" for a switch) refused, whole
+    floats turned into integers (some orchestrators deliver every number as a float), a comma-separated
+    string accepted for a list."""
+    hints = typing.get_type_hints(params_class)
+    names = [f.name for f in dataclasses.fields(params_class)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown parameter(s) {', '.join(unknown)} for stage {where!r}; valid: {', '.join(sorted(names))}")
+    coerced = {name: _coerce(f"{where}.{name}", kinds(hints[name]), value) for name, value in values.items()}
+    try:
+        return params_class(**coerced)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid parameters for stage {where!r}: {exc}") from exc
+
+
+def _coerce(name: str, allowed: set[Any], value: Any) -> Any:
+    if value is None and type(None) in allowed:
+        return None
+    if tuple in allowed:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+            raise ConfigError(f"{name} must be a list of names (or one comma-separated string), got {value!r}")
+        return tuple(i.strip() for i in items if i.strip())
+    if int in allowed and str in allowed and isinstance(value, str):  # an integer or a word ("auto")
+        return int(value) if value.strip().isdigit() else value
+    if str in allowed and isinstance(value, str):
+        return value
+    if bool in allowed:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true or false, got {value!r}")
+        return value
+    if int in allowed and float not in allowed:
+        whole = isinstance(value, float) and value.is_integer()
+        if not (isinstance(value, int) and not isinstance(value, bool) or whole):
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        return int(value)
+    if float in allowed:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    return value
+
+
+# ---------------------------------------------------------------- fields shared by several stages
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleParams:
+    """Which samples a data-reading stage draws from its data, and how they are read."""
+
+    DEFAULT_SAMPLES: ClassVar[int] = 64
+
+    samples: int | None = param(
+        None, "Samples drawn from the data; unset: the stage's default count, or every row of a smaller file "
+        "(with a warning). A count larger than the file is refused."
+    )
+    max_length: int = param(2048, "Tokens per sample (truncated from the end, or per packed sequence).")
+    batch_size: int = param(8, "Sequences per forward.")
+    seed: int = param(0, "Seed of the sample selection: which samples are drawn.")
+    split: str = param("train", "Dataset split (hub datasets, or a JSON object keyed by split).")
+    subset: str | None = param(None, "Hub dataset configuration name.")
+    messages_field: str = param("messages", "Field with chat turns [{role, content}].")
+    prompt_field: str | None = param(None, "Field with the prompt, the user turn (with response_field).")
+    response_field: str | None = param(None, "Field with the answer, the assistant turn (with prompt_field).")
+    text_field: str | None = param(None, "Field with plain text; every token counts.")
+    enable_thinking: bool = param(False, "Passed to the chat template (the switch of reasoning models).")
+
+    def __post_init__(self) -> None:
+        if self.samples is not None and self.samples < 1:
+            raise ConfigError(f"samples must be at least 1 (or unset), got {self.samples}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size must be at least 1, got {self.batch_size}")
+        if self.max_length < 2:
+            raise ConfigError(f"max_length must be at least 2, got {self.max_length}")
+        self.fields  # noqa: B018 - field combinations are checked here, not after the model has loaded
+        getattr(super(), "__post_init__", lambda: None)()  # the next parameter group's checks
+
+    @property
+    def sample_count(self) -> int:
+        """The samples asked for: `samples`, else the stage's default."""
+        return self.samples if self.samples is not None else self.DEFAULT_SAMPLES
+
+    @property
+    def fields(self) -> Any:
+        from evoesap.data import FieldMap
+
+        return FieldMap(messages=self.messages_field, prompt=self.prompt_field, response=self.response_field,
+                        text=self.text_field)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceParams:
+    """Where and in which dtype a stage runs its model."""
+
+    model_dtype: str = param("auto", "Model dtype: auto (the checkpoint's), bfloat16, float16 or float32.")
+    device: str = param("auto", "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
+    device_map: str | None = param(None, "'auto' spreads a model too large for one GPU over several.")
+
+    def __post_init__(self) -> None:
+        from evoesap.runtime import check_model_dtype
+
+        check_model_dtype(self.model_dtype)
+        getattr(super(), "__post_init__", lambda: None)()  # the next parameter group's checks
