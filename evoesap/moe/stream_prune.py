@@ -137,7 +137,7 @@ def prune_checkpoint(source: str, pruned: Pruned, out_dir: Path, dtype: torch.dt
         config.dtype = dtype
     config.save_pretrained(out_dir)
     if hasattr(config, PER_LAYER_KEY):  # the architecture the serving plugin registers, as save_pruned names it
-        name_nonuniform(out_dir / "config.json", type(meta).__name__)
+        name_nonuniform(out_dir, model_family(meta), type(meta).__name__)
     _copy_small_files(fs, root, out_dir, names)
     log.info("streamed prune: %d -> %d tensor bytes", full, written)
     return StreamedPrune(full, written, tuple(counts[str(layer.decoder_index)] for layer in spec.layers))
