@@ -26,7 +26,7 @@ from evoesap.errors import ArtifactError, ConfigError, ModelError
 from evoesap.moe.families import NONUNIFORM_ARCHITECTURE_PREFIX, PER_LAYER_KEY, Family, family_of
 from evoesap.moe import per_layer_modeling
 from evoesap.moe.remote_code import drop_auto_map, layout, write_modeling_file
-from evoesap.moe.spec import MoEBlock, Pruned, check_pruned, expert_tensors, inspect, model_family, moe_blocks
+from evoesap.moe.spec import MoEBlock, Pruned, check_pruned, inspect, model_family, moe_blocks
 
 log = logging.getLogger(__name__)
 
