@@ -5,7 +5,8 @@ Each safetensors shard is rewritten with the removed experts' slices left out: p
 renumbered, fused expert tensors and router rows (and selection biases) are sliced along their expert
 axis. Which disk key is which model tensor comes from transformers' own checkpoint conversion mapping,
 so every layout transformers loads is recognised, and the output keeps the source's layout. config.json
-gets the counts exactly as `save_pruned` writes them; tokenizer and other small files are copied.
+gets the counts exactly as `save_pruned` writes them (and a non-uniform result the same modeling file,
+`remote_code`); tokenizer and other small files are copied.
 Memory: one copy step (`shards.COPY_BYTES`) plus the few small tensors indexed along another axis.
 """
 
@@ -136,8 +137,8 @@ def prune_checkpoint(source: str, pruned: Pruned, out_dir: Path, dtype: torch.dt
     if dtype is not None:
         config.dtype = dtype
     config.save_pretrained(out_dir)
-    if hasattr(config, PER_LAYER_KEY):  # the architecture the serving plugin registers, as save_pruned names it
-        name_nonuniform(out_dir / "config.json", type(meta).__name__)
+    if hasattr(config, PER_LAYER_KEY):  # the serving plugin's architecture and the modeling file, as save_pruned writes them
+        name_nonuniform(out_dir, model_family(meta), type(meta).__name__)
     _copy_small_files(fs, root, out_dir, names)
     log.info("streamed prune: %d -> %d tensor bytes", full, written)
     return StreamedPrune(full, written, tuple(counts[str(layer.decoder_index)] for layer in spec.layers))

@@ -24,7 +24,9 @@ from evoesap import artifacts
 from evoesap.identity import locate
 from evoesap.errors import ArtifactError, ConfigError, ModelError
 from evoesap.moe.families import NONUNIFORM_ARCHITECTURE_PREFIX, PER_LAYER_KEY, Family, family_of
-from evoesap.moe.spec import MoEBlock, Pruned, check_pruned, expert_tensors, inspect, model_family, moe_blocks
+from evoesap.moe import per_layer_modeling
+from evoesap.moe.remote_code import drop_auto_map, layout, write_modeling_file
+from evoesap.moe.spec import MoEBlock, Pruned, check_pruned, inspect, model_family, moe_blocks
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +41,9 @@ _CONFIG_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "subfold
 def _resize(
     block: MoEBlock, family: Family, num_experts: int, make: Callable[[torch.Tensor, int], torch.Tensor]
 ) -> None:
-    """Replace every expert-indexed tensor of `block` by `make(old, expert_axis)`, and the counts."""
-    with torch.no_grad():
-        for owner, name, axis in expert_tensors(block, family):
-            old = getattr(owner, name)
-            new = make(old, axis)
-            if isinstance(old, nn.Parameter):
-                new = nn.Parameter(new, requires_grad=old.requires_grad)
-            setattr(owner, name, new)  # a buffer stays a buffer: nn.Module routes it to _buffers
-    for module in (block.block, block.router, block.experts):
-        if hasattr(module, "num_experts"):
-            module.num_experts = num_experts  # every experts backend reads the module's own count
+    """Replace every expert-indexed tensor of `block` by `make(old, expert_axis)`, and the counts; the same
+    code the modeling file of a non-uniform checkpoint runs (`per_layer_modeling`)."""
+    per_layer_modeling.resize_experts(block.block, layout(family), num_experts, make)
 
 
 def record_counts(model: nn.Module) -> None:
@@ -63,8 +57,10 @@ def set_counts(config: Any, family: Family, counts: Mapping[str, int]) -> None:
     setattr(config, family.num_experts_field, max(counts.values()))  # stock classes build the widest
     if len(set(counts.values())) > 1:
         setattr(config, PER_LAYER_KEY, dict(counts))
-    elif hasattr(config, PER_LAYER_KEY):
-        delattr(config, PER_LAYER_KEY)
+    else:
+        if hasattr(config, PER_LAYER_KEY):
+            delattr(config, PER_LAYER_KEY)
+        drop_auto_map(config)
 
 
 def prune_experts(model: nn.Module, pruned: Pruned) -> nn.Module:
@@ -104,15 +100,18 @@ def _write(model: PreTrainedModel, tokenizer: Any | None, directory: Path) -> No
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)  # safetensors is the only format transformers 5 writes
     if hasattr(model.config, PER_LAYER_KEY):
-        name_nonuniform(directory / "config.json", type(model).__name__)
+        name_nonuniform(directory, model_family(model), type(model).__name__)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
 
 
-def name_nonuniform(config_file: Path, stock_name: str) -> None:
-    """Name the architecture the serving plugin registers; save_pretrained always writes the stock class."""
+def name_nonuniform(directory: Path, family: Family, stock_name: str) -> None:
+    """Name the architecture the serving plugin registers (save_pretrained always writes the stock class) and
+    add the opt-in modeling file that plain transformers opens with trust_remote_code (`remote_code`)."""
+    config_file = directory / "config.json"
     config = json.loads(config_file.read_text())
     config["architectures"] = [NONUNIFORM_ARCHITECTURE_PREFIX + stock_name]
+    config["auto_map"] = {**config.get("auto_map", {}), **write_modeling_file(directory, family, stock_name)}
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -178,11 +177,6 @@ def _shrinking(stock: type[PreTrainedModel], family: Family, counts: Mapping[str
         for block in blocks:
             n = int(counts[str(block.decoder_index)])
 
-            def empty(old: torch.Tensor, axis: int, n: int = n) -> torch.Tensor:
-                shape = list(old.shape)
-                shape[axis] = n
-                return torch.empty(shape, dtype=old.dtype, device=old.device)
-
-            _resize(block, family, n, empty)
+            _resize(block, family, n, lambda old, axis, n=n: per_layer_modeling.empty_like_resized(old, axis, n))
 
     return type(stock.__name__, (stock,), {"__init__": __init__})
