@@ -44,6 +44,7 @@ def search_cmd(
     prefix_cache_bytes: int = typer.Option(
         None, "--prefix-cache-bytes", help="Budget of the prefix cache on the model's device (default: states of 32 x (elites + 1) allocations, at most half its free memory)."
     ),
+    workers: int = typer.Option(1, "--workers", help="Processes scoring each generation's candidates (torchrun underneath), each with a model replica."),
 ) -> None:
     """Search the per-layer allocation with ESAP as fitness.
 
@@ -75,6 +76,7 @@ def search_cmd(
         racing_min_positions=racing_min_positions,
         prefix_reuse=prefix_reuse,
         prefix_cache_bytes=prefix_cache_bytes,
+        workers=workers,
     )
     run_stage("search", {"model": pin(model, revision), "scores": scores, "cache": cache, "heldout_cache": heldout_cache}, params, out)
     echo_uri(out)
