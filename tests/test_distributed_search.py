@@ -65,6 +65,7 @@ def _documents(out: str) -> tuple[dict, pd.DataFrame]:
     return doc, pd.read_parquet(Path(out, "history.parquet"))
 
 
+@pytest.mark.slow  # each launch starts N fresh interpreters: about 35 s on a shared 2-core machine
 @pytest.mark.parametrize("workers, mode", [(2, "exact"), (3, "racing")])
 def test_workers_without_prefix_reuse_give_the_one_process_artifact_bit_for_bit(world, tmp_path, workers, mode):
     """Every candidate's forwards run as in one process (same memo, same batches): equal to the last bit,
@@ -79,6 +80,7 @@ def test_workers_without_prefix_reuse_give_the_one_process_artifact_bit_for_bit(
     pd.testing.assert_frame_equal(history, ref_history, check_exact=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers, mode", [(3, "exact"), (2, "racing")])
 def test_workers_with_prefix_reuse_find_the_one_process_search(world, tmp_path, workers, mode):
     """Workers' prefix caches hold other states than the one process's: the same candidates, elites and
@@ -116,8 +118,9 @@ def _rank_of(pid: int) -> int | None:
     return ranks[0] if ranks else None
 
 
+@pytest.mark.slow
 def test_a_killed_worker_ends_the_job_in_one_line_and_resume_finishes_to_the_same_result(world, tmp_path):
-    params = SearchParams(**{**SMALL, "generations": 4}, prefix_reuse=False, workers=2)
+    params = SearchParams(**{**SMALL, "generations": 3}, prefix_reuse=False, workers=2)
     reference = _one_process(world, "exact-long", SearchParams(**{**vars(params), "workers": 1}))
     out = str(tmp_path / "out")
     run = _cli(world, out, params)
