@@ -67,8 +67,8 @@ def main() -> None:
             long = timed_search(inputs, root / f"w{workers}-long", workers, args.long, args.population)
             rates[workers] = (long[1] - short[1]) / (long[0] - short[0])
             print(f"workers {workers}: {args.short} gen {short[0]:.1f} s ({short[1]} candidates), "
-                  f"{args.long} gen {long[0]:.1f} s ({long[1]} candidates): {rates[workers]:.2f} candidates/s, "
-                  f"start-up about {short[0] - short[1] / rates[workers]:.1f} s", flush=True)
+                  f"{args.long} gen {long[0]:.1f} s ({long[1]} candidates): {rates[workers]:.2f} candidates/s",
+                  flush=True)
         base = rates[args.workers[0]]
         for workers, rate in rates.items():
             print(f"workers {workers}: {rate / base:.2f}x the rate of {args.workers[0]} worker(s)")
