@@ -10,6 +10,11 @@ from tqdm.auto import tqdm
 _quiet = False
 
 
+def is_quiet() -> bool:
+    """Whether progress bars (and the CLI's chatter) are off: `--quiet`, passed on to worker processes."""
+    return _quiet
+
+
 def set_quiet(quiet: bool) -> None:
     """Quiet our bars and those of the libraries we call (transformers' loading and saving, the hub's)."""
     global _quiet

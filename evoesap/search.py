@@ -36,6 +36,10 @@ removal counts, see `evoesap.allocation`) to a float, higher is better.
   search equals an uninterrupted one. History records of candidates stopped early carry the level
   they reached and their score there (`level`); the search draws no extra random numbers, so racing
   off leaves Algorithm 1 and its results unchanged.
+- Scoring goes through one seam, a batch per generation and racing level: `score_batch(allocations,
+  level, generation)` (level None: the full set), so that a caller can score a generation's candidates on
+  several workers (`evoesap.distributed`). The search asks for the same allocations in the same order
+  whether it is given `fitness` / `subset_fitness` (scored one by one) or `score_batch`.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ log = logging.getLogger(__name__)
 Fitness = Callable[[Allocation], float]
 # subset_fitness(allocation, racing level, generation): fitness on that level's sample subset
 SubsetFitness = Callable[[Allocation, int, int], float]
+# score_batch(allocations, racing level or None for the full set, generation): their fitnesses, in order
+ScoreBatch = Callable[[Sequence[Allocation], "int | None", int], Sequence[float]]
 # on_generation(generation, best, best_fitness, mean_fitness_of_population, evaluations_so_far)
 OnGeneration = Callable[[int, Allocation, float, float, int], None]
 
@@ -132,7 +138,7 @@ def seed_patterns(
 
 
 def level_switch_search(
-    fitness: Fitness,
+    fitness: Fitness | None,
     num_experts: Sequence[int],
     top_k: Sequence[int],
     budget: int,
@@ -150,18 +156,26 @@ def level_switch_search(
     on_generation: OnGeneration | None = None,
     racing: Racing | None = None,
     subset_fitness: SubsetFitness | None = None,
+    score_batch: ScoreBatch | None = None,
 ) -> SearchResult:
     """Search the allocation that maximises `fitness` under the budget (see the module docstring).
 
     init: extra seeds for generation 0, placed right after the uniform seed.
     racing, subset_fitness: successive halving over sample subsets (both or neither).
+    score_batch: scores a batch at once, in place of `fitness` and `subset_fitness` (give one or the other).
     on_generation: called after each generation (0 is the initial population, so `generations + 1`
     calls in all); on resume, once for the restored generation and then for each new one.
     """
     params = _validate(num_experts, top_k, budget, population, elites, generations, max_transfer, max_steps,
                        granularity, seed, init)
-    if (racing is None) != (subset_fitness is None):
-        raise ConfigError("racing needs both a Racing schedule and subset_fitness (or neither)")
+    if (fitness is None) == (score_batch is None):
+        raise ConfigError("give the search either fitness (and subset_fitness for racing) or score_batch, not both")
+    if score_batch is None:
+        if (racing is None) != (subset_fitness is None):
+            raise ConfigError("racing needs both a Racing schedule and subset_fitness (or neither)")
+        score_batch = _one_by_one(fitness, subset_fitness)
+    elif subset_fitness is not None:
+        raise ConfigError("score_batch scores the racing levels too: drop subset_fitness")
     params = dataclasses.replace(params, racing=racing)
     space = allocation.FeasibleSet(params.num_experts, params.top_k, params.budget, params.granularity)
     if space.size < 2:
@@ -184,33 +198,39 @@ def level_switch_search(
     best_fitness = -math.inf
     subset_calls = 0
 
-    def evaluate(r: Allocation) -> float:
-        if r not in memo:
-            value = float(fitness(r))
-            if math.isnan(value):
-                raise DataError(f"fitness returned NaN for allocation {r}: the search cannot rank it; fix the fitness")
-            memo[r] = value
-        return memo[r]
+    def scored(rs: list[Allocation], level: int | None, gen: int) -> list[float]:
+        values = [float(v) for v in score_batch(rs, level, gen)]
+        if len(values) != len(rs):
+            raise DataError(f"score_batch returned {len(values)} values for {len(rs)} allocations: fix the scorer")
+        for r, v in zip(rs, values):
+            if math.isnan(v):
+                where = "fitness" if level is None else f"subset_fitness at racing level {level}"
+                raise DataError(f"{where} returned NaN for allocation {r}: the search cannot rank it; fix the fitness")
+        return values
+
+    def evaluate(rs: list[Allocation], gen: int) -> None:
+        """Full-set fitness of those of `rs` not scored yet, one batch in first-seen order (memo)."""
+        new = [r for r in dict.fromkeys(rs) if r not in memo]
+        if new:
+            memo.update(zip(new, scored(new, None, gen)))
 
     def race(gen: int, pop: list[Allocation]) -> dict[Allocation, tuple[int, float]]:
         """Score the new members over the racing levels; survivors get full-set fitness (memo).
         Returns the level reached and the score there of those stopped early."""
         nonlocal subset_calls
-        assert racing is not None and subset_fitness is not None
+        assert racing is not None
         entrants = [r for r in dict.fromkeys(pop) if r not in memo]
         stopped: dict[Allocation, tuple[int, float]] = {}
         for level in range(len(racing.fractions)):
             if not entrants:
                 break
-            scores = [float(subset_fitness(r, level, gen)) for r in entrants]
+            scores = scored(entrants, level, gen)
             subset_calls += len(entrants)
-            if any(math.isnan(v) for v in scores):
-                raise DataError(f"subset_fitness returned NaN at racing level {level}: the search cannot rank it")
             stopped.update((r, (level, v)) for r, v in zip(entrants, scores))
             keep = racing.survivors(len(entrants), params.elites if gen == 0 else 1)
             entrants = [entrants[i] for i in _top(scores, keep)]
+        evaluate(entrants, gen)
         for r in entrants:
-            evaluate(r)
             stopped.pop(r, None)
         return stopped
 
@@ -223,7 +243,8 @@ def level_switch_search(
     def finish(gen: int, pop: list[Allocation]) -> None:
         nonlocal best, best_fitness
         stopped = race(gen, pop) if racing is not None else {}
-        fits = [-math.inf if r in stopped else evaluate(r) for r in pop]  # stopped early: never elite
+        evaluate([r for r in pop if r not in stopped], gen)
+        fits = [-math.inf if r in stopped else memo[r] for r in pop]  # stopped early: never elite
         top = set(_top(fits, params.elites))
         history.extend(
             HistoryRecord(gen, i, r, f, i in top) if r not in stopped else
@@ -257,6 +278,18 @@ def level_switch_search(
 
     assert best is not None
     return SearchResult(best, best_fitness, tuple(history), len(memo), subset_calls)
+
+
+def _one_by_one(fitness: Fitness, subset_fitness: SubsetFitness | None) -> ScoreBatch:
+    """A batch scorer that calls `fitness` / `subset_fitness` for each allocation in turn."""
+
+    def score_batch(rs: Sequence[Allocation], level: int | None, gen: int) -> list[float]:
+        if level is None:
+            return [float(fitness(r)) for r in rs]
+        assert subset_fitness is not None
+        return [float(subset_fitness(r, level, gen)) for r in rs]
+
+    return score_batch
 
 
 def _validate(

@@ -71,6 +71,8 @@ class SearchParams(DeviceParams):
         None, "Budget of the prefix cache on the model's device; unset: states of 32 x (elites + 1) allocations, at "
         "most half of the free memory."
     )
+    workers: int = param(1, "Processes scoring each generation's candidates (torchrun underneath), each with a model "
+                            "replica (evoesap.distributed).")
 
     def __post_init__(self) -> None:
         from evoesap.importance import CRITERIA
@@ -90,6 +92,14 @@ class SearchParams(DeviceParams):
             raise ConfigError("elites, max_transfer and max_steps must be >= 1 and generations >= 0")
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
             raise ConfigError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
+        if self.workers < 1:
+            raise ConfigError(f"workers must be >= 1, got {self.workers}")
+        if self.workers > 1 and self.device_map is not None:
+            raise ConfigError(f"workers={self.workers} gives each worker its own model replica: drop device_map "
+                              f"{self.device_map!r} (a sharded model runs with workers=1)")
+        if self.workers > 1 and ":" in self.device:
+            raise ConfigError(f"workers={self.workers} puts each worker on the GPU of its local rank: use device "
+                              f"'auto' or 'cuda', not {self.device!r}")
         if self.racing:
             self.schedule()
         super().__post_init__()
@@ -155,26 +165,27 @@ def _history_frame(history: Any) -> pd.DataFrame:
     return frame
 
 
-def _cost(evaluator: Any, result: Any, search_ids: list[int]) -> dict[str, Any]:
+def _cost(totals: dict[str, int], unit: int, result: Any) -> dict[str, Any]:
     """The search's work in full-forward equivalents (hardware-independent), before any held-out scoring.
 
     A resumed search counts only the work of this run; candidates are distinct allocations scored on
-    the full set or on a racing subset.
+    the full set or on a racing subset. `totals` sums the workers' `Scoring.totals` (the peak is the
+    largest worker's); `unit` is one plain forward over the search samples.
     """
-    unit = evaluator.full_forward_work(search_ids)
     raced_only = len({h.allocation for h in result.history if h.level is not None} -
                      {h.allocation for h in result.history if h.level is None})
     candidates = result.evaluations + raced_only
-    total = evaluator.work / unit
+    total = totals["work"] / unit
     return {
         "full_forward_equivalents": total,
         "candidates": candidates,
         "full_forward_equivalents_per_candidate": total / max(1, candidates),
         "full_set_evaluations": result.evaluations,
         "subset_evaluations": result.subset_evaluations,
-        "samples_run": evaluator.forwards,
-        "prefix_cache_budget_bytes": evaluator.prefix.budget if evaluator.prefix is not None else 0,
-        "prefix_cache_peak_bytes": evaluator.prefix.peak_bytes if evaluator.prefix is not None else 0,
+        "samples_run": totals["forwards"],
+        "prefix_cache_budget_bytes": totals["prefix_budget"],
+        "prefix_cache_peak_bytes": totals["prefix_peak"],
+        "workers": totals["workers"],
     }
 
 
@@ -192,23 +203,55 @@ def _plots(staging: Path, params: SearchParams, history: pd.DataFrame, allocatio
     plt.close(fig)
 
 
-def run_search(
-    model: str, scores: str, cache: str, params: SearchParams, out_uri: str, heldout_cache: str | None = None
-) -> artifacts.Manifest:
-    """Search the allocation for one criterion and sparsity; publish allocation.json, history and plots.
+@dataclasses.dataclass
+class Scoring:
+    """What every scorer of one search holds (the one process, or the coordinator and each worker): the
+    model's evaluator, the pruning orders and the split of the cached samples."""
 
-    `heldout_cache`: a teacher cache of other samples for the generalisation check (see the module docstring).
-    """
-    from evoesap import moe, search
+    orders: Any
+    top_k: tuple[int, ...]  # the model's routing top-k per MoE layer
+    num_experts: tuple[int, ...]
+    min_kept: tuple[int, ...]
+    granularity: int
+    budget: int
+    uniform: list[int]
+    search_ids: list[int]
+    heldout_ids: list[int]
+    search_positions: list[int]
+    schedule: Racing | None
+    seed: int
+    evaluator: Any  # CandidateEvaluator over the search cache
+    judge: Any  # CandidateEvaluator for the held-out check (the evaluator itself without a held-out cache)
+
+    def score(self, r: tuple[int, ...], level: int | None, generation: int) -> float:
+        """Fitness of `r` on the full search set (level None) or on that racing level's subset."""
+        samples = self.search_ids
+        if level is not None:
+            assert self.schedule is not None
+            samples = self.schedule.subset(self.search_ids, self.search_positions, level, self.seed, generation)
+        return self.evaluator.score(alloc.pruned_sets(r, self.orders), samples=samples)
+
+    def score_batch(self, rs: Any, level: int | None, generation: int) -> list[float]:
+        return [self.score(tuple(r), level, generation) for r in rs]
+
+    def totals(self) -> dict[str, int]:
+        """This process's share of the search's cost (`_cost`)."""
+        prefix = self.evaluator.prefix
+        return {"work": self.evaluator.work, "forwards": self.evaluator.forwards, "workers": 1,
+                "prefix_budget": prefix.budget if prefix is not None else 0,
+                "prefix_peak": prefix.peak_bytes if prefix is not None else 0}
+
+
+def prepare_scoring(
+    model: str, scores: str, cache: str, params: SearchParams, heldout_cache: str | None = None, judge: bool = True
+) -> Scoring:
+    """Load the model and the teacher cache(s) and build the search's evaluator; `judge=False` (a worker)
+    skips the held-out evaluator."""
+    from evoesap import moe
     from evoesap.importance import model_orders, read_scores
     from evoesap.scoring.evaluator import CandidateEvaluator
     from evoesap.scoring.teacher import load_cache
 
-    inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}
-    seen = artifacts.preflight(out_uri, "search", inputs)
-    for uri in (cache, heldout_cache):  # inputs must be finished artifacts before anything loads
-        if uri:
-            artifacts.read_manifest(uri, "cache-logits")
     spec = runtime.inspect_checkpoint(model)
     orders = model_orders(read_scores(scores), params.criterion, spec)
     space = moe.pruning_space(spec, params.granularity)
@@ -217,11 +260,12 @@ def run_search(
     uniform = list(alloc.uniform(n, kept, budget, granularity))
 
     teacher = load_cache(cache)
-    heldout_teacher = load_cache(heldout_cache) if heldout_cache else None
-    if heldout_teacher is None:
+    heldout_teacher = load_cache(heldout_cache) if heldout_cache and judge else None
+    if not heldout_cache:
         search_ids, heldout_ids = split_samples(teacher.num_samples, params.heldout_fraction, params.seed)
     else:
-        search_ids, heldout_ids = list(range(teacher.num_samples)), list(range(heldout_teacher.num_samples))
+        search_ids = list(range(teacher.num_samples))
+        heldout_ids = list(range(heldout_teacher.num_samples)) if heldout_teacher is not None else []
     schedule = params.schedule()
     scored = (teacher.offsets[1:] - teacher.offsets[:-1]).tolist()  # [S] scored positions per sample
     search_positions = [scored[i] for i in search_ids]
@@ -232,19 +276,35 @@ def run_search(
         loaded, teacher, metric=params.metric, batch_size=params.batch_size,
         prefix_cache_bytes=params.prefix_cache_bytes if params.prefix_reuse else 0, keep=params.elites,
     )
-    judge = evaluator if heldout_teacher is None else CandidateEvaluator(  # refuses another model's cache now
+    held = evaluator if heldout_teacher is None else CandidateEvaluator(  # refuses another model's cache now
         loaded, heldout_teacher, metric=params.metric, batch_size=params.batch_size, weights_hash=teacher.meta.model_hash,
         cache_device_bytes=0,  # the held-out cache stays on the host: it must not take the search's device memory
     )
     del teacher, heldout_teacher  # on a GPU the evaluator holds the device copy; the host copy goes now
+    return Scoring(orders, tuple(spec.top_k), n, kept, granularity, budget, uniform, search_ids, heldout_ids, search_positions,
+                   schedule, params.seed, evaluator, held)
 
-    def fitness_of(r: tuple[int, ...]) -> float:
-        return evaluator.score(alloc.pruned_sets(r, orders), samples=search_ids)
 
-    def subset_fitness(r: tuple[int, ...], level: int, generation: int) -> float:
-        assert schedule is not None
-        samples = schedule.subset(search_ids, search_positions, level, params.seed, generation)
-        return evaluator.score(alloc.pruned_sets(r, orders), samples=samples)
+def run_search(
+    model: str, scores: str, cache: str, params: SearchParams, out_uri: str, heldout_cache: str | None = None
+) -> artifacts.Manifest:
+    """Search the allocation for one criterion and sparsity; publish allocation.json, history and plots.
+
+    `heldout_cache`: a teacher cache of other samples for the generalisation check (see the module docstring).
+    With `workers > 1` it launches that many processes (`evoesap.distributed`); the coordinator among them
+    runs the search and publishes the same artifact.
+    """
+    from evoesap import distributed, search
+
+    inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}
+    seen = artifacts.preflight(out_uri, "search", inputs)
+    for uri in (cache, heldout_cache):  # inputs must be finished artifacts before anything loads
+        if uri:
+            artifacts.read_manifest(uri, "cache-logits")
+    if params.workers > 1 and not distributed.joined():
+        return distributed.launch(inputs, params, out_uri)
+    scoring = prepare_scoring(model, scores, cache, params, heldout_cache)
+    orders, n, uniform = scoring.orders, scoring.num_experts, scoring.uniform
 
     bar = progress(total=params.generations + 1, desc=f"search {params.criterion} {params.sparsity:.0%}", unit="gen")
 
@@ -252,37 +312,42 @@ def run_search(
         bar.n = gen + 1
         bar.set_postfix(best=f"{best_fitness:.5f}", mean=f"{mean_fitness:.5f}", evals=evaluations)  # evoesap.search logs it
 
-    try:
-        result = search.level_switch_search(
-            fitness_of,
-            n,
-            kept,
-            budget,
-            population=params.population,
-            elites=params.elites,
-            generations=params.generations,
-            max_transfer=params.max_transfer,
-            max_steps=params.max_steps,
-            granularity=granularity,
-            seed=params.seed,
-            checkpoint=_checkpoint_uri(out_uri),
-            resume=params.resume,
-            on_generation=on_generation,
-            racing=schedule,
-            subset_fitness=subset_fitness if schedule is not None else None,
-        )
-    finally:
-        bar.close()
-    cost = _cost(evaluator, result, search_ids)
+    with distributed.scorer(scoring) as pool:
+        try:
+            result = search.level_switch_search(
+                None,
+                n,
+                scoring.min_kept,
+                scoring.budget,
+                population=params.population,
+                elites=params.elites,
+                generations=params.generations,
+                max_transfer=params.max_transfer,
+                max_steps=params.max_steps,
+                granularity=scoring.granularity,
+                seed=params.seed,
+                checkpoint=_checkpoint_uri(out_uri),
+                resume=params.resume,
+                on_generation=on_generation,
+                racing=scoring.schedule,
+                score_batch=pool.score_batch,
+            )
+        finally:
+            bar.close()
+        best = [int(x) for x in result.best]
+        # full-set fitness of the searched allocation and uniform, scored where their samples are memoised
+        wanted = list(dict.fromkeys([tuple(best), tuple(uniform)]))
+        finals = dict(zip(wanted, pool.score_batch(wanted, None, params.generations)))
+        cost = _cost(pool.totals(), scoring.evaluator.full_forward_work(scoring.search_ids), result)
 
-    best = [int(x) for x in result.best]
-    sign = evaluator.metric.sign
+    sign = scoring.evaluator.metric.sign
     check = None
     warnings: list[str] = []  # also in allocation.json, so the report shows what the log said
-    if heldout_ids:
+    if scoring.heldout_ids:
+        judge = scoring.judge
         check = generalisation(
-            sign * judge.sample_values(alloc.pruned_sets(best, orders), samples=heldout_ids).numpy(),
-            sign * judge.sample_values(alloc.pruned_sets(uniform, orders), samples=heldout_ids).numpy(),
+            sign * judge.sample_values(alloc.pruned_sets(best, orders), samples=scoring.heldout_ids).numpy(),
+            sign * judge.sample_values(alloc.pruned_sets(uniform, orders), samples=scoring.heldout_ids).numpy(),
         )
         if not check["beats_uniform"]:
             warnings.append(heldout_warning(check, params.metric, params.fallback_to_uniform))
@@ -293,23 +358,23 @@ def run_search(
         "criterion": params.criterion,
         "sparsity": params.sparsity,
         "metric": params.metric,
-        "budget": budget,
-        "granularity": granularity,
+        "budget": scoring.budget,
+        "granularity": scoring.granularity,
         "num_experts": list(n),
-        "top_k": list(spec.top_k),
-        "min_kept": list(kept),
+        "top_k": list(scoring.top_k),
+        "min_kept": list(scoring.min_kept),
         "removal_counts": chosen,
         "pruned": {str(layer): ids for layer, ids in sorted(alloc.pruned_sets(chosen, orders).items())},
-        "fitness": fitness_of(tuple(chosen)),
+        "fitness": finals[tuple(chosen)],
         "searched": {"removal_counts": best, "fitness": result.best_fitness},
-        "uniform": {"removal_counts": uniform, "fitness": fitness_of(tuple(uniform))},
+        "uniform": {"removal_counts": uniform, "fitness": finals[tuple(uniform)]},
         "fallback_applied": chosen is uniform and best != uniform,
         "heldout": check,
         "warnings": warnings,
         "evaluations": result.evaluations,
         "cost": cost,
-        "search_samples": len(search_ids),
-        "heldout_samples": len(heldout_ids),
+        "search_samples": len(scoring.search_ids),
+        "heldout_samples": len(scoring.heldout_ids),
     }
     history = _history_frame(result.history)
     with artifacts.stage_output(out_uri, "search", dataclasses.asdict(params), inputs, seen) as staging:

@@ -1,0 +1,78 @@
+"""Candidate-parallel search: candidates scored per second against workers, in one run on the same data.
+
+Each worker count runs `evoesap search --workers N` (exact search, prefix reuse on, one CPU thread per
+worker) twice, with `--generations` SHORT and LONG; the difference of the two wall times over the
+difference of their candidate counts removes start-up (process launch, imports, model loading) and
+leaves the search's steady rate, barriers included. The world is the tests' tiny random OLMoE with the
+demo tokenizer (tests/tiny_world.py), built once in a temporary directory.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_distributed.py [--workers 1 2] [--population 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def build(root: Path) -> dict[str, str]:
+    from tiny_world import make_tiny_inputs
+
+    from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
+    from evoesap.stages.calibrate import CalibrateParams, run_calibrate
+
+    files = make_tiny_inputs(root)
+    inputs = {"model": files["model"], "scores": str(root / "scores"), "cache": str(root / "cache")}
+    run_calibrate(files["model"], files["calibration"], CalibrateParams(samples=16, max_length=256), inputs["scores"])
+    run_cache_logits(files["model"], files["search"], CacheLogitsParams(samples=12, max_length=256, dtype="float32"),
+                     inputs["cache"])
+    return inputs
+
+
+def timed_search(inputs: dict[str, str], out: Path, workers: int, generations: int, population: int) -> tuple[float, int]:
+    """(wall seconds, candidates scored) of one `evoesap search` run."""
+    args = [sys.executable, "-m", "evoesap", "-q", "search", "--model", inputs["model"], "--scores", inputs["scores"],
+            "--cache", inputs["cache"], "--out", str(out), "--criterion", "reap", "--sparsity", "0.5",
+            "--population", str(population), "--elites", "4", "--generations", str(generations),
+            "--workers", str(workers)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    subprocess.run(args, env=env, check=True, capture_output=True)
+    wall = time.perf_counter() - start
+    return wall, json.loads((out / "allocation.json").read_text())["cost"]["candidates"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--population", type=int, default=16)
+    parser.add_argument("--short", type=int, default=2, help="generations of the short run")
+    parser.add_argument("--long", type=int, default=8, help="generations of the long run")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-distributed-") as tmp:
+        root = Path(tmp)
+        inputs = build(root)
+        rates = {}
+        for workers in args.workers:
+            short = timed_search(inputs, root / f"w{workers}-short", workers, args.short, args.population)
+            long = timed_search(inputs, root / f"w{workers}-long", workers, args.long, args.population)
+            rates[workers] = (long[1] - short[1]) / (long[0] - short[0])
+            print(f"workers {workers}: {args.short} gen {short[0]:.1f} s ({short[1]} candidates), "
+                  f"{args.long} gen {long[0]:.1f} s ({long[1]} candidates): {rates[workers]:.2f} candidates/s",
+                  flush=True)
+        base = rates[args.workers[0]]
+        for workers, rate in rates.items():
+            print(f"workers {workers}: {rate / base:.2f}x the rate of {args.workers[0]} worker(s)")
+
+
+if __name__ == "__main__":
+    main()

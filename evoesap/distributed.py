@@ -1,0 +1,321 @@
+"""Candidate-parallel search: a generation's candidates scored on N processes, each with its own model replica.
+
+`run_search` with `workers > 1` calls `launch`, which starts N processes through torch.distributed's
+elastic launcher (what `torchrun` runs; gloo on the CPU, nccl on GPUs, one GPU per local rank), each
+running `main`. Rank 0, the coordinator, runs the search (`evoesap.search`, unchanged) and alone writes
+the checkpoint and the artifact; every rank, rank 0 included, scores a share of each batch.
+
+Protocol, one round per batch the search asks for (`score_batch`: a generation's new candidates, or one
+racing level's entrants): rank 0 broadcasts the batch with each candidate's worker (`assign`), each rank
+scores its own candidates in batch order, and an all-gather of one float64 vector per rank gives every
+value to rank 0, which takes each candidate's from its worker. The assignment depends only on the batch
+and on earlier batches, never on timing, so the search sees the same values in the same order as in
+one process: a candidate goes back to the worker that scored it before (its per-sample scores are
+memoised there, so a racing survivor runs only the samples it lacks, as in one process), else to the
+worker holding the fittest earlier allocation with which it shares the longest run of leading layers
+(the parent whose cached hidden states its forward can start from, `evoesap.scoring.prefix`) while
+that worker has less than an even share, else to the least-loaded worker.
+
+Failure: a worker that dies (even by kill -9) ends the job: the launcher stops the others and
+`launch` raises one error naming the worker, the cause and the generation the checkpoint holds; a
+re-run with `resume` continues from there. Collectives also time out after `TIMEOUT`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+from evoesap import artifacts, errors
+
+log = logging.getLogger(__name__)
+
+Allocation = tuple[int, ...]
+# a collective waits at most this long: one generation's share of scoring on one worker must fit in it
+TIMEOUT = datetime.timedelta(hours=2)
+
+
+def joined() -> bool:
+    """Whether this process is one of several in a torch.distributed group (started by `launch`)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def threads_per_worker(workers: int) -> int:
+    """CPU threads per worker: the cores this process may use, split evenly (at least one), so that the
+    workers' thread pools do not oversubscribe the cores and spin-wait on each other."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // workers)
+
+
+def common_prefix(a: Allocation, b: Allocation) -> int:
+    """Leading layers on which two allocations agree."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def assign(batch: Sequence[Allocation], owners: Mapping[Allocation, int], anchors: Sequence[Allocation],
+           workers: int) -> list[int]:
+    """The worker of each allocation of `batch` (see the module docstring); `anchors`: earlier allocations,
+    fittest first, whose cached states a child may start from."""
+    share = -(-len(batch) // workers)  # an even share, rounded up
+    load = [0] * workers
+    out = []
+    for r in batch:
+        worker = owners.get(r)
+        if worker is None:
+            near = max(anchors, key=lambda a: common_prefix(a, r), default=None)  # first (fittest) on ties
+            if near is not None and common_prefix(near, r) > 0 and load[owners[near]] < share:
+                worker = owners[near]
+            else:
+                worker = min(range(workers), key=lambda w: (load[w], w))
+        load[worker] += 1
+        out.append(worker)
+    return out
+
+
+class Coordinator:
+    """Rank 0's side of the protocol: the search's `score_batch` and the workers' cost totals."""
+
+    def __init__(self, scoring: Any, device: Any) -> None:
+        import torch.distributed as dist
+
+        self.scoring = scoring
+        self.device = device
+        self.workers = dist.get_world_size()
+        self.keep = max(1, scoring.evaluator.prefix.keep if scoring.evaluator.prefix is not None else 1)
+        self.owners: dict[Allocation, int] = {}
+        self.fitness: dict[Allocation, float] = {}  # full-set fitness of every allocation scored so far
+
+    def score_batch(self, rs: Sequence[Allocation], level: int | None, generation: int) -> list[float]:
+        batch = [tuple(int(x) for x in r) for r in rs]
+        anchors = sorted(self.fitness, key=lambda a: -self.fitness[a])[: self.keep]  # stable: first seen on ties
+        ranks = assign(batch, self.owners, anchors, self.workers)
+        _broadcast(("score", batch, level, generation, ranks))
+        values = _score_share(self.scoring, batch, level, generation, ranks, self.device)
+        self.owners.update(zip(batch, ranks))
+        if level is None:
+            self.fitness.update(zip(batch, values))
+        return values
+
+    def totals(self) -> dict[str, int]:
+        """The search's cost summed over the workers (the prefix cache's budget and peak: the largest one's)."""
+        _broadcast(("totals",))
+        every = _gather_totals(self.scoring, self.device)
+        summed = {key: sum(t[key] for t in every) for key in ("work", "forwards", "workers")}
+        return {**summed, **{key: max(t[key] for t in every) for key in ("prefix_budget", "prefix_peak")}}
+
+    def close(self) -> None:
+        _broadcast(("stop",))
+
+
+@contextlib.contextmanager
+def scorer(scoring: Any) -> Iterator[Any]:
+    """The search's scorer: `scoring` itself in one process, the coordinator in a group (rank 0 only)."""
+    if not joined():
+        yield scoring
+        return
+    coordinator = Coordinator(scoring, _device())
+    yield coordinator
+    coordinator.close()  # not after an error: the launcher stops the workers when this process fails
+
+
+def serve(scoring: Any) -> None:
+    """A worker's loop (ranks > 0): score this rank's share of every batch until rank 0 says stop."""
+    device = _device()
+    while True:
+        message = _broadcast(None)
+        if message[0] == "stop":
+            return
+        if message[0] == "totals":
+            _gather_totals(scoring, device)
+        else:
+            _, batch, level, generation, ranks = message
+            _score_share(scoring, batch, level, generation, ranks, device)
+
+
+def _device() -> Any:
+    """Where this rank's collectives run: its GPU with nccl, the host with gloo."""
+    import torch
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _broadcast(message: Any) -> Any:
+    import torch.distributed as dist
+
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _score_share(scoring: Any, batch: list[Allocation], level: int | None, generation: int, ranks: list[int],
+                 device: Any) -> list[float]:
+    """Score this rank's candidates of `batch` in batch order; every rank's values, each from its worker."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    mine = torch.zeros(len(batch), dtype=torch.float64)  # [n] float64: a float's bits survive the round trip
+    for i, (r, w) in enumerate(zip(batch, ranks)):
+        if w == rank:
+            mine[i] = scoring.score(r, level, generation)
+    every = [torch.empty(len(batch), dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine.to(device))
+    table = torch.stack(every).cpu()  # [workers, n]
+    return [float(table[w, i]) for i, w in enumerate(ranks)]
+
+
+def _gather_totals(scoring: Any, device: Any) -> list[dict[str, int]]:
+    import torch
+    import torch.distributed as dist
+
+    keys = ("work", "forwards", "workers", "prefix_budget", "prefix_peak")
+    own = scoring.totals()
+    mine = torch.tensor([own[k] for k in keys], dtype=torch.float64, device=device)  # [5] exact below 2**53
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [dict(zip(keys, (int(v) for v in t.cpu().tolist()))) for t in every]
+
+
+# -------------------------------------------------------------------------------------------------
+# Launching (the calling process) and the workers' entry point
+
+
+def launch(inputs: Mapping[str, Any], params: Any, out_uri: str) -> artifacts.Manifest:
+    """Run the search stage on `params.workers` processes (torch.distributed's elastic launcher, as
+    torchrun); return its manifest, or raise one error naming the worker that failed and why."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from evoesap.progress import is_quiet
+
+    spec = {"inputs": dict(inputs), "params": dataclasses.asdict(params), "out_uri": out_uri,
+            "log_level": logging.getLogger().getEffectiveLevel(), "quiet": is_quiet()}
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=params.workers, run_id=f"evoesap-search-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # torchrun --standalone: a free local port
+        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+    )
+    threads = str(threads_per_worker(params.workers))
+    log.info("search on %d workers, %s CPU threads each", params.workers, threads)
+    with tempfile.TemporaryDirectory(prefix="evoesap-workers-") as tmp, _quiet_launcher(), \
+            _environment(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads):
+        path = Path(tmp) / "search.json"
+        path.write_text(json.dumps(spec))
+        try:
+            elastic_launch(config, sys.executable)("-m", "evoesap.distributed", str(path))
+        except ChildFailedError as exc:
+            raise _failure(exc, params, out_uri) from None
+    return artifacts.read_manifest(out_uri)
+
+
+def _failure(exc: Any, params: Any, out_uri: str) -> errors.EvoESAPError:
+    """One error for a failed worker: which, why, and how far the checkpoint got."""
+    from evoesap.stages.search import _checkpoint_uri
+
+    rank, failure = exc.get_first_failure()
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+    kind, _, detail = message.partition(": ")
+    cls = getattr(errors, kind, None)
+    if failure.exitcode > 0 and isinstance(cls, type) and issubclass(cls, errors.EvoESAPError):
+        return cls(f"search worker {rank} of {params.workers}: {detail.splitlines()[0] if detail else message}")
+    cause = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else (
+        f"failed ({message.splitlines()[0] if message else f'exit code {failure.exitcode}'})")
+    checkpoint = _checkpoint_uri(out_uri)
+    done = ""
+    if artifacts.exists(checkpoint):
+        generation = json.loads(artifacts.read_bytes(checkpoint).decode("utf-8"))["generation"]
+        done = f"; the checkpoint holds generation {generation} of {params.generations}: re-run with resume to continue"
+    return errors.EvoESAPError(f"search worker {rank} of {params.workers} {cause}, which stopped the search{done}")
+
+
+@contextlib.contextmanager
+def _quiet_launcher() -> Iterator[None]:
+    """The launcher's own logging off while it runs: `launch` reports a failure in one line."""
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+               if name.startswith("torch.distributed")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """Variables the workers inherit, unless the user set them."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """A worker process (`python -m evoesap.distributed SPEC.json`, under torchrun): join the group, then
+    coordinate (rank 0) or serve. An error is recorded for the launcher, which reports it in one line."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    (path,) = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(path).read_text())
+    try:
+        _run(spec)
+    except BaseException as exc:  # noqa: BLE001 (recorded, then this process exits non-zero)
+        ErrorHandler().record_exception(exc)
+        log.debug("worker failed", exc_info=True)
+        sys.exit(1)
+
+
+def _run(spec: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from evoesap import runtime
+    from evoesap.progress import set_quiet
+    from evoesap.stages.search import SearchParams, prepare_scoring, run_search
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    logging.basicConfig(level=spec["log_level"] if rank == 0 else max(logging.WARNING, spec["log_level"]),
+                        format=f"%(levelname)s %(name)s [worker {rank}]: %(message)s")
+    set_quiet(spec["quiet"] or rank > 0)
+    params = SearchParams(**spec["params"])
+    gpu = runtime.resolve_device(params.device).startswith("cuda")
+    if gpu:
+        torch.cuda.set_device(local_rank)  # "cuda" below means this rank's GPU
+    torch.set_num_threads(threads_per_worker(params.workers) if "OMP_NUM_THREADS" not in os.environ
+                          else int(os.environ["OMP_NUM_THREADS"]))
+    dist.init_process_group("nccl" if gpu else "gloo", timeout=TIMEOUT)
+    try:
+        inputs = spec["inputs"]
+        if rank == 0:
+            run_search(**inputs, params=params, out_uri=spec["out_uri"])
+        else:
+            serve(prepare_scoring(inputs["model"], inputs["scores"], inputs["cache"], params, inputs["heldout_cache"],
+                                  judge=False))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

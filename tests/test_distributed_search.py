@@ -1,0 +1,162 @@
+"""Candidate-parallel search (evoesap.distributed): gloo workers under torchrun's launcher give the one-process
+artifact; a killed worker ends the job in one line and a resumed run finishes to the same result."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from evoesap.distributed import assign, common_prefix
+from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
+from evoesap.stages.calibrate import CalibrateParams, run_calibrate
+from evoesap.stages.search import SearchParams, run_search
+from tiny_world import make_tiny_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = dict(criterion="reap", sparsity=0.5, population=6, elites=2, generations=2, batch_size=8)
+RACING = dict(racing=True, racing_schedule="0.25,0.5:0.5", racing_min_samples=2, racing_min_positions=8)
+MODES = {"exact": {}, "racing": RACING}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distributed")
+    files = make_tiny_inputs(root)
+    inputs = {"model": files["model"], "scores": str(root / "scores"), "cache": str(root / "cache")}
+    run_calibrate(files["model"], files["calibration"], CalibrateParams(samples=16, max_length=256), inputs["scores"])
+    run_cache_logits(files["model"], files["search"], CacheLogitsParams(samples=12, max_length=256, dtype="float32"),
+                     inputs["cache"])
+    return root, inputs
+
+
+def _one_process(world, name: str, params: SearchParams) -> str:
+    root, inputs = world
+    out = str(root / f"one-{name}")
+    if not Path(out).exists():
+        run_search(**inputs, params=params, out_uri=out)
+    return out
+
+
+def _cli(world, out: str, params: SearchParams, *extra: str) -> subprocess.Popen:
+    """`evoesap -q search ... --workers N` in a fresh process, one CPU thread per worker."""
+    _, inputs = world
+    args = ["--model", inputs["model"], "--scores", inputs["scores"], "--cache", inputs["cache"], "--out", out,
+            "--workers", str(params.workers)]
+    for key in ("criterion", "sparsity", "population", "elites", "generations", "racing_schedule",
+                "racing_min_samples", "racing_min_positions"):
+        args += [f"--{key.replace('_', '-')}", str(getattr(params, key))]
+    args += ["--racing"] * params.racing + ([] if params.prefix_reuse else ["--no-prefix-reuse"])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "evoesap", "-q", "search", *args, *extra], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _documents(out: str) -> tuple[dict, pd.DataFrame]:
+    doc = json.loads(Path(out, "allocation.json").read_text())
+    doc["cost"].pop("workers")
+    return doc, pd.read_parquet(Path(out, "history.parquet"))
+
+
+@pytest.mark.slow  # each launch starts N fresh interpreters: about 35 s on a shared 2-core machine
+@pytest.mark.parametrize("workers, mode", [(2, "exact"), (3, "racing")])
+def test_workers_without_prefix_reuse_give_the_one_process_artifact_bit_for_bit(world, tmp_path, workers, mode):
+    """Every candidate's forwards run as in one process (same memo, same batches): equal to the last bit,
+    the search's cost included."""
+    params = SearchParams(**SMALL, **MODES[mode], prefix_reuse=False)
+    reference = _one_process(world, f"{mode}-scratch", params)
+    run = _cli(world, str(tmp_path / "out"), SearchParams(**{**vars(params), "workers": workers}))
+    _, err = run.communicate(timeout=170)
+    assert run.returncode == 0, err
+    (doc, history), (ref_doc, ref_history) = _documents(str(tmp_path / "out")), _documents(reference)
+    assert doc == ref_doc
+    pd.testing.assert_frame_equal(history, ref_history, check_exact=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers, mode", [(3, "exact"), (2, "racing")])
+def test_workers_with_prefix_reuse_find_the_one_process_search(world, tmp_path, workers, mode):
+    """Workers' prefix caches hold other states than the one process's: the same candidates, elites and
+    result, fitness equal up to prefix reuse's float rounding (1e-6, as tests/test_scoring_prefix.py)."""
+    params = SearchParams(**SMALL, **MODES[mode])
+    reference = _one_process(world, mode, params)
+    run = _cli(world, str(tmp_path / "out"), SearchParams(**{**vars(params), "workers": workers}))
+    _, err = run.communicate(timeout=170)
+    assert run.returncode == 0, err
+    (doc, history), (ref_doc, ref_history) = _documents(str(tmp_path / "out")), _documents(reference)
+    assert doc["removal_counts"] == ref_doc["removal_counts"]
+    assert doc["searched"]["fitness"] == pytest.approx(ref_doc["searched"]["fitness"], abs=1e-6)
+    pd.testing.assert_frame_equal(history, ref_history, check_exact=False, atol=1e-6, rtol=0)
+    assert history[["allocation", "elite"]].equals(ref_history[["allocation", "elite"]])
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ranks = [int(v.split(b"=", 1)[1]) for v in env if v.startswith(b"RANK=")]
+    return ranks[0] if ranks else None
+
+
+@pytest.mark.slow
+def test_a_killed_worker_ends_the_job_in_one_line_and_resume_finishes_to_the_same_result(world, tmp_path):
+    params = SearchParams(**{**SMALL, "generations": 3}, prefix_reuse=False, workers=2)
+    reference = _one_process(world, "exact-long", SearchParams(**{**vars(params), "workers": 1}))
+    out = str(tmp_path / "out")
+    run = _cli(world, out, params)
+    checkpoint = Path(f"{out}.checkpoint.json")
+    deadline = time.monotonic() + 120
+    while not checkpoint.exists() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # polls a file another process writes; nothing to wait on instead
+    assert checkpoint.exists(), run.communicate()[1]
+    victim = [pid for pid in _children(run.pid) if _rank_of(pid) == 1]
+    assert len(victim) == 1
+    os.kill(victim[0], signal.SIGKILL)
+    stdout, err = run.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.strip() and "Loading weights" not in line]
+    assert run.returncode == 1 and stdout == ""
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: search worker 1 of 2 was killed by SIGKILL") and "resume" in lines[0], lines
+    assert not Path(out, "allocation.json").exists()
+
+    again = _cli(world, out, params, "--resume")
+    _, err = again.communicate(timeout=170)
+    assert again.returncode == 0, err
+    (doc, history), (ref_doc, ref_history) = _documents(out), _documents(reference)
+    doc.pop("cost"), ref_doc.pop("cost")  # the resumed run counts only its own work
+    assert doc == ref_doc
+    pd.testing.assert_frame_equal(history, ref_history, check_exact=True)
+
+
+def test_assignment_keeps_owners_follows_the_nearest_parent_and_balances():
+    owners = {(2, 2, 0): 1, (0, 2, 2): 0}
+    anchors = [(2, 2, 0), (0, 2, 2)]  # fittest first
+    batch = [(2, 0, 2), (0, 2, 2), (2, 1, 1), (0, 1, 3), (1, 1, 2), (2, 2, 0)]
+    ranks = assign(batch, owners, anchors, 2)
+    assert ranks[1] == 0 and ranks[5] == 1  # scored before: back to their workers
+    assert ranks[0] == 1 and ranks[2] == 1  # share layer 0 with (2, 2, 0), on worker 1
+    assert ranks[3] == 0  # shares layer 0 with (0, 2, 2)
+    assert ranks[4] == 0  # no common prefix with any anchor: the least-loaded worker
+    assert max(ranks.count(w) for w in (0, 1)) == 3  # an even share each
+    assert assign(batch, owners, anchors, 2) == ranks  # a function of its inputs only
+    assert common_prefix((1, 2, 3), (1, 2, 4)) == 2 and common_prefix((1,), (2,)) == 0
