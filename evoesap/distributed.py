@@ -2,7 +2,7 @@
 
 `run_search` with `workers > 1` calls `launch`, which starts N processes through torch.distributed's
 elastic launcher (what `torchrun` runs; gloo on the CPU, nccl on GPUs, one GPU per local rank), each
-running `main`. Rank 0, the coordinator, runs the search (`evoesap.search`, unchanged) and alone writes
+running `evoesap.stages.search_workers` (this module imports no stage). Rank 0, the coordinator, runs the search (`evoesap.search`, unchanged) and alone writes
 the checkpoint and the artifact; every rank, rank 0 included, scores a share of each batch.
 
 Protocol, one round per batch the search asks for (`score_batch`: a generation's new candidates, or one
@@ -197,9 +197,10 @@ def _gather_totals(scoring: Any, device: Any) -> list[dict[str, int]]:
 # Launching (the calling process) and the workers' entry point
 
 
-def launch(inputs: Mapping[str, Any], params: Any, out_uri: str) -> artifacts.Manifest:
-    """Run the search stage on `params.workers` processes (torch.distributed's elastic launcher, as
-    torchrun); return its manifest, or raise one error naming the worker that failed and why."""
+def launch(entry: str, inputs: Mapping[str, Any], params: Any, out_uri: str, checkpoint: str) -> artifacts.Manifest:
+    """Run `python -m <entry> SPEC` on `params.workers` processes (torch.distributed's elastic launcher, as
+    torchrun); return the manifest they publish, or raise one error naming the worker that failed and why
+    and how far `checkpoint` got."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -219,16 +220,14 @@ def launch(inputs: Mapping[str, Any], params: Any, out_uri: str) -> artifacts.Ma
         path = Path(tmp) / "search.json"
         path.write_text(json.dumps(spec))
         try:
-            elastic_launch(config, sys.executable)("-m", "evoesap.distributed", str(path))
+            elastic_launch(config, sys.executable)("-m", entry, str(path))
         except ChildFailedError as exc:
-            raise _failure(exc, params, out_uri) from None
+            raise _failure(exc, params, checkpoint) from None
     return artifacts.read_manifest(out_uri)
 
 
-def _failure(exc: Any, params: Any, out_uri: str) -> errors.EvoESAPError:
+def _failure(exc: Any, params: Any, checkpoint: str) -> errors.EvoESAPError:
     """One error for a failed worker: which, why, and how far the checkpoint got."""
-    from evoesap.stages.search import _checkpoint_uri
-
     rank, failure = exc.get_first_failure()
     message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
     kind, _, detail = message.partition(": ")
@@ -237,7 +236,6 @@ def _failure(exc: Any, params: Any, out_uri: str) -> errors.EvoESAPError:
         return cls(f"search worker {rank} of {params.workers}: {detail.splitlines()[0] if detail else message}")
     cause = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else (
         f"failed ({message.splitlines()[0] if message else f'exit code {failure.exitcode}'})")
-    checkpoint = _checkpoint_uri(out_uri)
     done = ""
     if artifacts.exists(checkpoint):
         generation = json.loads(artifacts.read_bytes(checkpoint).decode("utf-8"))["generation"]
@@ -270,52 +268,3 @@ def _environment(**values: str) -> Iterator[None]:
     finally:
         for key in added:
             os.environ.pop(key, None)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """A worker process (`python -m evoesap.distributed SPEC.json`, under torchrun): join the group, then
-    coordinate (rank 0) or serve. An error is recorded for the launcher, which reports it in one line."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-    (path,) = sys.argv[1:] if argv is None else argv
-    spec = json.loads(Path(path).read_text())
-    try:
-        _run(spec)
-    except BaseException as exc:  # noqa: BLE001 (recorded, then this process exits non-zero)
-        ErrorHandler().record_exception(exc)
-        log.debug("worker failed", exc_info=True)
-        sys.exit(1)
-
-
-def _run(spec: dict[str, Any]) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from evoesap import runtime
-    from evoesap.progress import set_quiet
-    from evoesap.stages.search import SearchParams, prepare_scoring, run_search
-
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    logging.basicConfig(level=spec["log_level"] if rank == 0 else max(logging.WARNING, spec["log_level"]),
-                        format=f"%(levelname)s %(name)s [worker {rank}]: %(message)s")
-    set_quiet(spec["quiet"] or rank > 0)
-    params = SearchParams(**spec["params"])
-    gpu = runtime.resolve_device(params.device).startswith("cuda")
-    if gpu:
-        torch.cuda.set_device(local_rank)  # "cuda" below means this rank's GPU
-    torch.set_num_threads(threads_per_worker(params.workers) if "OMP_NUM_THREADS" not in os.environ
-                          else int(os.environ["OMP_NUM_THREADS"]))
-    dist.init_process_group("nccl" if gpu else "gloo", timeout=TIMEOUT)
-    try:
-        inputs = spec["inputs"]
-        if rank == 0:
-            run_search(**inputs, params=params, out_uri=spec["out_uri"])
-        else:
-            serve(prepare_scoring(inputs["model"], inputs["scores"], inputs["cache"], params, inputs["heldout_cache"],
-                                  judge=False))
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

@@ -52,12 +52,13 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * units[match.group(2) or ""])
 
 
-def pipeline_plan(config: Any, machine: Machine) -> tuple[ModelShape, Data, dict[str, Any], list[StagePlan]]:
-    """The plan of a pipeline configuration (`pipeline.config.PipelineConfig`) on `machine`."""
+def pipeline_plan(config: Any, machine: Machine, model: str | None = None) -> tuple[ModelShape, Data, dict[str, Any], list[StagePlan]]:
+    """The plan of a pipeline configuration (`pipeline.config.PipelineConfig`) on `machine`; `model`: a
+    checkpoint or config folder to read instead of the configuration's model (offline planning)."""
     from evoesap.stages import STAGES
 
     params = {stage.name: config.parsed_params(stage.name) for stage in STAGES}
-    shape = model_shape(config.pinned_model, params["search"].model_dtype)
+    shape = model_shape(model or config.pinned_model, params["search"].model_dtype)
     cache_p = params["cache-logits"]
     rows = cache_p.sample_count * cache_p.max_length
     data = Data(params["calibrate"].sample_count * params["calibrate"].max_length, rows, rows if config.heldout_data else 0)

@@ -120,7 +120,7 @@ def _rank_of(pid: int) -> int | None:
 
 @pytest.mark.slow
 def test_a_killed_worker_ends_the_job_in_one_line_and_resume_finishes_to_the_same_result(world, tmp_path):
-    params = SearchParams(**{**SMALL, "generations": 3}, prefix_reuse=False, workers=2)
+    params = SearchParams(**{**SMALL, "generations": 5}, prefix_reuse=False, workers=2)
     reference = _one_process(world, "exact-long", SearchParams(**{**vars(params), "workers": 1}))
     out = str(tmp_path / "out")
     run = _cli(world, out, params)

@@ -26,7 +26,30 @@ def _team_module():
 
 
 def test_the_examples_cover_the_demo_and_the_papers_models():
-    assert [p.stem for p in CONFIGS] == ["deepseek-v2-lite", "demo", "olmoe-1b-7b-instruct", "qwen3-30b-a3b"]
+    assert [p.stem for p in CONFIGS] == ["deepseek-v2-lite", "deepseek-v3", "demo", "mixtral-8x7b", "olmoe-1b-7b-instruct",
+                                         "qwen3-235b-a22b", "qwen3-30b-a3b"]
+
+
+@pytest.mark.parametrize("name,fits", [("mixtral-8x7b", True), ("qwen3-235b-a22b", True), ("deepseek-v3", False)])
+def test_the_scale_out_examples_plan_offline_from_their_shipped_config(name, fits, capsys, monkeypatch):
+    """`evoesap plan` prints the per-GPU table of each scale-out example without asking the hub; DeepSeek-V3 in
+    bfloat16 is larger than two nodes of eight 80 GB GPUs, and the plan says so."""
+    from evoesap import identity
+    from evoesap.cli import main
+
+    def offline(*args, **kwargs):
+        raise AssertionError("the plan asked the hub")
+
+    monkeypatch.setattr(identity, "resolve_revision", offline)
+    monkeypatch.chdir(ROOT)
+    gpus = yaml.safe_load((ROOT / "examples" / f"{name}.yaml").read_text())["resources"]["search"]["accelerator_count"]
+    code = main(["plan", f"examples/{name}.yaml", "--model-config", f"examples/models/{name}", "--gpu-memory", "80GB"])
+    table = capsys.readouterr().out
+    assert "| stage | host GiB | per-GPU GiB |" in table and "| search |" in table
+    assert (code == 0) == fits
+    search = next(line for line in table.splitlines() if line.startswith("| search |"))
+    per_gpu = float(search.split("|")[3])
+    assert (per_gpu <= 80e9 / 2**30) == fits and gpus > 1
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

@@ -16,11 +16,14 @@ def plan_cmd(
     gpu_memory: str = typer.Option(None, "--gpu-memory", help="Memory of one GPU, e.g. 80GB (default: this machine's free)."),
     host_memory: str = typer.Option(None, "--host-memory", help="Host memory, e.g. 256GB (default: the config's search memory, else this machine's free)."),
     disk: str = typer.Option(None, "--disk", help="Free space where artifacts go, e.g. 500GB (default: not checked)."),
+    model_config: Path = typer.Option(
+        None, "--model-config", help="A local folder holding the model's config.json, read instead of the config's "
+        "model (plans offline; examples/models/ has the example models')."),
 ) -> None:
     """Predict every stage's peak host and GPU memory, disk and temporary space, from config.json alone.
 
     Exits 1 when a stage would not fit, naming the setting to change.
-    Example: evoesap plan examples/qwen3-30b-a3b.yaml --gpus 2 --gpu-memory 80GB --host-memory 256GB
+    Example: evoesap plan examples/mixtral-8x7b.yaml --model-config examples/models/mixtral-8x7b --gpus 2 --gpu-memory 80GB
     """
     from evoesap.pipeline.config import load_config
 
@@ -36,7 +39,9 @@ def plan_cmd(
     if count and not per_gpu:
         raise typer.BadParameter("give --gpu-memory: this machine has no GPU to read it from")
     machine = footprint.Machine(host, per_gpu if count else 0, count, plan.parse_bytes(disk) if disk else None)
-    shape, data, params, plans = plan.pipeline_plan(cfg, machine)
+    if model_config is not None and not (model_config / "config.json").is_file():
+        raise typer.BadParameter(f"{model_config} holds no config.json: give the folder the model's config.json is in")
+    shape, data, params, plans = plan.pipeline_plan(cfg, machine, model=str(model_config) if model_config else None)
     typer.echo(plan.format_table(shape, plans, data, params))
     refused = [p.stage for p in plans if p.refusal]
     if refused:

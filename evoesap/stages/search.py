@@ -302,7 +302,7 @@ def run_search(
         if uri:
             artifacts.read_manifest(uri, "cache-logits")
     if params.workers > 1 and not distributed.joined():
-        return distributed.launch(inputs, params, out_uri)
+        return distributed.launch("evoesap.stages.search_workers", inputs, params, out_uri, _checkpoint_uri(out_uri))
     scoring = prepare_scoring(model, scores, cache, params, heldout_cache)
     orders, n, uniform = scoring.orders, scoring.num_experts, scoring.uniform
 

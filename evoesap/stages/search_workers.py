@@ -1,0 +1,65 @@
+"""The processes of a multi-worker search (`python -m evoesap.stages.search_workers SPEC.json`, started by
+`evoesap.distributed.launch` under torch's elastic launcher): join the group, then rank 0 runs the search
+stage and the other ranks serve its batches. Kept apart from `evoesap.distributed` (the protocol), which
+imports no stage."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from evoesap import distributed
+
+log = logging.getLogger(__name__)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """One worker: an error is recorded for the launcher, which reports it in one line."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    (path,) = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(path).read_text())
+    try:
+        _run(spec)
+    except BaseException as exc:  # noqa: BLE001 (recorded, then this process exits non-zero)
+        ErrorHandler().record_exception(exc)
+        log.debug("worker failed", exc_info=True)
+        sys.exit(1)
+
+
+def _run(spec: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from evoesap import runtime
+    from evoesap.progress import set_quiet
+    from evoesap.stages.search import SearchParams, prepare_scoring, run_search
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    logging.basicConfig(level=spec["log_level"] if rank == 0 else max(logging.WARNING, spec["log_level"]),
+                        format=f"%(levelname)s %(name)s [worker {rank}]: %(message)s")
+    set_quiet(spec["quiet"] or rank > 0)
+    params = SearchParams(**spec["params"])
+    gpu = runtime.resolve_device(params.device).startswith("cuda")
+    if gpu:
+        torch.cuda.set_device(local_rank)  # "cuda" below means this rank's GPU
+    torch.set_num_threads(distributed.threads_per_worker(params.workers) if "OMP_NUM_THREADS" not in os.environ
+                          else int(os.environ["OMP_NUM_THREADS"]))
+    dist.init_process_group("nccl" if gpu else "gloo", timeout=distributed.TIMEOUT)
+    try:
+        inputs = spec["inputs"]
+        if rank == 0:
+            run_search(**inputs, params=params, out_uri=spec["out_uri"])
+        else:
+            distributed.serve(prepare_scoring(inputs["model"], inputs["scores"], inputs["cache"], params,
+                                              inputs["heldout_cache"], judge=False))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
