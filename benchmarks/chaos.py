@@ -102,7 +102,7 @@ def child(spec_path: str) -> int:
 
     spec = json.loads(Path(spec_path).read_text())
     try:
-        run_pipeline(spec["files"], spec["params"], spec["root"])
+        Path(spec["result"]).write_text(run_pipeline(spec["files"], spec["params"], spec["root"]))
     except EvoESAPError as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 1
@@ -144,8 +144,9 @@ def storage_fs(root: str):
     return artifacts.split(root)
 
 
-def snapshot(root: str) -> dict[str, dict[str, str]]:
-    """Every finished artifact under `root` as {lineage label: {payload file: sha256}}.
+def snapshot(root: str, report: str | None = None) -> dict[str, dict[str, str]]:
+    """Every finished artifact under `root` (with `report`: those behind that report, the ones a run used;
+    others are what earlier runs made from inputs since rebuilt) as {lineage label: {payload file: sha256}}.
 
     Artifacts are matched by lineage (stage, parameters, inputs; artifact inputs by their own lineage),
     since content-addressed locations and manifest hashes carry the manifests' times. For the same reason
@@ -175,6 +176,8 @@ def snapshot(root: str) -> dict[str, dict[str, str]]:
     scheme = root.split("://", 1)[0] + "://" if "://" in root else ""
     swaps = sorted(((s.encode(), f"<{label(d)}>".encode()) for d in manifests
                     for s in (scheme + d, d, hashes[d], hashes[d][:12])), key=lambda pair: -len(pair[0]))
+    if report is not None:
+        manifests = {d: m for d, m in manifests.items() if d in _behind(split_path(report), manifests, by_hash)}
     found: dict[str, dict[str, str]] = {}
     for directory, manifest in manifests.items():
         files = {}
@@ -186,6 +189,23 @@ def snapshot(root: str) -> dict[str, dict[str, str]]:
         if found.setdefault(label(directory), files) != files:  # two artifacts of one lineage must agree
             found[label(directory) + ":conflict"] = files
     return found
+
+
+def split_path(uri: str) -> str:
+    return storage_fs(uri)[1].rstrip("/")
+
+
+def _behind(top: str, manifests: dict[str, Any], by_hash: dict[str, str]) -> set[str]:
+    """`top` and every artifact it was made from, through the manifests' input hashes."""
+    seen, todo = set(), [top]
+    while todo:
+        directory = todo.pop()
+        if directory in seen or directory not in manifests:
+            continue
+        seen.add(directory)
+        todo += [by_hash[r["manifest_sha256"]] for r in manifests[directory]["inputs"].values()
+                 if r.get("manifest_sha256") in by_hash]
+    return seen
 
 
 def leftovers(root: str, tmpdir: Path) -> list[str]:
@@ -233,6 +253,10 @@ class Workspace:
         return self.top / "runs"  # the storage root's parent, holding user files too
 
     @property
+    def result(self) -> Path:
+        return self.top / "report-uri.txt"  # the report a pipeline run made
+
+    @property
     def tmp(self) -> Path:
         return self.top / "tmp"
 
@@ -241,7 +265,8 @@ class Workspace:
 
     def spec(self, kind: str) -> Path:
         path = self.top / f"spec-{'s3' if kind == 's3_outage' else 'local'}.json"
-        path.write_text(json.dumps({"files": self.files, "params": self.params, "root": self.root(kind)}))
+        path.write_text(json.dumps({"files": self.files, "params": self.params, "root": self.root(kind),
+                                    "result": str(self.result)}))
         return path
 
     def plant_user_files(self) -> None:
@@ -353,6 +378,7 @@ class Harness:
 
     def _clear(self, kind: str) -> None:
         shutil.rmtree(self.ws.runs / "artifacts", ignore_errors=True)
+        self.ws.result.unlink(missing_ok=True)
         shutil.rmtree(self.ws.tmp, ignore_errors=True)
         self.ws.tmp.mkdir(parents=True)
         if kind == "s3_outage":
@@ -394,7 +420,7 @@ class Harness:
             if code != 0:
                 raise RuntimeError(f"the undisturbed reference run failed: {err.strip()[-2000:]}")
             self.duration[storage] = time.monotonic() - started
-            self.reference[storage] = snapshot(self.ws.root(storage))
+            self.reference[storage] = snapshot(self.ws.root(storage), self.ws.result.read_text())
             if storage == "kill9":
                 self.stored_bytes = sum(p.stat().st_size for p in (self.ws.runs / "artifacts").rglob("*") if p.is_file())
             self.log(f"reference ({'s3' if storage == 's3_outage' else 'local'}): {len(self.reference[storage])} "
@@ -426,7 +452,7 @@ class Harness:
                           leftovers=tuple(leftovers(self.ws.root(kind), self.ws.tmp)))
         lines = err.strip().splitlines() or [""]
         if rerun == 0:
-            now = snapshot(self.ws.root(kind))
+            now = snapshot(self.ws.root(kind), self.ws.result.read_text())
             differ = sorted(k for k in set(now) | set(self.reference[storage]) if now.get(k) != self.reference[storage].get(k))
             outcome.result = "identical" if not differ else "different"
             outcome.detail = ", ".join(differ[:4])
@@ -536,8 +562,9 @@ def table(outcomes: list[Outcome], seconds: float) -> str:
 
 
 def run_chaos(top: Path, world: str, faults: int, seed: int, kinds: tuple[str, ...],
-              log: Callable[[str], None] = print) -> list[Outcome]:
-    """`faults` fault runs after the reference runs; every outcome, in order."""
+              log: Callable[[str], None] = print, record: Path | None = None) -> list[Outcome]:
+    """`faults` fault runs after the reference runs; every outcome, in order (also written to `record` after
+    each run, so a long run stopped early keeps what it found)."""
     ws = Workspace(top, world_files(world, top), PARAMS[world])
     harness = Harness(ws, kinds, seed, log)
     outcomes = []
@@ -546,6 +573,8 @@ def run_chaos(top: Path, world: str, faults: int, seed: int, kinds: tuple[str, .
         for i, kind in enumerate(draw_kinds(random.Random(seed), kinds, faults)):
             outcome = harness.fault(kind)
             outcomes.append(outcome)
+            if record:
+                record.write_text(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=1))
             log(f"{i + 1:4d} {kind:9s} at {outcome.moment:>9} rc {outcome.first_rc:>3}/{outcome.rerun_rc}: {outcome.result}"
                 f"{' (' + outcome.detail[:200] + ')' if outcome.result != 'identical' or outcome.kind == 'corrupt' else ''}"
                 f"{' debris ' + ','.join(outcome.leftovers) if outcome.leftovers else ''}")
@@ -575,10 +604,9 @@ def main() -> int:
         parser.error("disk_full mounts a tmpfs in a private mount namespace, which needs root; drop it from --kinds")
     shutil.rmtree(args.workdir, ignore_errors=True)
     started = time.monotonic()
-    outcomes = run_chaos(args.workdir, args.world, args.faults, args.seed, kinds, log=lambda line: print(line, flush=True))
+    outcomes = run_chaos(args.workdir, args.world, args.faults, args.seed, kinds, log=lambda line: print(line, flush=True),
+                         record=args.json)
     print(table(outcomes, time.monotonic() - started))
-    if args.json:
-        args.json.write_text(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=1))
     return 0 if all(o.result in ("identical", "clear error") and not o.user_bytes_lost for o in outcomes) else 1
 
 
