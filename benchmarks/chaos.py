@@ -238,6 +238,7 @@ class Outcome:
     detail: str = ""
     user_bytes_lost: int = 0
     leftovers: tuple[str, ...] = ()
+    first_error: str = ""  # the faulted run's last stderr line when it failed ("internal error" is a finding)
 
 
 @dataclasses.dataclass
@@ -434,7 +435,7 @@ class Harness:
         corrupted = None
         if kind == "disk_full":
             moment = int(self.rng.integers(16 << 10, max(self.stored_bytes, 32 << 10)))
-            first, _ = self._start(kind, disk=moment).finish()
+            first, first_err = self._start(kind, disk=moment).finish()
         else:
             proc = self._start(kind)
             if kind in ("kill9", "sigterm"):
@@ -446,10 +447,13 @@ class Harness:
             else:
                 proc.wait(moment)
                 corrupted = self._corrupt()
-            first, _ = proc.finish()
+            first, first_err = proc.finish()
         rerun, err = self._start(kind).finish()
+        failed = first_err.strip().splitlines()[-1:] if first == 1 else []
+        internal = bool(failed) and ("Traceback" in first_err or not failed[0].startswith("error: "))
         outcome = Outcome(kind, round(moment, 2), first, rerun, "", user_bytes_lost=self._lost(users),
-                          leftovers=tuple(leftovers(self.ws.root(kind), self.ws.tmp)))
+                          leftovers=tuple(leftovers(self.ws.root(kind), self.ws.tmp)),
+                          first_error=("internal: " if internal else "") + "".join(failed)[:300])
         lines = err.strip().splitlines() or [""]
         if rerun == 0:
             now = snapshot(self.ws.root(kind), self.ws.result.read_text())
@@ -556,6 +560,7 @@ def table(outcomes: list[Outcome], seconds: float) -> str:
         ("failures", sum(o.result not in ("identical", "clear error") for o in outcomes)),
         ("bytes of user data lost", sum(o.user_bytes_lost for o in outcomes)),
         ("runs leaving debris", sum(bool(o.leftovers) for o in outcomes)),
+        ("faulted runs ending in an internal error", sum(o.first_error.startswith("internal: ") for o in outcomes)),
         ("wall time", f"{seconds / 60:.1f} min ({seconds / max(len(outcomes), 1):.1f} s per fault run)"),
     ]
     return "\n".join(["| measure | value |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)])
@@ -577,7 +582,8 @@ def run_chaos(top: Path, world: str, faults: int, seed: int, kinds: tuple[str, .
                 record.write_text(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=1))
             log(f"{i + 1:4d} {kind:9s} at {outcome.moment:>9} rc {outcome.first_rc:>3}/{outcome.rerun_rc}: {outcome.result}"
                 f"{' (' + outcome.detail[:200] + ')' if outcome.result != 'identical' or outcome.kind == 'corrupt' else ''}"
-                f"{' debris ' + ','.join(outcome.leftovers) if outcome.leftovers else ''}")
+                f"{' debris ' + ','.join(outcome.leftovers) if outcome.leftovers else ''}"
+                f"{' [faulted run: ' + outcome.first_error[:160] + ']' if outcome.first_error else ''}")
     finally:
         harness.close()
     return outcomes
