@@ -8,7 +8,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install vllm-venv test demo report-screenshot bench lock image components clean
+.PHONY: install vllm-venv test demo report-screenshot bench chaos lock image components clean
 
 WORLD := .cache/demo-world
 
@@ -50,6 +50,11 @@ bench: $(STAMP)
 		--data $(WORLD)/data/code/search.jsonl $(WORLD)/data/copy/search.jsonl $(WORLD)/data/facts/search.jsonl $(WORLD)/data/math/search.jsonl \
 		--calibration $(WORLD)/data/code/calibration.jsonl $(WORLD)/data/copy/calibration.jsonl $(WORLD)/data/facts/calibration.jsonl $(WORLD)/data/math/calibration.jsonl \
 		--sweep --racing-min-positions 64  # the demo's 64 mixed search samples hold ~1,080 scored positions
+
+# Issue 29's long chaos run: 100 random faults on the quick demo world's pipeline (benchmarks/RESULTS.md, "Chaos")
+CHAOS_FAULTS ?= 100
+chaos: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) benchmarks/chaos.py --faults $(CHAOS_FAULTS) --seed 0 --json .cache/chaos-outcomes.json
 
 lock: $(STAMP)
 	$(PY) images/lock.py
