@@ -32,6 +32,7 @@ $(VLLM_STAMP): serving/vllm/pyproject.toml
 vllm-venv: $(VLLM_STAMP)
 
 test: $(STAMP) $(VLLM_STAMP)  # the serving tests run vLLM from its own venv
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

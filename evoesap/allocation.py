@@ -223,7 +223,7 @@ def frequency_global(
         return sum(ascending[layer][start : start + granularity])
 
     for _ in range(units - sum(x)):
-        layer = min((layer for layer in range(len(caps)) if x[layer] < caps[layer]), key=lambda l: (next_cost(l), l))
+        layer = min((layer for layer in range(len(caps)) if x[layer] < caps[layer]), key=lambda i: (next_cost(i), i))
         x[layer] += 1
     return tuple(v * granularity for v in x)
 

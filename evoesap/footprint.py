@@ -23,7 +23,6 @@ import logging
 import math
 from typing import Any
 
-from evoesap.errors import ConfigError
 
 log = logging.getLogger(__name__)
 GiB = 1 << 30

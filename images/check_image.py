@@ -95,7 +95,7 @@ def main() -> int:
             failures.append("manifests record different parameters")
         if not mi.git_commit:
             failures.append("the image's manifest records no git commit")
-    print(f"| image | size | user | calibrate inside | outside | max abs score difference | commit in manifest |")
+    print("| image | size | user | calibrate inside | outside | max abs score difference | commit in manifest |")
     print("|---|---|---|---|---|---|---|")
     commit = mi.git_commit[:12] if not inside.returncode and mi.git_commit else "-"
     print(f"| {args.image} | {image_size(args.image)} | {user} | {inside_s:.1f} s | {outside_s:.1f} s | {max_diff:.3g} | {commit} |")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from evoesap.demo import DOMAINS, SPLITS, build_demo_world, routing_histograms, total_variation, weights_hash
 from evoesap.demo.domains import generate_splits, read_jsonl, write_jsonl
-from evoesap.demo.tasks import prompt_template, run_tasks, write_tasks
+from evoesap.demo.tasks import prompt_template, run_tasks
 from evoesap.demo.tokenizer import build_tokenizer
 from evoesap.demo.train import encode_chat
 from evoesap.errors import ConfigError

@@ -218,8 +218,8 @@ def test_frequency_heuristic_panel_comes_from_the_search_scores(tmp_path):
     from evoesap.stages.report import _history
 
     rarity = {0: 1, 1: 100, 2: 2, 3: 100}  # layer 0 is rarest but keeps top_k=2; layer 2 is next
-    scores = pd.DataFrame([{"layer": l, "expert": e, "frequency": f, "seer": 0.0, "ean": 0.0, "reap": 0.0, "tokens": 1}
-                           for l, f in rarity.items() for e in range(8)])
+    scores = pd.DataFrame([{"layer": layer, "expert": e, "frequency": f, "seer": 0.0, "ean": 0.0, "reap": 0.0, "tokens": 1}
+                           for layer, f in rarity.items() for e in range(8)])
     buf = tmp_path / "s.parquet"
     scores.to_parquet(buf)
     scores_uri = publish(tmp_path / "scores", "calibrate", {"scores.parquet": buf.read_bytes()})
@@ -442,8 +442,8 @@ def test_lineage_names_the_model_data_configuration_software_and_every_artifact(
     model.mkdir()
     (model / "config.json").write_text("{}")
     data.write_text('{"text": "x"}\n')
-    scores_frame = pd.DataFrame([{"layer": l, "expert": e, "frequency": e + 1, "seer": 0.0, "ean": 0.0, "reap": 0.0, "tokens": 1}
-                                 for l in range(len(N)) for e in range(N[l])])
+    scores_frame = pd.DataFrame([{"layer": layer, "expert": e, "frequency": e + 1, "seer": 0.0, "ean": 0.0, "reap": 0.0, "tokens": 1}
+                                 for layer in range(len(N)) for e in range(N[layer])])
     with artifacts.stage_output(str(tmp_path / "scores"), "calibrate", {"samples": 64}, {"model": str(model), "data": str(data)}) as staging:
         scores_frame.to_parquet(staging / "scores.parquet")
     scores = str(tmp_path / "scores")

@@ -53,7 +53,7 @@ def test_search_stage_publishes_a_feasible_allocation_with_history_and_plots(inp
     assert alloc.is_feasible(doc["removal_counts"], n, k, doc["budget"], 1)
     orders = pruning_order(read_scores(inputs["scores"]), "reap")
     expected = alloc.pruned_sets(doc["removal_counts"], orders)
-    assert {int(l): ids for l, ids in doc["pruned"].items()} == {l: ids for l, ids in expected.items()}
+    assert {int(layer): ids for layer, ids in doc["pruned"].items()} == dict(expected)
     history = pd.read_parquet(f"{searched}/history.parquet")
     assert len(history) == (SMALL["generations"] + 1) * SMALL["population"]
     assert set(history.columns) == {"generation", "candidate", "allocation", "fitness", "elite"}
@@ -84,7 +84,7 @@ def test_pruned_checkpoint_scores_like_the_masked_model(inputs, searched):
     pruned_model = moe.load_pruned(out)
     assert list(moe.inspect(pruned_model).num_experts) == [n - r for n, r in zip(doc["num_experts"], doc["removal_counts"])]
     full = moe.load_pruned(inputs["model"])
-    masked_score = CandidateEvaluator(full, inputs["cache"]).score({int(l): ids for l, ids in doc["pruned"].items()})
+    masked_score = CandidateEvaluator(full, inputs["cache"]).score({int(layer): ids for layer, ids in doc["pruned"].items()})
     pruned_score = CandidateEvaluator(pruned_model, inputs["cache"], verify=False).score({})
     assert pruned_score == pytest.approx(masked_score, abs=1e-5)
     summary = json.loads((inputs["root"] / "pruned-searched" / "pruning.json").read_text())
