@@ -45,7 +45,7 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9._=+-]+$")
 def split(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem and the path inside it for a local path or any fsspec URI. Credentials written into
     an object-store URI are refused (they would end up in manifests and error messages)."""
-    scheme = str(uri).split("://", 1)[0] if "://" in str(uri) else ""
+    scheme = str(uri).split("://", 1)[0] if identity.is_uri(str(uri)) else ""
     if scheme in _OBJECT_STORES and _USERINFO.match(str(uri)):
         raise ConfigError(
             f"{redact(uri)}: credentials inside a {scheme}:// URI are not used; remove them and give them through "
@@ -104,11 +104,7 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return identity.stream_sha256(fsspec.filesystem("file"), str(path))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,12 +196,7 @@ def verify(uri: str, stage: str, local: Path | None = None) -> Manifest:
 
 
 def _sha256_uri(uri: str) -> str:
-    fs, path = split(uri)
-    digest = hashlib.sha256()
-    with fs.open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return identity.stream_sha256(*split(uri))
 
 
 def read_payload(uri: str, name: str, manifest: Manifest) -> bytes:
@@ -384,7 +375,7 @@ def _location(uri: str) -> tuple[tuple[str, ...], str]:
 def _check_against_inputs(out_uri: str, inputs: Mapping[str, str | None]) -> None:
     out_fs, out_path = _location(out_uri)
     for name, uri in sorted(inputs.items()):
-        if uri is None or ("://" not in str(uri) and identity.is_hub_name(str(uri))):
+        if uri is None or (not identity.is_uri(str(uri)) and identity.is_hub_name(str(uri))):
             continue
         in_fs, in_path = _location(uri)
         if in_fs != out_fs:

@@ -44,6 +44,12 @@ _STORE_KEYS = ("ETag", "etag", "VersionId", "version_id", "generation", "md5Hash
 _USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
 
 
+def is_uri(text: str) -> bool:
+    """True for an fsspec URI with a scheme (`s3://`, `file://`, `memory://`), as opposed to a local path or
+    a hub name: the one test of the two spellings of a location."""
+    return "://" in str(text)
+
+
 def redact(text: str) -> str:
     """`text` (a URI, or a message holding URIs) without any user:password@ part, for logs and records."""
     return _USERINFO.sub(r"\1", str(text))
@@ -80,7 +86,7 @@ def summary(record: dict[str, Any]) -> str:
 def hub_model(name: str) -> tuple[str, str | None] | None:
     """(hub name, revision or None) of `org/name` or `org/name@revision`; None for a URI or an existing path."""
     text = str(name)
-    if "://" in text or Path(text).exists():
+    if is_uri(text) or Path(text).exists():
         return None
     repo, pinned, revision = text.partition("@")
     if not _HUB_NAME.match(repo) or Path(repo).exists() or pinned and not _REVISION.match(revision):
@@ -129,7 +135,7 @@ def locate(name: str, repo_type: str = "model") -> tuple[str, dict[str, str]]:
 
 def check_local_or_hub(name: str) -> None:
     """Refuse a name that must be a local path (it looks like one, or is not `org/name`) but does not exist."""
-    if "://" in name or Path(name).exists() or hub_model(name):
+    if is_uri(name) or Path(name).exists() or hub_model(name):
         return
     raise ConfigError(
         f"{name!r} does not exist: check the path (hub names have the form org/name or org/name@revision and are "
@@ -138,7 +144,7 @@ def check_local_or_hub(name: str) -> None:
 
 
 def _record(uri: str, repo_type: str) -> dict[str, Any]:
-    if "://" not in uri:
+    if not is_uri(uri):
         check_local_or_hub(uri)
         ref = hub_model(uri)
         if ref is not None:
@@ -180,17 +186,18 @@ def _sha256(fs: Any, path: str) -> str:
     if "file" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol):
         stat = os.stat(path)
         return _local_sha256(path, stat.st_size, stat.st_mtime_ns, stat.st_ino)
-    return _stream_sha256(fs, path)
+    return stream_sha256(fs, path)
 
 
 @functools.lru_cache(maxsize=1024)
 def _local_sha256(path: str, size: int, mtime_ns: int, inode: int) -> str:
     """Hashed once per process and file version: a stage identifies its inputs several times."""
     del size, mtime_ns, inode  # part of the cache key only
-    return _stream_sha256(fsspec.filesystem("file"), path)
+    return stream_sha256(fsspec.filesystem("file"), path)
 
 
-def _stream_sha256(fs: Any, path: str) -> str:
+def stream_sha256(fs: Any, path: str) -> str:
+    """The sha256 of a file on any filesystem, read in 1 MiB blocks (never the whole file in memory)."""
     digest_ = hashlib.sha256()
     with fs.open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

@@ -10,6 +10,7 @@ from typing import Any
 from evoesap.errors import ConfigError
 from evoesap import footprint
 from evoesap.footprint import Data, GiB, Machine, ModelShape, StagePlan, cache_bytes, default_cache_mode, model_shape, plan_stages
+from evoesap.identity import is_uri
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ def pipeline_plan(config: Any, machine: Machine, model: str | None = None) -> tu
     if cache_p.mode is None:  # unset: full unless the full cache would crowd or not fit the search
         mode, _ = default_cache_mode(shape, machine, data, cache_p, params["search"])
         params["cache-logits"] = dataclasses.replace(cache_p, mode=mode)
-    remote = "://" in config.storage_root and not config.storage_root.startswith("file://")
+    remote = is_uri(config.storage_root) and not config.storage_root.startswith("file://")
     return shape, data, params, plan_stages(shape, machine, data, params, remote_out=remote)
 
 

@@ -12,6 +12,7 @@ import torch
 
 from evoesap import artifacts
 from evoesap.errors import ConfigError
+from evoesap.identity import is_uri
 
 MODEL_DTYPES: dict[str, Any] = {
     "auto": "auto",  # the checkpoint's own dtype
@@ -61,7 +62,7 @@ def load_model(uri: str, model_dtype: str = "auto", device: str = "auto", device
     bound_allocator_retention()
     placement = device_map or placement_map(resolve_device(device))
     kwargs = {"device_map": placement} if placement else {}
-    remote = "://" in uri and not artifacts.is_local(uri)
+    remote = is_uri(uri) and not artifacts.is_local(uri)
     with artifacts.local_copy(uri) if remote else contextlib.nullcontext(uri) as source:
         if artifacts.exists(artifacts.join(str(source), artifacts.MANIFEST)):
             artifacts.verify(uri, "prune", local=Path(source))
@@ -88,7 +89,7 @@ def inspect_checkpoint(uri: str) -> Any:
     from evoesap import moe
     from evoesap.identity import locate
 
-    if "://" in uri:
+    if is_uri(uri):
         data = artifacts.read_json(artifacts.join(uri, "config.json"))
         config = AutoConfig.for_model(**data)
     else:

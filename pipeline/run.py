@@ -18,12 +18,13 @@ from evoesap.errors import ConfigError
 from evoesap.pipeline.config import PipelineConfig
 from evoesap.pipeline.dag import build_pipeline
 from evoesap.pipeline.files import LOG_HEADER, claim_output_file
+from evoesap.identity import is_uri
 
 log = logging.getLogger(__name__)
 
 
 def _absolute(uri: str) -> str:
-    return str(Path(uri).resolve()) if "://" not in uri else uri
+    return str(Path(uri).resolve()) if not is_uri(uri) else uri
 
 
 _TASK_LINE = re.compile(r"(Executing task|finished with status|Pipeline .* finished)")
@@ -70,7 +71,7 @@ def _check_mounted(config: PipelineConfig, root: Path) -> None:
     paths = {"model": config.model, "calibration_data": config.calibration_data, "search_data": config.search_data,
              "heldout_data": config.heldout_data, "storage_root": config.storage_root}
     for name, value in paths.items():
-        if not value or "://" in value or (name == "model" and not Path(value).exists()):  # a URI or a hub name
+        if not value or is_uri(value) or (name == "model" and not Path(value).exists()):  # a URI or a hub name
             continue
         if not Path(value).resolve().is_relative_to(root):
             raise ConfigError(
@@ -124,7 +125,7 @@ def run_local(
         }
     )
     pipeline_root = config.pipeline_root or str(Path(tempfile.gettempdir()) / "evoesap-kfp-local")
-    if "://" in pipeline_root:
+    if is_uri(pipeline_root):
         raise ValueError(f"pipeline_root must be a local directory for local runs, got {pipeline_root!r}")
     pipeline_root = _absolute(pipeline_root)
     if runner == "docker":

@@ -30,6 +30,7 @@ from evoesap.moe import shards
 from evoesap.moe.families import PER_LAYER_KEY
 from evoesap.moe.spec import Pruned, check_pruned, expert_tensors, inspect, model_family, moe_blocks
 from evoesap.moe.surgery import name_nonuniform, set_counts
+from evoesap.identity import is_uri
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def checkpoint_files(source: str, patterns: tuple[str, ...] | None = None) -> tu
     """(filesystem, root) holding a checkpoint: a path or fsspec URI read in place; a hub name (at its pinned
     revision's commit) fetched to the hub's cache (config, tokenizer and safetensors only, or the files
     matching `patterns`)."""
-    if "://" in source or Path(source).exists():
+    if is_uri(source) or Path(source).exists():
         return artifacts.split(source)
     from huggingface_hub import snapshot_download
 

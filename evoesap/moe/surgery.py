@@ -27,6 +27,7 @@ from evoesap.moe.families import NONUNIFORM_ARCHITECTURE_PREFIX, PER_LAYER_KEY, 
 from evoesap.moe import per_layer_modeling
 from evoesap.moe.remote_code import drop_auto_map, layout, write_modeling_file
 from evoesap.moe.spec import MoEBlock, Pruned, check_pruned, inspect, model_family, moe_blocks
+from evoesap.identity import is_uri
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ def name_nonuniform(directory: Path, family: Family, stock_name: str) -> None:
 def _source(uri_or_hub_name: str) -> Iterator[tuple[str, dict[str, str]]]:
     """(a path or hub name that from_pretrained understands, its `revision` keyword for a hub name);
     object-store URIs are downloaded."""
-    if "://" in uri_or_hub_name:
+    if is_uri(uri_or_hub_name):
         with artifacts.local_copy(uri_or_hub_name) as local:
             yield str(local), {}
     else:

@@ -12,6 +12,7 @@ from evoesap import artifacts, records, runtime, vllm_eval
 from evoesap import evaluate as ev
 from evoesap.errors import ConfigError, DataError
 from evoesap.params import DeviceParams, param
+from evoesap.identity import is_uri
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ def _check_heldout(teacher_cache: str, model: str, allocation: str | None) -> No
 @contextlib.contextmanager
 def _served_copy(model: str) -> Iterator[str]:
     """What vLLM can open: a local directory or hub name (pinned or not) as given, an object-store URI downloaded."""
-    if "://" not in model:
+    if not is_uri(model):
         yield model
         return
     with artifacts.local_copy(model) as local:
