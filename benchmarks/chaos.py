@@ -40,8 +40,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # this checkout's evoesap; tests' tiny world
 
-from evoesap import steps as steps_module
-from evoesap.steps import STEPS
+from evoesap.stages import STAGES
 
 KINDS = ("kill9", "sigterm", "s3_outage", "disk_full", "corrupt")
 BUCKET = "chaos"
@@ -369,8 +368,8 @@ class Harness:
         self.reference: dict[str, dict[str, dict[str, str]]] = {}
         self.duration: dict[str, float] = {}
         self.stored_bytes = 0
-        for stage in STEPS:  # imported once here, so each forked stage process starts warm
-            steps_module._stage(stage)
+        for stage in STAGES:  # imported once here, so each forked stage process starts warm
+            stage.function()
         import lm_eval.evaluator  # noqa: F401 - the evaluate stage's heaviest import
 
     def close(self) -> None:
