@@ -189,17 +189,36 @@ def level_switch_search(
     if resume and saved is None:
         log.info("no checkpoint at %s yet: starting the search afresh", artifacts.redact(str(checkpoint)))
 
-    caps = np.asarray(space.caps)  # [L] int, bounds in units of granularity
-    sizes = np.arange(1, max(1, params.max_transfer // params.granularity) + 1)  # [D] transfer sizes in units
-    rng = np.random.default_rng(params.seed)
-    memo: dict[Allocation, float] = {}
-    history: list[HistoryRecord] = []
-    best: Allocation | None = None
-    best_fitness = -math.inf
-    subset_calls = 0
+    run = _Run(params, space, score_batch, checkpoint, on_generation)
+    if saved is None:
+        start, pop = 0, _initial_population(_seeds(params), space, params.population, run.rng)
+        run.finish(0, pop)
+    else:
+        start, pop = run.restore(saved)
+    for gen in range(start + 1, params.generations + 1):
+        pop = _next_population(run.parents(pop), params, space, run.caps, run.sizes, run.rng)
+        run.finish(gen, pop)
+    return run.result()
 
-    def scored(rs: list[Allocation], level: int | None, gen: int) -> list[float]:
-        values = [float(v) for v in score_batch(rs, level, gen)]
+
+class _Run:
+    """The state of one search as it goes: memoised fitness, history, the best so far, the RNG; the
+    scoring of a generation (racing levels, then the full set), its record and its checkpoint."""
+
+    def __init__(self, params: _Params, space: Any, score_batch: ScoreBatch, checkpoint: str | None,
+                 on_generation: OnGeneration | None) -> None:
+        self.params, self.score_batch, self.checkpoint, self.on_generation = params, score_batch, checkpoint, on_generation
+        self.caps = np.asarray(space.caps)  # [L] int, bounds in units of granularity
+        self.sizes = np.arange(1, max(1, params.max_transfer // params.granularity) + 1)  # [D] transfer sizes in units
+        self.rng = np.random.default_rng(params.seed)
+        self.memo: dict[Allocation, float] = {}
+        self.history: list[HistoryRecord] = []
+        self.best: Allocation | None = None
+        self.best_fitness = -math.inf
+        self.subset_calls = 0
+
+    def scored(self, rs: list[Allocation], level: int | None, gen: int) -> list[float]:
+        values = [float(v) for v in self.score_batch(rs, level, gen)]
         if len(values) != len(rs):
             raise DataError(f"score_batch returned {len(values)} values for {len(rs)} allocations: fix the scorer")
         for r, v in zip(rs, values):
@@ -208,76 +227,73 @@ def level_switch_search(
                 raise DataError(f"{where} returned NaN for allocation {r}: the search cannot rank it; fix the fitness")
         return values
 
-    def evaluate(rs: list[Allocation], gen: int) -> None:
+    def evaluate(self, rs: list[Allocation], gen: int) -> None:
         """Full-set fitness of those of `rs` not scored yet, one batch in first-seen order (memo)."""
-        new = [r for r in dict.fromkeys(rs) if r not in memo]
+        new = [r for r in dict.fromkeys(rs) if r not in self.memo]
         if new:
-            memo.update(zip(new, scored(new, None, gen)))
+            self.memo.update(zip(new, self.scored(new, None, gen)))
 
-    def race(gen: int, pop: list[Allocation]) -> dict[Allocation, tuple[int, float]]:
+    def race(self, gen: int, pop: list[Allocation]) -> dict[Allocation, tuple[int, float]]:
         """Score the new members over the racing levels; survivors get full-set fitness (memo).
         Returns the level reached and the score there of those stopped early."""
-        nonlocal subset_calls
+        racing = self.params.racing
         assert racing is not None
-        entrants = [r for r in dict.fromkeys(pop) if r not in memo]
+        entrants = [r for r in dict.fromkeys(pop) if r not in self.memo]
         stopped: dict[Allocation, tuple[int, float]] = {}
         for level in range(len(racing.fractions)):
             if not entrants:
                 break
-            scores = scored(entrants, level, gen)
-            subset_calls += len(entrants)
+            scores = self.scored(entrants, level, gen)
+            self.subset_calls += len(entrants)
             stopped.update((r, (level, v)) for r, v in zip(entrants, scores))
-            keep = racing.survivors(len(entrants), params.elites if gen == 0 else 1)
+            keep = racing.survivors(len(entrants), self.params.elites if gen == 0 else 1)
             entrants = [entrants[i] for i in _top(scores, keep)]
-        evaluate(entrants, gen)
+        self.evaluate(entrants, gen)
         for r in entrants:
             stopped.pop(r, None)
         return stopped
 
-    def report(gen: int, pop: list[Allocation]) -> None:
-        mean = float(np.mean([memo[r] for r in pop if r in memo]))
-        log.info("generation %d: best %.6g, mean %.6g, %d evaluations", gen, best_fitness, mean, len(memo))
-        if on_generation is not None:
-            on_generation(gen, best, best_fitness, mean, len(memo))
-
-    def finish(gen: int, pop: list[Allocation]) -> None:
-        nonlocal best, best_fitness
-        stopped = race(gen, pop) if racing is not None else {}
-        evaluate([r for r in pop if r not in stopped], gen)
-        fits = [-math.inf if r in stopped else memo[r] for r in pop]  # stopped early: never elite
-        top = set(_top(fits, params.elites))
-        history.extend(
+    def finish(self, gen: int, pop: list[Allocation]) -> None:
+        """Score generation `gen`, record it, keep the best, checkpoint it and report it."""
+        stopped = self.race(gen, pop) if self.params.racing is not None else {}
+        self.evaluate([r for r in pop if r not in stopped], gen)
+        fits = [-math.inf if r in stopped else self.memo[r] for r in pop]  # stopped early: never elite
+        top = set(_top(fits, self.params.elites))
+        self.history.extend(
             HistoryRecord(gen, i, r, f, i in top) if r not in stopped else
             HistoryRecord(gen, i, r, stopped[r][1], False, stopped[r][0])
             for i, (r, f) in enumerate(zip(pop, fits))
         )
         for r, f in zip(pop, fits):
-            if r not in stopped and (best is None or f > best_fitness):
-                best, best_fitness = r, f
-        if checkpoint is not None:
-            _write_checkpoint(checkpoint, params, gen, pop, memo, history, best, best_fitness, rng, subset_calls)
-        report(gen, pop)
+            if r not in stopped and (self.best is None or f > self.best_fitness):
+                self.best, self.best_fitness = r, f
+        if self.checkpoint is not None:
+            _write_checkpoint(self.checkpoint, self.params, gen, pop, self.memo, self.history, self.best,
+                              self.best_fitness, self.rng, self.subset_calls)
+        self.report(gen, pop)
 
-    if saved is None:
-        start = 0
-        pop = _initial_population(_seeds(params), space, params.population, rng)
-        finish(0, pop)
-    else:
-        start, pop = saved["generation"], saved["population"]
-        memo.update(saved["memo"])
-        history.extend(saved["history"])
-        best, best_fitness = saved["best"], saved["best_fitness"]
-        subset_calls = saved["subset_calls"]
-        rng.bit_generator.state = saved["rng"]
-        report(start, pop)
+    def restore(self, saved: dict[str, Any]) -> tuple[int, list[Allocation]]:
+        """Continue from a checkpoint: its generation and population."""
+        self.memo.update(saved["memo"])
+        self.history.extend(saved["history"])
+        self.best, self.best_fitness = saved["best"], saved["best_fitness"]
+        self.subset_calls = saved["subset_calls"]
+        self.rng.bit_generator.state = saved["rng"]
+        self.report(saved["generation"], saved["population"])
+        return saved["generation"], saved["population"]
 
-    for gen in range(start + 1, params.generations + 1):
-        parents = [pop[i] for i in _top([memo.get(r, -math.inf) for r in pop], params.elites)]
-        pop = _next_population(parents, params, space, caps, sizes, rng)
-        finish(gen, pop)
+    def parents(self, pop: list[Allocation]) -> list[Allocation]:
+        return [pop[i] for i in _top([self.memo.get(r, -math.inf) for r in pop], self.params.elites)]
 
-    assert best is not None
-    return SearchResult(best, best_fitness, tuple(history), len(memo), subset_calls)
+    def report(self, gen: int, pop: list[Allocation]) -> None:
+        mean = float(np.mean([self.memo[r] for r in pop if r in self.memo]))
+        log.info("generation %d: best %.6g, mean %.6g, %d evaluations", gen, self.best_fitness, mean, len(self.memo))
+        if self.on_generation is not None:
+            self.on_generation(gen, self.best, self.best_fitness, mean, len(self.memo))
+
+    def result(self) -> SearchResult:
+        assert self.best is not None
+        return SearchResult(self.best, self.best_fitness, tuple(self.history), len(self.memo), self.subset_calls)
 
 
 def _one_by_one(fitness: Fitness, subset_fitness: SubsetFitness | None) -> ScoreBatch:
