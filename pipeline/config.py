@@ -38,6 +38,7 @@ class _Settings(BaseModel):
     pipeline_root: str | None = None  # kfp.local's own scratch directory (local runs only)
     image: str | None = None  # the stage image; default: the project's image of this version
     retries: int = Field(2, ge=0, strict=True)  # per task, for transient failures
+    parallelism: int = Field(0, ge=0, strict=True)  # criterion x sparsity points run at once (KFP's ParallelFor); 0: all
     # Kubernetes settings per stage (pipeline.cluster.StageSettings); `all` applies to every stage
     resources: dict[Literal[("all", *stages.NAMES)], StageSettings] = {}  # type: ignore[valid-type]
 

@@ -17,6 +17,7 @@ from kfp import compiler, dsl
 from kfp.dsl import HTML, Input, Markdown, Model
 
 from evoesap.components import DEFAULT_IMAGE, make_components
+from evoesap.plan import check_grid
 from evoesap.pipeline import cluster
 from evoesap.pipeline.config import PipelineConfig
 from evoesap.pipeline.files import SPEC_MARKER, claim_output_file
@@ -74,6 +75,7 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
     `evoesap(model=train_task.outputs["model"])`; its outputs are the report (Markdown, HTML) and the
     searched pruned model of every criterion x sparsity point (`pruned_models`, a list of `dsl.Model`).
     """
+    check_grid(config.pinned_model, config.grid(), config.stage_params("search"), config.stage_params("prune"))
     comps = make_components(config.image or DEFAULT_IMAGE)
     d = _defaults(config)
 
@@ -107,7 +109,7 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
         teacher = {"teacher_cache": heldout["heldout_cache"]} if heldout else {}
         full = stage("evaluate", comps.evaluate(model=model, storage_root=storage_root, params=evaluate_params, **teacher),
                      "evaluate full")
-        with dsl.ParallelFor(grid, name="criterion-x-sparsity") as point:
+        with dsl.ParallelFor(grid, name="criterion-x-sparsity", parallelism=config.parallelism) as point:
             point_args = dict(criterion=point.criterion, sparsity=point.sparsity, storage_root=storage_root)
             searched = stage(
                 "search",

@@ -31,6 +31,7 @@ import yaml
 from evoesap.artifacts import redact
 from evoesap.errors import ConfigError
 from evoesap.identity import pin
+from evoesap.plan import check_grid
 from evoesap.stages import NAMES
 from evoesap.steps import make_params
 
@@ -172,9 +173,12 @@ def resolve_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any]) -> 
         stage = name.removesuffix("_params").replace("_", "-")
         if name.endswith("_params") and stage in NAMES:
             make_params(stage, value)  # unknown fields and bad values: the stage's own one-line error
-    if {"model", "revision"} & set(arguments):
-        model, revision = (arguments.get(k, parameters.get(k, {}).get("defaultValue")) for k in ("model", "revision"))
-        pin(model, revision or None)  # a revision for a model that is not a hub name: refused now, not in the run
+    def value(name: str) -> Any:
+        return arguments.get(name, parameters.get(name, {}).get("defaultValue"))
+
+    if {"model", "revision", "grid", "search_params", "prune_params"} & set(arguments):
+        # a revision for a model that is not a hub name, or a sparsity the model cannot search: refused now, not in the run
+        check_grid(pin(value("model"), value("revision") or None), value("grid"), value("search_params"), value("prune_params"))
     return arguments
 
 

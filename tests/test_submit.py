@@ -22,6 +22,8 @@ from evoesap.errors import ConfigError
 from evoesap.pipeline.config import PipelineConfig
 from evoesap.pipeline.submit import Submission, follow, parse_overrides, submit
 
+from tiny_world import quick_world_config
+
 CONFIG = dict(model="/models/full", calibration_data="/data/code.jsonl", search_data="/data/math.jsonl",
               criteria=["reap"], sparsities=[0.5], storage_root="s3://bucket/runs", name="nightly-prune")
 
@@ -206,6 +208,17 @@ def test_unknown_or_mistyped_override_is_refused_before_anything_is_created(kfp_
         submit(PipelineConfig(**CONFIG), Submission(host=kfp_api, overrides={"grid": "all"}))
     with pytest.raises(ConfigError, match="revision 'v1' applies to hub models"):  # /models/full is a path
         submit(PipelineConfig(**CONFIG), Submission(host=kfp_api, overrides={"revision": "v1"}))
+    assert not _posts()
+
+
+def test_a_sparsity_the_model_cannot_search_is_refused_before_anything_is_created(kfp_api, tmp_path):
+    model = quick_world_config(tmp_path / "quick")
+    config = PipelineConfig(**{**CONFIG, "model": str(model), "sparsities": [0.25]})
+    grid = parse_overrides(["grid=[{criterion: reap, sparsity: 0.5}]"])
+    with pytest.raises(ConfigError, match="criterion reap at sparsity 0.5 cannot be searched on .*single allocation"):
+        submit(config, Submission(host=kfp_api, overrides=grid))
+    with pytest.raises(ConfigError, match="at sparsity 0.25 cannot be searched on .*cannot be met in multiples of granularity 4"):
+        submit(config, Submission(host=kfp_api, overrides={"search_params.granularity": 4}))
     assert not _posts()
 
 
