@@ -60,6 +60,8 @@ class _Settings(BaseModel):
     @model_validator(mode="after")
     def _accelerators_where_a_model_runs(self) -> "PipelineConfig":
         shared = self.resources.get("all")
+        if shared is not None and shared.image:
+            raise ValueError("resources.all.image: set the image of every stage with the top-level `image`")
         if shared is not None and shared.accelerator_count:
             raise ValueError(f"resources.all: set accelerators per stage, not for all (stages that can use one: "
                              f"{', '.join(stages.MODEL_STAGES)})")
@@ -94,6 +96,12 @@ class _Settings(BaseModel):
         grid = stages.get(stage).grid
         point = point or self.grid()[0]
         return make_params(stage, {**self.stage_params(stage), **{name: point[name] for name in grid}})
+
+    def stage_image(self, stage: str) -> str:
+        """The image a stage's pods run: its own `resources.<stage>.image`, else `image`, else the project's."""
+        from evoesap.components import DEFAULT_IMAGE
+
+        return self.settings(stage).image or self.image or DEFAULT_IMAGE
 
     def settings(self, stage: str) -> StageSettings:
         """The stage's Kubernetes settings: its own over `all`."""

@@ -16,8 +16,9 @@ from typing import Any, Callable, List, NamedTuple
 from kfp import compiler, dsl
 from kfp.dsl import HTML, Input, Markdown, Model
 
-from evoesap.components import DEFAULT_IMAGE, make_components
+from evoesap.components import StageComponents, make_components
 from evoesap.plan import check_grid
+from evoesap.stages import STAGES
 from evoesap.pipeline import cluster
 from evoesap.pipeline.config import PipelineConfig
 from evoesap.pipeline.files import SPEC_MARKER, claim_output_file
@@ -76,7 +77,8 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
     searched pruned model of every criterion x sparsity point (`pruned_models`, a list of `dsl.Model`).
     """
     check_grid(config.pinned_model, config.grid(), config.stage_params("search"), config.stage_params("prune"))
-    comps = make_components(config.image or DEFAULT_IMAGE)
+    bound = {image: make_components(image) for image in {config.stage_image(stage.name) for stage in STAGES}}
+    comps = StageComponents(**{stage.section: getattr(bound[config.stage_image(stage.name)], stage.section) for stage in STAGES})
     d = _defaults(config)
 
     def evoesap_stages(
