@@ -17,7 +17,7 @@ from kfp import compiler, dsl
 from kfp.dsl import HTML, Input, Markdown, Model
 
 from evoesap.components import StageComponents, make_components
-from evoesap.plan import check_grid
+from evoesap.pipeline.feasibility import check_grid
 from evoesap.stages import STAGES
 from evoesap.pipeline import cluster
 from evoesap.pipeline.config import PipelineConfig

@@ -31,11 +31,11 @@ import yaml
 from evoesap.artifacts import redact
 from evoesap.errors import ConfigError
 from evoesap.identity import pin
-from evoesap.plan import check_grid
 from evoesap.stages import NAMES
 from evoesap.steps import make_params
 
 from .config import PipelineConfig, load_config
+from .feasibility import check_grid
 
 log = logging.getLogger(__name__)
 

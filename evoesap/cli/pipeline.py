@@ -29,12 +29,21 @@ def compile_cmd(
 @pipeline_app.command("components")
 def components_cmd(
     out: Path = typer.Option(Path("components"), "--out", help="Directory for the <stage>.yaml files."),
-    image: str = typer.Option(None, "--image", help="Stage image (default: the project's image of this version)."),
+    config: Path = typer.Option(None, "--config",
+                                help="Pipeline YAML whose `registry`/`image` the components name (default: the project's image)."),
 ) -> None:
-    """Compile each stage to a single-stage KFP component YAML.  Example: evoesap pipeline components --out components"""
+    """Compile each stage to a single-stage KFP component YAML.
+
+    Example: evoesap pipeline components --out components --config pipeline.yaml
+    """
     from evoesap.components import DEFAULT_IMAGE, write_component_yamls
 
-    for path in write_component_yamls(out, image or DEFAULT_IMAGE):
+    image = DEFAULT_IMAGE
+    if config is not None:
+        from evoesap.pipeline.config import load_config
+
+        image = load_config(config).default_image
+    for path in write_component_yamls(out, image):
         typer.echo(str(path))
 
 
