@@ -20,7 +20,24 @@ from kfp.dsl import HTML, Artifact, Dataset, Input, Markdown, Metrics, Model, Ou
 from evoesap import __version__
 from evoesap.stages import STAGES
 
-DEFAULT_IMAGE = f"evoesap/stage:{__version__}"  # built from images/Dockerfile; push it to your registry
+# Where the stage images are published: images/Dockerfile as `<registry>/stage:<version>`, images/Dockerfile.cuda
+# as `<registry>/stage-cuda:<version>`. Fully qualified (a registry host first), so no runtime resolves a bare
+# name against a default registry where anyone could have pushed it; a configuration's `registry` replaces it.
+DEFAULT_REGISTRY = "ghcr.io/evoesap"
+
+
+def stage_image(registry: str = DEFAULT_REGISTRY, name: str = "stage") -> str:
+    """The stage image of this version in `registry`."""
+    return f"{registry.rstrip('/')}/{name}:{__version__}"
+
+
+def qualified(image: str) -> bool:
+    """Whether `image` names its registry host (a dot or port in the first part, or localhost) and a tag or digest."""
+    host, _, rest = image.partition("/")
+    return bool(rest) and ("." in host or ":" in host or host == "localhost") and (":" in rest or "@" in rest)
+
+
+DEFAULT_IMAGE = stage_image()
 
 _STORAGE = (
     "storage_root: Where EvoESAP keeps its content-addressed artifacts (a path, s3://, gs://); a stage whose "

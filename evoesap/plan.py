@@ -110,3 +110,4 @@ def check_stage(stage: str, inputs: dict[str, Any], params: Any) -> StagePlan | 
         if search:
             raise ResourceError(f"cache_logits.mode is full, but {search}")
     return plan
+

@@ -177,12 +177,7 @@ def level_switch_search(
     elif subset_fitness is not None:
         raise ConfigError("score_batch scores the racing levels too: drop subset_fitness")
     params = dataclasses.replace(params, racing=racing)
-    space = allocation.FeasibleSet(params.num_experts, params.top_k, params.budget, params.granularity)
-    if space.size < 2:
-        raise ConfigError(
-            f"budget {params.budget} admits a single allocation {space.unrank(0)}: there is nothing to search; "
-            "use it directly"
-        )
+    space = searchable(params.num_experts, params.top_k, params.budget, params.granularity)
     if resume and checkpoint is None:
         raise ConfigError("resume=True needs a checkpoint URI to resume from")
     saved = _read_checkpoint(checkpoint, params) if resume and artifacts.exists(checkpoint) else None
@@ -346,6 +341,17 @@ def _validate(
         except ConfigError as exc:
             raise ConfigError(f"init[{i}]: {exc}") from None
     return _Params(n, k, b, granularity=g, init=tuple(seeds), **ints)
+
+
+def searchable(num_experts: Sequence[int], top_k: Sequence[int], budget: int, granularity: int = 1) -> allocation.FeasibleSet:
+    """The feasible allocations of a budget, refused when there is nothing to search (one allocation or none)."""
+    space = allocation.FeasibleSet(num_experts, top_k, budget, granularity)
+    if space.size < 2:
+        raise ConfigError(
+            f"budget {budget} admits a single allocation {space.unrank(0)}: there is nothing to search; "
+            "use it directly"
+        )
+    return space
 
 
 def _seeds(params: _Params) -> list[Allocation]:

@@ -23,12 +23,10 @@ from typing import Callable, List, NamedTuple
 from kfp import compiler, dsl
 from kfp.dsl import Input, Markdown, Model, Output
 
-from evoesap.components import DEFAULT_IMAGE
 from evoesap.pipeline.config import PipelineConfig, load_config
 from evoesap.pipeline.dag import build_subpipeline
 
 
-@dsl.component(base_image=DEFAULT_IMAGE, install_kfp_package=False)
 def train(base_model: str, data: str, steps: int, learning_rate: float, model: Output[Model]):
     """Fine-tune `base_model` for `steps` AdamW steps on the chat samples in `data`; save a safetensors checkpoint.
 
@@ -66,7 +64,6 @@ def train(base_model: str, data: str, steps: int, learning_rate: float, model: O
     model.metadata.update({"base_model": base_model, "steps": steps, "final_loss": float(loss)})
 
 
-@dsl.component(base_image=DEFAULT_IMAGE, install_kfp_package=False)
 def publish(pruned_models: Input[List[Model]], report: Input[Markdown], release: Output[Markdown]):
     """Release notes for the pruned models, from the metadata of the artifacts handed over.
 
@@ -104,8 +101,11 @@ Release = NamedTuple("Release", release=Markdown, pruned_models=List[Model])
 
 
 def build_team_pipeline(config: PipelineConfig) -> Callable:
-    """train -> EvoESAP (the configuration's DAG, as a sub-pipeline) -> publish."""
+    """train -> EvoESAP (the configuration's DAG, as a sub-pipeline) -> publish; the team's steps run in the
+    configuration's image too (torch and evoesap are there), so a compiled spec names only its registry."""
     evoesap = build_subpipeline(config)
+    step = dsl.component(base_image=config.default_image, install_kfp_package=False)
+    train_step, publish_step = step(train), step(publish)
 
     @dsl.pipeline(name=f"{config.name}-team-release", description="train -> EvoESAP -> publish")
     def team_release(
@@ -115,11 +115,11 @@ def build_team_pipeline(config: PipelineConfig) -> Callable:
         learning_rate: float = 1e-4,
         storage_root: str = config.storage_root,
     ) -> Release:
-        trained = train(base_model=base_model, data=train_data, steps=train_steps, learning_rate=learning_rate)
+        trained = train_step(base_model=base_model, data=train_data, steps=train_steps, learning_rate=learning_rate)
         # Pass at least one parameter with the model: kfp.local 2.17 binds a sub-pipeline's artifact
         # inputs only then (a cluster binds them either way).
         pruned = evoesap(model=trained.outputs["model"], storage_root=storage_root)
-        notes = publish(pruned_models=pruned.outputs["pruned_models"], report=pruned.outputs["report"])
+        notes = publish_step(pruned_models=pruned.outputs["pruned_models"], report=pruned.outputs["report"])
         return Release(release=notes.outputs["release"], pruned_models=pruned.outputs["pruned_models"])
 
     return team_release

@@ -2,9 +2,11 @@
 
 The configuration's `resources` section holds one `StageSettings` per stage and an `all` entry merged
 under each of them (lists add up, mappings merge, a stage's own value wins). `apply` puts them on a
-task: requests and limits and accelerators through the KFP DSL, secrets, node selectors, tolerations,
-PVCs, an in-memory /dev/shm, scratch space and image pull secrets through kfp-kubernetes. KFP's spec
-has no ephemeral-storage resource, so scratch space is a generic ephemeral volume with TMPDIR on it.
+task: requests, limits, accelerators and environment variables through the KFP DSL; secrets, node
+selectors and affinity, tolerations, PVCs, an in-memory /dev/shm, scratch space, image pull secrets,
+pod labels and annotations and the timeout through kfp-kubernetes. A stage's `image` is the base image
+its component is built with (`pipeline.dag`). KFP's spec has no ephemeral-storage resource, so scratch
+space is a generic ephemeral volume with TMPDIR on it.
 """
 
 from __future__ import annotations
@@ -51,6 +53,21 @@ class Scratch(_Strict):
     storage_class: str | None = None
 
 
+class Requirement(_Strict):
+    """One node label requirement of an affinity term (Kubernetes' NodeSelectorRequirement)."""
+
+    key: str
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"]
+    values: list[str] = []
+
+
+class Affinity(_Strict):
+    """A node affinity term: required when `weight` is unset, else preferred with that weight."""
+
+    match_expressions: list[Requirement] = Field(min_length=1)
+    weight: int | None = Field(None, ge=1, le=100, strict=True)
+
+
 class StageSettings(_Strict):
     """What one stage's pods ask the cluster for; unset fields ask for nothing."""
 
@@ -68,6 +85,12 @@ class StageSettings(_Strict):
     scratch: Scratch | None = None
     image_pull_secrets: list[str] = []
     retries: int | None = Field(None, ge=0, strict=True)  # None: the configuration's `retries`
+    env: dict[str, str] = {}  # plain environment variables, e.g. {HF_HOME: /cache}; secrets go in `secrets`
+    image: str | None = None  # this stage's image (e.g. a slim CPU image for prune and report); None: the config's `image`
+    timeout: int | None = Field(None, gt=0, strict=True)  # seconds a pod may run before Kubernetes stops it
+    labels: dict[str, str] = {}  # pod labels (cost centre, team, policy selectors)
+    annotations: dict[str, str] = {}  # pod annotations
+    node_affinity: list[Affinity] = []  # beyond `node_selector`: In/NotIn/Exists... terms, required or preferred
 
     @model_validator(mode="after")
     def _accelerator_pair(self) -> "StageSettings":
@@ -124,4 +147,15 @@ def apply(task: Any, settings: StageSettings, retries: int) -> Any:
         task.set_env_variable("TMPDIR", SCRATCH_MOUNT)
     if settings.image_pull_secrets:
         kubernetes.set_image_pull_secrets(task, list(settings.image_pull_secrets))
+    for name, value in settings.env.items():
+        task.set_env_variable(name, value)
+    for key, value in settings.labels.items():
+        kubernetes.add_pod_label(task, label_key=key, label_value=value)
+    for key, value in settings.annotations.items():
+        kubernetes.add_pod_annotation(task, annotation_key=key, annotation_value=value)
+    if settings.timeout:
+        kubernetes.set_timeout(task, settings.timeout)
+    for term in settings.node_affinity:
+        kubernetes.add_node_affinity(task, match_expressions=[r.model_dump() for r in term.match_expressions],
+                                     weight=term.weight)
     return task

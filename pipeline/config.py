@@ -13,7 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
-from evoesap import stages
+from evoesap import __version__, stages
 from evoesap.errors import ConfigError
 
 from .cluster import StageSettings, merged
@@ -36,8 +36,10 @@ class _Settings(BaseModel):
     sparsities: list[float] = [0.25]
     storage_root: str = "./runs/artifacts"  # where every artifact goes: a path, s3://, gs://
     pipeline_root: str | None = None  # kfp.local's own scratch directory (local runs only)
-    image: str | None = None  # the stage image; default: the project's image of this version
+    registry: str | None = None  # where the stage images are (host[:port]/path); every image must lie there
+    image: str | None = None  # the stage image, fully qualified; default: <registry>/stage:<version>
     retries: int = Field(2, ge=0, strict=True)  # per task, for transient failures
+    parallelism: int = Field(0, ge=0, strict=True)  # criterion x sparsity points run at once (KFP's ParallelFor); 0: all
     # Kubernetes settings per stage (pipeline.cluster.StageSettings); `all` applies to every stage
     resources: dict[Literal[("all", *stages.NAMES)], StageSettings] = {}  # type: ignore[valid-type]
 
@@ -58,7 +60,19 @@ class _Settings(BaseModel):
 
     @model_validator(mode="after")
     def _accelerators_where_a_model_runs(self) -> "PipelineConfig":
+        from evoesap.components import qualified
+
+        images = {"image": self.image, **{f"resources.{k}.image": v.image for k, v in self.resources.items()}}
+        for key, image in images.items():
+            if image and not qualified(image):
+                raise ValueError(f"{key} {image!r} is not fully qualified: write registry/name:tag "
+                                 f"(e.g. registry.example.org/evoesap/stage:{__version__})")
+            if image and self.registry and not image.startswith(self.registry.rstrip("/") + "/"):
+                raise ValueError(f"{key} {image!r} is not in the registry {self.registry!r}: move it there or "
+                                 "leave it unset (default: <registry>/stage:<version>)")
         shared = self.resources.get("all")
+        if shared is not None and shared.image:
+            raise ValueError("resources.all.image: set the image of every stage with the top-level `image`")
         if shared is not None and shared.accelerator_count:
             raise ValueError(f"resources.all: set accelerators per stage, not for all (stages that can use one: "
                              f"{', '.join(stages.MODEL_STAGES)})")
@@ -93,6 +107,17 @@ class _Settings(BaseModel):
         grid = stages.get(stage).grid
         point = point or self.grid()[0]
         return make_params(stage, {**self.stage_params(stage), **{name: point[name] for name in grid}})
+
+    @property
+    def default_image(self) -> str:
+        """`image`, else the stage image of this version in `registry` (else in the project's registry)."""
+        from evoesap.components import DEFAULT_REGISTRY, stage_image
+
+        return self.image or stage_image(self.registry or DEFAULT_REGISTRY)
+
+    def stage_image(self, stage: str) -> str:
+        """The image a stage's pods run: its own `resources.<stage>.image`, else `default_image`."""
+        return self.settings(stage).image or self.default_image
 
     def settings(self, stage: str) -> StageSettings:
         """The stage's Kubernetes settings: its own over `all`."""

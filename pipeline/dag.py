@@ -16,7 +16,9 @@ from typing import Any, Callable, List, NamedTuple
 from kfp import compiler, dsl
 from kfp.dsl import HTML, Input, Markdown, Model
 
-from evoesap.components import DEFAULT_IMAGE, make_components
+from evoesap.components import StageComponents, make_components
+from evoesap.pipeline.feasibility import check_grid
+from evoesap.stages import STAGES
 from evoesap.pipeline import cluster
 from evoesap.pipeline.config import PipelineConfig
 from evoesap.pipeline.files import SPEC_MARKER, claim_output_file
@@ -74,7 +76,9 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
     `evoesap(model=train_task.outputs["model"])`; its outputs are the report (Markdown, HTML) and the
     searched pruned model of every criterion x sparsity point (`pruned_models`, a list of `dsl.Model`).
     """
-    comps = make_components(config.image or DEFAULT_IMAGE)
+    check_grid(config.pinned_model, config.grid(), config.stage_params("search"), config.stage_params("prune"))
+    bound = {image: make_components(image) for image in {config.stage_image(stage.name) for stage in STAGES}}
+    comps = StageComponents(**{stage.section: getattr(bound[config.stage_image(stage.name)], stage.section) for stage in STAGES})
     d = _defaults(config)
 
     def evoesap_stages(
@@ -107,7 +111,7 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
         teacher = {"teacher_cache": heldout["heldout_cache"]} if heldout else {}
         full = stage("evaluate", comps.evaluate(model=model, storage_root=storage_root, params=evaluate_params, **teacher),
                      "evaluate full")
-        with dsl.ParallelFor(grid, name="criterion-x-sparsity") as point:
+        with dsl.ParallelFor(grid, name="criterion-x-sparsity", parallelism=config.parallelism) as point:
             point_args = dict(criterion=point.criterion, sparsity=point.sparsity, storage_root=storage_root)
             searched = stage(
                 "search",

@@ -1,18 +1,26 @@
 """Submit the compiled DAG to a Kubeflow Pipelines cluster: one run, or a recurring run on a schedule.
 
-The endpoint is checked before the (slow) compile, so a wrong URL or a refused token costs one clear
-line, not a compile and the kfp client's retry loop. Parameter overrides are checked against the
-compiled pipeline's own parameters and types. Credentials: `token` (a bearer token), else whatever the
-kfp client finds in its standard settings (KF_PIPELINES_SA_TOKEN_PATH, the kube context, IAP or Dex
-variables); no token is ever printed or written into the spec.
+The endpoint is checked first, with a short timeout, before the configuration (whose stage parameters
+import torch) and kfp are loaded, so a wrong URL or a refused token costs one clear line in about a
+second. The compiled spec is uploaded as a version of the pipeline named like the configuration (one
+version per distinct spec, named by its sha256), and the run or recurring run refers to that version, so
+the cluster's UI lists what ran under one pipeline. Parameter overrides are checked against the compiled
+pipeline's own parameters and types. Credentials: `token` (a bearer token), else whatever the kfp client
+finds in its standard settings (KF_PIPELINES_SA_TOKEN_PATH, the kube context, IAP or Dex variables); no
+token is ever printed or written into the spec.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
+import io
 import json
+import logging
 import os
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -26,10 +34,14 @@ from evoesap.identity import pin
 from evoesap.stages import NAMES
 from evoesap.steps import make_params
 
-from .config import PipelineConfig
-from .dag import compile_pipeline
+from .config import PipelineConfig, load_config
+from .feasibility import check_grid
+
+log = logging.getLogger(__name__)
 
 HEALTHZ = "/apis/v2beta1/healthz"
+HEALTHZ_TIMEOUT = 3.0  # seconds: healthz answers at once; longer means a wrong or unreachable host
+FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELED", "SKIPPED")  # a run's V2beta1RuntimeState once it has ended
 # KFP parameter types -> the Python types a value may have
 _PARAMETER_TYPES: dict[str, tuple[type, ...]] = {
     "STRING": (str,),
@@ -50,16 +62,20 @@ class Submission:
     run_name: str | None = None  # default: the config's name
     namespace: str | None = None  # multi-user clusters: the profile namespace
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # pipeline parameters
-    caching: bool | None = None  # None: the compiled settings (KFP caching off, our reuse decides); False: off
     token: str | None = None  # bearer token; None: the kfp client's own credential discovery
     schedule: str | None = None  # cron, 5 fields (minute first) or KFP's 6 (seconds first)
     interval_seconds: int | None = None
     max_concurrency: int = 1  # recurring runs allowed at once
     catchup: bool = False  # backfill missed intervals after a pause
+    service_account: str | None = None  # the Kubernetes service account the run's pods use (default: the cluster's)
+    wait: bool = False  # follow the run until it ends (not for recurring runs)
+    poll_seconds: float = 30.0  # between two looks at a followed run
 
     def __post_init__(self) -> None:
         if self.schedule and self.interval_seconds:
             raise ConfigError("give either --schedule or --interval, not both")
+        if self.wait and self.recurring:
+            raise ConfigError("--wait follows one run; a recurring run (--schedule/--interval) has no final state")
         if self.interval_seconds is not None and self.interval_seconds < 1:
             raise ConfigError(f"--interval must be a positive number of seconds, got {self.interval_seconds}")
         if self.max_concurrency < 1:
@@ -99,7 +115,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def check_endpoint(host: str, token: str | None = None, timeout: float = 10.0) -> None:
+def check_endpoint(host: str, token: str | None = None, timeout: float = HEALTHZ_TIMEOUT) -> None:
     """One request to the API's health endpoint; a clear ConfigError when it cannot be used."""
     if not host.startswith(("http://", "https://")):
         raise ConfigError(f"--host {redact(host)!r} is not an http(s) URL of the Kubeflow Pipelines API")
@@ -157,9 +173,12 @@ def resolve_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any]) -> 
         stage = name.removesuffix("_params").replace("_", "-")
         if name.endswith("_params") and stage in NAMES:
             make_params(stage, value)  # unknown fields and bad values: the stage's own one-line error
-    if {"model", "revision"} & set(arguments):
-        model, revision = (arguments.get(k, parameters.get(k, {}).get("defaultValue")) for k in ("model", "revision"))
-        pin(model, revision or None)  # a revision for a model that is not a hub name: refused now, not in the run
+    def value(name: str) -> Any:
+        return arguments.get(name, parameters.get(name, {}).get("defaultValue"))
+
+    if {"model", "revision", "grid", "search_params", "prune_params"} & set(arguments):
+        # a revision for a model that is not a hub name, or a sparsity the model cannot search: refused now, not in the run
+        check_grid(pin(value("model"), value("revision") or None), value("grid"), value("search_params"), value("prune_params"))
     return arguments
 
 
@@ -169,50 +188,96 @@ def _token() -> str | None:
     return Path(path).read_text().strip() if path and Path(path).is_file() else None
 
 
-def submit(config: PipelineConfig, submission: Submission, client_factory: Callable[..., Any] | None = None) -> str:
-    """Compile and submit; return the run id (or the recurring run id)."""
+def submit(config: PipelineConfig | str | Path, submission: Submission,
+           client_factory: Callable[..., Any] | None = None) -> str:
+    """Check the endpoint, then load (given a path), compile, upload a pipeline version and start it; return the
+    run id (or the recurring run id)."""
     check_endpoint(submission.host, submission.token or _token())
-    import kfp
+    if not isinstance(config, PipelineConfig):
+        config = load_config(config)  # after the endpoint check: its stage parameters import torch
     from kfp_server_api.exceptions import ApiException
+
+    from .dag import compile_pipeline
 
     name = config.name
     with tempfile.TemporaryDirectory() as tmp:
         package = compile_pipeline(config, Path(tmp) / "pipeline.yaml")
-        arguments = resolve_overrides(yaml.safe_load(package.read_text()), submission.overrides)
-        options: dict[str, Any] = {"host": submission.host, "existing_token": submission.token}
-        if submission.namespace:
-            options["namespace"] = submission.namespace
+        arguments = resolve_overrides(next(yaml.safe_load_all(package.read_text())), submission.overrides)
         try:
-            client = (client_factory or kfp.Client)(**options)
-            if submission.recurring:
+            client = _client(submission, client_factory)
+            with _quiet_client():
+                pipeline_id, version_id = upload_version(client, package, name, submission.namespace)
                 experiment = client.create_experiment(submission.experiment or name, namespace=submission.namespace)
-                result = client.create_recurring_run(
-                    experiment_id=experiment.experiment_id,
-                    job_name=submission.run_name or name,
-                    cron_expression=submission.cron,
-                    interval_second=submission.interval_seconds,
-                    max_concurrency=submission.max_concurrency,
-                    no_catchup=not submission.catchup,
-                    params=arguments,
-                    pipeline_package_path=str(package),
-                    enable_caching=submission.caching,
-                )
-                return result.recurring_run_id
-            result = client.create_run_from_pipeline_package(
-                str(package),
-                arguments=arguments,
-                run_name=submission.run_name or name,
-                experiment_name=submission.experiment or name,
-                namespace=submission.namespace,
-                enable_caching=submission.caching,
-            )
-            return result.run_id
+                common = dict(experiment_id=experiment.experiment_id, job_name=submission.run_name or name,
+                              params=arguments, pipeline_id=pipeline_id, version_id=version_id,
+                              service_account=submission.service_account)
+                if submission.recurring:
+                    return client.create_recurring_run(
+                        **common, cron_expression=submission.cron, interval_second=submission.interval_seconds,
+                        max_concurrency=submission.max_concurrency, no_catchup=not submission.catchup,
+                    ).recurring_run_id
+                return client.run_pipeline(**common).run_id
         except ApiException as exc:
-            detail = _api_message(exc.body)
-            raise ConfigError(
-                f"the Kubeflow Pipelines API at {redact(submission.host)} refused the submission "
-                f"(HTTP {exc.status}{': ' + detail if detail else ''})"
-            ) from None
+            raise _refused(submission.host, "the submission", exc) from None
+
+
+def upload_version(client: Any, package: Path, name: str, namespace: str | None) -> tuple[str, str]:
+    """(pipeline id, version id) of the compiled spec under the pipeline `name`: the pipeline is created with
+    its first upload; a later spec becomes a version named `<name>-<sha256[:12]>` of the spec, reused when that
+    version exists already (a resubmission of the same spec adds no version)."""
+    pipeline_id = client.get_pipeline_id(name)
+    if pipeline_id is None:
+        pipeline_id = client.upload_pipeline(str(package), pipeline_name=name, namespace=namespace).pipeline_id
+        (first,) = client.list_pipeline_versions(pipeline_id, page_size=1).pipeline_versions
+        return pipeline_id, first.pipeline_version_id
+    version = f"{name}-{hashlib.sha256(package.read_bytes()).hexdigest()[:12]}"
+    same = json.dumps({"predicates": [{"operation": "EQUALS", "key": "display_name", "stringValue": version}]})
+    existing = client.list_pipeline_versions(pipeline_id, filter=same).pipeline_versions
+    if existing:
+        return pipeline_id, existing[0].pipeline_version_id
+    return pipeline_id, client.upload_pipeline_version(str(package), version, pipeline_id=pipeline_id).pipeline_version_id
+
+
+def follow(submission: Submission, run_id: str, client_factory: Callable[..., Any] | None = None) -> str:
+    """Look at the run every `poll_seconds` until it ends; return its final state (SUCCEEDED, FAILED, ...)."""
+    from kfp_server_api.exceptions import ApiException
+
+    client = _client(submission, client_factory)
+    while True:
+        try:
+            state = str(client.get_run(run_id).state or "")
+        except ApiException as exc:
+            raise _refused(submission.host, f"a look at run {run_id}", exc) from None
+        if state in FINAL_STATES:
+            return state
+        log.info("run %s: %s", run_id, state or "pending")
+        time.sleep(submission.poll_seconds)
+
+
+def _client(submission: Submission, client_factory: Callable[..., Any] | None) -> Any:
+    import kfp
+
+    options: dict[str, Any] = {"host": submission.host, "existing_token": submission.token}
+    if submission.namespace:
+        options["namespace"] = submission.namespace
+    return (client_factory or kfp.Client)(**options)
+
+
+@contextlib.contextmanager
+def _quiet_client() -> Any:
+    """The kfp client prints links to stdout; the library only logs (the CLI prints its own one line)."""
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        yield
+    for line in buffer.getvalue().splitlines():
+        log.info("%s", line)
+
+
+def _refused(host: str, what: str, exc: Any) -> ConfigError:
+    detail = _api_message(exc.body)
+    return ConfigError(
+        f"the Kubeflow Pipelines API at {redact(host)} refused {what} (HTTP {exc.status}{': ' + detail if detail else ''})"
+    )
 
 
 def _api_message(body: Any) -> str:

@@ -163,3 +163,66 @@ def test_stage_settings_add_to_the_shared_ones():
     assert both.node_selector == {"zone": "x", "pool": "gpu"}
     assert (both.cpu, both.retries) == ("8", 3)
     assert merged(None, own) == own and merged(shared, None) == shared
+
+
+CPU_IMAGE, GPU_IMAGE = "registry.example.org/evoesap/stage-cpu:0.1.0", "registry.example.org/evoesap/stage-cuda:0.1.0"
+POD = {
+    "all": {"env": {"HF_HOME": "/cache", "TOKENIZERS_PARALLELISM": "false"}, "labels": {"team": "ml"}},
+    "search": {"env": {"HF_HOME": "/fast-cache"}, "timeout": 7200, "annotations": {"cost-centre": "gpu"},
+               "labels": {"tier": "gpu"},
+               "node_affinity": [{"match_expressions": [{"key": "gpu", "operator": "In", "values": ["h100", "h200"]}]},
+                                 {"match_expressions": [{"key": "zone", "operator": "Exists"}], "weight": 50}]},
+    "prune": {"image": CPU_IMAGE, "timeout": 3600},
+    "report": {"image": CPU_IMAGE},
+}
+
+
+@pytest.fixture(scope="module")
+def pod_settings(tmp_path_factory):
+    return _compile(tmp_path_factory.mktemp("pod"), resources=POD, image=GPU_IMAGE)
+
+
+def test_env_labels_annotations_timeout_and_affinity_reach_exactly_their_stages(pod_settings):
+    spec, platform = pod_settings
+    executors = spec["deploymentSpec"]["executors"]
+    for stage, names in _executors_by_stage(spec).items():
+        if stage == "importer":
+            continue
+        for executor in names:
+            env = {e["name"]: e["value"] for e in executors[executor]["container"].get("env", [])}
+            assert env == {"HF_HOME": "/fast-cache" if stage == "search" else "/cache", "TOKENIZERS_PARALLELISM": "false"}
+            settings = platform[executor]
+            labels = {"team": "ml", **({"tier": "gpu"} if stage == "search" else {})}
+            assert settings["podMetadata"]["labels"] == labels, executor
+            assert settings["podMetadata"].get("annotations") == ({"cost-centre": "gpu"} if stage == "search" else None)
+            assert settings.get("activeDeadlineSeconds") == {"search": "7200", "prune": "3600"}.get(stage), executor
+            assert bool(settings.get("nodeAffinity")) == (stage == "search"), executor
+    (search,) = _executors_by_stage(spec)["search"]
+    required, preferred = platform[search]["nodeAffinity"]
+    assert required["matchExpressions"] == [{"key": "gpu", "operator": "In", "values": ["h100", "h200"]}]
+    assert "weight" not in required and preferred["weight"] == 50
+    assert preferred["matchExpressions"] == [{"key": "zone", "operator": "Exists"}]
+
+
+def test_a_stage_s_own_image_and_the_config_s_image_for_the_rest(pod_settings):
+    spec, _ = pod_settings
+    executors = spec["deploymentSpec"]["executors"]
+    for stage, names in _executors_by_stage(spec).items():
+        if stage != "importer":
+            expected = CPU_IMAGE if stage in ("prune", "report") else GPU_IMAGE
+            assert {executors[e]["container"]["image"] for e in names} == {expected}, stage
+
+
+@pytest.mark.parametrize(
+    ("resources", "message"),
+    [
+        ({"all": {"image": CPU_IMAGE}}, "resources.all.image: set the image of every stage with the top-level"),
+        ({"search": {"timeout": 0}}, "timeout"),
+        ({"search": {"node_affinity": [{"match_expressions": [{"key": "gpu", "operator": "Near"}]}]}}, "operator"),
+        ({"search": {"node_affinity": [{"match_expressions": [{"key": "gpu", "operator": "Exists"}], "weight": 101}]}}, "weight"),
+        ({"search": {"env": {"HF_HOME": 3}}}, "env"),
+    ],
+)
+def test_bad_pod_settings_are_refused_with_the_key(resources, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config({**BASE, "resources": resources})

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+import evoesap
 from evoesap import artifacts, moe
+from evoesap.errors import ConfigError
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
 from evoesap.pipeline.run import run_local
@@ -67,6 +69,49 @@ def test_readme_configuration_block_compiles(tmp_path):
     assert configs, "README.md lost its pipeline configuration example"
     for config in configs:
         compile_pipeline(load_config(config), tmp_path / "readme.yaml")
+
+
+def _images(text: str) -> set[str]:
+    """Every image a compiled spec or component YAML names (each `image:` field, wherever it is)."""
+    return set(re.findall(r"^\s*image: (\S+)", text, flags=re.M))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_with_a_registry_set_every_compiled_image_lies_in_it(path, tmp_path):
+    """Pipeline, team example and component YAMLs compiled from one configuration with `registry` set."""
+    from evoesap.cli import main
+
+    registry = "registry.internal:5000/ml"
+    data = yaml.safe_load(path.read_text())
+    data = {k: v for k, v in data.items() if k != "image"}  # the examples' own image names their example registry
+    for settings in data.get("resources", {}).values():
+        settings.pop("image", None)
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump({**data, "registry": registry}))
+    config = load_config(config_path)
+    pipeline = compile_pipeline(config, tmp_path / "pipeline.yaml").read_text()
+    from kfp import compiler
+
+    compiler.Compiler().compile(_team_module().build_team_pipeline(config), str(tmp_path / "team.yaml"))
+    assert main(["pipeline", "components", "--out", str(tmp_path / "components"), "--config", str(config_path)]) == 0
+    texts = [pipeline, (tmp_path / "team.yaml").read_text(), *(p.read_text() for p in (tmp_path / "components").glob("*.yaml"))]
+    assert len(texts) == 8
+    for text in texts:
+        assert _images(text) == {f"{registry}/stage:{evoesap.__version__}"}, _images(text)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [({"image": "evoesap/stage:0.1.0"}, "image 'evoesap/stage:0.1.0' is not fully qualified"),
+     ({"image": "registry.example.org/evoesap/stage"}, "not fully qualified"),
+     ({"registry": "registry.internal/ml", "image": "ghcr.io/x/stage:1"}, "is not in the registry 'registry.internal/ml'"),
+     ({"registry": "registry.internal/ml", "resources": {"prune": {"image": "docker.io/x/cpu:1"}}},
+      "resources.prune.image 'docker.io/x/cpu:1' is not in the registry")],
+)
+def test_an_unqualified_or_foreign_image_is_refused(settings, message):
+    base = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
+    with pytest.raises(ConfigError, match=message):
+        load_config({**base, **settings})
 
 
 def test_team_pipeline_compiles_with_evoesap_as_a_sub_pipeline(tmp_path):

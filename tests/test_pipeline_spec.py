@@ -13,6 +13,8 @@ from evoesap.errors import ConfigError
 from evoesap.pipeline.config import PipelineConfig, load_config
 from evoesap.pipeline.dag import compile_pipeline
 
+from tiny_world import quick_world_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -198,3 +200,47 @@ def test_images_components_and_pyproject_agree():
     low, high = re.search(r">=([\d.]+),<([\d.]+)", torch_range).groups()
     as_tuple = lambda v: tuple(int(x) for x in v.split("."))  # noqa: E731
     assert as_tuple(low) <= as_tuple(makefile_torch) < as_tuple(high)
+
+
+def _loop(spec: dict) -> dict:
+    """The criterion x sparsity ParallelFor task of the sub-pipeline."""
+    (loop,) = [t for t in _dag(spec, "comp-evoesap-stages").values() if "parameterIterator" in t]
+    return loop
+
+
+@pytest.mark.parametrize("parallelism", [0, 2])
+def test_parallelism_bounds_the_fan_out_in_the_compiled_iterator_policy(tmp_path, parallelism):
+    path = compile_pipeline(_config(parallelism=parallelism), tmp_path / "pipeline.yaml")
+    loop = _loop(yaml.safe_load(path.read_text()))
+    assert loop["parameterIterator"]["itemInput"]  # the loop runs over the grid
+    if parallelism:
+        assert loop["iteratorPolicy"] == {"parallelismLimit": parallelism}
+    else:  # unbounded: every point at once, KFP's default
+        assert "iteratorPolicy" not in loop
+
+
+@pytest.mark.parametrize(
+    ("sparsity", "why"),
+    [(0.5, r"budget 4 admits a single allocation \(2, 2\): there is nothing to search"),
+     (0.75, r"budget 6 is above sum\(n - k\) = 4")],
+)
+def test_an_infeasible_sparsity_is_refused_at_compile_in_one_line(tmp_path, capsys, sparsity, why):
+    from evoesap.cli import main
+
+    model = quick_world_config(tmp_path / "quick")
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(yaml.safe_dump({**_config().model_dump(include={"calibration_data", "search_data", "storage_root"}),
+                                      "model": str(model), "criteria": ["reap"], "sparsities": [0.25, sparsity]}))
+    out = tmp_path / "spec.yaml"
+    assert main(["pipeline", "compile", str(config), "-o", str(out)]) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert re.match(rf"error: criterion reap at sparsity {sparsity} cannot be searched on {model} .*{why}.*"
+                    r"remove it from sparsities$", line), line
+    assert not out.exists()
+
+
+def test_every_feasible_sparsity_compiles_and_an_unreadable_model_is_left_to_the_stages(tmp_path, caplog):
+    model = quick_world_config(tmp_path / "quick")
+    compile_pipeline(_config(model=str(model), sparsities=[0.25]), tmp_path / "a.yaml")  # 3 allocations: searchable
+    compile_pipeline(_config(model="/models/on-the-cluster-only", sparsities=[0.5]), tmp_path / "b.yaml")
+    assert "not checked against /models/on-the-cluster-only" in caplog.text

@@ -2,28 +2,40 @@
 
 from __future__ import annotations
 
+import email
 import json
+import re
 import socket
+import subprocess
+import sys
 import threading
+import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator
 
 import pytest
+import yaml
 
 from evoesap.cli import main
 from evoesap.errors import ConfigError
 from evoesap.pipeline.config import PipelineConfig
-from evoesap.pipeline.submit import Submission, parse_overrides, submit
+from evoesap.pipeline.submit import Submission, follow, parse_overrides, submit
+
+from tiny_world import quick_world_config
 
 CONFIG = dict(model="/models/full", calibration_data="/data/code.jsonl", search_data="/data/math.jsonl",
               criteria=["reap"], sparsities=[0.5], storage_root="s3://bucket/runs", name="nightly-prune")
 
 
 class Recorder(BaseHTTPRequestHandler):
-    """Answers the KFP v2beta1 calls the kfp client makes, recording each (method, path, JSON body)."""
+    """Answers the KFP v2beta1 calls the kfp client makes, recording each (method, path, body): JSON bodies
+    parsed, an uploaded pipeline package as its YAML documents."""
 
     requests: list[tuple[str, str, Any]] = []
     status = 200  # what healthz answers
+    pipelines: dict[str, list[str]] = {}  # pipeline display name -> its versions' display names
+    states: list[str] = []  # what successive looks at run-1 answer
 
     def _reply(self, body: dict, status: int = 200) -> None:
         data = json.dumps(body).encode()
@@ -34,18 +46,43 @@ class Recorder(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self):  # noqa: N802
-        self.requests.append(("GET", self.path, dict(self.headers)))
-        if "healthz" in self.path:
+        url = urllib.parse.urlparse(self.path)
+        query = urllib.parse.parse_qs(url.query)
+        self.requests.append(("GET", url.path, dict(self.headers)))
+        if "healthz" in url.path:
             self._reply({"multi_user": False} if self.status == 200 else {"message": "no"}, self.status)
+        elif url.path == "/apis/v2beta1/pipelines":  # by name (a filter on display_name)
+            name = json.loads(query["filter"][0])["predicates"][0]["stringValue"]
+            self._reply({"pipelines": [{"pipeline_id": name, "display_name": name}]} if name in self.pipelines else {})
+        elif url.path.endswith("/versions"):
+            versions = self.pipelines[url.path.split("/")[-2]]
+            if "filter" in query:
+                wanted = json.loads(query["filter"][0])["predicates"][0]["stringValue"]
+                versions = [v for v in versions if v == wanted]
+            self._reply({"pipeline_versions": [{"pipeline_version_id": v, "display_name": v} for v in versions]})
+        elif url.path == "/apis/v2beta1/runs/run-1":
+            self._reply({"run_id": "run-1", "state": self.states.pop(0)})
         else:  # experiment look-ups: none exists yet
             self._reply({})
 
     def do_POST(self):  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-        self.requests.append(("POST", self.path.split("?")[0], body))
-        if self.path.endswith("/experiments"):
+        url = urllib.parse.urlparse(self.path)
+        query = {k: v[0] for k, v in urllib.parse.parse_qs(url.query).items()}
+        raw = self.rfile.read(int(self.headers["Content-Length"]))
+        if url.path.endswith(("/upload", "/upload_version")):
+            body = {"query": query, "package": _uploaded(self.headers["Content-Type"], raw)}
+        else:
+            body = json.loads(raw or b"{}")
+        self.requests.append(("POST", url.path, body))
+        if url.path.endswith("/pipelines/upload"):
+            self.pipelines[query["name"]] = [query["name"]]  # the backend names the first version like the pipeline
+            self._reply({"pipeline_id": query["name"], "display_name": query["name"]})
+        elif url.path.endswith("/pipelines/upload_version"):
+            self.pipelines[query["pipelineid"]].append(query["name"])
+            self._reply({"pipeline_id": query["pipelineid"], "pipeline_version_id": query["name"]})
+        elif url.path.endswith("/experiments"):
             self._reply({**body, "experiment_id": "exp-1"})
-        elif self.path.endswith("/recurringruns"):
+        elif url.path.endswith("/recurringruns"):
             self._reply({**body, "recurring_run_id": "rr-1"})
         else:
             self._reply({**body, "run_id": "run-1"})
@@ -54,9 +91,16 @@ class Recorder(BaseHTTPRequestHandler):
         pass
 
 
+def _uploaded(content_type: str, raw: bytes) -> list[dict]:
+    """The YAML documents of the pipeline package in a multipart upload."""
+    message = email.message_from_bytes(f"Content-Type: {content_type}\r\n\r\n".encode() + raw)
+    (part,) = message.get_payload()
+    return list(yaml.safe_load_all(part.get_payload(decode=True)))
+
+
 @pytest.fixture
 def kfp_api() -> Iterator[str]:
-    Recorder.requests, Recorder.status = [], 200
+    Recorder.requests, Recorder.status, Recorder.pipelines, Recorder.states = [], 200, {}, []
     server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -67,6 +111,12 @@ def kfp_api() -> Iterator[str]:
 
 def _posts() -> dict[str, Any]:
     return {path: body for method, path, body in Recorder.requests if method == "POST"}
+
+
+def _uploaded_spec() -> dict:
+    """The pipeline spec of the last upload (a new pipeline or a new version)."""
+    uploads = [body for method, path, body in Recorder.requests if method == "POST" and "/upload" in path]
+    return uploads[-1]["package"][0]
 
 
 def test_run_with_name_overrides_and_experiment(kfp_api):
@@ -81,8 +131,34 @@ def test_run_with_name_overrides_and_experiment(kfp_api):
     assert run["experiment_id"] == "exp-1"
     assert run["runtime_config"]["parameters"] == {"search_params": {"generations": 7, "racing": True},
                                                    "storage_root": "s3://other/runs"}
-    assert run["pipeline_spec"]["pipelineInfo"]["name"] == "nightly-prune"
-    assert "exec-search" in run["pipeline_spec"]["deploymentSpec"]["executors"]
+    assert run["pipeline_version_reference"] == {"pipeline_id": "nightly-prune", "pipeline_version_id": "nightly-prune"}
+    assert "pipeline_spec" not in run  # the run refers to the uploaded version
+    spec = _uploaded_spec()
+    assert spec["pipelineInfo"]["name"] == "nightly-prune"
+    assert "exec-search" in spec["deploymentSpec"]["executors"]
+
+
+def test_pipeline_is_uploaded_once_and_each_distinct_spec_is_one_version(kfp_api):
+    """First submission: the pipeline with its first version; a changed spec: a new version named by its
+    sha256; the same spec again: that version, nothing uploaded."""
+    config = PipelineConfig(**CONFIG)
+    submit(config, Submission(host=kfp_api))
+    changed = PipelineConfig(**{**CONFIG, "sparsities": [0.25]})
+    submit(changed, Submission(host=kfp_api))
+    submit(changed, Submission(host=kfp_api))
+    uploads = [(path, body["query"]) for method, path, body in Recorder.requests if method == "POST" and "/upload" in path]
+    assert [path for path, _ in uploads] == ["/apis/v2beta1/pipelines/upload", "/apis/v2beta1/pipelines/upload_version"]
+    version = uploads[1][1]["name"]
+    assert uploads[1][1]["pipelineid"] == "nightly-prune" and re.fullmatch(r"nightly-prune-[0-9a-f]{12}", version)
+    assert _uploaded_spec()["root"]["inputDefinitions"]["parameters"]["grid"]["defaultValue"] == [
+        {"criterion": "reap", "sparsity": 0.25}]
+    runs = [body for method, path, body in Recorder.requests if method == "POST" and path == "/apis/v2beta1/runs"]
+    assert [r["pipeline_version_reference"]["pipeline_version_id"] for r in runs] == ["nightly-prune", version, version]
+
+
+def test_service_account_goes_with_the_run(kfp_api):
+    submit(PipelineConfig(**CONFIG), Submission(host=kfp_api, service_account="evoesap-runner"))
+    assert _posts()["/apis/v2beta1/runs"]["service_account"] == "evoesap-runner"
 
 
 def test_recurring_run_with_a_cron_schedule_no_catchup_and_one_at_a_time(kfp_api):
@@ -94,6 +170,7 @@ def test_recurring_run_with_a_cron_schedule_no_catchup_and_one_at_a_time(kfp_api
     assert job["max_concurrency"] == "1" or job["max_concurrency"] == 1
     assert job["no_catchup"] is True
     assert job["experiment_id"] == "exp-1"
+    assert job["pipeline_version_reference"]["pipeline_id"] == "nightly-prune"
     assert "/apis/v2beta1/runs" not in _posts()
 
 
@@ -104,12 +181,13 @@ def test_recurring_run_on_an_interval(kfp_api):
     assert int(job["max_concurrency"]) == 2 and job["no_catchup"] is False
 
 
-@pytest.mark.parametrize("caching", [None, False])
-def test_no_task_is_submitted_with_kfp_caching_on(kfp_api, caching):
-    """By default the compiled settings go (KFP caching off: our reuse checks storage); --no-cache says so too."""
-    submit(PipelineConfig(**CONFIG), Submission(host=kfp_api, caching=caching))
-    tasks = _posts()["/apis/v2beta1/runs"]["pipeline_spec"]["root"]["dag"]["tasks"]
-    assert tasks and all(task.get("cachingOptions", {}).get("enableCache") is not True for task in tasks.values())
+def test_no_task_is_submitted_with_kfp_caching_on(kfp_api):
+    """KFP caching is off in the uploaded spec for every task, sub-pipeline ones included: our reuse checks storage."""
+    submit(PipelineConfig(**CONFIG), Submission(host=kfp_api))
+    spec = _uploaded_spec()
+    dags = [spec["root"]["dag"], *(c["dag"] for c in spec["components"].values() if "dag" in c)]
+    tasks = [task for dag in dags for task in dag["tasks"].values()]
+    assert len(tasks) > 5 and all(task.get("cachingOptions", {}).get("enableCache") is not True for task in tasks)
 
 
 def test_token_is_sent_to_the_api_and_never_into_the_spec(kfp_api):
@@ -133,19 +211,65 @@ def test_unknown_or_mistyped_override_is_refused_before_anything_is_created(kfp_
     assert not _posts()
 
 
+def test_a_sparsity_the_model_cannot_search_is_refused_before_anything_is_created(kfp_api, tmp_path):
+    model = quick_world_config(tmp_path / "quick")
+    config = PipelineConfig(**{**CONFIG, "model": str(model), "sparsities": [0.25]})
+    grid = parse_overrides(["grid=[{criterion: reap, sparsity: 0.5}]"])
+    with pytest.raises(ConfigError, match="criterion reap at sparsity 0.5 cannot be searched on .*single allocation"):
+        submit(config, Submission(host=kfp_api, overrides=grid))
+    with pytest.raises(ConfigError, match="at sparsity 0.25 cannot be searched on .*cannot be met in multiples of granularity 4"):
+        submit(config, Submission(host=kfp_api, overrides={"search_params.granularity": 4}))
+    assert not _posts()
+
+
 def _unused_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def test_unreachable_host_is_one_line_naming_it_before_compiling(monkeypatch):
-    compiled = []
-    monkeypatch.setattr("evoesap.pipeline.submit.compile_pipeline", lambda *a: compiled.append(a))
+def test_bad_url_is_refused_in_one_line_before_the_configuration_torch_or_kfp_load(tmp_path):
+    """The whole command, as a user runs it: under 5 s, and nothing heavy imported (the configuration's stage
+    parameters import torch; compiling imports kfp)."""
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(json.dumps(CONFIG))
+    probe = ("import sys; from evoesap.cli import main; rc = main(sys.argv[1:]); "
+             "heavy = sorted({'torch', 'kfp', 'evoesap.pipeline.dag'} & set(sys.modules)); "
+             "print('heavy:', heavy); sys.exit(rc)")
+    for host in (f"http://127.0.0.1:{_unused_port()}", "kfp.example.org"):
+        start = time.monotonic()
+        done = subprocess.run([sys.executable, "-c", probe, "pipeline", "submit", str(config), "--host", host],
+                              capture_output=True, text=True, timeout=60)
+        elapsed = time.monotonic() - start
+        assert done.returncode == 1 and elapsed < 5, (elapsed, done.stderr)
+        assert done.stdout.strip() == "heavy: []", done.stdout
+        (line,) = done.stderr.splitlines()
+        assert line.startswith("error: ") and host in line, line
+
+
+def test_unreachable_host_is_one_line_naming_it(monkeypatch):
     host = f"http://127.0.0.1:{_unused_port()}"
     with pytest.raises(ConfigError, match=f"cannot reach the Kubeflow Pipelines API at {host}.*reachable from this machine"):
         submit(PipelineConfig(**CONFIG), Submission(host=host))
-    assert not compiled
+
+
+def test_wait_follows_the_run_to_its_final_state(kfp_api):
+    Recorder.states = ["PENDING", "RUNNING", "RUNNING", "SUCCEEDED", "FAILED"]
+    submission = Submission(host=kfp_api, wait=True, poll_seconds=0)
+    assert follow(submission, submit(PipelineConfig(**CONFIG), submission)) == "SUCCEEDED"
+    assert Recorder.states == ["FAILED"]  # stopped at the first final state
+    with pytest.raises(ConfigError, match="--wait follows one run"):
+        Submission(host=kfp_api, wait=True, schedule="0 3 * * *")
+
+
+@pytest.mark.parametrize(("state", "code"), [("SUCCEEDED", 0), ("FAILED", 1), ("CANCELED", 1)])
+def test_cli_wait_exits_with_the_run_s_final_state_in_one_line(kfp_api, tmp_path, capsys, state, code):
+    Recorder.states = [state]
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(json.dumps(CONFIG))
+    assert main(["pipeline", "submit", str(config), "--host", kfp_api, "--wait"]) == code
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [f"run run-1 {state}"], captured.out
 
 
 def test_refused_token_names_the_host_and_what_to_check(kfp_api):

@@ -27,3 +27,13 @@ def make_tiny_inputs(root: Path, family: str = "olmoe") -> dict[str, str]:
         "heldout": str(root / "heldout.jsonl"),
         "tasks": str(root / "tasks"),
     }
+
+
+def quick_world_config(root: Path) -> Path:
+    """config.json alone, of the quick demo world's shape (2 MoE layers of 4 experts, top-2): all that the
+    pipeline's feasibility check reads. At 50% sparsity it admits one allocation, so nothing to search."""
+    from transformers import OlmoeConfig
+
+    OlmoeConfig(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, hidden_size=32, intermediate_size=32,
+                num_attention_heads=2, num_key_value_heads=2, vocab_size=64).save_pretrained(root)
+    return root

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if returned == INTERRUPTED:  # typer turns Ctrl-C into this exit code when click does not exit itself
         print("interrupted: stopped before finishing; nothing was published (re-run to start again)", file=sys.stderr)
         return INTERRUPTED
-    return 0
+    return returned if type(returned) is int else 0  # a command's `typer.Exit(code)` (click returns the code)
 
 
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C

@@ -29,12 +29,21 @@ def compile_cmd(
 @pipeline_app.command("components")
 def components_cmd(
     out: Path = typer.Option(Path("components"), "--out", help="Directory for the <stage>.yaml files."),
-    image: str = typer.Option(None, "--image", help="Stage image (default: the project's image of this version)."),
+    config: Path = typer.Option(None, "--config",
+                                help="Pipeline YAML whose `registry`/`image` the components name (default: the project's image)."),
 ) -> None:
-    """Compile each stage to a single-stage KFP component YAML.  Example: evoesap pipeline components --out components"""
+    """Compile each stage to a single-stage KFP component YAML.
+
+    Example: evoesap pipeline components --out components --config pipeline.yaml
+    """
     from evoesap.components import DEFAULT_IMAGE, write_component_yamls
 
-    for path in write_component_yamls(out, image or DEFAULT_IMAGE):
+    image = DEFAULT_IMAGE
+    if config is not None:
+        from evoesap.pipeline.config import load_config
+
+        image = load_config(config).default_image
+    for path in write_component_yamls(out, image):
         typer.echo(str(path))
 
 
@@ -67,30 +76,36 @@ def submit_cmd(
     run_name: str = typer.Option(None, "--run-name", help="Run (or recurring run) name (default: the config's name)."),
     namespace: str = typer.Option(None, "--namespace", help="Profile namespace on a multi-user cluster."),
     overrides: list[str] = typer.Option([], "--set", help="Override a pipeline parameter, key=value (repeatable)."),
-    no_cache: bool = typer.Option(False, "--no-cache", help="Turn KFP caching off for every task of this run."),
     token: str = typer.Option(None, "--token", envvar="EVOESAP_KFP_TOKEN", show_default=False,
                               help="Bearer token; prefer the EVOESAP_KFP_TOKEN variable (default: the kfp client's "
                                    "own credentials, e.g. KF_PIPELINES_SA_TOKEN_PATH)."),
+    service_account: str = typer.Option(None, "--service-account",
+                                        help="Kubernetes service account of the run's pods (default: the cluster's)."),
+    wait: bool = typer.Option(False, "--wait", help="Follow the run; exit 0 when it succeeds, 1 otherwise."),
     schedule: str = typer.Option(None, "--schedule", help="Cron schedule for a recurring run, e.g. '0 3 * * *'."),
     interval: int = typer.Option(None, "--interval", help="Seconds between recurring runs (instead of --schedule)."),
     max_concurrency: int = typer.Option(1, "--max-concurrency", help="Recurring runs allowed at once."),
     catchup: bool = typer.Option(False, "--catchup", help="Backfill intervals missed while a recurring run was paused."),
 ) -> None:
-    """Submit the DAG to a cluster, once or on a schedule.
+    """Submit the DAG to a cluster, once or on a schedule, as a version of the pipeline named like the config.
 
-    Example: evoesap pipeline submit demo.yaml --host https://kfp.example.org --run-name nightly --set search_params.generations=100
+    Example: evoesap pipeline submit demo.yaml --host https://kfp.example.org --run-name nightly --set search_params.generations=100 --wait
     """
-    from evoesap.pipeline.config import load_config
-    from evoesap.pipeline.submit import Submission, parse_overrides, submit
+    from evoesap.pipeline.submit import Submission, follow, parse_overrides, submit
 
     submission = Submission(
         host=host, experiment=experiment, run_name=run_name, namespace=namespace, overrides=parse_overrides(overrides),
-        caching=False if no_cache else None, token=token, schedule=schedule, interval_seconds=interval,
+        token=token, service_account=service_account, wait=wait, schedule=schedule, interval_seconds=interval,
         max_concurrency=max_concurrency, catchup=catchup,
     )
-    run_id = submit(load_config(config), submission)
-    kind = "recurring run" if submission.recurring else "run"
-    typer.echo(f"submitted {kind} {run_id}")
+    run_id = submit(config, submission)  # the endpoint is checked before the configuration is loaded
+    if not wait:
+        typer.echo(f"submitted {'recurring run' if submission.recurring else 'run'} {run_id}")
+        return
+    state = follow(submission, run_id)
+    typer.echo(f"run {run_id} {state}")
+    if state != "SUCCEEDED":
+        raise typer.Exit(1)
 
 
 @pipeline_app.command("demo")
