@@ -58,7 +58,7 @@ def test_the_scale_out_examples_plan_offline_from_their_shipped_config(name, fit
 def test_example_configuration_is_documented_and_compiles(path, tmp_path):
     text = path.read_text()
     assert len(re.findall(r"^# \S", text, flags=re.M)) >= 2, f"{path.name} needs a comment saying what it runs"
-    spec = yaml.safe_load(compile_pipeline(load_config(path), tmp_path / "spec.yaml").read_text())
+    spec, *platform = yaml.safe_load_all(compile_pipeline(load_config(path), tmp_path / "spec.yaml").read_text())  # Kubernetes settings: a second document
     assert spec["pipelineInfo"]["name"] == yaml.safe_load(text)["name"]
 
 
