@@ -188,3 +188,10 @@ def test_the_memory_model_and_scoring_import_no_stage():
     graph = _imports_of_the_package()
     for module in ("evoesap.footprint", *(m for m in graph if m.startswith("evoesap.scoring"))):
         assert not {m for m in graph[module] if m.startswith("evoesap.stages.")}, module
+
+
+@pytest.mark.parametrize("args,words", [(["foo"], "No such command 'foo'"), (["prune", "--data", "x"], "No such option '--data'"),
+                                        (["search"], "Missing option '--model'")])
+def test_usage_errors_exit_2_with_the_parsers_message(args, words, capsys):
+    assert main(args) == 2
+    assert words in capsys.readouterr().err

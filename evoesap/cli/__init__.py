@@ -37,10 +37,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - the CLI turns every failure into one clear line
-        if isinstance(exc, click.exceptions.UsageError):
+        if isinstance(exc, _USAGE_ERRORS):
             exc.show()
             return 2
-        if isinstance(exc, click.exceptions.Exit):
+        if isinstance(exc, _EXITS):
             return exc.exit_code
         if state["debug"]:
             raise
@@ -56,6 +56,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+
+
+def _click_exceptions() -> list:
+    """click's exception modules: the package (the stage verbs are click commands) and the copy typer bundles
+    (its own group raises from that one, e.g. for an unknown verb)."""
+    import importlib
+
+    modules = [click.exceptions]
+    try:
+        modules.append(importlib.import_module("typer._click.exceptions"))
+    except ImportError:  # a typer that uses the click package itself
+        pass
+    return modules
+
+
+_USAGE_ERRORS = tuple(m.UsageError for m in _click_exceptions())
+_EXITS = tuple(m.Exit for m in _click_exceptions() if hasattr(m, "Exit"))
 
 
 if __name__ == "__main__":
