@@ -362,21 +362,22 @@ def local_machine(device: str = "auto") -> Machine:
     from evoesap.runtime import free_memory_bytes, resolve_device
 
     host = free_memory_bytes(torch.device("cpu"))
-    if resolve_device(device).startswith("cuda"):
-        count = torch.cuda.device_count()
+    count = torch.cuda.device_count() if resolve_device(device).startswith("cuda") else 0
+    if count:  # `cuda` where there is none: the host alone (a stage refuses it first, runtime.check_device)
         return Machine(host, min(int(torch.cuda.mem_get_info(i)[0]) for i in range(count)), count)
     return Machine(host)
 
 
 def check_stage(stage: str, inputs: dict[str, Any], params: Any) -> StagePlan | None:
     """Refuse (ResourceError) a stage that would not fit this machine, before it loads anything; its plan."""
-    from evoesap import artifacts
+    from evoesap import artifacts, bounds
     from evoesap.errors import EvoESAPError, ResourceError
     from evoesap.stages.cache_logits import CacheLogitsParams
     from evoesap.stages.search import SearchParams
 
     if stage not in ("calibrate", "cache-logits", "search", "prune", "evaluate"):
         return None
+    bounds.check_stage(params, inputs["model"])  # the device and the checkpoint, before either is measured
     cache_p, rows, heldout = CacheLogitsParams(), 0, 0
     try:
         shape = model_shape(inputs["model"], getattr(params, "model_dtype", "auto"))

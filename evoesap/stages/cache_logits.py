@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from evoesap import artifacts, runtime
+from evoesap import artifacts, bounds, runtime
 from evoesap.data import FieldMap
 from evoesap.errors import ConfigError
 
@@ -55,6 +55,7 @@ class CacheLogitsParams:
         if self.samples is not None:
             object.__setattr__(self, "samples", int(self.samples))
         self.fields  # noqa: B018 - field combinations are checked here, not after the model has loaded
+        bounds.check_params(self)
 
     @property
     def fields(self) -> FieldMap:
@@ -71,6 +72,7 @@ def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: 
 
     inputs = {"model": model, "data": data}
     seen = artifacts.preflight(out_uri, "cache-logits", inputs)
+    bounds.check_stage(params, model)
     runtime.inspect_checkpoint(model)  # a dense or already pruned model is refused before any work
     tokenizer, tokenized = runtime.tokenized_samples(model, data, params)
     mode = plan.cache_mode(model, params, sum(len(s.input_ids) for s in tokenized))  # the manifest keeps params as asked

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from evoesap import artifacts, runtime
+from evoesap import artifacts, bounds, runtime
 from evoesap.data import FieldMap
 from evoesap.errors import ConfigError
 
@@ -40,6 +40,7 @@ class CalibrateParams:
             raise ConfigError(f"max_length must be at least 2, got {self.max_length}")
         runtime.check_model_dtype(self.model_dtype)
         self.fields  # noqa: B018 - raises ConfigError on an inconsistent field mapping
+        bounds.check_params(self)
 
     @property
     def fields(self) -> FieldMap:
@@ -50,6 +51,7 @@ def run_calibrate(model: str, data: str, params: CalibrateParams, out_uri: str) 
     """Score every expert of `model` on `data` and publish scores.parquet."""
     inputs = {"model": model, "data": data}
     seen = artifacts.preflight(out_uri, "calibrate", inputs)
+    bounds.check_stage(params, model)
 
     from evoesap import data as data_mod
     from evoesap import importance

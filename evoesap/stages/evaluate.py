@@ -8,7 +8,7 @@ import json
 import logging
 from typing import Any, Iterator
 
-from evoesap import artifacts, runtime, vllm_eval
+from evoesap import artifacts, bounds, runtime, vllm_eval
 from evoesap import evaluate as ev
 from evoesap.errors import ConfigError, DataError
 
@@ -51,6 +51,7 @@ class EvaluateParams:
             raise ConfigError(f"backend must be one of {', '.join(ev.BACKENDS)}, got {self.backend!r}")
         if isinstance(self.batch_size, (int, float)) and self.batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer or 'auto', got {self.batch_size!r}")
+        bounds.check_params(self)
 
     def labels(self) -> dict[str, Any]:
         return {"criterion": self.criterion, "sparsity": self.sparsity, "method": self.method}
@@ -79,6 +80,7 @@ def run_evaluate(
     python = vllm_eval.vllm_python() if params.backend == "vllm" else None  # fails before anything loads
     inputs = {"model": model, "teacher_cache": teacher_cache, "allocation": allocation}
     seen = artifacts.preflight(out_uri, "evaluate", inputs)
+    bounds.check_stage(params, model)
     if teacher_cache:
         _check_heldout(teacher_cache, model, allocation)
     tokenizer = moe.load_tokenizer(model)

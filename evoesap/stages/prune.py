@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from evoesap import allocation as alloc
-from evoesap import artifacts, runtime
+from evoesap import artifacts, bounds, runtime
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.moe.spec import MoESpec
 
@@ -42,6 +42,7 @@ class PruneParams:
         if self.granularity < 1:
             raise ConfigError(f"granularity must be >= 1, got {self.granularity}")
         runtime.check_model_dtype(self.model_dtype)
+        bounds.check_params(self)
 
 
 def read_allocation(uri: str) -> dict:
@@ -118,6 +119,7 @@ def run_prune(model: str, scores: str, params: PruneParams, out_uri: str, alloca
 
     inputs = {"model": model, "scores": scores, "allocation": allocation}
     seen = artifacts.preflight(out_uri, "prune", inputs)
+    bounds.check_stage(params, model)
     artifacts.verify(scores, "calibrate")  # a clear error before reading anything else
     if allocation is not None:
         artifacts.verify(allocation, "search")

@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from evoesap import allocation as alloc
-from evoesap import artifacts, runtime
+from evoesap import artifacts, bounds, runtime
 from evoesap.errors import ConfigError
 from evoesap.progress import progress
 from evoesap.racing import Racing
@@ -96,6 +96,7 @@ class SearchParams:
             raise ConfigError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.racing:
             self.schedule()
+        bounds.check_params(self)
 
     def schedule(self) -> Racing | None:
         """The racing schedule, or None without racing."""
@@ -209,6 +210,7 @@ def run_search(
 
     inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}
     seen = artifacts.preflight(out_uri, "search", inputs)
+    bounds.check_stage(params, model)
     for uri in (cache, heldout_cache):  # inputs must be finished artifacts before anything loads
         if uri:
             artifacts.read_manifest(uri, "cache-logits")
@@ -218,6 +220,7 @@ def run_search(
     n, kept, granularity = space.num_experts, space.min_kept, space.granularity
     budget = alloc.budget(params.sparsity, n, kept, granularity)
     uniform = list(alloc.uniform(n, kept, budget, granularity))
+    bounds.check_search(params, alloc.FeasibleSet(n, kept, budget, granularity).size, len(n))
 
     teacher = load_cache(cache)
     heldout_teacher = load_cache(heldout_cache) if heldout_cache else None
