@@ -8,6 +8,7 @@ and the checkpoint on this machine), and the search once it knows its space (`ch
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from evoesap.errors import ConfigError, ResourceError
@@ -45,21 +46,28 @@ def check_stage(params: Any, model: str) -> None:
     runtime.check_checkpoint(model)
 
 
-def check_search(params: Any, space_size: int, layers: int, free_host: int | None = None) -> None:
+def check_search(params: Any, num_experts: Sequence[int], space_size: int, free_host: int | None = None) -> None:
     """Refuse a search larger than its space or than this machine's memory.
 
     `space_size`: the distinct feasible allocations (`allocation.FeasibleSet.size`); a population larger
-    than that only repeats allocations, since generation 0 already holds every one. The history (one row per
-    population slot and generation, kept in memory and rewritten to the checkpoint each generation) must fit
-    in the host memory free now (`free_host`, measured when None).
+    than that only repeats allocations, since generation 0 already holds every one. A level-switch step moves
+    at least one expert, so neither one transfer nor the steps of one offspring need exceed the model's
+    routed experts (`num_experts`, per MoE layer): any allocation is reached from any other within that many.
+    The history (one row per population slot and generation, kept in memory and rewritten to the checkpoint
+    each generation) must fit in the host memory free now (`free_host`, measured when None).
     """
     if params.population > space_size:
         raise ConfigError(
             f"population {params.population} is more than the {space_size} distinct allocations at sparsity "
             f"{params.sparsity}: give --population {space_size} or less (that many already covers them all)"
         )
+    experts = sum(num_experts)
+    for name in ("max_transfer", "max_steps"):
+        if getattr(params, name) > experts:
+            raise ConfigError(f"{name} {getattr(params, name)} is more than the model's {experts} routed experts, which "
+                              f"no level-switch search needs: give --{name.replace('_', '-')} {experts} or less")
     rows = params.population * (params.generations + 1)
-    need = rows * (HISTORY_ROW_BYTES + HISTORY_ROW_BYTES_PER_LAYER * layers)
+    need = rows * (HISTORY_ROW_BYTES + HISTORY_ROW_BYTES_PER_LAYER * len(num_experts))
     if free_host is None:
         import torch
 
@@ -68,7 +76,7 @@ def check_search(params: Any, space_size: int, layers: int, free_host: int | Non
         free_host = free_memory_bytes(torch.device("cpu"))
     if need > free_host:
         raise ResourceError(
-            f"population {params.population} x {params.generations + 1} generations is {rows:.3g} history rows, about "
+            f"population {params.population} x (generations {params.generations} + 1) is {rows:.3g} history rows, about "
             f"{need / 2**30:.3g} GiB of host memory, but {free_host / 2**30:.3g} GiB is free: lower --generations or "
             "--population"
         )

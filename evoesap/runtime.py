@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import dataclasses
 import gc
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -66,8 +67,6 @@ def check_checkpoint(uri: str) -> None:
     """Refuse a local checkpoint directory that cannot load: config.json missing, not JSON or not a valid
     transformers config; safetensors weights missing, unreadable or shorter than their headers say
     (truncated). Only config.json and the shards' headers are read. Hub names and URIs are left to the loader."""
-    import json
-
     from transformers import AutoConfig
 
     from evoesap.moe import shards

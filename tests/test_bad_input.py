@@ -632,6 +632,8 @@ BEYOND_INT64 = str(10**30)
         ("search", "--generations", BEYOND_INT64, ("generations", "64-bit")),
         ("search", "--generations", str(10**12), ("history rows", "GiB of host memory", "lower --generations")),
         ("search", "--batch-size", BEYOND_INT64, ("batch_size", "64-bit")),
+        ("search", "--max-transfer", str(10**12), ("max_transfer 1000000000000", "32 routed experts", "--max-transfer 32")),
+        ("search", "--max-steps", str(10**12), ("max_steps 1000000000000", "32 routed experts", "--max-steps 32")),
         ("calibrate", "--samples", BEYOND_INT64, ("samples", "64-bit")),
         ("calibrate", "--max-length", BEYOND_INT64, ("max_length", "64-bit")),
         ("cache-logits", "--batch-size", BEYOND_INT64, ("batch_size", "64-bit")),
@@ -664,7 +666,8 @@ def test_a_population_beyond_the_distinct_allocations_is_refused_naming_their_nu
     command[command.index("--population") + 1] = str(distinct + 1)
     code, line = cli(capsys, *command)
     one_clear_line(code, line, f"population {distinct + 1}", f"{distinct} distinct allocations", f"--population {distinct}")
-    bounds.check_search(SearchParams(sparsity=0.5, population=distinct, generations=50), distinct, layers=4, free_host=1 << 40)
+    bounds.check_search(SearchParams(sparsity=0.5, population=distinct, generations=50, max_transfer=32, max_steps=32),
+                        [8] * 4, distinct, free_host=1 << 40)
 
 
 @pytest.mark.parametrize("stage", ["calibrate", "cache-logits", "search", "evaluate"])

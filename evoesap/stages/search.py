@@ -220,7 +220,7 @@ def run_search(
     n, kept, granularity = space.num_experts, space.min_kept, space.granularity
     budget = alloc.budget(params.sparsity, n, kept, granularity)
     uniform = list(alloc.uniform(n, kept, budget, granularity))
-    bounds.check_search(params, alloc.FeasibleSet(n, kept, budget, granularity).size, len(n))
+    bounds.check_search(params, n, alloc.FeasibleSet(n, kept, budget, granularity).size)
 
     teacher = load_cache(cache)
     heldout_teacher = load_cache(heldout_cache) if heldout_cache else None
