@@ -698,14 +698,16 @@ def test_a_visible_gpu_is_accepted(monkeypatch):
         runtime.check_device(device)
 
 
-@pytest.mark.parametrize("kind", ["fifo", "directory", "device", "symlink to /dev/zero"])
-def test_data_that_is_not_a_regular_file_is_refused_without_reading_it(kind, tiny_artifacts, tmp_path, capsys, no_hang):
+@pytest.mark.parametrize("kind", ["fifo", "directory", "empty directory", "device", "symlink to /dev/zero"])
+def test_data_that_is_not_a_regular_file_is_refused_without_reading_it(
+    kind, tiny_artifacts, tmp_path, capsys, no_hang, no_model_loading
+):
     import os
 
-    data = tmp_path / "rows.jsonl"
+    data = tmp_path / ("rows" if kind == "empty directory" else "rows.jsonl")  # a directory of data files is a dataset
     if kind == "fifo":
         os.mkfifo(data)
-    elif kind == "directory":
+    elif kind in ("directory", "empty directory"):
         data.mkdir()
     elif kind == "device":
         data = Path("/dev/zero")
@@ -713,13 +715,16 @@ def test_data_that_is_not_a_regular_file_is_refused_without_reading_it(kind, tin
         data.symlink_to("/dev/zero")
     code, line = cli(capsys, "calibrate", "--model", tiny_artifacts["model"], "--data", str(data), "--out", str(tmp_path / "o"))
     expected = {"fifo": ("a FIFO",), "directory": ("is a directory", "jsonl file"), "device": ("a character device",),
+                "empty directory": ("cannot load", "doesn't contain any data files"),
                 "symlink to /dev/zero": ("a character device", "a symlink to /dev/zero")}[kind]
     one_clear_line(code, line, str(data), *expected)
     assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("where", ["artifact payload", "model file"])
-def test_a_symlink_to_dev_zero_inside_an_input_is_refused_without_hashing_it(where, tiny_artifacts, tmp_path, capsys, no_hang):
+def test_a_symlink_to_dev_zero_inside_an_input_is_refused_without_hashing_it(
+    where, tiny_artifacts, tmp_path, capsys, no_hang, no_model_loading
+):
     model, scores = tmp_path / "model", tmp_path / "scores"
     shutil.copytree(tiny_artifacts["model"], model)
     shutil.copytree(tiny_artifacts["scores"], scores)
@@ -830,6 +835,14 @@ def test_pipeline_settings_that_cannot_work_are_refused_when_the_config_loads(ch
     code, line = cli(capsys, "pipeline", "compile", str(path), "-o", str(tmp_path / "spec.yaml"))
     one_clear_line(code, line, *words)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml"]
+
+
+def test_pipeline_compile_into_the_working_directory_is_refused(tmp_path, capsys, monkeypatch):
+    config = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
+    monkeypatch.chdir(tmp_path)
+    code, line = cli(capsys, "pipeline", "compile", str(config), "-o", ".")
+    one_clear_line(code, line, "--output .", "is a directory")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_quantities_kfp_accepts_and_a_storage_root_beside_the_model_pass(tiny_artifacts, tmp_path):
