@@ -161,6 +161,9 @@ def read_manifest(uri: str, stage: str | None = None) -> Manifest:
             f"{redact(uri)} is not a finished artifact (its publish is under way or was interrupted): re-run "
             f"`evoesap {stage or _publishing_record(uri).get('stage') or '<stage>'}` to finish it"
         )
+    fs, path = split(manifest_uri)
+    if not fs.isfile(path):  # a directory, a FIFO, /dev/zero: never read
+        raise ArtifactError(f"{redact(manifest_uri)} is malformed (not a regular file): {rebuild_hint(stage)}")
     try:
         manifest = Manifest.from_json(read_bytes(manifest_uri).decode("utf-8"))
     except (ValueError, UnicodeDecodeError, TypeError) as exc:  # JSONDecodeError is a ValueError
@@ -183,6 +186,8 @@ def verify(uri: str, stage: str, local: Path | None = None) -> Manifest:
             target = join(uri, rel)
         except ArtifactError:
             raise ArtifactError(f"{redact(uri)} lists a file outside itself ({rel!r}): {rebuild_hint(stage)}") from None
+        if local is not None or is_local(uri):
+            identity.refuse_special(local / rel if local is not None else split(target)[1], fix=rebuild_hint(stage))
         try:
             actual = sha256_file(local / rel) if local is not None else _sha256_uri(target)
         except (FileNotFoundError, IsADirectoryError):

@@ -155,11 +155,17 @@ class _FileRows:
     def __init__(self, source: str, fmt: str, split: str) -> None:
         import fsspec
 
+        from evoesap.identity import refuse_special
+
+        if "://" not in source:
+            refuse_special(source, fix="give a data file")
         try:
             with fsspec.open(source, "rb", compression="infer") as f:
                 raw = f.read()
         except FileNotFoundError as exc:
             raise DataError(f"data file {source} does not exist") from exc
+        except IsADirectoryError:
+            raise DataError(f"{source} is a directory, not a {fmt} file: give the data file itself") from None
         if fmt in ("parquet", "csv"):
             import pyarrow as pa
             import pyarrow.csv as pcsv

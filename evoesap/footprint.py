@@ -321,8 +321,8 @@ def local_machine(device: str = "auto") -> Machine:
     from evoesap.runtime import free_memory_bytes, resolve_device
 
     host = free_memory_bytes(torch.device("cpu"))
-    if resolve_device(device).startswith("cuda"):
-        count = torch.cuda.device_count()
+    count = torch.cuda.device_count() if resolve_device(device).startswith("cuda") else 0
+    if count:  # `cuda` where there is none: the host alone (a stage refuses it first, runtime.check_device)
         return Machine(host, min(int(torch.cuda.mem_get_info(i)[0]) for i in range(count)), count)
     return Machine(host)
 

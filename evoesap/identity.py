@@ -28,13 +28,14 @@ import hashlib
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
 import fsspec
 from fsspec.core import url_to_fs
 
-from evoesap.errors import ConfigError
+from evoesap.errors import ConfigError, DataError
 
 MANIFEST = "manifest.json"
 SMALL_FILE_BYTES = 16 << 20  # files up to this size are hashed; larger ones (weights) are identified by metadata
@@ -143,6 +144,28 @@ def check_local_or_hub(name: str) -> None:
     )
 
 
+_SPECIAL = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+            (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def special_kind(path: str | Path) -> str | None:
+    """What a local path is (symlinks followed) when it is neither a regular file nor a directory, such as
+    a FIFO (reading it waits for a writer) or /dev/zero (it never ends); None otherwise or when absent."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return next((what for test, what in _SPECIAL if test(mode)), None)
+
+
+def refuse_special(path: str | Path, shown: str | None = None, fix: str = "replace it with a regular file") -> None:
+    """Refuse, before reading a byte, a local path that is not a regular file or directory (`special_kind`)."""
+    kind = special_kind(path)
+    if kind is not None:
+        through = f" (a symlink to {os.path.realpath(path)})" if os.path.islink(path) else ""
+        raise DataError(f"{shown or path} is {kind}{through}, not a regular file, and is never read: {fix}")
+
+
 def _record(uri: str, repo_type: str) -> dict[str, Any]:
     if not is_uri(uri):
         check_local_or_hub(uri)
@@ -154,10 +177,12 @@ def _record(uri: str, repo_type: str) -> dict[str, Any]:
     local = "file" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol)
     if not fs.exists(path):
         raise ConfigError(f"{redact(uri)} does not exist: check the path or URI")
+    if local:
+        refuse_special(path, redact(uri))
     if fs.isfile(path):
         return {"kind": "file", **_file(fs, path, local, always_hash=True)}
     manifest = f"{path.rstrip('/')}/{MANIFEST}"
-    if fs.exists(manifest):
+    if fs.isfile(manifest):  # a manifest.json that is not a file is refused by whoever reads the artifact
         with fs.open(manifest, "rb") as f:
             return {"kind": "artifact", "manifest_sha256": hashlib.sha256(f.read()).hexdigest()}
     root = path.rstrip("/")
@@ -167,6 +192,8 @@ def _record(uri: str, repo_type: str) -> dict[str, Any]:
 
 def _file(fs: Any, path: str, local: bool, always_hash: bool = False) -> dict[str, Any]:
     """Size plus the sha256 (small files, or `always_hash`), else the store's identity or the mtime."""
+    if local:
+        refuse_special(path)  # never hashed: it could block or never end
     info = fs.info(path)
     size = int(info.get("size") or 0)
     entry: dict[str, Any] = {"size": size}

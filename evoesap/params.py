@@ -85,7 +85,17 @@ def _coerce(name: str, allowed: set[Any], value: Any) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class SampleParams:
+class StageParams:
+    """The base of every stage's parameters: the checks no single stage owns (`evoesap.bounds`), run last."""
+
+    def __post_init__(self) -> None:
+        from evoesap.bounds import check_params
+
+        check_params(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleParams(StageParams):
     """Which samples a data-reading stage draws from its data, and how they are read."""
 
     DEFAULT_SAMPLES: ClassVar[int] = 64
@@ -113,7 +123,7 @@ class SampleParams:
         if self.max_length < 2:
             raise ConfigError(f"max_length must be at least 2, got {self.max_length}")
         self.fields  # noqa: B018 - field combinations are checked here, not after the model has loaded
-        getattr(super(), "__post_init__", lambda: None)()  # the next parameter group's checks
+        super().__post_init__()  # the next parameter group's checks, StageParams' last
 
     @property
     def sample_count(self) -> int:
@@ -129,7 +139,7 @@ class SampleParams:
 
 
 @dataclasses.dataclass(frozen=True)
-class DeviceParams:
+class DeviceParams(StageParams):
     """Where and in which dtype a stage runs its model."""
 
     model_dtype: str = param("auto", "Model dtype: auto (the checkpoint's), bfloat16, float16 or float32.")
@@ -140,4 +150,4 @@ class DeviceParams:
         from evoesap.runtime import check_model_dtype
 
         check_model_dtype(self.model_dtype)
-        getattr(super(), "__post_init__", lambda: None)()  # the next parameter group's checks
+        super().__post_init__()  # the next parameter group's checks, StageParams' last

@@ -74,11 +74,12 @@ def check_stage(stage: str, inputs: dict[str, Any], params: Any) -> StagePlan | 
     """Refuse (ResourceError) a stage that would not fit this machine, before it loads anything; its plan.
     A stage without a peak formula, or whose inputs cannot be read yet, gets no plan (the stage itself
     says what is wrong with an input)."""
-    from evoesap import artifacts, stages
+    from evoesap import artifacts, bounds, stages
     from evoesap.errors import EvoESAPError, ResourceError
 
     if stages.get(stage).peak is None:
         return None
+    bounds.check_stage(params, inputs["model"])  # the device and the checkpoint, before either is measured
     cache_class = stages.get("cache-logits").params_class()
     cache_p, rows, heldout = cache_class(), 0, 0
     try:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from evoesap import artifacts
-from evoesap.errors import ConfigError
+from evoesap.errors import ArtifactError, ConfigError, ModelError
 from evoesap.identity import is_uri
 
 MODEL_DTYPES: dict[str, Any] = {
@@ -41,6 +43,72 @@ def bound_allocator_retention() -> None:
 def check_model_dtype(name: str) -> None:
     if name not in MODEL_DTYPES:
         raise ConfigError(f"model_dtype {name!r} is not one of {', '.join(MODEL_DTYPES)}")
+
+
+def check_device(name: str) -> None:
+    """Refuse a device this machine does not have (`cuda` without a GPU, `cuda:7` with two), before any work."""
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device {name!r} is not a device: give auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise ConfigError(f"device {name!r}: no GPU is visible on this machine: give --device cpu (or auto)")
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"device {name!r}: this machine has {count} GPU(s), cuda:0..cuda:{count - 1}: give one of them")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {name!r}: MPS is not available on this machine: give --device cpu (or auto)")
+
+
+def check_checkpoint(uri: str) -> None:
+    """Refuse a local checkpoint directory that cannot load: config.json missing, not JSON or not a valid
+    transformers config; safetensors weights missing, unreadable or shorter than their headers say
+    (truncated). Only config.json and the shards' headers are read. Hub names and URIs are left to the loader."""
+    from transformers import AutoConfig
+
+    from evoesap.moe import shards
+    from evoesap.moe.stream_prune import INDEX_FILE, SINGLE_FILE
+
+    root = Path(uri)
+    if "://" in uri or not root.is_dir():
+        return
+    hint = "fix it or copy the checkpoint again"
+    try:
+        config = json.loads((root / "config.json").read_bytes())
+    except FileNotFoundError:
+        raise ModelError(f"{uri} has no config.json: give a transformers checkpoint directory") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ModelError(f"{uri}/config.json is not valid JSON ({exc}): {hint}") from None
+    try:
+        AutoConfig.for_model(**config)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for one bad value
+        why = " ".join(str(exc).split())  # one line, however transformers wraps its message
+        raise ModelError(f"{uri}/config.json is not a valid transformers config ({type(exc).__name__}: {why}): {hint}") from None
+    if (root / INDEX_FILE).is_file():
+        try:
+            names = sorted(set(json.loads((root / INDEX_FILE).read_bytes())["weight_map"].values()))
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelError(f"{uri}/{INDEX_FILE} is malformed ({type(exc).__name__}: {exc}): {hint}") from None
+    elif (root / SINGLE_FILE).is_file():
+        names = [SINGLE_FILE]
+    else:
+        raise ModelError(f"{uri} has no {SINGLE_FILE} or {INDEX_FILE}: its weights are missing (only safetensors "
+                         "checkpoints are read); copy them into it")
+    for name in names:
+        try:
+            with open(root / name, "rb") as f:
+                start, entries, _ = shards.read_header(f)
+                size = os.fstat(f.fileno()).st_size
+        except FileNotFoundError:
+            raise ModelError(f"{uri}/{INDEX_FILE} lists {name}, which is missing: copy it into the checkpoint") from None
+        except (ArtifactError, ValueError, KeyError, TypeError) as exc:
+            raise ModelError(f"{uri}/{name} is not a readable safetensors file ({exc}): {hint}") from None
+        needed = start + max((e.end for e in entries.values()), default=0)
+        if size < needed:
+            raise ModelError(f"{uri}/{name} is truncated ({size} bytes, its header needs {needed}): {hint}")
 
 
 def resolve_device(name: str) -> str:

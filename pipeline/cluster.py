@@ -11,12 +11,17 @@ space is a generic ephemeral volume with TMPDIR on it.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SHM_MOUNT = "/dev/shm"
 SCRATCH_MOUNT = "/scratch"
+# the quantities KFP's DSL accepts (kfp.dsl.PipelineTask.set_memory_limit, set_cpu_limit): refused when the
+# configuration loads, not as an internal error halfway through compiling
+_MEMORY = re.compile(r"[0-9]+(E|Ei|P|Pi|T|Ti|G|Gi|M|Mi|K|Ki)?")
+_CPU = re.compile(r"([0-9]*[.])?[0-9]+m?")
 
 
 class _Strict(BaseModel):
@@ -91,6 +96,20 @@ class StageSettings(_Strict):
     labels: dict[str, str] = {}  # pod labels (cost centre, team, policy selectors)
     annotations: dict[str, str] = {}  # pod annotations
     node_affinity: list[Affinity] = []  # beyond `node_selector`: In/NotIn/Exists... terms, required or preferred
+
+    @field_validator("memory", "memory_request")
+    @classmethod
+    def _memory_quantity(cls, value: str | None) -> str | None:
+        if value is not None and not _MEMORY.fullmatch(value):
+            raise ValueError(f"{value!r} is not a memory quantity: write a whole number with an optional unit, e.g. 64Gi or 512M")
+        return value
+
+    @field_validator("cpu", "cpu_request")
+    @classmethod
+    def _cpu_quantity(cls, value: str | None) -> str | None:
+        if value is not None and not _CPU.fullmatch(value):
+            raise ValueError(f"{value!r} is not a CPU quantity: write e.g. 8, 0.5 or 500m")
+        return value
 
     @model_validator(mode="after")
     def _accelerator_pair(self) -> "StageSettings":

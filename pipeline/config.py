@@ -51,6 +51,14 @@ class _Settings(BaseModel):
             raise ValueError(f"every sparsity must lie in (0, 1), got {bad or values}")
         return values
 
+    @field_validator("storage_root")
+    @classmethod
+    def _storage_root_named(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("storage_root is empty, which would write every artifact into the working directory: "
+                             "give a directory or URI, e.g. ./runs/artifacts")
+        return value
+
     @field_validator("criteria")
     @classmethod
     def _criteria_non_empty(cls, values: list[str]) -> list[str]:
@@ -82,6 +90,16 @@ class _Settings(BaseModel):
                     f"resources.{stage}: {stage} loads no model and cannot use an accelerator (prune works on the "
                     f"checkpoint files); remove its accelerator settings (stages that can: {', '.join(stages.MODEL_STAGES)})"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _storage_outside_the_model(self) -> "PipelineConfig":
+        if "://" in self.storage_root or "://" in self.model or not Path(self.model).is_dir():
+            return self
+        model, root = Path(self.model).resolve(), Path(self.storage_root).resolve()
+        if root == model or model in root.parents:
+            raise ValueError(f"storage_root {self.storage_root} lies inside the model directory {self.model}: artifacts "
+                             "written there would change the model they are made from; choose a storage_root outside it")
         return self
 
     @property

@@ -593,3 +593,267 @@ def test_pipeline_compile_replaces_its_own_spec(tmp_path, capsys):
     first = compile_pipeline(config, spec).read_text()
     assert compile_pipeline(config, spec).read_text() == first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pipeline.yaml"]
+
+
+# ------------------------------------------------------------------------ issue 29: bounds, special files, clear lines
+
+
+@pytest.fixture
+def no_hang():
+    """Fail a read that blocks (a FIFO without a writer) or never ends (/dev/zero) instead of hanging the suite."""
+    import signal
+
+    def hung(signum, frame):
+        raise TimeoutError("the stage read a special file instead of refusing it")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def distinct_allocations(model: str, sparsity: float) -> int:
+    """The feasible allocations of a uniform-top-k model, counted by brute force (not by allocation.FeasibleSet)."""
+    import itertools
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    layers, n, k = config["num_hidden_layers"], config["num_experts"], config["num_experts_per_tok"]
+    budget = round(sparsity * n * layers)
+    return sum(1 for r in itertools.product(range(n - k + 1), repeat=layers) if sum(r) == budget)
+
+
+BEYOND_INT64 = str(10**30)
+
+
+@pytest.mark.parametrize(
+    "stage, option, value, words",
+    [
+        ("search", "--population", BEYOND_INT64, ("population", "64-bit")),
+        ("search", "--generations", BEYOND_INT64, ("generations", "64-bit")),
+        ("search", "--generations", str(10**12), ("history rows", "GiB of host memory", "lower --generations")),
+        ("search", "--batch-size", BEYOND_INT64, ("batch_size", "64-bit")),
+        ("search", "--max-transfer", str(10**12), ("max_transfer 1000000000000", "32 routed experts", "--max-transfer 32")),
+        ("search", "--max-steps", str(10**12), ("max_steps 1000000000000", "32 routed experts", "--max-steps 32")),
+        ("calibrate", "--samples", BEYOND_INT64, ("samples", "64-bit")),
+        ("calibrate", "--max-length", BEYOND_INT64, ("max_length", "64-bit")),
+        ("cache-logits", "--batch-size", BEYOND_INT64, ("batch_size", "64-bit")),
+        ("calibrate", "--seed", "-1", ("seed must be a non-negative integer", "-1")),
+        ("cache-logits", "--seed", "-1", ("seed must be a non-negative integer",)),
+        ("search", "--seed", "-1", ("seed must be a non-negative integer",)),
+    ],
+)
+def test_sizes_that_cannot_be_meant_are_refused_in_one_line_before_any_work(
+    stage, option, value, words, tiny_artifacts, tmp_path, capsys, no_model_loading
+):
+    command = [a for a in stage_commands(tiny_artifacts, str(tmp_path / "out"))[stage]]
+    if option in command:
+        command[command.index(option) + 1] = value
+    else:
+        command += [option, value]
+    code, line = cli(capsys, *command)
+    one_clear_line(code, line, *words)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_population_no_machine_could_hold_is_refused_and_one_beyond_the_space_runs(
+    tiny_artifacts, tmp_path, capsys, no_model_loading
+):
+    """Beyond the distinct allocations a population only repeats them (the search warns and runs, as on the
+    quick demo world); one whose history cannot fit in memory is refused before anything loads."""
+    from evoesap import bounds
+    from evoesap.stages.search import SearchParams
+
+    distinct = distinct_allocations(tiny_artifacts["model"], 0.5)
+    command = stage_commands(tiny_artifacts, str(tmp_path / "out"))["search"]
+    command[command.index("--population") + 1] = str(10**15)
+    code, line = cli(capsys, *command)
+    one_clear_line(code, line, f"population {10**15}", "history rows", "lower --generations")
+    bounds.check_search(SearchParams(sparsity=0.5, population=distinct + 5, generations=50, max_transfer=32, max_steps=32),
+                        [8] * 4, distinct, free_host=1 << 40)
+
+
+@pytest.mark.parametrize("stage", ["calibrate", "cache-logits", "search", "evaluate"])
+@pytest.mark.parametrize("device, gpus, words", [
+    ("cuda", 0, ("device 'cuda'", "no GPU", "--device cpu")),
+    ("cuda:7", 0, ("device 'cuda:7'", "no GPU")),
+    ("cuda:7", 2, ("device 'cuda:7'", "2 GPU(s), cuda:0..cuda:1")),
+    ("gpu0", 0, ("device 'gpu0' is not a device",)),
+])
+def test_a_device_this_machine_lacks_is_refused_before_any_work(
+    stage, device, gpus, words, tiny_artifacts, tmp_path, capsys, monkeypatch, no_model_loading
+):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    code, line = cli(capsys, *stage_commands(tiny_artifacts, str(tmp_path / "out"))[stage], "--device", device)
+    one_clear_line(code, line, *words)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_visible_gpu_is_accepted(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for device in ("auto", "cpu", "cuda", "cuda:0", "cuda:1"):
+        runtime.check_device(device)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "empty directory", "device", "symlink to /dev/zero"])
+def test_data_that_is_not_a_regular_file_is_refused_without_reading_it(
+    kind, tiny_artifacts, tmp_path, capsys, no_hang, no_model_loading
+):
+    import os
+
+    data = tmp_path / ("rows" if kind == "empty directory" else "rows.jsonl")  # a directory of data files is a dataset
+    if kind == "fifo":
+        os.mkfifo(data)
+    elif kind in ("directory", "empty directory"):
+        data.mkdir()
+    elif kind == "device":
+        data = Path("/dev/zero")
+    else:
+        data.symlink_to("/dev/zero")
+    code, line = cli(capsys, "calibrate", "--model", tiny_artifacts["model"], "--data", str(data), "--out", str(tmp_path / "o"))
+    expected = {"fifo": ("a FIFO",), "directory": ("is a directory", "jsonl file"), "device": ("a character device",),
+                "empty directory": ("cannot load", "doesn't contain any data files"),
+                "symlink to /dev/zero": ("a character device", "a symlink to /dev/zero")}[kind]
+    one_clear_line(code, line, str(data), *expected)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("where", ["artifact payload", "model file"])
+def test_a_symlink_to_dev_zero_inside_an_input_is_refused_without_hashing_it(
+    where, tiny_artifacts, tmp_path, capsys, no_hang, no_model_loading
+):
+    model, scores = tmp_path / "model", tmp_path / "scores"
+    shutil.copytree(tiny_artifacts["model"], model)
+    shutil.copytree(tiny_artifacts["scores"], scores)
+    target = scores / "scores.parquet" if where == "artifact payload" else model / "tokenizer.json"
+    target.unlink()
+    target.symlink_to("/dev/zero")
+    code, line = cli(capsys, "prune", "--model", str(model), "--scores", str(scores), "--sparsity", "0.5",
+                     "--out", str(tmp_path / "o"))
+    one_clear_line(code, line, str(target), "a character device", "never read")
+    if where == "artifact payload":
+        assert "rebuild it with `evoesap calibrate`" in line
+
+
+def test_a_manifest_that_is_a_directory_is_named_as_input_and_as_output(tiny_artifacts, tmp_path, capsys, no_model_loading):
+    for name in ("scores", "out"):
+        shutil.copytree(tiny_artifacts["scores"], tmp_path / name)
+        (tmp_path / name / artifacts.MANIFEST).unlink()
+        (tmp_path / name / artifacts.MANIFEST).mkdir()
+    code, line = cli(capsys, "prune", "--model", tiny_artifacts["model"], "--scores", str(tmp_path / "scores"),
+                     "--sparsity", "0.5", "--out", str(tmp_path / "o"))
+    one_clear_line(code, line, str(tmp_path / "scores" / artifacts.MANIFEST), "not a regular file",
+                   "rebuild it with `evoesap calibrate`")
+    before = snapshot(tmp_path / "out")
+    code, line = cli(capsys, *stage_commands(tiny_artifacts, str(tmp_path / "out"))["calibrate"])
+    one_clear_line(code, line, "--out", "malformed manifest", "choose another --out")
+    assert snapshot(tmp_path / "out") == before
+
+
+def _truncate_data(model: Path) -> None:
+    shard = model / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+
+
+def _truncate_header(model: Path) -> None:
+    shard = model / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:1000])
+
+
+def _no_weights(model: Path) -> None:
+    (model / "model.safetensors").unlink()
+
+
+def _index_without_shard(model: Path) -> None:
+    (model / "model.safetensors").rename(model / "model-00001-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _config_not_json(model: Path) -> None:
+    (model / "config.json").write_text("{not json")
+
+
+def _config_bad_value(model: Path) -> None:
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_experts": "many"}))
+
+
+@pytest.mark.parametrize("stage", ["calibrate", "cache-logits", "search", "prune", "evaluate"])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (_truncate_data, ("model.safetensors is truncated", "its header needs")),
+        (_truncate_header, ("model.safetensors is not a readable safetensors file",)),
+        (_no_weights, ("has no model.safetensors", "weights are missing")),
+        (_index_without_shard, ("lists model-00002-of-00002.safetensors, which is missing",)),
+        (_config_not_json, ("config.json is not valid JSON",)),
+        (_config_bad_value, ("config.json is not a valid transformers config", "num_experts", "many")),
+    ],
+    ids=["truncated", "truncated-header", "no-weights", "index-without-shard", "config-not-json", "config-bad-value"],
+)
+def test_a_broken_checkpoint_is_named_in_one_line_before_any_work(
+    stage, damage, words, tiny_artifacts, tmp_path, capsys, no_model_loading
+):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_artifacts["pruned" if stage == "evaluate" else "model"], model)
+    damage(model)
+    world = {**tiny_artifacts, "model": str(model), "pruned": str(model)}
+    code, line = cli(capsys, *stage_commands(world, str(tmp_path / "out"))[stage])
+    one_clear_line(code, line, str(model), *words)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_intact_checkpoint_passes_the_check(tiny_artifacts):
+    for model in (tiny_artifacts["model"], tiny_artifacts["pruned"]):
+        runtime.check_checkpoint(model)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"resources": {"search": {"memory": "lots"}}}, ("resources.search.memory", "'lots' is not a memory quantity")),
+        ({"resources": {"all": {"memory_request": "64 GB"}}}, ("resources.all.memory_request", "not a memory quantity")),
+        ({"resources": {"prune": {"cpu": "many"}}}, ("resources.prune.cpu", "'many' is not a CPU quantity")),
+        ({"storage_root": ""}, ("storage_root is empty", "working directory")),
+        ({"storage_root": "  "}, ("storage_root is empty",)),
+        ({"storage_root": "MODEL/runs"}, ("lies inside the model directory", "choose a storage_root outside it")),
+        ({"storage_root": "MODEL"}, ("lies inside the model directory",)),
+    ],
+)
+def test_pipeline_settings_that_cannot_work_are_refused_when_the_config_loads(change, words, tiny_artifacts, tmp_path, capsys):
+    import yaml
+
+    config = {"model": tiny_artifacts["model"], "calibration_data": tiny_artifacts["calibration"],
+              "search_data": tiny_artifacts["search"], "storage_root": str(tmp_path / "runs")}
+    changed = {k: v.replace("MODEL", tiny_artifacts["model"]) if isinstance(v, str) else v for k, v in change.items()}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump({**config, **changed}))
+    code, line = cli(capsys, "pipeline", "compile", str(path), "-o", str(tmp_path / "spec.yaml"))
+    one_clear_line(code, line, *words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml"]
+
+
+def test_pipeline_compile_into_the_working_directory_is_refused(tmp_path, capsys, monkeypatch):
+    config = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
+    monkeypatch.chdir(tmp_path)
+    code, line = cli(capsys, "pipeline", "compile", str(config), "-o", ".")
+    one_clear_line(code, line, "--output .", "is a directory")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_quantities_kfp_accepts_and_a_storage_root_beside_the_model_pass(tiny_artifacts, tmp_path):
+    from evoesap.pipeline.config import load_config
+
+    config = load_config({
+        "model": tiny_artifacts["model"], "calibration_data": tiny_artifacts["calibration"],
+        "search_data": tiny_artifacts["search"], "storage_root": str(Path(tiny_artifacts["model"]).parent / "model-runs"),
+        "resources": {"search": {"memory": "64Gi", "memory_request": "512M", "cpu": "500m", "cpu_request": "0.5"}},
+    })
+    assert config.settings("search").memory == "64Gi"

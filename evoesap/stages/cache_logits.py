@@ -6,7 +6,7 @@ import dataclasses
 import logging
 from typing import ClassVar
 
-from evoesap import artifacts, runtime
+from evoesap import artifacts, bounds, runtime
 from evoesap.errors import ConfigError
 from evoesap.params import DeviceParams, SampleParams, param
 
@@ -47,6 +47,7 @@ def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: 
 
     inputs = {"model": model, "data": data}
     seen = artifacts.preflight(out_uri, "cache-logits", inputs)
+    bounds.check_stage(params, model)
     runtime.inspect_checkpoint(model)  # a dense or already pruned model is refused before any work
     tokenizer, tokenized = runtime.tokenized_samples(model, data, params)
     mode = footprint.cache_mode(model, params, sum(len(s.input_ids) for s in tokenized))  # the manifest keeps params as asked

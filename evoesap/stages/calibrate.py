@@ -6,7 +6,7 @@ import dataclasses
 import logging
 from typing import ClassVar
 
-from evoesap import artifacts, runtime
+from evoesap import artifacts, bounds, runtime
 from evoesap.params import DeviceParams, SampleParams, param
 
 log = logging.getLogger(__name__)
@@ -25,6 +25,7 @@ def run_calibrate(model: str, data: str, params: CalibrateParams, out_uri: str) 
     """Score every expert of `model` on `data` and publish scores.parquet."""
     inputs = {"model": model, "data": data}
     seen = artifacts.preflight(out_uri, "calibrate", inputs)
+    bounds.check_stage(params, model)
 
     from evoesap import data as data_mod
     from evoesap import importance

@@ -8,7 +8,7 @@ import json
 import logging
 from typing import Any, Iterator
 
-from evoesap import artifacts, records, runtime, vllm_eval
+from evoesap import artifacts, bounds, records, runtime, vllm_eval
 from evoesap import evaluate as ev
 from evoesap.errors import ConfigError, DataError
 from evoesap.params import DeviceParams, param
@@ -77,6 +77,7 @@ def run_evaluate(
     python = vllm_eval.vllm_python() if params.backend == "vllm" else None  # fails before anything loads
     inputs = {"model": model, "teacher_cache": teacher_cache, "allocation": allocation}
     seen = artifacts.preflight(out_uri, "evaluate", inputs)
+    bounds.check_stage(params, model)
     if teacher_cache:
         _check_heldout(teacher_cache, model, allocation)
     tokenizer = moe.load_tokenizer(model)

@@ -12,9 +12,9 @@ import dataclasses
 import logging
 
 from evoesap import allocation as alloc
-from evoesap import artifacts, records, runtime
+from evoesap import artifacts, bounds, records, runtime
 from evoesap.errors import ConfigError
-from evoesap.params import param
+from evoesap.params import StageParams, param
 from evoesap.moe.spec import MoESpec
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class PruneParams:
+class PruneParams(StageParams):
     """Which experts go: the criterion's order within each layer, the allocation's (or uniform) counts."""
 
     criterion: str = param("reap", "Importance criterion whose pruning order decides which experts go: frequency, "
@@ -41,6 +41,7 @@ class PruneParams:
         if self.granularity < 1:
             raise ConfigError(f"granularity must be >= 1, got {self.granularity}")
         runtime.check_model_dtype(self.model_dtype)
+        super().__post_init__()
 
 
 def planned_pruning(scores_uri: str, params: PruneParams, spec: MoESpec, allocation: str | None) -> tuple[str, list[int], dict[int, list[int]]]:
@@ -69,6 +70,7 @@ def run_prune(model: str, scores: str, params: PruneParams, out_uri: str, alloca
 
     inputs = {"model": model, "scores": scores, "allocation": allocation}
     seen = artifacts.preflight(out_uri, "prune", inputs)
+    bounds.check_stage(params, model)
     artifacts.verify(scores, "calibrate")  # a clear error before reading anything else
     if allocation is not None:
         artifacts.verify(allocation, "search")

@@ -14,7 +14,7 @@ import pandas as pd
 from evoesap import artifacts, records
 from evoesap import report as rp
 from evoesap.errors import ArtifactError, ConfigError, DataError
-from evoesap.params import param
+from evoesap.params import StageParams, param
 from evoesap.importance import read_scores
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ SCORES_FILE = "scores.parquet"
 
 
 @dataclasses.dataclass(frozen=True)
-class ReportParams:
+class ReportParams(StageParams):
     """How the report looks; what it says comes from its inputs."""
 
     title: str = param("EvoESAP report", "Title of the report.")
@@ -35,6 +35,7 @@ class ReportParams:
     def __post_init__(self) -> None:
         if not 1 <= self.digits <= 8:
             raise ConfigError(f"digits must be within 1..8, got {self.digits}")
+        super().__post_init__()
 
 
 def _history(search_uri: str) -> tuple[str, pd.DataFrame, Mapping[str, Any]]:

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from evoesap import allocation as alloc
-from evoesap import artifacts, records, runtime
+from evoesap import artifacts, bounds, records, runtime
 from evoesap.errors import ConfigError
 from evoesap.params import DeviceParams, param
 from evoesap.progress import progress
@@ -258,6 +258,7 @@ def prepare_scoring(
     n, kept, granularity = space.num_experts, space.min_kept, space.granularity
     budget = alloc.budget(params.sparsity, n, kept, granularity)
     uniform = list(alloc.uniform(n, kept, budget, granularity))
+    bounds.check_search(params, n, alloc.FeasibleSet(n, kept, budget, granularity).size)
 
     teacher = load_cache(cache)
     heldout_teacher = load_cache(heldout_cache) if heldout_cache and judge else None
@@ -298,6 +299,7 @@ def run_search(
 
     inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}
     seen = artifacts.preflight(out_uri, "search", inputs)
+    bounds.check_stage(params, model)
     for uri in (cache, heldout_cache):  # inputs must be finished artifacts before anything loads
         if uri:
             artifacts.read_manifest(uri, "cache-logits")
