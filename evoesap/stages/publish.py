@@ -149,10 +149,12 @@ def _base(entry: Mapping[str, Any], params: PublishParams) -> tuple[str | None, 
     return named or params.base_model, carried
 
 
-def _copy_payload(uri: str, manifest: artifacts.Manifest, dest: Path) -> None:
-    """Every payload file of the artifact at `uri` into `dest`, each checked against its manifest's sha256."""
+def _copy_payload(uri: str, manifest: artifacts.Manifest, dest: Path, skip: tuple[str, ...] = ()) -> None:
+    """Every payload file of the artifact at `uri` but `skip` into `dest`, each checked against its manifest's sha256."""
     fs, root = artifacts.split(uri)
     for rel, expected in sorted(manifest.files.items()):
+        if rel in skip:
+            continue
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(f"{root.rstrip('/')}/{rel}", str(target))
@@ -182,8 +184,6 @@ def run_publish(
     report_manifest = artifacts.read_manifest(report, "report") if report else None
     planned = {*matched.pruned.files, CARD_FILE, card.DENSITY_FILE, artifacts.MANIFEST,
                *(f"{REPORT_DIR}/{rel}" for rel in (report_manifest.files if report_manifest else ()))}
-    if CARD_FILE in matched.pruned.files:
-        raise ArtifactError(f"{artifacts.redact(pruned)} already holds a {CARD_FILE}: not a prune artifact's checkpoint")
     to_seen = _check_to(params.to, out_uri, inputs)
     secret = hub.token(params.token_env) if params.repo else ""
     if params.repo:
@@ -214,7 +214,7 @@ def run_publish(
                              f"{pruning['sparsity']:.0%}, {pruning['method']})")
 
     with artifacts.stage_output(out_uri, "publish", dataclasses.asdict(params), inputs, seen, before_publish=push) as staging:
-        _copy_payload(pruned, matched.pruned, staging)
+        _copy_payload(pruned, matched.pruned, staging, skip=(CARD_FILE,))  # the base model's card, which ours replaces
         if report is not None and report_manifest is not None:
             _copy_payload(report, report_manifest, staging / REPORT_DIR)
         card.write_density(pruning, staging / card.DENSITY_FILE)
