@@ -1,4 +1,4 @@
-"""The six stage components, typed with KFP artifacts. Each body calls `run_step` and describes its result.
+"""The stage components, typed with KFP artifacts. Each body calls `run_step` and describes its result.
 
 A stage runs into its content-addressed URI under `storage_root` (or finds it finished there, after
 checking the manifest and the payload), then fills its KFP output artifacts from it
@@ -203,6 +203,38 @@ def report(
 
     inputs = {"runs": [source(a) for a in [full, *uniform, *searched]], "searches": [source(a) for a in searches]}
     publish_report(markdown, page, run_step("report", storage_root, inputs, params))
+
+
+def publish(
+    pruned: Input[Model],
+    evaluation: Input[Dataset],
+    storage_root: str,
+    published: Output[Model],
+    full_evaluation: Optional[Input[Dataset]] = None,
+    search: Optional[Input[Artifact]] = None,
+    report: Optional[Input[Markdown]] = None,
+    params: dict = {},
+):
+    """Write the model card beside a pruned checkpoint and push both to params `to` (a URI) and `repo` (the Hub).
+
+    Args:
+        pruned: The prune stage's pruned checkpoint.
+        evaluation: The evaluate stage's evaluation of that pruned checkpoint.
+        storage_root: (see module)
+        full_evaluation: The evaluation of the full model it was pruned from: the card's comparison.
+        search: The search stage's allocation the checkpoint was pruned by: the card's search section.
+        report: The report covering the pruned model's evaluation: copied beside the checkpoint.
+
+    Returns:
+        published: The checkpoint with its model card (README.md) and density plot; metadata: its storage URI.
+    """
+    from evoesap.components.kfp_artifacts import publish as describe
+    from evoesap.components.kfp_artifacts import source
+    from evoesap.steps import run_step
+
+    evaluations = [source(evaluation)] + ([source(full_evaluation)] if full_evaluation is not None else [])
+    inputs = {"pruned": source(pruned), "evaluations": evaluations, "search": source(search), "report": source(report)}
+    describe(published, run_step("publish", storage_root, inputs, params))
 
 
 STAGE_FUNCTIONS: dict[str, Callable] = {stage.name: globals()[stage.section] for stage in STAGES}

@@ -27,7 +27,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -377,18 +377,24 @@ def _location(uri: str) -> tuple[tuple[str, ...], str]:
     return _protocols(fs), "/" + path.strip("/")
 
 
+def overlap(uri: str, other: str) -> str | None:
+    """How the location `uri` overlaps `other`: "is", "lies inside" or "holds"; None when apart."""
+    (fs, path), (other_fs, other_path) = _location(uri), _location(other)
+    if fs != other_fs:
+        return None
+    if path == other_path:
+        return "is"
+    if path.startswith(other_path.rstrip("/") + "/"):
+        return "lies inside"
+    return "holds" if other_path.startswith(path.rstrip("/") + "/") else None
+
+
 def _check_against_inputs(out_uri: str, inputs: Mapping[str, str | None]) -> None:
-    out_fs, out_path = _location(out_uri)
     for name, uri in sorted(inputs.items()):
         if uri is None or (not identity.is_uri(str(uri)) and identity.is_hub_name(str(uri))):
             continue
-        in_fs, in_path = _location(uri)
-        if in_fs != out_fs:
-            continue
-        inside = out_path == in_path or out_path.startswith(in_path.rstrip("/") + "/")
-        around = in_path.startswith(out_path.rstrip("/") + "/")
-        if inside or around:
-            relation = "is" if out_path == in_path else "lies inside" if inside else "holds"
+        relation = overlap(out_uri, uri)
+        if relation:
             raise ConfigError(
                 f"--out {redact(out_uri)} {relation} the input {name} ({redact(uri)}): publishing would overwrite it; "
                 "choose another --out"
@@ -525,6 +531,7 @@ def stage_output(
     params: Mapping[str, Any],
     inputs: Mapping[str, str | None],
     seen: str | None = None,
+    before_publish: Callable[[Path, Manifest], None] | None = None,
 ) -> Iterator[Path]:
     """Yield a staging directory; on success publish it to `out_uri` with its manifest last.
 
@@ -532,6 +539,8 @@ def stage_output(
     TMPDIR. On an exception nothing is published and any earlier artifact at `out_uri` stays as it was.
     `seen`: what the stage's own `preflight` found at `out_uri` before its work; the publish refuses to
     replace anything else (a user's file, another run's artifact) and keeps the new artifact aside.
+    `before_publish(staging, manifest)` runs once the manifest is in the staging directory, before the
+    publish (the publish stage pushes copies there): when it raises, nothing is published.
     The published manifest is available afterwards through `read_manifest(out_uri)`.
     """
     found = preflight(out_uri, stage, inputs)
@@ -540,12 +549,7 @@ def stage_output(
     started = _now()
     described = describe_inputs(inputs)
     key = cache_key(stage, params, described)
-    fs, path = split(out_uri)
-    if "file" in _protocols(fs):
-        dest = local_destination(path)
-        parent, prefix = dest.parent, f".{dest.name}.partial"
-    else:
-        parent, prefix = Path(tempfile.gettempdir()), f"evoesap-{stage}"
+    parent, prefix = _staging_place(out_uri, stage)
     try:
         with _owned_dir(parent, prefix) as staging:
             yield staging
@@ -563,6 +567,8 @@ def stage_output(
                 ended=_now(),
             )
             (staging / MANIFEST).write_text(manifest.to_json())
+            if before_publish is not None:
+                before_publish(staging, manifest)
             _publish(staging, out_uri, manifest, _Expected(out_uri, stage, seen, key, parent))
     except OSError as exc:
         if exc.errno in _NO_SPACE:
@@ -571,6 +577,26 @@ def stage_output(
                 "nothing was published"
             ) from None
         raise
+
+
+def _staging_place(out_uri: str, stage: str) -> tuple[Path, str]:
+    """(directory, name prefix) of the staging directory of an output: beside it locally (published by one
+    rename), in TMPDIR for an object store."""
+    fs, path = split(out_uri)
+    if "file" in _protocols(fs):
+        dest = local_destination(path)
+        return dest.parent, f".{dest.name}.partial"
+    return Path(tempfile.gettempdir()), f"evoesap-{stage}"
+
+
+def publish_copy(staging: Path, uri: str, manifest: Manifest, seen: str) -> None:
+    """Publish a byte-identical copy of a staged artifact (its manifest included) at a second location `uri`,
+    under the rules of a stage's own output: `seen` is what `preflight(uri, ...)` found there before the work,
+    the manifest goes last, and a failed copy is not a finished artifact there."""
+    parent, prefix = _staging_place(uri, manifest.stage)
+    with _owned_dir(parent, prefix) as copy:
+        shutil.copytree(staging, copy, dirs_exist_ok=True)
+        _publish(copy, uri, manifest, _Expected(uri, manifest.stage, seen, manifest.cache_key, parent))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The report's two pages from templates: report.md (terminals, the README) and a self-contained report.html.
+"""Pages from templates: the report (report.md for terminals and the README, a self-contained report.html) and
+the model card of a published checkpoint.
 
 The Markdown template is the one source of the content. The HTML page is that Markdown rendered by a
 CommonMark renderer (tables on, raw HTML off, so text from artifacts cannot inject markup) inside a
@@ -65,3 +66,8 @@ def html_page(markdown_text: str, title: str) -> str:
 
 def data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def model_card(context: Mapping[str, Any]) -> str:
+    """The Markdown of a model card from `context` (see the template and `evoesap.card`)."""
+    return _ENV.get_template("model_card.md.j2").render(**context)

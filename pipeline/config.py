@@ -40,6 +40,7 @@ class _Settings(BaseModel):
     image: str | None = None  # the stage image, fully qualified; default: <registry>/stage:<version>
     retries: int = Field(2, ge=0, strict=True)  # per task, for transient failures
     parallelism: int = Field(0, ge=0, strict=True)  # criterion x sparsity points run at once (KFP's ParallelFor); 0: all
+    publish_models: bool = False  # publish each searched pruned model with its model card (where: the publish section)
     # Kubernetes settings per stage (pipeline.cluster.StageSettings); `all` applies to every stage
     resources: dict[Literal[("all", *stages.NAMES)], StageSettings] = {}  # type: ignore[valid-type]
 
@@ -156,6 +157,11 @@ def _check_stage_sections(config: PipelineConfig) -> None:
         if clash:
             raise ConfigError(f"set {', '.join(clash)} at the top level (criteria, sparsities), not under {stage.section}")
         config.parsed_params(stage.name)
+    targets = sorted(k for k in ("to", "repo") if config.stage_params("publish").get(k))
+    if config.publish_models and targets and len(config.grid()) > 1:
+        raise ConfigError(f"publish.{targets[0]} is one place, but publish_models publishes {len(config.grid())} models "
+                          "(criteria x sparsities): publish one point per run, or leave publish.to and publish.repo unset "
+                          "(each model is then published under storage_root)")
 
 
 def load_config(source: str | Path | dict[str, Any]) -> PipelineConfig:

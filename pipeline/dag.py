@@ -1,8 +1,8 @@
 """The EvoESAP DAG as a KFP pipeline, built from one validated configuration.
 
 calibrate and cache-logits run once; for each criterion x sparsity a search, a searched and a uniform
-prune, and their evaluations fan out (ParallelFor); the full model is evaluated once; the report
-collects everything. `build_subpipeline` is that DAG for a full model given as an artifact (a step of
+prune, and their evaluations fan out (ParallelFor), with `publish_models` the searched model's publish
+(model card, push); the full model is evaluated once; the report collects everything. `build_subpipeline` is that DAG for a full model given as an artifact (a step of
 another pipeline); `build_pipeline` imports the model from a path, URI or hub name and runs it.
 """
 
@@ -66,6 +66,7 @@ def _defaults(config: PipelineConfig) -> dict[str, Any]:
         "prune_params": config.stage_params("prune"),
         "evaluate_params": _gpu_params("evaluate", config),
         "report_params": config.stage_params("report"),
+        "publish_params": config.stage_params("publish"),
     }
 
 
@@ -93,6 +94,7 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
         prune_params: dict = d["prune_params"],
         evaluate_params: dict = d["evaluate_params"],
         report_params: dict = d["report_params"],
+        publish_params: dict = d["publish_params"],
         heldout_data: str = d["heldout_data"],  # last: hidden (`_without`) when the configuration has none
     ) -> Outputs:
         def stage(name: str, task: Any, label: str | None = None) -> Any:
@@ -129,6 +131,12 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
                                                          params=evaluate_params, **teacher), f"evaluate {method}")
                 for method, task in pruned.items()
             }  # fmt: skip
+            if config.publish_models:
+                stage("publish", comps.publish(pruned=pruned["searched"].outputs["pruned"], storage_root=storage_root,
+                                               evaluation=evals["searched"].outputs["evaluation"],
+                                               full_evaluation=full.outputs["evaluation"],
+                                               search=searched.outputs["allocation"], params=publish_params),
+                      "publish searched")  # fmt: skip
         report = stage(
             "report",
             comps.report(
@@ -170,6 +178,7 @@ def build_pipeline(config: PipelineConfig) -> Callable:
         prune_params: dict = d["prune_params"],
         evaluate_params: dict = d["evaluate_params"],
         report_params: dict = d["report_params"],
+        publish_params: dict = d["publish_params"],
         heldout_data: str = d["heldout_data"],  # last: hidden (`_without`) when the configuration has none
     ) -> Outputs:
         # the revision travels with the model artifact (its metadata, in ML Metadata too); every stage reads it there
@@ -188,6 +197,7 @@ def build_pipeline(config: PipelineConfig) -> Callable:
             prune_params=prune_params,
             evaluate_params=evaluate_params,
             report_params=report_params,
+            publish_params=publish_params,
         ).set_caching_options(enable_caching=False)
         return Outputs(
             report=run.outputs["report"], report_html=run.outputs["report_html"], pruned_models=run.outputs["pruned_models"]

@@ -125,6 +125,20 @@ STAGES: tuple[Stage, ...] = (
         "--out runs/report",
         loads_model=False,
     ),
+    Stage(
+        "publish", "evoesap.stages.publish:run_publish", "evoesap.stages.publish:PublishParams",
+        (StageInput("pruned", "Prune artifact: the checkpoint to publish."),
+         StageInput("evaluations", "Evaluate artifacts (repeat the option): the pruned model's, and the full model's "
+                                   "for the comparison.", many=True),
+         StageInput("search", "Search artifact the model was pruned by: the card's search section.", required=False),
+         StageInput("report", "Report artifact covering the pruned model's evaluation: copied under report/.",
+                    required=False)),
+        "the publish artifact (checkpoint and model card)",
+        "Write the model card beside a pruned checkpoint; push both to a URI or a Hub repository.",
+        "evoesap publish --pruned runs/pruned --evaluations runs/eval --evaluations runs/eval-full --search runs/search "
+        "--repo my-org/olmoe-pruned --out runs/publish",
+        loads_model=False,
+    ),
 )
 
 NAMES: tuple[str, ...] = tuple(stage.name for stage in STAGES)

@@ -1,0 +1,188 @@
+"""The model card of a published pruned checkpoint: README.md in the Hub's format (YAML metadata, then Markdown).
+
+Everything here works on records already read and checked by the publish stage (pruning.json, config.json,
+metrics.json, allocation.json, the lineage walk), so every number the card shows is one an artifact holds
+(or a difference of two of them); laying the page out is the template's (`templates/model_card.md.j2`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from evoesap import lineage, render
+from evoesap import report as rp
+from evoesap.lineage import Lineage
+from evoesap.report import Cell, Table
+
+DENSITY_FILE = "density.png"
+LICENSE_KEYS = ("license", "license_name", "license_link")  # what a derivative carries from its base's card
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """What the card says, each part read from one artifact (or the base model's own card)."""
+
+    pruning: Mapping[str, Any]  # pruning.json of the prune artifact
+    config: Mapping[str, Any]  # config.json of the pruned checkpoint
+    pruned_eval: Mapping[str, Any]  # metrics.json of the pruned model's evaluation
+    full_eval: Mapping[str, Any] | None  # metrics.json of the base model's evaluation
+    search: Mapping[str, Any] | None  # allocation.json of the search the model was pruned by
+    search_params: Mapping[str, Any] | None  # that search's parameters (its manifest)
+    lineage: Lineage
+    base_model: str | None  # hub name of the base model
+    license: Mapping[str, str]  # LICENSE_KEYS found on the base model's card (or given)
+    report_files: Sequence[str] = ()  # the report's files, under report/ in the published artifact
+
+
+def metadata(evidence: Evidence) -> dict[str, Any]:
+    """The card's YAML header: the keys the Hub reads (base model, license, library, pipeline, tags)."""
+    from huggingface_hub import ModelCardData
+
+    family = evidence.pruned_eval["experts"]["family"]
+    tags = ["evoesap", "expert-pruning", "mixture-of-experts", family, evidence.pruning["criterion"]]
+    data = ModelCardData(
+        base_model=evidence.base_model,
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=list(dict.fromkeys(tags)),
+        **dict(evidence.license),
+    )
+    return data.to_dict()
+
+
+def write_density(pruning: Mapping[str, Any], path: Path) -> None:
+    """The per-layer expert density of the pruned model (the report's Figure 1 panel) as a PNG."""
+    full = [k + r for k, r in zip(pruning["num_experts"], pruning["removal_counts"])]
+    figure = rp.density_figure({str(pruning["method"]): (pruning["removal_counts"], full)},
+                               f"{pruning['criterion']} at {pruning['sparsity']:.0%} sparsity")
+    figure.savefig(path, dpi=120)
+    rp.plt.close(figure)
+
+
+def _pm(value: float | None, stderr: float | None, digits: int) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.{digits}f}" + ("" if stderr is None else f" ± {stderr:.{digits}f}")
+
+
+def _primary(metrics: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return [r for r in metrics["records"] if r.get("primary")]
+
+
+def evaluation_table(pruned: Mapping[str, Any], full: Mapping[str, Any] | None, digits: int) -> Table:
+    """Per task, its primary metric: full and pruned value ± standard error, their difference, the samples."""
+    by_key = {(r["task"], r["metric"], r["filter"]): r for r in (full or {}).get("records", [])}
+    lines = []
+    for row in _primary(pruned):
+        base = by_key.get((row["task"], row["metric"], row["filter"]))
+        delta = "–" if base is None else f"{row['value'] - base['value']:+.{digits}f}"
+        lines.append(tuple(Cell(t) for t in (
+            row["task"], row["metric"], _pm(base and base["value"], base and base["stderr"], digits),
+            _pm(row["value"], row["stderr"], digits), delta, "–" if row.get("samples") is None else str(row["samples"]),
+        )))
+    header = ("Task", "Metric", "Full", "Pruned", "Δ (pruned − full)", "Samples")
+    return Table(header, tuple(lines), ("left", "left") + ("right",) * 4)
+
+
+def expert_table(pruning: Mapping[str, Any], experts: Mapping[str, Any]) -> Table:
+    """Per MoE layer: its decoder layer, experts before and after, removed, and the router's top-k."""
+    kept, removed = pruning["num_experts"], pruning["removal_counts"]
+    lines = [
+        tuple(Cell(str(v)) for v in (i, experts["decoder_index"][i], k + r, k, r, experts["top_k"][i]))
+        for i, (k, r) in enumerate(zip(kept, removed))
+    ]
+    header = ("MoE layer", "Decoder layer", "Experts (full)", "Experts kept", "Removed", "Top-k")
+    return Table(header, tuple(lines), ("right",) * 6)
+
+
+def memory_table(evidence: Evidence) -> Table:
+    """Parameters and parameter bytes of the full and the pruned model (the evaluations' and pruning.json's)."""
+    pruning, full = evidence.pruning, evidence.full_eval
+    saving = 1 - pruning["parameter_bytes_pruned"] / pruning["parameter_bytes_full"]
+    lines = [
+        (Cell("Full"), Cell("–" if full is None else f"{full['memory']['parameters']:,}"),
+         Cell(f"{pruning['parameter_bytes_full']:,}"), Cell("")),
+        (Cell("Pruned"), Cell(f"{evidence.pruned_eval['memory']['parameters']:,}"),
+         Cell(f"{pruning['parameter_bytes_pruned']:,}"), Cell(f"{saving:.1%}")),
+    ]
+    return Table(("Model", "Parameters", "Parameter bytes", "Saving"), tuple(lines), ("left",) + ("right",) * 3)
+
+
+def _search(evidence: Evidence, digits: int) -> dict[str, Any] | None:
+    doc = evidence.search
+    if doc is None:
+        return None
+    check = doc.get("heldout")
+    return {
+        "metric": doc["metric"],
+        "fitness": f"{doc['fitness']:.{digits + 3}f}",
+        "uniform": f"{doc['uniform']['fitness']:.{digits + 3}f}",
+        "evaluations": doc.get("evaluations"),
+        "generations": (evidence.search_params or {}).get("generations"),
+        "fallback": bool(doc.get("fallback_applied")),
+        "heldout": None if not check else {
+            "samples": check["samples"],
+            "searched": f"{check['searched']:.{digits + 3}f}",
+            "uniform": f"{check['uniform']:.{digits + 3}f}",
+            "difference": f"{check['difference']:.2e}",
+            "stderr": "n/a" if check["stderr"] is None else f"{check['stderr']:.2e}",
+            "beats_uniform": bool(check["beats_uniform"]),
+        },
+        "warnings": list(doc.get("warnings") or []),
+    }
+
+
+def quantization(config: Mapping[str, Any]) -> str | None:
+    """The checkpoint's quantization recipe as config.json records it (compressed-tensors and transformers'
+    quantizers write `quantization_config` there); None for unquantized weights."""
+    recipe = config.get("quantization_config")
+    return None if recipe is None else json.dumps(recipe, indent=2, sort_keys=True)
+
+
+def _name(evidence: Evidence) -> str:
+    base = evidence.base_model or "the base model"
+    pruning = evidence.pruning
+    return f"{base}, {pruning['sparsity']:.0%} of routed experts pruned ({pruning['criterion']}, {pruning['method']})"
+
+
+def render_card(evidence: Evidence, digits: int = 3) -> str:
+    """README.md: the Hub's YAML metadata header, then the card's Markdown."""
+    from evoesap.stages import NAMES
+
+    pruning, experts = evidence.pruning, evidence.pruned_eval["experts"]
+    limits = sorted({f"{float(m['limit']):g}" for m in (evidence.pruned_eval, evidence.full_eval or {}) if m.get("limit")})
+    context = {
+        "title": _name(evidence),
+        "base_model": evidence.base_model,
+        "method": pruning["method"],
+        "criterion": pruning["criterion"],
+        "sparsity": f"{pruning['sparsity']:.0%}",
+        "removed": sum(pruning["removal_counts"]),
+        "total": sum(pruning["removal_counts"]) + sum(pruning["num_experts"]),
+        "family": experts["family"],
+        "experts": expert_table(pruning, experts),
+        "density": DENSITY_FILE,
+        "evaluation": evaluation_table(evidence.pruned_eval, evidence.full_eval, digits),
+        "full_evaluated": evidence.full_eval is not None,
+        "limits": limits,
+        "memory": memory_table(evidence),
+        "search": _search(evidence, digits),
+        "remote_code": "auto_map" in evidence.config,
+        "dtype": evidence.config.get("dtype") or evidence.config.get("torch_dtype"),
+        "quantization": quantization(evidence.config),
+        "license": evidence.license.get("license"),
+        "report": "report/report.html" if "report.html" in evidence.report_files else
+                  "report/report.md" if "report.md" in evidence.report_files else None,
+        "sources": rp.sources_table(evidence.lineage.sources),
+        "configuration": rp.configuration_table(lineage.configuration(evidence.lineage.nodes, NAMES)),
+        "software": rp.software_table(lineage.software(evidence.lineage.nodes)),
+        "artifacts": rp.artifacts_table(evidence.lineage.nodes, {}),
+    }
+    header = yaml.safe_dump(metadata(evidence), sort_keys=False, allow_unicode=True)
+    return f"---\n{header}---\n\n" + render.model_card(context)
+

@@ -1,0 +1,76 @@
+"""Push a finished artifact to a Hub model repository in one commit, through huggingface_hub's API.
+
+One commit is all or nothing on the Hub's side: a push that fails leaves the repository's files as they
+were. The token is read from an environment variable (a secret), passed to huggingface_hub and never
+logged, recorded or repeated in an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from evoesap.errors import ArtifactError, ConfigError
+
+log = logging.getLogger(__name__)
+
+KEPT = frozenset({".gitattributes"})  # what a new repository holds; a push leaves it
+
+
+def token(variable: str) -> str:
+    """The Hub token from the environment variable `variable`; refused, naming the variable, when unset."""
+    value = os.environ.get(variable, "").strip()
+    if not value:
+        raise ConfigError(f"no Hub token: set the environment variable {variable} (or name another with --token-env)")
+    return value
+
+
+def _api(endpoint: str | None, secret: str) -> Any:
+    from huggingface_hub import HfApi
+
+    return HfApi(endpoint=endpoint, token=secret)
+
+
+def _failure(what: str, repo: str, exc: Exception, secret: str) -> ArtifactError:
+    detail = " ".join(str(exc).replace(secret, "***").split())[:300]
+    return ArtifactError(f"{what} the Hub repository {repo} failed ({type(exc).__name__}: {detail})")
+
+
+def check_target(repo: str, files: Iterable[str], *, endpoint: str | None, secret: str) -> None:
+    """Refuse, before any work, a repository holding files this push would not replace (a stale shard would
+    break the checkpoint); a repository that does not exist yet is fine (the push creates it)."""
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    try:
+        present = set(_api(endpoint, secret).list_repo_files(repo))
+    except RepositoryNotFoundError:
+        return
+    except Exception as exc:  # noqa: BLE001 - a refused token, an unreachable endpoint: one line, before work
+        raise _failure("reading", repo, exc, secret) from None
+    stale = sorted(present - set(files) - KEPT)
+    if stale:
+        shown = ", ".join(stale[:3]) + (", ..." if len(stale) > 3 else "")
+        raise ConfigError(f"--repo {repo} holds files this publish would not replace ({shown}): delete them or "
+                          "publish to a new repository")
+
+
+def push(staging: Path, repo: str, *, endpoint: str | None, secret: str, private: bool, message: str) -> str:
+    """Create `repo` if needed and commit every file under `staging` to it in one commit; the commit's URL."""
+    from huggingface_hub import CommitOperationAdd
+
+    api = _api(endpoint, secret)
+    files = sorted(p for p in staging.rglob("*") if p.is_file())
+    try:
+        api.create_repo(repo, private=private, exist_ok=True)
+        commit = api.create_commit(
+            repo,
+            [CommitOperationAdd(path_in_repo=p.relative_to(staging).as_posix(), path_or_fileobj=str(p)) for p in files],
+            commit_message=message,
+        )
+    except Exception as exc:  # noqa: BLE001 - every failure means the same: no commit was made
+        raise ArtifactError(f"{_failure('pushing to', repo, exc, secret)}: no commit was made, its files are as they "
+                            "were; fix the cause and re-run `evoesap publish`") from None
+    log.info("pushed %d files to %s", len(files), commit.commit_url)
+    return str(commit.commit_url)

@@ -1,0 +1,239 @@
+"""Stage `publish`: a pruned checkpoint with its model card, published as an artifact and pushed where it is released.
+
+The artifact holds the prune artifact's checkpoint files, README.md (the model card, `evoesap.card`: Hub
+metadata, method, per-layer expert counts, density plot, evaluation table with standard errors,
+quantization, lineage) and density.png, plus the report's files under report/ when a report is given. Its
+inputs are checked against each other before any work: every evaluation must be of the pruned model or of
+the model it was pruned from, the search must be the one the model was pruned by, the report must cover
+the pruned model's evaluation. The artifact is pushed, byte for byte with its manifest, to `to` (any fsspec
+URI) and to the Hub repository `repo` before it is published at `out_uri`: a finished publish artifact means
+every push went through, and a failed push publishes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from evoesap import artifacts, card, hub, identity, lineage, records
+from evoesap.errors import ArtifactError, ConfigError
+from evoesap.params import param
+
+log = logging.getLogger(__name__)
+
+CARD_FILE = "README.md"
+REPORT_DIR = "report"
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishParams:
+    """Where the checkpoint goes and what the card cannot read from the artifacts; what it says comes from them."""
+
+    to: str | None = param(None, "Also push the published artifact to this fsspec URI (a path, s3://, gs://).")
+    repo: str | None = param(None, "Also push it to this Hub model repository (org/name), in one commit.")
+    token_env: str = param("HF_TOKEN", "Environment variable holding the Hub token (a secret; never logged or recorded).")
+    endpoint: str | None = param(None, "Hub endpoint URL; unset: huggingface_hub's (HF_ENDPOINT, else huggingface.co).")
+    private: bool = param(True, "Create the Hub repository private when it does not exist yet.")
+    base_model: str | None = param(None, "Hub name of the base model, when the model was pruned from a local copy or "
+                                         "URI of it (a hub base names itself).")
+    license: str | None = param(None, "License of the base model when its card names none (a license on the base "
+                                      "model's card is carried and cannot be changed).")
+    digits: int = param(3, "Decimals in the evaluation table.")
+
+    def __post_init__(self) -> None:
+        for name in ("repo", "base_model"):
+            value = getattr(self, name)
+            if value is not None and (identity.hub_model(value) is None or "@" in value):
+                raise ConfigError(f"{name} {value!r} is not a Hub repository name: give org/name")
+        if not self.token_env.isidentifier():
+            raise ConfigError(f"token_env {self.token_env!r} is not an environment variable name")
+        if self.to is not None:
+            artifacts.split(self.to)  # credentials inside the URI are refused here
+        if not 1 <= self.digits <= 8:
+            raise ConfigError(f"digits must be within 1..8, got {self.digits}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """The publish's inputs, read and checked against each other."""
+
+    pruned: artifacts.Manifest
+    pruned_eval: str
+    full_eval: str | None
+
+
+def _identity(entry: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in entry.items() if k != "uri"}
+
+
+def _match_evaluations(pruned_uri: str, evaluations: Sequence[str]) -> _Inputs:
+    """Which evaluation is of the pruned model and which of its base, by the identities their manifests record;
+    an evaluation of any other model, or two of the same, is refused."""
+    pruned = artifacts.read_manifest(pruned_uri, "prune")
+    pruned_sha = artifacts.manifest_sha256(pruned_uri)
+    base = _identity(pruned.inputs["model"])
+    found: dict[str, str] = {}
+    for uri in evaluations:
+        entry = artifacts.read_manifest(uri, "evaluate").inputs["model"]
+        role = "pruned" if entry.get("manifest_sha256") == pruned_sha else "full" if _identity(entry) == base else None
+        if role is None:
+            raise ConfigError(
+                f"--evaluations {artifacts.redact(uri)} evaluated {entry['uri']}, which is neither the pruned model "
+                f"{artifacts.redact(pruned_uri)} nor the model it was pruned from ({pruned.inputs['model']['uri']}): "
+                "give the evaluations of these two"
+            )
+        if role in found:
+            raise ConfigError(f"--evaluations {artifacts.redact(found[role])} and {artifacts.redact(uri)} both evaluate "
+                              f"the {role} model: give one")
+        found[role] = uri
+    if "pruned" not in found:
+        raise ConfigError(f"no evaluation of the pruned model {artifacts.redact(pruned_uri)} among --evaluations: run "
+                          f"`evoesap evaluate --model {artifacts.redact(pruned_uri)}` and give its output")
+    return _Inputs(pruned, found["pruned"], found.get("full"))
+
+
+def _check_search(search: str, pruned: artifacts.Manifest, pruned_uri: str) -> None:
+    artifacts.read_manifest(search, "search")
+    used = pruned.inputs.get("allocation", {}).get("manifest_sha256")
+    if used != artifacts.manifest_sha256(search):
+        raise ConfigError(f"--search {artifacts.redact(search)} is not the search {artifacts.redact(pruned_uri)} was "
+                          "pruned by: give the prune artifact's --allocation, or leave --search out")
+
+
+def _check_report(report: str, pruned_eval: str) -> None:
+    runs = artifacts.read_manifest(report, "report").inputs
+    if artifacts.manifest_sha256(pruned_eval) not in {e.get("manifest_sha256") for e in runs.values()}:
+        raise ConfigError(f"--report {artifacts.redact(report)} does not cover the pruned model's evaluation "
+                          f"{artifacts.redact(pruned_eval)}: give a report made with it (evoesap report --runs ...)")
+
+
+def _base_card(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """The YAML metadata of the base model's own README.md at the version the prune read (its recorded identity);
+    empty when there is none or it cannot be read."""
+    from huggingface_hub import ModelCard
+
+    try:
+        if entry.get("kind") == "hub":
+            from huggingface_hub import hf_hub_download
+
+            text = Path(hf_hub_download(entry["name"], CARD_FILE, revision=entry["revision"])).read_text()
+        else:
+            recorded = entry.get("files", {}).get(CARD_FILE, {}).get("sha256")
+            data = artifacts.read_bytes(artifacts.join(entry["uri"], CARD_FILE)) if recorded else b""
+            if not recorded or artifacts.sha256_bytes(data) != recorded:
+                return {}  # no card, or not the one the prune read
+            text = data.decode("utf-8")
+        return ModelCard(text).data.to_dict()
+    except Exception as exc:  # noqa: BLE001 - the base's card is optional: say so, carry nothing
+        log.warning("the base model's card could not be read (%s: %s); its license is not carried", type(exc).__name__, exc)
+        return {}
+
+
+def _base(entry: Mapping[str, Any], params: PublishParams) -> tuple[str | None, dict[str, str]]:
+    """(hub name of the base model, the license keys its card names, else the one given)."""
+    named = entry["name"] if entry.get("kind") == "hub" else None
+    if params.base_model and named and params.base_model != named:
+        raise ConfigError(f"base_model {params.base_model!r} contradicts the model the checkpoint was pruned from "
+                          f"({named}): leave base_model unset")
+    carried = {k: str(v) for k, v in _base_card(entry).items() if k in card.LICENSE_KEYS and v}
+    if params.license and carried.get("license") not in (None, params.license):
+        raise ConfigError(f"license {params.license!r} contradicts the base model's card ({carried['license']}): a "
+                          "pruned model keeps its base's license; leave license unset")
+    if not carried and params.license:
+        carried = {"license": params.license}
+    if not carried:
+        log.warning("the base model's card names no license and none was given (--license): the card says so")
+    return named or params.base_model, carried
+
+
+def _copy_payload(uri: str, manifest: artifacts.Manifest, dest: Path, skip: tuple[str, ...] = ()) -> None:
+    """Every payload file of the artifact at `uri` but `skip` into `dest`, each checked against its manifest's sha256."""
+    fs, root = artifacts.split(uri)
+    for rel, expected in sorted(manifest.files.items()):
+        if rel in skip:
+            continue
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(f"{root.rstrip('/')}/{rel}", str(target))
+        if artifacts.sha256_file(target) != expected:
+            raise ArtifactError(f"{artifacts.redact(uri)}: {rel} does not match the sha256 in its manifest (truncated "
+                                f"or changed): {artifacts.rebuild_hint(manifest.stage)}")
+
+
+def run_publish(
+    pruned: str,
+    evaluations: Sequence[str],
+    params: PublishParams,
+    out_uri: str,
+    *,
+    search: str | None = None,
+    report: str | None = None,
+) -> artifacts.Manifest:
+    """Write the model card beside the pruned checkpoint, push the artifact to `to` and `repo`, then publish it."""
+    inputs = {"pruned": pruned, **{f"evaluations.{i}": u for i, u in enumerate(evaluations)}, "search": search,
+              "report": report}
+    seen = artifacts.preflight(out_uri, "publish", inputs)
+    matched = _match_evaluations(pruned, evaluations)
+    if search is not None:
+        _check_search(search, matched.pruned, pruned)
+    if report is not None:
+        _check_report(report, matched.pruned_eval)
+    report_manifest = artifacts.read_manifest(report, "report") if report else None
+    planned = {*matched.pruned.files, CARD_FILE, card.DENSITY_FILE, artifacts.MANIFEST,
+               *(f"{REPORT_DIR}/{rel}" for rel in (report_manifest.files if report_manifest else ()))}
+    to_seen = _check_to(params.to, out_uri, inputs)
+    secret = hub.token(params.token_env) if params.repo else ""
+    if params.repo:
+        hub.check_target(params.repo, planned, endpoint=params.endpoint, secret=secret)
+    base_model, license = _base(matched.pruned.inputs["model"], params)
+
+    pruning = records.read(pruned, records.PRUNING_FILE)
+    evidence = card.Evidence(
+        pruning=pruning,
+        config=json.loads(artifacts.read_payload(pruned, "config.json", matched.pruned)),
+        pruned_eval=records.read(matched.pruned_eval, records.METRICS_FILE),
+        full_eval=records.read(matched.full_eval, records.METRICS_FILE) if matched.full_eval else None,
+        search=records.read(search, records.ALLOCATION_FILE) if search else None,
+        search_params=artifacts.read_manifest(search, "search").params if search else None,
+        lineage=lineage.walk({k: v for k, v in inputs.items() if v is not None}, "publish"),
+        base_model=base_model,
+        license=license,
+        report_files=tuple(report_manifest.files) if report_manifest else (),
+    )
+    text = card.render_card(evidence, params.digits)  # rendered before the copy: a broken record stops here
+
+    def push(staging: Path, manifest: artifacts.Manifest) -> None:
+        if params.to is not None and to_seen is not None:
+            artifacts.publish_copy(staging, params.to, manifest, to_seen)
+        if params.repo:
+            hub.push(staging, params.repo, endpoint=params.endpoint, secret=secret, private=params.private,
+                     message=f"EvoESAP: {evidence.base_model or 'model'} pruned ({pruning['criterion']}, "
+                             f"{pruning['sparsity']:.0%}, {pruning['method']})")
+
+    with artifacts.stage_output(out_uri, "publish", dataclasses.asdict(params), inputs, seen, before_publish=push) as staging:
+        _copy_payload(pruned, matched.pruned, staging, skip=(CARD_FILE,))  # the base model's card, which ours replaces
+        if report is not None and report_manifest is not None:
+            _copy_payload(report, report_manifest, staging / REPORT_DIR)
+        card.write_density(pruning, staging / card.DENSITY_FILE)
+        (staging / CARD_FILE).write_text(text)
+    log.info("published %s%s%s", artifacts.redact(out_uri), f", pushed to {artifacts.redact(params.to)}" if params.to else "",
+             f", pushed to the Hub repository {params.repo}" if params.repo else "")
+    return artifacts.read_manifest(out_uri)
+
+
+
+def _check_to(to: str | None, out_uri: str, inputs: Mapping[str, str | None]) -> str | None:
+    """What `to` holds now (`artifacts.preflight`); None without `to`. `to` may not overlap `out_uri`."""
+    if to is None:
+        return None
+    relation = artifacts.overlap(to, out_uri)
+    if relation:
+        raise ConfigError(f"--to {artifacts.redact(to)} {relation} --out {artifacts.redact(out_uri)}: give another "
+                          "place to push to")
+    try:
+        return artifacts.preflight(to, "publish", inputs)
+    except ConfigError as exc:  # its checks are --out's, for another place
+        raise ConfigError(f"--to{str(exc).removeprefix('--out')}") from None

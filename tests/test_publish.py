@@ -1,0 +1,326 @@
+"""The publish stage (issue 28 part 4): the model card parsed and traced to the artifacts, pushes to a local
+fsspec target (byte-identical) and to a recording Hub server on 127.0.0.1 (expected requests, no token
+anywhere), and bad inputs refused in one line before any work."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import re
+import shutil
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+from evoesap import artifacts, card, records
+from evoesap.cli import main
+from evoesap.errors import ConfigError
+from evoesap.stages.evaluate import run_evaluate
+from evoesap.stages.prune import run_prune
+from evoesap.stages.publish import PublishParams, run_publish
+from tiny_artifacts import PRUNE, evaluate_params
+
+TOKEN = "hf_secret_token_for_tests_0123456789"
+BASE = "allenai/OLMoE-1B-7B-0125-Instruct"
+
+
+@pytest.fixture(scope="module")
+def world(tiny_artifacts, tmp_path_factory) -> dict[str, str]:
+    """The tiny artifacts plus the full model's evaluation, and a second pruned model (from a copy of the base
+    whose card names a license) with its evaluation."""
+    root = tmp_path_factory.mktemp("publish-world")
+    out = dict(tiny_artifacts)
+    out["evaluated_full"] = str(root / "evaluated_full")
+    run_evaluate(out["model"], evaluate_params(out["tasks"], method="full"), out["evaluated_full"])
+    licensed = root / "licensed-model"
+    shutil.copytree(out["model"], licensed)
+    (licensed / "README.md").write_text("---\nlicense: apache-2.0\nlanguage: [en]\n---\n# A base model\n")
+    out["licensed_pruned"], out["licensed_evaluated"] = str(root / "licensed_pruned"), str(root / "licensed_evaluated")
+    run_prune(str(licensed), out["scores"], PRUNE, out["licensed_pruned"], allocation=out["search_out"])
+    run_evaluate(out["licensed_pruned"], evaluate_params(out["tasks"], method="searched"), out["licensed_evaluated"])
+    return out
+
+
+def _publish(world: dict[str, str], out: Path, params: PublishParams = PublishParams(), **extra: Any) -> str:
+    run_publish(world["pruned"], [world["evaluated"], world["evaluated_full"]], params, str(out),
+                search=world["search_out"], report=world["report"], **extra)
+    return (out / "README.md").read_text()
+
+
+def _split_card(text: str) -> tuple[dict[str, Any], str]:
+    match = re.match(r"^---\n(.*?)\n---\n(.*)$", text, re.S)
+    assert match, "the card must open with a YAML metadata block"
+    return yaml.safe_load(match.group(1)), match.group(2)
+
+
+def _table(body: str, header_start: str) -> list[list[str]]:
+    """The rows of the Markdown table whose header starts with `header_start`, cells stripped and unescaped."""
+    lines = body.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header_start}"))
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip().replace("\\", "").strip("`") for c in re.split(r"(?<!\\)\|", line)[1:-1]])
+    return rows
+
+
+def _lineage_manifests(uris: list[str]) -> dict[str, str]:
+    """Every artifact reached from `uris` through manifest inputs -> its manifest sha256, by hand."""
+    found, todo = {}, list(uris)
+    while todo:
+        uri = todo.pop()
+        if uri in found:
+            continue
+        found[uri] = artifacts.sha256_bytes(Path(uri, "manifest.json").read_bytes())
+        inputs = json.loads(Path(uri, "manifest.json").read_text())["inputs"]
+        todo += [e["uri"] for e in inputs.values() if e.get("kind") == "artifact"]
+    return found
+
+
+def test_card_metadata_is_the_hubs_and_every_number_comes_from_an_artifact(world, tmp_path):
+    from huggingface_hub import ModelCard
+
+    text = _publish(world, tmp_path / "published")
+    meta, body = _split_card(text)
+    assert ModelCard(text).data.to_dict() == meta  # huggingface_hub reads the same header
+    assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
+    pruning = records.read(world["pruned"], records.PRUNING_FILE)
+    pruned_eval = records.read(world["evaluated"], records.METRICS_FILE)
+    full_eval = records.read(world["evaluated_full"], records.METRICS_FILE)
+    assert {"evoesap", "mixture-of-experts", pruning["criterion"], pruned_eval["experts"]["family"]} <= set(meta["tags"])
+    assert "base_model" not in meta and "license" not in meta  # a local base, no card: nothing invented
+
+    experts = _table(body, "MoE layer")
+    assert [[int(c) for c in row] for row in experts] == [
+        [i, pruned_eval["experts"]["decoder_index"][i], full_eval["experts"]["num_experts"][i], kept,
+         pruning["removal_counts"][i], pruned_eval["experts"]["top_k"][i]]
+        for i, kept in enumerate(pruning["num_experts"])
+    ]
+    evaluation = _table(body, "Task")
+    primary = [r for r in pruned_eval["records"] if r["primary"]]
+    assert [row[:2] for row in evaluation] == [[r["task"], r["metric"]] for r in primary]
+    for row, rec in zip(evaluation, primary):
+        base = next(r for r in full_eval["records"] if (r["task"], r["metric"], r["filter"]) == (rec["task"], rec["metric"], rec["filter"]))
+        for cell, source in ((row[2], base), (row[3], rec)):
+            value, stderr = (float(x) for x in cell.split("±"))
+            assert abs(value - source["value"]) <= 5e-4 and abs(stderr - source["stderr"]) <= 5e-4
+        assert abs(float(row[4]) - (rec["value"] - base["value"])) <= 5e-4
+        assert int(row[5]) == rec["samples"]
+    memory = {row[0]: row for row in _table(body, "Model")}
+    assert int(memory["Full"][1].replace(",", "")) == full_eval["memory"]["parameters"]
+    assert int(memory["Pruned"][2].replace(",", "")) == pruning["parameter_bytes_pruned"]
+    assert int(memory["Full"][2].replace(",", "")) == pruning["parameter_bytes_full"]
+    allocation = records.read(world["search_out"], records.ALLOCATION_FILE)
+    assert f"{allocation['fitness']:.6f}" in body and f"{allocation['heldout']['searched']:.6f}" in body
+    assert "## Quantization" in body and "None: the weights are stored in" in body  # no recipe in config.json
+
+    # lineage: every artifact behind the card with its manifest sha256, found here by walking manifests by hand
+    shown = {row[0]: row[3] for row in _table(body, "Artifact")}
+    inputs = [world[k] for k in ("pruned", "evaluated", "evaluated_full", "search_out", "report")]
+    assert shown == _lineage_manifests(inputs)
+    sources = {row[1]: row[2] for row in _table(body, "Input")}
+    assert world["model"] in sources and world["calibration"] in sources
+    assert (tmp_path / "published" / card.DENSITY_FILE).read_bytes().startswith(b"\x89PNG")
+    assert "](density.png)" in body
+
+
+def test_evaluation_table_puts_each_models_value_and_stderr_in_its_column():
+    def metrics(value: float, stderr: float | None) -> dict[str, Any]:
+        return {"records": [{"task": "gsm8k", "metric": "exact_match", "filter": "strict", "value": value,
+                             "stderr": stderr, "samples": 1319, "primary": True}]}
+
+    table = card.evaluation_table(metrics(0.3125, 0.0125), metrics(0.5, 0.0138), digits=3)
+    assert [c.text for c in table.rows[0]] == ["gsm8k", "exact_match", "0.500 ± 0.014", "0.312 ± 0.013", "-0.188", "1319"]
+    alone = card.evaluation_table(metrics(0.25, None), None, digits=2)
+    assert [c.text for c in alone.rows[0]][2:5] == ["–", "0.25", "–"]
+
+
+def test_license_and_base_model_are_carried_and_a_contradiction_is_refused(world, tmp_path):
+    params = PublishParams(base_model=BASE)
+    run_publish(world["licensed_pruned"], [world["licensed_evaluated"]], params, str(tmp_path / "a"))
+    meta, body = _split_card((tmp_path / "a" / "README.md").read_text())
+    assert meta["license"] == "apache-2.0" and meta["base_model"] == BASE
+    assert "the full model was not evaluated" in body
+    with pytest.raises(ConfigError, match="contradicts the base model's card"):
+        run_publish(world["licensed_pruned"], [world["licensed_evaluated"]], PublishParams(license="mit"),
+                    str(tmp_path / "b"))
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_push_to_a_local_target_round_trips_byte_identical_files(world, tmp_path):
+    out, to = tmp_path / "published", tmp_path / "release" / "olmoe-pruned"
+    _publish(world, out, PublishParams(to=str(to)))
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(to).as_posix() for p in to.rglob("*") if p.is_file())
+    assert all((out / f).read_bytes() == (to / f).read_bytes() for f in files)
+    manifest = artifacts.verify(str(to), "publish")  # a finished artifact there, every sha256 checked
+    prune_files = artifacts.read_manifest(world["pruned"]).files
+    assert {f: manifest.files[f] for f in prune_files} == prune_files  # the checkpoint itself, untouched
+    assert {"README.md", "density.png", "report/report.md"} <= set(manifest.files)
+
+
+# ---------------------------------------------------------------------------------------------- the Hub
+
+
+class HubRecorder(BaseHTTPRequestHandler):
+    """The few Hub endpoints huggingface_hub's create_repo / list_repo_files / create_commit call, recording each
+    (method, path, headers, body); repositories live in `repos` (name -> {path: bytes})."""
+
+    requests: list[tuple[str, str, dict[str, str], Any]] = []
+    repos: dict[str, dict[str, bytes]] = {}
+    fail_commit = False
+
+    def _reply(self, body: Any, status: int = 200, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        for key, value in {"Content-Type": "application/json", **(headers or {})}.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _repo(self) -> str:
+        return "/".join(self.path.split("?")[0].split("/")[3:5])
+
+    def do_GET(self):  # noqa: N802
+        self.requests.append(("GET", self.path.split("?")[0], dict(self.headers), None))
+        repo = self._repo()
+        if repo not in self.repos:
+            self._reply({"error": "Repository not found"}, 404, {"X-Error-Code": "RepoNotFound"})
+            return
+        self._reply([{"type": "file", "path": p, "size": len(b), "oid": "0" * 40} for p, b in self.repos[repo].items()])
+
+    def do_POST(self):  # noqa: N802
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        path = self.path.split("?")[0]
+        if path.endswith("/commit/main"):
+            body: Any = [json.loads(line) for line in raw.decode().splitlines() if line]
+        else:
+            body = json.loads(raw or b"{}")
+        self.requests.append(("POST", path, dict(self.headers), body))
+        if path == "/api/repos/create":
+            repo = f"{body['organization']}/{body['name']}"
+            self.repos.setdefault(repo, {".gitattributes": b"*.safetensors filter=lfs\n"})
+            self._reply({"url": f"http://{self.headers['Host']}/{repo}"})
+        elif path == "/api/validate-yaml":
+            self._reply({})
+        elif "/preupload/" in path:
+            self._reply({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                   for f in body["files"]]})
+        elif self.fail_commit:
+            self._reply({"error": "You don't have the rights to push to this repository"}, 403)
+        else:
+            files = {op["value"]["path"]: base64.b64decode(op["value"]["content"]) for op in body if op["key"] == "file"}
+            self.repos[self._repo()].update(files)
+            self._reply({"commitUrl": f"http://{self.headers['Host']}/{self._repo()}/commit/{'a' * 40}",
+                         "commitOid": "a" * 40, "pullRequestUrl": None})
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def hub(monkeypatch) -> Iterator[str]:
+    HubRecorder.requests, HubRecorder.repos, HubRecorder.fail_commit = [], {}, False
+    server = ThreadingHTTPServer(("127.0.0.1", 0), HubRecorder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv("EVOESAP_TEST_HUB_TOKEN", TOKEN)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+
+
+def _cli(world: dict[str, str], out: Path, *options: str) -> int:
+    return main(["publish", "--pruned", world["pruned"], "--evaluations", world["evaluated"], "--evaluations",
+                 world["evaluated_full"], "--search", world["search_out"], "--out", str(out), *options])
+
+
+def test_a_hub_push_makes_one_commit_of_every_file_and_the_token_is_nowhere(world, hub, tmp_path, capsys, caplog):
+    caplog.set_level(logging.DEBUG)
+    out = tmp_path / "published"
+    assert _cli(world, out, "--repo", "team/olmoe-pruned", "--endpoint", hub, "--token-env", "EVOESAP_TEST_HUB_TOKEN") == 0
+    calls = [(method, path) for method, path, _, _ in HubRecorder.requests]
+    assert calls == [
+        ("GET", "/api/models/team/olmoe-pruned/tree/main"),  # checked before any work: not there yet
+        ("POST", "/api/repos/create"),
+        ("POST", "/api/validate-yaml"),  # the Hub checks the card's metadata before anything uploads
+        ("POST", "/api/models/team/olmoe-pruned/preupload/main"),
+        ("POST", "/api/models/team/olmoe-pruned/commit/main"),
+    ]
+    assert all(headers.get("authorization") == f"Bearer {TOKEN}" for _, _, headers, _ in HubRecorder.requests)
+    create = HubRecorder.requests[1][3]
+    assert (create["organization"], create["name"], create["visibility"]) == ("team", "olmoe-pruned", "private")
+    assert HubRecorder.requests[2][3]["content"] == (out / "README.md").read_text()
+    published = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    pushed = HubRecorder.repos["team/olmoe-pruned"]
+    assert {k: v for k, v in pushed.items() if k != ".gitattributes"} == published  # byte for byte, manifest too
+    every_byte = b"".join(published.values()) + capsys.readouterr().out.encode() + caplog.text.encode()
+    assert TOKEN.encode() not in every_byte
+    assert json.loads(published["manifest.json"])["params"]["token_env"] == "EVOESAP_TEST_HUB_TOKEN"
+
+
+def test_a_failed_hub_push_publishes_nothing_and_says_so_in_one_line(world, hub, tmp_path, capsys):
+    HubRecorder.fail_commit = True
+    out = tmp_path / "published"
+    assert _cli(world, out, "--repo", "team/denied", "--endpoint", hub, "--token-env", "EVOESAP_TEST_HUB_TOKEN") == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error:")
+    assert "team/denied" in err and "no commit was made" in err and TOKEN not in err
+    assert not out.exists() and not list(tmp_path.glob(".published.*"))
+    assert set(HubRecorder.repos["team/denied"]) == {".gitattributes"}
+
+
+def test_a_hub_repository_holding_other_files_is_refused_before_any_work(world, hub, tmp_path, capsys):
+    HubRecorder.repos["team/old"] = {".gitattributes": b"", "model-00001-of-00002.safetensors": b"stale"}
+    out = tmp_path / "published"
+    assert _cli(world, out, "--repo", "team/old", "--endpoint", hub, "--token-env", "EVOESAP_TEST_HUB_TOKEN") == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model-00001-of-00002.safetensors" in err
+    assert [m for m, *_ in HubRecorder.requests] == ["GET"] and not out.exists()
+
+
+def test_a_hub_push_without_a_token_is_refused_before_any_work(world, hub, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("EVOESAP_TEST_HUB_TOKEN")
+    out = tmp_path / "published"
+    assert _cli(world, out, "--repo", "team/x", "--endpoint", hub, "--token-env", "EVOESAP_TEST_HUB_TOKEN") == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "EVOESAP_TEST_HUB_TOKEN" in err
+    assert HubRecorder.requests == [] and not out.exists()
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing prune", "does not exist"),
+    ("evaluation of another model", "neither the pruned model"),
+    ("no evaluation of the pruned model", "no evaluation of the pruned model"),
+    ("a prune artifact as evaluation", "is a 'prune' artifact, not 'evaluate'"),
+    ("a report without the pruned model", "does not cover the pruned model's evaluation"),
+    ("to is out", "give another place to push to"),
+])
+def test_bad_inputs_are_refused_in_one_line_before_any_work(world, tmp_path, capsys, case, message):
+    out = tmp_path / "published"
+    pruned, evaluations, extra = world["pruned"], [world["evaluated"]], []
+    if case == "missing prune":
+        pruned = str(tmp_path / "no-such-prune")
+    elif case == "evaluation of another model":
+        evaluations = [world["evaluated"], world["licensed_evaluated"]]
+    elif case == "no evaluation of the pruned model":
+        evaluations = [world["evaluated_full"]]
+    elif case == "a prune artifact as evaluation":
+        evaluations = [world["pruned"]]
+    elif case == "a report without the pruned model":
+        pruned, evaluations, extra = world["licensed_pruned"], [world["licensed_evaluated"]], ["--report", world["report"]]
+    else:
+        extra = ["--to", str(out)]
+    options = [o for e in evaluations for o in ("--evaluations", e)]
+    assert main(["publish", "--pruned", pruned, *options, "--out", str(out), *extra]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error:") and message in err, err
+    assert not out.exists()
