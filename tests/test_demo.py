@@ -227,3 +227,41 @@ def test_masking_hook_matches_plain_routing_when_nothing_removed():
             changed = model(ids).logits
     torch.testing.assert_close(same, base)
     assert not torch.allclose(changed, base)
+
+
+def test_world_key_changes_with_the_answer_mask_code_only(tmp_path, monkeypatch):
+    """An edit to evoesap.data outside encode_sample's reach keeps the world; one inside retrains it."""
+    from evoesap.demo import world as world_mod
+
+    source = Path(world_mod._data.__file__).read_text(encoding="utf-8")
+    key = world_mod.world_key(0, "default")
+    variants = {
+        "unrelated": source + "\n\ndef an_unrelated_helper():\n    return 1\n",
+        "mask": source.replace("mask = list(content)", "mask = list(content)  # edited", 1),  # in _with_turn_ends
+    }
+    assert variants["mask"] != source
+    keys = {}
+    for name, text in variants.items():
+        (tmp_path / f"{name}.py").write_text(text, encoding="utf-8")
+        monkeypatch.setattr(world_mod._data, "__file__", str(tmp_path / f"{name}.py"))
+        keys[name] = world_mod.world_key(0, "default")
+    assert keys["unrelated"] == key
+    assert keys["mask"] != key
+    assert world_mod.world_key(1, "default") != key != world_mod.world_key(0, "quick")
+
+
+def test_source_closure_follows_names_and_decorators(tmp_path):
+    from evoesap.demo.world import source_closure
+
+    module = tmp_path / "m.py"
+    base = ("import dataclasses\nLIMIT = 3\n\n@dataclasses.dataclass(frozen=True)\nclass Box:\n    n: int\n\n"
+            "def a(x):\n    return b(Box(x))\n\ndef b(box):\n    return min(box.n, LIMIT)\n\ndef c():\n    return 0\n")
+    module.write_text(base)
+    closure = source_closure(module, "a")
+    assert all(part in closure for part in ("def a", "def b", "class Box", "LIMIT = 3", "frozen=True"))
+    assert "def c" not in closure and "import" not in closure
+    for edit, changes in (("return 0", False), ("LIMIT = 3", True), ("frozen=True", True)):
+        module.write_text(base.replace(edit, edit.replace("0", "1").replace("3", "4").replace("True", "False")))
+        assert (source_closure(module, "a") != closure) == changes, edit
+    with pytest.raises(ConfigError, match="defines no"):
+        source_closure(module, "nothing_here")
