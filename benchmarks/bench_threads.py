@@ -48,13 +48,17 @@ def train_once(steps: int, threads: int) -> dict:
     return {"wall_s": figures["train_seconds"], "cpu_s": figures["train_cpu_seconds"], "sha256": sha}
 
 
-def run_config(name: str, steps: int) -> dict:
+def run_config(name: str, steps: int, timeout: float) -> dict | None:
+    """Figures of one configuration's training in a fresh interpreter; None when it ran past `timeout` seconds."""
     env, threads = CONFIGS[name]
     code = f"import json, bench_threads as b; print(json.dumps(b.train_once({steps}, {threads})))"
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env, PYTHONPATH=path),
-                         check=True, capture_output=True, text=True).stdout
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env, PYTHONPATH=path),
+                             check=True, capture_output=True, text=True, timeout=timeout).stdout
+    except subprocess.TimeoutExpired:
+        return None
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -63,16 +67,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--load", type=int, default=2, help="busy `yes` processes for the loaded runs")
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--conditions", nargs="*", default=["idle", "loaded"], choices=["idle", "loaded"])
+    parser.add_argument("--timeout", type=float, default=600, help="seconds before a run is stopped and reported so")
     args = parser.parse_args()
     print(f"default profile, {args.steps} steps; load average at start {os.getloadavg()}")
     print("| configuration | condition | wall s | cpu s | s/step | weights sha256 |")
     print("|---|---|---|---|---|---|")
-    for loaded in (False, True):
+    for loaded in [c == "loaded" for c in args.conditions]:
         loaders = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(args.load if loaded else 0)]
         try:
             for name in args.configs:
-                r = run_config(name, args.steps)
+                r = run_config(name, args.steps, args.timeout)
                 cond = f"{args.load}x yes" if loaded else "no yes"
+                if r is None:
+                    print(f"| {name} | {cond} | > {args.timeout:.0f} (stopped) | | | |", flush=True)
+                    continue
                 print(f"| {name} | {cond} (load avg {os.getloadavg()[0]:.1f}) | {r['wall_s']:.1f} | {r['cpu_s']:.1f} "
                       f"| {r['wall_s'] / args.steps:.2f} | {r['sha256'][:12]} |", flush=True)
         finally:

@@ -105,10 +105,16 @@ def test_unknown_profile_and_foreign_directory_are_refused(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- builds
-def test_same_seed_gives_identical_weights_and_second_call_is_cached(tmp_path):
-    """Two independent quick-profile builds (the default takes minutes) hash equal; a rebuild is skipped."""
+def test_same_seed_gives_identical_weights_whatever_the_callers_threads_and_second_call_is_cached(tmp_path):
+    """Two independent quick-profile builds (the default takes minutes), the second from a process set to two
+    torch threads, hash equal (training fixes its own thread count); a rebuild is skipped."""
     a = build_demo_world(tmp_path / "a", seed=1, profile="quick")
-    b = build_demo_world(tmp_path / "b", seed=1, profile="quick")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2 if threads != 2 else 1)
+    try:
+        b = build_demo_world(tmp_path / "b", seed=1, profile="quick")
+    finally:
+        torch.set_num_threads(threads)
     assert weights_hash(a.model_dir) == weights_hash(b.model_dir) == a.info["weights_sha256"]
     for domain in DOMAINS:
         assert a.data_file(domain, "search").read_bytes() == b.data_file(domain, "search").read_bytes()
