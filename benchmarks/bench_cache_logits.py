@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from evoesap import moe
+from evoesap import moe, runtime
 from evoesap.data import TokenizedSample
 from evoesap.scoring import forward, teacher
 
@@ -63,6 +63,7 @@ def main() -> None:
         intermediate_size=args.hidden // 2, num_attention_heads=max(1, args.hidden // 64),
         num_key_value_heads=max(1, args.hidden // 64), max_position_embeddings=max(256, args.length),
     ).to(dtype=torch.bfloat16 if args.device != "cpu" else torch.float32, device=args.device).eval()
+    runtime.use_cpu_threads(runtime.parameter_count(model))  # 1 thread for a tiny model, as the stages do
     rng = np.random.default_rng(0)
     prompt = args.length // 4
     samples = [

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from transformers.activations import ACT2FN
 
-from evoesap import importance, moe
+from evoesap import importance, moe, runtime
 from evoesap.data import TokenizedSample, batches
 
 
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                      num_hidden_layers=args.layers, num_experts=args.experts, num_local_experts=args.experts,
                      num_experts_per_tok=args.top_k, vocab_size=2048)
     model = moe.tiny_model(args.family, seed=0, **overrides).to(device).eval()
+    runtime.use_cpu_threads(runtime.parameter_count(model))  # 1 thread for a tiny model, as the stages do
     rng = np.random.default_rng(0)
     tokenized = [TokenizedSample(i, rng.integers(0, 2048, args.length).tolist(), [True] * args.length) for i in range(args.samples)]
 

@@ -17,6 +17,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import tempfile
 import time
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from evoesap import moe
+from evoesap import moe, runtime
 from evoesap.data import TokenizedSample, load_samples, scored_mask, tokenize_samples
 from evoesap.scoring import forward, teacher
 from evoesap.scoring.evaluator import CandidateEvaluator
@@ -102,18 +103,20 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--dtype", default="float16", choices=["float16", "float32"], help="full cache storage")
     parser.add_argument("--top-k", default="8,32,128", help="K values for the bound-width table ('' to skip)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, help="intra-op threads (sets EVOESAP_CPU_THREADS); default: evoesap.runtime's choice, 1 for tiny models")
     args = parser.parse_args()
     if args.model and not args.data:
         parser.error("--model needs --data")
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        os.environ[runtime.CPU_THREADS_ENV] = str(args.threads)
 
     model, tokenized, label = build_world(args)
+    threads = runtime.use_cpu_threads(runtime.parameter_count(model))
     vocab = int(model.get_output_embeddings().weight.shape[0])
     scored = sum(sum(scored_mask(s.answer_mask)) for s in tokenized)
     tokens = sum(len(s.input_ids) for s in tokenized)
     allocations = random_allocations(model, args.candidates, args.sparsity, seed=1)
-    print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, {args.threads} threads")
+    print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, {threads} threads")
     print(f"world: {label}; {len(tokenized)} samples, {tokens} tokens, {scored} scored ({scored / tokens:.0%}), vocab {vocab}")
 
     with tempfile.TemporaryDirectory() as tmp:

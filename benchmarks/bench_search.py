@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import platform
 import shlex
 import sys
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 
 from evoesap import allocation as alloc
-from evoesap import moe, racing, search
+from evoesap import moe, racing, runtime, search
 from evoesap.data import TokenizedSample, load_samples, scored_mask, tokenize_samples
 from evoesap.importance import observe, pruning_order
 from evoesap.scoring import forward, teacher
@@ -230,21 +231,23 @@ def main() -> None:
     parser.add_argument("--reference-candidates", type=int, default=16)
     parser.add_argument("--sweep", action="store_true", help="also racing vs exact over seeds x {reap, frequency} x {25%%, 50%%}")
     parser.add_argument("--sweep-seeds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="1: no spin-waiting on a shared, loaded machine")
+    parser.add_argument("--threads", type=int, help="intra-op threads (sets EVOESAP_CPU_THREADS); default: evoesap.runtime's choice, 1 for tiny models")
     args = parser.parse_args()
     if (args.shape is None) == (args.model is None or args.data is None):
         parser.error("give --model and --data (a demo world), or --shape (a random real-depth model)")
     if METHODS[args.methods[0]][1]:
         parser.error("--methods must start with exact or prefix (its search gives the reference's candidates)")
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        os.environ[runtime.CPU_THREADS_ENV] = str(args.threads)
 
     model, tokenized, calibration = build_shape(args) if args.shape else load_world(args)
+    threads = runtime.use_cpu_threads(runtime.parameter_count(model))
     spec = moe.inspect(model)
     n, k = spec.num_experts, spec.top_k
     scores = observe(model, calibration, batch_size=args.batch_size)
     tokens = sum(len(s.input_ids) for s in tokenized)
     scored = sum(sum(scored_mask(s.answer_mask)) for s in tokenized)
-    print(f"machine: {platform.machine()} {platform.processor()}, torch {torch.__version__}, {args.threads} threads, "
+    print(f"machine: {platform.machine()} {platform.processor()}, torch {torch.__version__}, {threads} threads, "
           f"experts implementation {model.config._experts_implementation}")
     print(f"world: {args.model or args.shape + ' (random weights, hidden ' + str(model.config.hidden_size) + ')'}; {len(tokenized)} search samples, {tokens} tokens, {scored} scored, vocab {model.config.vocab_size}, "
           f"{len(spec.layers)} MoE layers of {n[0]} experts top-{k[0]}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import sys
 import tempfile
@@ -36,7 +37,7 @@ import pandas as pd
 import torch
 
 from evoesap import allocation as alloc
-from evoesap import artifacts, moe
+from evoesap import artifacts, moe, runtime
 from evoesap.importance import CRITERIA, pruning_order, read_scores
 from evoesap.scoring.evaluator import CandidateEvaluator
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
@@ -93,6 +94,7 @@ class Run:
     def net(self) -> torch.nn.Module:
         if self._net is None:
             self._net = moe.load_pruned(self.model, dtype=torch.float32).eval()
+            runtime.use_cpu_threads(runtime.parameter_count(self._net))
         return self._net
 
     def calibrate(self, domain: str, split: str = "calibration") -> str:
@@ -260,10 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--elites", type=int, default=4)
     parser.add_argument("--generations", type=int, default=12)
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, help="intra-op threads (sets EVOESAP_CPU_THREADS); default: evoesap.runtime's choice, 1 for tiny models")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        os.environ[runtime.CPU_THREADS_ENV] = str(args.threads)
     tmp = None
     if args.out is None:
         tmp = tempfile.TemporaryDirectory(prefix="demo-figures-")
@@ -273,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         run = Run(args)
         print(f"Command: `{shlex.join(['.venv/bin/python', 'benchmarks/demo_figures.py', *argv])}`\n")
         print(f"Demo world {run.world.key[:12]} ({run.world.profile}, seed {run.world.seed}); torch {torch.__version__}, "
-              f"{args.threads} threads, CPU.\n")
+              f"{runtime.cpu_threads(run.world.info['parameters'])} threads, CPU.\n")
         sections = {s.strip() for s in args.sections.split(",")}
         for name, section in (("4", section_importance), ("5", section_cache), ("6", section_search)):
             if name in sections:

@@ -68,6 +68,24 @@ class Table:
     align: tuple[str, ...]  # "left" or "right" per column
 
 
+def primary_stderrs(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """task -> standard error of its primary metric in a metrics.json, where lm-eval gave one."""
+    return {r["task"]: float(r["stderr"]) for r in metrics["records"] if r.get("primary") and r.get("stderr") is not None}
+
+
+def clear_differences(uniform: Mapping[str, Any], searched: Mapping[str, Any]) -> tuple[tuple[str, float], ...] | None:
+    """(task, searched - uniform) for each task whose difference exceeds two standard errors of the difference,
+    sqrt(se_u^2 + se_s^2) (unpaired: conservative where the two runs' per-sample scores correlate); None when
+    no task of both runs has standard errors."""
+    values = [{t: v for (_, t), (_, v) in primary_values(m).items()} for m in (uniform, searched)]
+    errors = [primary_stderrs(m) for m in (uniform, searched)]
+    tasks = sorted(set(values[0]) & set(values[1]) & set(errors[0]) & set(errors[1]))
+    if not tasks:
+        return None
+    diffs = {t: values[1][t] - values[0][t] for t in tasks}
+    return tuple((t, d) for t, d in diffs.items() if abs(d) > 2 * math.hypot(errors[0][t], errors[1][t]))
+
+
 def primary_values(metrics: Mapping[str, Any]) -> dict[tuple[str, str], tuple[str, float]]:
     """(domain, task) -> (metric, value) of each task's primary metric in a metrics.json."""
     out = {}
@@ -283,6 +301,7 @@ class Setting:
     heldout: Mapping[str, Any] | None  # the search's check: samples, searched, uniform, difference, stderr, beats_uniform
     fallback_applied: bool | None  # None: no search artifact given for this setting
     task_delta: float | None  # mean over tasks of searched - uniform (primary metrics)
+    clear_tasks: tuple[tuple[str, float], ...] | None  # (task, searched - uniform) beyond 2 SE; None: no SEs to judge
     memory_saved: float | None  # share of the full model's bf16 size the pruned model saves
     memory_saved_bytes: int | None
     warnings: tuple[str, ...]
@@ -312,6 +331,7 @@ def settings(runs: Sequence[Mapping[str, Any]], searches: Sequence[Mapping[str, 
                 heldout=search.get("heldout") if search else None,
                 fallback_applied=bool(search.get("fallback_applied")) if search else None,
                 task_delta=sum(prims[1][t] - prims[0][t] for t in shared) / len(shared) if shared else None,
+                clear_tasks=clear_differences(pair["uniform"], pair["searched"]) if len(prims) == 2 else None,
                 memory_saved=None if saved is None else saved / full[0]["memory"]["bf16_bytes"],
                 memory_saved_bytes=saved,
                 warnings=tuple(search.get("warnings") or ()) if search else (),
@@ -351,12 +371,20 @@ def summary_table(rows: Sequence[Setting], digits: int = 3) -> Table:
                 Cell("–" if passed is None else "passed" if passed else "failed", "" if passed is not False else "bold"),
                 Cell("–" if s.fallback_applied is None else "applied" if s.fallback_applied else "no", "bold" if s.fallback_applied else ""),
                 Cell(_signed(s.task_delta, digits)),
+                Cell(_clear(s.clear_tasks, digits)),
                 Cell("–" if s.memory_saved is None else f"{s.memory_saved:.1%} ({_gib(s.memory_saved_bytes)})"),
             )
         )
     header = ("Sparsity", "Criterion", "Held-out metric", "Searched", "Uniform", "Difference", "Std. error", "Samples",
-              "Check (diff > 2 SE)", "Fallback to uniform", "Task avg Δ", "Memory saved vs full")
-    return Table(header, tuple(lines), ("left",) * 3 + ("right",) * 5 + ("left",) * 2 + ("right",) * 2)
+              "Check (diff > 2 SE)", "Fallback to uniform", "Task avg Δ", "Tasks Δ > 2 SE", "Memory saved vs full")
+    return Table(header, tuple(lines), ("left",) * 3 + ("right",) * 5 + ("left",) * 2 + ("right", "left", "right"))
+
+
+def _clear(tasks: tuple[tuple[str, float], ...] | None, digits: int) -> str:
+    """`math +0.312, facts −0.250`, `none`, or `–` when the runs carry no standard errors."""
+    if tasks is None:
+        return "–"
+    return ", ".join(f"{t} {d:+.{digits}f}" for t, d in tasks) or "none"
 
 
 def headline(rows: Sequence[Setting]) -> str:

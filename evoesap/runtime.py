@@ -8,7 +8,7 @@ import gc
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -38,6 +38,64 @@ def bound_allocator_retention() -> None:
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
     except (OSError, AttributeError):
         pass
+
+
+# CPU threads. A model below this many parameters runs its CPU work on one intra-op thread: its ops are too
+# small to gain from a second thread, and torch's OpenMP threads spin-wait for each other, so whenever another
+# process holds a core a training that takes 3 minutes on 2 idle cores took 47 (benchmarks/RESULTS.md,
+# "CPU threads under load"). Larger models keep torch's own thread count (all cores).
+TINY_MODEL_PARAMETERS = 50_000_000
+CPU_THREADS_ENV = "EVOESAP_CPU_THREADS"  # an explicit intra-op thread count for CPU work, whatever the model size
+_threads_before_tiny: int | None = None  # torch's count before use_cpu_threads lowered it for a tiny model
+
+
+def cpu_threads(parameters: int) -> int | None:
+    """Intra-op threads for CPU work on a model of `parameters` parameters: EVOESAP_CPU_THREADS when set,
+    1 for a tiny model, None (torch's own choice) otherwise."""
+    explicit = os.environ.get(CPU_THREADS_ENV, "").strip()
+    if explicit:
+        if not explicit.isdigit() or int(explicit) < 1:
+            raise ConfigError(f"{CPU_THREADS_ENV}={explicit!r} is not a positive whole number of threads; "
+                              f"set it to e.g. 1 or unset it")
+        return int(explicit)
+    return 1 if parameters < TINY_MODEL_PARAMETERS else None
+
+
+def use_cpu_threads(parameters: int) -> int:
+    """Set torch's intra-op thread count for CPU work on a model of this size (`cpu_threads`); returns it.
+
+    A larger model after a tiny one gets back the count torch had before the tiny one lowered it."""
+    global _threads_before_tiny
+    wanted = cpu_threads(parameters)
+    if wanted is None:
+        if _threads_before_tiny is not None:
+            torch.set_num_threads(_threads_before_tiny)
+            _threads_before_tiny = None
+        return torch.get_num_threads()
+    if _threads_before_tiny is None:
+        _threads_before_tiny = torch.get_num_threads()
+    torch.set_num_threads(wanted)
+    return wanted
+
+
+@contextlib.contextmanager
+def fixed_cpu_threads(threads: int) -> Iterator[None]:
+    """Exactly `threads` intra-op threads and deterministic kernels for the duration (the demo's training,
+    whose weights must not depend on the machine), restoring the caller's settings after."""
+    old_threads = torch.get_num_threads()
+    old_det = torch.are_deterministic_algorithms_enabled()
+    old_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(old_det, warn_only=old_warn)
+        torch.set_num_threads(old_threads)
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def check_model_dtype(name: str) -> None:
@@ -123,7 +181,8 @@ def load_model(uri: str, model_dtype: str = "auto", device: str = "auto", device
     whole host copy first (a 61 GB model on a 24 GB host). `device_map` shards it over several GPUs.
 
     A checkpoint we published (a prune artifact) is verified file by file first, on the one local copy
-    that is loaded (an object-store checkpoint is downloaded once)."""
+    that is loaded (an object-store checkpoint is downloaded once). A model on the CPU sets torch's thread
+    count for its size (`use_cpu_threads`)."""
     from evoesap import moe
 
     check_model_dtype(model_dtype)
@@ -134,7 +193,10 @@ def load_model(uri: str, model_dtype: str = "auto", device: str = "auto", device
     with artifacts.local_copy(uri) if remote else contextlib.nullcontext(uri) as source:
         if artifacts.exists(artifacts.join(str(source), artifacts.MANIFEST)):
             artifacts.verify(uri, "prune", local=Path(source))
-        return moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype], **kwargs).eval()
+        model = moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype], **kwargs).eval()
+    if placement is None:
+        use_cpu_threads(parameter_count(model))
+    return model
 
 
 def placement_map(device: str) -> dict[str, str] | None:

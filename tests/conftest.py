@@ -10,6 +10,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config):
+    """Every model the tests build is tiny: one intra-op thread, as evoesap.runtime chooses for tiny models
+    (two threads spin-wait for each other whenever other processes hold the cores)."""
+    from evoesap import runtime
+
+    runtime.use_cpu_threads(parameters=0)
+
+
 def demo_cache_dir() -> Path:
     """EVOESAP_DEMO_CACHE (when set and not empty), else <repo>/.cache/demo-world (gitignored), so local reruns
     reuse the build."""

@@ -1,22 +1,12 @@
-"""Shared pieces of the MoE-layer tests: one torch thread, cached tiny models, token batches."""
+"""Shared pieces of the MoE-layer tests: cached tiny models, token batches (one torch thread: tests/conftest.py)."""
 
 import functools
 
-import pytest
 import torch
 
 from evoesap import moe
 
 FAMILIES = sorted(moe.FAMILIES)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread; two stall badly when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from evoesap import allocation as alloc
 from evoesap import artifacts, moe
 from evoesap.importance import CRITERIA, model_orders
-from moe_support import cached_model, one_thread, tokens  # noqa: F401 (one_thread is an autouse fixture)
+from moe_support import cached_model, tokens
 from tiny_world import make_tiny_inputs
 
 GROUPED = moe.LayerSpec(ordinal=0, decoder_index=0, num_experts=16, top_k=2, routing="sigmoid_group_topk",

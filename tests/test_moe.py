@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from evoesap import moe
-from moe_support import FAMILIES, cached_model, one_thread, tokens  # noqa: F401 (one_thread is an autouse fixture)
+from moe_support import FAMILIES, cached_model, tokens
 from evoesap.errors import ConfigError, ModelError
 
 TOL = 1e-5

@@ -8,7 +8,7 @@ import pytest
 from safetensors import safe_open
 
 from evoesap import moe
-from moe_support import FAMILIES, cached_model, one_thread, tokens  # noqa: F401 (one_thread is an autouse fixture)
+from moe_support import FAMILIES
 
 
 def one_expert_bytes(family: str, config) -> int:

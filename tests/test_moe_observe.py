@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from evoesap import moe
-from moe_support import FAMILIES, cached_model, one_thread, tokens  # noqa: F401 (one_thread is an autouse fixture)
+from moe_support import FAMILIES, cached_model, tokens
 
 
 class Recorder:

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from evoesap import moe
 from evoesap.errors import ArtifactError, ConfigError
-from moe_support import FAMILIES, cached_model, one_thread, tokens  # noqa: F401 (one_thread is an autouse fixture)
+from moe_support import FAMILIES, cached_model, tokens
 from test_moe import UNGROUPED, logits, nonuniform_sets
 
 

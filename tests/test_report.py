@@ -359,6 +359,10 @@ def check_summary(page: Page, by_method: dict[str, dict], doc: dict, digits: int
     prim = {m: {r["task"]: r["value"] for r in by_method[m]["records"] if r["primary"]} for m in ("uniform", "searched")}
     delta = sum(prim["searched"][t] - prim["uniform"][t] for t in prim["uniform"]) / len(prim["uniform"])
     assert row["Task avg Δ"] == f"{delta:+.{digits}f}"
+    err = {m: {r["task"]: r["stderr"] for r in by_method[m]["records"] if r["primary"]} for m in ("uniform", "searched")}
+    clear = [f"{t} {prim['searched'][t] - prim['uniform'][t]:+.{digits}f}" for t in sorted(prim["uniform"])
+             if abs(prim["searched"][t] - prim["uniform"][t]) > 2 * (err["uniform"][t] ** 2 + err["searched"][t] ** 2) ** 0.5]
+    assert row["Tasks Δ > 2 SE"] == (", ".join(clear) or "none")
     full, pruned = by_method["full"]["memory"]["bf16_bytes"], by_method["searched"]["memory"]["bf16_bytes"]
     assert row["Memory saved vs full"].startswith(f"{1 - pruned / full:.1%} (")
     return row
@@ -482,3 +486,14 @@ def test_lineage_names_the_model_data_configuration_software_and_every_artifact(
     assert behind[scores]["Gives"] == "scores of search (25% reap)"
     assert page.table("Sparsity", "Method")  # the title's pipe stayed text: the tables still parse
     assert "<h1>Lineage | check</h1>" in (tmp_path / "report" / "report.html").read_text()
+
+
+def test_task_differences_clear_two_standard_errors_only_when_both_runs_carry_them():
+    uniform, searched = RUNS["uniform"], RUNS["searched"]
+    # arc_easy -0.012 is within 2 * sqrt(0.01^2 + 0.01^2) = 0.028; boolq and gsm8k +0.05 are beyond it
+    assert [(t, round(d, 6)) for t, d in rp.clear_differences(uniform, searched)] == [("boolq", 0.05), ("gsm8k", 0.05)]
+    bare = json.loads(json.dumps(searched))
+    for record in bare["records"]:
+        record["stderr"] = None
+    assert rp.clear_differences(uniform, bare) is None
+    assert rp._clear(None, 3) == "–" and rp._clear((), 3) == "none"

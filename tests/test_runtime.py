@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from evoesap import moe, runtime
+from evoesap.errors import ConfigError
 
 
 class _Loaded(torch.nn.Module):
@@ -26,11 +27,58 @@ def test_load_model_places_weights_on_the_device_while_loading(monkeypatch):
     ]
 
 
-def test_a_tiny_checkpoint_loads_on_the_cpu_without_dispatch_hooks(tmp_path):
+def test_a_tiny_checkpoint_loads_on_the_cpu_without_dispatch_hooks_and_on_one_thread(tmp_path, monkeypatch):
+    monkeypatch.delenv(runtime.CPU_THREADS_ENV, raising=False)
     moe.tiny_model("olmoe").save_pretrained(tmp_path)
-    model = runtime.load_model(str(tmp_path), device="cpu")
+    with _threads(2):
+        model = runtime.load_model(str(tmp_path), device="cpu")
+        assert torch.get_num_threads() == 1
     assert {p.device.type for p in model.parameters()} == {"cpu"}
     assert not hasattr(model, "hf_device_map")
+
+
+class _threads:
+    """torch's intra-op thread count set for a block (and runtime's memory of it cleared), restored after."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __enter__(self):
+        self.saved = torch.get_num_threads(), runtime._threads_before_tiny
+        runtime._threads_before_tiny = None
+        torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.saved[0])
+        runtime._threads_before_tiny = self.saved[1]
+
+
+def test_tiny_models_get_one_thread_and_larger_ones_torchs_own_count(monkeypatch):
+    monkeypatch.delenv(runtime.CPU_THREADS_ENV, raising=False)
+    assert runtime.cpu_threads(3_000_000) == 1
+    assert runtime.cpu_threads(runtime.TINY_MODEL_PARAMETERS) is None
+    with _threads(2):
+        assert runtime.use_cpu_threads(3_000_000) == 1 == torch.get_num_threads()
+        assert runtime.use_cpu_threads(1_000) == 1  # a second tiny model: still 1, the 2 still remembered
+        assert runtime.use_cpu_threads(7_000_000_000) == 2 == torch.get_num_threads()  # back to what it was
+        torch.set_num_threads(1)  # a caller's own choice for a large model is left alone
+        assert runtime.use_cpu_threads(7_000_000_000) == 1
+
+
+def test_an_explicit_thread_count_wins_over_model_size_and_a_bad_one_is_refused(monkeypatch):
+    monkeypatch.setenv(runtime.CPU_THREADS_ENV, "2")
+    assert runtime.cpu_threads(3_000_000) == runtime.cpu_threads(7_000_000_000) == 2
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(runtime.CPU_THREADS_ENV, bad)
+        with pytest.raises(ConfigError, match=f"{runtime.CPU_THREADS_ENV}='{bad}'"):
+            runtime.cpu_threads(3_000_000)
+
+
+def test_fixed_cpu_threads_restores_the_callers_settings():
+    with _threads(2):
+        with runtime.fixed_cpu_threads(1):
+            assert torch.get_num_threads() == 1 and torch.are_deterministic_algorithms_enabled()
+        assert torch.get_num_threads() == 2 and not torch.are_deterministic_algorithms_enabled()
 
 
 def test_free_host_memory_is_positive_and_below_the_physical_memory():

@@ -11,7 +11,6 @@ from evoesap import moe
 from evoesap.scoring import forward
 from evoesap.scoring.forward import LayerRunner
 
-from moe_support import one_thread  # noqa: F401 (one_thread is an autouse fixture)
 from test_scoring_teacher import VOCAB, tiny
 
 FAMILIES = ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "gpt_oss"]

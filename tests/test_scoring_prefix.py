@@ -13,7 +13,6 @@ from evoesap.scoring.evaluator import CandidateEvaluator
 from evoesap.scoring.forward import LayerRunner
 from evoesap.scoring.prefix import PrefixCache, spread
 
-from moe_support import one_thread  # noqa: F401 (one_thread is an autouse fixture)
 from test_scoring_forward import SLIDING
 from test_scoring_teacher import random_samples
 

@@ -6,12 +6,11 @@ to different experts (so importance scores mean something), within minutes on tw
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import time
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -20,6 +19,7 @@ from transformers import OlmoeConfig, OlmoeForCausalLM, PreTrainedTokenizerBase
 from evoesap.data import Sample, encode_sample
 from evoesap.demo.profiles import Profile
 from evoesap.errors import ConfigError
+from evoesap.runtime import fixed_cpu_threads
 from evoesap.progress import progress
 
 log = logging.getLogger(__name__)
@@ -59,21 +59,6 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict]) ->
     """Token ids of a chat through its template, and the tokens learned: the answer mask of `evoesap.data`
     (assistant content and end of turn), so the model is trained on exactly what the search scores."""
     return encode_sample(Sample(id=0, messages=tuple((m["role"], m["content"]) for m in messages)), tokenizer)
-
-
-@contextlib.contextmanager
-def deterministic_torch(threads: int) -> Iterator[None]:
-    """Fixed thread count and deterministic kernels for the duration, restoring the caller's settings."""
-    old_threads = torch.get_num_threads()
-    old_det = torch.are_deterministic_algorithms_enabled()
-    old_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(old_det, warn_only=old_warn)
-        torch.set_num_threads(old_threads)
 
 
 def _batch(rows: list[tuple[list[int], list[bool]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -129,7 +114,7 @@ def train(
     model.train()
     start, cpu_start = time.perf_counter(), time.process_time()
     losses: list[torch.Tensor] = []
-    with deterministic_torch(profile.threads):
+    with fixed_cpu_threads(profile.threads):
         for step in progress(range(profile.steps), desc="train demo model"):
             which = rng.choice(len(domains), size=profile.batch_size, p=weights)
             rows = [encoded[domains[d]][int(rng.integers(len(encoded[domains[d]])))] for d in which]

@@ -1,12 +1,13 @@
 """Build (or reuse) the demo world: data splits, tokenizer, trained model, lm-eval tasks, in one directory.
 
-The world is cached by content: `world.json` stores a hash of the generating code, seed, profile and
-library versions, and a call with the same inputs returns at once. A file lock makes concurrent callers
+The world is cached by content: `world.json` stores a hash of what decides training (`world_key`), and
+a call with the same inputs returns at once. A file lock makes concurrent callers
 (parallel test sessions) wait for one build instead of training twice.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import fcntl
@@ -66,16 +67,50 @@ class DemoWorld:
 
 
 def world_key(seed: int, profile: str) -> str:
-    """Hash of what decides the world: generator, training and answer-mask code, seed, profile values.
+    """Hash of what decides the world: the data generator, tokenizer and training code, the part of
+    `evoesap.data` that makes the answer mask trained on (`encode_sample` and what it calls), seed and
+    profile values. An edit anywhere else (the rest of `evoesap.data` included) keeps the built world.
 
     Library versions are recorded in `info` but not keyed on, so a world built elsewhere can be reused.
     """
     h = hashlib.sha256()
-    for module in (_data, _domains, _tokenizer, _train):
+    for module in (_domains, _tokenizer, _train):
         h.update(Path(module.__file__).read_bytes())
+    h.update(source_closure(Path(_data.__file__), "encode_sample").encode())
     h.update(json.dumps({"seed": seed, "profile": dataclasses.asdict(get_profile(profile))},
                         sort_keys=True).encode())
     return h.hexdigest()
+
+
+def source_closure(path: Path, *roots: str) -> str:
+    """The source of the top-level definitions (functions, classes, assignments) of the Python file `path`
+    that `roots` reach by name, in file order: all of that file that can change what `roots` compute."""
+    text = path.read_text(encoding="utf-8")
+    body = ast.parse(text).body
+    defined: dict[str, ast.stmt] = {}
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        defined[name.id] = node
+    missing = [r for r in roots if r not in defined]
+    if missing:
+        raise ConfigError(f"{path} defines no {missing} at top level; name functions or classes it defines")
+    reached: set[int] = set()
+    todo = list(roots)
+    while todo:
+        node = defined.get(todo.pop())
+        if node is None or id(node) in reached:
+            continue
+        reached.add(id(node))
+        todo.extend(n.id for n in ast.walk(node) if isinstance(n, ast.Name))
+    lines = text.splitlines()
+    spans = [(min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno]), node.end_lineno)
+             for node in body if id(node) in reached]  # decorators included: @dataclass(frozen=True) matters
+    return "\n".join("\n".join(lines[a - 1:b]) for a, b in spans)
 
 
 @contextlib.contextmanager
