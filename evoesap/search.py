@@ -222,7 +222,7 @@ class _Run:
                 raise DataError(f"{where} returned NaN for allocation {r}: the search cannot rank it; fix the fitness")
         return values
 
-    def evaluate(self, rs: list[Allocation], gen: int) -> None:
+    def score_full_set(self, rs: list[Allocation], gen: int) -> None:
         """Full-set fitness of those of `rs` not scored yet, one batch in first-seen order (memo)."""
         new = [r for r in dict.fromkeys(rs) if r not in self.memo]
         if new:
@@ -243,7 +243,7 @@ class _Run:
             stopped.update((r, (level, v)) for r, v in zip(entrants, scores))
             keep = racing.survivors(len(entrants), self.params.elites if gen == 0 else 1)
             entrants = [entrants[i] for i in _top(scores, keep)]
-        self.evaluate(entrants, gen)
+        self.score_full_set(entrants, gen)
         for r in entrants:
             stopped.pop(r, None)
         return stopped
@@ -251,7 +251,7 @@ class _Run:
     def finish(self, gen: int, pop: list[Allocation]) -> None:
         """Score generation `gen`, record it, keep the best, checkpoint it and report it."""
         stopped = self.race(gen, pop) if self.params.racing is not None else {}
-        self.evaluate([r for r in pop if r not in stopped], gen)
+        self.score_full_set([r for r in pop if r not in stopped], gen)
         fits = [-math.inf if r in stopped else self.memo[r] for r in pop]  # stopped early: never elite
         top = set(_top(fits, self.params.elites))
         self.history.extend(

@@ -424,7 +424,7 @@ def test_evaluate_refuses_the_search_cache_as_held_out(tiny_artifacts, tmp_path,
 def test_lm_eval_asks_git_quietly_outside_a_checkout(tmp_path, monkeypatch, capfd):
     import lm_eval.evaluator
 
-    from evoesap.evaluate import _quiet_git_hash
+    from evoesap.lmeval import _quiet_git_hash
 
     monkeypatch.chdir(tmp_path)
     with _quiet_git_hash():

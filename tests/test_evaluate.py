@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from evoesap import artifacts, records
-from evoesap import evaluate as ev
+from evoesap import lmeval
 from evoesap.demo.tokenizer import build_tokenizer
 from evoesap.errors import ConfigError
 from evoesap.stages.evaluate import EvaluateParams, run_evaluate
@@ -72,35 +72,35 @@ def independent_mc_accuracy(model, tokenizer) -> tuple[float, float]:
 def test_every_named_suite_task_resolves_in_lm_eval_index():
     from lm_eval.tasks import TaskManager
 
-    plan = ev.resolve_tasks(list(ev.SUITES), allow_code_execution=True)
+    plan = lmeval.resolve_tasks(list(lmeval.SUITES), allow_code_execution=True)
     index = TaskManager().task_index  # independent of the plan's own manager
-    expected = [name for suite in ev.SUITES.values() for name in suite.tasks]
+    expected = [name for suite in lmeval.SUITES.values() for name in suite.tasks]
     assert [r.name for r in plan.requests] == expected
     assert all(name in index for name in expected)
-    assert ev.MATH500_TASK in index and index[ev.MATH500_TASK].cfg["dataset_path"] == "HuggingFaceH4/MATH-500"
+    assert lmeval.MATH500_TASK in index and index[lmeval.MATH500_TASK].cfg["dataset_path"] == "HuggingFaceH4/MATH-500"
     assert {r.name: r.chat_template for r in plan.requests}["gsm8k"] is True
     assert {r.name: r.chat_template for r in plan.requests}["hellaswag"] is False
 
 
 def test_code_suite_refused_without_permission():
     with pytest.raises(ConfigError, match="allow_code_execution"):
-        ev.resolve_tasks(["mc", "code"])
+        lmeval.resolve_tasks(["mc", "code"])
 
 
 def test_unknown_task_name_suggests_the_nearest():
     with pytest.raises(ConfigError, match="did you mean 'hellaswag'"):
-        ev.resolve_tasks(["hellaswg"])
+        lmeval.resolve_tasks(["hellaswg"])
     with pytest.raises(ConfigError, match="did you mean 'math'"):
-        ev.resolve_tasks(["mth"])
+        lmeval.resolve_tasks(["mth"])
 
 
 def test_missing_task_directory_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
-        ev.resolve_tasks([str(tmp_path / "nope")])
+        lmeval.resolve_tasks([str(tmp_path / "nope")])
 
 
 def test_local_directory_tasks_are_discovered_with_their_tag_as_domain(tmp_path):
-    plan = ev.resolve_tasks([str(write_tasks(tmp_path / "tasks"))])
+    plan = lmeval.resolve_tasks([str(write_tasks(tmp_path / "tasks"))])
     by_name = {r.name: r for r in plan.requests}
     assert set(by_name) == {"arith_mc", "arith_gen"}
     assert not by_name["arith_gen"].chat_template and not by_name["arith_mc"].chat_template  # local tasks write their own prompts
@@ -110,8 +110,8 @@ def test_local_directory_tasks_are_discovered_with_their_tag_as_domain(tmp_path)
 def test_lm_eval_on_local_tasks_matches_independent_loglikelihood(tmp_path):
     tokenizer = build_tokenizer()
     model = tiny_olmoe(tokenizer)
-    plan = ev.resolve_tasks([str(write_tasks(tmp_path / "tasks"))])
-    records, raw = ev.run_lm_eval(model, tokenizer, plan, batch_size=2)
+    plan = lmeval.resolve_tasks([str(write_tasks(tmp_path / "tasks"))])
+    records, raw = lmeval.run_lm_eval(model, tokenizer, plan, batch_size=2)
     by_key = {(r["task"], r["metric"]): r for r in records}
     acc, acc_norm = independent_mc_accuracy(model, tokenizer)
     assert by_key[("arith_mc", "acc")]["value"] == pytest.approx(acc)
@@ -162,16 +162,16 @@ def test_pruned_parameter_bytes_are_full_minus_removed_experts_exactly():
     from evoesap import moe
 
     full = moe.tiny_model("olmoe", seed=1)
-    before = ev.memory_footprint(full)
+    before = lmeval.memory_footprint(full)
     per_expert = moe.expert_bytes(full)
     pruned = moe.prune_experts(moe.tiny_model("olmoe", seed=1), PRUNED)
-    after = ev.memory_footprint(pruned)
+    after = lmeval.memory_footprint(pruned)
     removed = sum(len(PRUNED[layer]) * per_expert[layer] for layer in PRUNED)
     assert removed > 0
     assert after["parameter_bytes"] == before["parameter_bytes"] - removed
     # float32 tiny models: the bf16 load size is exactly half of what they hold
     assert after["bf16_bytes"] * 2 == after["parameter_bytes"]
-    assert ev.expert_counts(pruned)["num_experts"] == [n - len(PRUNED[i]) for i, n in enumerate(moe.inspect(full).num_experts)]
+    assert lmeval.expert_counts(pruned)["num_experts"] == [n - len(PRUNED[i]) for i, n in enumerate(moe.inspect(full).num_experts)]
 
 
 def test_heldout_esap_of_a_pruned_checkpoint_equals_masking_the_full_model(tmp_path):
@@ -189,7 +189,7 @@ def test_heldout_esap_of_a_pruned_checkpoint_equals_masking_the_full_model(tmp_p
     teacher.write_cache(full, samples, tmp_path / "cache", mode="full", dtype="float32", batch_size=2)
     masked_score = CandidateEvaluator(full, str(tmp_path / "cache")).score(PRUNED)
     pruned = moe.prune_experts(moe.tiny_model("olmoe", seed=2), PRUNED)
-    result = ev.heldout_esap(pruned, None, str(tmp_path / "cache"), batch_size=2)
+    result = lmeval.heldout_esap(pruned, None, str(tmp_path / "cache"), batch_size=2)
     assert result["samples"] == 4
     assert result["esap"] == pytest.approx(masked_score, abs=1e-5)
     assert result["esap"] < 1.0
@@ -198,7 +198,9 @@ def test_heldout_esap_of_a_pruned_checkpoint_equals_masking_the_full_model(tmp_p
 def test_evaluate_cli_reports_a_missing_task_directory_as_one_error(tmp_path, capsys):
     from evoesap.cli import main
 
-    (tmp_path / "model").mkdir()  # an output inside the model directory would be refused first
+    from evoesap import moe
+
+    moe.tiny_model("olmoe").save_pretrained(tmp_path / "model")  # a checkpoint that passes its own checks
     code = main(["evaluate", "--model", str(tmp_path / "model"), "--tasks", str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
     assert code == 1
     assert "does not exist" in capsys.readouterr().err

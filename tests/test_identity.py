@@ -187,7 +187,7 @@ def test_the_streamed_prune_reads_the_shards_of_the_pinned_commit(hub, tiny_arti
 
 
 def test_lm_eval_vllm_is_given_the_commit_of_a_pinned_hub_model(hub, tiny_artifacts, monkeypatch):
-    from evoesap import evaluate as ev
+    from evoesap import lmeval
     from evoesap import vllm_eval
 
     asked = []
@@ -198,9 +198,9 @@ def test_lm_eval_vllm_is_given_the_commit_of_a_pinned_hub_model(hub, tiny_artifa
 
     monkeypatch.setattr(vllm_eval, "vllm_python", lambda: "python")
     monkeypatch.setattr(vllm_eval, "simple_evaluate", simple_evaluate)
-    plan = ev.resolve_tasks((tiny_artifacts["tasks"],))
+    plan = lmeval.resolve_tasks((tiny_artifacts["tasks"],))
     with pytest.raises(StopIteration):
-        ev.run_lm_eval("org/tiny@v2", None, plan, backend="vllm")
+        lmeval.run_lm_eval("org/tiny@v2", None, plan, backend="vllm")
     commit = hub.commits["v2"]
     assert {k: asked[0][k] for k in ("pretrained", "revision", "tokenizer_revision")} == {
         "pretrained": "org/tiny", "revision": commit, "tokenizer_revision": commit}

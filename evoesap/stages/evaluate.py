@@ -9,7 +9,7 @@ import logging
 from typing import Any, Iterator
 
 from evoesap import artifacts, bounds, records, runtime, vllm_eval
-from evoesap import evaluate as ev
+from evoesap import lmeval
 from evoesap.errors import ConfigError, DataError
 from evoesap.params import DeviceParams, param
 from evoesap.identity import is_uri
@@ -44,8 +44,8 @@ class EvaluateParams(DeviceParams):
             raise ConfigError(f"limit must be positive, got {self.limit}")
         if isinstance(self.batch_size, str) and not self.batch_size.startswith("auto"):
             raise ConfigError(f"batch_size must be a positive integer or 'auto', got {self.batch_size!r}")
-        if self.backend not in ev.BACKENDS:
-            raise ConfigError(f"backend must be one of {', '.join(ev.BACKENDS)}, got {self.backend!r}")
+        if self.backend not in lmeval.BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(lmeval.BACKENDS)}, got {self.backend!r}")
         if isinstance(self.batch_size, (int, float)) and self.batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer or 'auto', got {self.batch_size!r}")
         super().__post_init__()
@@ -73,7 +73,7 @@ def run_evaluate(
     """
     from evoesap import moe
 
-    plan = ev.resolve_tasks(params.tasks, allow_code_execution=params.allow_code_execution)
+    plan = lmeval.resolve_tasks(params.tasks, allow_code_execution=params.allow_code_execution)
     python = vllm_eval.vllm_python() if params.backend == "vllm" else None  # fails before anything loads
     inputs = {"model": model, "teacher_cache": teacher_cache, "allocation": allocation}
     seen = artifacts.preflight(out_uri, "evaluate", inputs)
@@ -86,9 +86,9 @@ def run_evaluate(
     with artifacts.stage_output(out_uri, "evaluate", dataclasses.asdict(params), inputs, seen) as staging:
         log.info("loading %s", artifacts.redact(model))
         loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
-        memory = ev.memory_footprint(loaded)
-        experts = ev.expert_counts(loaded)
-        esap = ev.heldout_esap(loaded, tokenizer, teacher_cache, params.esap_batch_size) if teacher_cache else None
+        memory = lmeval.memory_footprint(loaded)
+        experts = lmeval.expert_counts(loaded)
+        esap = lmeval.heldout_esap(loaded, tokenizer, teacher_cache, params.esap_batch_size) if teacher_cache else None
         lm_eval_options = dict(
             batch_size=params.batch_size,
             limit=_limit(params.limit),
@@ -97,13 +97,13 @@ def run_evaluate(
             max_length=params.max_length,
         )
         if python is None:
-            task_records, raw = ev.run_lm_eval(loaded, tokenizer, plan, **lm_eval_options)
+            task_records, raw = lmeval.run_lm_eval(loaded, tokenizer, plan, **lm_eval_options)
         else:
             dtype = str(next(loaded.parameters()).dtype).removeprefix("torch.")  # "auto" = as loaded here
             del loaded  # vLLM loads its own copy, in its own process
             runtime.release_memory()
             with _served_copy(model) as served:
-                task_records, raw = ev.run_lm_eval(
+                task_records, raw = lmeval.run_lm_eval(
                     served, tokenizer, plan, backend="vllm", model_dtype=dtype, **lm_eval_options
                 )
         metrics = {
