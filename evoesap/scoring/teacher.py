@@ -245,41 +245,15 @@ def write_cache(
     Memory on the model's device: the model, one batch's forward, and `head_bytes` of [rows, V]
     temporaries, whatever the batch size; on the host, WRITE_QUEUE chunks waiting to be written.
     """
-    if mode not in MODES:
-        raise ConfigError(f"cache mode {mode!r} is not one of {MODES}")
-    if dtype not in DTYPES:
-        raise ConfigError(f"cache dtype {dtype!r} is not one of {tuple(DTYPES)}")
-    if batch_size < 1:
-        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-    if not tokenized:
-        raise DataError("no tokenized samples to cache")
-    ids_seen = [s.sample_id for s in tokenized]
-    if len(set(ids_seen)) != len(ids_seen):
-        raise DataError("sample ids in the tokenized samples are not unique: the cache indexes rows by them")
     vocab = int(model.get_output_embeddings().weight.shape[0])
-    if mode == "topk" and not (top_k and 1 <= top_k <= vocab):
-        raise ConfigError(f"top_k must be in 1..{vocab} for mode 'topk', got {top_k}")
+    _check_request(tokenized, mode, top_k, dtype, batch_size, vocab)
     torch_dtype = DTYPES[dtype][0]
     out_dir = Path(out_dir)
     id_type = _id_type(tokenized)
-
     width = vocab if mode == "full" else 2 * top_k
-    rows_per_shard = shard_bytes // max(1, width * torch_dtype.itemsize)
-    rows_per_group = ROW_GROUP_BYTES // max(1, width * torch_dtype.itemsize)
-    fields = [("sample_id", id_type), ("position", pa.int32()), ("target", pa.int32())]
-    if mode == "full":
-        fields.append(("logprobs", pa.binary(vocab * torch_dtype.itemsize)))
-    else:
-        fields += [
-            ("topk_ids", pa.list_(pa.int32(), top_k)),
-            ("topk_logprobs", pa.binary(top_k * torch_dtype.itemsize)),
-            ("tail_mass", pa.float32()),
-        ]
-    writer = _ShardWriter(out_dir, pa.schema(fields), rows_per_shard, rows_per_group)
-
-    device = model_device(model)
-    head_rows = max(1, head_bytes // (HEAD_TEMPORARIES * 4 * vocab))
-    layout = _Rows(mode, top_k, torch_dtype, id_type, head_rows)
+    writer = _ShardWriter(out_dir, _schema(mode, top_k, vocab, torch_dtype, id_type),
+                          shard_bytes // max(1, width * torch_dtype.itemsize), ROW_GROUP_BYTES // max(1, width * torch_dtype.itemsize))
+    layout = _Rows(mode, top_k, torch_dtype, id_type, max(1, head_bytes // (HEAD_TEMPORARIES * 4 * vocab)))
     scored = [scored_positions(s.answer_mask) for s in tokenized]
     empty = sum(1 for p in scored if not p)
     if empty:
@@ -288,6 +262,7 @@ def write_cache(
     if not keep:
         raise DataError("no sample has a scored position: check the answer masks and max_length")
     total = 0
+    device = model_device(model)
     was_training = model.training
     model.eval()
     try:
@@ -300,14 +275,7 @@ def write_cache(
         writer.close()
 
     kept = [tokenized[i] for i in keep]
-    samples = pa.table(
-        {
-            "sample_id": pa.array([s.sample_id for s in kept], type=id_type),
-            "input_ids": pa.array([list(map(int, s.input_ids)) for s in kept], type=pa.list_(pa.int32())),
-            "answer_mask": pa.array([[bool(m) for m in s.answer_mask] for s in kept], type=pa.list_(pa.bool_())),
-        }
-    )
-    pq.write_table(samples, out_dir / SAMPLES_FILE)
+    pq.write_table(_samples_table(kept, id_type), out_dir / SAMPLES_FILE)
     meta = CacheMeta(
         mode=mode,
         dtype=dtype,
@@ -323,6 +291,50 @@ def write_cache(
     (out_dir / META_FILE).write_text(meta.to_json())
     log.info("teacher cache: %d samples, %d scored positions, mode %s, %s", len(kept), total, mode, dtype)
     return meta
+
+
+def _check_request(tokenized: Sequence[TokenizedLike], mode: str, top_k: int | None, dtype: str, batch_size: int,
+                   vocab: int) -> None:
+    """Refuse a cache that cannot be written, before the model runs."""
+    if mode not in MODES:
+        raise ConfigError(f"cache mode {mode!r} is not one of {MODES}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"cache dtype {dtype!r} is not one of {tuple(DTYPES)}")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    if not tokenized:
+        raise DataError("no tokenized samples to cache")
+    ids_seen = [s.sample_id for s in tokenized]
+    if len(set(ids_seen)) != len(ids_seen):
+        raise DataError("sample ids in the tokenized samples are not unique: the cache indexes rows by them")
+    if mode == "topk" and not (top_k and 1 <= top_k <= vocab):
+        raise ConfigError(f"top_k must be in 1..{vocab} for mode 'topk', got {top_k}")
+
+
+def _schema(mode: str, top_k: int | None, vocab: int, torch_dtype: torch.dtype, id_type: pa.DataType) -> pa.Schema:
+    """One row per scored position: its sample, position and target, then the teacher's distribution
+    (the whole vocabulary's log-probabilities, or the top K with the tail's mass)."""
+    fields = [("sample_id", id_type), ("position", pa.int32()), ("target", pa.int32())]
+    if mode == "full":
+        fields.append(("logprobs", pa.binary(vocab * torch_dtype.itemsize)))
+    else:
+        fields += [
+            ("topk_ids", pa.list_(pa.int32(), top_k)),
+            ("topk_logprobs", pa.binary(top_k * torch_dtype.itemsize)),
+            ("tail_mass", pa.float32()),
+        ]
+    return pa.schema(fields)
+
+
+def _samples_table(kept: Sequence[TokenizedLike], id_type: pa.DataType) -> pa.Table:
+    """samples.parquet: each cached sample's ids and answer mask, so a reader can rebuild its batches."""
+    return pa.table(
+        {
+            "sample_id": pa.array([s.sample_id for s in kept], type=id_type),
+            "input_ids": pa.array([list(map(int, s.input_ids)) for s in kept], type=pa.list_(pa.int32())),
+            "answer_mask": pa.array([[bool(m) for m in s.answer_mask] for s in kept], type=pa.list_(pa.bool_())),
+        }
+    )
 
 
 @dataclasses.dataclass(frozen=True)
