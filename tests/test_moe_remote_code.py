@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from evoesap import artifacts, moe
 from evoesap.moe.remote_code import AUTO_CLASS, MODELING_FILE
-from moe_support import FAMILIES, cached_model, one_thread, tokens  # noqa: F401 (one_thread is an autouse fixture)
+from moe_support import FAMILIES, cached_model, tokens
 from test_moe import UNGROUPED, nonuniform_sets
 
 TOL = 1e-6
