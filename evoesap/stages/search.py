@@ -286,6 +286,49 @@ def prepare_scoring(
                    schedule, params.seed, evaluator, held)
 
 
+def _allocation_document(params: SearchParams, scoring: Scoring, result: Any, best: list[int],
+                         finals: dict[tuple[int, ...], float], cost: dict[str, Any]) -> dict[str, Any]:
+    """allocation.json: the chosen allocation (the searched one, or uniform when it does not generalise and
+    `fallback_to_uniform` is set), both fitnesses, the held-out check and its warning, and the cost."""
+    orders, n, uniform = scoring.orders, scoring.num_experts, scoring.uniform
+    sign = scoring.evaluator.metric.sign
+    check = None
+    warnings: list[str] = []  # also in allocation.json, so the report shows what the log said
+    if scoring.heldout_ids:
+        judge = scoring.judge
+        check = generalisation(
+            sign * judge.sample_values(alloc.pruned_sets(best, orders), samples=scoring.heldout_ids).numpy(),
+            sign * judge.sample_values(alloc.pruned_sets(uniform, orders), samples=scoring.heldout_ids).numpy(),
+        )
+        if not check["beats_uniform"]:
+            warnings.append(heldout_warning(check, params.metric, params.fallback_to_uniform))
+            headline, detail = warnings[-1].split(": ", 1)
+            log.warning("%s: %s", headline.upper(), detail)
+    chosen = uniform if (check and not check["beats_uniform"] and params.fallback_to_uniform) else best
+    return {
+        "criterion": params.criterion,
+        "sparsity": params.sparsity,
+        "metric": params.metric,
+        "budget": scoring.budget,
+        "granularity": scoring.granularity,
+        "num_experts": list(n),
+        "top_k": list(scoring.top_k),
+        "min_kept": list(scoring.min_kept),
+        "removal_counts": chosen,
+        "pruned": {str(layer): ids for layer, ids in sorted(alloc.pruned_sets(chosen, orders).items())},
+        "fitness": finals[tuple(chosen)],
+        "searched": {"removal_counts": best, "fitness": result.best_fitness},
+        "uniform": {"removal_counts": uniform, "fitness": finals[tuple(uniform)]},
+        "fallback_applied": chosen is uniform and best != uniform,
+        "heldout": check,
+        "warnings": warnings,
+        "evaluations": result.evaluations,
+        "cost": cost,
+        "search_samples": len(scoring.search_ids),
+        "heldout_samples": len(scoring.heldout_ids),
+    }
+
+
 def run_search(
     model: str, scores: str, cache: str, params: SearchParams, out_uri: str, heldout_cache: str | None = None
 ) -> artifacts.Manifest:
@@ -306,7 +349,7 @@ def run_search(
     if params.workers > 1 and not distributed.joined():
         return distributed.launch("evoesap.stages.search_workers", inputs, params, out_uri, _checkpoint_uri(out_uri))
     scoring = prepare_scoring(model, scores, cache, params, heldout_cache)
-    orders, n, uniform = scoring.orders, scoring.num_experts, scoring.uniform
+    n, uniform = scoring.num_experts, scoring.uniform
 
     bar = progress(total=params.generations + 1, desc=f"search {params.criterion} {params.sparsity:.0%}", unit="gen")
 
@@ -342,42 +385,7 @@ def run_search(
         finals = dict(zip(wanted, pool.score_batch(wanted, None, params.generations)))
         cost = _cost(pool.totals(), scoring.evaluator.full_forward_work(scoring.search_ids), result)
 
-    sign = scoring.evaluator.metric.sign
-    check = None
-    warnings: list[str] = []  # also in allocation.json, so the report shows what the log said
-    if scoring.heldout_ids:
-        judge = scoring.judge
-        check = generalisation(
-            sign * judge.sample_values(alloc.pruned_sets(best, orders), samples=scoring.heldout_ids).numpy(),
-            sign * judge.sample_values(alloc.pruned_sets(uniform, orders), samples=scoring.heldout_ids).numpy(),
-        )
-        if not check["beats_uniform"]:
-            warnings.append(heldout_warning(check, params.metric, params.fallback_to_uniform))
-            headline, detail = warnings[-1].split(": ", 1)
-            log.warning("%s: %s", headline.upper(), detail)
-    chosen = uniform if (check and not check["beats_uniform"] and params.fallback_to_uniform) else best
-    document = {
-        "criterion": params.criterion,
-        "sparsity": params.sparsity,
-        "metric": params.metric,
-        "budget": scoring.budget,
-        "granularity": scoring.granularity,
-        "num_experts": list(n),
-        "top_k": list(scoring.top_k),
-        "min_kept": list(scoring.min_kept),
-        "removal_counts": chosen,
-        "pruned": {str(layer): ids for layer, ids in sorted(alloc.pruned_sets(chosen, orders).items())},
-        "fitness": finals[tuple(chosen)],
-        "searched": {"removal_counts": best, "fitness": result.best_fitness},
-        "uniform": {"removal_counts": uniform, "fitness": finals[tuple(uniform)]},
-        "fallback_applied": chosen is uniform and best != uniform,
-        "heldout": check,
-        "warnings": warnings,
-        "evaluations": result.evaluations,
-        "cost": cost,
-        "search_samples": len(scoring.search_ids),
-        "heldout_samples": len(scoring.heldout_ids),
-    }
+    document = _allocation_document(params, scoring, result, best, finals, cost)
     history = _history_frame(result.history)
     with artifacts.stage_output(out_uri, "search", dataclasses.asdict(params), inputs, seen) as staging:
         records.write(staging, records.ALLOCATION_FILE, document)
