@@ -95,7 +95,9 @@ def test_with_a_registry_set_every_compiled_image_lies_in_it(path, tmp_path):
     compiler.Compiler().compile(_team_module().build_team_pipeline(config), str(tmp_path / "team.yaml"))
     assert main(["pipeline", "components", "--out", str(tmp_path / "components"), "--config", str(config_path)]) == 0
     texts = [pipeline, (tmp_path / "team.yaml").read_text(), *(p.read_text() for p in (tmp_path / "components").glob("*.yaml"))]
-    assert len(texts) == 8
+    from evoesap.stages import STAGES
+
+    assert len(texts) == 2 + len(STAGES)  # the pipeline, the team pipeline, one component per stage
     for text in texts:
         assert _images(text) == {f"{registry}/stage:{evoesap.__version__}"}, _images(text)
 
