@@ -153,13 +153,16 @@ def test_license_and_base_model_are_carried_and_a_contradiction_is_refused(world
     assert not (tmp_path / "b").exists()
 
 
-def test_a_push_to_a_local_target_round_trips_byte_identical_files(world, tmp_path):
-    out, to = tmp_path / "published", tmp_path / "release" / "olmoe-pruned"
-    _publish(world, out, PublishParams(to=str(to)))
+@pytest.mark.parametrize("store", ["local", "memory"])
+def test_a_push_to_an_fsspec_target_round_trips_byte_identical_files(world, tmp_path, store):
+    out = tmp_path / "published"
+    to = str(tmp_path / "release" / "olmoe-pruned") if store == "local" else f"memory://release-{tmp_path.name}/olmoe-pruned"
+    _publish(world, out, PublishParams(to=to))
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(to).as_posix() for p in to.rglob("*") if p.is_file())
-    assert all((out / f).read_bytes() == (to / f).read_bytes() for f in files)
-    manifest = artifacts.verify(str(to), "publish")  # a finished artifact there, every sha256 checked
+    fs, root = artifacts.split(to)
+    assert files == sorted(p[len(root.rstrip("/")) + 1:] for p in fs.find(root))  # no publishing.json left
+    assert all((out / f).read_bytes() == artifacts.read_bytes(artifacts.join(to, f)) for f in files)
+    manifest = artifacts.verify(to, "publish")  # a finished artifact there, every sha256 checked
     prune_files = artifacts.read_manifest(world["pruned"]).files
     assert {f: manifest.files[f] for f in prune_files} == prune_files  # the checkpoint itself, untouched
     assert {"README.md", "density.png", "report/report.md"} <= set(manifest.files)
@@ -324,3 +327,28 @@ def test_bad_inputs_are_refused_in_one_line_before_any_work(world, tmp_path, cap
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error:") and message in err, err
     assert not out.exists()
+
+
+def test_the_pipeline_publishes_each_searched_model_only_when_switched_on(tmp_path):
+    from kfp import compiler
+
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.dag import build_pipeline
+
+    base = {"model": "m", "calibration_data": "c.jsonl", "search_data": "s.jsonl"}
+    specs = {}
+    for switch in (False, True):
+        path = tmp_path / f"{switch}.yaml"
+        compiler.Compiler().compile(build_pipeline(load_config({**base, "publish_models": switch})), str(path))
+        specs[switch] = yaml.safe_load(path.read_text())
+    assert "comp-publish" not in specs[False]["components"]
+    loop = next(c for c in specs[True]["components"].values() if "publish" in c.get("dag", {}).get("tasks", {}))
+    wired = loop["dag"]["tasks"]["publish"]["inputs"]["artifacts"]
+    assert {name: (a.get("taskOutputArtifact") or a.get("componentInputArtifact")) for name, a in wired.items()} == {
+        "pruned": {"outputArtifactKey": "pruned", "producerTask": "prune"},
+        "evaluation": {"outputArtifactKey": "evaluation", "producerTask": "evaluate-2"},
+        "search": {"outputArtifactKey": "allocation", "producerTask": "search"},
+        "full_evaluation": "pipelinechannel--evaluate-evaluation",
+    }
+    with pytest.raises(ConfigError, match="publish.repo is one place"):
+        load_config({**base, "publish_models": True, "sparsities": [0.25, 0.5], "publish": {"repo": "org/name"}})
