@@ -276,7 +276,7 @@ def test_backend_has_one_name_in_the_python_api_the_cli_and_the_pipeline_config(
         make_params("evaluate", {"backend": "tgi"})
     monkeypatch.delenv("EVOESAP_VLLM_PYTHON", raising=False)
     tasks = str(write_tasks(tmp_path / "tasks"))
-    (tmp_path / "model").mkdir()
+    moe.tiny_model("olmoe").save_pretrained(tmp_path / "model")  # a checkpoint that passes its own checks
     code = main(["evaluate", "--model", str(tmp_path / "model"), "--tasks", tasks, "--out", str(tmp_path / "o"),
                  "--backend", "vllm"])
     assert code == 1 and "EVOESAP_VLLM_PYTHON" in capsys.readouterr().err  # the CLI passed the backend on
