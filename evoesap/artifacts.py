@@ -522,6 +522,7 @@ def _discard_replaced(old: Path, dest: Path) -> None:
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_SETTLE_TRIES = 8  # reads of an output another process is swapping at this moment
 
 
 @contextlib.contextmanager
@@ -611,11 +612,7 @@ class _Expected:
     aside: Path  # where a refused publish keeps its staged artifact
 
     def check(self, staging: Path) -> None:
-        try:
-            now = occupant(self.out_uri, self.stage)
-            problem = None if now == self.seen or self._same_work(now) else f"another {self.stage} run published there"
-        except ConfigError as exc:
-            problem = str(exc).removeprefix(f"--out {redact(self.out_uri)} ").split(":")[0]
+        problem = self._problem()
         if problem is None:
             return
         kept = self.aside / f"evoesap-unpublished-{self.stage}-{uuid.uuid4().hex[:8]}"
@@ -624,6 +621,21 @@ class _Expected:
             f"--out {redact(self.out_uri)} changed while this run worked ({problem}): nothing there was replaced; "
             f"this run's {self.stage} artifact is kept at {kept}"
         )
+
+    def _problem(self) -> str | None:
+        """Why the output may not be replaced now; None when it may. Another publish swapping the same
+        output in this instant (a manifest read between its two renames) is waited out, briefly."""
+        for attempt in range(_SETTLE_TRIES):
+            try:
+                now = occupant(self.out_uri, self.stage)
+                return None if now == self.seen or self._same_work(now) else f"another {self.stage} run published there"
+            except ConfigError as exc:
+                return str(exc).removeprefix(f"--out {redact(self.out_uri)} ").split(":")[0]
+            except (ArtifactError, FileNotFoundError):
+                if attempt == _SETTLE_TRIES - 1:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
+        return None
 
     def _same_work(self, now: str) -> bool:
         return now.startswith("artifact:") and read_manifest(self.out_uri).cache_key == self.key
