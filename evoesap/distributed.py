@@ -29,6 +29,7 @@ import datetime
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import uuid
@@ -228,7 +229,7 @@ def launch(entry: str, inputs: Mapping[str, Any], params: Any, out_uri: str, che
 
 def _failure(exc: Any, params: Any, checkpoint: str) -> errors.EvoESAPError:
     """One error for a failed worker: which, why, and how far the checkpoint got."""
-    rank, failure = exc.get_first_failure()
+    rank, failure = root_failure(exc.failures)
     message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
     kind, _, detail = message.partition(": ")
     cls = getattr(errors, kind, None)
@@ -241,6 +242,15 @@ def _failure(exc: Any, params: Any, checkpoint: str) -> errors.EvoESAPError:
         generation = json.loads(artifacts.read_bytes(checkpoint).decode("utf-8"))["generation"]
         done = f"; the checkpoint holds generation {generation} of {params.generations}: re-run with resume to continue"
     return errors.EvoESAPError(f"search worker {rank} of {params.workers} {cause}, which stopped the search{done}")
+
+
+def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
+    """The failure that stopped the job, not the ones it caused: once one worker fails the launcher
+    SIGTERMs the rest, and its timestamps are whole seconds, so the earliest (torch's own choice) often
+    names a bystander. A failure other than SIGTERM comes first, then the earliest, then the lowest rank."""
+    sigterm = -int(signal.SIGTERM)
+    rank = min(failures, key=lambda r: (failures[r].exitcode == sigterm, failures[r].timestamp, r))
+    return rank, failures[rank]
 
 
 @contextlib.contextmanager

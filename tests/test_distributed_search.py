@@ -10,11 +10,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from evoesap.distributed import assign, common_prefix
+from evoesap.distributed import assign, common_prefix, root_failure
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate
 from evoesap.stages.search import SearchParams, run_search
@@ -160,3 +163,21 @@ def test_assignment_keeps_owners_follows_the_nearest_parent_and_balances():
     assert max(ranks.count(w) for w in (0, 1)) == 3  # an even share each
     assert assign(batch, owners, anchors, 2) == ranks  # a function of its inputs only
     assert common_prefix((1, 2, 3), (1, 2, 4)) == 2 and common_prefix((1,), (2,)) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    workers=st.integers(2, 8), data=st.data(),
+    culprit_exit=st.sampled_from([-int(signal.SIGKILL), -int(signal.SIGSEGV), 1, 2]),
+)
+def test_the_failure_named_is_the_one_that_stopped_the_job_not_the_sigterms_it_caused(workers, data, culprit_exit):
+    # the launcher SIGTERMs every other worker after the first failure; its timestamps are whole seconds
+    culprit = data.draw(st.integers(0, workers - 1))
+    stamps = data.draw(st.lists(st.integers(0, 2), min_size=workers, max_size=workers))
+    stamps[culprit] = min(stamps)  # the culprit died first, possibly in the same second as the rest
+    failures = {rank: SimpleNamespace(exitcode=culprit_exit if rank == culprit else -int(signal.SIGTERM),
+                                      timestamp=stamps[rank]) for rank in range(workers)}
+    assert root_failure(failures)[0] == culprit
+    only_sigterms = {rank: SimpleNamespace(exitcode=-int(signal.SIGTERM), timestamp=stamps[rank]) for rank in range(workers)}
+    earliest = min(stamps)
+    assert root_failure(only_sigterms)[0] == stamps.index(earliest)  # no other cause: the earliest, then rank
