@@ -109,7 +109,11 @@ def sha256_file(path: Path) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Manifest:
-    """Lineage of one artifact: what made it, from what, with which parameters, and its files."""
+    """Lineage of one artifact: what made it, from what, with which parameters, and its files.
+
+    Written with a `checksum` of its own content (`seal`), so a changed bit anywhere in it is refused on
+    read, not taken for other lineage: the payload files are checked against `files`, the manifest
+    against itself."""
 
     stage: str
     params: dict[str, Any]
@@ -120,16 +124,22 @@ class Manifest:
     git_commit: str | None = None
     started: str = ""
     ended: str = ""
+    run: dict[str, Any] = dataclasses.field(default_factory=dict)  # what this run measured of itself (the
+    # search's cost): like the times, it may differ between runs that make the same payload
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+        return seal(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
-        """Parse and check the shape; raises ValueError naming the first problem."""
+        """Parse and check the shape and the checksum; raises ValueError naming the first problem."""
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+        checksum = data.pop(CHECKSUM, None)
+        if checksum != _checksum(data):
+            raise ValueError(f"its {CHECKSUM!r} field is missing" if checksum is None else
+                             f"it does not match its {CHECKSUM!r} (a changed byte: damaged or edited by hand)")
         for name, kind in (("stage", str), ("params", dict), ("inputs", dict), ("files", dict), ("cache_key", str)):
             if not isinstance(data.get(name), kind):
                 raise ValueError(f"field {name!r} is missing or not a {kind.__name__}")
@@ -138,6 +148,19 @@ class Manifest:
             raise ValueError(f"files entry {bad[0]!r} has no sha256")
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+CHECKSUM = "checksum"
+
+
+def seal(data: Mapping[str, Any]) -> str:
+    """manifest.json's text for `data` (its fields), with the checksum `Manifest.from_json` verifies."""
+    fields = {k: v for k, v in data.items() if k != CHECKSUM}
+    return json.dumps({**fields, CHECKSUM: _checksum(fields)}, indent=2, sort_keys=True)
+
+
+def _checksum(fields: Mapping[str, Any]) -> str:
+    return sha256_bytes(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8"))
 
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -533,6 +556,7 @@ def stage_output(
     inputs: Mapping[str, str | None],
     seen: str | None = None,
     before_publish: Callable[[Path, Manifest], None] | None = None,
+    run: Mapping[str, Any] | None = None,
 ) -> Iterator[Path]:
     """Yield a staging directory; on success publish it to `out_uri` with its manifest last.
 
@@ -542,6 +566,8 @@ def stage_output(
     replace anything else (a user's file, another run's artifact) and keeps the new artifact aside.
     `before_publish(staging, manifest)` runs once the manifest is in the staging directory, before the
     publish (the publish stage pushes copies there): when it raises, nothing is published.
+    `run`: what the run measured of itself, for the manifest (not the payload: runs that make the same
+    payload may differ in it, as a resumed search does in its cost).
     The published manifest is available afterwards through `read_manifest(out_uri)`.
     """
     found = preflight(out_uri, stage, inputs)
@@ -566,6 +592,7 @@ def stage_output(
                 git_commit=_git_commit(),
                 started=started,
                 ended=_now(),
+                run=json.loads(json.dumps(dict(run or {}), default=str)),
             )
             (staging / MANIFEST).write_text(manifest.to_json())
             if before_publish is not None:

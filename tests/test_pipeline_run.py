@@ -131,7 +131,7 @@ def test_local_run_records_typed_artifacts_whose_metadata_matches_the_manifests(
     (search,) = recorded["allocation"]
     allocation = json.loads((storage / "search" / Path(search["metadata"]["uri"]).name / "allocation.json").read_text())
     assert search["metadata"]["fitness"] == pytest.approx(allocation["fitness"])
-    assert search["metadata"]["cost"] == json.loads(json.dumps(allocation["cost"]))
+    assert search["metadata"]["cost"] == artifacts.read_manifest(search["metadata"]["uri"]).run["cost"]
     for entry in metrics:
         evaluation = next(d for d in recorded["evaluation"] if d["uri"].rsplit("/", 1)[0] == entry["uri"].rsplit("/", 1)[0])  # same task
         records = json.loads((Path(evaluation["metadata"]["uri"]) / "metrics.json").read_text())["records"]
