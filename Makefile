@@ -33,7 +33,7 @@ vllm-venv: $(VLLM_STAMP)
 
 test: $(STAMP) $(VLLM_STAMP)  # the serving tests run vLLM from its own venv
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 demo: $(STAMP)
 	$(PY) -m evoesap pipeline demo --out runs/demo
