@@ -372,6 +372,10 @@ class Harness:
             stage.function()
         import lm_eval.evaluator  # noqa: F401 - the evaluate stage's heaviest import
 
+        from evoesap import artifacts
+
+        artifacts._checkout_head()  # read once, before the forks: the code every stage process runs is this
+
     def close(self) -> None:
         if self.s3:
             self.s3.stop()
@@ -399,6 +403,7 @@ class Harness:
                 self.s3.forget_socket()
             os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
             os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            os.chdir(self.ws.top)  # lm-eval records the working directory's git commit: not a checkout that moves
             os.environ["TMPDIR"] = str(self.ws.tmp)
             tempfile.tempdir = None
             from evoesap import artifacts
@@ -569,6 +574,7 @@ def run_chaos(top: Path, world: str, faults: int, seed: int, kinds: tuple[str, .
               log: Callable[[str], None] = print, record: Path | None = None) -> list[Outcome]:
     """`faults` fault runs after the reference runs; every outcome, in order (also written to `record` after
     each run, so a long run stopped early keeps what it found)."""
+    top = top.resolve()
     ws = Workspace(top, world_files(world, top), PARAMS[world])
     harness = Harness(ws, kinds, seed, log)
     outcomes = []

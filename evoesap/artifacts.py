@@ -16,6 +16,7 @@ import dataclasses
 import datetime as dt
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -446,8 +447,13 @@ def _ours_while_publishing(uri: str) -> set[str]:
 
 def _git_commit() -> str | None:
     """The source commit: EVOESAP_GIT_COMMIT (set by the stage images at build time), else git's HEAD."""
-    if os.environ.get("EVOESAP_GIT_COMMIT"):
-        return os.environ["EVOESAP_GIT_COMMIT"]
+    return os.environ.get("EVOESAP_GIT_COMMIT") or _checkout_head()
+
+
+@functools.lru_cache(maxsize=1)
+def _checkout_head() -> str | None:
+    """HEAD of the checkout this package runs from, read once per process: a process runs the code it
+    imported, whatever HEAD moves to while it runs."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
