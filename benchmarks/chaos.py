@@ -453,7 +453,7 @@ class Harness:
                 corrupted = self._corrupt()
             first, first_err = proc.finish()
         rerun, err = self._start(kind).finish()
-        failed = first_err.strip().splitlines()[-1:] if first == 1 else []
+        failed = first_err.strip().splitlines()[-1:] if first > 0 else []
         internal = bool(failed) and ("Traceback" in first_err or not failed[0].startswith("error: "))
         outcome = Outcome(kind, round(moment, 2), first, rerun, "", user_bytes_lost=self._lost(users),
                           leftovers=tuple(leftovers(self.ws.root(kind), self.ws.tmp)),

@@ -336,17 +336,24 @@ def _check_local_place(dest: Path, where: str) -> None:
         raise ConfigError(f"--out {where}: {place} is not writable (read-only or no permission): choose another --out")
 
 
+class Occupied(ConfigError):
+    """An output location holds something that is not ours to replace; `what` says what, in a few words."""
+
+    def __init__(self, out_uri: str, what: str, fix: str) -> None:
+        super().__init__(f"--out {redact(out_uri)} {what}: {fix}")
+        self.what = what
+
+
 def occupant(out_uri: str, stage: str) -> str:
     """What the output location holds: "absent", "empty", "artifact:<manifest sha256>" or
     "publishing:<sha256>" (an interrupted remote publish of `stage`). Anything else (another stage's
     artifact, user files, files an earlier artifact's manifest does not list) is refused: it is not ours
     to replace."""
     fs, path = split(out_uri)
-    where = redact(out_uri)
     if not fs.exists(path):
         return "absent"
     if not fs.isdir(path):
-        raise ConfigError(f"--out {where} is an existing file: give a new or empty directory (or an earlier {stage} output)")
+        raise Occupied(out_uri, "is an existing file", f"give a new or empty directory (or an earlier {stage} output)")
     names = sorted(Path(p.rstrip("/")).name for p in fs.ls(path, detail=False))
     if not names:
         return "empty"
@@ -360,14 +367,12 @@ def occupant(out_uri: str, stage: str) -> str:
             manifest = None
         if manifest is None or manifest.stage != stage:
             what = f"a {manifest.stage!r} artifact" if manifest else "a malformed manifest"
-            raise ConfigError(f"--out {where} holds {what}, not a {stage} output: choose another --out (or delete it)")
+            raise Occupied(out_uri, f"holds {what}, not a {stage} output", "choose another --out (or delete it)")
         _refuse_unlisted(out_uri, stage, set(manifest.files) | {MANIFEST})
         return f"artifact:{sha256_bytes(read_bytes(join(out_uri, MANIFEST)))}"
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-    raise ConfigError(
-        f"--out {where} is a directory holding files that are not an evoesap artifact ({shown}): give a new or "
-        f"empty directory (or an earlier {stage} output); nothing was changed"
-    )
+    raise Occupied(out_uri, f"is a directory holding files that are not an evoesap artifact ({shown})",
+                   f"give a new or empty directory (or an earlier {stage} output); nothing was changed")
 
 
 def _files_under(out_uri: str) -> list[str]:
@@ -388,10 +393,8 @@ def _refuse_unlisted(out_uri: str, stage: str, listed: set[str]) -> None:
     unlisted = sorted(set(_files_under(out_uri)) - listed)
     if unlisted:
         shown = ", ".join(unlisted[:3]) + (", ..." if len(unlisted) > 3 else "")
-        raise ConfigError(
-            f"--out {redact(out_uri)} holds files that are not part of the {stage} artifact there ({shown}): move them "
-            "out or choose another --out; nothing was changed"
-        )
+        raise Occupied(out_uri, f"holds files that are not part of the {stage} artifact there ({shown})",
+                       "move them out or choose another --out; nothing was changed")
 
 
 def _location(uri: str) -> tuple[tuple[str, ...], str]:
@@ -662,8 +665,10 @@ class _Expected:
             try:
                 now = occupant(self.out_uri, self.stage)
                 return None if now == self.seen or self._same_work(now) else f"another {self.stage} run published there"
-            except ConfigError as exc:
-                return str(exc).removeprefix(f"--out {redact(self.out_uri)} ").split(":")[0]
+            except Occupied as exc:
+                return exc.what
+            except ConfigError as exc:  # the location became unreadable as an output in another way
+                return str(exc)
             except (ArtifactError, FileNotFoundError):
                 if attempt == _SETTLE_TRIES - 1:
                     raise
