@@ -121,7 +121,7 @@ def test_a_kfp_local_consumer_loads_the_pruned_model_from_model_path_stored_once
     moe.tiny_model("olmoe", seed=3, vocab_size=vocab, hidden_size=128).save_pretrained(files["model"])  # > 1 MiB pruned
     storage, pipeline_root = tmp_path / "storage", tmp_path / "kfp"
     comps = make_components()
-    consumer = dsl.component(install_kfp_package=False)(consume)
+    consumer = dsl.component(base_image="python:3.11", install_kfp_package=False)(consume)
     Outputs = NamedTuple("Outputs", report=str, pruned=dsl.Model)
 
     @dsl.pipeline
