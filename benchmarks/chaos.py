@@ -126,12 +126,22 @@ def disk_full_child(spec_path: str, size: int) -> int:
         return child(spec_path)
     finally:
         shutil.copytree(root, spill, symlinks=True)
+        held = _held_under(root)
+        if held:
+            raise RuntimeError(f"the stage process still holds files under the storage root: {held[:5]}")
         subprocess.run(["umount", str(root)], check=True)
         shutil.copytree(spill, root, symlinks=True, dirs_exist_ok=True)
         shutil.rmtree(spill)
 
 
 CLONE_NEWNS = 0x00020000
+
+
+def _held_under(root: Path) -> list[str]:
+    """Files under `root` this process still has open or mapped (a leak: the stage has failed and returned)."""
+    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")]
+    maps = [line.split(maxsplit=5)[-1] for line in Path("/proc/self/maps").read_text().splitlines() if len(line.split()) == 6]
+    return sorted({f"{'fd' if i < len(fds) else 'mmap'} {p}" for i, p in enumerate(fds + maps) if p.startswith(f"{root}/")})
 
 
 # ----------------------------------------------------------------------------- what a run leaves
