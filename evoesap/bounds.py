@@ -43,6 +43,8 @@ def check_stage(params: Any, model: str) -> None:
 
     if hasattr(params, "device"):
         runtime.check_device(params.device)
+    if hasattr(params, "gpus") and params.gpus() > 1:
+        runtime.check_gpu_count(params.gpus(), "tensor_parallel x pipeline_parallel")
     runtime.check_checkpoint(model)
 
 

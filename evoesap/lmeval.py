@@ -191,11 +191,13 @@ def run_lm_eval(
     think_end_token: str = "</think>",
     max_length: int | None = None,
     model_dtype: str = "auto",
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run every request through lm-eval; return metric records and lm-eval's raw results per call.
 
     `model` is the loaded model for the `hf` backend, a checkpoint directory or hub name for `vllm`
-    (run by `evoesap.vllm_eval`; `model_dtype` applies there). Requests are batched by protocol (chat
+    (run by `evoesap.vllm_eval`; `model_dtype`, `tensor_parallel` and `pipeline_parallel` apply there). Requests are batched by protocol (chat
     template or not, zero-shot or not, code execution) so that one call's settings never leak into
     another's tasks.
     """
@@ -230,7 +232,8 @@ def run_lm_eval(
         if python is not None:
             results = vllm_eval.simple_evaluate(
                 python,
-                {**_vllm_source(str(model)), "dtype": model_dtype, **_vllm_engine_args(), **lm_args},
+                {**_vllm_source(str(model)), "dtype": model_dtype, **_vllm_engine_args(), **lm_args,
+                 **_vllm_parallel(tensor_parallel, pipeline_parallel)},
                 settings,
                 list(plan.include_paths),
                 plan.include_defaults,
@@ -282,6 +285,11 @@ def _quiet_git_hash() -> Iterator[None]:
 # sequences of the models a CPU can evaluate.
 # VLLM_CPU_KVCACHE_SPACE (GiB), which vLLM reads itself, overrides it.
 CPU_KV_CACHE_BYTES = 4 * 2**30
+
+
+def _vllm_parallel(tensor: int, pipeline: int) -> dict[str, int]:
+    """vLLM's engine arguments for a model split over tensor x pipeline GPUs (none when it is on one)."""
+    return {} if tensor * pipeline == 1 else {"tensor_parallel_size": tensor, "pipeline_parallel_size": pipeline}
 
 
 def _vllm_engine_args() -> dict[str, Any]:

@@ -121,6 +121,14 @@ def check_device(name: str) -> None:
         raise ConfigError(f"device {name!r}: MPS is not available on this machine: give --device cpu (or auto)")
 
 
+def check_gpu_count(needed: int, setting: str) -> None:
+    """Refuse a setting that spans more GPUs than this machine shows, before any work."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if needed > count:
+        raise ConfigError(f"{setting} = {needed} GPUs, but this machine shows {count}: lower it to at most "
+                          f"{max(count, 1)} (or run where {needed} GPUs are visible)")
+
+
 def check_checkpoint(uri: str) -> None:
     """Refuse a local checkpoint directory that cannot load: config.json missing, not JSON or not a valid
     transformers config; safetensors weights missing, unreadable or shorter than their headers say

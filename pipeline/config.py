@@ -156,7 +156,13 @@ def _check_stage_sections(config: PipelineConfig) -> None:
         clash = sorted(set(config.stage_params(stage.name)) & set(stage.grid))
         if clash:
             raise ConfigError(f"set {', '.join(clash)} at the top level (criteria, sparsities), not under {stage.section}")
-        config.parsed_params(stage.name)
+        params = config.parsed_params(stage.name)
+        needed = params.gpus() if hasattr(params, "gpus") else 1
+        have = config.resources[stage.name].accelerator_count if stage.name in config.resources else 0
+        if needed > max(have, 1):
+            raise ConfigError(f"{stage.section}: tensor_parallel x pipeline_parallel spans {needed} GPUs but "
+                              f"resources.{stage.name}.accelerator_count is {have}: give the task {needed} GPUs "
+                              "(accelerator_type and accelerator_count) or lower them")
     targets = sorted(k for k in ("to", "repo") if config.stage_params("publish").get(k))
     if config.publish_models and targets and len(config.grid()) > 1:
         raise ConfigError(f"publish.{targets[0]} is one place, but publish_models publishes {len(config.grid())} models "

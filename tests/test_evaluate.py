@@ -204,3 +204,61 @@ def test_evaluate_cli_reports_a_missing_task_directory_as_one_error(tmp_path, ca
     code = main(["evaluate", "--model", str(tmp_path / "model"), "--tasks", str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
     assert code == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ vLLM tensor / pipeline parallel (issue 23)
+
+
+@pytest.mark.parametrize(("settings", "problem"), [
+    ({"tensor_parallel": 2}, "not 'hf': pass backend vllm"),
+    ({"backend": "vllm", "pipeline_parallel": 0}, "pipeline_parallel must be a positive integer"),
+])
+def test_parallel_settings_that_cannot_apply_are_refused(settings, problem):
+    from evoesap.stages.evaluate import EvaluateParams
+
+    with pytest.raises(ConfigError, match=problem):
+        EvaluateParams(**settings)
+
+
+def test_a_split_over_more_gpus_than_the_machine_shows_is_refused_before_work(tiny_artifacts, monkeypatch):
+    from evoesap import bounds
+    from evoesap.stages.evaluate import EvaluateParams
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    bounds.check_stage(EvaluateParams(backend="vllm", tensor_parallel=2), tiny_artifacts["model"])  # fits
+    with pytest.raises(ConfigError, match=r"= 4 GPUs, but this machine shows 2: lower it to at most 2"):
+        bounds.check_stage(EvaluateParams(backend="vllm", tensor_parallel=2, pipeline_parallel=2), tiny_artifacts["model"])
+
+
+@pytest.mark.parametrize(("tensor", "pipeline", "expected"), [
+    (1, 1, {}), (4, 1, {"tensor_parallel_size": 4, "pipeline_parallel_size": 1}),
+    (2, 3, {"tensor_parallel_size": 2, "pipeline_parallel_size": 3}),
+])
+def test_vllm_engine_is_asked_for_the_split(tensor, pipeline, expected, tiny_artifacts, monkeypatch):
+    from evoesap import lmeval, vllm_eval
+
+    asked = []
+
+    def simple_evaluate(python, model_args, *args, **kwargs):
+        asked.append(model_args)
+        raise StopIteration  # the request is what this test reads
+
+    monkeypatch.setattr(vllm_eval, "vllm_python", lambda: "python")
+    monkeypatch.setattr(vllm_eval, "simple_evaluate", simple_evaluate)
+    plan = lmeval.resolve_tasks((tiny_artifacts["tasks"],))
+    with pytest.raises(StopIteration):
+        lmeval.run_lm_eval(tiny_artifacts["model"], None, plan, backend="vllm", tensor_parallel=tensor,
+                           pipeline_parallel=pipeline)
+    assert {k: v for k, v in asked[0].items() if k.endswith("_parallel_size")} == expected
+
+
+def test_a_pipeline_gives_the_evaluate_task_the_gpus_its_split_spans(tmp_path):
+    from evoesap.pipeline.config import load_config
+
+    base = {"model": "org/model", "calibration_data": "c.jsonl", "search_data": "s.jsonl",
+            "storage_root": str(tmp_path / "runs"), "evaluate": {"backend": "vllm", "tensor_parallel": 2}}
+    with pytest.raises(ConfigError, match=r"evaluate: .* spans 2 GPUs but resources.evaluate.accelerator_count is 0"):
+        load_config(base)
+    gpus = {"evaluate": {"accelerator_type": "nvidia.com/gpu", "accelerator_count": 2}}
+    assert load_config({**base, "resources": gpus}).parsed_params("evaluate").gpus() == 2

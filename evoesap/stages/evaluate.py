@@ -34,6 +34,9 @@ class EvaluateParams(DeviceParams):
     think_end_token: str = param("</think>", "The answer follows this, when thinking is on.")
     max_length: int | None = param(None, "Context length for lm-eval; unset: the model config's.")
     backend: str = param("hf", "lm-eval model: hf (transformers) or vllm (EVOESAP_VLLM_PYTHON's environment).")
+    tensor_parallel: int = param(1, "vllm backend: GPUs each layer is split across (vLLM's tensor_parallel_size).")
+    pipeline_parallel: int = param(1, "vllm backend: GPUs the layers are split across in sequence "
+                                      "(pipeline_parallel_size); the engine uses tensor_parallel x pipeline_parallel GPUs.")
     esap_batch_size: int = param(8, "Batch size of held-out ESAP, when a teacher cache is given.")
     criterion: str | None = param(None, "Label for the report: the criterion the model was pruned with.")
     sparsity: float | None = param(None, "Label for the report: the sparsity the model was pruned at.")
@@ -48,7 +51,17 @@ class EvaluateParams(DeviceParams):
             raise ConfigError(f"backend must be one of {', '.join(lmeval.BACKENDS)}, got {self.backend!r}")
         if isinstance(self.batch_size, (int, float)) and self.batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer or 'auto', got {self.batch_size!r}")
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.gpus() > 1 and self.backend != "vllm":
+            raise ConfigError(f"tensor_parallel/pipeline_parallel split the vllm backend's engine, not {self.backend!r}: "
+                              "pass backend vllm (the hf backend spreads a model with device_map instead)")
         super().__post_init__()
+
+    def gpus(self) -> int:
+        """GPUs one vLLM engine spans; 1 for the hf backend (its device_map decides)."""
+        return self.tensor_parallel * self.pipeline_parallel
 
     def labels(self) -> dict[str, Any]:
         return {"criterion": self.criterion, "sparsity": self.sparsity, "method": self.method}
@@ -96,6 +109,8 @@ def run_evaluate(
             think_end_token=params.think_end_token,
             max_length=params.max_length,
         )
+        if params.gpus() > 1:
+            lm_eval_options.update(tensor_parallel=params.tensor_parallel, pipeline_parallel=params.pipeline_parallel)
         if python is None:
             task_records, raw = lmeval.run_lm_eval(loaded, tokenizer, plan, **lm_eval_options)
         else:
