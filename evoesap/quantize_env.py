@@ -46,15 +46,24 @@ def quantize_python() -> str:
     return python
 
 
-def run_worker(python: str, request: dict[str, Any]) -> dict[str, Any]:
-    """Run `oneshot` as `request` says in the quantize environment; the worker's result."""
+def device_env(device: str) -> dict[str, str]:
+    """The environment that shows llm-compressor (which takes the first accelerator it sees) only `device`."""
+    if device == "cpu":
+        return {"CUDA_VISIBLE_DEVICES": ""}
+    if device.startswith("cuda:"):
+        return {"CUDA_VISIBLE_DEVICES": device.split(":", 1)[1]}
+    return {}
+
+
+def run_worker(python: str, request: dict[str, Any], device: str = "auto") -> dict[str, Any]:
+    """Run `oneshot` as `request` says in the quantize environment, on `device`; the worker's result."""
     with tempfile.TemporaryDirectory(prefix="evoesap-quantize-") as tmp:
         request_file, result_file = Path(tmp) / "request.json", Path(tmp) / "result.json"
         request_file.write_text(json.dumps(request))
         log.info("llm-compressor oneshot (%s): %s", python, request["recipe"]["name"])
         done = subprocess.run(
             [python, str(WORKER), str(request_file), str(result_file)],
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, capture_output=True, text=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **device_env(device)}, capture_output=True, text=True,
         )  # fmt: skip
         if done.returncode != 0:
             raise EvoESAPError(f"llm-compressor oneshot failed (exit {done.returncode}): {failure(done.stderr)}")

@@ -91,9 +91,9 @@ def quantize(request: dict[str, Any]) -> dict[str, Any]:
     per_layer = request.get("per_layer")
     if per_layer:  # a non-uniform checkpoint: the stock class with each MoE layer's own expert count
         cls = _per_layer_class(per_layer["module_file"], getattr(transformers, per_layer["stock"]), per_layer["facts"])
-        model = cls.from_pretrained(source, dtype=dtype)
+        model = cls.from_pretrained(source, dtype=dtype, device_map=request["device_map"])
     else:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=request["device_map"])
     architectures = list(model.config.architectures or [])
     layers = _linearize(model, counts, request["num_experts_field"], request["block"], request["experts"])
     recipe = request["recipe"]

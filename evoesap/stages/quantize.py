@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from evoesap import artifacts, bounds, quantize_env, records, runtime
 from evoesap.errors import ConfigError, ModelError
 from evoesap.moe.families import PER_LAYER_KEY, family_of
-from evoesap.params import SampleParams, param
+from evoesap.params import DeviceParams, SampleParams, param
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def check_recipe(name: str) -> Recipe:
 
 
 @dataclasses.dataclass(frozen=True)
-class QuantizeParams(SampleParams):
+class QuantizeParams(DeviceParams, SampleParams):
     """Which recipe, and which calibration samples the calibrated recipes observe."""
 
     DEFAULT_SAMPLES: ClassVar[int] = 256
@@ -133,14 +133,16 @@ def run_quantize(model: str, params: QuantizeParams, out_uri: str, data: str | N
         "num_experts_field": family.num_experts_field,
         "block": family.block,
         "experts": family.experts,
-        "dtype": "auto",
+        "dtype": params.model_dtype,
+        "device_map": params.device_map,
         "input_ids": input_ids,
         "max_length": params.max_length,
         "batch_size": params.batch_size,
     }  # fmt: skip
     with artifacts.stage_output(out_uri, "quantize", dataclasses.asdict(params), inputs, seen) as staging:
         with artifacts.local_copy(model) as local:
-            result = quantize_env.run_worker(python, {**request, "model": str(local), "out": str(staging)})
+            result = quantize_env.run_worker(python, {**request, "model": str(local), "out": str(staging)},
+                                             device=params.device)
             before = checkpoint_bytes(str(local))
         if request["per_layer"]:  # the architecture name, auto_map and opt-in modeling file of every non-uniform checkpoint
             surgery.name_nonuniform(staging, family, request["per_layer"]["stock"])
