@@ -5,7 +5,7 @@ and, for the quantized model loaded back in this venv's transformers, the agreem
 distributions with the unquantized model's (mean sum_v min(p, q), ESAP). Needs EVOESAP_QUANTIZE_PYTHON
 (default: .venv-quantize/bin/python, `make quantize-venv`).
 
-    python benchmarks/bench_quantize.py [--recipes fp8-dynamic w4a16-gptq w8a8-int8]
+    python benchmarks/bench_quantize.py [--recipes fp8-dynamic w4a16-gptq]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main() -> None:
     from test_moe import nonuniform_sets
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--recipes", nargs="+", default=["fp8-dynamic", "w4a16-gptq", "w8a8-int8"])
+    parser.add_argument("--recipes", nargs="+", default=["fp8-dynamic", "w4a16-gptq"])
     args = parser.parse_args()
     os.environ.setdefault("EVOESAP_QUANTIZE_PYTHON", str(REPO / ".venv-quantize" / "bin" / "python"))
     tok = build_tokenizer()

@@ -133,6 +133,14 @@ def test_unknown_recipe_is_refused_with_the_valid_names_before_any_work(tmp_path
         QuantizeParams(recipe="fp8")
 
 
+def test_widths_that_are_not_whole_groups_are_refused_before_any_work(world, tmp_path):
+    tok = build_tokenizer()
+    moe.save_pruned(moe.tiny_model("olmoe", seed=3, vocab_size=len(tok)), tok, str(tmp_path / "m"))  # hidden 64
+    with pytest.raises(ConfigError, match=r"widths \[32, 64\] are not multiples of the group size 128"):
+        run_quantize(str(tmp_path / "m"), QuantizeParams(recipe="w4a16-gptq"), str(tmp_path / "q"), data=world["data"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
 def test_quantize_without_its_environment_says_how_to_build_it(world, tmp_path, monkeypatch):
     monkeypatch.delenv("EVOESAP_QUANTIZE_PYTHON")
     with pytest.raises(ConfigError, match="make quantize-venv"):
