@@ -12,7 +12,7 @@ linearizes fused experts with one expert count for the whole model (the config's
 linearized here with a copy of the config holding that layer's count. The experts are saved linearized
 (`experts.<i>.gate_proj.weight_*`, the families' original hub layout), which compressed-tensors compresses
 and transformers >= 5.23 fuses again on load; llm-compressor's `repack_moe` is not used: with transformers
-5.17 it saved the experts uncompressed. The output keeps the input's architecture name and per-layer counts.
+5.17 it saved the experts uncompressed. The per-layer counts stay in config.json; the stage names the architecture.
 
     python quantize_worker.py request.json result.json
 """
@@ -94,7 +94,6 @@ def quantize(request: dict[str, Any]) -> dict[str, Any]:
         model = cls.from_pretrained(source, dtype=dtype, device_map=request["device_map"])
     else:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=request["device_map"])
-    architectures = list(model.config.architectures or [])
     layers = _linearize(model, counts, request["num_experts_field"], request["block"], request["experts"])
     recipe = request["recipe"]
     calibration = {}
@@ -104,7 +103,6 @@ def quantize(request: dict[str, Any]) -> dict[str, Any]:
     loaded = time.perf_counter()
     oneshot(model=model, recipe=_modifiers(recipe), **calibration)
     quantized = time.perf_counter()
-    model.config.architectures = architectures  # the non-uniform class name, not the stock one save_pretrained writes
     model.save_pretrained(out, save_compressed=True)
     tokenizer = AutoTokenizer.from_pretrained(source)
     tokenizer.save_pretrained(out)

@@ -114,14 +114,13 @@ def _family(model: str) -> tuple[Any, dict[str, Any]]:
 def _per_layer(family: Any, config: dict[str, Any]) -> dict[str, Any] | None:
     """What the worker needs to build a non-uniform checkpoint's class without remote code: evoesap's modeling
     template (torch only), the stock class and the family's facts; None for a uniform checkpoint."""
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from evoesap.moe import per_layer_modeling, remote_code
 
     if not config.get(PER_LAYER_KEY):
         return None
-    stock = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[AutoConfig.for_model(config["model_type"]).model_type]
+    stock = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]
     return {"module_file": per_layer_modeling.__file__, "stock": stock, "facts": remote_code.facts(family, stock)}
 
 
