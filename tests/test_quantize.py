@@ -155,3 +155,16 @@ def test_a_failed_oneshot_is_one_line_and_publishes_nothing(world, tmp_path):
                      data=world["data"])
     assert "\n" not in str(failed.value)
     assert not list(tmp_path.iterdir())  # neither the artifact nor its staging directory
+
+
+def test_a_quantize_recipe_in_the_configuration_adds_the_step_after_prune_and_none_leaves_it_out(tmp_path):
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.dag import compile_pipeline
+
+    base = {"model": "m", "calibration_data": "c.jsonl", "search_data": "s.jsonl", "storage_root": str(tmp_path / "a")}
+    with pytest.raises(ConfigError, match="unknown recipe 'int4'"):
+        load_config({**base, "quantize": {"recipe": "int4"}})
+    off = compile_pipeline(load_config(base), tmp_path / "off.yaml").read_text()
+    on = compile_pipeline(load_config({**base, "quantize": {"recipe": "fp8-dynamic"}}), tmp_path / "on.yaml").read_text()
+    assert "comp-quantize" not in off and "quantize searched" not in off
+    assert "comp-quantize" in on and "quantize searched" in on
