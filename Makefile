@@ -11,7 +11,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 QUANTIZE_VENV ?= .venv-quantize
 QUANTIZE_PY := $(QUANTIZE_VENV)/bin/python
 QUANTIZE_STAMP := $(QUANTIZE_VENV)/.installed
-LLMCOMPRESSOR := llmcompressor==0.14.0.1  # with its pins: transformers 5.17.0, compressed-tensors 0.19.0
+# llmcompressor 0.14.0.1 brings its pins: transformers 5.17.0, compressed-tensors 0.19.0
+LLMCOMPRESSOR := llmcompressor==0.14.0.1
 
 .PHONY: install vllm-venv quantize-venv test demo report-screenshot bench chaos lock image components clean
 
