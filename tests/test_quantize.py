@@ -168,3 +168,26 @@ def test_a_quantize_recipe_in_the_configuration_adds_the_step_after_prune_and_no
     on = compile_pipeline(load_config({**base, "quantize": {"recipe": "fp8-dynamic"}}), tmp_path / "on.yaml").read_text()
     assert "comp-quantize" not in off and "quantize searched" not in off
     assert "comp-quantize" in on and "quantize searched" in on
+
+
+@pytest.mark.slow
+def test_a_prune_artifact_is_verified_its_lineage_recorded_and_a_second_run_reused(tmp_path):
+    from evoesap.errors import ArtifactError
+    from evoesap.stages.calibrate import CalibrateParams, run_calibrate
+    from evoesap.stages.prune import PruneParams, run_prune
+    from evoesap.steps import run_stage
+    from tiny_world import make_tiny_inputs
+
+    files = make_tiny_inputs(tmp_path)  # hidden 64: fp8-dynamic (per channel) fits any width
+    run_calibrate(files["model"], files["calibration"], CalibrateParams(samples=8, max_length=128), str(tmp_path / "cal"))
+    pruned = str(tmp_path / "pruned")
+    run_prune(files["model"], str(tmp_path / "cal"), PruneParams(criterion="reap", sparsity=0.5), pruned)
+    params, out = QuantizeParams(recipe="fp8-dynamic"), str(tmp_path / "q")
+    made = run_stage("quantize", {"model": pruned, "data": None}, params, out)
+    assert made.inputs["model"]["manifest_sha256"] == artifacts.manifest_sha256(pruned)
+    assert run_stage("quantize", {"model": pruned, "data": None}, params, out) == made  # same key: reused, not redone
+    weights = Path(pruned) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + bytes(8))  # same size, other bytes
+    with pytest.raises(ArtifactError, match="does not match the sha256 in its manifest"):
+        run_quantize(pruned, params, str(tmp_path / "q2"))
+    assert not (tmp_path / "q2").exists()
