@@ -126,12 +126,22 @@ def disk_full_child(spec_path: str, size: int) -> int:
         return child(spec_path)
     finally:
         shutil.copytree(root, spill, symlinks=True)
+        held = _held_under(root)
+        if held:
+            raise RuntimeError(f"the stage process still holds files under the storage root: {held[:5]}")
         subprocess.run(["umount", str(root)], check=True)
         shutil.copytree(spill, root, symlinks=True, dirs_exist_ok=True)
         shutil.rmtree(spill)
 
 
 CLONE_NEWNS = 0x00020000
+
+
+def _held_under(root: Path) -> list[str]:
+    """Files under `root` this process still has open or mapped (a leak: the stage has failed and returned)."""
+    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")]
+    maps = [line.split(maxsplit=5)[-1] for line in Path("/proc/self/maps").read_text().splitlines() if len(line.split()) == 6]
+    return sorted({f"{'fd' if i < len(fds) else 'mmap'} {p}" for i, p in enumerate(fds + maps) if p.startswith(f"{root}/")})
 
 
 # ----------------------------------------------------------------------------- what a run leaves
@@ -372,6 +382,10 @@ class Harness:
             stage.function()
         import lm_eval.evaluator  # noqa: F401 - the evaluate stage's heaviest import
 
+        from evoesap import artifacts
+
+        artifacts._checkout_head()  # read once, before the forks: the code every stage process runs is this
+
     def close(self) -> None:
         if self.s3:
             self.s3.stop()
@@ -399,6 +413,7 @@ class Harness:
                 self.s3.forget_socket()
             os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
             os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            os.chdir(self.ws.top)  # lm-eval records the working directory's git commit: not a checkout that moves
             os.environ["TMPDIR"] = str(self.ws.tmp)
             tempfile.tempdir = None
             from evoesap import artifacts
@@ -448,7 +463,7 @@ class Harness:
                 corrupted = self._corrupt()
             first, first_err = proc.finish()
         rerun, err = self._start(kind).finish()
-        failed = first_err.strip().splitlines()[-1:] if first == 1 else []
+        failed = first_err.strip().splitlines()[-1:] if first > 0 else []
         internal = bool(failed) and ("Traceback" in first_err or not failed[0].startswith("error: "))
         outcome = Outcome(kind, round(moment, 2), first, rerun, "", user_bytes_lost=self._lost(users),
                           leftovers=tuple(leftovers(self.ws.root(kind), self.ws.tmp)),
@@ -569,6 +584,7 @@ def run_chaos(top: Path, world: str, faults: int, seed: int, kinds: tuple[str, .
               log: Callable[[str], None] = print, record: Path | None = None) -> list[Outcome]:
     """`faults` fault runs after the reference runs; every outcome, in order (also written to `record` after
     each run, so a long run stopped early keeps what it found)."""
+    top = top.resolve()
     ws = Workspace(top, world_files(world, top), PARAMS[world])
     harness = Harness(ws, kinds, seed, log)
     outcomes = []

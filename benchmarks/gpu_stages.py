@@ -175,8 +175,8 @@ def main() -> None:
         row = {"shape": args.shape, "stage": name, "model_gib": shape.bytes / 2**30, "cache_rows": rows, **measured,
                "planned_host_gib": predicted.host / 2**30, "planned_device_gib": predicted.device / 2**30,
                "gpu": torch.cuda.get_device_name(0) if on_gpu else "cpu"}
-        if stage == "search":  # what the search did: candidates, FFE per candidate, prefix cache (allocation.json)
-            row["search_cost"] = json.loads((out / "allocation.json").read_text())["cost"]
+        if stage == "search":  # what the search did: candidates, FFE per candidate, prefix cache (its manifest)
+            row["search_cost"] = json.loads((out / "manifest.json").read_text())["run"]["cost"]
         row = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
         print(json.dumps(row), flush=True)
         if args.json:

@@ -1,19 +1,32 @@
-"""Between KFP artifacts and EvoESAP's storage: where an input artifact's content is, and how an output
-artifact describes the stage's result.
+"""Between KFP artifacts and EvoESAP's storage: where an input artifact's content is, and what an output
+artifact holds.
 
 A stage's result lives at its content-addressed URI under `storage_root` (reused across runs, with its
-manifest). The KFP output artifact is a small, faithful view of it at KFP's own URI: the manifest and the
-small payload files (no weights), with `metadata["uri"]` pointing at the full artifact and the stage's
-headline numbers (`evoesap.facts`) beside it. See docs/ARCHITECTURE.md, "KFP artifacts and the storage root".
+manifest). The KFP output artifact becomes that artifact: its URI is set to the storage URI, so the
+weights, logits and manifest are at the artifact's own `uri` / `path` for any consumer, stored once, with
+the stage's headline numbers (`evoesap.facts`) in its metadata. Where KFP's launcher would refuse a changed
+URI (an object-store storage root under a cluster's object-store pipeline root), the artifact stays at
+KFP's URI and holds a view: the manifest and the small files, `metadata["uri"]` naming the full artifact.
+See docs/ARCHITECTURE.md, "KFP artifacts and the storage root".
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from evoesap import facts
+from evoesap.identity import is_uri
+
+log = logging.getLogger(__name__)
+
+# The schemes KFP's launcher uploads an output artifact to (launcher_v2.go `LocalPathForURI`). It takes the
+# URI a component wrote into executor_output.json, but one of these schemes must then lie under the run's own
+# directory of the pipeline root (`Config.KeyFromURI`), or the task fails; a URI of any other kind (a path on
+# a shared volume) it records as given and uploads nothing.
+_LAUNCHER_SCHEMES = ("gs://", "s3://", "minio://", "oci://")
 
 
 def source(artifact: Any) -> str | None:
@@ -34,9 +47,27 @@ def source(artifact: Any) -> str | None:
     return pin(path if path and os.path.exists(path) else artifact.uri, artifact.metadata.get("revision") or None)
 
 
+def artifact_uri(kfp_uri: str, uri: str) -> str | None:
+    """The URI a KFP output artifact first given `kfp_uri` takes to be the stage's artifact at `uri`, or None
+    where KFP would refuse it (both in object storage: `uri` is not under the run's directory)."""
+    if kfp_uri.startswith(_LAUNCHER_SCHEMES) and uri.startswith(_LAUNCHER_SCHEMES):
+        return None
+    if uri.startswith("file://"):
+        return os.path.abspath(uri.removeprefix("file://"))
+    return uri if is_uri(uri) else os.path.abspath(uri)
+
+
 def publish(artifact: Any, uri: str) -> None:
-    """Fill the KFP output `artifact` from the finished EvoESAP artifact at `uri`."""
+    """Make the KFP output `artifact` the finished EvoESAP artifact at `uri` (its URI becomes `uri`), or,
+    where KFP refuses that, a view of it at KFP's own URI; its metadata: the artifact's facts."""
     artifact.metadata.update(facts.facts(uri))
+    own = artifact_uri(artifact.uri, uri)
+    if own is not None:
+        artifact.uri = own
+        return
+    log.warning("%s stays at KFP's URI %s with the manifest and small files only: KFP's launcher keeps an object-store "
+                "output only under the run's own directory; the full artifact is at metadata['uri'] %s",
+                artifact.name, artifact.uri, artifact.metadata["uri"])
     facts.export_small_files(uri, Path(artifact.path))
 
 

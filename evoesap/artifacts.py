@@ -16,6 +16,7 @@ import dataclasses
 import datetime as dt
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -109,7 +110,11 @@ def sha256_file(path: Path) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Manifest:
-    """Lineage of one artifact: what made it, from what, with which parameters, and its files."""
+    """Lineage of one artifact: what made it, from what, with which parameters, and its files.
+
+    Written with a `checksum` of its own content (`seal`), so a changed bit anywhere in it is refused on
+    read, not taken for other lineage: the payload files are checked against `files`, the manifest
+    against itself."""
 
     stage: str
     params: dict[str, Any]
@@ -120,16 +125,22 @@ class Manifest:
     git_commit: str | None = None
     started: str = ""
     ended: str = ""
+    run: dict[str, Any] = dataclasses.field(default_factory=dict)  # what this run measured of itself (the
+    # search's cost): like the times, it may differ between runs that make the same payload
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+        return seal(dataclasses.asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> "Manifest":
-        """Parse and check the shape; raises ValueError naming the first problem."""
+        """Parse and check the shape and the checksum; raises ValueError naming the first problem."""
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+        checksum = data.pop(CHECKSUM, None)
+        if checksum != _checksum(data):
+            raise ValueError(f"its {CHECKSUM!r} field is missing" if checksum is None else
+                             f"it does not match its {CHECKSUM!r} (a changed byte: damaged or edited by hand)")
         for name, kind in (("stage", str), ("params", dict), ("inputs", dict), ("files", dict), ("cache_key", str)):
             if not isinstance(data.get(name), kind):
                 raise ValueError(f"field {name!r} is missing or not a {kind.__name__}")
@@ -138,6 +149,19 @@ class Manifest:
             raise ValueError(f"files entry {bad[0]!r} has no sha256")
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+CHECKSUM = "checksum"
+
+
+def seal(data: Mapping[str, Any]) -> str:
+    """manifest.json's text for `data` (its fields), with the checksum `Manifest.from_json` verifies."""
+    fields = {k: v for k, v in data.items() if k != CHECKSUM}
+    return json.dumps({**fields, CHECKSUM: _checksum(fields)}, indent=2, sort_keys=True)
+
+
+def _checksum(fields: Mapping[str, Any]) -> str:
+    return sha256_bytes(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8"))
 
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -312,17 +336,24 @@ def _check_local_place(dest: Path, where: str) -> None:
         raise ConfigError(f"--out {where}: {place} is not writable (read-only or no permission): choose another --out")
 
 
+class Occupied(ConfigError):
+    """An output location holds something that is not ours to replace; `what` says what, in a few words."""
+
+    def __init__(self, out_uri: str, what: str, fix: str) -> None:
+        super().__init__(f"--out {redact(out_uri)} {what}: {fix}")
+        self.what = what
+
+
 def occupant(out_uri: str, stage: str) -> str:
     """What the output location holds: "absent", "empty", "artifact:<manifest sha256>" or
     "publishing:<sha256>" (an interrupted remote publish of `stage`). Anything else (another stage's
     artifact, user files, files an earlier artifact's manifest does not list) is refused: it is not ours
     to replace."""
     fs, path = split(out_uri)
-    where = redact(out_uri)
     if not fs.exists(path):
         return "absent"
     if not fs.isdir(path):
-        raise ConfigError(f"--out {where} is an existing file: give a new or empty directory (or an earlier {stage} output)")
+        raise Occupied(out_uri, "is an existing file", f"give a new or empty directory (or an earlier {stage} output)")
     names = sorted(Path(p.rstrip("/")).name for p in fs.ls(path, detail=False))
     if not names:
         return "empty"
@@ -336,14 +367,12 @@ def occupant(out_uri: str, stage: str) -> str:
             manifest = None
         if manifest is None or manifest.stage != stage:
             what = f"a {manifest.stage!r} artifact" if manifest else "a malformed manifest"
-            raise ConfigError(f"--out {where} holds {what}, not a {stage} output: choose another --out (or delete it)")
+            raise Occupied(out_uri, f"holds {what}, not a {stage} output", "choose another --out (or delete it)")
         _refuse_unlisted(out_uri, stage, set(manifest.files) | {MANIFEST})
         return f"artifact:{sha256_bytes(read_bytes(join(out_uri, MANIFEST)))}"
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-    raise ConfigError(
-        f"--out {where} is a directory holding files that are not an evoesap artifact ({shown}): give a new or "
-        f"empty directory (or an earlier {stage} output); nothing was changed"
-    )
+    raise Occupied(out_uri, f"is a directory holding files that are not an evoesap artifact ({shown})",
+                   f"give a new or empty directory (or an earlier {stage} output); nothing was changed")
 
 
 def _files_under(out_uri: str) -> list[str]:
@@ -364,10 +393,8 @@ def _refuse_unlisted(out_uri: str, stage: str, listed: set[str]) -> None:
     unlisted = sorted(set(_files_under(out_uri)) - listed)
     if unlisted:
         shown = ", ".join(unlisted[:3]) + (", ..." if len(unlisted) > 3 else "")
-        raise ConfigError(
-            f"--out {redact(out_uri)} holds files that are not part of the {stage} artifact there ({shown}): move them "
-            "out or choose another --out; nothing was changed"
-        )
+        raise Occupied(out_uri, f"holds files that are not part of the {stage} artifact there ({shown})",
+                       "move them out or choose another --out; nothing was changed")
 
 
 def _location(uri: str) -> tuple[tuple[str, ...], str]:
@@ -423,8 +450,13 @@ def _ours_while_publishing(uri: str) -> set[str]:
 
 def _git_commit() -> str | None:
     """The source commit: EVOESAP_GIT_COMMIT (set by the stage images at build time), else git's HEAD."""
-    if os.environ.get("EVOESAP_GIT_COMMIT"):
-        return os.environ["EVOESAP_GIT_COMMIT"]
+    return os.environ.get("EVOESAP_GIT_COMMIT") or _checkout_head()
+
+
+@functools.lru_cache(maxsize=1)
+def _checkout_head() -> str | None:
+    """HEAD of the checkout this package runs from, read once per process: a process runs the code it
+    imported, whatever HEAD moves to while it runs."""
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
@@ -533,6 +565,7 @@ def stage_output(
     inputs: Mapping[str, str | None],
     seen: str | None = None,
     before_publish: Callable[[Path, Manifest], None] | None = None,
+    run: Mapping[str, Any] | None = None,
 ) -> Iterator[Path]:
     """Yield a staging directory; on success publish it to `out_uri` with its manifest last.
 
@@ -542,6 +575,8 @@ def stage_output(
     replace anything else (a user's file, another run's artifact) and keeps the new artifact aside.
     `before_publish(staging, manifest)` runs once the manifest is in the staging directory, before the
     publish (the publish stage pushes copies there): when it raises, nothing is published.
+    `run`: what the run measured of itself, for the manifest (not the payload: runs that make the same
+    payload may differ in it, as a resumed search does in its cost).
     The published manifest is available afterwards through `read_manifest(out_uri)`.
     """
     found = preflight(out_uri, stage, inputs)
@@ -566,6 +601,7 @@ def stage_output(
                 git_commit=_git_commit(),
                 started=started,
                 ended=_now(),
+                run=json.loads(json.dumps(dict(run or {}), default=str)),
             )
             (staging / MANIFEST).write_text(manifest.to_json())
             if before_publish is not None:
@@ -629,8 +665,10 @@ class _Expected:
             try:
                 now = occupant(self.out_uri, self.stage)
                 return None if now == self.seen or self._same_work(now) else f"another {self.stage} run published there"
-            except ConfigError as exc:
-                return str(exc).removeprefix(f"--out {redact(self.out_uri)} ").split(":")[0]
+            except Occupied as exc:
+                return exc.what
+            except ConfigError as exc:  # the location became unreadable as an output in another way
+                return str(exc)
             except (ArtifactError, FileNotFoundError):
                 if attempt == _SETTLE_TRIES - 1:
                     raise

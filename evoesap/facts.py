@@ -17,8 +17,8 @@ EXPORT_MAX_BYTES = 1 << 20  # files up to this size are copied into an orchestra
 
 def _search(uri: str) -> dict[str, Any]:
     doc = records.read(uri, records.ALLOCATION_FILE)
-    keys = ("criterion", "sparsity", "metric", "fitness", "heldout", "cost", "removal_counts", "fallback_applied", "evaluations")
-    return {k: doc.get(k) for k in keys}
+    keys = ("criterion", "sparsity", "metric", "fitness", "heldout", "removal_counts", "fallback_applied", "evaluations")
+    return {**{k: doc.get(k) for k in keys}, "cost": artifacts.read_manifest(uri).run.get("cost")}
 
 
 def _prune(uri: str) -> dict[str, Any]:

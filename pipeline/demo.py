@@ -1,7 +1,9 @@
 """`make demo`: build the demo world and run the whole pipeline on it locally.
 
-A miniature of the paper's setting: calibrate on the code domain, search on math, evaluate every
-demo domain through lm-eval; REAP and Frequency at 25% and 50%, uniform beside searched.
+A miniature of the paper's setting: calibrate on the code domain, search on the deployment mix (every
+domain in turn, the data a general model serves), evaluate every demo domain through lm-eval; REAP and
+Frequency at 25% and 50%, uniform beside searched. examples/demo-math.yaml is the "specialise" variant
+(search on math alone).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from evoesap import artifacts
+from evoesap.demo.world import MIX
 from evoesap.pipeline.config import PipelineConfig, load_config
 from evoesap.pipeline.run import report_uri, run_local
 
@@ -29,8 +32,8 @@ def demo_config(world: Any, out: Path, runner: str = "subprocess", image: str | 
             "name": "evoesap-demo",
             "model": str(world.model_dir),
             "calibration_data": str(world.data_file("code", "calibration")),
-            "search_data": str(world.data_file("math", "search")),
-            "heldout_data": str(world.data_file("math", "search_heldout")),
+            "search_data": str(world.data_file(MIX, "search")),
+            "heldout_data": str(world.data_file(MIX, "search_heldout")),
             "criteria": ["reap", "frequency"],
             "sparsities": [0.25, 0.5],
             "storage_root": str(out / "artifacts"),
@@ -40,7 +43,7 @@ def demo_config(world: Any, out: Path, runner: str = "subprocess", image: str | 
             "cache_logits": {"samples": 64, "max_length": 256, "batch_size": 16, "dtype": "float32"},
             "search": DEMO_SEARCH,
             "evaluate": {"tasks": [str(world.tasks_dir)], **DEMO_EVALUATE},
-            "report": {"title": "EvoESAP demo: OLMoE-tiny, calibrate on code, search on math"},
+            "report": {"title": "EvoESAP demo: OLMoE-tiny, calibrate on code, search on the deployment mix"},
         }
     )
 

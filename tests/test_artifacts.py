@@ -1,6 +1,9 @@
 import json
+from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from evoesap import artifacts
 from evoesap.errors import ArtifactError
@@ -88,3 +91,27 @@ def test_names_cannot_escape_the_root(name):
 
 def test_credentials_are_redacted():
     assert artifacts.redact("s3://key:secret@bucket/x") == "s3://bucket/x"
+
+
+@pytest.fixture(scope="module")
+def one_manifest(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("sealed") / "art")
+    with artifacts.stage_output(out, "demo", {"seed": 7, "lr": 0.5}, {}, run={"cost": {"candidates": 3}}) as staging:
+        (staging / "x.txt").write_text("hello")
+    return out
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(position=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
+def test_a_manifest_with_any_bit_changed_is_refused_as_malformed_never_read_as_other_lineage(one_manifest, position, bit):
+    path = Path(one_manifest) / artifacts.MANIFEST
+    sealed = path.read_bytes()
+    assert artifacts.read_manifest(one_manifest).run == {"cost": {"candidates": 3}}
+    data = bytearray(sealed)
+    data[int(position * len(data))] ^= 1 << bit
+    try:
+        path.write_bytes(bytes(data))
+        with pytest.raises(ArtifactError, match="is malformed .*rebuild it"):
+            artifacts.read_manifest(one_manifest)
+    finally:
+        path.write_bytes(sealed)

@@ -168,7 +168,7 @@ def tampered(src: str, dest: Path, name: str, change) -> str:
     path.write_bytes(change(path.read_bytes()))
     manifest = json.loads((dest / artifacts.MANIFEST).read_text())
     manifest["files"][name] = artifacts.sha256_file(path)
-    (dest / artifacts.MANIFEST).write_text(json.dumps(manifest))
+    (dest / artifacts.MANIFEST).write_text(artifacts.seal(manifest))  # a consistent manifest: a forger's
     return str(dest)
 
 
@@ -243,7 +243,7 @@ def test_an_artifact_of_another_stage_is_refused_as_a_cache(tiny_artifacts, tmp_
     relabelled = tmp_path / "cache"
     shutil.copytree(tiny_artifacts["cache"], relabelled)
     manifest = json.loads((relabelled / artifacts.MANIFEST).read_text())
-    (relabelled / artifacts.MANIFEST).write_text(json.dumps({**manifest, "stage": "calibrate"}))
+    (relabelled / artifacts.MANIFEST).write_text(artifacts.seal({**manifest, "stage": "calibrate"}))
     for cache in (tiny_artifacts["scores"], str(relabelled)):
         code, line = cli(capsys, "search", "--model", tiny_artifacts["model"], "--scores", tiny_artifacts["scores"],
                          "--cache", cache, "--sparsity", "0.5", "--out", str(tmp_path / "s"))

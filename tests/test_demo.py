@@ -270,3 +270,33 @@ def test_source_closure_follows_names_and_decorators(tmp_path):
         assert (source_closure(module, "a") != closure) == changes, edit
     with pytest.raises(ConfigError, match="defines no"):
         source_closure(module, "nothing_here")
+
+
+def test_the_deployment_mix_takes_every_domain_in_turn_and_only_their_samples(demo_world):
+    from evoesap.demo.world import MIX, MIX_SPLITS
+
+    domains = sorted(DOMAINS)
+    for split in MIX_SPLITS:
+        by_domain = {d: read_jsonl(demo_world.data_file(d, split)) for d in domains}
+        mixed = read_jsonl(demo_world.data_file(MIX, split))
+        assert sorted(map(json.dumps, mixed)) == sorted(json.dumps(r) for rows in by_domain.values() for r in rows)
+        shortest = min(map(len, by_domain.values()))
+        for i, row in enumerate(mixed[:shortest * len(domains)]):  # while every domain has samples left: in turn
+            assert row == by_domain[domains[i % len(domains)]][i // len(domains)]
+    with pytest.raises(ConfigError, match="'mix' with"):
+        demo_world.data_file(MIX, "train")
+
+
+def test_the_demo_example_config_is_the_demo_make_runs(tmp_path):
+    import yaml
+
+    from evoesap.demo.world import DemoWorld
+    from evoesap.pipeline.demo import demo_config
+
+    root = Path("runs/demo/world")
+    world = DemoWorld(root=root, model_dir=root / "model", data_dir=root / "data", tasks_dir=root / "tasks",
+                      generative_tasks=(), multiple_choice_tasks=(), tag="", seed=0, profile="default", key="", info={})
+    made = demo_config(world, Path("runs/demo")).model_dump(exclude_none=True)
+    example = yaml.safe_load((Path(__file__).parents[1] / "examples" / "demo.yaml").read_text())
+    assert {k: made[k] for k in example if k not in ("calibrate", "cache_logits", "search", "evaluate")} == \
+        {k: v for k, v in example.items() if k not in ("calibrate", "cache_logits", "search", "evaluate")}

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from evoesap import artifacts
 from evoesap.distributed import assign, common_prefix, root_failure
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate
@@ -63,16 +64,14 @@ def _cli(world, out: str, params: SearchParams, *extra: str) -> subprocess.Popen
 
 
 def _documents(out: str) -> tuple[dict, pd.DataFrame]:
-    doc = json.loads(Path(out, "allocation.json").read_text())
-    doc["cost"].pop("workers")
-    return doc, pd.read_parquet(Path(out, "history.parquet"))
+    return json.loads(Path(out, "allocation.json").read_text()), pd.read_parquet(Path(out, "history.parquet"))
 
 
 @pytest.mark.slow  # each launch starts N fresh interpreters: about 35 s on a shared 2-core machine
 @pytest.mark.parametrize("workers, mode", [(2, "exact"), (3, "racing")])
 def test_workers_without_prefix_reuse_give_the_one_process_artifact_bit_for_bit(world, tmp_path, workers, mode):
     """Every candidate's forwards run as in one process (same memo, same batches): equal to the last bit,
-    the search's cost included."""
+    the search's cost included (in the manifest, where only the number of workers differs)."""
     params = SearchParams(**SMALL, **MODES[mode], prefix_reuse=False)
     reference = _one_process(world, f"{mode}-scratch", params)
     run = _cli(world, str(tmp_path / "out"), SearchParams(**{**vars(params), "workers": workers}))
@@ -81,6 +80,8 @@ def test_workers_without_prefix_reuse_give_the_one_process_artifact_bit_for_bit(
     (doc, history), (ref_doc, ref_history) = _documents(str(tmp_path / "out")), _documents(reference)
     assert doc == ref_doc
     pd.testing.assert_frame_equal(history, ref_history, check_exact=True)
+    cost, ref_cost = (artifacts.read_manifest(out).run["cost"] for out in (str(tmp_path / "out"), reference))
+    assert (cost.pop("workers"), ref_cost.pop("workers")) == (workers, 1) and cost == ref_cost
 
 
 @pytest.mark.slow
@@ -146,8 +147,7 @@ def test_a_killed_worker_ends_the_job_in_one_line_and_resume_finishes_to_the_sam
     _, err = again.communicate(timeout=170)
     assert again.returncode == 0, err
     (doc, history), (ref_doc, ref_history) = _documents(out), _documents(reference)
-    doc.pop("cost"), ref_doc.pop("cost")  # the resumed run counts only its own work
-    assert doc == ref_doc
+    assert doc == ref_doc  # the cost, which counts only the resumed run's work, is in the manifest
     pd.testing.assert_frame_equal(history, ref_history, check_exact=True)
 
 

@@ -28,7 +28,7 @@ def _team_module():
 
 
 def test_the_examples_cover_the_demo_and_the_papers_models():
-    assert [p.stem for p in CONFIGS] == ["deepseek-v2-lite", "deepseek-v3", "demo", "mixtral-8x7b", "olmoe-1b-7b-instruct",
+    assert [p.stem for p in CONFIGS] == ["deepseek-v2-lite", "deepseek-v3", "demo", "demo-math", "mixtral-8x7b", "olmoe-1b-7b-instruct",
                                          "qwen3-235b-a22b", "qwen3-30b-a3b"]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from evoesap import artifacts, facts
+from evoesap import artifacts
 from evoesap.steps import run_step
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.run import report_uri, run_local
@@ -103,6 +103,16 @@ def _recorded_artifacts(pipeline_root: Path) -> dict[str, list[dict]]:
     return found
 
 
+def _same_task(evaluation: dict, metrics: dict, pipeline_root: Path) -> bool:
+    """Whether one task's executor_output.json records both artifacts."""
+    for path in pipeline_root.rglob("executor_output.json"):
+        outputs = json.loads(path.read_text()).get("artifacts", {})
+        if {"evaluation", "metrics"} <= set(outputs):
+            if outputs["evaluation"]["artifacts"][0]["uri"] == evaluation["uri"] and outputs["metrics"]["artifacts"][0]["uri"] == metrics["uri"]:
+                return True
+    return False
+
+
 def test_local_run_records_typed_artifacts_whose_metadata_matches_the_manifests(first_run):
     storage, outputs = first_run["storage"], first_run["outputs"]
     (pruned,) = outputs["pruned_models"]
@@ -110,10 +120,8 @@ def test_local_run_records_typed_artifacts_whose_metadata_matches_the_manifests(
     assert pruned.metadata["method"] == "searched"
     assert [int(c) for c in pruned.metadata["expert_counts"]] == summary["num_experts"]
     assert int(pruned.metadata["parameter_bytes"]) == summary["parameter_bytes_pruned"]
-    assert (Path(pruned.path) / "manifest.json").read_bytes() == (Path(pruned.metadata["uri"]) / "manifest.json").read_bytes()
-    stored, view = Path(pruned.metadata["uri"]), Path(pruned.path)
-    small = {p.relative_to(stored).as_posix() for p in stored.rglob("*") if p.is_file() and p.stat().st_size <= facts.EXPORT_MAX_BYTES}
-    assert {p.relative_to(view).as_posix() for p in view.rglob("*") if p.is_file()} == small  # large files stay in storage
+    assert pruned.uri == pruned.path == pruned.metadata["uri"]  # the artifact is the stored checkpoint, weights included
+    assert list(Path(pruned.path).glob("*.safetensors")) and artifacts.verify(pruned.uri, "prune").files  # sha256 checked
     assert re.search(r"<img [^>]*src=[\"']data:image/png;base64,", Path(outputs["report_html"].path).read_text())
     assert Path(outputs["report"].path).read_text() == (Path(first_run["report"]) / "report.md").read_text()
     recorded = _recorded_artifacts(Path(first_run["config"].pipeline_root))
@@ -131,9 +139,11 @@ def test_local_run_records_typed_artifacts_whose_metadata_matches_the_manifests(
     (search,) = recorded["allocation"]
     allocation = json.loads((storage / "search" / Path(search["metadata"]["uri"]).name / "allocation.json").read_text())
     assert search["metadata"]["fitness"] == pytest.approx(allocation["fitness"])
-    assert search["metadata"]["cost"] == json.loads(json.dumps(allocation["cost"]))
+    assert search["metadata"]["cost"] == artifacts.read_manifest(search["metadata"]["uri"]).run["cost"]
+    for name in ("scores", "cache", "allocation", "pruned", "evaluation"):
+        assert all(entry["uri"] == entry["metadata"]["uri"] for entry in recorded[name])  # each is the stored artifact
     for entry in metrics:
-        evaluation = next(d for d in recorded["evaluation"] if d["uri"].rsplit("/", 1)[0] == entry["uri"].rsplit("/", 1)[0])  # same task
+        evaluation = next(d for d in recorded["evaluation"] if _same_task(d, entry, Path(first_run["config"].pipeline_root)))
         records = json.loads((Path(evaluation["metadata"]["uri"]) / "metrics.json").read_text())["records"]
         primary = {f"{r['task']}/{r['metric']}": r["value"] for r in records if r["primary"]}
         assert entry["metadata"] == pytest.approx(primary)  # one scalar per task

@@ -212,7 +212,7 @@ def stage_inputs(tmp_path_factory):
 
 def test_search_stage_records_cost_and_prefix_reuse_changes_only_the_cost(stage_inputs):
     """Same allocation and fitness (1e-6) with and without prefix reuse, less work with it; racing runs
-    through the stage, and allocation.json carries the cost in full-forward equivalents."""
+    through the stage, and the manifest carries the cost in full-forward equivalents."""
     from evoesap import artifacts
     from evoesap.stages.search import SearchParams, run_search
 
@@ -224,7 +224,7 @@ def test_search_stage_records_cost_and_prefix_reuse_changes_only_the_cost(stage_
     for name, extra in {"exact": dict(prefix_reuse=False), "reuse": {}, "racing": race}.items():
         out = str(root / f"search-{name}")
         run_search(model, str(root / "scores"), str(root / "cache"), SearchParams(**small, **extra), out)
-        docs[name] = artifacts.read_json(artifacts.join(out, "allocation.json"))
+        docs[name] = {**artifacts.read_json(artifacts.join(out, "allocation.json")), **artifacts.read_manifest(out).run}
     exact, reuse, raced = docs["exact"], docs["reuse"], docs["racing"]
     assert reuse["searched"]["removal_counts"] == exact["searched"]["removal_counts"]
     assert abs(reuse["searched"]["fitness"] - exact["searched"]["fitness"]) < 1e-6

@@ -205,3 +205,28 @@ def test_head_chunks_of_any_size_write_the_same_cache(tmp_path, mode) -> None:
     for name in ("positions", "targets", "logprobs", "topk_ids", "topk_logprobs", "tail_mass"):
         a, b = getattr(one, name), getattr(whole, name)
         assert (a is None and b is None) or torch.allclose(a.float(), b.float(), atol=1e-6), name
+
+
+def test_a_failed_cache_write_closes_its_shard_so_a_full_disk_gets_its_space_back(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from evoesap.scoring.teacher import _ShardWriter
+
+    def open_files() -> set[str]:
+        return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")}
+
+    def disk_full(self, table, row_group_size=None):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    schema = pa.schema([("x", pa.int32())])
+    writer = _ShardWriter(tmp_path, schema, rows_per_shard=8, rows_per_group=4)
+    monkeypatch.setattr(pq.ParquetWriter, "write_table", disk_full)
+    writer.write(pa.table({"x": [1, 2, 3]}, schema=schema))
+    with pytest.raises(OSError, match="No space left"):
+        writer.close()
+    assert not {f for f in open_files() if f.startswith(str(tmp_path))}  # the shard's descriptor is closed

@@ -60,7 +60,7 @@ def test_search_stage_publishes_a_feasible_allocation_with_history_and_plots(inp
     manifest = artifacts.read_manifest(searched)
     assert {"allocation.json", "history.parquet", "search_curve.png", "density.png"} <= set(manifest.files)
     assert not artifacts.exists(f"{searched}.checkpoint.json")
-    cost = doc["cost"]  # prefix reuse on, budget from the free memory: some states kept, never over budget
+    cost = manifest.run["cost"]  # prefix reuse on, budget from the free memory: some states kept, never over budget
     assert 0 < cost["prefix_cache_peak_bytes"] <= cost["prefix_cache_budget_bytes"]
     assert 0 < cost["full_forward_equivalents_per_candidate"] < 1
 

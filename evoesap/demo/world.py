@@ -36,6 +36,8 @@ from evoesap.errors import ArtifactError, ConfigError
 log = logging.getLogger(__name__)
 
 WORLD_FILE = "world.json"
+MIX = "mix"  # the deployment mix: every domain's samples in turn, what a model serving all of them sees
+MIX_SPLITS: tuple[str, ...] = ("calibration", "search", "search_heldout")
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,12 @@ class DemoWorld:
         return tuple(sorted(DOMAINS))
 
     def data_file(self, domain: str, split: str) -> Path:
-        """JSONL of one domain's split (train, calibration, search, search_heldout, evaluation)."""
-        if domain not in DOMAINS or split not in SPLITS:
-            raise ConfigError(f"no demo data for domain {domain!r} split {split!r}; "
-                              f"domains {sorted(DOMAINS)}, splits {list(SPLITS)}")
+        """JSONL of one domain's split (train, calibration, search, search_heldout, evaluation), or of the
+        deployment mix (`MIX`: calibration, search, search_heldout)."""
+        known = (domain in DOMAINS and split in SPLITS) or (domain == MIX and split in MIX_SPLITS)
+        if not known:
+            raise ConfigError(f"no demo data for domain {domain!r} split {split!r}; domains {sorted(DOMAINS)} "
+                              f"with splits {list(SPLITS)}, or {MIX!r} with {list(MIX_SPLITS)}")
         return self.data_dir / domain / f"{split}.jsonl"
 
 
@@ -139,6 +143,22 @@ def _ensure_tasks(root: Path) -> None:
                 multiple_choice=tuple(d for d in DOMAINS if DOMAINS[d].multiple_choice))
 
 
+def _ensure_mix(data_dir: Path) -> None:
+    """(Re)write the deployment mix from the domains' splits: one sample of each domain in turn (sorted
+    names), the larger domains' rest at the end, so any prefix of it is as balanced as the data allows. A
+    function of the domain files only, so an existing world gains it without retraining."""
+    for split in MIX_SPLITS:
+        rows = [read_jsonl(data_dir / d / f"{split}.jsonl") for d in sorted(DOMAINS)]
+        mixed = [row[i] for i in range(max(map(len, rows))) for row in rows if i < len(row)]
+        path = data_dir / MIX / f"{split}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in mixed)
+        if not path.exists() or path.read_text(encoding="utf-8") != text:
+            staging = path.with_name(f".{path.name}.partial")
+            staging.write_text(text, encoding="utf-8")
+            staging.replace(path)
+
+
 def _build_into(staging: Path, seed: int, profile_name: str) -> dict:
     """Generate data, build the tokenizer, train and save the model into `staging`; returns build figures."""
     profile = get_profile(profile_name)
@@ -205,6 +225,7 @@ def build_demo_world(out_dir: str | Path, seed: int = 0, profile: str = "default
             if meta.get("key") == key:
                 log.info("demo world in %s is up to date (key %s)", root, key[:12])
                 _ensure_tasks(root)
+                _ensure_mix(root / "data")
                 return _world(root, meta)
             log.info("demo world in %s was built from other inputs; rebuilding", root)
         log.info("building demo world (seed %d, profile %s) in %s", seed, profile, root)
@@ -221,5 +242,6 @@ def build_demo_world(out_dir: str | Path, seed: int = 0, profile: str = "default
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         _ensure_tasks(root)
+        _ensure_mix(root / "data")
         log.info("demo world built in %.0fs: %s", info["build_seconds"], root)
         return _world(root, meta)

@@ -26,6 +26,7 @@ matters (tests, the live-vs-cache check).
 from __future__ import annotations
 
 import collections
+import contextlib
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -191,12 +192,19 @@ class _ShardWriter:
         self._rows = 0
 
     def close(self) -> None:
-        """Finish every queued write (raising the first error) and close the last shard."""
+        """Finish every queued write (raising the first error) and close the last shard. After a failed
+        write the open shard is closed too: its file descriptor would otherwise keep the space of a
+        deleted staging file (a full disk stays full) for as long as the process lives."""
         try:
             while self._pending:
                 self._pending.popleft().result()
-        finally:
+        except BaseException:
             self._thread.shutdown(wait=True, cancel_futures=True)
+            if self._writer is not None:
+                with contextlib.suppress(Exception):  # the write's own error is the one to raise
+                    self._writer.close()
+            raise
+        self._thread.shutdown(wait=True)
         if self._writer is None:  # no scored position at all: still write an empty shard
             self._roll()
         self._writer.close()

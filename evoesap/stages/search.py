@@ -9,7 +9,7 @@ so loudly and, with `fallback_to_uniform`, returns uniform instead.
 
 Cost: prefix reuse (on by default, exact) starts each candidate's forward at the MoE block of its
 first MoE layer that differs from a cached allocation's; racing (opt-in) scores new candidates on
-growing sample subsets first (`evoesap.racing`). allocation.json records the search's cost in
+growing sample subsets first (`evoesap.racing`). The manifest (`run.cost`) records the search's cost in
 full-forward equivalents: the work of the search (active multiply-accumulates, `evoesap.scoring.forward`)
 divided by that of one plain forward over the search samples, in all and per candidate (distinct
 allocations scored on any subset), with the prefix cache's budget and peak.
@@ -287,9 +287,9 @@ def prepare_scoring(
 
 
 def _allocation_document(params: SearchParams, scoring: Scoring, result: Any, best: list[int],
-                         finals: dict[tuple[int, ...], float], cost: dict[str, Any]) -> dict[str, Any]:
+                         finals: dict[tuple[int, ...], float]) -> dict[str, Any]:
     """allocation.json: the chosen allocation (the searched one, or uniform when it does not generalise and
-    `fallback_to_uniform` is set), both fitnesses, the held-out check and its warning, and the cost."""
+    `fallback_to_uniform` is set), both fitnesses, the held-out check and its warning."""
     orders, n, uniform = scoring.orders, scoring.num_experts, scoring.uniform
     sign = scoring.evaluator.metric.sign
     check = None
@@ -323,7 +323,6 @@ def _allocation_document(params: SearchParams, scoring: Scoring, result: Any, be
         "heldout": check,
         "warnings": warnings,
         "evaluations": result.evaluations,
-        "cost": cost,
         "search_samples": len(scoring.search_ids),
         "heldout_samples": len(scoring.heldout_ids),
     }
@@ -385,9 +384,9 @@ def run_search(
         finals = dict(zip(wanted, pool.score_batch(wanted, None, params.generations)))
         cost = _cost(pool.totals(), scoring.evaluator.full_forward_work(scoring.search_ids), result)
 
-    document = _allocation_document(params, scoring, result, best, finals, cost)
+    document = _allocation_document(params, scoring, result, best, finals)
     history = _history_frame(result.history)
-    with artifacts.stage_output(out_uri, "search", dataclasses.asdict(params), inputs, seen) as staging:
+    with artifacts.stage_output(out_uri, "search", dataclasses.asdict(params), inputs, seen, run={"cost": cost}) as staging:
         records.write(staging, records.ALLOCATION_FILE, document)
         history.to_parquet(staging / records.HISTORY_FILE, index=False)
         _plots(staging, params, history, {"uniform": uniform, "searched": best}, n)

@@ -1,0 +1,154 @@
+"""A KFP output artifact is the stage's artifact: the weights at its own URI, stored once, reused across runs."""
+
+import hashlib
+import json
+import socket
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+from kfp import dsl
+
+from evoesap import artifacts
+from evoesap.components.kfp_artifacts import artifact_uri, publish
+
+
+def _artifact(uri: str, stage: str, files: dict[str, bytes]) -> str:
+    with artifacts.stage_output(uri, stage, {}, {}) as staging:
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
+    return uri
+
+
+WEIGHTS = {"config.json": b"{}", "model.safetensors": b"w" * (2 << 20)}  # more than facts.EXPORT_MAX_BYTES
+
+
+def test_a_local_output_becomes_the_stored_artifact_and_nothing_is_written_at_kfps_path(tmp_path):
+    uri = _artifact(str(tmp_path / "storage" / "calibrate" / "k"), "calibrate", WEIGHTS)
+    out = dsl.Dataset(name="scores", uri=str(tmp_path / "kfp" / "task" / "scores"))
+    publish(out, uri)
+    assert out.uri == out.path == uri and out.metadata["uri"] == uri and out.metadata["stage"] == "calibrate"
+    assert (Path(out.path) / "model.safetensors").read_bytes() == WEIGHTS["model.safetensors"]
+    assert not (tmp_path / "kfp" / "task" / "scores").exists()  # no second copy, not even of the small files
+
+
+def test_where_kfps_launcher_keeps_a_changed_output_uri():
+    """launcher_v2 uploads gs/s3/minio/oci outputs and refuses one outside the run's directory; other URIs it keeps."""
+    assert artifact_uri("/tmp/kfp/run/task/model", "s3://bucket/evoesap/prune/k") == "s3://bucket/evoesap/prune/k"
+    assert artifact_uri("/tmp/kfp/run/task/model", "file:///data/prune/k") == "/data/prune/k"
+    assert artifact_uri("/tmp/kfp/run/task/model", "relative/prune/k") == str(Path("relative/prune/k").resolve())
+    assert artifact_uri("s3://root/pipe/run/task/salt/model", "/mnt/evoesap/prune/k") == "/mnt/evoesap/prune/k"  # shared volume
+    assert artifact_uri("s3://root/pipe/run/task/salt/model", "s3://bucket/evoesap/prune/k") is None
+    assert artifact_uri("minio://mlpipeline/v2/artifacts/p/r/t/model", "gs://bucket/evoesap/prune/k") is None
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """A real S3 endpoint (moto's threaded server on loopback) with one bucket, used through s3fs."""
+    import fsspec
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = f"http://127.0.0.1:{port}"
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    bucket = f"evoesap-kfp-{port}"
+    fs.mkdir(bucket)
+    try:
+        yield fs, bucket
+    finally:
+        fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
+        server.stop()
+
+
+def test_an_object_store_artifact_is_the_output_locally_and_a_view_under_an_object_store_pipeline_root(tmp_path, s3):
+    fs, bucket = s3
+    uri = _artifact(f"s3://{bucket}/evoesap/cache-logits/k", "cache-logits", WEIGHTS)  # a teacher cache's shape
+    local = dsl.Dataset(name="cache", uri=str(tmp_path / "kfp" / "cache"))  # kfp.local: a local pipeline root
+    publish(local, uri)
+    assert local.uri == uri and local.metadata["manifest_sha256"] == artifacts.manifest_sha256(uri)
+    cluster = dsl.Dataset(name="cache", uri=f"s3://{bucket}/pipeline-root/p/run/cache-logits/cache")  # a cluster's launcher
+    cluster.set_path(str(tmp_path / "pod" / "cache"))  # the pod's /s3/... directory, which the launcher uploads
+    publish(cluster, uri)
+    assert cluster.uri == f"s3://{bucket}/pipeline-root/p/run/cache-logits/cache" and cluster.metadata["uri"] == uri
+    assert sorted(p.name for p in Path(cluster.path).iterdir()) == ["config.json", "manifest.json"]  # weights never copied
+    assert fs.cat_file(f"{bucket}/evoesap/cache-logits/k/model.safetensors") == WEIGHTS["model.safetensors"]
+
+
+# ------------------------------------------------------------------ a kfp.local pipeline and a consumer that knows nothing of EvoESAP
+
+
+def consume(model: dsl.Input[dsl.Model]) -> str:
+    """A team's next step: loads the checkpoint at `model.path` with plain transformers and runs it."""
+    import hashlib
+    import json
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    network = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32)
+    logits = network(input_ids=torch.tensor([[5, 6, 7, 8]])).logits  # [1, 4, V] float32
+    weights = sorted(name for name in os.listdir(model.path) if name.endswith(".safetensors"))
+    return json.dumps({
+        "num_experts": network.config.num_experts,
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in network.parameters()),
+        "finite": bool(torch.isfinite(logits).all()),
+        "weights": {n: hashlib.sha256(open(os.path.join(model.path, n), "rb").read()).hexdigest() for n in weights},
+        "weight_bytes": sum(os.path.getsize(os.path.join(model.path, n)) for n in weights),
+    })
+
+
+def _sha256_of_files(*roots: Path) -> list[str]:
+    return [hashlib.sha256(p.read_bytes()).hexdigest() for root in roots for p in root.rglob("*") if p.is_file()]
+
+
+@pytest.mark.slow
+def test_a_kfp_local_consumer_loads_the_pruned_model_from_model_path_stored_once(tmp_path):
+    from kfp import local
+
+    from evoesap import moe
+    from evoesap.components import make_components
+    from tiny_world import make_tiny_inputs
+
+    files = make_tiny_inputs(tmp_path / "inputs")
+    vocab = json.loads((Path(files["model"]) / "config.json").read_text())["vocab_size"]
+    moe.tiny_model("olmoe", seed=3, vocab_size=vocab, hidden_size=128).save_pretrained(files["model"])  # > 1 MiB pruned
+    storage, pipeline_root = tmp_path / "storage", tmp_path / "kfp"
+    comps = make_components()
+    consumer = dsl.component(base_image="python:3.11", install_kfp_package=False)(consume)
+    Outputs = NamedTuple("Outputs", report=str, pruned=dsl.Model)
+
+    @dsl.pipeline
+    def release(model_uri: str, data: str, storage_root: str) -> Outputs:
+        model = dsl.importer(artifact_uri=model_uri, artifact_class=dsl.Model, reimport=False)
+        scores = comps.calibrate(model=model.output, data=data, storage_root=storage_root, params={"samples": 8, "max_length": 64})
+        pruned = comps.prune(model=model.output, scores=scores.outputs["scores"], criterion="frequency", sparsity=0.5,
+                             storage_root=storage_root)  # fmt: skip
+        for task in (scores, pruned):
+            task.set_caching_options(enable_caching=False)
+        consumed = consumer(model=pruned.outputs["pruned"]).set_caching_options(enable_caching=False)
+        return Outputs(report=consumed.output, pruned=pruned.outputs["pruned"])
+
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(pipeline_root))
+    runs, started = [], []
+    for _ in range(2):
+        runs.append(release(model_uri=files["model"], data=files["calibration"], storage_root=str(storage)))
+        (prune_dir,) = (storage / "prune").iterdir()
+        started.append(artifacts.read_manifest(str(prune_dir)).started)
+    assert started[0] == started[1]  # made once, reused by the second run
+    for run in runs:  # the second run reuses the stored artifact: the same URI, the same one copy
+        pruned, report = run.outputs["pruned"], json.loads(run.outputs["report"])
+        assert pruned.uri == pruned.metadata["uri"] == str(prune_dir)
+        assert report["num_experts"] == 4 and report["finite"]  # 8 experts, half removed uniformly
+        assert report["weight_bytes"] > 1 << 20 and report["parameter_bytes"] == int(pruned.metadata["parameter_bytes"])
+        stored = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in prune_dir.glob("*.safetensors")}
+        assert report["weights"] == stored  # read from model.path alone: the stored weights themselves
+        everywhere = _sha256_of_files(storage, pipeline_root)
+        assert all(everywhere.count(digest) == 1 for digest in stored.values())  # no second copy anywhere
+    assert len(list((storage / "calibrate").iterdir())) == 1
