@@ -7,8 +7,14 @@ STAMP := $(VENV)/.installed
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# llm-compressor pins transformers <= 5.17, ours needs >= 5.23: the quantize stage runs it from its own venv.
+QUANTIZE_VENV ?= .venv-quantize
+QUANTIZE_PY := $(QUANTIZE_VENV)/bin/python
+QUANTIZE_STAMP := $(QUANTIZE_VENV)/.installed
+# llmcompressor 0.14.0.1 brings its pins: transformers 5.17.0, compressed-tensors 0.19.0
+LLMCOMPRESSOR := llmcompressor==0.14.0.1
 
-.PHONY: install vllm-venv test demo report-screenshot bench chaos lock image components clean
+.PHONY: install vllm-venv quantize-venv test demo report-screenshot bench chaos lock image components clean
 
 WORLD := .cache/demo-world
 
@@ -31,7 +37,17 @@ $(VLLM_STAMP): serving/vllm/pyproject.toml
 
 vllm-venv: $(VLLM_STAMP)
 
-test: $(STAMP) $(VLLM_STAMP)  # the serving tests run vLLM from its own venv
+# EVOESAP_QUANTIZE_PYTHON=$(QUANTIZE_PY) points the quantize stage at it (README, "Quantizing a pruned model").
+$(QUANTIZE_STAMP): Makefile
+	test -x $(QUANTIZE_PY) || $(PYTHON) -m venv $(QUANTIZE_VENV)
+	$(QUANTIZE_PY) -m pip install --quiet --upgrade pip
+	$(QUANTIZE_PY) -m pip install --quiet torch==2.13.0  # first: a local CPU wheel; see README
+	$(QUANTIZE_PY) -m pip install --quiet $(LLMCOMPRESSOR)
+	touch $(QUANTIZE_STAMP)
+
+quantize-venv: $(QUANTIZE_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP)  # the serving and quantize tests run vLLM and llm-compressor from their own venvs
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --durations=25
 
@@ -67,7 +83,7 @@ image: $(STAMP)
 	bash images/build.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(QUANTIZE_VENV) .pytest_cache .hypothesis build *.egg-info
 
 components: $(STAMP)
 	$(PY) -m evoesap pipeline components --out components

@@ -146,6 +146,29 @@ def prune(
     publish(pruned, run_step("prune", storage_root, inputs, {**params, "criterion": criterion, "sparsity": sparsity}))
 
 
+def quantize(
+    model: Input[Model],
+    storage_root: str,
+    quantized: Output[Model],
+    data: str = "",
+    params: dict = {},
+):
+    """Quantize a (pruned) checkpoint with llm-compressor's oneshot by a named recipe; a compressed-tensors checkpoint.
+
+    Args:
+        model: The checkpoint to quantize: the prune stage's pruned model (uniform or non-uniform) or the full model.
+        storage_root: (see module)
+        data: Calibration data (the run's calibration set) for the recipes that calibrate; empty for fp8-dynamic.
+
+    Returns:
+        quantized: The compressed-tensors checkpoint (same architecture name and expert counts); metadata: recipe, bytes.
+    """
+    from evoesap.components.kfp_artifacts import publish, source
+    from evoesap.steps import run_step
+
+    publish(quantized, run_step("quantize", storage_root, {"model": source(model), "data": data or None}, params))
+
+
 def evaluate(
     model: Input[Model],
     storage_root: str,

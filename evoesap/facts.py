@@ -39,7 +39,14 @@ def _evaluate(uri: str) -> dict[str, Any]:
     return {**{k: v for k, v in doc["labels"].items() if v is not None}, "scores": task_scores(uri)}
 
 
-_BY_STAGE: dict[str, Callable[[str], dict[str, Any]]] = {"search": _search, "prune": _prune, "evaluate": _evaluate}
+def _quantize(uri: str) -> dict[str, Any]:
+    doc = records.read(uri, records.QUANTIZATION_FILE)
+    keys = ("recipe", "scheme", "num_experts_per_layer", "checkpoint_bytes_before", "checkpoint_bytes_after")
+    return {k: doc.get(k) for k in keys}
+
+
+_BY_STAGE: dict[str, Callable[[str], dict[str, Any]]] = {"search": _search, "prune": _prune, "evaluate": _evaluate,
+                                                         "quantize": _quantize}
 
 
 def facts(uri: str) -> dict[str, Any]:

@@ -16,9 +16,10 @@ ALLOCATION_FILE = "allocation.json"  # search: the chosen removal counts, pruned
 HISTORY_FILE = "history.parquet"  # search: one row per generation
 PRUNING_FILE = "pruning.json"  # prune: method, counts and parameter bytes of the checkpoint
 METRICS_FILE = "metrics.json"  # evaluate: every task metric, memory, expert counts, labels
+QUANTIZATION_FILE = "quantization.json"  # quantize: recipe, scheme, checkpoint bytes before and after, tool versions
 
 # which stage publishes each record (and so rebuilds it)
-_WRITERS = {ALLOCATION_FILE: "search", PRUNING_FILE: "prune", METRICS_FILE: "evaluate"}
+_WRITERS = {ALLOCATION_FILE: "search", PRUNING_FILE: "prune", METRICS_FILE: "evaluate", QUANTIZATION_FILE: "quantize"}
 
 
 def write(staging: Path, name: str, document: dict[str, Any]) -> None:

@@ -2,7 +2,7 @@
 
 calibrate and cache-logits run once; for each criterion x sparsity a search, a searched and a uniform
 prune, and their evaluations fan out (ParallelFor), with `publish_models` the searched model's publish
-(model card, push); the full model is evaluated once; the report collects everything. `build_subpipeline` is that DAG for a full model given as an artifact (a step of
+(model card, push) and, when the `quantize` section names a recipe, the searched model's quantize step; the full model is evaluated once; the report collects everything. `build_subpipeline` is that DAG for a full model given as an artifact (a step of
 another pipeline); `build_pipeline` imports the model from a path, URI or hub name and runs it.
 """
 
@@ -131,6 +131,10 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
                                                          params=evaluate_params, **teacher), f"evaluate {method}")
                 for method, task in pruned.items()
             }  # fmt: skip
+            if config.stage_params("quantize").get("recipe"):  # opt-in: the searched checkpoint, quantized
+                stage("quantize", comps.quantize(model=pruned["searched"].outputs["pruned"], data=calibration_data,
+                                                 storage_root=storage_root, params=config.stage_params("quantize")),
+                      "quantize searched")  # fmt: skip
             if config.publish_models:
                 stage("publish", comps.publish(pruned=pruned["searched"].outputs["pruned"], storage_root=storage_root,
                                                evaluation=evals["searched"].outputs["evaluation"],

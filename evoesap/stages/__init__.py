@@ -107,6 +107,17 @@ STAGES: tuple[Stage, ...] = (
         fits_with="a larger volume for the pruned checkpoint",
     ),
     Stage(
+        "quantize", "evoesap.stages.quantize:run_quantize", "evoesap.stages.quantize:QuantizeParams",
+        (StageInput("model", "Checkpoint to quantize: a prune artifact (uniform or non-uniform) or a path or URI."),
+         StageInput("data", "Calibration data (the run's calibration set): JSONL/JSON/Parquet/CSV path or URI, or a hub "
+                            "dataset; recipes without calibration (fp8-dynamic) ignore it.", required=False)),
+        "the quantized checkpoint artifact (compressed-tensors)",
+        "Quantize a checkpoint with llm-compressor's oneshot by a named recipe, in llm-compressor's own environment.",
+        "evoesap quantize --model runs/pruned --data runs/demo/data/calibration.jsonl --recipe w4a16-gptq --samples 64 "
+        "--out runs/quantized",
+        loads_model=True,
+    ),
+    Stage(
         "evaluate", "evoesap.stages.evaluate:run_evaluate", "evoesap.stages.evaluate:EvaluateParams",
         (StageInput("model", "Checkpoint (path or URI) or hub name; pruned checkpoints load too.", model=True),
          StageInput("teacher_cache", "Full model's cache on held-out samples: adds held-out ESAP.", required=False),

@@ -1,0 +1,186 @@
+"""Stage `quantize`: llm-compressor's `oneshot` on a (pruned) checkpoint, by a recipe picked by name.
+
+llm-compressor runs in its own environment (`evoesap.quantize_env`: its transformers pin excludes ours).
+This stage checks everything first (the recipe name, that environment, the output place, the checkpoint's
+family), draws and tokenizes the calibration samples as every data stage does, then hands the worker one
+request. The artifact is a compressed-tensors checkpoint that keeps the input's architecture name, its
+per-layer expert counts and modeling file (non-uniform checkpoints), plus quantization.json: the recipe,
+the bytes of the weights before and after, and the tool versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+from typing import Any, ClassVar
+
+from evoesap import artifacts, bounds, quantize_env, records, runtime
+from evoesap.errors import ConfigError, ModelError
+from evoesap.moe.families import PER_LAYER_KEY, family_of
+from evoesap.params import DeviceParams, SampleParams, param
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One named recipe: a compressed-tensors preset scheme applied to every Linear by one algorithm."""
+
+    scheme: str  # compressed-tensors preset (llm-compressor's `scheme=`)
+    algorithm: str  # rtn (QuantizationModifier), gptq or awq
+    calibrated: bool  # needs calibration samples
+    group_size: int | None  # weights quantized in groups of this many inputs: every quantized width must divide
+    note: str
+
+
+RECIPES: dict[str, Recipe] = {
+    "fp8-dynamic": Recipe("FP8_DYNAMIC", "rtn", False, None, "FP8 weights per channel, FP8 activations per token at run "
+                                                              "time; no calibration data"),
+    "w4a16-gptq": Recipe("W4A16", "gptq", True, 128, "4-bit integer weights in groups of 128 by GPTQ, 16-bit activations"),
+    "w4a16-awq": Recipe("W4A16_ASYM", "awq", True, 128, "4-bit asymmetric weights in groups of 128 by AWQ (llm-compressor "
+                                                        "0.14 runs AWQ on an accelerator only)"),
+}
+# Not offered: W8A8 int8. Its checkpoint of an MoE model opens neither in transformers 5.24 (the int8 experts fail
+# the conversion to fused experts) nor in vLLM's CPU build 0.32 (no int8 MoE kernel): benchmarks/RESULTS.md, issue 28.
+
+
+def check_recipe(name: str) -> Recipe:
+    """The recipe called `name`; an unknown name is refused with the nearest and the valid ones."""
+    if name in RECIPES:
+        return RECIPES[name]
+    near = difflib.get_close_matches(name, RECIPES, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    raise ConfigError(f"unknown recipe {name!r}{hint}; recipes are {', '.join(RECIPES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeParams(DeviceParams, SampleParams):
+    """Which recipe, and which calibration samples the calibrated recipes observe."""
+
+    DEFAULT_SAMPLES: ClassVar[int] = 256
+
+    recipe: str | None = param(None, f"Quantization recipe by name: {', '.join(RECIPES)}. Unset in a pipeline "
+                                     "configuration: no quantize step.")
+    batch_size: int = param(1, "Calibration sequences per forward.")
+
+    def __post_init__(self) -> None:
+        if self.recipe is not None:
+            check_recipe(self.recipe)
+        super().__post_init__()
+
+
+def ignored_modules(family: Any) -> list[str]:
+    """Modules left unquantized: the output head and every router (a few rows whose every bit decides routing),
+    the shared experts' gates too."""
+    block, router = family.block, family.router
+    return ["lm_head", f"re:.*\\.{block}\\.{router}$", f"re:.*\\.{block}\\.shared_expert_gate$"]
+
+
+def check_widths(config: dict[str, Any], recipe: Recipe, where: str) -> None:
+    """Refuse, before any work, a model whose quantized matrices are not whole groups of the recipe's group size:
+    the input widths of its Linear layers and the trailing dimensions of its fused experts, read from the config
+    alone (a model on the meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if recipe.group_size is None:
+        return
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    widths = {m.in_features for m in net.modules() if isinstance(m, torch.nn.Linear)}
+    widths |= {d for name, p in net.named_parameters() if ".experts." in name and p.ndim == 3 for d in p.shape[1:]}
+    bad = sorted(w for w in widths if w % recipe.group_size)
+    if bad:
+        raise ConfigError(f"{where}: widths {bad} are not multiples of the group size {recipe.group_size} that "
+                          f"{recipe.scheme} quantizes in: choose fp8-dynamic (per channel)")
+
+
+def checkpoint_bytes(uri: str) -> int:
+    """Bytes of a checkpoint's safetensors files (the weights as stored)."""
+    fs, root = artifacts.split(uri)
+    return sum(fs.size(path) for path in fs.find(root) if path.endswith(".safetensors"))
+
+
+def _family(model: str) -> tuple[Any, dict[str, Any]]:
+    """(family row, config.json) of a checkpoint; unsupported or already quantized checkpoints are refused."""
+    config = artifacts.read_json(artifacts.join(model, "config.json"))
+    if config.get("quantization_config"):
+        raise ConfigError(f"{artifacts.redact(model)} is already quantized ({config['quantization_config'].get('quant_method')}): "
+                          "give the unquantized (pruned) checkpoint")
+    return family_of(str(config.get("model_type"))), config
+
+
+def _per_layer(family: Any, config: dict[str, Any]) -> dict[str, Any] | None:
+    """What the worker needs to build a non-uniform checkpoint's class without remote code: evoesap's modeling
+    template (torch only), the stock class and the family's facts; None for a uniform checkpoint."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from evoesap.moe import per_layer_modeling, remote_code
+
+    if not config.get(PER_LAYER_KEY):
+        return None
+    stock = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config["model_type"]]
+    return {"module_file": per_layer_modeling.__file__, "stock": stock, "facts": remote_code.facts(family, stock)}
+
+
+def run_quantize(model: str, params: QuantizeParams, out_uri: str, data: str | None = None) -> artifacts.Manifest:
+    """Quantize `model` (a prune artifact or any supported MoE checkpoint) and publish the compressed checkpoint."""
+    from evoesap.moe import surgery
+
+    if params.recipe is None:
+        raise ConfigError(f"give a recipe (--recipe): one of {', '.join(RECIPES)}")
+    recipe = check_recipe(params.recipe)
+    if recipe.calibrated and data is None:
+        raise ConfigError(f"recipe {params.recipe!r} calibrates: give --data (the run's calibration set)")
+    python = quantize_env.quantize_python()  # fails before anything loads
+    inputs = {"model": model, "data": data if recipe.calibrated else None}
+    seen = artifacts.preflight(out_uri, "quantize", inputs)
+    bounds.check_stage(params, model)
+    if artifacts.exists(artifacts.join(model, artifacts.MANIFEST)):
+        artifacts.verify(model, "prune")  # a damaged pruned checkpoint is refused here, not half-way through
+    family, config = _family(model)
+    check_widths({k: v for k, v in config.items() if k != PER_LAYER_KEY}, recipe, artifacts.redact(model))
+    input_ids: list[list[int]] = []
+    if recipe.calibrated:
+        _, tokenized = runtime.tokenized_samples(model, data, params)
+        input_ids = [list(map(int, sample.input_ids)) for sample in tokenized]
+    request = {
+        "recipe": {"name": params.recipe, "scheme": recipe.scheme, "algorithm": recipe.algorithm,
+                   "calibrated": recipe.calibrated, "ignore": ignored_modules(family)},
+        "counts": config.get(PER_LAYER_KEY),
+        "per_layer": _per_layer(family, config),
+        "num_experts_field": family.num_experts_field,
+        "block": family.block,
+        "experts": family.experts,
+        "dtype": params.model_dtype,
+        "device_map": params.device_map,
+        "input_ids": input_ids,
+        "max_length": params.max_length,
+        "batch_size": params.batch_size,
+    }  # fmt: skip
+    with artifacts.stage_output(out_uri, "quantize", dataclasses.asdict(params), inputs, seen) as staging:
+        with artifacts.local_copy(model) as local:
+            result = quantize_env.run_worker(python, {**request, "model": str(local), "out": str(staging)},
+                                             device=params.device)
+            before = checkpoint_bytes(str(local))
+        if request["per_layer"]:  # the architecture name, auto_map and opt-in modeling file of every non-uniform checkpoint
+            surgery.name_nonuniform(staging, family, request["per_layer"]["stock"])
+        after = checkpoint_bytes(str(staging))
+        if not after:
+            raise ModelError(f"llm-compressor wrote no safetensors for {artifacts.redact(model)}")
+        summary = {
+            "recipe": params.recipe,
+            "scheme": recipe.scheme,
+            "algorithm": recipe.algorithm,
+            "calibration_samples": len(input_ids),
+            "architectures": config.get("architectures"),
+            "num_experts_per_layer": request["counts"],
+            "checkpoint_bytes_before": before,
+            "checkpoint_bytes_after": after,
+            "seconds": result["seconds"],
+            "versions": result["versions"],
+        }
+        records.write(staging, records.QUANTIZATION_FILE, summary)
+    log.info("quantized %s (%s): %d -> %d bytes of weights", artifacts.redact(model), params.recipe, before, after)
+    return artifacts.read_manifest(out_uri)

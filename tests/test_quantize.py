@@ -1,0 +1,193 @@
+"""The quantize stage: llm-compressor's oneshot from its own venv (`.venv-quantize`) on tiny pruned checkpoints.
+
+Uniform and non-uniform checkpoints of two families (OLMoE, Qwen3-MoE) under two recipes (fp8-dynamic,
+w4a16-gptq). Hidden and expert sizes are 128 so that every quantized Linear holds whole groups of 128. The
+checkpoint sizes are checked against the bytes computed from the input's own tensors; the non-uniform
+outputs are opened in this venv's transformers (our loader and the opt-in modeling file) and compared with
+the unquantized model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from evoesap import artifacts, moe, records
+from evoesap.demo.domains import generate_splits, write_jsonl
+from evoesap.demo.tokenizer import build_tokenizer
+from evoesap.errors import ConfigError, EvoESAPError
+from evoesap.stages.quantize import QuantizeParams, run_quantize
+from test_moe import nonuniform_sets
+
+REPO = Path(__file__).resolve().parents[1]
+FAMILIES = {"olmoe": {}, "qwen3_moe": {"moe_intermediate_size": 128, "head_dim": 32}}
+SIZES = dict(hidden_size=128, intermediate_size=128)
+BITS = {"fp8-dynamic": 8, "w4a16-gptq": 4}
+CALIBRATION = dict(samples=8, max_length=64)
+
+
+def quantize_python() -> str:
+    """The quantize venv's python: EVOESAP_QUANTIZE_PYTHON, else the repository's .venv-quantize (made by `make test`)."""
+    python = os.environ.get("EVOESAP_QUANTIZE_PYTHON") or str(REPO / ".venv-quantize" / "bin" / "python")
+    if not os.access(python, os.X_OK):
+        pytest.fail(
+            f"no llm-compressor environment at {python}: `make test` builds .venv-quantize (make quantize-venv), or "
+            "set EVOESAP_QUANTIZE_PYTHON to a python with llmcompressor installed"
+        )
+    return python
+
+
+@pytest.fixture(autouse=True)
+def _quantize_env(monkeypatch):
+    monkeypatch.setenv("EVOESAP_QUANTIZE_PYTHON", quantize_python())
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict[str, str]:
+    """Calibration JSONL plus a uniform and a non-uniform pruned checkpoint of each family."""
+    root = tmp_path_factory.mktemp("quantize-world")
+    tok = build_tokenizer()
+    write_jsonl(generate_splits("math", seed=0, train_size=4)["calibration"][:16], root / "calibration.jsonl")
+    paths = {"data": str(root / "calibration.jsonl")}
+    for family, overrides in FAMILIES.items():
+        config = {**SIZES, **overrides, "vocab_size": len(tok)}
+        spec = moe.inspect(moe.tiny_model(family, seed=3, **config))
+        uniform = {layer.ordinal: list(range(2)) for layer in spec.layers}  # 2 of 8 experts from every layer
+        for kind, pruned in (("uniform", uniform), ("nonuniform", nonuniform_sets(spec, 0))):
+            path = root / f"{family}-{kind}"
+            moe.save_pruned(moe.prune_experts(moe.tiny_model(family, seed=3, **config), pruned), tok, str(path))
+            paths[f"{family}-{kind}"] = str(path)
+    return paths
+
+
+def expected_bytes(checkpoint: str, bits: int) -> int:
+    """Bytes of the weights once every attention, dense-MLP and expert matrix holds `bits` per value and the rest
+    (embeddings, head, norms, routers) is unchanged; scales, headers and packing come on top."""
+    total = 0
+    with safe_open(str(Path(checkpoint) / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            t = f.get_slice(name)
+            numel = torch.Size(t.get_shape()).numel()
+            quantized = name.endswith("_proj.weight") or ".experts." in name  # attention, dense MLPs, experts
+            total += numel * bits // 8 if quantized else numel * 4  # the tiny models are float32
+    return total
+
+
+def tokens() -> torch.Tensor:
+    return torch.tensor([[5 + (j * 7) % 60 for j in range(24)], [9 + (j * 5) % 50 for j in range(24)]])
+
+
+def agreement(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    """Mean over positions of sum_v min(p, q) (ESAP): 1 for identical next-token distributions."""
+    p, q = p_logits.float().softmax(-1), q_logits.float().softmax(-1)
+    return torch.minimum(p, q).sum(-1).mean().item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", list(BITS))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_quantized_checkpoints_shrink_as_their_bits_say_and_keep_their_architecture(world, tmp_path, family, recipe):
+    for kind in ("uniform", "nonuniform"):
+        source, out = world[f"{family}-{kind}"], str(tmp_path / kind)
+        run_quantize(source, QuantizeParams(recipe=recipe, **CALIBRATION), out, data=world["data"])
+        artifacts.verify(out, "quantize")
+        summary = records.read(out, records.QUANTIZATION_FILE)
+        floor = expected_bytes(source, BITS[recipe])
+        assert summary["checkpoint_bytes_before"] == (Path(source) / "model.safetensors").stat().st_size
+        assert floor <= summary["checkpoint_bytes_after"] <= 1.1 * floor + 64 * 1024, (summary, floor)
+        before, after = (json.loads((Path(p) / "config.json").read_text()) for p in (source, out))
+        assert after["architectures"] == before["architectures"]
+        assert after.get(moe.PER_LAYER_KEY) == before.get(moe.PER_LAYER_KEY)
+        assert after["quantization_config"]["quant_method"] == "compressed-tensors"
+        assert summary["calibration_samples"] == (0 if recipe == "fp8-dynamic" else CALIBRATION["samples"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", list(BITS))
+def test_quantized_nonuniform_model_loads_in_transformers_and_stays_close(world, tmp_path, recipe):
+    source, out = world["olmoe-nonuniform"], str(tmp_path / "q")
+    run_quantize(source, QuantizeParams(recipe=recipe, **CALIBRATION), out, data=world["data"])
+    reference = moe.load_pruned(source).eval()
+    ours = moe.load_pruned(out).eval()  # our loader: no remote code
+    opt_in, info = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, output_loading_info=True)
+    assert not any(info.values()), info
+    assert type(opt_in).__name__ == json.loads((Path(out) / "config.json").read_text())["architectures"][0]
+    assert [layer.num_experts for layer in moe.inspect(ours).layers] == [
+        layer.num_experts for layer in moe.inspect(reference).layers]
+    x = tokens()
+    with torch.no_grad():
+        full, mine, theirs = reference(x).logits, ours(x).logits, opt_in.eval()(x).logits
+    torch.testing.assert_close(mine, theirs)  # one checkpoint, two loaders
+    assert not torch.equal(full, mine)  # the weights did change
+    assert agreement(full, mine) > (0.9 if recipe == "fp8-dynamic" else 0.8)
+
+
+def test_unknown_recipe_is_refused_with_the_valid_names_before_any_work(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown recipe 'fp8'.*fp8-dynamic, w4a16-gptq"):
+        QuantizeParams(recipe="fp8")
+
+
+def test_widths_that_are_not_whole_groups_are_refused_before_any_work(world, tmp_path):
+    tok = build_tokenizer()
+    moe.save_pruned(moe.tiny_model("olmoe", seed=3, vocab_size=len(tok)), tok, str(tmp_path / "m"))  # hidden 64
+    with pytest.raises(ConfigError, match=r"widths \[32, 64\] are not multiples of the group size 128"):
+        run_quantize(str(tmp_path / "m"), QuantizeParams(recipe="w4a16-gptq"), str(tmp_path / "q"), data=world["data"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_quantize_without_its_environment_says_how_to_build_it(world, tmp_path, monkeypatch):
+    monkeypatch.delenv("EVOESAP_QUANTIZE_PYTHON")
+    with pytest.raises(ConfigError, match="make quantize-venv"):
+        run_quantize(world["olmoe-uniform"], QuantizeParams(recipe="fp8-dynamic"), str(tmp_path / "q"))
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_failed_oneshot_is_one_line_and_publishes_nothing(world, tmp_path):
+    # llm-compressor 0.14's AWQ needs an accelerator: on a CPU it fails inside the worker
+    with pytest.raises(EvoESAPError, match=r"^llm-compressor oneshot failed \(exit 1\): \S.*") as failed:
+        run_quantize(world["olmoe-uniform"], QuantizeParams(recipe="w4a16-awq", **CALIBRATION), str(tmp_path / "q"),
+                     data=world["data"])
+    assert "\n" not in str(failed.value)
+    assert not list(tmp_path.iterdir())  # neither the artifact nor its staging directory
+
+
+def test_a_quantize_recipe_in_the_configuration_adds_the_step_after_prune_and_none_leaves_it_out(tmp_path):
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.dag import compile_pipeline
+
+    base = {"model": "m", "calibration_data": "c.jsonl", "search_data": "s.jsonl", "storage_root": str(tmp_path / "a")}
+    with pytest.raises(ConfigError, match="unknown recipe 'int4'"):
+        load_config({**base, "quantize": {"recipe": "int4"}})
+    off = compile_pipeline(load_config(base), tmp_path / "off.yaml").read_text()
+    on = compile_pipeline(load_config({**base, "quantize": {"recipe": "fp8-dynamic"}}), tmp_path / "on.yaml").read_text()
+    assert "comp-quantize" not in off and "quantize searched" not in off
+    assert "comp-quantize" in on and "quantize searched" in on
+
+
+@pytest.mark.slow
+def test_a_prune_artifact_is_verified_its_lineage_recorded_and_a_second_run_reused(tmp_path):
+    from evoesap.errors import ArtifactError
+    from evoesap.stages.calibrate import CalibrateParams, run_calibrate
+    from evoesap.stages.prune import PruneParams, run_prune
+    from evoesap.steps import run_stage
+    from tiny_world import make_tiny_inputs
+
+    files = make_tiny_inputs(tmp_path)  # hidden 64: fp8-dynamic (per channel) fits any width
+    run_calibrate(files["model"], files["calibration"], CalibrateParams(samples=8, max_length=128), str(tmp_path / "cal"))
+    pruned = str(tmp_path / "pruned")
+    run_prune(files["model"], str(tmp_path / "cal"), PruneParams(criterion="reap", sparsity=0.5), pruned)
+    params, out = QuantizeParams(recipe="fp8-dynamic"), str(tmp_path / "q")
+    made = run_stage("quantize", {"model": pruned, "data": None}, params, out)
+    assert made.inputs["model"]["manifest_sha256"] == artifacts.manifest_sha256(pruned)
+    assert run_stage("quantize", {"model": pruned, "data": None}, params, out) == made  # same key: reused, not redone
+    weights = Path(pruned) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + bytes(8))  # same size, other bytes
+    with pytest.raises(ArtifactError, match="does not match the sha256 in its manifest"):
+        run_quantize(pruned, params, str(tmp_path / "q2"))
+    assert not (tmp_path / "q2").exists()
