@@ -18,6 +18,14 @@ def pytest_configure(config):
     runtime.use_cpu_threads(parameters=0)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test` runs two workers) every test that needs the demo world goes to one
+    worker: it trains the world once (single-threaded, minutes) while the other worker runs the rest."""
+    for item in items:
+        if "demo_world" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("demo_world"))
+
+
 def demo_cache_dir() -> Path:
     """EVOESAP_DEMO_CACHE (when set and not empty), else <repo>/.cache/demo-world (gitignored), so local reruns
     reuse the build."""
