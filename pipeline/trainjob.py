@@ -162,13 +162,17 @@ class _TrainJob:
         self.where = f"TrainJob {namespace}/{self.name}"
 
     def run(self) -> None:
+        """Create the job and follow it; its Failed condition is raised as one line (the job kept for inspection)."""
         self._create()
-        finished = False
+        ended = None
         try:
-            finished = self._wait()
+            ended = self._wait()
         finally:
-            if not finished:  # cancelled (SIGTERM) or the launcher failed: its workers must not run on unseen
+            if ended is None:  # cancelled (SIGTERM) or the launcher failed: its workers must not run on unseen
                 self._delete()
+        if ended["type"] == "Failed":
+            raise EvoESAPError(self._failure(ended))
+        log.info("%s completed", self.where)
 
     def _create(self) -> None:
         from kubernetes.client.exceptions import ApiException
@@ -191,17 +195,14 @@ class _TrainJob:
             time.sleep(self.poll)
         self.objects.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.body)
 
-    def _wait(self) -> bool:
-        """Follow the job until it ends: True when Complete; its Failed condition raised as one line."""
+    def _wait(self) -> dict[str, Any]:
+        """Follow the job until it ends: its Complete or Failed condition."""
         seen = None
         while True:
             job = self._get()
             ended = _condition(job, ("Complete", "Failed"))
-            if ended is not None and ended["type"] == "Complete":
-                log.info("%s completed", self.where)
-                return True
             if ended is not None:
-                raise EvoESAPError(self._failure(ended))
+                return ended
             state = (_condition(job, ("Suspended", "Created")) or {}).get("reason") or "pending"
             if state != seen:
                 log.info("%s: %s", self.where, state)
@@ -287,10 +288,14 @@ def _api_client() -> Any:
     """The Kubernetes API: the pod's service account inside a cluster, else the kubeconfig (KUBECONFIG)."""
     from kubernetes import client, config
 
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config()
-    else:
-        config.load_kube_config()
+    try:
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_incluster_config()
+        else:  # the variable as it is now (the client reads it once, when imported)
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+    except config.ConfigException as exc:
+        raise EvoESAPError(f"no Kubernetes API to create the search's TrainJob in ({exc}): run the pipeline on a "
+                           "cluster, or point KUBECONFIG at one") from None
     return client.ApiClient()
 
 
@@ -301,7 +306,7 @@ def _namespace() -> str:
     from kubernetes import config
 
     with contextlib.suppress(Exception):
-        return config.list_kube_config_contexts()[1]["context"].get("namespace") or "default"
+        return config.list_kube_config_contexts(os.environ.get("KUBECONFIG"))[1]["context"].get("namespace") or "default"
     return "default"
 
 
