@@ -205,10 +205,7 @@ def launch(entry: str, inputs: Mapping[str, Any], params: Any, out_uri: str, che
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from evoesap.progress import is_quiet
-
-    spec = {"inputs": dict(inputs), "params": dataclasses.asdict(params), "out_uri": out_uri,
-            "log_level": logging.getLogger().getEffectiveLevel(), "quiet": is_quiet()}
+    spec = worker_spec(inputs, params, out_uri)
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=params.workers, run_id=f"evoesap-search-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # torchrun --standalone: a free local port
@@ -225,6 +222,15 @@ def launch(entry: str, inputs: Mapping[str, Any], params: Any, out_uri: str, che
         except ChildFailedError as exc:
             raise _failure(exc, params, checkpoint) from None
     return artifacts.read_manifest(out_uri)
+
+
+def worker_spec(inputs: Mapping[str, Any], params: Any, out_uri: str) -> dict[str, Any]:
+    """What every worker reads (`evoesap.stages.search_workers`): the stage's inputs, parameters and output, and
+    this process's logging, the same whether `launch` or a cluster job (`evoesap.pipeline.trainjob`) starts them."""
+    from evoesap.progress import is_quiet
+
+    return {"inputs": dict(inputs), "params": dataclasses.asdict(params), "out_uri": out_uri,
+            "log_level": logging.getLogger().getEffectiveLevel(), "quiet": is_quiet()}
 
 
 def _failure(exc: Any, params: Any, checkpoint: str) -> errors.EvoESAPError:

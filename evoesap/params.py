@@ -15,11 +15,19 @@ from typing import Any, ClassVar, Mapping
 from evoesap.errors import ConfigError
 
 _HELP = "help"
+_KEYED = "keyed"
 
 
-def param(default: Any, help: str) -> Any:  # noqa: A002 - the word every CLI library uses
-    """A parameter field: its default and the one sentence that documents it everywhere."""
-    return dataclasses.field(default=default, metadata={_HELP: help})
+def param(default: Any, help: str, keyed: bool = True) -> Any:  # noqa: A002 - the word every CLI library uses
+    """A parameter field: its default and the one sentence that documents it everywhere. `keyed=False`: how the
+    stage runs, not what it makes (the artifact is the same for every value), so it stays out of the reuse key."""
+    return dataclasses.field(default=default, metadata={_HELP: help, _KEYED: keyed})
+
+
+def keyed(params: Any) -> dict[str, Any]:
+    """The parameters that determine a stage's artifact: its reuse key and its manifest's record."""
+    values = dataclasses.asdict(params)
+    return {f.name: values[f.name] for f in dataclasses.fields(params) if f.metadata.get(_KEYED, True)}
 
 
 def help_of(field: dataclasses.Field) -> str:

@@ -9,7 +9,6 @@ is found finished and skipped.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Mapping, Sequence
 
@@ -42,7 +41,7 @@ def _flat_inputs(inputs: Mapping[str, str | Sequence[str] | None]) -> dict[str, 
 def output_uri(stage: str, storage_root: str, inputs: Mapping[str, Any], params: Any) -> str:
     """Content-addressed output location of a stage run."""
     described = artifacts.describe_inputs(_flat_inputs(inputs))
-    key = artifacts.cache_key(stage, dataclasses.asdict(params), described)
+    key = artifacts.cache_key(stage, parameters.keyed(params), described)
     return artifacts.join(storage_root, stage, key[:24])
 
 
@@ -51,7 +50,7 @@ def run_stage(stage: str, inputs: Mapping[str, Any], params: Any, out_uri: str) 
     it records the same stage, parameters and inputs."""
     function = stages.get(stage).function()
     artifacts.preflight(out_uri, stage, _flat_inputs(inputs))  # before any work: never destroy, inputs exist
-    done = artifacts.cached(out_uri, stage, dataclasses.asdict(params), _flat_inputs(inputs))
+    done = artifacts.cached(out_uri, stage, parameters.keyed(params), _flat_inputs(inputs))
     if done is not None:
         log.info("%s: reusing the finished artifact at %s", stage, artifacts.redact(out_uri))
         return done

@@ -96,6 +96,8 @@ class StageSettings(_Strict):
     labels: dict[str, str] = {}  # pod labels (cost centre, team, policy selectors)
     annotations: dict[str, str] = {}  # pod annotations
     node_affinity: list[Affinity] = []  # beyond `node_selector`: In/NotIn/Exists... terms, required or preferred
+    # search with workers > 1 (a Kubeflow Trainer TrainJob, pipeline.trainjob): the ClusterTrainingRuntime it runs under
+    training_runtime: str | None = None  # None: torch-distributed
 
     @field_validator("memory", "memory_request")
     @classmethod

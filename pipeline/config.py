@@ -86,6 +86,9 @@ class _Settings(BaseModel):
             raise ValueError(f"resources.all: set accelerators per stage, not for all (stages that can use one: "
                              f"{', '.join(stages.MODEL_STAGES)})")
         for stage, settings in self.resources.items():
+            if stage not in ("search", "all") and settings.training_runtime:
+                raise ValueError(f"resources.{stage}.training_runtime: only the search runs as a multi-worker job; "
+                                 "set it under resources.search")
             if stage not in (*stages.MODEL_STAGES, "all") and settings.accelerator_count:
                 raise ValueError(
                     f"resources.{stage}: {stage} loads no model and cannot use an accelerator (prune works on the "
@@ -138,6 +141,11 @@ class _Settings(BaseModel):
         """The image a stage's pods run: its own `resources.<stage>.image`, else `default_image`."""
         return self.settings(stage).image or self.default_image
 
+    @property
+    def search_workers(self) -> int:
+        """The search's `workers`: above 1 the pipeline runs it as a Kubeflow Trainer job (`pipeline.trainjob`)."""
+        return self.parsed_params("search").workers
+
     def settings(self, stage: str) -> StageSettings:
         """The stage's Kubernetes settings: its own over `all`."""
         return merged(self.resources.get("all"), self.resources.get(stage))
@@ -163,6 +171,10 @@ def _check_stage_sections(config: PipelineConfig) -> None:
             raise ConfigError(f"{stage.section}: tensor_parallel x pipeline_parallel spans {needed} GPUs but "
                               f"resources.{stage.name}.accelerator_count is {have}: give the task {needed} GPUs "
                               "(accelerator_type and accelerator_count) or lower them")
+    if config.search_workers > 1:
+        from .trainjob import check_workers
+
+        check_workers(config.settings("search"), config.search_workers)
     targets = sorted(k for k in ("to", "repo") if config.stage_params("publish").get(k))
     if config.publish_models and targets and len(config.grid()) > 1:
         raise ConfigError(f"publish.{targets[0]} is one place, but publish_models publishes {len(config.grid())} models "

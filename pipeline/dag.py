@@ -17,9 +17,10 @@ from kfp import compiler, dsl
 from kfp.dsl import HTML, Input, Markdown, Model
 
 from evoesap.components import StageComponents, make_components
+from evoesap.components.trainjob import make_search_trainjob
 from evoesap.pipeline.feasibility import check_grid
 from evoesap.stages import STAGES
-from evoesap.pipeline import cluster
+from evoesap.pipeline import cluster, trainjob
 from evoesap.pipeline.config import PipelineConfig
 from evoesap.pipeline.files import SPEC_MARKER, claim_output_file
 
@@ -34,9 +35,10 @@ def _configure(task: Any, stage: str, config: PipelineConfig, label: str | None 
 
 
 def _gpu_params(stage: str, config: PipelineConfig) -> dict[str, Any]:
-    """Stage parameters, with the model spread over the task's GPUs when it has several."""
+    """Stage parameters, with the model spread over the task's GPUs when it has several (a multi-worker search
+    puts one worker on each GPU instead)."""
     params = config.stage_params(stage)
-    if config.settings(stage).accelerator_count > 1:
+    if config.settings(stage).accelerator_count > 1 and not (stage == "search" and config.search_workers > 1):
         params.setdefault("device_map", "auto")
     return params
 
@@ -47,6 +49,16 @@ def _without(func: Callable, name: str) -> Callable:
     signature = inspect.signature(func)
     func.__signature__ = signature.replace(parameters=[p for p in signature.parameters.values() if p.name != name])
     return func
+
+
+def _search_trainjob(config: PipelineConfig, args: dict[str, Any]) -> Any:
+    """The search task of a `workers > 1` configuration: the launcher (`pipeline.trainjob`), whose own pod asks for
+    no compute; the job's nodes get the search's image, resources and environment."""
+    settings, image = config.settings("search"), config.stage_image("search")
+    task = make_search_trainjob(image)(job=trainjob.job_template(settings, image), **args)
+    task.set_display_name(f"search on {config.search_workers} workers (TrainJob)")
+    task.set_caching_options(enable_caching=False)
+    return cluster.apply(task, trainjob.launcher_settings(settings), config.retries)
 
 
 Outputs = NamedTuple("Outputs", report=Markdown, report_html=HTML, pruned_models=List[Model])
@@ -115,11 +127,12 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
                      "evaluate full")
         with dsl.ParallelFor(grid, name="criterion-x-sparsity", parallelism=config.parallelism) as point:
             point_args = dict(criterion=point.criterion, sparsity=point.sparsity, storage_root=storage_root)
-            searched = stage(
-                "search",
-                comps.search(model=model, scores=scores.outputs["scores"], cache=cache.outputs["cache"], params=search_params,
-                             **heldout, **point_args),
-            )  # fmt: skip
+            search_args = dict(model=model, scores=scores.outputs["scores"], cache=cache.outputs["cache"],
+                               params=search_params, **heldout, **point_args)
+            if config.search_workers > 1:  # a Kubeflow Trainer job that this task launches and follows
+                searched = _search_trainjob(config, search_args)
+            else:
+                searched = stage("search", comps.search(**search_args))
             allocations = {"searched": {"allocation": searched.outputs["allocation"]}, "uniform": {}}  # uniform: none
             pruned = {
                 method: stage("prune", comps.prune(model=model, scores=scores.outputs["scores"], params=prune_params,

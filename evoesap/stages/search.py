@@ -33,7 +33,7 @@ import pandas as pd
 from evoesap import allocation as alloc
 from evoesap import artifacts, bounds, records, runtime
 from evoesap.errors import ConfigError
-from evoesap.params import DeviceParams, param
+from evoesap.params import DeviceParams, keyed, param
 from evoesap.progress import progress
 from evoesap.racing import Racing
 
@@ -72,7 +72,7 @@ class SearchParams(DeviceParams):
         "most half of the free memory."
     )
     workers: int = param(1, "Processes scoring each generation's candidates (torchrun underneath), each with a model "
-                            "replica (evoesap.distributed).")
+                            "replica (evoesap.distributed).", keyed=False)  # the same artifact on any number
 
     def __post_init__(self) -> None:
         from evoesap.importance import CRITERIA
@@ -386,7 +386,7 @@ def run_search(
 
     document = _allocation_document(params, scoring, result, best, finals)
     history = _history_frame(result.history)
-    with artifacts.stage_output(out_uri, "search", dataclasses.asdict(params), inputs, seen, run={"cost": cost}) as staging:
+    with artifacts.stage_output(out_uri, "search", keyed(params), inputs, seen, run={"cost": cost}) as staging:
         records.write(staging, records.ALLOCATION_FILE, document)
         history.to_parquet(staging / records.HISTORY_FILE, index=False)
         _plots(staging, params, history, {"uniform": uniform, "searched": best}, n)

@@ -1,7 +1,8 @@
-"""The processes of a multi-worker search (`python -m evoesap.stages.search_workers SPEC.json`, started by
-`evoesap.distributed.launch` under torch's elastic launcher): join the group, then rank 0 runs the search
-stage and the other ranks serve its batches. Kept apart from `evoesap.distributed` (the protocol), which
-imports no stage."""
+"""The processes of a multi-worker search (`python -m evoesap.stages.search_workers SPEC`, started by
+`evoesap.distributed.launch` under torch's elastic launcher, or by `torchrun -m` in the pods of a Kubeflow Trainer
+job, `evoesap.pipeline.trainjob`): join the group, then rank 0 runs the search stage and the other ranks serve its
+batches. SPEC is a JSON file, or the JSON itself (a job's pods share no file). Kept apart from
+`evoesap.distributed` (the protocol), which imports no stage."""
 
 from __future__ import annotations
 
@@ -15,20 +16,35 @@ from typing import Any, Sequence
 from evoesap import distributed
 
 log = logging.getLogger(__name__)
+TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """One worker: an error is recorded for the launcher, which reports it in one line."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-    (path,) = sys.argv[1:] if argv is None else argv
-    spec = json.loads(Path(path).read_text())
+    (source,) = sys.argv[1:] if argv is None else argv
+    spec = json.loads(source if source.lstrip().startswith("{") else Path(source).read_text())
     try:
         _run(spec)
     except BaseException as exc:  # noqa: BLE001 (recorded, then this process exits non-zero)
         ErrorHandler().record_exception(exc)
+        _termination_message(exc)
         log.debug("worker failed", exc_info=True)
         sys.exit(1)
+
+
+def _termination_message(exc: BaseException) -> None:
+    """In a Kubernetes pod, this worker's one-line error where the pod's status shows it (and the job launcher
+    reads it): the container's termination message file, when there is one."""
+    path = Path(TERMINATION_LOG)
+    rank = os.environ.get("RANK", "?")
+    text = str(exc).strip().splitlines()
+    try:
+        if path.exists():
+            path.write_text(f"search worker {rank}: {type(exc).__name__}: {text[0] if text else ''}"[:4000])
+    except OSError:
+        pass
 
 
 def _run(spec: dict[str, Any]) -> None:

@@ -1,0 +1,327 @@
+"""A multi-worker search on Kubeflow: a Kubeflow Trainer v2 `TrainJob` created, followed and reported by the KFP task.
+
+With `search.workers > 1` the pipeline's search task is a launcher (`evoesap.components.trainjob`): it computes the
+search's content-addressed output URI exactly as a single-process run would (`evoesap.steps.output_uri`; `workers`
+is not part of the key), reuses a finished artifact there, else creates one TrainJob
+(trainer.kubeflow.org/v1alpha1, `runtimeRef` to a torch ClusterTrainingRuntime, `torch-distributed` by default)
+whose pods run `torchrun -m evoesap.stages.search_workers SPEC` with the runtime's PET_* rendezvous variables. Rank 0
+runs the search and publishes the artifact at that URI, the other ranks score (`evoesap.distributed`), as with
+`evoesap search --workers N` on one machine. The launcher waits for the job's Complete or Failed condition, raises
+one line with the job's own reason (and the failed worker's termination message), and hands the URI back so the
+KFP output artifact is filled from the same artifact a single-process run publishes.
+
+Topology: one worker per GPU. `resources.search` describes one node (pod): with `accelerator_count` G each node runs
+G workers, one per GPU (numProcPerNode G, numNodes workers / G); without accelerators each node runs one worker.
+The job's body uses only the fields every v1alpha1 release has (runtimeRef, trainer: image, command, args, env,
+numNodes, numProcPerNode, resourcesPerNode); pod placement (node selectors, tolerations, volumes, /dev/shm) is the
+runtime's template, the platform team's place for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from evoesap.errors import ConfigError, EvoESAPError
+from evoesap.params import keyed
+
+from .cluster import StageSettings
+
+log = logging.getLogger(__name__)
+
+GROUP, VERSION, PLURAL, KIND = "trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob"
+DEFAULT_RUNTIME = "torch-distributed"
+ENTRY = "evoesap.stages.search_workers"
+POLL_SECONDS = 15.0
+# settings that place a pod; a TrainJob's pods are placed by its runtime's template, so they are refused for workers
+PLACEMENT = ("node_selector", "tolerations", "node_affinity", "volumes", "shm_size", "scratch")
+# what the worker pods ask for; the launcher pod asks for none of it
+COMPUTE = ("cpu", "memory", "cpu_request", "memory_request", "accelerator_type", "accelerator_count")
+_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+
+
+def check_workers(settings: StageSettings, workers: int) -> None:
+    """Refuse, when the configuration loads, a multi-worker search whose settings its TrainJob cannot carry."""
+    placed = [name for name in PLACEMENT if getattr(settings, name)]
+    if placed:
+        raise ConfigError(
+            f"resources.search: {', '.join(placed)} cannot reach the pods of a multi-worker search (workers: {workers}), "
+            f"which the Kubeflow Trainer runtime places: set them in the ClusterTrainingRuntime "
+            f"{settings.training_runtime or DEFAULT_RUNTIME!r} (resources.search.training_runtime), or run with workers: 1"
+        )
+    procs = procs_per_node(settings)
+    if workers % procs:
+        raise ConfigError(f"search.workers {workers} is not a multiple of resources.search.accelerator_count {procs}: "
+                          "each node runs one worker per GPU")
+
+
+def launcher_settings(settings: StageSettings) -> StageSettings:
+    """The launcher task's own pod: storage secrets, env, labels, retries and timeout, no compute and no placement."""
+    dropped = {*COMPUTE, *PLACEMENT, "training_runtime"}
+    return StageSettings(**{k: v for k, v in settings.model_dump(exclude_unset=True).items() if k not in dropped})
+
+
+def procs_per_node(settings: StageSettings) -> int:
+    """Workers per node: one per GPU, else one."""
+    return settings.accelerator_count or 1
+
+
+def job_template(settings: StageSettings, image: str) -> dict[str, Any]:
+    """What the launcher needs to make the job, fixed when the pipeline compiles (plain JSON, a task input)."""
+    requests = {k: v for k, v in (("cpu", settings.cpu_request), ("memory", settings.memory_request)) if v}
+    limits = {k: v for k, v in (("cpu", settings.cpu), ("memory", settings.memory)) if v}
+    if settings.accelerator_count:
+        limits[settings.accelerator_type] = str(settings.accelerator_count)
+    procs = procs_per_node(settings)
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in settings.env.items()]
+    cpu = settings.cpu or settings.cpu_request
+    if cpu and "OMP_NUM_THREADS" not in settings.env:  # the node's cores, not the host's, split over its workers
+        cores = float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
+        env.append({"name": "OMP_NUM_THREADS", "value": str(max(1, int(cores) // procs))})
+    for secret in settings.secrets:
+        env += [{"name": var, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": key}}}
+                for key, var in secret.env.items()]
+    resources = {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+    return {"runtime": settings.training_runtime or DEFAULT_RUNTIME, "image": image, "procs_per_node": procs,
+            "resources": resources, "env": env, "labels": dict(settings.labels),
+            "annotations": dict(settings.annotations), "poll_seconds": POLL_SECONDS}
+
+
+def job_name(out_uri: str) -> str:
+    """One name per output: a retried launcher finds the job its earlier attempt started."""
+    return f"evoesap-search-{out_uri.rstrip('/').rsplit('/', 1)[-1][:12]}"
+
+
+def trainjob(template: Mapping[str, Any], name: str, spec: Mapping[str, Any], workers: int) -> dict[str, Any]:
+    """The TrainJob resource for a worker `spec` (`evoesap.distributed.worker_spec`) on `workers` processes."""
+    procs = int(template["procs_per_node"])
+    if workers % procs:
+        raise ConfigError(f"search.workers {workers} is not a multiple of the {procs} workers per node "
+                          "(resources.search.accelerator_count)")
+    trainer: dict[str, Any] = {
+        "image": template["image"],
+        "command": ["torchrun", "-m", ENTRY],
+        "args": [json.dumps(spec, sort_keys=True)],
+        "numNodes": workers // procs,
+        "numProcPerNode": procs,
+    }
+    if template["env"]:
+        trainer["env"] = list(template["env"])
+    if template["resources"]:
+        trainer["resourcesPerNode"] = dict(template["resources"])
+    metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "evoesap",
+                                                         "app.kubernetes.io/component": "search", **template["labels"]}}
+    if template["annotations"]:
+        metadata["annotations"] = dict(template["annotations"])
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": metadata,
+            "spec": {"runtimeRef": {"name": template["runtime"], "apiGroup": GROUP, "kind": "ClusterTrainingRuntime"},
+                     "trainer": trainer}}
+
+
+def run_search_job(template: Mapping[str, Any], storage_root: str, inputs: Mapping[str, Any],
+                   params: Mapping[str, Any], api_client: Any = None, namespace: str | None = None) -> str:
+    """Run the search stage as a TrainJob (see the module docstring); return its artifact's URI."""
+    from evoesap import artifacts, distributed
+    from evoesap.steps import make_params, output_uri
+
+    parsed = make_params("search", params)
+    out = output_uri("search", storage_root, inputs, parsed)
+    artifacts.preflight(out, "search", dict(inputs))
+    if artifacts.cached(out, "search", keyed(parsed), dict(inputs)) is not None:
+        log.info("search: reusing the finished artifact at %s", artifacts.redact(out))
+        return out
+    api_client = api_client or _api_client()
+    namespace = namespace or _namespace()
+    body = trainjob(template, job_name(out), distributed.worker_spec(inputs, parsed, out), parsed.workers)
+    with _stop_on_sigterm():
+        _TrainJob(api_client, namespace, body, float(template.get("poll_seconds", POLL_SECONDS))).run()
+    try:
+        artifacts.read_manifest(out, "search")
+    except EvoESAPError as exc:
+        raise EvoESAPError(f"TrainJob {namespace}/{body['metadata']['name']} completed but published no search "
+                           f"artifact at {artifacts.redact(out)}: {exc}") from None
+    return out
+
+
+class _TrainJob:
+    """One TrainJob through the Kubernetes API: created (or adopted), followed to its end, deleted when abandoned."""
+
+    def __init__(self, api_client: Any, namespace: str, body: dict[str, Any], poll_seconds: float) -> None:
+        from kubernetes import client
+
+        self.objects, self.core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
+        self.namespace, self.body, self.poll = namespace, body, poll_seconds
+        self.name = body["metadata"]["name"]
+        self.where = f"TrainJob {namespace}/{self.name}"
+
+    def run(self) -> None:
+        """Create the job and follow it; its Failed condition is raised as one line (the job kept for inspection)."""
+        self._create()
+        ended = None
+        try:
+            ended = self._wait()
+        finally:
+            if ended is None:  # cancelled (SIGTERM) or the launcher failed: its workers must not run on unseen
+                self._delete()
+        if ended["type"] == "Failed":
+            raise EvoESAPError(self._failure(ended))
+        log.info("%s completed", self.where)
+
+    def _create(self) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.objects.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.body)
+            log.info("created %s (%d nodes x %d workers)", self.where, self.body["spec"]["trainer"]["numNodes"],
+                     self.body["spec"]["trainer"]["numProcPerNode"])
+            return
+        except ApiException as exc:
+            if exc.status != 409:
+                raise self._refused("create", exc) from None
+        existing = self._get()
+        if _condition(existing, ("Complete", "Failed")) is None:
+            log.info("%s is already running (an earlier attempt of this task): following it", self.where)
+            return
+        log.info("%s ended in an earlier attempt without a usable artifact: replacing it", self.where)
+        self._delete()
+        while self._get(missing_ok=True) is not None:
+            time.sleep(self.poll)
+        self.objects.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.body)
+
+    def _wait(self) -> dict[str, Any]:
+        """Follow the job until it ends: its Complete or Failed condition."""
+        seen = None
+        while True:
+            job = self._get()
+            ended = _condition(job, ("Complete", "Failed"))
+            if ended is not None:
+                return ended
+            state = (_condition(job, ("Suspended", "Created")) or {}).get("reason") or "pending"
+            if state != seen:
+                log.info("%s: %s", self.where, state)
+                seen = state
+            time.sleep(self.poll)
+
+    def _failure(self, condition: Mapping[str, Any]) -> str:
+        reason = condition.get("reason") or "Failed"
+        message = _first_line(condition.get("message") or "")
+        worker = self._worker_message()
+        text = f"search {self.where} failed ({reason})" + (f": {message}" if message else "")
+        return text + (f"; {worker}" if worker and worker not in text else "")
+
+    def _worker_message(self) -> str:
+        """The termination message of the worker that failed first (`search_workers` writes its one-line error there)."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            pods = self.core.list_namespaced_pod(self.namespace, label_selector=f"jobset.sigs.k8s.io/jobset-name={self.name}")
+        except ApiException:
+            return ""  # no right to list pods: the job's own reason stands alone
+        ended = []
+        for pod in pods.items:
+            for status in pod.status.container_statuses or []:
+                done = status.state.terminated if status.state else None
+                if done is not None and done.exit_code and (done.message or "").strip():
+                    ended.append((done.exit_code in (137, 143), done.finished_at or 0, pod.metadata.name, done.message))
+        if not ended:
+            return ""
+        _, _, pod, message = min(ended, key=lambda e: (e[0], str(e[1]), e[2]))  # not a SIGTERMed bystander first
+        return f"pod {pod}: {_first_line(message)}"
+
+    def _get(self, missing_ok: bool = False) -> dict[str, Any] | None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return self.objects.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+        except ApiException as exc:
+            if missing_ok and exc.status == 404:
+                return None
+            raise self._refused("read", exc) from None
+
+    def _delete(self) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        with contextlib.suppress(ApiException):
+            self.objects.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name,
+                                                         propagation_policy="Foreground")
+            log.info("deleted %s", self.where)
+
+    def _refused(self, verb: str, exc: Any) -> EvoESAPError:
+        detail = _first_line(_api_message(exc.body) or str(exc.reason or ""))
+        if exc.status == 404 and verb == "create":
+            return EvoESAPError(f"the cluster has no {KIND} API ({GROUP}/{VERSION}) in namespace {self.namespace}: "
+                                f"install Kubeflow Trainer v2, or run the search with workers: 1 ({detail})")
+        if exc.status in (401, 403):
+            return EvoESAPError(f"the Kubernetes API refused to {verb} {self.where} (HTTP {exc.status}): give the "
+                                f"pipeline's service account create, get and delete on trainjobs.{GROUP} and list on "
+                                f"pods in {self.namespace} ({detail})")
+        return EvoESAPError(f"the Kubernetes API could not {verb} {self.where} (HTTP {exc.status}): {detail}")
+
+
+def _condition(job: Mapping[str, Any] | None, types: tuple[str, ...]) -> dict[str, Any] | None:
+    for condition in ((job or {}).get("status") or {}).get("conditions") or []:
+        if condition.get("type") in types and condition.get("status") == "True":
+            return condition
+    return None
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[0][:500] if lines else ""
+
+
+def _api_message(body: Any) -> str:
+    try:
+        return str(json.loads(body).get("message", ""))
+    except (TypeError, ValueError, AttributeError):
+        return ""
+
+
+def _api_client() -> Any:
+    """The Kubernetes API: the pod's service account inside a cluster, else the kubeconfig (KUBECONFIG)."""
+    from kubernetes import client, config
+
+    try:
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_incluster_config()
+        else:  # the variable as it is now (the client reads it once, when imported)
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+    except config.ConfigException as exc:
+        raise EvoESAPError(f"no Kubernetes API to create the search's TrainJob in ({exc}): run the pipeline on a "
+                           "cluster, or point KUBECONFIG at one") from None
+    return client.ApiClient()
+
+
+def _namespace() -> str:
+    """The launcher pod's own namespace (a KFP profile's), else the kubeconfig context's, else default."""
+    if _NAMESPACE_FILE.is_file():
+        return _NAMESPACE_FILE.read_text().strip()
+    from kubernetes import config
+
+    with contextlib.suppress(Exception):
+        return config.list_kube_config_contexts(os.environ.get("KUBECONFIG"))[1]["context"].get("namespace") or "default"
+    return "default"
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm() -> Iterator[None]:
+    """SIGTERM (a cancelled KFP run) ends the wait as an exception, so the job is deleted on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,313 @@
+"""A `workers > 1` search on Kubeflow (evoesap.pipeline.trainjob): the compiled launcher task, and the launcher
+against a recording Kubernetes API server on 127.0.0.1 standing in for a cluster with Kubeflow Trainer v2."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import yaml
+
+from evoesap import artifacts
+from evoesap.errors import ConfigError, EvoESAPError
+from evoesap.pipeline.config import load_config
+from evoesap.pipeline.dag import compile_pipeline
+from evoesap.pipeline.trainjob import job_template, run_search_job
+from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
+from evoesap.stages.calibrate import CalibrateParams, run_calibrate
+from evoesap.stages.search import SearchParams, run_search
+from evoesap.steps import output_uri, run_step
+from tiny_world import make_tiny_inputs
+
+BASE = dict(model="/models/full", calibration_data="/data/code.jsonl", search_data="/data/math.jsonl",
+            storage_root="s3://bucket/runs", criteria=["reap"], sparsities=[0.5],
+            image="registry.example.org/evoesap/stage:1")
+GPU_NODES = {"cpu": "16", "memory": "120Gi", "cpu_request": "12", "memory_request": "100Gi",
+             "accelerator_type": "nvidia.com/gpu", "accelerator_count": 2, "env": {"NCCL_DEBUG": "WARN"},
+             "secrets": [{"name": "s3-credentials", "env": {"access_key": "AWS_ACCESS_KEY_ID"}}]}
+JOBS = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/team-a/trainjobs"
+SMALL = dict(criterion="reap", sparsity=0.5, population=4, elites=1, generations=1, batch_size=8)
+
+
+# ------------------------------------------------------------------------------------------ the compiled pipeline
+
+
+def _compile(tmp_path: Path, **overrides: Any) -> dict:
+    path = compile_pipeline(load_config({**BASE, **overrides}), tmp_path / "pipeline.yaml")
+    spec, *platform = yaml.safe_load_all(path.read_text())
+    return {"spec": spec, "platform": platform[0]["platforms"]["kubernetes"]["deploymentSpec"]["executors"] if platform else {}}
+
+
+def _tasks(spec: dict) -> dict[str, dict]:
+    return {name: task for component in spec["components"].values()
+            for name, task in component.get("dag", {}).get("tasks", {}).items()}
+
+
+def test_a_two_worker_search_compiles_to_the_trainjob_launcher_with_the_job_it_creates(tmp_path):
+    compiled = _compile(tmp_path, search={"workers": 2, "generations": 3}, resources={"search": GPU_NODES})
+    spec = compiled["spec"]
+    tasks = _tasks(spec)
+    (launcher,) = [t for t in tasks.values() if t["componentRef"]["name"] == "comp-search-trainjob"]
+    assert "comp-search" not in spec["components"]  # the plain search task is gone
+    assert launcher["taskInfo"]["name"] == "search on 2 workers (TrainJob)"
+    job = launcher["inputs"]["parameters"]["job"]["runtimeValue"]["constant"]
+    assert job["runtime"] == "torch-distributed" and job["image"] == BASE["image"] and job["procs_per_node"] == 2
+    assert job["resources"] == {"requests": {"cpu": "12", "memory": "100Gi"},
+                                "limits": {"cpu": "16", "memory": "120Gi", "nvidia.com/gpu": "2"}}
+    assert {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "s3-credentials", "key": "access_key"}}} in job["env"]
+    assert {"name": "OMP_NUM_THREADS", "value": "8"} in job["env"]  # 16 cores over 2 workers per node
+    # the search's parameters reach the launcher unchanged, and without device_map: one worker per GPU
+    search_params = spec["root"]["inputDefinitions"]["parameters"]["search_params"]["defaultValue"]
+    assert search_params == {"workers": 2, "generations": 3}
+    executor = spec["deploymentSpec"]["executors"]["exec-search-trainjob"]["container"]
+    assert executor["image"] == BASE["image"] and "run_search_job" in executor["command"][-1]
+    assert not executor.get("resources")  # the launcher's own pod asks for no GPU, CPU or memory
+    assert [s["secretName"] for s in compiled["platform"]["exec-search-trainjob"]["secretAsEnv"]] == ["s3-credentials"]
+
+
+def test_one_worker_keeps_the_plain_search_task(tmp_path):
+    spec = _compile(tmp_path, search={"workers": 1}, resources={"search": GPU_NODES})["spec"]
+    assert "comp-search" in spec["components"] and "comp-search-trainjob" not in spec["components"]
+    resources = spec["deploymentSpec"]["executors"]["exec-search"]["container"]["resources"]
+    assert resources["accelerator"]["resourceCount"] == "2"
+
+
+@pytest.mark.parametrize(("search", "resources", "message"), [
+    ({"workers": 2}, {"search": {"node_selector": {"pool": "gpu"}}}, "node_selector cannot reach the pods of a multi-worker"),
+    ({"workers": 2}, {"all": {"shm_size": "8Gi"}}, "shm_size .*ClusterTrainingRuntime 'torch-distributed'"),
+    ({"workers": 3}, {"search": GPU_NODES}, "workers 3 is not a multiple of resources.search.accelerator_count 2"),
+    ({"workers": 1}, {"prune": {"training_runtime": "mine"}}, "only the search runs as a multi-worker job"),
+])
+def test_settings_a_trainjob_cannot_carry_are_refused_when_the_configuration_loads(search, resources, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config({**BASE, "search": search, "resources": resources})
+
+
+# ------------------------------------------------------------------------------------ a recording Kubernetes API
+
+
+class KubeAPI(BaseHTTPRequestHandler):
+    """The TrainJob and pod calls of the launcher; each (method, path, body) recorded. `states`: what successive
+    looks at the job answer (a condition type, "" for none yet, or an HTTP status); `on_complete` runs before the
+    Complete answer (the job's rank 0 publishing); `existing`: a job of that name already there (409 on create)."""
+
+    requests: list[tuple[str, str, Any]] = []
+    states: list[Any] = []
+    failure: dict[str, str] = {}
+    pods: list[dict] = []
+    existing: dict | None = None
+    on_complete: Callable[[dict], None] | None = None
+
+    def _reply(self, body: Any, status: int = 200) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> Any:
+        length = int(self.headers.get("Content-Length") or 0)
+        return json.loads(self.rfile.read(length) or b"null") if length else None
+
+    def do_POST(self):  # noqa: N802
+        body = self._body()
+        self.requests.append(("POST", self.path, body))
+        if KubeAPI.existing is not None:
+            self._reply({"kind": "Status", "status": "Failure", "reason": "AlreadyExists", "code": 409}, 409)
+            return
+        KubeAPI.existing = body
+        self._reply(body, 201)
+
+    def do_GET(self):  # noqa: N802
+        url = urllib.parse.urlparse(self.path)
+        self.requests.append(("GET", url.path, urllib.parse.parse_qs(url.query)))
+        if url.path == "/api/v1/namespaces/team-a/pods":
+            self._reply({"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": self.pods})
+            return
+        if KubeAPI.existing is None:
+            self._reply({"kind": "Status", "code": 404}, 404)
+            return
+        state = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+        if isinstance(state, int):
+            self._reply({"kind": "Status", "message": "etcdserver: request timed out", "code": state}, state)
+            return
+        conditions = [{"type": "Created", "status": "True", "reason": "JobSetCreated"}]
+        if state == "Complete" and KubeAPI.on_complete is not None:
+            KubeAPI.on_complete(KubeAPI.existing)
+            KubeAPI.on_complete = None
+        if state in ("Complete", "Failed"):
+            conditions.append({"type": state, "status": "True", **(self.failure if state == "Failed" else {})})
+        self._reply({**KubeAPI.existing, "status": {"conditions": conditions}})
+
+    def do_DELETE(self):  # noqa: N802
+        self.requests.append(("DELETE", self.path, self._body()))
+        KubeAPI.existing = None
+        self._reply({"kind": "Status", "status": "Success"})
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def kube(tmp_path, monkeypatch) -> Iterator[str]:
+    """The API on 127.0.0.1, reached the way the launcher outside a cluster reaches one: a kubeconfig (namespace team-a)."""
+    KubeAPI.requests, KubeAPI.states, KubeAPI.failure, KubeAPI.pods = [], [""], {}, []
+    KubeAPI.existing, KubeAPI.on_complete = None, None
+    server = ThreadingHTTPServer(("127.0.0.1", 0), KubeAPI)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    kubeconfig = {"apiVersion": "v1", "kind": "Config", "current-context": "test",
+                  "clusters": [{"name": "test", "cluster": {"server": url}}],
+                  "users": [{"name": "test", "user": {"token": "t0ken"}}],
+                  "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test", "namespace": "team-a"}}]}
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    yield url
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trainjob")
+    files = make_tiny_inputs(root)
+    inputs = {"model": files["model"], "scores": str(root / "scores"), "cache": str(root / "cache"), "heldout_cache": None}
+    run_calibrate(files["model"], files["calibration"], CalibrateParams(samples=8, max_length=128), inputs["scores"])
+    run_cache_logits(files["model"], files["search"], CacheLogitsParams(samples=6, max_length=128, dtype="float32"),
+                     inputs["cache"])
+    return inputs
+
+
+def _template(workers_per_node: int = 2) -> dict:
+    config = load_config({**BASE, "search": {"workers": 4}, "resources": {"search": GPU_NODES}})
+    template = job_template(config.settings("search"), config.stage_image("search"))
+    assert template["procs_per_node"] == workers_per_node
+    return {**template, "poll_seconds": 0}
+
+
+def _rank_zero(job: dict) -> None:
+    """What the job's rank 0 does, here in one process: the search into the URI the launcher gave it."""
+    (spec,) = job["spec"]["trainer"]["args"]
+    spec = json.loads(spec)
+    run_search(**spec["inputs"], params=SearchParams(**{**spec["params"], "workers": 1}), out_uri=spec["out_uri"])
+
+
+def _calls(method: str) -> list[tuple[str, Any]]:
+    return [(path, body) for m, path, body in KubeAPI.requests if m == method]
+
+
+def test_the_launcher_creates_the_trainjob_waits_for_it_and_returns_the_single_process_artifact(kube, world, tmp_path):
+    root = str(tmp_path / "store")
+    params = {**SMALL, "workers": 4}
+    KubeAPI.states, KubeAPI.on_complete = ["", "", "Complete"], _rank_zero
+    uri = run_search_job(_template(), root, world, params)
+    ((path, job),) = _calls("POST")
+    assert path == JOBS
+    assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
+    assert re.fullmatch(r"evoesap-search-[0-9a-f]{12}", job["metadata"]["name"])
+    assert job["spec"]["runtimeRef"] == {"name": "torch-distributed", "apiGroup": "trainer.kubeflow.org",
+                                         "kind": "ClusterTrainingRuntime"}
+    trainer = job["spec"]["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 2)  # 4 workers, one per GPU, 2 GPUs a node
+    assert trainer["image"] == BASE["image"]
+    assert trainer["command"] == ["torchrun", "-m", "evoesap.stages.search_workers"]
+    assert trainer["resourcesPerNode"]["limits"] == {"cpu": "16", "memory": "120Gi", "nvidia.com/gpu": "2"}
+    assert trainer["resourcesPerNode"]["requests"] == {"cpu": "12", "memory": "100Gi"}
+    env = {e["name"]: e for e in trainer["env"]}
+    assert env["NCCL_DEBUG"]["value"] == "WARN"
+    assert env["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"] == {"name": "s3-credentials", "key": "access_key"}
+    spec = json.loads(trainer["args"][0])
+    assert spec["inputs"] == world and spec["params"]["workers"] == 4 and spec["out_uri"] == uri
+    # the URI a one-process run computes, and a one-process run there reuses the job's artifact
+    one = SearchParams(**SMALL)
+    assert uri == output_uri("search", root, world, one)
+    made = artifacts.read_manifest(uri, "search")
+    assert run_step("search", root, world, dataclasses.asdict(one)) == uri
+    assert artifacts.read_manifest(uri, "search") == made
+    assert "workers" not in made.params
+    assert not _calls("DELETE")  # a finished job is left to the cluster's TTL, as any job
+    # the same search again: reused, no job created
+    assert run_search_job(_template(), root, world, params) == uri and len(_calls("POST")) == 1
+
+
+def test_a_failed_job_fails_the_task_with_the_job_s_reason_and_the_failed_worker_s_message(kube, world, tmp_path):
+    KubeAPI.states = ["", "Failed"]
+    KubeAPI.failure = {"reason": "JobSetFailed", "message": "jobset failed: replicated job node failed, backoffLimit reached\nmore"}
+    terminated = lambda name, code, message: {  # noqa: E731
+        "metadata": {"name": name},
+        "status": {"containerStatuses": [{"name": "node", "ready": False, "restartCount": 0, "image": BASE["image"],
+                                          "imageID": "", "state": {"terminated": {"exitCode": code, "message": message,
+                                                                                  "finishedAt": "2026-11-26T10:00:00Z"}}}]}}
+    KubeAPI.pods = [terminated("evoesap-search-x-node-0-0", 143, "search worker 0: SIGTERM"),
+                    terminated("evoesap-search-x-node-0-1", 1, "search worker 3: ModelError: CUDA out of memory\ntrace")]
+    with pytest.raises(EvoESAPError) as caught:
+        run_search_job(_template(), str(tmp_path / "store"), world, {**SMALL, "workers": 4})
+    message = str(caught.value)
+    assert "\n" not in message
+    assert re.fullmatch(r"search TrainJob team-a/evoesap-search-[0-9a-f]{12} failed \(JobSetFailed\): jobset failed: "
+                        r"replicated job node failed, backoffLimit reached; pod evoesap-search-x-node-0-1: "
+                        r"search worker 3: ModelError: CUDA out of memory", message), message
+    (_, query), = [(p, q) for m, p, q in KubeAPI.requests if m == "GET" and p.endswith("/pods")]
+    assert query["labelSelector"] == [f"jobset.sigs.k8s.io/jobset-name={message.split('/')[1].split()[0]}"]
+    assert not _calls("DELETE")  # kept, with its pods' logs, for whoever looks into it
+
+
+def test_a_launcher_that_stops_waiting_deletes_its_job(kube, world, tmp_path):
+    KubeAPI.states = ["", 500]
+    with pytest.raises(EvoESAPError, match=r"could not read TrainJob team-a/\S+ \(HTTP 500\): etcdserver: request timed out"):
+        run_search_job(_template(), str(tmp_path / "store"), world, {**SMALL, "workers": 4})
+    ((path, _),) = _calls("DELETE")
+    assert re.fullmatch(re.escape(JOBS) + r"/evoesap-search-[0-9a-f]{12}\?propagationPolicy=Foreground", path), path
+
+
+def test_a_retried_launcher_follows_the_job_its_earlier_attempt_started(kube, world, tmp_path):
+    root = str(tmp_path / "store")
+    params = {**SMALL, "workers": 4}
+    KubeAPI.existing = {"metadata": {"name": "earlier"}, "spec": {"trainer": {"args": [json.dumps(
+        {"inputs": world, "params": {**SMALL, "workers": 4}, "out_uri": output_uri("search", root, world, SearchParams(**SMALL))})]}}}
+    KubeAPI.states, KubeAPI.on_complete = ["", "Complete"], _rank_zero
+    uri = run_search_job(_template(), root, world, params)
+    assert len(_calls("POST")) == 1 and not _calls("DELETE")  # the 409, then only looks at the running job
+    artifacts.read_manifest(uri, "search")
+
+
+def test_the_component_reads_the_job_s_inputs_where_every_pod_can_and_fills_its_artifact(kube, world, tmp_path):
+    from kfp import dsl
+
+    from evoesap.components.trainjob import search_trainjob
+
+    model = dsl.Model(uri=world["model"], metadata={"revision": ""})
+    ours = {name: dsl.Dataset(uri=f"minio://kfp/{name}", metadata={"uri": world[name], "stage": name})
+            for name in ("scores", "cache")}
+    allocation = dsl.Artifact(uri=str(tmp_path / "kfp" / "allocation"), metadata={})
+    KubeAPI.states, KubeAPI.on_complete = ["Complete"], _rank_zero
+    search_trainjob(model=model, **ours, criterion="reap", sparsity=0.5, storage_root=str(tmp_path / "store"),
+                    job=_template(), allocation=allocation, params={k: v for k, v in SMALL.items()
+                                                                     if k not in ("criterion", "sparsity")} | {"workers": 2})
+    ((_, job),) = _calls("POST")
+    assert json.loads(job["spec"]["trainer"]["args"][0])["inputs"] == world
+    assert job["spec"]["trainer"]["numNodes"] == 1  # 2 workers, 2 per node
+    assert allocation.metadata["stage"] == "search" and Path(allocation.path, "allocation.json").is_file()
+
+
+def test_a_worker_writes_its_one_line_error_where_the_pod_status_shows_it(tmp_path, monkeypatch):
+    from evoesap.stages import search_workers
+
+    log = tmp_path / "termination-log"
+    log.write_text("")
+    monkeypatch.setattr(search_workers, "TERMINATION_LOG", str(log))
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    spec = {"inputs": {}, "params": {}, "out_uri": str(tmp_path / "out"), "log_level": 30, "quiet": True}
+    with pytest.raises(SystemExit):
+        search_workers.main([json.dumps(spec)])  # the spec inline, as a job's pods get it
+    assert log.read_text() == "search worker 3: KeyError: 'LOCAL_RANK'"
