@@ -285,7 +285,8 @@ def test_backend_has_one_name_in_the_python_api_the_cli_and_the_pipeline_config(
 def test_stage_images_install_the_plugin_and_name_its_python():
     for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
         text = (REPO / "images" / dockerfile).read_text()
-        assert "COPY serving/vllm ./serving/vllm" in text and '"./serving/vllm[eval]"' in text, dockerfile
+        assert "COPY serving/vllm ./serving/vllm" in text and "pip install --no-deps ./serving/vllm" in text, dockerfile
+        assert "--require-hashes --no-deps -r requirements-vllm" in text, dockerfile  # its [eval] extras: the lock
         assert "ENV EVOESAP_VLLM_PYTHON=/opt/vllm/bin/python" in text, dockerfile
 
 
