@@ -20,10 +20,14 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`make test` runs two workers) every test that needs the demo world goes to one
-    worker: it trains the world once (single-threaded, minutes) while the other worker runs the rest."""
+    worker, first: it trains the world once (single-threaded, minutes) while the other worker runs the rest."""
+    def needs_world(item) -> bool:
+        return "demo_world" in getattr(item, "fixturenames", ())
+
     for item in items:
-        if "demo_world" in getattr(item, "fixturenames", ()):
+        if needs_world(item):
             item.add_marker(pytest.mark.xdist_group("demo_world"))
+    items.sort(key=lambda item: not needs_world(item))  # stable: the rest keep their order
 
 
 def demo_cache_dir() -> Path:
