@@ -18,16 +18,41 @@ def pytest_configure(config):
     runtime.use_cpu_threads(parameters=0)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (`make test` runs two workers) every test that needs the demo world goes to one
-    worker, first: it trains the world once (single-threaded, minutes) while the other worker runs the rest."""
-    def needs_world(item) -> bool:
-        return "demo_world" in getattr(item, "fixturenames", ())
+def needs_world(item: pytest.Item) -> bool:
+    return "demo_world" in getattr(item, "fixturenames", ())
 
-    for item in items:
-        if needs_world(item):
-            item.add_marker(pytest.mark.xdist_group("demo_world"))
-    items.sort(key=lambda item: not needs_world(item))  # stable: the rest keep their order
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that need the demo world run last: under pytest-xdist (`make test` runs two workers) the world
+    trains meanwhile in a process of its own (`pytest_sessionstart`), so no worker waits for it."""
+    items.sort(key=needs_world)  # stable: each part keeps its order
+
+
+_WORLD_BUILD: list = []  # the controller's background build of the demo world, when pytest-xdist runs
+
+
+def pytest_sessionstart(session):
+    """With xdist workers, start training the demo world at once, in the background, single-threaded as
+    always: its file lock makes a worker that reaches `demo_world` first wait, then reuse it."""
+    config = session.config
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    import subprocess
+    import sys
+
+    code = ("import sys; from evoesap.demo import build_demo_world; "
+            "build_demo_world(sys.argv[1], seed=0, profile='default')")
+    _WORLD_BUILD.append(subprocess.Popen([sys.executable, "-c", code, str(demo_cache_dir())],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+
+def pytest_sessionfinish(session):
+    """A build still running when the session ends (an aborted run) is stopped; its staging is left for the
+    next build to replace. Its failures surface in the `demo_world` fixture, which builds again."""
+    for build in _WORLD_BUILD:
+        if build.poll() is None:
+            build.terminate()
+            build.wait(timeout=60)
 
 
 def demo_cache_dir() -> Path:
