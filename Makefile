@@ -51,7 +51,7 @@ quantize-venv: $(QUANTIZE_STAMP)
 
 test: $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP)  # the serving and quantize tests run vLLM and llm-compressor from their own venvs
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25  # two workers: the demo world trains on one
+	$(PY) -m pytest -q -n 2 --durations=25  # two workers; the demo world trains beside them (tests/conftest.py)
 
 demo: $(STAMP)
 	$(PY) -m evoesap pipeline demo --out runs/demo
