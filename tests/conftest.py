@@ -75,3 +75,31 @@ def tiny_artifacts(tmp_path_factory):
     from tiny_artifacts import build
 
     return build(tmp_path_factory.mktemp("tiny-artifacts"))
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """A real S3 endpoint (moto's threaded server on loopback) that a test can stop and start again, keeping its data."""
+    import socket
+
+    import fsspec
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = endpoint
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    bucket = f"evoesap-{port}"  # the server's data lives in this process, shared by every test
+    fs.mkdir(bucket)
+    try:
+        yield server, fs, bucket
+    finally:
+        fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
+        server.stop()

@@ -2,7 +2,6 @@
 
 import hashlib
 import json
-import socket
 from pathlib import Path
 from typing import NamedTuple
 
@@ -42,32 +41,8 @@ def test_where_kfps_launcher_keeps_a_changed_output_uri():
     assert artifact_uri("minio://mlpipeline/v2/artifacts/p/r/t/model", "gs://bucket/evoesap/prune/k") is None
 
 
-@pytest.fixture
-def s3(monkeypatch):
-    """A real S3 endpoint (moto's threaded server on loopback) with one bucket, used through s3fs."""
-    import fsspec
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(key, value)
-    fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = f"http://127.0.0.1:{port}"
-    fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    bucket = f"evoesap-kfp-{port}"
-    fs.mkdir(bucket)
-    try:
-        yield fs, bucket
-    finally:
-        fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
-        server.stop()
-
-
 def test_an_object_store_artifact_is_the_output_locally_and_a_view_under_an_object_store_pipeline_root(tmp_path, s3):
-    fs, bucket = s3
+    _, fs, bucket = s3
     uri = _artifact(f"s3://{bucket}/evoesap/cache-logits/k", "cache-logits", WEIGHTS)  # a teacher cache's shape
     local = dsl.Dataset(name="cache", uri=str(tmp_path / "kfp" / "cache"))  # kfp.local: a local pipeline root
     publish(local, uri)
