@@ -10,7 +10,6 @@ the unquantized model.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -24,8 +23,8 @@ from evoesap.demo.tokenizer import build_tokenizer
 from evoesap.errors import ConfigError, EvoESAPError
 from evoesap.stages.quantize import QuantizeParams, run_quantize
 from test_moe import nonuniform_sets
+from venv_support import venv_python
 
-REPO = Path(__file__).resolve().parents[1]
 FAMILIES = {"olmoe": {}, "qwen3_moe": {"moe_intermediate_size": 128, "head_dim": 32}}
 SIZES = dict(hidden_size=128, intermediate_size=128)
 BITS = {"fp8-dynamic": 8, "w4a16-gptq": 4}
@@ -33,14 +32,7 @@ CALIBRATION = dict(samples=8, max_length=64)
 
 
 def quantize_python() -> str:
-    """The quantize venv's python: EVOESAP_QUANTIZE_PYTHON, else the repository's .venv-quantize (made by `make test`)."""
-    python = os.environ.get("EVOESAP_QUANTIZE_PYTHON") or str(REPO / ".venv-quantize" / "bin" / "python")
-    if not os.access(python, os.X_OK):
-        pytest.fail(
-            f"no llm-compressor environment at {python}: `make test` builds .venv-quantize (make quantize-venv), or "
-            "set EVOESAP_QUANTIZE_PYTHON to a python with llmcompressor installed"
-        )
-    return python
+    return venv_python("EVOESAP_QUANTIZE_PYTHON", ".venv-quantize", "quantize-venv", "llm-compressor", "llmcompressor")
 
 
 @pytest.fixture(autouse=True)

@@ -25,6 +25,7 @@ import torch
 from evoesap import moe, records
 from evoesap.demo.tokenizer import build_tokenizer
 from test_moe import nonuniform_sets
+from venv_support import venv_python
 
 REPO = Path(__file__).resolve().parents[1]
 GENERATE = Path(__file__).with_name("vllm_generate.py")
@@ -50,14 +51,7 @@ VLLM_ENV = {
 
 
 def vllm_python() -> str:
-    """The vLLM venv's python: EVOESAP_VLLM_PYTHON, else the repository's .venv-vllm (made by `make test`)."""
-    python = os.environ.get("EVOESAP_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
-    if not os.access(python, os.X_OK):
-        pytest.fail(
-            f"no vLLM environment at {python}: `make test` builds .venv-vllm (make vllm-venv), or set "
-            "EVOESAP_VLLM_PYTHON to a python with vllm and serving/vllm installed"
-        )
-    return python
+    return venv_python("EVOESAP_VLLM_PYTHON", ".venv-vllm", "vllm-venv", "vLLM", "vllm and serving/vllm")
 
 
 def run_vllm(args: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
