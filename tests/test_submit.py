@@ -8,10 +8,8 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Iterator
 
 import pytest
@@ -23,12 +21,13 @@ from evoesap.pipeline.config import PipelineConfig
 from evoesap.pipeline.submit import Submission, follow, parse_overrides, submit
 
 from tiny_world import quick_world_config
+from recording_http import JsonHandler, serving
 
 CONFIG = dict(model="/models/full", calibration_data="/data/code.jsonl", search_data="/data/math.jsonl",
               criteria=["reap"], sparsities=[0.5], storage_root="s3://bucket/runs", name="nightly-prune")
 
 
-class Recorder(BaseHTTPRequestHandler):
+class Recorder(JsonHandler):
     """Answers the KFP v2beta1 calls the kfp client makes, recording each (method, path, body): JSON bodies
     parsed, an uploaded pipeline package as its YAML documents."""
 
@@ -36,14 +35,6 @@ class Recorder(BaseHTTPRequestHandler):
     status = 200  # what healthz answers
     pipelines: dict[str, list[str]] = {}  # pipeline display name -> its versions' display names
     states: list[str] = []  # what successive looks at run-1 answer
-
-    def _reply(self, body: dict, status: int = 200) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self):  # noqa: N802
         url = urllib.parse.urlparse(self.path)
@@ -87,9 +78,6 @@ class Recorder(BaseHTTPRequestHandler):
         else:
             self._reply({**body, "run_id": "run-1"})
 
-    def log_message(self, *args):
-        pass
-
 
 def _uploaded(content_type: str, raw: bytes) -> list[dict]:
     """The YAML documents of the pipeline package in a multipart upload."""
@@ -101,12 +89,8 @@ def _uploaded(content_type: str, raw: bytes) -> list[dict]:
 @pytest.fixture
 def kfp_api() -> Iterator[str]:
     Recorder.requests, Recorder.status, Recorder.pipelines, Recorder.states = [], 200, {}, []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
-    server.server_close()
+    with serving(Recorder) as url:
+        yield url
 
 
 def _posts() -> dict[str, Any]:

@@ -6,9 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import threading
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -25,6 +23,7 @@ from evoesap.stages.calibrate import CalibrateParams, run_calibrate
 from evoesap.stages.search import SearchParams, run_search
 from evoesap.steps import output_uri, run_step
 from tiny_world import make_tiny_inputs
+from recording_http import JsonHandler, serving
 
 BASE = dict(model="/models/full", calibration_data="/data/code.jsonl", search_data="/data/math.jsonl",
             storage_root="s3://bucket/runs", criteria=["reap"], sparsities=[0.5],
@@ -93,7 +92,7 @@ def test_settings_a_trainjob_cannot_carry_are_refused_when_the_configuration_loa
 # ------------------------------------------------------------------------------------ a recording Kubernetes API
 
 
-class KubeAPI(BaseHTTPRequestHandler):
+class KubeAPI(JsonHandler):
     """The TrainJob and pod calls of the launcher; each (method, path, body) recorded. `states`: what successive
     looks at the job answer (a condition type, "" for none yet, or an HTTP status); `on_complete` runs before the
     Complete answer (the job's rank 0 publishing); `existing`: a job of that name already there (409 on create)."""
@@ -104,14 +103,6 @@ class KubeAPI(BaseHTTPRequestHandler):
     pods: list[dict] = []
     existing: dict | None = None
     on_complete: Callable[[dict], None] | None = None
-
-    def _reply(self, body: Any, status: int = 200) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def _body(self) -> Any:
         length = int(self.headers.get("Content-Length") or 0)
@@ -152,28 +143,21 @@ class KubeAPI(BaseHTTPRequestHandler):
         KubeAPI.existing = None
         self._reply({"kind": "Status", "status": "Success"})
 
-    def log_message(self, *args):
-        pass
-
 
 @pytest.fixture
 def kube(tmp_path, monkeypatch) -> Iterator[str]:
     """The API on 127.0.0.1, reached the way the launcher outside a cluster reaches one: a kubeconfig (namespace team-a)."""
     KubeAPI.requests, KubeAPI.states, KubeAPI.failure, KubeAPI.pods = [], [""], {}, []
     KubeAPI.existing, KubeAPI.on_complete = None, None
-    server = ThreadingHTTPServer(("127.0.0.1", 0), KubeAPI)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_port}"
-    kubeconfig = {"apiVersion": "v1", "kind": "Config", "current-context": "test",
-                  "clusters": [{"name": "test", "cluster": {"server": url}}],
-                  "users": [{"name": "test", "user": {"token": "t0ken"}}],
-                  "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test", "namespace": "team-a"}}]}
-    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
-    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    yield url
-    server.shutdown()
-    server.server_close()
+    with serving(KubeAPI) as url:
+        kubeconfig = {"apiVersion": "v1", "kind": "Config", "current-context": "test",
+                      "clusters": [{"name": "test", "cluster": {"server": url}}],
+                      "users": [{"name": "test", "user": {"token": "t0ken"}}],
+                      "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test", "namespace": "team-a"}}]}
+        (tmp_path / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
+        monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+        monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        yield url
 
 
 @pytest.fixture(scope="module")
