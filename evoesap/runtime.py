@@ -103,6 +103,10 @@ def check_model_dtype(name: str) -> None:
         raise ConfigError(f"model_dtype {name!r} is not one of {', '.join(MODEL_DTYPES)}")
 
 
+def visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def check_device(name: str) -> None:
     """Refuse a device this machine does not have (`cuda` without a GPU, `cuda:7` with two), before any work."""
     if name == "auto":
@@ -112,7 +116,7 @@ def check_device(name: str) -> None:
     except (RuntimeError, TypeError):
         raise ConfigError(f"device {name!r} is not a device: give auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = visible_gpus()
         if not count:
             raise ConfigError(f"device {name!r}: no GPU is visible on this machine: give --device cpu (or auto)")
         if device.index is not None and device.index >= count:
@@ -123,7 +127,7 @@ def check_device(name: str) -> None:
 
 def check_gpu_count(needed: int, setting: str) -> None:
     """Refuse a setting that spans more GPUs than this machine shows, before any work."""
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = visible_gpus()
     if needed > count:
         raise ConfigError(f"{setting} = {needed} GPUs, but this machine shows {count}: lower it to at most "
                           f"{max(count, 1)} (or run where {needed} GPUs are visible)")
