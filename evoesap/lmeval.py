@@ -197,9 +197,9 @@ def run_lm_eval(
     """Run every request through lm-eval; return metric records and lm-eval's raw results per call.
 
     `model` is the loaded model for the `hf` backend, a checkpoint directory or hub name for `vllm`
-    (run by `evoesap.vllm_eval`; `model_dtype`, `tensor_parallel` and `pipeline_parallel` apply there). Requests are batched by protocol (chat
-    template or not, zero-shot or not, code execution) so that one call's settings never leak into
-    another's tasks.
+    (run by `evoesap.vllm_eval`; `model_dtype`, `tensor_parallel` and `pipeline_parallel` apply there).
+    Requests are batched by protocol (chat template or not, zero-shot or not, code execution) so that one
+    call's settings never leak into another's tasks.
     """
     from lm_eval import simple_evaluate
 

@@ -28,6 +28,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=needs_world)  # stable: each part keeps its order
 
 
+DEMO_WORLD = {"seed": 0, "profile": "default"}  # the world the tests use, built by the fixture or in the background
 _WORLD_BUILD: list = []  # the controller's background build of the demo world, when pytest-xdist runs
 
 
@@ -41,7 +42,7 @@ def pytest_sessionstart(session):
     import sys
 
     code = ("import sys; from evoesap.demo import build_demo_world; "
-            "build_demo_world(sys.argv[1], seed=0, profile='default')")
+            f"build_demo_world(sys.argv[1], **{DEMO_WORLD!r})")
     _WORLD_BUILD.append(subprocess.Popen([sys.executable, "-c", code, str(demo_cache_dir())],
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
@@ -66,7 +67,7 @@ def demo_world():
     """The default demo world (seed 0); the first session on a machine trains it (minutes), later ones reuse it."""
     from evoesap.demo import build_demo_world
 
-    return build_demo_world(demo_cache_dir(), seed=0, profile="default")
+    return build_demo_world(demo_cache_dir(), **DEMO_WORLD)
 
 
 @pytest.fixture(scope="session")

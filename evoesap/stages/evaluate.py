@@ -108,9 +108,9 @@ def run_evaluate(
             enable_thinking=params.enable_thinking,
             think_end_token=params.think_end_token,
             max_length=params.max_length,
+            tensor_parallel=params.tensor_parallel,
+            pipeline_parallel=params.pipeline_parallel,
         )
-        if params.gpus() > 1:
-            lm_eval_options.update(tensor_parallel=params.tensor_parallel, pipeline_parallel=params.pipeline_parallel)
         if python is None:
             task_records, raw = lmeval.run_lm_eval(loaded, tokenizer, plan, **lm_eval_options)
         else:
