@@ -58,11 +58,20 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
 
-    model = moe.tiny_model(
-        "olmoe", vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-        intermediate_size=args.hidden // 2, num_attention_heads=max(1, args.hidden // 64),
-        num_key_value_heads=max(1, args.hidden // 64), max_position_embeddings=max(256, args.length),
-    ).to(dtype=torch.bfloat16 if args.device != "cpu" else torch.float32, device=args.device).eval()
+    model = (
+        moe.tiny_model(
+            "olmoe",
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            num_hidden_layers=args.layers,
+            intermediate_size=args.hidden // 2,
+            num_attention_heads=max(1, args.hidden // 64),
+            num_key_value_heads=max(1, args.hidden // 64),
+            max_position_embeddings=max(256, args.length),
+        )
+        .to(dtype=torch.bfloat16 if args.device != "cpu" else torch.float32, device=args.device)
+        .eval()
+    )
     runtime.use_cpu_threads(runtime.parameter_count(model))  # 1 thread for a tiny model, as the stages do
     rng = np.random.default_rng(0)
     prompt = args.length // 4
@@ -76,11 +85,23 @@ def main() -> None:
         floors.append(floor_seconds(model, samples, args.batch_size))
         caches.append(cache_seconds(model, samples, args.batch_size, args.mode))
     rows = sum(len(teacher.scored_positions(s.answer_mask)) for s in samples)
-    print(json.dumps({
-        "device": args.device, "mode": args.mode, "vocab": args.vocab, "hidden": args.hidden, "layers": args.layers,
-        "samples": args.samples, "length": args.length, "scored_rows": rows,
-        "floor_s": min(floors), "cache_logits_s": min(caches), "ratio": min(caches) / min(floors),
-    }))
+    print(
+        json.dumps(
+            {
+                "device": args.device,
+                "mode": args.mode,
+                "vocab": args.vocab,
+                "hidden": args.hidden,
+                "layers": args.layers,
+                "samples": args.samples,
+                "length": args.length,
+                "scored_rows": rows,
+                "floor_s": min(floors),
+                "cache_logits_s": min(caches),
+                "ratio": min(caches) / min(floors),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -27,7 +27,12 @@ from evoesap.data import TokenizedSample, batches
 def _forward(model: torch.nn.Module, tokenized: list[TokenizedSample], batch_size: int, device: torch.device) -> None:
     with torch.inference_mode():
         for batch in batches(tokenized, batch_size, pad_id=0):
-            model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device), use_cache=False, logits_to_keep=1)
+            model(
+                input_ids=batch.input_ids.to(device),
+                attention_mask=batch.attention_mask.to(device),
+                use_cache=False,
+                logits_to_keep=1,
+            )
 
 
 def _all_experts(model: torch.nn.Module, tokenized: list[TokenizedSample], batch_size: int, device: torch.device) -> None:
@@ -91,13 +96,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.family == "gpt_oss":
         ap.error("the all-experts baseline here covers the gate-rows-first layout; GPT-OSS's differs")
     device = torch.device(args.device)
-    overrides = dict(hidden_size=args.hidden, intermediate_size=args.intermediate, moe_intermediate_size=args.intermediate,
-                     num_hidden_layers=args.layers, num_experts=args.experts, num_local_experts=args.experts,
-                     num_experts_per_tok=args.top_k, vocab_size=2048)
+    overrides = dict(
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        moe_intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_experts=args.experts,
+        num_local_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        vocab_size=2048,
+    )
     model = moe.tiny_model(args.family, seed=0, **overrides).to(device).eval()
     runtime.use_cpu_threads(runtime.parameter_count(model))  # 1 thread for a tiny model, as the stages do
     rng = np.random.default_rng(0)
-    tokenized = [TokenizedSample(i, rng.integers(0, 2048, args.length).tolist(), [True] * args.length) for i in range(args.samples)]
+    tokenized = [
+        TokenizedSample(i, rng.integers(0, 2048, args.length).tolist(), [True] * args.length) for i in range(args.samples)
+    ]
 
     run = {
         "plain forward": lambda: _forward(model, tokenized, args.batch_size, device),
@@ -110,8 +124,10 @@ def main(argv: list[str] | None = None) -> None:
     base = times["plain forward"]
     spec = moe.inspect(model)
     print(f"$ {' '.join([sys.executable.rsplit('/', 1)[-1], *sys.argv])}")
-    print(f"{args.family}: {len(spec.layers)} MoE layers, {spec.num_experts[0]} experts, top-{spec.top_k[0]}, hidden {args.hidden}, "
-          f"{args.samples} x {args.length} tokens, batch {args.batch_size}, {device}, torch threads {torch.get_num_threads()}")
+    print(
+        f"{args.family}: {len(spec.layers)} MoE layers, {spec.num_experts[0]} experts, top-{spec.top_k[0]}, hidden {args.hidden}, "
+        f"{args.samples} x {args.length} tokens, batch {args.batch_size}, {device}, torch threads {torch.get_num_threads()}"
+    )
     print(f"{'method':<38} {'seconds':>9} {'x plain':>8}")
     for name, t in times.items():
         print(f"{name:<38} {t:>9.3f} {t / base:>8.2f}")

@@ -33,17 +33,41 @@ def build(root: Path) -> dict[str, str]:
     files = make_tiny_inputs(root)
     inputs = {"model": files["model"], "scores": str(root / "scores"), "cache": str(root / "cache")}
     run_calibrate(files["model"], files["calibration"], CalibrateParams(samples=16, max_length=256), inputs["scores"])
-    run_cache_logits(files["model"], files["search"], CacheLogitsParams(samples=12, max_length=256, dtype="float32"),
-                     inputs["cache"])
+    run_cache_logits(
+        files["model"], files["search"], CacheLogitsParams(samples=12, max_length=256, dtype="float32"), inputs["cache"]
+    )
     return inputs
 
 
 def timed_search(inputs: dict[str, str], out: Path, workers: int, generations: int, population: int) -> tuple[float, int]:
     """(wall seconds, candidates scored) of one `evoesap search` run."""
-    args = [sys.executable, "-m", "evoesap", "-q", "search", "--model", inputs["model"], "--scores", inputs["scores"],
-            "--cache", inputs["cache"], "--out", str(out), "--criterion", "reap", "--sparsity", "0.5",
-            "--population", str(population), "--elites", "4", "--generations", str(generations),
-            "--workers", str(workers)]
+    args = [
+        sys.executable,
+        "-m",
+        "evoesap",
+        "-q",
+        "search",
+        "--model",
+        inputs["model"],
+        "--scores",
+        inputs["scores"],
+        "--cache",
+        inputs["cache"],
+        "--out",
+        str(out),
+        "--criterion",
+        "reap",
+        "--sparsity",
+        "0.5",
+        "--population",
+        str(population),
+        "--elites",
+        "4",
+        "--generations",
+        str(generations),
+        "--workers",
+        str(workers),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
     subprocess.run(args, env=env, check=True, capture_output=True)
@@ -66,9 +90,11 @@ def main() -> None:
             short = timed_search(inputs, root / f"w{workers}-short", workers, args.short, args.population)
             long = timed_search(inputs, root / f"w{workers}-long", workers, args.long, args.population)
             rates[workers] = (long[1] - short[1]) / (long[0] - short[0])
-            print(f"workers {workers}: {args.short} gen {short[0]:.1f} s ({short[1]} candidates), "
-                  f"{args.long} gen {long[0]:.1f} s ({long[1]} candidates): {rates[workers]:.2f} candidates/s",
-                  flush=True)
+            print(
+                f"workers {workers}: {args.short} gen {short[0]:.1f} s ({short[1]} candidates), "
+                f"{args.long} gen {long[0]:.1f} s ({long[1]} candidates): {rates[workers]:.2f} candidates/s",
+                flush=True,
+            )
         base = rates[args.workers[0]]
         for workers, rate in rates.items():
             print(f"workers {workers}: {rate / base:.2f}x the rate of {args.workers[0]} worker(s)")

@@ -40,8 +40,15 @@ def build_world(args: argparse.Namespace) -> tuple[torch.nn.Module, list[Tokeniz
         samples = load_samples(args.data, split=args.split, n=args.samples, seed=0)
         return model, tokenize_samples(samples, tok, max_length=args.max_length), args.model
     model = moe.tiny_model(
-        "olmoe", seed=0, vocab_size=args.vocab, hidden_size=128, intermediate_size=256,
-        num_experts=16, num_experts_per_tok=2, num_hidden_layers=4, max_position_embeddings=max(256, args.max_length),
+        "olmoe",
+        seed=0,
+        vocab_size=args.vocab,
+        hidden_size=128,
+        intermediate_size=256,
+        num_experts=16,
+        num_experts_per_tok=2,
+        num_hidden_layers=4,
+        max_position_embeddings=max(256, args.max_length),
     ).eval()
     rng = np.random.default_rng(0)
     tokenized = []
@@ -103,7 +110,11 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--dtype", default="float16", choices=["float16", "float32"], help="full cache storage")
     parser.add_argument("--top-k", default="8,32,128", help="K values for the bound-width table ('' to skip)")
-    parser.add_argument("--threads", type=int, help="intra-op threads (sets EVOESAP_CPU_THREADS); default: evoesap.runtime's choice, 1 for tiny models")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="intra-op threads (sets EVOESAP_CPU_THREADS); default: evoesap.runtime's choice, 1 for tiny models",
+    )
     args = parser.parse_args()
     if args.model and not args.data:
         parser.error("--model needs --data")
@@ -145,11 +156,15 @@ def main() -> None:
         print(f"teacher cache ({args.dtype}): {cache_s:.2f} s once, {dir_bytes(tmp / 'full') / 2**20:.2f} MiB")
         print(f"evaluator: {len(allocations) / ours_s:8.2f} candidates/s ({ours_s / len(allocations):.3f} s each)")
         print(f"reference: {len(allocations) / ref_s:8.2f} candidates/s ({ref_s / len(allocations):.3f} s each)")
-        print(f"speed-up : {ref_s / ours_s:8.2f}x total, {np.median(ref_t) / np.median(ours_t):.2f}x of medians "
-              "(same run, same candidates)")
+        print(
+            f"speed-up : {ref_s / ours_s:8.2f}x total, {np.median(ref_t) / np.median(ours_t):.2f}x of medians "
+            "(same run, same candidates)"
+        )
         diff = np.abs(np.array(ours) - np.array(ref))
-        print(f"ESAP evaluator vs reference: max |diff| {diff.max():.2e} (cache {args.dtype}); ESAP range "
-              f"{min(ours):.4f}..{max(ours):.4f}")
+        print(
+            f"ESAP evaluator vs reference: max |diff| {diff.max():.2e} (cache {args.dtype}); ESAP range "
+            f"{min(ours):.4f}..{max(ours):.4f}"
+        )
 
         if args.dtype == "float16":
             teacher.write_cache(model, tokenized, tmp / "f32", mode="full", dtype="float32", batch_size=args.batch_size)
@@ -164,8 +179,9 @@ def main() -> None:
         if ks:
             print(f"\n{'K (f16)':>7} {'cache MiB':>10} {'vs full f32':>12} {'mean width':>11} {'max width':>10}")
         for k in ks:
-            teacher.write_cache(model, tokenized, tmp / f"k{k}", mode="topk", top_k=k, dtype="float16",
-                                batch_size=args.batch_size)
+            teacher.write_cache(
+                model, tokenized, tmp / f"k{k}", mode="topk", top_k=k, dtype="float16", batch_size=args.batch_size
+            )
             bounded = CandidateEvaluator(model, teacher.load_cache(str(tmp / f"k{k}")), batch_size=args.batch_size)
             widths = np.array([np.subtract(*bounded.bounds(a)[::-1]) for a in allocations])
             size = dir_bytes(tmp / f"k{k}")

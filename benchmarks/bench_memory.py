@@ -34,8 +34,10 @@ HIDDEN, EXPERTS, TOP_K, WIDTH, VOCAB = 1024, 16, 4, 512, 50304
 LAYER_PARAMS = 4 * HIDDEN * HIDDEN + EXPERTS * 3 * HIDDEN * WIDTH + EXPERTS * HIDDEN  # attention, experts, router
 SETTINGS = dict(samples=4, max_length=128, batch_size=2)
 # what every stage process imports before it loads anything: the baseline subtracted from its peaks
-RUNTIME_PROBE = ("import torch, transformers, pyarrow, pandas, evoesap.stages.search, evoesap.stages.prune, "
-                 "evoesap.plan, evoesap.scoring.teacher, transformers.models.olmoe.modeling_olmoe")
+RUNTIME_PROBE = (
+    "import torch, transformers, pyarrow, pandas, evoesap.stages.search, evoesap.stages.prune, "
+    "evoesap.plan, evoesap.scoring.teacher, transformers.models.olmoe.modeling_olmoe"
+)
 CACHE_PROBE = """
 import sys
 import pyarrow.parquet
@@ -53,9 +55,20 @@ def layers_for(gigabytes: float) -> int:
 
 def olmoe_config(layers: int) -> AutoConfig:
     return AutoConfig.for_model(
-        "olmoe", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=WIDTH, num_hidden_layers=layers,
-        num_attention_heads=16, num_key_value_heads=16, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
-        max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        "olmoe",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=WIDTH,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
         dtype="bfloat16",
     )
 
@@ -87,8 +100,11 @@ class Probe:
                 smaps = Path(f"/proc/{self.pid}/smaps").read_text()
             except OSError:
                 return
-            now = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in status.splitlines()
-                   if line.split(":")[0] in ("VmRSS", "RssAnon", "RssFile")}
+            now = {
+                line.split(":")[0]: int(line.split()[1]) * 1024
+                for line in status.splitlines()
+                if line.split(":")[0] in ("VmRSS", "RssAnon", "RssFile")
+            }
             if len(now) < 3:  # a zombie: the process has ended
                 return
             now["weights"], mapped = 0, False
@@ -119,17 +135,79 @@ def measure(args: list[str]) -> dict[str, int]:
 
 def stage_commands(root: Path, model: Path, data: dict[str, str]) -> dict[str, list[str]]:
     cli = [sys.executable, "-m", "evoesap"]
-    common = ["--samples", str(SETTINGS["samples"]), "--max-length", str(SETTINGS["max_length"]),
-              "--batch-size", str(SETTINGS["batch_size"]), "--model-dtype", "bfloat16", "--device", "cpu"]
+    common = [
+        "--samples",
+        str(SETTINGS["samples"]),
+        "--max-length",
+        str(SETTINGS["max_length"]),
+        "--batch-size",
+        str(SETTINGS["batch_size"]),
+        "--model-dtype",
+        "bfloat16",
+        "--device",
+        "cpu",
+    ]
     return {
         "runtime": [sys.executable, "-c", RUNTIME_PROBE],
-        "calibrate": [*cli, "calibrate", "--model", str(model), "--data", data["calibration"], "--out", str(root / "scores"), *common],
-        "cache-logits": [*cli, "cache-logits", "--model", str(model), "--data", data["search"], "--out", str(root / "cache"), *common],
-        "search": [*cli, "search", "--model", str(model), "--scores", str(root / "scores"), "--cache", str(root / "cache"),
-                   "--out", str(root / "search"), "--population", "2", "--elites", "1", "--generations", "0",
-                   "--batch-size", "2", "--model-dtype", "bfloat16", "--device", "cpu", "--no-prefix-reuse"],
-        "prune": [*cli, "prune", "--model", str(model), "--scores", str(root / "scores"), "--out", str(root / "pruned"),
-                  "--sparsity", "0.5"],
+        "calibrate": [
+            *cli,
+            "calibrate",
+            "--model",
+            str(model),
+            "--data",
+            data["calibration"],
+            "--out",
+            str(root / "scores"),
+            *common,
+        ],
+        "cache-logits": [
+            *cli,
+            "cache-logits",
+            "--model",
+            str(model),
+            "--data",
+            data["search"],
+            "--out",
+            str(root / "cache"),
+            *common,
+        ],
+        "search": [
+            *cli,
+            "search",
+            "--model",
+            str(model),
+            "--scores",
+            str(root / "scores"),
+            "--cache",
+            str(root / "cache"),
+            "--out",
+            str(root / "search"),
+            "--population",
+            "2",
+            "--elites",
+            "1",
+            "--generations",
+            "0",
+            "--batch-size",
+            "2",
+            "--model-dtype",
+            "bfloat16",
+            "--device",
+            "cpu",
+            "--no-prefix-reuse",
+        ],
+        "prune": [
+            *cli,
+            "prune",
+            "--model",
+            str(model),
+            "--scores",
+            str(root / "scores"),
+            "--out",
+            str(root / "pruned"),
+            "--sparsity",
+            "0.5",
+        ],
     }
 
 
@@ -163,8 +241,11 @@ def repredict(rows: list[dict], workdir: Path) -> list[dict]:
     for row in rows:
         if "layers" in row:
             predicted = predictions(config_only(workdir, row["layers"]), row["cache_rows"], row.get("cache_mode", "full"))
-            row = {**row, "predicted_mb": predicted[row["stage"]] >> 20,
-                   "planner_error": round(predicted[row["stage"]] / (row["peak_held_mb"] << 20) - 1, 3)}
+            row = {
+                **row,
+                "predicted_mb": predicted[row["stage"]] >> 20,
+                "planner_error": round(predicted[row["stage"]] / (row["peak_held_mb"] << 20) - 1, 3),
+            }
         out.append(row)
     return out
 
@@ -190,14 +271,24 @@ def run_size(gigabytes: float, workdir: Path) -> list[dict]:
     runtime = peaks["runtime"]["RssAnon"]
     for stage in ("calibrate", "cache-logits", "search", "prune"):
         anon, held = peaks[stage]["RssAnon"], peaks[stage]["anon+weights"]
-        rows.append({
-            "model_gb": round(model_bytes / 1e9, 2), "layers": layers, "cache_rows": meta.num_positions, "cache_mode": meta.mode,
-            "stage": stage,
-            "peak_rss_mb": peaks[stage]["VmRSS"] >> 20, "peak_anon_mb": anon >> 20, "peak_file_mb": peaks[stage]["RssFile"] >> 20,
-            "peak_weights_mb": peaks[stage]["weights"] >> 20, "peak_held_mb": held >> 20, "runtime_anon_mb": runtime >> 20,
-            "anon_over_model": round((anon - runtime) / model_bytes, 3),
-            "predicted_mb": predicted[stage] >> 20, "planner_error": round(predicted[stage] / held - 1, 3),
-        })
+        rows.append(
+            {
+                "model_gb": round(model_bytes / 1e9, 2),
+                "layers": layers,
+                "cache_rows": meta.num_positions,
+                "cache_mode": meta.mode,
+                "stage": stage,
+                "peak_rss_mb": peaks[stage]["VmRSS"] >> 20,
+                "peak_anon_mb": anon >> 20,
+                "peak_file_mb": peaks[stage]["RssFile"] >> 20,
+                "peak_weights_mb": peaks[stage]["weights"] >> 20,
+                "peak_held_mb": held >> 20,
+                "runtime_anon_mb": runtime >> 20,
+                "anon_over_model": round((anon - runtime) / model_bytes, 3),
+                "predicted_mb": predicted[stage] >> 20,
+                "planner_error": round(predicted[stage] / held - 1, 3),
+            }
+        )
     return rows
 
 
@@ -216,8 +307,13 @@ def cache_load_row(workdir: Path) -> dict:
     cache = footprint.cache_bytes(meta.num_positions, VOCAB, "full", 64, "float16")
     base = measure([sys.executable, "-c", CACHE_PROBE])["RssAnon"]
     anon = measure([sys.executable, "-c", CACHE_PROBE, str(workdir / "big-cache")])["RssAnon"]
-    return {"stage": "cache-load", "cache_mb": cache >> 20, "peak_anon_mb": anon >> 20, "runtime_anon_mb": base >> 20,
-            "loaded_over_cache": round((anon - base) / cache, 3)}
+    return {
+        "stage": "cache-load",
+        "cache_mb": cache >> 20,
+        "peak_anon_mb": anon >> 20,
+        "runtime_anon_mb": base >> 20,
+        "loaded_over_cache": round((anon - base) / cache, 3),
+    }
 
 
 def main() -> None:

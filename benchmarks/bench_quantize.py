@@ -39,8 +39,10 @@ def main() -> None:
     os.environ.setdefault("EVOESAP_QUANTIZE_PYTHON", str(REPO / ".venv-quantize" / "bin" / "python"))
     tok = build_tokenizer()
     x = torch.tensor([[5 + (j * 7) % 60 for j in range(24)], [9 + (j * 5) % 50 for j in range(24)]])
-    print("| family | checkpoint | experts per MoE layer | recipe | bytes before | bytes after | ratio | stage s | "
-          "oneshot s | loads in transformers | ESAP vs unquantized |")
+    print(
+        "| family | checkpoint | experts per MoE layer | recipe | bytes before | bytes after | ratio | stage s | "
+        "oneshot s | loads in transformers | ESAP vs unquantized |"
+    )
     print("|---|---|---|---|---:|---:|---:|---:|---:|---|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -57,8 +59,12 @@ def main() -> None:
                 for recipe in args.recipes:
                     out = root / f"{family}-{kind}-{recipe}"
                     started = time.perf_counter()
-                    run_quantize(str(source), QuantizeParams(recipe=recipe, samples=8, max_length=64), str(out),
-                                 data=str(root / "calibration.jsonl"))
+                    run_quantize(
+                        str(source),
+                        QuantizeParams(recipe=recipe, samples=8, max_length=64),
+                        str(out),
+                        data=str(root / "calibration.jsonl"),
+                    )
                     wall = time.perf_counter() - started
                     doc = records.read(str(out), records.QUANTIZATION_FILE)
                     try:
@@ -69,8 +75,11 @@ def main() -> None:
                     except Exception as exc:  # noqa: BLE001 - a figure to report, not a failure
                         loads, esap = f"no ({type(exc).__name__})", "-"
                     before, after = doc["checkpoint_bytes_before"], doc["checkpoint_bytes_after"]
-                    print(f"| {family} | {kind} | {counts} | {recipe} | {before:,} | {after:,} | {before / after:.2f}x | "
-                          f"{wall:.1f} | {doc['seconds']['oneshot']:.1f} | {loads} | {esap} |", flush=True)
+                    print(
+                        f"| {family} | {kind} | {counts} | {recipe} | {before:,} | {after:,} | {before / after:.2f}x | "
+                        f"{wall:.1f} | {doc['seconds']['oneshot']:.1f} | {loads} | {esap} |",
+                        flush=True,
+                    )
     print(json.dumps({"torch_threads": torch.get_num_threads()}))
 
 

@@ -69,8 +69,15 @@ def peak_rss_mib() -> float:
 
 # Real depth, experts, top-k and vocabulary (gpu_search.SHAPES); this width, so that a search runs on a CPU.
 SHAPES = {"olmoe-1b-7b": "olmoe", "qwen3-30b-a3b": "qwen3"}
-SHAPE_WIDTH = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
-                   num_key_value_heads=4, head_dim=16, max_position_embeddings=4096)
+SHAPE_WIDTH = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=16,
+    max_position_embeddings=4096,
+)
 
 
 def build_shape(args: argparse.Namespace) -> tuple[torch.nn.Module, list[TokenizedSample], list[TokenizedSample]]:
@@ -166,9 +173,17 @@ class Row:
 METHODS = {"exact": (False, False), "prefix": (True, False), "racing": (False, True), "prefix+racing": (True, True)}
 
 
-def run_search(model, cache, orders, n, k, budget, search_ids, args, *, prefix: bool, race: bool, seed: int) -> tuple[Row, search.SearchResult, CandidateEvaluator]:
-    evaluator = CandidateEvaluator(model, cache, batch_size=args.batch_size, prefix_cache_bytes=args.prefix_cache_bytes if prefix else 0,
-                                   keep=args.elites, verify=False)
+def run_search(
+    model, cache, orders, n, k, budget, search_ids, args, *, prefix: bool, race: bool, seed: int
+) -> tuple[Row, search.SearchResult, CandidateEvaluator]:
+    evaluator = CandidateEvaluator(
+        model,
+        cache,
+        batch_size=args.batch_size,
+        prefix_cache_bytes=args.prefix_cache_bytes if prefix else 0,
+        keep=args.elites,
+        verify=False,
+    )
     schedule = racing.Racing.parse(args.racing_schedule, args.racing_min_samples, args.racing_min_positions) if race else None
     positions = (cache.offsets[1:] - cache.offsets[:-1]).tolist()  # [S] scored positions per sample
     if schedule is not None:
@@ -185,21 +200,45 @@ def run_search(model, cache, orders, n, k, budget, search_ids, args, *, prefix: 
     full = evaluator.full_forward_work(search_ids)
     t0 = time.perf_counter()
     result = search.level_switch_search(
-        fitness, n, k, budget, population=args.population, elites=args.elites, generations=args.generations,
-        seed=seed, racing=schedule, subset_fitness=subset_fitness if race else None,
-        on_generation=lambda *_: marks.append((time.perf_counter() - t0, evaluator.work / full)))
+        fitness,
+        n,
+        k,
+        budget,
+        population=args.population,
+        elites=args.elites,
+        generations=args.generations,
+        seed=seed,
+        racing=schedule,
+        subset_fitness=subset_fitness if race else None,
+        on_generation=lambda *_: marks.append((time.perf_counter() - t0, evaluator.work / full)),
+    )
     seconds = time.perf_counter() - t0
-    raced = {h.allocation for h in result.history if h.level is not None} - {h.allocation for h in result.history if h.level is None}
-    name = {(False, False): "(b) exact", (True, False): "(c) prefix", (False, True): "racing", (True, True): "prefix+racing"}[(prefix, race)]
-    row = Row(name, seconds, result.evaluations + len(raced), evaluator.work / evaluator.full_forward_work(search_ids),
-              best=result.best, best_fitness=result.best_fitness, generations=args.generations, marks=marks)
+    raced = {h.allocation for h in result.history if h.level is not None} - {
+        h.allocation for h in result.history if h.level is None
+    }
+    name = {(False, False): "(b) exact", (True, False): "(c) prefix", (False, True): "racing", (True, True): "prefix+racing"}[
+        (prefix, race)
+    ]
+    row = Row(
+        name,
+        seconds,
+        result.evaluations + len(raced),
+        evaluator.work / evaluator.full_forward_work(search_ids),
+        best=result.best,
+        best_fitness=result.best_fitness,
+        generations=args.generations,
+        marks=marks,
+    )
     row.held_mib = ((evaluator.prefix.peak_bytes if evaluator.prefix else 0) + tensor_bytes(evaluator.cache)) / 2**20
     return row, result, evaluator
 
 
 def tensor_bytes(cache: teacher.TeacherCache) -> int:
-    return sum(t.numel() * t.element_size() for t in (cache.logprobs, cache.topk_ids, cache.topk_logprobs, cache.tail_mass,
-                                                       cache.positions, cache.targets) if t is not None)
+    return sum(
+        t.numel() * t.element_size()
+        for t in (cache.logprobs, cache.topk_ids, cache.topk_logprobs, cache.tail_mass, cache.positions, cache.targets)
+        if t is not None
+    )
 
 
 def main() -> None:
@@ -211,9 +250,13 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=64, help="search samples (split evenly over --data files)")
     parser.add_argument("--calibration-samples", type=int, default=128)
     parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--pad-vocab", type=int, default=0,
-                        help="pad the vocabulary to this size (50304: OLMoE's) with unused random rows, so that the "
-                             "head and softmax cost what they cost at real vocabulary sizes")
+    parser.add_argument(
+        "--pad-vocab",
+        type=int,
+        default=0,
+        help="pad the vocabulary to this size (50304: OLMoE's) with unused random rows, so that the "
+        "head and softmax cost what they cost at real vocabulary sizes",
+    )
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--criterion", default="reap")
     parser.add_argument("--sparsity", type=float, default=0.5)
@@ -222,8 +265,13 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--racing-schedule", default="0.0625,0.25:0.25")
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
-                        help="which searches to run beside the reference (the first non-racing one checks the values)")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=list(METHODS),
+        default=list(METHODS),
+        help="which searches to run beside the reference (the first non-racing one checks the values)",
+    )
     parser.add_argument("--racing-min-samples", type=int, default=4)
     parser.add_argument("--racing-min-positions", type=int, default=256)
     parser.add_argument("--reference-batch-size", type=int, default=16)
@@ -231,7 +279,11 @@ def main() -> None:
     parser.add_argument("--reference-candidates", type=int, default=16)
     parser.add_argument("--sweep", action="store_true", help="also racing vs exact over seeds x {reap, frequency} x {25%%, 50%%}")
     parser.add_argument("--sweep-seeds", type=int, default=3)
-    parser.add_argument("--threads", type=int, help="intra-op threads (sets EVOESAP_CPU_THREADS); default: evoesap.runtime's choice, 1 for tiny models")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="intra-op threads (sets EVOESAP_CPU_THREADS); default: evoesap.runtime's choice, 1 for tiny models",
+    )
     args = parser.parse_args()
     if (args.shape is None) == (args.model is None or args.data is None):
         parser.error("give --model and --data (a demo world), or --shape (a random real-depth model)")
@@ -247,10 +299,14 @@ def main() -> None:
     scores = observe(model, calibration, batch_size=args.batch_size)
     tokens = sum(len(s.input_ids) for s in tokenized)
     scored = sum(sum(scored_mask(s.answer_mask)) for s in tokenized)
-    print(f"machine: {platform.machine()} {platform.processor()}, torch {torch.__version__}, {threads} threads, "
-          f"experts implementation {model.config._experts_implementation}")
-    print(f"world: {args.model or args.shape + ' (random weights, hidden ' + str(model.config.hidden_size) + ')'}; {len(tokenized)} search samples, {tokens} tokens, {scored} scored, vocab {model.config.vocab_size}, "
-          f"{len(spec.layers)} MoE layers of {n[0]} experts top-{k[0]}")
+    print(
+        f"machine: {platform.machine()} {platform.processor()}, torch {torch.__version__}, {threads} threads, "
+        f"experts implementation {model.config._experts_implementation}"
+    )
+    print(
+        f"world: {args.model or args.shape + ' (random weights, hidden ' + str(model.config.hidden_size) + ')'}; {len(tokenized)} search samples, {tokens} tokens, {scored} scored, vocab {model.config.vocab_size}, "
+        f"{len(spec.layers)} MoE layers of {n[0]} experts top-{k[0]}"
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         teacher.write_cache(model, tokenized, Path(tmp), mode="full", dtype="float16", batch_size=args.batch_size)
@@ -277,40 +333,61 @@ def main() -> None:
         rows, results = [], {}
         for prefix, race in (METHODS[m] for m in args.methods):
             peak_rss_reset()
-            row, result, evaluator = run_search(model, cache, orders, n, k, budget, search_ids, args, prefix=prefix, race=race, seed=args.seed)
+            row, result, evaluator = run_search(
+                model, cache, orders, n, k, budget, search_ids, args, prefix=prefix, race=race, seed=args.seed
+            )
             row.rss_mib = peak_rss_mib()
             rows.append(row)
             results[row.name] = (result, evaluator)
         exact_result, exact_eval = results[rows[0].name]  # the first method's: (b) exact or (c) prefix, same values
         later = [h.allocation for h in exact_result.history if h.generation > 0][: args.reference_candidates - half]
         time_reference(later)
-        ref_row = Row("(a) reference", sum(ref_times), len(ref_times), float(len(ref_times)), rss_mib=ref_rss,
-                      held_mib=reference.bytes / 2**20)
+        ref_row = Row(
+            "(a) reference",
+            sum(ref_times),
+            len(ref_times),
+            float(len(ref_times)),
+            rss_mib=ref_rss,
+            held_mib=reference.bytes / 2**20,
+        )
         checks = [abs(ref_values[r] - exact_eval.score(alloc.pruned_sets(r, orders))) for r in ref_values]
 
     full_fitness = {row.name: exact_eval.score(alloc.pruned_sets(row.best, orders)) for row in rows}
     ref_per = ref_row.seconds / ref_row.candidates
     print()
-    print("| method | s / candidate | vs (a) | FFE / candidate | FFE / generation | candidates | peak RSS MiB | held MiB | final allocation | full-set ESAP |")
+    print(
+        "| method | s / candidate | vs (a) | FFE / candidate | FFE / generation | candidates | peak RSS MiB | held MiB | final allocation | full-set ESAP |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| (a) reference | {ref_per:.3f} | 1.0x | 1.000 | {args.population - args.elites:.2f} | {ref_row.candidates} (timed) | "
-          f"{ref_row.rss_mib:.0f} | {ref_row.held_mib:.1f} | - | - |")
+    print(
+        f"| (a) reference | {ref_per:.3f} | 1.0x | 1.000 | {args.population - args.elites:.2f} | {ref_row.candidates} (timed) | "
+        f"{ref_row.rss_mib:.0f} | {ref_row.held_mib:.1f} | - | - |"
+    )
     for row in rows:
         per = row.seconds / row.candidates
-        print(f"| {row.name} | {per:.3f} | {ref_per / per:.1f}x | {row.ffe / row.candidates:.3f} | {row.ffe / (row.generations + 1):.2f} | "
-              f"{row.candidates} | {row.rss_mib:.0f} | {row.held_mib:.1f} | {list(row.best)} | {full_fitness[row.name]:.6f} |")
+        print(
+            f"| {row.name} | {per:.3f} | {ref_per / per:.1f}x | {row.ffe / row.candidates:.3f} | {row.ffe / (row.generations + 1):.2f} | "
+            f"{row.candidates} | {row.rss_mib:.0f} | {row.held_mib:.1f} | {list(row.best)} | {full_fitness[row.name]:.6f} |"
+        )
     if args.shape:  # what a default search (population 32, 50 generations) would take here
         first = rows[0]
         per_gen = (first.candidates - args.population) / max(1, first.generations)  # distinct candidates per later generation
         default_candidates = args.population + 50 * per_gen
-        print(f"\nwhole default search (50 generations, ~{default_candidates:.0f} distinct candidates), estimated from "
-              f"generation 0 and the mean later generation of each row above: (a) reference "
-              f"{ref_per * default_candidates / 60:.1f} min ({ref_per:.3f} s each)"
-              + "".join(f"; {row.name} {row.default_search()[0] / 60:.1f} min, {row.default_search()[1] / default_candidates:.3f} "
-                        "FFE / candidate" for row in rows))
+        print(
+            f"\nwhole default search (50 generations, ~{default_candidates:.0f} distinct candidates), estimated from "
+            f"generation 0 and the mean later generation of each row above: (a) reference "
+            f"{ref_per * default_candidates / 60:.1f} min ({ref_per:.3f} s each)"
+            + "".join(
+                f"; {row.name} {row.default_search()[0] / 60:.1f} min, {row.default_search()[1] / default_candidates:.3f} "
+                "FFE / candidate"
+                for row in rows
+            )
+        )
     print(f"\n(a) vs {rows[0].name} ESAP on the same candidates: max |diff| {max(checks):.2e} (float16 cache vs bf16 logits)")
-    print(f"search: {args.criterion} {args.sparsity:.0%}, population {args.population}, elites {args.elites}, "
-          f"{args.generations} generations, seed {args.seed}; racing schedule {args.racing_schedule}")
+    print(
+        f"search: {args.criterion} {args.sparsity:.0%}, population {args.population}, elites {args.elites}, "
+        f"{args.generations} generations, seed {args.seed}; racing schedule {args.racing_schedule}"
+    )
     if args.sweep:
         sweep(model, cache, scores, n, k, search_ids, args)
     print("\ncommand: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
@@ -326,17 +403,23 @@ def sweep(model, cache, scores, n, k, search_ids, args) -> None:
         for sparsity in (0.25, 0.5):
             budget = alloc.budget(sparsity, n, k)
             for seed in range(args.sweep_seeds):
-                exact, _, ev = run_search(model, cache, orders, n, k, budget, search_ids, args, prefix=True, race=False, seed=seed)
+                exact, _, ev = run_search(
+                    model, cache, orders, n, k, budget, search_ids, args, prefix=True, race=False, seed=seed
+                )
                 raced, _, _ = run_search(model, cache, orders, n, k, budget, search_ids, args, prefix=True, race=True, seed=seed)
                 e = ev.score(alloc.pruned_sets(exact.best, orders))
                 r = ev.score(alloc.pruned_sets(raced.best, orders))
                 loss, ratio = 100 * (e - r) / e, exact.ffe / raced.ffe
                 losses.append(loss)
                 ratios.append(ratio)
-                print(f"| {criterion} | {sparsity:.0%} | {seed} | {e:.6f} | {r:.6f} | {loss:+.3f} | "
-                      f"{exact.ffe / (args.generations + 1):.2f} | {raced.ffe / (args.generations + 1):.2f} | {ratio:.1f}x |")
-    print(f"\nsweep: ESAP loss mean {np.mean(losses):+.3f}% max {np.max(losses):+.3f}%; racing cheaper per generation "
-          f"{np.min(ratios):.1f}x..{np.max(ratios):.1f}x (mean {np.mean(ratios):.1f}x)")
+                print(
+                    f"| {criterion} | {sparsity:.0%} | {seed} | {e:.6f} | {r:.6f} | {loss:+.3f} | "
+                    f"{exact.ffe / (args.generations + 1):.2f} | {raced.ffe / (args.generations + 1):.2f} | {ratio:.1f}x |"
+                )
+    print(
+        f"\nsweep: ESAP loss mean {np.mean(losses):+.3f}% max {np.max(losses):+.3f}%; racing cheaper per generation "
+        f"{np.min(ratios):.1f}x..{np.max(ratios):.1f}x (mean {np.mean(ratios):.1f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -35,10 +35,11 @@ def train_once(steps: int, threads: int) -> dict:
     from evoesap.demo.profiles import get_profile
     from evoesap.demo.world import weights_hash
 
-    profile = dataclasses.replace(get_profile("default"), steps=steps, warmup=min(10, steps), train_size=1000,
-                                  threads=threads)
-    sets = {d: [s.to_json()["messages"] for s in domains.generate_splits(d, 0, profile.train_size)["train"]]
-            for d in sorted(domains.DOMAINS)}
+    profile = dataclasses.replace(get_profile("default"), steps=steps, warmup=min(10, steps), train_size=1000, threads=threads)
+    sets = {
+        d: [s.to_json()["messages"] for s in domains.generate_splits(d, 0, profile.train_size)["train"]]
+        for d in sorted(domains.DOMAINS)
+    }
     tok = tokenizer.build_tokenizer(model_max_length=profile.max_positions)
     model = train.make_model(profile, tok, seed=0)
     figures = train.train(model, tok, sets, profile, seed=0)
@@ -55,8 +56,14 @@ def run_config(name: str, steps: int, timeout: float) -> dict | None:
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])
     try:
-        out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env, PYTHONPATH=path),
-                             check=True, capture_output=True, text=True, timeout=timeout).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env=dict(os.environ, **env, PYTHONPATH=path),
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        ).stdout
     except subprocess.TimeoutExpired:
         return None
     return json.loads(out.strip().splitlines()[-1])
@@ -82,8 +89,11 @@ def main() -> None:
                 if r is None:
                     print(f"| {name} | {cond} | > {args.timeout:.0f} (stopped) | | | |", flush=True)
                     continue
-                print(f"| {name} | {cond} (load avg {os.getloadavg()[0]:.1f}) | {r['wall_s']:.1f} | {r['cpu_s']:.1f} "
-                      f"| {r['wall_s'] / args.steps:.2f} | {r['sha256'][:12]} |", flush=True)
+                print(
+                    f"| {name} | {cond} (load avg {os.getloadavg()[0]:.1f}) | {r['wall_s']:.1f} | {r['cpu_s']:.1f} "
+                    f"| {r['wall_s'] / args.steps:.2f} | {r['sha256'][:12]} |",
+                    flush=True,
+                )
         finally:
             for p in loaders:
                 p.kill()

@@ -71,11 +71,15 @@ def main() -> None:
     for stage, name, size, t_read, t_verify in rows:
         print(f"| {stage} | {name} | {size:,} | {t_read * 1e3:.2f} | {t_verify * 1e3:.2f} | {t_verify / t_read:.1f} |")
     total_read, total_verify = sum(r[3] for r in rows), sum(r[4] for r in rows)
-    print(f"| all | {len(rows)} artifacts | {sum(r[2] for r in rows):,} | {total_read * 1e3:.2f} | "
-          f"{total_verify * 1e3:.2f} | {total_verify / total_read:.1f} |")
+    print(
+        f"| all | {len(rows)} artifacts | {sum(r[2] for r in rows):,} | {total_read * 1e3:.2f} | "
+        f"{total_verify * 1e3:.2f} | {total_verify / total_read:.1f} |"
+    )
     read_rate, hash_rate = throughput(args.payload_mib, max(1, args.repeat // 2))
-    print(f"\n{args.payload_mib} MiB payload: plain read {read_rate:,.0f} MiB/s, sha256 {hash_rate:,.0f} MiB/s "
-          f"(hashing is {read_rate / hash_rate:.1f}x a cached read; 60 GB would take {60e3 / hash_rate:.0f} s to verify)")
+    print(
+        f"\n{args.payload_mib} MiB payload: plain read {read_rate:,.0f} MiB/s, sha256 {hash_rate:,.0f} MiB/s "
+        f"(hashing is {read_rate / hash_rate:.1f}x a cached read; 60 GB would take {60e3 / hash_rate:.0f} s to verify)"
+    )
 
 
 if __name__ == "__main__":

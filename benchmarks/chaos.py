@@ -82,16 +82,21 @@ def run_pipeline(files: dict[str, str], params: dict[str, Any], root: str) -> st
     cache = run_step("cache-logits", root, {"model": model, "data": files["search"]}, params["cache-logits"])
     heldout = run_step("cache-logits", root, {"model": model, "data": files["heldout"]}, params["cache-logits"])
     full = run_step("evaluate", root, {"model": model, "teacher_cache": heldout}, {**evaluate, "method": "full"})
-    searched = run_step("search", root, {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout},
-                        {**params["search"], **point})
+    searched = run_step(
+        "search",
+        root,
+        {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout},
+        {**params["search"], **point},
+    )
     runs = {}
     for method, allocation in (("uniform", None), ("searched", searched)):
-        pruned = run_step("prune", root, {"model": model, "scores": scores, "allocation": allocation},
-                          {**params["prune"], **point})
-        runs[method] = run_step("evaluate", root, {"model": pruned, "teacher_cache": heldout},
-                                {**evaluate, "method": method, **point})
-    return run_step("report", root, {"runs": [full, runs["uniform"], runs["searched"]], "searches": [searched]},
-                    params["report"])
+        pruned = run_step(
+            "prune", root, {"model": model, "scores": scores, "allocation": allocation}, {**params["prune"], **point}
+        )
+        runs[method] = run_step(
+            "evaluate", root, {"model": pruned, "teacher_cache": heldout}, {**evaluate, "method": method, **point}
+        )
+    return run_step("report", root, {"runs": [full, runs["uniform"], runs["searched"]], "searches": [searched]}, params["report"])
 
 
 def child(spec_path: str) -> int:
@@ -175,16 +180,23 @@ def snapshot(root: str, report: str | None = None) -> dict[str, dict[str, str]]:
     def label(directory: str) -> str:
         if directory not in labels:
             manifest = manifests[directory]
-            inputs = {name: label(by_hash[record["manifest_sha256"]]) if record.get("manifest_sha256") in by_hash
-                      else {k: v for k, v in record.items() if k != "uri"} if record.get("kind") == "artifact" else record
-                      for name, record in manifest["inputs"].items()}
+            inputs = {
+                name: label(by_hash[record["manifest_sha256"]])
+                if record.get("manifest_sha256") in by_hash
+                else {k: v for k, v in record.items() if k != "uri"}
+                if record.get("kind") == "artifact"
+                else record
+                for name, record in manifest["inputs"].items()
+            }
             text = json.dumps({"stage": manifest["stage"], "params": manifest["params"], "inputs": inputs}, sort_keys=True)
             labels[directory] = f"{manifest['stage']}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"
         return labels[directory]
 
     scheme = root.split("://", 1)[0] + "://" if "://" in root else ""
-    swaps = sorted(((s.encode(), f"<{label(d)}>".encode()) for d in manifests
-                    for s in (scheme + d, d, hashes[d], hashes[d][:12])), key=lambda pair: -len(pair[0]))
+    swaps = sorted(
+        ((s.encode(), f"<{label(d)}>".encode()) for d in manifests for s in (scheme + d, d, hashes[d], hashes[d][:12])),
+        key=lambda pair: -len(pair[0]),
+    )
     if report is not None:
         manifests = {d: m for d, m in manifests.items() if d in _behind(split_path(report), manifests, by_hash)}
     found: dict[str, dict[str, str]] = {}
@@ -212,17 +224,20 @@ def _behind(top: str, manifests: dict[str, Any], by_hash: dict[str, str]) -> set
         if directory in seen or directory not in manifests:
             continue
         seen.add(directory)
-        todo += [by_hash[r["manifest_sha256"]] for r in manifests[directory]["inputs"].values()
-                 if r.get("manifest_sha256") in by_hash]
+        todo += [
+            by_hash[r["manifest_sha256"]] for r in manifests[directory]["inputs"].values() if r.get("manifest_sha256") in by_hash
+        ]
     return seen
 
 
 def leftovers(root: str, tmpdir: Path) -> list[str]:
     """What interrupted runs left that the undisturbed re-run should have removed."""
     fs, base = storage_fs(root)
-    names = [p for p in fs.find(base, withdirs=True) if "/." in p[len(base):] or p.endswith("/publishing.json")]
-    return sorted({n.split(".partial-")[0] + ".partial" if ".partial-" in n else n for n in names}
-                  | {p.name for p in tmpdir.glob("evoesap-*")})
+    names = [p for p in fs.find(base, withdirs=True) if "/." in p[len(base) :] or p.endswith("/publishing.json")]
+    return sorted(
+        {n.split(".partial-")[0] + ".partial" if ".partial-" in n else n for n in names}
+        | {p.name for p in tmpdir.glob("evoesap-*")}
+    )
 
 
 def user_files(ws: "Workspace") -> dict[str, bytes]:
@@ -230,8 +245,12 @@ def user_files(ws: "Workspace") -> dict[str, bytes]:
     parent, and the pipeline's inputs (model, data, tasks)."""
     places = [ws.runs, ws.top / "user", ws.top / "world"]
     skip = (ws.runs / "artifacts", ws.runs / "artifacts.spill")
-    return {str(p.relative_to(ws.top)): p.read_bytes() for place in places for p in sorted(place.rglob("*"))
-            if p.is_file() and not any(s == p or s in p.parents for s in skip)}
+    return {
+        str(p.relative_to(ws.top)): p.read_bytes()
+        for place in places
+        for p in sorted(place.rglob("*"))
+        if p.is_file() and not any(s == p or s in p.parents for s in skip)
+    }
 
 
 # ----------------------------------------------------------------------------- one fault run
@@ -275,8 +294,9 @@ class Workspace:
 
     def spec(self, kind: str) -> Path:
         path = self.top / f"spec-{'s3' if kind == 's3_outage' else 'local'}.json"
-        path.write_text(json.dumps({"files": self.files, "params": self.params, "root": self.root(kind),
-                                    "result": str(self.result)}))
+        path.write_text(
+            json.dumps({"files": self.files, "params": self.params, "root": self.root(kind), "result": str(self.result)})
+        )
         return path
 
     def plant_user_files(self) -> None:
@@ -301,8 +321,11 @@ class S3:
             sock.bind(("127.0.0.1", 0))
             self.port = sock.getsockname()[1]
         self._serve()
-        for key, value in {"AWS_ACCESS_KEY_ID": "chaos", "AWS_SECRET_ACCESS_KEY": "chaos",
-                           "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        for key, value in {
+            "AWS_ACCESS_KEY_ID": "chaos",
+            "AWS_SECRET_ACCESS_KEY": "chaos",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():
             os.environ[key] = value
         fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = f"http://127.0.0.1:{self.port}"
         self.fs = fsspec.filesystem("s3", skip_instance_cache=True)
@@ -438,8 +461,10 @@ class Harness:
             self.reference[storage] = snapshot(self.ws.root(storage), self.ws.result.read_text())
             if storage == "kill9":
                 self.stored_bytes = sum(p.stat().st_size for p in (self.ws.runs / "artifacts").rglob("*") if p.is_file())
-            self.log(f"reference ({'s3' if storage == 's3_outage' else 'local'}): {len(self.reference[storage])} "
-                     f"artifacts in {self.duration[storage]:.1f} s")
+            self.log(
+                f"reference ({'s3' if storage == 's3_outage' else 'local'}): {len(self.reference[storage])} "
+                f"artifacts in {self.duration[storage]:.1f} s"
+            )
 
     def fault(self, kind: str) -> Outcome:
         storage = "s3_outage" if kind == "s3_outage" else "kill9"
@@ -465,9 +490,16 @@ class Harness:
         rerun, err = self._start(kind).finish()
         failed = first_err.strip().splitlines()[-1:] if first > 0 else []
         internal = bool(failed) and ("Traceback" in first_err or not failed[0].startswith("error: "))
-        outcome = Outcome(kind, round(moment, 2), first, rerun, "", user_bytes_lost=self._lost(users),
-                          leftovers=tuple(leftovers(self.ws.root(kind), self.ws.tmp)),
-                          first_error=("internal: " if internal else "") + "".join(failed)[:300])
+        outcome = Outcome(
+            kind,
+            round(moment, 2),
+            first,
+            rerun,
+            "",
+            user_bytes_lost=self._lost(users),
+            leftovers=tuple(leftovers(self.ws.root(kind), self.ws.tmp)),
+            first_error=("internal: " if internal else "") + "".join(failed)[:300],
+        )
         lines = err.strip().splitlines() or [""]
         if rerun == 0:
             now = snapshot(self.ws.root(kind), self.ws.result.read_text())
@@ -523,8 +555,10 @@ def disk_full_available() -> bool:
     """Whether this process may mount a tmpfs in a private mount namespace (needs root: CAP_SYS_ADMIN)."""
     probe = "d=$(mktemp -d) && mount -t tmpfs -o size=64k tmpfs $d && umount $d && rmdir $d"
     try:
-        return os.geteuid() == 0 and subprocess.run(["unshare", "-m", "sh", "-c", probe], capture_output=True,
-                                                     timeout=30).returncode == 0
+        return (
+            os.geteuid() == 0
+            and subprocess.run(["unshare", "-m", "sh", "-c", probe], capture_output=True, timeout=30).returncode == 0
+        )
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -539,16 +573,21 @@ def build_world(world: str, top: Path) -> dict[str, str]:
     from evoesap.demo.world import build_demo_world
 
     built = build_demo_world(top / "world", seed=0, profile="quick")
-    return {"model": str(built.model_dir), "calibration": str(built.data_file("code", "calibration")),
-            "search": str(built.data_file("math", "search")), "heldout": str(built.data_file("math", "search_heldout")),
-            "tasks": str(built.tasks_dir)}
+    return {
+        "model": str(built.model_dir),
+        "calibration": str(built.data_file("code", "calibration")),
+        "search": str(built.data_file("math", "search")),
+        "heldout": str(built.data_file("math", "search_heldout")),
+        "tasks": str(built.tasks_dir),
+    }
 
 
 def world_files(world: str, top: Path) -> dict[str, str]:
     """`build_world` in a process of its own: the harness forks stage processes, so it never runs torch itself
     (a thread pool started before fork would hang the children)."""
-    proc = subprocess.run([sys.executable, __file__, "--build-world", world, "--workdir", str(top)],
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--build-world", world, "--workdir", str(top)], capture_output=True, text=True, check=False
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"building the {world} world failed: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -580,8 +619,15 @@ def table(outcomes: list[Outcome], seconds: float) -> str:
     return "\n".join(["| measure | value |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)])
 
 
-def run_chaos(top: Path, world: str, faults: int, seed: int, kinds: tuple[str, ...],
-              log: Callable[[str], None] = print, record: Path | None = None) -> list[Outcome]:
+def run_chaos(
+    top: Path,
+    world: str,
+    faults: int,
+    seed: int,
+    kinds: tuple[str, ...],
+    log: Callable[[str], None] = print,
+    record: Path | None = None,
+) -> list[Outcome]:
     """`faults` fault runs after the reference runs; every outcome, in order (also written to `record` after
     each run, so a long run stopped early keeps what it found)."""
     top = top.resolve()
@@ -595,10 +641,12 @@ def run_chaos(top: Path, world: str, faults: int, seed: int, kinds: tuple[str, .
             outcomes.append(outcome)
             if record:
                 record.write_text(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=1))
-            log(f"{i + 1:4d} {kind:9s} at {outcome.moment:>9} rc {outcome.first_rc:>3}/{outcome.rerun_rc}: {outcome.result}"
+            log(
+                f"{i + 1:4d} {kind:9s} at {outcome.moment:>9} rc {outcome.first_rc:>3}/{outcome.rerun_rc}: {outcome.result}"
                 f"{' (' + outcome.detail[:200] + ')' if outcome.result != 'identical' or outcome.kind == 'corrupt' else ''}"
                 f"{' debris ' + ','.join(outcome.leftovers) if outcome.leftovers else ''}"
-                f"{' [faulted run: ' + outcome.first_error[:160] + ']' if outcome.first_error else ''}")
+                f"{' [faulted run: ' + outcome.first_error[:160] + ']' if outcome.first_error else ''}"
+            )
     finally:
         harness.close()
     return outcomes
@@ -625,8 +673,9 @@ def main() -> int:
         parser.error("disk_full mounts a tmpfs in a private mount namespace, which needs root; drop it from --kinds")
     shutil.rmtree(args.workdir, ignore_errors=True)
     started = time.monotonic()
-    outcomes = run_chaos(args.workdir, args.world, args.faults, args.seed, kinds, log=lambda line: print(line, flush=True),
-                         record=args.json)
+    outcomes = run_chaos(
+        args.workdir, args.world, args.faults, args.seed, kinds, log=lambda line: print(line, flush=True), record=args.json
+    )
     print(table(outcomes, time.monotonic() - started))
     return 0 if all(o.result in ("identical", "clear error") and not o.user_bytes_lost for o in outcomes) else 1
 

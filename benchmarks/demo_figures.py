@@ -104,8 +104,15 @@ class Run:
         return uri
 
     def cache(self, split: str, mode: str = "full", dtype: str = "float32", top_k: int = 64) -> str:
-        params = CacheLogitsParams(mode=mode, top_k=top_k, dtype=dtype, samples=self.args.samples, max_length=MAX_LENGTH,
-                                   batch_size=self.args.batch_size, device="cpu")
+        params = CacheLogitsParams(
+            mode=mode,
+            top_k=top_k,
+            dtype=dtype,
+            samples=self.args.samples,
+            max_length=MAX_LENGTH,
+            batch_size=self.args.batch_size,
+            device="cpu",
+        )
         name = f"cache-math-{split}-{mode}-{dtype}" + (f"-k{top_k}" if mode == "topk" else "")
         uri = str(self.out / name)
         run_cache_logits(self.model, str(self.world.data_file("math", split)), params, uri)
@@ -115,22 +122,30 @@ class Run:
 def section_importance(run: Run) -> None:
     """Issue 4: do code- and math-derived pruning orders differ?"""
     t0 = time.perf_counter()
-    code, math, control = (read_scores(run.calibrate(d, s)) for d, s in
-                           (("code", "calibration"), ("math", "calibration"), ("code", "search")))
+    code, math, control = (
+        read_scores(run.calibrate(d, s)) for d, s in (("code", "calibration"), ("math", "calibration"), ("code", "search"))
+    )
     print("## Issue 4: code- vs math-derived pruning orders\n")
-    print(f"Scores from {run.args.samples} samples of each calibration split (one observer pass each). Spearman's rho "
-          "per MoE layer between the two score vectors of 16 experts (average ranks for ties), then the mean over "
-          "the 4 layers; the control correlates code calibration with {0} other code samples (the code search "
-          "split). Overlap: experts shared by the two halves pruned first (8 of 16 per layer), mean over layers.\n"
-          .format(run.args.samples))
-    print("| criterion | code vs math: mean rho | per layer | overlap of 8 pruned first | control (code vs code): mean rho | control overlap |")
+    print(
+        f"Scores from {run.args.samples} samples of each calibration split (one observer pass each). Spearman's rho "
+        "per MoE layer between the two score vectors of 16 experts (average ranks for ties), then the mean over "
+        "the 4 layers; the control correlates code calibration with {0} other code samples (the code search "
+        "split). Overlap: experts shared by the two halves pruned first (8 of 16 per layer), mean over layers.\n".format(
+            run.args.samples
+        )
+    )
+    print(
+        "| criterion | code vs math: mean rho | per layer | overlap of 8 pruned first | control (code vs code): mean rho | control overlap |"
+    )
     print("|---|---|---|---|---|---|")
     for criterion in CRITERIA:
         per_layer = [spearman(a, b) for a, b in zip(layer_scores(code, criterion), layer_scores(math, criterion))]
         ctrl = [spearman(a, b) for a, b in zip(layer_scores(code, criterion), layer_scores(control, criterion))]
         orders = {name: pruning_order(df, criterion) for name, df in (("code", code), ("math", math), ("ctrl", control))}
-        print(f"| {criterion} | {np.nanmean(per_layer):+.3f} | {', '.join(f'{v:+.2f}' for v in per_layer)} | "
-              f"{overlap(orders['code'], orders['math']):.2f} / 8 | {np.nanmean(ctrl):+.3f} | {overlap(orders['code'], orders['ctrl']):.2f} / 8 |")
+        print(
+            f"| {criterion} | {np.nanmean(per_layer):+.3f} | {', '.join(f'{v:+.2f}' for v in per_layer)} | "
+            f"{overlap(orders['code'], orders['math']):.2f} / 8 | {np.nanmean(ctrl):+.3f} | {overlap(orders['code'], orders['ctrl']):.2f} / 8 |"
+        )
     print(f"\nWall time: {time.perf_counter() - t0:.1f} s\n")
 
 
@@ -154,8 +169,10 @@ def section_cache(run: Run) -> None:
     t0 = time.perf_counter()
     vocab = int(run.net.get_output_embeddings().weight.shape[0])
     ks = sorted({min(int(k), vocab) for k in run.args.top_k.split(",") if k})
-    caches = {("full", "float32", None): run.cache("search", "full", "float32"),
-              ("full", "float16", None): run.cache("search", "full", "float16")}
+    caches = {
+        ("full", "float32", None): run.cache("search", "full", "float32"),
+        ("full", "float16", None): run.cache("search", "full", "float16"),
+    }
     for k in ks:
         caches[("topk", run.args.topk_dtype, k)] = run.cache("search", "topk", run.args.topk_dtype, k)
     cands = candidates(run, read_scores(run.calibrate("code")))
@@ -166,19 +183,27 @@ def section_cache(run: Run) -> None:
     half_bytes = dir_bytes(caches[("full", "float16", None)])
     positions = reference.cache.meta.num_positions
     print("## Issue 5: teacher cache size and ESAP bounds\n")
-    print(f"Math search split, {reference.num_samples} samples, {positions} scored positions, vocabulary {vocab}; "
-          f"top-K caches store log-probabilities in {run.args.topk_dtype}"
-          + (f"; K above the vocabulary is clipped to {vocab}" if any(int(k) > vocab for k in run.args.top_k.split(",") if k) else "")
-          + ". Sizes are the cache's Parquet payload (token ids included), manifest excluded.\n")
+    print(
+        f"Math search split, {reference.num_samples} samples, {positions} scored positions, vocabulary {vocab}; "
+        f"top-K caches store log-probabilities in {run.args.topk_dtype}"
+        + (
+            f"; K above the vocabulary is clipped to {vocab}"
+            if any(int(k) > vocab for k in run.args.top_k.split(",") if k)
+            else ""
+        )
+        + ". Sizes are the cache's Parquet payload (token ids included), manifest excluded.\n"
+    )
     print("| cache | size on disk | vs full float32 | vs full float16 |")
     print("|---|---|---|---|")
     for (mode, dtype, k), uri in caches.items():
         size = dir_bytes(uri)
         label = f"full {dtype}" if mode == "full" else f"top-{k} {dtype}"
         print(f"| {label} | {size / 1024:.1f} KiB | {size / full_bytes:.1%} | {size / half_bytes:.1%} |")
-    print("\nESAP per candidate (mean over samples of the per-sample mean over scored positions). Full float32 is the "
-          "exact value; for top-K, the mean bound width (upper - lower) and whether the exact value lies within "
-          "the bounds for every sample (largest violation in brackets).\n")
+    print(
+        "\nESAP per candidate (mean over samples of the per-sample mean over scored positions). Full float32 is the "
+        "exact value; for top-K, the mean bound width (upper - lower) and whether the exact value lies within "
+        "the bounds for every sample (largest violation in brackets).\n"
+    )
     head = " | ".join(f"top-{k} width | top-{k} contains" for k in ks)
     print(f"| candidate | ESAP (full f32) | full f16 - f32 | {head} |")
     print("|---|---|---|" + "---|---|" * len(ks))
@@ -208,8 +233,16 @@ def section_search(run: Run) -> None:
     rows = []
     for criterion in a.criteria.split(","):
         for sparsity in (float(s) for s in a.sparsities.split(",")):
-            params = SearchParams(criterion=criterion, sparsity=sparsity, population=a.population, elites=a.elites,
-                                  generations=a.generations, seed=a.seed, batch_size=a.batch_size, device="cpu")
+            params = SearchParams(
+                criterion=criterion,
+                sparsity=sparsity,
+                population=a.population,
+                elites=a.elites,
+                generations=a.generations,
+                seed=a.seed,
+                batch_size=a.batch_size,
+                device="cpu",
+            )
             uri = str(run.out / f"search-{criterion}-{round(sparsity * 100)}")
             t = time.perf_counter()
             run_search(run.model, scores_uri, search_cache, params, uri)
@@ -217,39 +250,51 @@ def section_search(run: Run) -> None:
             doc = artifacts.read_json(artifacts.join(uri, "allocation.json"))
             orders = pruning_order(scores, criterion)
             best, uni = doc["searched"]["removal_counts"], doc["uniform"]["removal_counts"]
-            split = generalisation(heldout.sample_values(alloc.pruned_sets(best, orders)).numpy(),
-                                   heldout.sample_values(alloc.pruned_sets(uni, orders)).numpy())
+            split = generalisation(
+                heldout.sample_values(alloc.pruned_sets(best, orders)).numpy(),
+                heldout.sample_values(alloc.pruned_sets(uni, orders)).numpy(),
+            )
             rows.append((criterion, sparsity, doc, split, seconds))
     stage_n, search_n = rows[0][2]["heldout_samples"], rows[0][2]["search_samples"]
     print("## Issue 6: searched vs uniform allocations\n")
-    print(f"Scores from code calibration ({a.samples} samples), search on the math search split: {search_n} samples for "
-          f"the search, {stage_n} held out by the stage (heldout_fraction {SearchParams.heldout_fraction}, the default); "
-          f"the separate `search_heldout` split has {heldout.num_samples} other math samples. Search: population "
-          f"{a.population}, elites {a.elites}, generations {a.generations}, seed {a.seed}, other settings the stage "
-          "defaults (the paper's P 32 and 50 generations are cut to fit a loaded 2-core CPU). Held-out differences "
-          "are paired (searched - uniform, mean ± standard error); the stage's check passes when the difference "
-          "exceeds two standard errors.\n")
+    print(
+        f"Scores from code calibration ({a.samples} samples), search on the math search split: {search_n} samples for "
+        f"the search, {stage_n} held out by the stage (heldout_fraction {SearchParams.heldout_fraction}, the default); "
+        f"the separate `search_heldout` split has {heldout.num_samples} other math samples. Search: population "
+        f"{a.population}, elites {a.elites}, generations {a.generations}, seed {a.seed}, other settings the stage "
+        "defaults (the paper's P 32 and 50 generations are cut to fit a loaded 2-core CPU). Held-out differences "
+        "are paired (searched - uniform, mean ± standard error); the stage's check passes when the difference "
+        "exceeds two standard errors.\n"
+    )
     print("| criterion | sparsity | uniform r | searched r | evaluations | search time |")
     print("|---|---|---|---|---|---|")
     for criterion, sparsity, doc, _, seconds in rows:
-        print(f"| {criterion} | {sparsity:.0%} | {doc['uniform']['removal_counts']} | {doc['searched']['removal_counts']} | "
-              f"{doc['evaluations']} | {seconds:.0f} s |")
-    print(f"\n| criterion | sparsity | search set ({search_n}): uniform | searched | stage held-out ({stage_n}): uniform | "
-          f"searched | difference | check passed | search_heldout ({heldout.num_samples}): uniform | searched | difference | beats uniform |")
+        print(
+            f"| {criterion} | {sparsity:.0%} | {doc['uniform']['removal_counts']} | {doc['searched']['removal_counts']} | "
+            f"{doc['evaluations']} | {seconds:.0f} s |"
+        )
+    print(
+        f"\n| criterion | sparsity | search set ({search_n}): uniform | searched | stage held-out ({stage_n}): uniform | "
+        f"searched | difference | check passed | search_heldout ({heldout.num_samples}): uniform | searched | difference | beats uniform |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for criterion, sparsity, doc, split, _ in rows:
         h = doc["heldout"]
-        print(f"| {criterion} | {sparsity:.0%} | {doc['uniform']['fitness']:.4f} | {doc['searched']['fitness']:.4f} | "
-              f"{h['uniform']:.4f} | {h['searched']:.4f} | {h['difference']:+.4f} ± {h['stderr']:.4f} | "
-              f"{'yes' if h['beats_uniform'] else '**no**'} | {split['uniform']:.4f} | {split['searched']:.4f} | "
-              f"{split['difference']:+.4f} ± {split['stderr']:.4f} | {'yes' if split['beats_uniform'] else '**no**'} |")
+        print(
+            f"| {criterion} | {sparsity:.0%} | {doc['uniform']['fitness']:.4f} | {doc['searched']['fitness']:.4f} | "
+            f"{h['uniform']:.4f} | {h['searched']:.4f} | {h['difference']:+.4f} ± {h['stderr']:.4f} | "
+            f"{'yes' if h['beats_uniform'] else '**no**'} | {split['uniform']:.4f} | {split['searched']:.4f} | "
+            f"{split['difference']:+.4f} ± {split['stderr']:.4f} | {'yes' if split['beats_uniform'] else '**no**'} |"
+        )
     print(f"\nWall time: {time.perf_counter() - t0:.1f} s\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", default=str(REPO / ".cache" / "demo-world"), help="demo world directory (used as it is; built when missing)")
+    parser.add_argument(
+        "--world", default=str(REPO / ".cache" / "demo-world"), help="demo world directory (used as it is; built when missing)"
+    )
     parser.add_argument("--out", help="stage outputs; default: a temporary directory")
     parser.add_argument("--sections", default="4,5,6", help="issues whose figures to make")
     parser.add_argument("--samples", type=int, default=64, help="calibration and cache samples per split")
@@ -262,7 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--elites", type=int, default=4)
     parser.add_argument("--generations", type=int, default=12)
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--threads", type=int, help="intra-op threads (sets EVOESAP_CPU_THREADS); default: evoesap.runtime's choice, 1 for tiny models")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="intra-op threads (sets EVOESAP_CPU_THREADS); default: evoesap.runtime's choice, 1 for tiny models",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.threads:
@@ -275,8 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = Run(args)
         print(f"Command: `{shlex.join(['.venv/bin/python', 'benchmarks/demo_figures.py', *argv])}`\n")
-        print(f"Demo world {run.world.key[:12]} ({run.world.profile}, seed {run.world.seed}); torch {torch.__version__}, "
-              f"{runtime.cpu_threads(run.world.info['parameters'])} threads, CPU.\n")
+        print(
+            f"Demo world {run.world.key[:12]} ({run.world.profile}, seed {run.world.seed}); torch {torch.__version__}, "
+            f"{runtime.cpu_threads(run.world.info['parameters'])} threads, CPU.\n"
+        )
         sections = {s.strip() for s in args.sections.split(",")}
         for name, section in (("4", section_importance), ("5", section_cache), ("6", section_search)):
             if name in sections:

@@ -44,17 +44,51 @@ from evoesap.scoring.evaluator import CandidateEvaluator
 from evoesap.scoring.teacher import CacheMeta, TeacherCache
 
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "olmoe": ("olmoe", dict(num_hidden_layers=16, hidden_size=2048, num_experts=64, num_experts_per_tok=8,
-                            intermediate_size=1024, vocab_size=50304, num_attention_heads=16, num_key_value_heads=16,
-                            max_position_embeddings=4096)),
-    "qwen3": ("qwen3_moe", dict(num_hidden_layers=48, hidden_size=2048, num_experts=128, num_experts_per_tok=8,
-                                moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936,
-                                num_attention_heads=32, num_key_value_heads=4, head_dim=128, norm_topk_prob=True,
-                                max_position_embeddings=40960)),
+    "olmoe": (
+        "olmoe",
+        dict(
+            num_hidden_layers=16,
+            hidden_size=2048,
+            num_experts=64,
+            num_experts_per_tok=8,
+            intermediate_size=1024,
+            vocab_size=50304,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            max_position_embeddings=4096,
+        ),
+    ),
+    "qwen3": (
+        "qwen3_moe",
+        dict(
+            num_hidden_layers=48,
+            hidden_size=2048,
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+            intermediate_size=6144,
+            vocab_size=151936,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            norm_topk_prob=True,
+            max_position_embeddings=40960,
+        ),
+    ),
 }
 # --tiny: the same families at test size
-TINY = dict(num_hidden_layers=4, hidden_size=64, num_experts=8, num_experts_per_tok=2, intermediate_size=32,
-            moe_intermediate_size=32, vocab_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+TINY = dict(
+    num_hidden_layers=4,
+    hidden_size=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    intermediate_size=32,
+    moe_intermediate_size=32,
+    vocab_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 
 
 @dataclasses.dataclass
@@ -83,20 +117,36 @@ def random_cache(vocab: int, samples: int, length: int, top_k: int, seed: int) -
     positions = torch.arange(length // 2, length - 1).repeat(samples)  # [P]
     rows = samples * per
     logprobs = torch.log_softmax(torch.randn(rows, top_k + 1, generator=gen), -1)  # [P, K+1]: K kept + tail
-    meta = CacheMeta(mode="topk", dtype="float16", top_k=top_k, vocab_size=vocab, model_hash="random", tokenizer_hash=None,
-                     data_hash="random", num_samples=samples, num_positions=rows, shards=())
+    meta = CacheMeta(
+        mode="topk",
+        dtype="float16",
+        top_k=top_k,
+        vocab_size=vocab,
+        model_hash="random",
+        tokenizer_hash=None,
+        data_hash="random",
+        num_samples=samples,
+        num_positions=rows,
+        shards=(),
+    )
     return TeacherCache(
-        meta=meta, sample_ids=list(range(samples)), input_ids=input_ids,
-        offsets=torch.arange(0, rows + 1, per), positions=positions,
+        meta=meta,
+        sample_ids=list(range(samples)),
+        input_ids=input_ids,
+        offsets=torch.arange(0, rows + 1, per),
+        positions=positions,
         targets=torch.randint(3, vocab, (rows,), generator=gen),
         topk_ids=torch.stack([torch.randperm(vocab, generator=gen)[:top_k] for _ in range(min(rows, 64))]).repeat(
-            (rows + 63) // 64, 1)[:rows],
-        topk_logprobs=logprobs[:, :top_k].half(), tail_mass=logprobs[:, top_k].exp(),
+            (rows + 63) // 64, 1
+        )[:rows],
+        topk_logprobs=logprobs[:, :top_k].half(),
+        tail_mass=logprobs[:, top_k].exp(),
     )
 
 
-def reference_seconds(model: torch.nn.Module, cache: TeacherCache, pruned: dict[int, list[int]], batch_size: int,
-                      device: torch.device) -> float:
+def reference_seconds(
+    model: torch.nn.Module, cache: TeacherCache, pruned: dict[int, list[int]], batch_size: int, device: torch.device
+) -> float:
     """One candidate the reference way; teacher logits come from (pinned) host memory each batch."""
     vocab = cache.meta.vocab_size
     length = int(cache.input_ids[0].numel())
@@ -128,8 +178,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def children(parent: Sequence[int], num_experts: Sequence[int], top_k: Sequence[int], count: int,
-             rng: np.random.Generator) -> list[tuple[int, ...]]:
+def children(
+    parent: Sequence[int], num_experts: Sequence[int], top_k: Sequence[int], count: int, rng: np.random.Generator
+) -> list[tuple[int, ...]]:
     """Feasible allocations one level-switch step from `parent` (move `g=1` expert between two layers)."""
     out = []
     while len(out) < count:
@@ -155,13 +206,22 @@ def time_shape(shape: str, args: argparse.Namespace, device: torch.device) -> li
     out = []
 
     reference_seconds(model, cache, alloc.pruned_sets(kids[0], orders), args.reference_batch_size, device)  # warm-up
-    ref = [reference_seconds(model, cache, alloc.pruned_sets(r, orders), args.reference_batch_size, device)
-           for r in kids[: args.reference_candidates]]
+    ref = [
+        reference_seconds(model, cache, alloc.pruned_sets(r, orders), args.reference_batch_size, device)
+        for r in kids[: args.reference_candidates]
+    ]
     out.append(Timing(shape, "(a) reference", float(np.mean(ref)), len(ref), 1.0))
 
     for name, budget in (("(b) exact", 0), ("(c) prefix", int(args.prefix_cache_gib * 2**30))):
-        evaluator = CandidateEvaluator(model, cache, batch_size=args.batch_size, verify=False, prefix_cache_bytes=budget,
-                                       keep=1, cache_device_bytes=_gib(args.cache_device_gib))
+        evaluator = CandidateEvaluator(
+            model,
+            cache,
+            batch_size=args.batch_size,
+            verify=False,
+            prefix_cache_bytes=budget,
+            keep=1,
+            cache_device_bytes=_gib(args.cache_device_gib),
+        )
         evaluator.score(alloc.pruned_sets(parent, orders))  # the parent (and warm-up) are not timed
         before = evaluator.work
         sync(device)
@@ -180,12 +240,26 @@ def time_shape(shape: str, args: argparse.Namespace, device: torch.device) -> li
     return out
 
 
-def search_timing(shape: str, model: torch.nn.Module, cache: TeacherCache, n: Sequence[int], k: Sequence[int],
-                  orders: list[list[int]], args: argparse.Namespace, device: torch.device) -> Timing:
+def search_timing(
+    shape: str,
+    model: torch.nn.Module,
+    cache: TeacherCache,
+    n: Sequence[int],
+    k: Sequence[int],
+    orders: list[list[int]],
+    args: argparse.Namespace,
+    device: torch.device,
+) -> Timing:
     """A truncated default search (racing optional); `seconds` is per candidate, `note` the extrapolation."""
-    evaluator = CandidateEvaluator(model, cache, batch_size=args.batch_size, verify=False,
-                                   prefix_cache_bytes=int(args.prefix_cache_gib * 2**30), keep=4,
-                                   cache_device_bytes=_gib(args.cache_device_gib))
+    evaluator = CandidateEvaluator(
+        model,
+        cache,
+        batch_size=args.batch_size,
+        verify=False,
+        prefix_cache_bytes=int(args.prefix_cache_gib * 2**30),
+        keep=4,
+        cache_device_bytes=_gib(args.cache_device_gib),
+    )
     schedule = racing.Racing() if args.racing else None
     samples = list(range(cache.num_samples))
     positions = (cache.offsets[1:] - cache.offsets[:-1]).tolist()  # scored positions per sample
@@ -201,13 +275,20 @@ def search_timing(shape: str, model: torch.nn.Module, cache: TeacherCache, n: Se
     sync(device)
     t0 = time.perf_counter()
     result = search.level_switch_search(
-        fitness_of, n, k, alloc.budget(args.sparsity, n, k), generations=args.search_generations, granularity=1,
-        racing=schedule, subset_fitness=subset_fitness if schedule else None,
+        fitness_of,
+        n,
+        k,
+        alloc.budget(args.sparsity, n, k),
+        generations=args.search_generations,
+        granularity=1,
+        racing=schedule,
+        subset_fitness=subset_fitness if schedule else None,
         on_generation=lambda *_: (sync(device), stamps.append(time.perf_counter())),
     )
     seconds = time.perf_counter() - t0
-    raced_only = len({h.allocation for h in result.history if h.level is not None}
-                     - {h.allocation for h in result.history if h.level is None})
+    raced_only = len(
+        {h.allocation for h in result.history if h.level is not None} - {h.allocation for h in result.history if h.level is None}
+    )
     candidates = result.evaluations + raced_only
     ffe = evaluator.work / evaluator.full_forward_work() / candidates
     later = np.diff(stamps)  # seconds of each generation after the initial population
@@ -231,8 +312,12 @@ def main(argv: Sequence[str] | None = None) -> list[Timing]:
     parser.add_argument("--reference-candidates", type=int, default=1)
     parser.add_argument("--children", type=int, default=3)
     parser.add_argument("--prefix-cache-gib", type=float, default=8.0)
-    parser.add_argument("--cache-device-gib", type=float, default=None,
-                        help="teacher cache budget on the GPU (0: stream it from pinned host memory; default: the evaluator's)")
+    parser.add_argument(
+        "--cache-device-gib",
+        type=float,
+        default=None,
+        help="teacher cache budget on the GPU (0: stream it from pinned host memory; default: the evaluator's)",
+    )
     parser.add_argument("--search-generations", type=int, default=0, help="then time a search of this many generations")
     parser.add_argument("--racing", action="store_true", help="the search races candidates (default schedule)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -248,7 +333,9 @@ def main(argv: Sequence[str] | None = None) -> list[Timing]:
     print("|---|---|---|---|---|---|---|")
     for t in timings:
         ref = next(r for r in timings if r.shape == t.shape and r.method == "(a) reference")
-        print(f"| {t.shape} | {t.method} | {t.seconds:.3f} | {ref.seconds / t.seconds:.1f}x | {t.ffe:.3f} | {t.candidates} | {t.note} |")
+        print(
+            f"| {t.shape} | {t.method} | {t.seconds:.3f} | {ref.seconds / t.seconds:.1f}x | {t.ffe:.3f} | {t.candidates} | {t.note} |"
+        )
     if device.type == "cuda":
         print(f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
     return timings

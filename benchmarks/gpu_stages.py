@@ -74,8 +74,12 @@ def run_stage(command: list[str], on_gpu: bool, log: Path) -> dict[str, Any]:
     if proc.returncode:
         raise RuntimeError(f"{' '.join(command[3:5])} failed: {log.read_text()[-3000:]}")
     peaks = host.join()
-    return {"seconds": round(seconds, 1), "host_anon_gib": peaks["RssAnon"] / 2**30,
-            "host_file_gib": peaks["RssFile"] / 2**30, "device_gib": peak_device / 2**30}
+    return {
+        "seconds": round(seconds, 1),
+        "host_anon_gib": peaks["RssAnon"] / 2**30,
+        "host_file_gib": peaks["RssFile"] / 2**30,
+        "device_gib": peak_device / 2**30,
+    }
 
 
 def build_checkpoint(shape: str, tiny: bool, root: Path, device: str) -> Path:
@@ -85,8 +89,9 @@ def build_checkpoint(shape: str, tiny: bool, root: Path, device: str) -> Path:
 
     tokenizer = build_tokenizer(model_max_length=1 << 20)
     model = build_model(shape, tiny, torch.device(device), torch.bfloat16)
-    model.config.update({"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
-                         "eos_token_id": tokenizer.eos_token_id})
+    model.config.update(
+        {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    )
     model.save_pretrained(root / "model", max_shard_size="5GB")
     tokenizer.save_pretrained(root / "model")
     del model
@@ -100,8 +105,7 @@ def write_chats(path: Path, samples: int, length: int, seed: int) -> None:
     rng = random.Random(seed)
 
     def words(chars: int) -> str:
-        return " ".join("".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9)))
-                        for _ in range(chars // 6))
+        return " ".join("".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(2, 9))) for _ in range(chars // 6))
 
     with path.open("w") as f:
         for _ in range(samples):
@@ -134,8 +138,11 @@ def main() -> None:
 
     start = time.perf_counter()
     model = build_checkpoint(args.shape, args.tiny, root, args.device)
-    print(f"checkpoint: {sum(f.stat().st_size for f in model.glob('*.safetensors')) / 1e9:.2f} GB "
-          f"in {time.perf_counter() - start:.0f} s", flush=True)
+    print(
+        f"checkpoint: {sum(f.stat().st_size for f in model.glob('*.safetensors')) / 1e9:.2f} GB "
+        f"in {time.perf_counter() - start:.0f} s",
+        flush=True,
+    )
     write_chats(root / "calibration.jsonl", args.calibration_samples, args.length, 0)
     write_chats(root / "search.jsonl", args.samples, args.length, 1)
     machine = footprint.local_machine(args.device)
@@ -145,36 +152,77 @@ def main() -> None:
     run = ["--model-dtype", "bfloat16", "--device", args.device]
     data = ["--max-length", str(args.length), "--batch-size", str(args.batch_size)]
     settings = {"max_length": args.length, "batch_size": args.batch_size}
-    cache_args = {"cache": ["--mode", "topk", "--samples", str(args.samples)],
-                  "cache-full": ["--mode", "full", "--samples", str(args.full_samples)]}
+    cache_args = {
+        "cache": ["--mode", "topk", "--samples", str(args.samples)],
+        "cache-full": ["--mode", "full", "--samples", str(args.full_samples)],
+    }
     stages = {  # name -> (stage, its own arguments, calibrate tokens, the cache it writes or reads)
-        "calibrate": ("calibrate", ["--data", str(root / "calibration.jsonl"), "--samples", str(args.calibration_samples),
-                                    *data, *run], args.calibration_samples * args.length, "cache"),
+        "calibrate": (
+            "calibrate",
+            ["--data", str(root / "calibration.jsonl"), "--samples", str(args.calibration_samples), *data, *run],
+            args.calibration_samples * args.length,
+            "cache",
+        ),
         "cache-logits": ("cache-logits", ["--data", str(root / "search.jsonl"), *cache_args["cache"], *data, *run], 0, "cache"),
-        "search": ("search", ["--scores", str(root / "scores"), "--cache", str(root / "cache"), "--sparsity", "0.5",
-                              "--population", str(args.population), "--elites", str(args.elites),
-                              "--generations", str(args.generations), *(["--racing"] if args.racing else []),
-                              "--batch-size", str(args.batch_size), *run], 0, "cache"),
-        "cache-logits-full": ("cache-logits", ["--data", str(root / "search.jsonl"), *cache_args["cache-full"], *data, *run],
-                              0, "cache-full"),
+        "search": (
+            "search",
+            [
+                "--scores",
+                str(root / "scores"),
+                "--cache",
+                str(root / "cache"),
+                "--sparsity",
+                "0.5",
+                "--population",
+                str(args.population),
+                "--elites",
+                str(args.elites),
+                "--generations",
+                str(args.generations),
+                *(["--racing"] if args.racing else []),
+                "--batch-size",
+                str(args.batch_size),
+                *run,
+            ],
+            0,
+            "cache",
+        ),
+        "cache-logits-full": (
+            "cache-logits",
+            ["--data", str(root / "search.jsonl"), *cache_args["cache-full"], *data, *run],
+            0,
+            "cache-full",
+        ),
         "prune": ("prune", ["--scores", str(root / "scores"), "--sparsity", "0.5"], 0, "cache"),
     }
     for name in args.stages.split(","):
         stage, own, calibrate_tokens, cache_dir = stages[name]
         out = root / {"calibrate": "scores", "cache-logits": cache_dir}.get(stage, stage)
-        measured = run_stage([*cli, stage, "--model", str(model), "--out", str(out), *own], on_gpu and stage != "prune",
-                             root / f"{name}.log")
+        measured = run_stage(
+            [*cli, stage, "--model", str(model), "--out", str(out), *own], on_gpu and stage != "prune", root / f"{name}.log"
+        )
         meta_file = root / cache_dir / "cache.json"  # calibrate runs before any cache exists
         meta = json.loads(meta_file.read_text()) if meta_file.exists() else {"mode": "topk", "top_k": 64, "num_positions": 0}
         cache_p = make_params("cache-logits", {**settings, "mode": meta["mode"], "top_k": meta["top_k"] or 64})
-        params = {"calibrate": make_params("calibrate", {**settings, "samples": args.calibration_samples}),
-                  "cache-logits": cache_p, "search": make_params("search", {"batch_size": args.batch_size}),
-                  "prune": make_params("prune", {"sparsity": 0.5}), "evaluate": make_params("evaluate", {})}
+        params = {
+            "calibrate": make_params("calibrate", {**settings, "samples": args.calibration_samples}),
+            "cache-logits": cache_p,
+            "search": make_params("search", {"batch_size": args.batch_size}),
+            "prune": make_params("prune", {"sparsity": 0.5}),
+            "evaluate": make_params("evaluate", {}),
+        }
         rows = int(meta["num_positions"])
         predicted = footprint.plan_stages(shape, machine, footprint.Data(calibrate_tokens, rows), params, only=stage)[0]
-        row = {"shape": args.shape, "stage": name, "model_gib": shape.bytes / 2**30, "cache_rows": rows, **measured,
-               "planned_host_gib": predicted.host / 2**30, "planned_device_gib": predicted.device / 2**30,
-               "gpu": torch.cuda.get_device_name(0) if on_gpu else "cpu"}
+        row = {
+            "shape": args.shape,
+            "stage": name,
+            "model_gib": shape.bytes / 2**30,
+            "cache_rows": rows,
+            **measured,
+            "planned_host_gib": predicted.host / 2**30,
+            "planned_device_gib": predicted.device / 2**30,
+            "gpu": torch.cuda.get_device_name(0) if on_gpu else "cpu",
+        }
         if stage == "search":  # what the search did: candidates, FFE per candidate, prefix cache (its manifest)
             row["search_cost"] = json.loads((out / "manifest.json").read_text())["run"]["cost"]
         row = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}

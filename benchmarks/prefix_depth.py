@@ -24,8 +24,11 @@ import numpy as np
 from evoesap import allocation as alloc
 from evoesap import search
 
-DEPTHS = {"demo (4 x 16, top-2)": (4, 16, 2), "olmoe-1b-7b (16 x 64, top-8)": (16, 64, 8),
-          "qwen3-30b-a3b (48 x 128, top-8)": (48, 128, 8)}
+DEPTHS = {
+    "demo (4 x 16, top-2)": (4, 16, 2),
+    "olmoe-1b-7b (16 x 64, top-8)": (16, 64, 8),
+    "qwen3-30b-a3b (48 x 128, top-8)": (48, 128, 8),
+}
 
 
 def layers_to_run(layers: int, experts: int, top_k: int, sparsity: float, seed: int, generations: int) -> list[float]:
@@ -52,15 +55,19 @@ def main() -> None:
     parser.add_argument("--sparsity", type=float, default=0.5)
     parser.add_argument("--generations", type=int, default=50)
     args = parser.parse_args()
-    print("| model shape | candidates per search | layers to run per candidate (bound), whole search | generation 0 | later generations |")
+    print(
+        "| model shape | candidates per search | layers to run per candidate (bound), whole search | generation 0 | later generations |"
+    )
     print("|---|---|---|---|---|")
     for name, (layers, experts, top_k) in DEPTHS.items():
         runs = [layers_to_run(layers, experts, top_k, args.sparsity, seed, args.generations) for seed in range(args.seeds)]
         whole = [np.mean(r) for r in runs]
         first = [np.mean(r[:32]) for r in runs]
         later = [np.mean(r[32:]) for r in runs]
-        print(f"| {name} | {np.mean([len(r) for r in runs]):.0f} | {np.mean(whole):.3f} ({min(whole):.3f}-{max(whole):.3f}) | "
-              f"{np.mean(first):.3f} | {np.mean(later):.3f} |")
+        print(
+            f"| {name} | {np.mean([len(r) for r in runs]):.0f} | {np.mean(whole):.3f} ({min(whole):.3f}-{max(whole):.3f}) | "
+            f"{np.mean(first):.3f} | {np.mean(later):.3f} |"
+        )
     print("\ncommand: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
 
 

@@ -65,9 +65,13 @@ def publish(artifact: Any, uri: str) -> None:
     if own is not None:
         artifact.uri = own
         return
-    log.warning("%s stays at KFP's URI %s with the manifest and small files only: KFP's launcher keeps an object-store "
-                "output only under the run's own directory; the full artifact is at metadata['uri'] %s",
-                artifact.name, artifact.uri, artifact.metadata["uri"])
+    log.warning(
+        "%s stays at KFP's URI %s with the manifest and small files only: KFP's launcher keeps an object-store "
+        "output only under the run's own directory; the full artifact is at metadata['uri'] %s",
+        artifact.name,
+        artifact.uri,
+        artifact.metadata["uri"],
+    )
     facts.export_small_files(uri, Path(artifact.path))
 
 

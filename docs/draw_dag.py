@@ -77,8 +77,9 @@ def draw(spec: dict, out: Path) -> Path:
     nx.draw_networkx_edges(graph, pos, ax=ax, arrows=True, arrowsize=12, node_size=5200, edge_color="#777777")
     nx.draw_networkx_nodes(graph, pos, ax=ax, node_color=colours, node_shape="s", node_size=5200, edgecolors="#444444")
     nx.draw_networkx_labels(graph, pos, labels=nx.get_node_attributes(graph, "label"), font_size=7.5, ax=ax)
-    ax.set_title("EvoESAP on Kubeflow: blue tasks run once per criterion x sparsity (ParallelFor); "
-                 "arrows are typed artifacts", fontsize=10)
+    ax.set_title(
+        "EvoESAP on Kubeflow: blue tasks run once per criterion x sparsity (ParallelFor); arrows are typed artifacts", fontsize=10
+    )
     ax.axis("off")
     fig.tight_layout()
     fig.savefig(out, format=out.suffix.lstrip("."), metadata={"Date": None} if out.suffix == ".svg" else None)

@@ -53,9 +53,21 @@ def screenshot(page: Path, png: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="evoesap-shot-") as tmp:
         raw = Path(tmp) / "raw.png"
         subprocess.run(
-            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--force-device-scale-factor=1",
-             f"--user-data-dir={tmp}/profile", f"--window-size={WIDTH},{TALL}", f"--screenshot={raw}", page.resolve().as_uri()],
-            check=True, capture_output=True, timeout=300,
+            [
+                chromium,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+                "--force-device-scale-factor=1",
+                f"--user-data-dir={tmp}/profile",
+                f"--window-size={WIDTH},{TALL}",
+                f"--screenshot={raw}",
+                page.resolve().as_uri(),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=300,
         )
         image = Image.open(raw).convert("RGB")
     content = ImageChops.difference(image, Image.new("RGB", image.size, "white")).getbbox()

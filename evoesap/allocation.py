@@ -89,15 +89,12 @@ def budget(sparsity: float, num_experts: Sequence[int], top_k: Sequence[int], gr
     b = granularity * math.floor(round(sparsity * total / granularity, 9) + 0.5)
     if b == 0:
         raise ConfigError(
-            f"sparsity {sparsity} of {total} experts rounds to a budget of 0 in multiples of "
-            f"{granularity}: raise the sparsity"
+            f"sparsity {sparsity} of {total} experts rounds to a budget of 0 in multiples of {granularity}: raise the sparsity"
         )
     return check_budget(num_experts, top_k, b, granularity)
 
 
-def check(
-    r: Sequence[int], num_experts: Sequence[int], top_k: Sequence[int], budget: int, granularity: int = 1
-) -> Allocation:
+def check(r: Sequence[int], num_experts: Sequence[int], top_k: Sequence[int], budget: int, granularity: int = 1) -> Allocation:
     """Refuse an infeasible allocation, naming the offending value; return it as a tuple of ints."""
     unit_caps(num_experts, top_k, granularity)
     if len(r) != len(num_experts):
@@ -105,9 +102,7 @@ def check(
     out = tuple(as_int(f"r[{layer}]", v) for layer, v in enumerate(r))
     for layer, (r_l, n_l, k_l) in enumerate(zip(out, num_experts, top_k)):
         if not 0 <= r_l <= n_l - k_l:
-            raise ConfigError(
-                f"r[{layer}] = {r_l} is outside 0..{n_l - k_l} (layer {layer} has {n_l} experts and top_k {k_l})"
-            )
+            raise ConfigError(f"r[{layer}] = {r_l} is outside 0..{n_l - k_l} (layer {layer} has {n_l} experts and top_k {k_l})")
         if r_l % granularity:
             raise ConfigError(f"r[{layer}] = {r_l} is not a multiple of the granularity {granularity}")
     if sum(out) != budget:
@@ -115,9 +110,7 @@ def check(
     return out
 
 
-def is_feasible(
-    r: Sequence[int], num_experts: Sequence[int], top_k: Sequence[int], budget: int, granularity: int = 1
-) -> bool:
+def is_feasible(r: Sequence[int], num_experts: Sequence[int], top_k: Sequence[int], budget: int, granularity: int = 1) -> bool:
     try:
         check(r, num_experts, top_k, budget, granularity)
     except ConfigError:

@@ -139,8 +139,11 @@ class Manifest:
             raise ValueError(f"expected a JSON object, got {type(data).__name__}")
         checksum = data.pop(CHECKSUM, None)
         if checksum != _checksum(data):
-            raise ValueError(f"its {CHECKSUM!r} field is missing" if checksum is None else
-                             f"it does not match its {CHECKSUM!r} (a changed byte: damaged or edited by hand)")
+            raise ValueError(
+                f"its {CHECKSUM!r} field is missing"
+                if checksum is None
+                else f"it does not match its {CHECKSUM!r} (a changed byte: damaged or edited by hand)"
+            )
         for name, kind in (("stage", str), ("params", dict), ("inputs", dict), ("files", dict), ("cache_key", str)):
             if not isinstance(data.get(name), kind):
                 raise ValueError(f"field {name!r} is missing or not a {kind.__name__}")
@@ -218,8 +221,7 @@ def verify(uri: str, stage: str, local: Path | None = None) -> Manifest:
             raise ArtifactError(f"{redact(uri)} is missing {rel}: {rebuild_hint(stage)}") from None
         if actual != expected:
             raise ArtifactError(
-                f"{redact(uri)}: {rel} does not match the sha256 in its manifest (truncated or changed): "
-                f"{rebuild_hint(stage)}"
+                f"{redact(uri)}: {rel} does not match the sha256 in its manifest (truncated or changed): {rebuild_hint(stage)}"
             )
     return manifest
 
@@ -371,8 +373,11 @@ def occupant(out_uri: str, stage: str) -> str:
         _refuse_unlisted(out_uri, stage, set(manifest.files) | {MANIFEST})
         return f"artifact:{sha256_bytes(read_bytes(join(out_uri, MANIFEST)))}"
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-    raise Occupied(out_uri, f"is a directory holding files that are not an evoesap artifact ({shown})",
-                   f"give a new or empty directory (or an earlier {stage} output); nothing was changed")
+    raise Occupied(
+        out_uri,
+        f"is a directory holding files that are not an evoesap artifact ({shown})",
+        f"give a new or empty directory (or an earlier {stage} output); nothing was changed",
+    )
 
 
 def _files_under(out_uri: str) -> list[str]:
@@ -393,8 +398,11 @@ def _refuse_unlisted(out_uri: str, stage: str, listed: set[str]) -> None:
     unlisted = sorted(set(_files_under(out_uri)) - listed)
     if unlisted:
         shown = ", ".join(unlisted[:3]) + (", ..." if len(unlisted) > 3 else "")
-        raise Occupied(out_uri, f"holds files that are not part of the {stage} artifact there ({shown})",
-                       "move them out or choose another --out; nothing was changed")
+        raise Occupied(
+            out_uri,
+            f"holds files that are not part of the {stage} artifact there ({shown})",
+            "move them out or choose another --out; nothing was changed",
+        )
 
 
 def _location(uri: str) -> tuple[tuple[str, ...], str]:
@@ -589,9 +597,7 @@ def stage_output(
     try:
         with _owned_dir(parent, prefix) as staging:
             yield staging
-            files = {
-                p.relative_to(staging).as_posix(): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()
-            }
+            files = {p.relative_to(staging).as_posix(): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}
             manifest = Manifest(
                 stage=stage,
                 params=json.loads(json.dumps(dict(params), default=str)),
@@ -722,7 +728,9 @@ def _publish_remote(fs: fsspec.AbstractFileSystem, staging: Path, uri: str, mani
     replace the files, write the manifest, unmark. Only files the replaced artifact listed are removed."""
     root = split(uri)[1].rstrip("/")
     publishing = fs.exists(f"{root}/{PUBLISHING}")
-    replaced = _ours_while_publishing(uri) if publishing else set(read_manifest(uri).files) if fs.exists(f"{root}/{MANIFEST}") else set()
+    replaced = (
+        _ours_while_publishing(uri) if publishing else set(read_manifest(uri).files) if fs.exists(f"{root}/{MANIFEST}") else set()
+    )
     replaced -= {PUBLISHING, MANIFEST}
     record = {"stage": manifest.stage, "files": sorted(replaced | set(manifest.files))}
     with fs.open(f"{root}/{PUBLISHING}", "wb") as f:

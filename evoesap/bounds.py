@@ -31,8 +31,7 @@ def check_params(params: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             continue
         if abs(value) > INT64_MAX:
-            raise ConfigError(f"{field.name} {value} is beyond the largest 64-bit integer ({INT64_MAX}): give a "
-                              "realistic value")
+            raise ConfigError(f"{field.name} {value} is beyond the largest 64-bit integer ({INT64_MAX}): give a realistic value")
         if field.name == "seed" and value < 0:
             raise ConfigError(f"seed must be a non-negative integer, got {value}: give e.g. --seed 0")
 
@@ -62,8 +61,10 @@ def check_search(params: Any, num_experts: Sequence[int], space_size: int, free_
     experts = sum(num_experts)
     for name in ("max_transfer", "max_steps"):
         if getattr(params, name) > experts:
-            raise ConfigError(f"{name} {getattr(params, name)} is more than the model's {experts} routed experts, which "
-                              f"no level-switch search needs: give --{name.replace('_', '-')} {experts} or less")
+            raise ConfigError(
+                f"{name} {getattr(params, name)} is more than the model's {experts} routed experts, which "
+                f"no level-switch search needs: give --{name.replace('_', '-')} {experts} or less"
+            )
     rows = params.population * (params.generations + 1)
     need = rows * (HISTORY_ROW_BYTES + HISTORY_ROW_BYTES_PER_LAYER * len(num_experts))
     if free_host is None:

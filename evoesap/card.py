@@ -58,8 +58,10 @@ def metadata(evidence: Evidence) -> dict[str, Any]:
 def write_density(pruning: Mapping[str, Any], path: Path) -> None:
     """The per-layer expert density of the pruned model (the report's Figure 1 panel) as a PNG."""
     full = [k + r for k, r in zip(pruning["num_experts"], pruning["removal_counts"])]
-    figure = rp.density_figure({str(pruning["method"]): (pruning["removal_counts"], full)},
-                               f"{pruning['criterion']} at {pruning['sparsity']:.0%} sparsity")
+    figure = rp.density_figure(
+        {str(pruning["method"]): (pruning["removal_counts"], full)},
+        f"{pruning['criterion']} at {pruning['sparsity']:.0%} sparsity",
+    )
     figure.savefig(path, dpi=120)
     rp.plt.close(figure)
 
@@ -81,10 +83,19 @@ def evaluation_table(pruned: Mapping[str, Any], full: Mapping[str, Any] | None, 
     for row in _primary(pruned):
         base = by_key.get((row["task"], row["metric"], row["filter"]))
         delta = "–" if base is None else f"{row['value'] - base['value']:+.{digits}f}"
-        lines.append(tuple(Cell(t) for t in (
-            row["task"], row["metric"], _pm(base and base["value"], base and base["stderr"], digits),
-            _pm(row["value"], row["stderr"], digits), delta, "–" if row.get("samples") is None else str(row["samples"]),
-        )))
+        lines.append(
+            tuple(
+                Cell(t)
+                for t in (
+                    row["task"],
+                    row["metric"],
+                    _pm(base and base["value"], base and base["stderr"], digits),
+                    _pm(row["value"], row["stderr"], digits),
+                    delta,
+                    "–" if row.get("samples") is None else str(row["samples"]),
+                )
+            )
+        )
     header = ("Task", "Metric", "Full", "Pruned", "Δ (pruned − full)", "Samples")
     return Table(header, tuple(lines), ("left", "left") + ("right",) * 4)
 
@@ -105,10 +116,18 @@ def memory_table(evidence: Evidence) -> Table:
     pruning, full = evidence.pruning, evidence.full_eval
     saving = 1 - pruning["parameter_bytes_pruned"] / pruning["parameter_bytes_full"]
     lines = [
-        (Cell("Full"), Cell("–" if full is None else f"{full['memory']['parameters']:,}"),
-         Cell(f"{pruning['parameter_bytes_full']:,}"), Cell("")),
-        (Cell("Pruned"), Cell(f"{evidence.pruned_eval['memory']['parameters']:,}"),
-         Cell(f"{pruning['parameter_bytes_pruned']:,}"), Cell(f"{saving:.1%}")),
+        (
+            Cell("Full"),
+            Cell("–" if full is None else f"{full['memory']['parameters']:,}"),
+            Cell(f"{pruning['parameter_bytes_full']:,}"),
+            Cell(""),
+        ),
+        (
+            Cell("Pruned"),
+            Cell(f"{evidence.pruned_eval['memory']['parameters']:,}"),
+            Cell(f"{pruning['parameter_bytes_pruned']:,}"),
+            Cell(f"{saving:.1%}"),
+        ),
     ]
     return Table(("Model", "Parameters", "Parameter bytes", "Saving"), tuple(lines), ("left",) + ("right",) * 3)
 
@@ -125,7 +144,9 @@ def _search(evidence: Evidence, digits: int) -> dict[str, Any] | None:
         "evaluations": doc.get("evaluations"),
         "generations": (evidence.search_params or {}).get("generations"),
         "fallback": bool(doc.get("fallback_applied")),
-        "heldout": None if not check else {
+        "heldout": None
+        if not check
+        else {
             "samples": check["samples"],
             "searched": f"{check['searched']:.{digits + 3}f}",
             "uniform": f"{check['uniform']:.{digits + 3}f}",
@@ -176,8 +197,11 @@ def render_card(evidence: Evidence, digits: int = 3) -> str:
         "dtype": evidence.config.get("dtype") or evidence.config.get("torch_dtype"),
         "quantization": quantization(evidence.config),
         "license": evidence.license.get("license"),
-        "report": "report/report.html" if "report.html" in evidence.report_files else
-                  "report/report.md" if "report.md" in evidence.report_files else None,
+        "report": "report/report.html"
+        if "report.html" in evidence.report_files
+        else "report/report.md"
+        if "report.md" in evidence.report_files
+        else None,
         "sources": rp.sources_table(evidence.lineage.sources),
         "configuration": rp.configuration_table(lineage.configuration(evidence.lineage.nodes, NAMES)),
         "software": rp.software_table(lineage.software(evidence.lineage.nodes)),
@@ -185,4 +209,3 @@ def render_card(evidence: Evidence, digits: int = 3) -> str:
     }
     header = yaml.safe_dump(metadata(evidence), sort_keys=False, allow_unicode=True)
     return f"---\n{header}---\n\n" + render.model_card(context)
-

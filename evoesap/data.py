@@ -177,8 +177,9 @@ class _FileRows:
                 raise DataError(f"{source} is not a readable {fmt} file ({exc}): check or re-export it") from None
             self._rows = table.to_pylist()
         elif fmt == "jsonl":
-            self._rows = [_json_line(line, i, source) for i, line in enumerate(_text(raw, source).splitlines(), 1)
-                          if line.strip()]
+            self._rows = [
+                _json_line(line, i, source) for i, line in enumerate(_text(raw, source).splitlines(), 1) if line.strip()
+            ]
         else:
             try:
                 data = json.loads(_text(raw, source))
@@ -254,8 +255,10 @@ def _to_sample(index: int, row: Mapping[str, Any], fields: FieldMap, source: str
     where = f"{source} row {index}"
     absent = [f for f in fields.needed if f not in row]
     if absent:
-        raise DataError(f"{where} has no field {absent[0]!r} (it has {', '.join(map(str, row)) or 'none'}): "
-                        "fix or drop the row, or choose the field with the messages/prompt/response/text options")
+        raise DataError(
+            f"{where} has no field {absent[0]!r} (it has {', '.join(map(str, row)) or 'none'}): "
+            "fix or drop the row, or choose the field with the messages/prompt/response/text options"
+        )
     if fields.mode == "text":
         text = row[fields.text]
         if not isinstance(text, str) or not text.strip():

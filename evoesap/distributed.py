@@ -69,8 +69,9 @@ def common_prefix(a: Allocation, b: Allocation) -> int:
     return n
 
 
-def assign(batch: Sequence[Allocation], owners: Mapping[Allocation, int], anchors: Sequence[Allocation],
-           workers: int) -> list[int]:
+def assign(
+    batch: Sequence[Allocation], owners: Mapping[Allocation, int], anchors: Sequence[Allocation], workers: int
+) -> list[int]:
     """The worker of each allocation of `batch` (see the module docstring); `anchors`: earlier allocations,
     fittest first, whose cached states a child may start from."""
     share = -(-len(batch) // workers)  # an even share, rounded up
@@ -165,8 +166,9 @@ def _broadcast(message: Any) -> Any:
     return box[0]
 
 
-def _score_share(scoring: Any, batch: list[Allocation], level: int | None, generation: int, ranks: list[int],
-                 device: Any) -> list[float]:
+def _score_share(
+    scoring: Any, batch: list[Allocation], level: int | None, generation: int, ranks: list[int], device: Any
+) -> list[float]:
     """Score this rank's candidates of `batch` in batch order; every rank's values, each from its worker."""
     import torch
     import torch.distributed as dist
@@ -207,14 +209,23 @@ def launch(entry: str, inputs: Mapping[str, Any], params: Any, out_uri: str, che
 
     spec = worker_spec(inputs, params, out_uri)
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=params.workers, run_id=f"evoesap-search-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # torchrun --standalone: a free local port
-        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=params.workers,
+        run_id=f"evoesap-search-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # torchrun --standalone: a free local port
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
     )
     threads = str(threads_per_worker(params.workers))
     log.info("search on %d workers, %s CPU threads each", params.workers, threads)
-    with tempfile.TemporaryDirectory(prefix="evoesap-workers-") as tmp, _quiet_launcher(), \
-            _environment(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads):
+    with (
+        tempfile.TemporaryDirectory(prefix="evoesap-workers-") as tmp,
+        _quiet_launcher(),
+        _environment(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads),
+    ):
         path = Path(tmp) / "search.json"
         path.write_text(json.dumps(spec))
         try:
@@ -229,8 +240,13 @@ def worker_spec(inputs: Mapping[str, Any], params: Any, out_uri: str) -> dict[st
     this process's logging, the same whether `launch` or a cluster job (`evoesap.pipeline.trainjob`) starts them."""
     from evoesap.progress import is_quiet
 
-    return {"inputs": dict(inputs), "params": dataclasses.asdict(params), "out_uri": out_uri,
-            "log_level": logging.getLogger().getEffectiveLevel(), "quiet": is_quiet()}
+    return {
+        "inputs": dict(inputs),
+        "params": dataclasses.asdict(params),
+        "out_uri": out_uri,
+        "log_level": logging.getLogger().getEffectiveLevel(),
+        "quiet": is_quiet(),
+    }
 
 
 def _failure(exc: Any, params: Any, checkpoint: str) -> errors.EvoESAPError:
@@ -241,8 +257,11 @@ def _failure(exc: Any, params: Any, checkpoint: str) -> errors.EvoESAPError:
     cls = getattr(errors, kind, None)
     if failure.exitcode > 0 and isinstance(cls, type) and issubclass(cls, errors.EvoESAPError):
         return cls(f"search worker {rank} of {params.workers}: {detail.splitlines()[0] if detail else message}")
-    cause = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else (
-        f"failed ({message.splitlines()[0] if message else f'exit code {failure.exitcode}'})")
+    cause = (
+        f"was killed by {failure.signal_name()}"
+        if failure.exitcode < 0
+        else (f"failed ({message.splitlines()[0] if message else f'exit code {failure.exitcode}'})")
+    )
     done = ""
     if artifacts.exists(checkpoint):
         generation = json.loads(artifacts.read_bytes(checkpoint).decode("utf-8"))["generation"]
@@ -262,8 +281,9 @@ def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
 @contextlib.contextmanager
 def _quiet_launcher() -> Iterator[None]:
     """The launcher's own logging off while it runs: `launch` reports a failure in one line."""
-    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
-               if name.startswith("torch.distributed")]
+    loggers = [
+        logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict) if name.startswith("torch.distributed")
+    ]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL + 1)

@@ -45,8 +45,12 @@ def _quantize(uri: str) -> dict[str, Any]:
     return {k: doc.get(k) for k in keys}
 
 
-_BY_STAGE: dict[str, Callable[[str], dict[str, Any]]] = {"search": _search, "prune": _prune, "evaluate": _evaluate,
-                                                         "quantize": _quantize}
+_BY_STAGE: dict[str, Callable[[str], dict[str, Any]]] = {
+    "search": _search,
+    "prune": _prune,
+    "evaluate": _evaluate,
+    "quantize": _quantize,
+}
 
 
 def facts(uri: str) -> dict[str, Any]:

@@ -119,8 +119,9 @@ def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
     scale = target.itemsize / next(meta.parameters()).element_size()
     routed = {id(m) for block in moe.moe_blocks(meta) for m in block.experts.modules()}
     head = meta.get_output_embeddings()
-    dense = sum(m.weight.numel() for m in meta.modules()
-                if isinstance(m, torch.nn.Linear) and m is not head and id(m) not in routed)
+    dense = sum(
+        m.weight.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear) and m is not head and id(m) not in routed
+    )
     return ModelShape(
         model_type=config.model_type,
         bytes=sum(sizes),
@@ -166,8 +167,9 @@ def _forward(shape: ModelShape, tokens: int, on_gpu: bool = False) -> int:
     return tokens * shape.itemsize * (LAYER_HIDDEN_STATES * shape.hidden + 3 * shape.top_k * shape.expert_width)
 
 
-def plan_stages(shape: ModelShape, machine: Machine, data: Data, params: dict[str, Any], *, remote_out: bool = False,
-                only: str | None = None) -> list[StagePlan]:
+def plan_stages(
+    shape: ModelShape, machine: Machine, data: Data, params: dict[str, Any], *, remote_out: bool = False, only: str | None = None
+) -> list[StagePlan]:
     """The predicted peaks of every stage of the registry that has a peak formula (or the one named `only`),
     each with its refusal (None when it fits). `params`: the parameter dataclasses by stage name; the
     search and prune entries may be left out where the stages planned do not read them."""
@@ -284,6 +286,7 @@ def _prefix_budget(shape: ModelShape, machine: Machine, s: Any, cache_p: Any, us
 
 def _refusal(stage: str, fits_with: str, machine: Machine, host: int, device: int, disk: int) -> str | None:
     """One line naming what is short and the settings that would make the stage fit; None when it fits."""
+
     def gib(n: int) -> str:
         return f"{n / GiB:.1f} GiB"
 
@@ -306,8 +309,10 @@ def default_cache_mode(shape: ModelShape, machine: Machine, data: Data, cache_p:
     room = machine.device if machine.devices else machine.host
     if size > FULL_PREFERRED_SHARE * room:
         where = "a GPU's" if machine.devices else "the host's"
-        return "topk", (f"the full cache ({size / GiB:.1f} GiB) would take more than {FULL_PREFERRED_SHARE:.0%} of "
-                        f"{where} {room / GiB:.1f} GiB")
+        return "topk", (
+            f"the full cache ({size / GiB:.1f} GiB) would take more than {FULL_PREFERRED_SHARE:.0%} of "
+            f"{where} {room / GiB:.1f} GiB"
+        )
     search = plan_stages(shape, machine, data, {"cache-logits": full, "search": search_p}, only="search")[0]
     if search.refusal:
         return "topk", f"with the full cache ({size / GiB:.1f} GiB) the search would not fit: {search.refusal}"
@@ -338,8 +343,11 @@ def cache_mode(model: str, params: Any, rows: int) -> str:
     search_p = get("search").params_class()()  # the default search: what this cache will most likely serve
     mode, why = default_cache_mode(shape, local_machine(params.device), Data(0, rows), params, search_p)
     if mode == "topk":
-        log.warning("cache mode topk (top_k %d; ESAP only): %s. Set --mode full (cache_logits.mode: full) to force "
-                    "the full cache", params.top_k, why)
+        log.warning(
+            "cache mode topk (top_k %d; ESAP only): %s. Set --mode full (cache_logits.mode: full) to force the full cache",
+            params.top_k,
+            why,
+        )
     else:
         log.info("cache mode full: %s", why)
     return mode

@@ -52,8 +52,9 @@ def check_target(repo: str, files: Iterable[str], *, endpoint: str | None, secre
     stale = sorted(present - set(files) - KEPT)
     if stale:
         shown = ", ".join(stale[:3]) + (", ..." if len(stale) > 3 else "")
-        raise ConfigError(f"--repo {repo} holds files this publish would not replace ({shown}): delete them or "
-                          "publish to a new repository")
+        raise ConfigError(
+            f"--repo {repo} holds files this publish would not replace ({shown}): delete them or publish to a new repository"
+        )
 
 
 def push(staging: Path, repo: str, *, endpoint: str | None, secret: str, private: bool, message: str) -> str:
@@ -70,7 +71,9 @@ def push(staging: Path, repo: str, *, endpoint: str | None, secret: str, private
             commit_message=message,
         )
     except Exception as exc:  # noqa: BLE001 - every failure means the same: no commit was made
-        raise ArtifactError(f"{_failure('pushing to', repo, exc, secret)}: no commit was made, its files are as they "
-                            "were; fix the cause and re-run `evoesap publish`") from None
+        raise ArtifactError(
+            f"{_failure('pushing to', repo, exc, secret)}: no commit was made, its files are as they "
+            "were; fix the cause and re-run `evoesap publish`"
+        ) from None
     log.info("pushed %d files to %s", len(files), commit.commit_url)
     return str(commit.commit_url)

@@ -144,8 +144,12 @@ def check_local_or_hub(name: str) -> None:
     )
 
 
-_SPECIAL = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-            (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_SPECIAL = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def special_kind(path: str | Path) -> str | None:
@@ -243,9 +247,7 @@ def _hub_revision(name: str, repo_type: str, revision: str | None = None) -> str
         return str(info.sha)
     except Exception as online:  # noqa: BLE001 - any failure: try the local cache before giving up
         try:
-            snapshot = huggingface_hub.snapshot_download(
-                name, repo_type=repo_type, revision=revision, local_files_only=True
-            )
+            snapshot = huggingface_hub.snapshot_download(name, repo_type=repo_type, revision=revision, local_files_only=True)
             return Path(snapshot).name
         except Exception:  # noqa: BLE001
             at = f" at revision {revision!r}" if revision else ""

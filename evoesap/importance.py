@@ -144,8 +144,7 @@ def model_orders(scores: pd.DataFrame | pa.Table, criterion: str, spec: moe.MoES
     check_scores(df, "scores", [layer.num_experts for layer in spec.layers])
     orders = pruning_order(df, criterion)
     if len(orders) != len(spec.layers):
-        raise ConfigError(f"scores cover {len(orders)} MoE layers but the model has {len(spec.layers)}: "
-                          "calibrate this model")
+        raise ConfigError(f"scores cover {len(orders)} MoE layers but the model has {len(spec.layers)}: calibrate this model")
     return [moe.admissible_order(order, layer) for order, layer in zip(orders, spec.layers)]
 
 

@@ -51,7 +51,7 @@ def _edge(name: str, stage: str) -> str:
 
 
 def _setting(params: Mapping[str, Any]) -> str:
-    """"25% reap searched": the grid point an artifact belongs to, from its parameters ('' when none)."""
+    """ "25% reap searched": the grid point an artifact belongs to, from its parameters ('' when none)."""
     sparsity = params.get("sparsity")
     parts = [None if sparsity is None else f"{float(sparsity):.0%}", params.get("criterion"), params.get("method")]
     return " ".join(str(p) for p in parts if p)
@@ -86,8 +86,12 @@ def walk(roots: Mapping[str, str], root_stage: str = "report") -> Lineage:
             if reader not in readers:
                 readers.append(reader)
     nodes = [
-        Node(artifacts.redact(uri), manifests[uri], _sha(uri) if manifests[uri] else None,
-             tuple((edge, tuple(settings)) for edge, settings in used_as[uri].items()))
+        Node(
+            artifacts.redact(uri),
+            manifests[uri],
+            _sha(uri) if manifests[uri] else None,
+            tuple((edge, tuple(settings)) for edge, settings in used_as[uri].items()),
+        )
         for uri in order
     ]
     return Lineage(nodes, [Source(name, uri, identity, tuple(readers)) for (name, uri), (identity, readers) in sources.items()])
@@ -120,7 +124,10 @@ def configuration(nodes: list[Node], stages: tuple[str, ...]) -> list[tuple[str,
             if text not in params.setdefault(key, []):
                 params[key].append(text)
     rank = {stage: i for i, stage in enumerate(stages)}
-    return sorted(((s, {k: sorted(v) for k, v in p.items()}) for s, p in by_stage.items()), key=lambda sp: (rank.get(sp[0], len(rank)), sp[0]))
+    return sorted(
+        ((s, {k: sorted(v) for k, v in p.items()}) for s, p in by_stage.items()),
+        key=lambda sp: (rank.get(sp[0], len(rank)), sp[0]),
+    )
 
 
 def _value(value: Any) -> str:

@@ -105,9 +105,7 @@ def resolve_tasks(specs: Sequence[str], *, allow_code_execution: bool = False) -
     for spec in specs:
         if spec in SUITES:
             suite = SUITES[spec]
-            requests += [
-                TaskRequest(name, spec, suite.chat_template, True, suite.unsafe_code) for name in suite.tasks
-            ]
+            requests += [TaskRequest(name, spec, suite.chat_template, True, suite.unsafe_code) for name in suite.tasks]
         elif _is_path(spec):
             requests += _directory_requests(manager, Path(spec).resolve(), allow_code_execution)
         else:
@@ -232,8 +230,13 @@ def run_lm_eval(
         if python is not None:
             results = vllm_eval.simple_evaluate(
                 python,
-                {**_vllm_source(str(model)), "dtype": model_dtype, **_vllm_engine_args(), **lm_args,
-                 **_vllm_parallel(tensor_parallel, pipeline_parallel)},
+                {
+                    **_vllm_source(str(model)),
+                    "dtype": model_dtype,
+                    **_vllm_engine_args(),
+                    **lm_args,
+                    **_vllm_parallel(tensor_parallel, pipeline_parallel),
+                },
                 settings,
                 list(plan.include_paths),
                 plan.include_defaults,

@@ -109,8 +109,9 @@ class SampleParams(StageParams):
     DEFAULT_SAMPLES: ClassVar[int] = 64
 
     samples: int | None = param(
-        None, "Samples drawn from the data; unset: the stage's default count, or every row of a smaller file "
-        "(with a warning). A count larger than the file is refused."
+        None,
+        "Samples drawn from the data; unset: the stage's default count, or every row of a smaller file "
+        "(with a warning). A count larger than the file is refused.",
     )
     max_length: int = param(2048, "Tokens per sample (truncated from the end, or per packed sequence).")
     batch_size: int = param(8, "Sequences per forward.")
@@ -142,8 +143,9 @@ class SampleParams(StageParams):
     def fields(self) -> Any:
         from evoesap.data import FieldMap
 
-        return FieldMap(messages=self.messages_field, prompt=self.prompt_field, response=self.response_field,
-                        text=self.text_field)
+        return FieldMap(
+            messages=self.messages_field, prompt=self.prompt_field, response=self.response_field, text=self.text_field
+        )
 
 
 @dataclasses.dataclass(frozen=True)

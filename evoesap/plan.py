@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 def format_table(shape: ModelShape, plans: list[StagePlan], data: Data, params: dict[str, Any]) -> str:
     """The plan as a markdown table, the cache sizes in both modes and every refusal."""
+
     def gib(n: int) -> str:
         return f"{n / GiB:,.1f}"
 
@@ -34,8 +35,10 @@ def format_table(shape: ModelShape, plans: list[StagePlan], data: Data, params: 
         "|---|---:|---:|---:|---:|---|",
     ]
     for plan in plans:
-        lines.append(f"| {plan.stage} | {gib(plan.host)} | {gib(plan.device)} | {gib(plan.disk)} | {gib(plan.temp)} | "
-                     f"{'yes' if plan.refusal is None else 'NO'} |")
+        lines.append(
+            f"| {plan.stage} | {gib(plan.host)} | {gib(plan.device)} | {gib(plan.disk)} | {gib(plan.temp)} | "
+            f"{'yes' if plan.refusal is None else 'NO'} |"
+        )
     refusals = [p.refusal for p in plans if p.refusal]
     if refusals:
         lines += ["", *(f"- {r}" for r in refusals)]
@@ -53,7 +56,9 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * units[match.group(2) or ""])
 
 
-def pipeline_plan(config: Any, machine: Machine, model: str | None = None) -> tuple[ModelShape, Data, dict[str, Any], list[StagePlan]]:
+def pipeline_plan(
+    config: Any, machine: Machine, model: str | None = None
+) -> tuple[ModelShape, Data, dict[str, Any], list[StagePlan]]:
     """The plan of a pipeline configuration (`pipeline.config.PipelineConfig`) on `machine`; `model`: a
     checkpoint or config folder to read instead of the configuration's model (offline planning)."""
     from evoesap.stages import STAGES
@@ -111,4 +116,3 @@ def check_stage(stage: str, inputs: dict[str, Any], params: Any) -> StagePlan | 
         if search:
             raise ResourceError(f"cache_logits.mode is full, but {search}")
     return plan
-

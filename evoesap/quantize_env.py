@@ -27,9 +27,13 @@ WORKER = Path(__file__).with_name("quantize_worker.py")
 
 def quantize_python() -> str:
     """The quantize environment's python, checked to hold llm-compressor."""
-    return side_python(PYTHON_ENV, ("llmcompressor", "compressed_tensors", "transformers"), "the quantize stage",
-                       "llm-compressor installed (`make quantize-venv` builds .venv-quantize/bin/python)",
-                       "build it with `make quantize-venv`")
+    return side_python(
+        PYTHON_ENV,
+        ("llmcompressor", "compressed_tensors", "transformers"),
+        "the quantize stage",
+        "llm-compressor installed (`make quantize-venv` builds .venv-quantize/bin/python)",
+        "build it with `make quantize-venv`",
+    )
 
 
 def device_env(device: str) -> dict[str, str]:

@@ -98,8 +98,12 @@ def quantize(request: dict[str, Any]) -> dict[str, Any]:
     recipe = request["recipe"]
     calibration = {}
     if recipe["calibrated"]:
-        calibration = dict(dataset=_dataset(request["input_ids"]), num_calibration_samples=len(request["input_ids"]),
-                           max_seq_length=request["max_length"], batch_size=request["batch_size"])
+        calibration = dict(
+            dataset=_dataset(request["input_ids"]),
+            num_calibration_samples=len(request["input_ids"]),
+            max_seq_length=request["max_length"],
+            batch_size=request["batch_size"],
+        )
     loaded = time.perf_counter()
     oneshot(model=model, recipe=_modifiers(recipe), **calibration)
     quantized = time.perf_counter()
@@ -109,8 +113,12 @@ def quantize(request: dict[str, Any]) -> dict[str, Any]:
     return {
         "moe_layers_linearized": layers,
         "seconds": {"load": loaded - started, "oneshot": quantized - loaded, "save": time.perf_counter() - quantized},
-        "versions": {"llmcompressor": _version("llmcompressor"), "compressed-tensors": _version("compressed-tensors"),
-                     "transformers": transformers.__version__, "torch": torch.__version__},
+        "versions": {
+            "llmcompressor": _version("llmcompressor"),
+            "compressed-tensors": _version("compressed-tensors"),
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+        },
     }
 
 

@@ -81,7 +81,9 @@ class Racing:
         for level, fraction in enumerate(self.fractions):
             size = max(counts[level], worst)
             if size >= counts[level + 1]:
-                following = "the whole search set" if level + 1 == len(self.fractions) else f"level {level + 1}'s {counts[level + 1]}"
+                following = (
+                    "the whole search set" if level + 1 == len(self.fractions) else f"level {level + 1}'s {counts[level + 1]}"
+                )
                 raise ConfigError(
                     f"racing level {level} (share {fraction:g}) may score {size} of the {n} search samples (at least "
                     f"{self.min_samples} samples and {self.min_positions} scored positions), not fewer than {following}: "

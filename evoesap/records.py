@@ -40,8 +40,9 @@ def read(uri: str, name: str) -> dict[str, Any]:
     return document
 
 
-def allocation_counts(doc: dict[str, Any], uri: str, spec: Any, *, criterion: str | None = None,
-                      sparsity: float | None = None) -> tuple[list[int], dict[int, list[int]]]:
+def allocation_counts(
+    doc: dict[str, Any], uri: str, spec: Any, *, criterion: str | None = None, sparsity: float | None = None
+) -> tuple[list[int], dict[int, list[int]]]:
     """(removal counts, pruned ids per MoE layer) of an allocation.json, refused unless they fit `spec`
     (`evoesap.moe.MoESpec`) and meet the budget of its sparsity, every layer is present and the lists agree
     with the counts. `criterion` / `sparsity`, when given, must be the ones searched."""
@@ -63,8 +64,9 @@ def allocation_counts(doc: dict[str, Any], uri: str, spec: Any, *, criterion: st
             )
     space = moe.pruning_space(spec, granularity)
     if sorted(pruned) != list(range(len(spec.layers))):
-        raise ArtifactError(f"{where} has pruned lists for MoE layers {sorted(pruned)}, the model has "
-                            f"0..{len(spec.layers) - 1}: {hint}")
+        raise ArtifactError(
+            f"{where} has pruned lists for MoE layers {sorted(pruned)}, the model has 0..{len(spec.layers) - 1}: {hint}"
+        )
     try:
         budget = alloc.budget(searched_sparsity, space.num_experts, space.min_kept, space.granularity)
         alloc.check(counts, space.num_experts, space.min_kept, budget, space.granularity)
@@ -74,6 +76,8 @@ def allocation_counts(doc: dict[str, Any], uri: str, spec: Any, *, criterion: st
     disagree = [layer for layer, ids in sorted(pruned.items()) if len(ids) != counts[layer]]
     if disagree:
         layer = disagree[0]
-        raise ArtifactError(f"{where}: MoE layer {layer} lists {len(pruned[layer])} pruned experts but its removal "
-                            f"count is {counts[layer]}: {hint}")
+        raise ArtifactError(
+            f"{where}: MoE layer {layer} lists {len(pruned[layer])} pruned experts but its removal "
+            f"count is {counts[layer]}: {hint}"
+        )
     return counts, pruned

@@ -124,7 +124,9 @@ def build_rows(runs: Sequence[Mapping[str, Any]], sources: Sequence[str], cols: 
                 if (col.domain, col.task) in prim:
                     values[col] = prim[(col.domain, col.task)][1]
             else:
-                members = [prim[(c.domain, c.task)][1] for c in cols if c.domain == col.domain and c.task and (c.domain, c.task) in prim]
+                members = [
+                    prim[(c.domain, c.task)][1] for c in cols if c.domain == col.domain and c.task and (c.domain, c.task) in prim
+                ]
                 task_count = sum(1 for c in cols if c.domain == col.domain and c.task)
                 if members and len(members) == task_count:
                     values[col] = sum(members) / len(members)
@@ -199,11 +201,13 @@ def benchmark_table(rows: Sequence[Row], cols: Sequence[Column], digits: int = 3
         tuple(Cell(text) for text in label) + tuple(Cell(text, "bold" if bold else "") for text, bold in cells)
         for label, cells in table_cells(rows, cols, digits)
     ]
-    return Table(("Sparsity", "Criterion", "Method", *[c.header for c in cols]), tuple(lines), ("left",) * 3 + ("right",) * len(cols))
+    return Table(
+        ("Sparsity", "Criterion", "Method", *[c.header for c in cols]), tuple(lines), ("left",) * 3 + ("right",) * len(cols)
+    )
 
 
 def run_label(metrics: Mapping[str, Any]) -> str:
-    """"Full" or "25% reap searched": how tables name a run."""
+    """ "Full" or "25% reap searched": how tables name a run."""
     labels = metrics.get("labels", {})
     if _method(metrics) == "full":
         return "Full"
@@ -214,7 +218,10 @@ def memory_rows(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per run in table order: parameters, bytes, bf16 size, saving against the full run's bf16 size, held-out ESAP."""
     full = [m for m in runs if _method(m) == "full"]
     full_bf16 = full[0]["memory"]["bf16_bytes"] if full else None
-    keyed = [(_row_key(Row(m.get("labels", {}).get("sparsity"), m.get("labels", {}).get("criterion"), _method(m), {}, "")), i) for i, m in enumerate(runs)]
+    keyed = [
+        (_row_key(Row(m.get("labels", {}).get("sparsity"), m.get("labels", {}).get("criterion"), _method(m), {}, "")), i)
+        for i, m in enumerate(runs)
+    ]
     out = []
     for _, i in sorted(keyed):
         memory = runs[i]["memory"]
@@ -240,7 +247,12 @@ def memory_table(rows: Sequence[Mapping[str, Any]]) -> Table:
     for r in rows:
         saving = "–" if r["saving"] is None else f"{r['saving']:.1%}"
         esap = "–" if r["heldout_esap"] is None else f"{r['heldout_esap']:.4f}"
-        lines.append(tuple(Cell(t) for t in (r["run"], f"{r['parameters']:,}", f"{r['parameter_bytes']:,}", _gib(r["bf16_bytes"]), saving, esap)))
+        lines.append(
+            tuple(
+                Cell(t)
+                for t in (r["run"], f"{r['parameters']:,}", f"{r['parameter_bytes']:,}", _gib(r["bf16_bytes"]), saving, esap)
+            )
+        )
     header = ("Run", "Parameters", "Parameter bytes", "bf16 size", "Saving vs full", "Held-out ESAP")
     return Table(header, tuple(lines), ("left",) + ("right",) * 5)
 
@@ -369,14 +381,30 @@ def summary_table(rows: Sequence[Setting], digits: int = 3) -> Table:
                 Cell(_fine(check.get("stderr"))),
                 Cell(str(check.get("samples", "–"))),
                 Cell("–" if passed is None else "passed" if passed else "failed", "" if passed is not False else "bold"),
-                Cell("–" if s.fallback_applied is None else "applied" if s.fallback_applied else "no", "bold" if s.fallback_applied else ""),
+                Cell(
+                    "–" if s.fallback_applied is None else "applied" if s.fallback_applied else "no",
+                    "bold" if s.fallback_applied else "",
+                ),
                 Cell(_signed(s.task_delta, digits)),
                 Cell(_clear(s.clear_tasks, digits)),
                 Cell("–" if s.memory_saved is None else f"{s.memory_saved:.1%} ({_gib(s.memory_saved_bytes)})"),
             )
         )
-    header = ("Sparsity", "Criterion", "Held-out metric", "Searched", "Uniform", "Difference", "Std. error", "Samples",
-              "Check (diff > 2 SE)", "Fallback to uniform", "Task avg Δ", "Tasks Δ > 2 SE", "Memory saved vs full")
+    header = (
+        "Sparsity",
+        "Criterion",
+        "Held-out metric",
+        "Searched",
+        "Uniform",
+        "Difference",
+        "Std. error",
+        "Samples",
+        "Check (diff > 2 SE)",
+        "Fallback to uniform",
+        "Task avg Δ",
+        "Tasks Δ > 2 SE",
+        "Memory saved vs full",
+    )
     return Table(header, tuple(lines), ("left",) * 3 + ("right",) * 5 + ("left",) * 2 + ("right", "left", "right"))
 
 
@@ -403,11 +431,7 @@ def headline(rows: Sequence[Setting]) -> str:
 
 def sources_table(sources: Sequence[Source]) -> Table:
     """The model and data sets at the roots of the lineage, by URI and content identity."""
-    lines = [
-        (Cell(s.name), Cell(s.uri, "code"), Cell(s.identity or "– (URI only)"),
-         Cell("; ".join(s.read_by)))
-        for s in sources
-    ]
+    lines = [(Cell(s.name), Cell(s.uri, "code"), Cell(s.identity or "– (URI only)"), Cell("; ".join(s.read_by))) for s in sources]
     return Table(("Input", "URI", "Content identity", "Read by"), tuple(lines), ("left",) * 4)
 
 
@@ -421,21 +445,27 @@ def configuration_table(stages: Sequence[tuple[str, Mapping[str, Sequence[str]]]
 
 
 def software_table(builds: Sequence[tuple[str, str | None, Sequence[str]]]) -> Table:
-    lines = [(Cell(version), Cell(commit or "unknown", "code" if commit else ""), Cell(", ".join(stages))) for version, commit, stages in builds]
+    lines = [
+        (Cell(version), Cell(commit or "unknown", "code" if commit else ""), Cell(", ".join(stages)))
+        for version, commit, stages in builds
+    ]
     return Table(("Package version", "Git commit", "Stages"), tuple(lines), ("left",) * 3)
 
 
 def artifacts_table(nodes: Sequence[Node], gives: Mapping[str, str]) -> Table:
     """Every artifact behind the page: what it gives the report (or how the DAG used it) and its manifest hash."""
     lines = [
-        (Cell(n.uri, "code"), Cell(n.manifest.stage if n.manifest else "unreadable"), Cell(gives.get(n.uri) or _used_as(n)),
-         Cell(n.manifest_sha256 or "–", "code" if n.manifest_sha256 else ""))
+        (
+            Cell(n.uri, "code"),
+            Cell(n.manifest.stage if n.manifest else "unreadable"),
+            Cell(gives.get(n.uri) or _used_as(n)),
+            Cell(n.manifest_sha256 or "–", "code" if n.manifest_sha256 else ""),
+        )
         for n in nodes
     ]
     return Table(("Artifact", "Stage", "Gives", "Manifest sha256"), tuple(lines), ("left",) * 4)
 
 
 def _used_as(node: Node) -> str:
-    """"scores of search (25% frequency, 25% reap); scores of prune (...)"."""
+    """ "scores of search (25% frequency, 25% reap); scores of prune (...)"."""
     return "; ".join(f"{edge} ({', '.join(sorted(settings))})" if settings else edge for edge, settings in node.used_as)
-

@@ -55,8 +55,9 @@ def cpu_threads(parameters: int) -> int | None:
     explicit = os.environ.get(CPU_THREADS_ENV, "").strip()
     if explicit:
         if not explicit.isdigit() or int(explicit) < 1:
-            raise ConfigError(f"{CPU_THREADS_ENV}={explicit!r} is not a positive whole number of threads; "
-                              f"set it to e.g. 1 or unset it")
+            raise ConfigError(
+                f"{CPU_THREADS_ENV}={explicit!r} is not a positive whole number of threads; set it to e.g. 1 or unset it"
+            )
         return int(explicit)
     return 1 if parameters < TINY_MODEL_PARAMETERS else None
 
@@ -129,8 +130,10 @@ def check_gpu_count(needed: int, setting: str) -> None:
     """Refuse a setting that spans more GPUs than this machine shows, before any work."""
     count = visible_gpus()
     if needed > count:
-        raise ConfigError(f"{setting} = {needed} GPUs, but this machine shows {count}: lower it to at most "
-                          f"{max(count, 1)} (or run where {needed} GPUs are visible)")
+        raise ConfigError(
+            f"{setting} = {needed} GPUs, but this machine shows {count}: lower it to at most "
+            f"{max(count, 1)} (or run where {needed} GPUs are visible)"
+        )
 
 
 def check_checkpoint(uri: str) -> None:
@@ -165,8 +168,10 @@ def check_checkpoint(uri: str) -> None:
     elif (root / SINGLE_FILE).is_file():
         names = [SINGLE_FILE]
     else:
-        raise ModelError(f"{uri} has no {SINGLE_FILE} or {INDEX_FILE}: its weights are missing (only safetensors "
-                         "checkpoints are read); copy them into it")
+        raise ModelError(
+            f"{uri} has no {SINGLE_FILE} or {INDEX_FILE}: its weights are missing (only safetensors "
+            "checkpoints are read); copy them into it"
+        )
     for name in names:
         try:
             with open(root / name, "rb") as f:
@@ -256,7 +261,12 @@ def tokenized_samples(model: str, data: str, params: Any, *, pack: bool = False)
     from evoesap.errors import DataError
 
     samples = data_mod.load_samples(
-        data, split=params.split, subset=params.subset, fields=params.fields, n=params.sample_count, seed=params.seed,
+        data,
+        split=params.split,
+        subset=params.subset,
+        fields=params.fields,
+        n=params.sample_count,
+        seed=params.seed,
         at_most=params.samples is None,
     )
     tokenizer = moe.load_tokenizer(model)

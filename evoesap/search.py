@@ -115,9 +115,7 @@ class _Params:
     racing: Racing | None = None
 
 
-def seed_patterns(
-    num_experts: Sequence[int], top_k: Sequence[int], budget: int, granularity: int = 1
-) -> dict[str, Allocation]:
+def seed_patterns(num_experts: Sequence[int], top_k: Sequence[int], budget: int, granularity: int = 1) -> dict[str, Allocation]:
     """The structured seeds of generation 0.
 
     `uniform` is allocation.uniform. The others are allocation.proportional to linear layer weights
@@ -166,8 +164,9 @@ def level_switch_search(
     on_generation: called after each generation (0 is the initial population, so `generations + 1`
     calls in all); on resume, once for the restored generation and then for each new one.
     """
-    params = _validate(num_experts, top_k, budget, population, elites, generations, max_transfer, max_steps,
-                       granularity, seed, init)
+    params = _validate(
+        num_experts, top_k, budget, population, elites, generations, max_transfer, max_steps, granularity, seed, init
+    )
     if (fitness is None) == (score_batch is None):
         raise ConfigError("give the search either fitness (and subset_fitness for racing) or score_batch, not both")
     if score_batch is None:
@@ -200,8 +199,9 @@ class _Run:
     """The state of one search as it goes: memoised fitness, history, the best so far, the RNG; the
     scoring of a generation (racing levels, then the full set), its record and its checkpoint."""
 
-    def __init__(self, params: _Params, space: Any, score_batch: ScoreBatch, checkpoint: str | None,
-                 on_generation: OnGeneration | None) -> None:
+    def __init__(
+        self, params: _Params, space: Any, score_batch: ScoreBatch, checkpoint: str | None, on_generation: OnGeneration | None
+    ) -> None:
         self.params, self.score_batch, self.checkpoint, self.on_generation = params, score_batch, checkpoint, on_generation
         self.caps = np.asarray(space.caps)  # [L] int, bounds in units of granularity
         self.sizes = np.arange(1, max(1, params.max_transfer // params.granularity) + 1)  # [D] transfer sizes in units
@@ -255,16 +255,27 @@ class _Run:
         fits = [-math.inf if r in stopped else self.memo[r] for r in pop]  # stopped early: never elite
         top = set(_top(fits, self.params.elites))
         self.history.extend(
-            HistoryRecord(gen, i, r, f, i in top) if r not in stopped else
-            HistoryRecord(gen, i, r, stopped[r][1], False, stopped[r][0])
+            HistoryRecord(gen, i, r, f, i in top)
+            if r not in stopped
+            else HistoryRecord(gen, i, r, stopped[r][1], False, stopped[r][0])
             for i, (r, f) in enumerate(zip(pop, fits))
         )
         for r, f in zip(pop, fits):
             if r not in stopped and (self.best is None or f > self.best_fitness):
                 self.best, self.best_fitness = r, f
         if self.checkpoint is not None:
-            _write_checkpoint(self.checkpoint, self.params, gen, pop, self.memo, self.history, self.best,
-                              self.best_fitness, self.rng, self.subset_calls)
+            _write_checkpoint(
+                self.checkpoint,
+                self.params,
+                gen,
+                pop,
+                self.memo,
+                self.history,
+                self.best,
+                self.best_fitness,
+                self.rng,
+                self.subset_calls,
+            )
         self.report(gen, pop)
 
     def restore(self, saved: dict[str, Any]) -> tuple[int, list[Allocation]]:
@@ -323,16 +334,21 @@ def _validate(
     g = allocation.as_int("granularity", granularity)
     b = allocation.check_budget(n, k, budget, g)
     minimum = {"population": 2, "elites": 1, "generations": 0, "max_transfer": 1, "max_steps": 1, "seed": 0}
-    given = {"population": population, "elites": elites, "generations": generations,
-             "max_transfer": max_transfer, "max_steps": max_steps, "seed": seed}
+    given = {
+        "population": population,
+        "elites": elites,
+        "generations": generations,
+        "max_transfer": max_transfer,
+        "max_steps": max_steps,
+        "seed": seed,
+    }
     ints = {name: allocation.as_int(name, value) for name, value in given.items()}
     for name, value in ints.items():
         if value < minimum[name]:
             raise ConfigError(f"{name} must be >= {minimum[name]}, got {value}")
     if ints["elites"] >= ints["population"]:
         raise ConfigError(
-            f"elites {ints['elites']} must be smaller than population {ints['population']}, "
-            "or no offspring are ever made"
+            f"elites {ints['elites']} must be smaller than population {ints['population']}, or no offspring are ever made"
         )
     seeds = []
     for i, r in enumerate(init or ()):
@@ -348,8 +364,7 @@ def searchable(num_experts: Sequence[int], top_k: Sequence[int], budget: int, gr
     space = allocation.FeasibleSet(num_experts, top_k, budget, granularity)
     if space.size < 2:
         raise ConfigError(
-            f"budget {budget} admits a single allocation {space.unrank(0)}: there is nothing to search; "
-            "use it directly"
+            f"budget {budget} admits a single allocation {space.unrank(0)}: there is nothing to search; use it directly"
         )
     return space
 
@@ -372,8 +387,11 @@ def _initial_population(
     pop = list(seeds)
     taken = sorted(space.rank(r) for r in pop)
     if space.size < size:
-        log.warning("population %d exceeds the %d feasible allocations: the search is exhaustive and "
-                    "the population repeats allocations", size, space.size)
+        log.warning(
+            "population %d exceeds the %d feasible allocations: the search is exhaustive and the population repeats allocations",
+            size,
+            space.size,
+        )
     while len(pop) < size:
         if len(taken) == space.size:
             pop.append(space.unrank(_randbelow(rng, space.size)))
@@ -428,9 +446,7 @@ def _next_population(
     return pop
 
 
-def _mutate(
-    parent: Allocation, params: _Params, caps: np.ndarray, sizes: np.ndarray, rng: np.random.Generator
-) -> Allocation:
+def _mutate(parent: Allocation, params: _Params, caps: np.ndarray, sizes: np.ndarray, rng: np.random.Generator) -> Allocation:
     g = params.granularity
     tau = min(int(rng.integers(1, params.max_steps + 1)), int(rng.integers(1, params.max_steps + 1)))
     x = np.asarray(parent) // g  # [L] int, in units of granularity
@@ -470,8 +486,10 @@ def _write_checkpoint(
         "generation": generation,
         "population": [list(r) for r in pop],
         "memo": [[list(r), f] for r, f in memo.items()],
-        "history": [[h.generation, h.candidate, list(h.allocation), h.fitness, h.elite]
-                    + ([] if h.level is None else [h.level]) for h in history],
+        "history": [
+            [h.generation, h.candidate, list(h.allocation), h.fitness, h.elite] + ([] if h.level is None else [h.level])
+            for h in history
+        ],
         "best": list(best) if best is not None else None,
         "best_fitness": best_fitness,
         "rng": rng.bit_generator.state,
@@ -496,8 +514,11 @@ def _read_checkpoint(uri: str, params: _Params) -> dict[str, Any]:
     if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
         raise ArtifactError(f"{artifacts.redact(uri)} is not a {_FORMAT} checkpoint; delete it to start afresh")
     now, then = _jsonable(params), payload["params"]
-    differ = [f"{key}: checkpoint {then.get(key)!r}, now {now[key]!r}"
-              for key in now if key != "generations" and then.get(key) != now[key]]
+    differ = [
+        f"{key}: checkpoint {then.get(key)!r}, now {now[key]!r}"
+        for key in now
+        if key != "generations" and then.get(key) != now[key]
+    ]
     if differ:
         raise ConfigError(
             f"cannot resume from {artifacts.redact(uri)}: parameters differ ({'; '.join(differ)}); "

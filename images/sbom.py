@@ -46,8 +46,7 @@ def read_lock(path: Path) -> list[tuple[str, str, list[str]]]:
         if line.strip() and not line.startswith("#"):
             match = LINE.match(line)
             if not match:
-                sys.exit(f"sbom: {path.name}:{number} is not `name==version --hash=sha256:...`: {line!r}; "
-                         "run `make lock`")
+                sys.exit(f"sbom: {path.name}:{number} is not `name==version --hash=sha256:...`: {line!r}; run `make lock`")
             pins.append((match[1], match[2], re.findall(r"sha256:([0-9a-f]{64})", match[3])))
     return pins
 
@@ -59,8 +58,7 @@ def torch_version() -> str:
 
 def component(venv: str, name: str, version: str, kind: str = "library", hashes: list[str] = ()) -> dict:
     ref = purl(name, version)
-    entry = {"type": kind, "bom-ref": f"{ref}?venv={quote(venv, safe='')}", "name": name, "version": version,
-             "purl": ref}
+    entry = {"type": kind, "bom-ref": f"{ref}?venv={quote(venv, safe='')}", "name": name, "version": version, "purl": ref}
     if hashes:
         entry["hashes"] = [{"alg": "SHA-256", "content": digest} for digest in hashes]
     entry["properties"] = [{"name": "evoesap:venv", "value": venv}]
@@ -74,8 +72,12 @@ def sbom(flavour: str, locks: Path, version: str, torch: str, commit: str, creat
         components.append(component(venv, "torch", torch + label))
         components += [component(venv, name, pin, hashes=digests) for name, pin, digests in read_lock(locks / lock)]
     digest = hashlib.sha256(json.dumps([flavour, version, commit, components], sort_keys=True).encode()).hexdigest()
-    image = {"type": "container", "bom-ref": f"evoesap-stage-{flavour}", "name": "evoesap/stage",
-             "version": f"{version}-{flavour}" if flavour != "cpu" else version}
+    image = {
+        "type": "container",
+        "bom-ref": f"evoesap-stage-{flavour}",
+        "name": "evoesap/stage",
+        "version": f"{version}-{flavour}" if flavour != "cpu" else version,
+    }
     if commit:
         image["properties"] = [{"name": "org.opencontainers.image.revision", "value": commit}]
     return {
@@ -111,8 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     version = tomllib.loads(args.pyproject.read_text())["project"]["version"]
     torch = args.torch or torch_version()
-    targets = {args.flavour: args.out} if args.flavour else {
-        flavour: args.out / f"stage-{flavour}.cdx.json" for flavour in ENVIRONMENTS}
+    targets = (
+        {args.flavour: args.out}
+        if args.flavour
+        else {flavour: args.out / f"stage-{flavour}.cdx.json" for flavour in ENVIRONMENTS}
+    )
     for flavour, out in targets.items():
         out.parent.mkdir(parents=True, exist_ok=True)
         document = sbom(flavour, args.locks, version, torch, args.commit, created_at())

@@ -143,8 +143,12 @@ def apply(task: Any, settings: StageSettings, retries: int) -> Any:
     count = settings.retries if settings.retries is not None else retries
     if count:
         task.set_retry(num_retries=count, backoff_duration="30s", backoff_factor=2.0, backoff_max_duration="10m")
-    for setter, value in ((task.set_cpu_limit, settings.cpu), (task.set_memory_limit, settings.memory),
-                          (task.set_cpu_request, settings.cpu_request), (task.set_memory_request, settings.memory_request)):
+    for setter, value in (
+        (task.set_cpu_limit, settings.cpu),
+        (task.set_memory_limit, settings.memory),
+        (task.set_cpu_request, settings.cpu_request),
+        (task.set_memory_request, settings.memory_request),
+    ):
         if value:
             setter(value)
     if settings.accelerator_count:
@@ -159,12 +163,16 @@ def apply(task: Any, settings: StageSettings, retries: int) -> Any:
     for volume in settings.volumes:
         kubernetes.mount_pvc(task, pvc_name=volume.pvc, mount_path=volume.mount_path, sub_path=volume.sub_path)
     if settings.shm_size:
-        kubernetes.empty_dir_mount(task, volume_name="shm", mount_path=SHM_MOUNT, medium="Memory",
-                                   size_limit=settings.shm_size)
+        kubernetes.empty_dir_mount(task, volume_name="shm", mount_path=SHM_MOUNT, medium="Memory", size_limit=settings.shm_size)
     if settings.scratch:
-        kubernetes.add_ephemeral_volume(task, volume_name="scratch", mount_path=SCRATCH_MOUNT,
-                                        access_modes=["ReadWriteOnce"], size=settings.scratch.size,
-                                        storage_class_name=settings.scratch.storage_class)
+        kubernetes.add_ephemeral_volume(
+            task,
+            volume_name="scratch",
+            mount_path=SCRATCH_MOUNT,
+            access_modes=["ReadWriteOnce"],
+            size=settings.scratch.size,
+            storage_class_name=settings.scratch.storage_class,
+        )
         task.set_env_variable("TMPDIR", SCRATCH_MOUNT)
     if settings.image_pull_secrets:
         kubernetes.set_image_pull_secrets(task, list(settings.image_pull_secrets))
@@ -177,6 +185,5 @@ def apply(task: Any, settings: StageSettings, retries: int) -> Any:
     if settings.timeout:
         kubernetes.set_timeout(task, settings.timeout)
     for term in settings.node_affinity:
-        kubernetes.add_node_affinity(task, match_expressions=[r.model_dump() for r in term.match_expressions],
-                                     weight=term.weight)
+        kubernetes.add_node_affinity(task, match_expressions=[r.model_dump() for r in term.match_expressions], weight=term.weight)
     return task

@@ -56,8 +56,10 @@ class _Settings(BaseModel):
     @classmethod
     def _storage_root_named(cls, value: str) -> str:
         if not value.strip():
-            raise ValueError("storage_root is empty, which would write every artifact into the working directory: "
-                             "give a directory or URI, e.g. ./runs/artifacts")
+            raise ValueError(
+                "storage_root is empty, which would write every artifact into the working directory: "
+                "give a directory or URI, e.g. ./runs/artifacts"
+            )
         return value
 
     @field_validator("criteria")
@@ -74,21 +76,29 @@ class _Settings(BaseModel):
         images = {"image": self.image, **{f"resources.{k}.image": v.image for k, v in self.resources.items()}}
         for key, image in images.items():
             if image and not qualified(image):
-                raise ValueError(f"{key} {image!r} is not fully qualified: write registry/name:tag "
-                                 f"(e.g. registry.example.org/evoesap/stage:{__version__})")
+                raise ValueError(
+                    f"{key} {image!r} is not fully qualified: write registry/name:tag "
+                    f"(e.g. registry.example.org/evoesap/stage:{__version__})"
+                )
             if image and self.registry and not image.startswith(self.registry.rstrip("/") + "/"):
-                raise ValueError(f"{key} {image!r} is not in the registry {self.registry!r}: move it there or "
-                                 "leave it unset (default: <registry>/stage:<version>)")
+                raise ValueError(
+                    f"{key} {image!r} is not in the registry {self.registry!r}: move it there or "
+                    "leave it unset (default: <registry>/stage:<version>)"
+                )
         shared = self.resources.get("all")
         if shared is not None and shared.image:
             raise ValueError("resources.all.image: set the image of every stage with the top-level `image`")
         if shared is not None and shared.accelerator_count:
-            raise ValueError(f"resources.all: set accelerators per stage, not for all (stages that can use one: "
-                             f"{', '.join(stages.MODEL_STAGES)})")
+            raise ValueError(
+                f"resources.all: set accelerators per stage, not for all (stages that can use one: "
+                f"{', '.join(stages.MODEL_STAGES)})"
+            )
         for stage, settings in self.resources.items():
             if stage not in ("search", "all") and settings.training_runtime:
-                raise ValueError(f"resources.{stage}.training_runtime: only the search runs as a multi-worker job; "
-                                 "set it under resources.search")
+                raise ValueError(
+                    f"resources.{stage}.training_runtime: only the search runs as a multi-worker job; "
+                    "set it under resources.search"
+                )
             if stage not in (*stages.MODEL_STAGES, "all") and settings.accelerator_count:
                 raise ValueError(
                     f"resources.{stage}: {stage} loads no model and cannot use an accelerator (prune works on the "
@@ -102,8 +112,10 @@ class _Settings(BaseModel):
             return self
         model, root = Path(self.model).resolve(), Path(self.storage_root).resolve()
         if root == model or model in root.parents:
-            raise ValueError(f"storage_root {self.storage_root} lies inside the model directory {self.model}: artifacts "
-                             "written there would change the model they are made from; choose a storage_root outside it")
+            raise ValueError(
+                f"storage_root {self.storage_root} lies inside the model directory {self.model}: artifacts "
+                "written there would change the model they are made from; choose a storage_root outside it"
+            )
         return self
 
     @property
@@ -168,18 +180,22 @@ def _check_stage_sections(config: PipelineConfig) -> None:
         needed = params.gpus() if hasattr(params, "gpus") else 1
         have = config.resources[stage.name].accelerator_count if stage.name in config.resources else 0
         if needed > max(have, 1):
-            raise ConfigError(f"{stage.section}: tensor_parallel x pipeline_parallel spans {needed} GPUs but "
-                              f"resources.{stage.name}.accelerator_count is {have}: give the task {needed} GPUs "
-                              "(accelerator_type and accelerator_count) or lower them")
+            raise ConfigError(
+                f"{stage.section}: tensor_parallel x pipeline_parallel spans {needed} GPUs but "
+                f"resources.{stage.name}.accelerator_count is {have}: give the task {needed} GPUs "
+                "(accelerator_type and accelerator_count) or lower them"
+            )
     if config.search_workers > 1:
         from .trainjob import check_workers
 
         check_workers(config.settings("search"), config.search_workers)
     targets = sorted(k for k in ("to", "repo") if config.stage_params("publish").get(k))
     if config.publish_models and targets and len(config.grid()) > 1:
-        raise ConfigError(f"publish.{targets[0]} is one place, but publish_models publishes {len(config.grid())} models "
-                          "(criteria x sparsities): publish one point per run, or leave publish.to and publish.repo unset "
-                          "(each model is then published under storage_root)")
+        raise ConfigError(
+            f"publish.{targets[0]} is one place, but publish_models publishes {len(config.grid())} models "
+            "(criteria x sparsities): publish one point per run, or leave publish.to and publish.repo unset "
+            "(each model is then published under storage_root)"
+        )
 
 
 def load_config(source: str | Path | dict[str, Any]) -> PipelineConfig:
@@ -200,9 +216,7 @@ def load_config(source: str | Path | dict[str, Any]) -> PipelineConfig:
     try:
         config = PipelineConfig(**data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
-        )
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors())
         raise ConfigError(f"invalid {where}: {problems}") from exc
     config.pinned_model  # noqa: B018 - a revision for a path or URI is refused here, before anything runs
     _check_stage_sections(config)

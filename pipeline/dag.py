@@ -112,9 +112,14 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
         def stage(name: str, task: Any, label: str | None = None) -> Any:
             return _configure(task, name, config, label)
 
-        scores = stage("calibrate", comps.calibrate(model=model, data=calibration_data, storage_root=storage_root, params=calibrate_params))
-        cache = stage("cache-logits", comps.cache_logits(model=model, data=search_data, storage_root=storage_root,
-                                                         params=cache_logits_params), "cache-logits search set")
+        scores = stage(
+            "calibrate", comps.calibrate(model=model, data=calibration_data, storage_root=storage_root, params=calibrate_params)
+        )
+        cache = stage(
+            "cache-logits",
+            comps.cache_logits(model=model, data=search_data, storage_root=storage_root, params=cache_logits_params),
+            "cache-logits search set",
+        )
         heldout = {}
         if config.heldout_data:
             heldout["heldout_cache"] = stage(
@@ -123,12 +128,19 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
                 "cache-logits held-out set",
             ).outputs["cache"]
         teacher = {"teacher_cache": heldout["heldout_cache"]} if heldout else {}
-        full = stage("evaluate", comps.evaluate(model=model, storage_root=storage_root, params=evaluate_params, **teacher),
-                     "evaluate full")
+        full = stage(
+            "evaluate", comps.evaluate(model=model, storage_root=storage_root, params=evaluate_params, **teacher), "evaluate full"
+        )
         with dsl.ParallelFor(grid, name="criterion-x-sparsity", parallelism=config.parallelism) as point:
             point_args = dict(criterion=point.criterion, sparsity=point.sparsity, storage_root=storage_root)
-            search_args = dict(model=model, scores=scores.outputs["scores"], cache=cache.outputs["cache"],
-                               params=search_params, **heldout, **point_args)
+            search_args = dict(
+                model=model,
+                scores=scores.outputs["scores"],
+                cache=cache.outputs["cache"],
+                params=search_params,
+                **heldout,
+                **point_args,
+            )
             if config.search_workers > 1:  # a Kubeflow Trainer job that this task launches and follows
                 searched = _search_trainjob(config, search_args)
             else:

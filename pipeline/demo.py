@@ -48,8 +48,14 @@ def demo_config(world: Any, out: Path, runner: str = "subprocess", image: str | 
     )
 
 
-def run_demo(out: Path, seed: int = 0, profile: str = "default", log_path: Path | None = None,
-             runner: str = "subprocess", image: str | None = None) -> str:
+def run_demo(
+    out: Path,
+    seed: int = 0,
+    profile: str = "default",
+    log_path: Path | None = None,
+    runner: str = "subprocess",
+    image: str | None = None,
+) -> str:
     """Build (or reuse) the demo world under `out`, run the pipeline, return the report artifact URI."""
     from evoesap.demo.world import build_demo_world
 

@@ -32,4 +32,3 @@ def claim_output_file(path: Path, option: str, marker: str, inputs: tuple[Path, 
                 "nothing was changed"
             )
     return path
-

@@ -68,8 +68,13 @@ def _quiet_kfp(log_path: Path | None) -> Iterator[None]:
 
 def _check_mounted(config: PipelineConfig, root: Path) -> None:
     """With the docker runner, refuse local paths outside `pipeline_root` (the containers would not see them)."""
-    paths = {"model": config.model, "calibration_data": config.calibration_data, "search_data": config.search_data,
-             "heldout_data": config.heldout_data, "storage_root": config.storage_root}
+    paths = {
+        "model": config.model,
+        "calibration_data": config.calibration_data,
+        "search_data": config.search_data,
+        "heldout_data": config.heldout_data,
+        "storage_root": config.storage_root,
+    }
     for name, value in paths.items():
         if not value or is_uri(value) or (name == "model" and not Path(value).exists()):  # a URI or a hub name
             continue
@@ -142,4 +147,3 @@ def run_local(
         warnings.filterwarnings("ignore", module=r"kfp\.local\..*")
         task = build(config)(**(arguments or {}))
     return dict(task.outputs)
-

@@ -173,6 +173,7 @@ def resolve_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any]) -> 
         stage = name.removesuffix("_params").replace("_", "-")
         if name.endswith("_params") and stage in NAMES:
             make_params(stage, value)  # unknown fields and bad values: the stage's own one-line error
+
     def value(name: str) -> Any:
         return arguments.get(name, parameters.get(name, {}).get("defaultValue"))
 
@@ -188,8 +189,7 @@ def _token() -> str | None:
     return Path(path).read_text().strip() if path and Path(path).is_file() else None
 
 
-def submit(config: PipelineConfig | str | Path, submission: Submission,
-           client_factory: Callable[..., Any] | None = None) -> str:
+def submit(config: PipelineConfig | str | Path, submission: Submission, client_factory: Callable[..., Any] | None = None) -> str:
     """Check the endpoint, then load (given a path), compile, upload a pipeline version and start it; return the
     run id (or the recurring run id)."""
     check_endpoint(submission.host, submission.token or _token())
@@ -208,13 +208,21 @@ def submit(config: PipelineConfig | str | Path, submission: Submission,
             with _quiet_client():
                 pipeline_id, version_id = upload_version(client, package, name, submission.namespace)
                 experiment = client.create_experiment(submission.experiment or name, namespace=submission.namespace)
-                common = dict(experiment_id=experiment.experiment_id, job_name=submission.run_name or name,
-                              params=arguments, pipeline_id=pipeline_id, version_id=version_id,
-                              service_account=submission.service_account)
+                common = dict(
+                    experiment_id=experiment.experiment_id,
+                    job_name=submission.run_name or name,
+                    params=arguments,
+                    pipeline_id=pipeline_id,
+                    version_id=version_id,
+                    service_account=submission.service_account,
+                )
                 if submission.recurring:
                     return client.create_recurring_run(
-                        **common, cron_expression=submission.cron, interval_second=submission.interval_seconds,
-                        max_concurrency=submission.max_concurrency, no_catchup=not submission.catchup,
+                        **common,
+                        cron_expression=submission.cron,
+                        interval_second=submission.interval_seconds,
+                        max_concurrency=submission.max_concurrency,
+                        no_catchup=not submission.catchup,
                     ).recurring_run_id
                 return client.run_pipeline(**common).run_id
         except ApiException as exc:

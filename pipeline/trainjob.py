@@ -58,8 +58,10 @@ def check_workers(settings: StageSettings, workers: int) -> None:
         )
     procs = procs_per_node(settings)
     if workers % procs:
-        raise ConfigError(f"search.workers {workers} is not a multiple of resources.search.accelerator_count {procs}: "
-                          "each node runs one worker per GPU")
+        raise ConfigError(
+            f"search.workers {workers} is not a multiple of resources.search.accelerator_count {procs}: "
+            "each node runs one worker per GPU"
+        )
 
 
 def launcher_settings(settings: StageSettings) -> StageSettings:
@@ -86,12 +88,20 @@ def job_template(settings: StageSettings, image: str) -> dict[str, Any]:
         cores = float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
         env.append({"name": "OMP_NUM_THREADS", "value": str(max(1, int(cores) // procs))})
     for secret in settings.secrets:
-        env += [{"name": var, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": key}}}
-                for key, var in secret.env.items()]
+        env += [
+            {"name": var, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": key}}} for key, var in secret.env.items()
+        ]
     resources = {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
-    return {"runtime": settings.training_runtime or DEFAULT_RUNTIME, "image": image, "procs_per_node": procs,
-            "resources": resources, "env": env, "labels": dict(settings.labels),
-            "annotations": dict(settings.annotations), "poll_seconds": POLL_SECONDS}
+    return {
+        "runtime": settings.training_runtime or DEFAULT_RUNTIME,
+        "image": image,
+        "procs_per_node": procs,
+        "resources": resources,
+        "env": env,
+        "labels": dict(settings.labels),
+        "annotations": dict(settings.annotations),
+        "poll_seconds": POLL_SECONDS,
+    }
 
 
 def job_name(out_uri: str) -> str:
@@ -103,8 +113,9 @@ def trainjob(template: Mapping[str, Any], name: str, spec: Mapping[str, Any], wo
     """The TrainJob resource for a worker `spec` (`evoesap.distributed.worker_spec`) on `workers` processes."""
     procs = int(template["procs_per_node"])
     if workers % procs:
-        raise ConfigError(f"search.workers {workers} is not a multiple of the {procs} workers per node "
-                          "(resources.search.accelerator_count)")
+        raise ConfigError(
+            f"search.workers {workers} is not a multiple of the {procs} workers per node (resources.search.accelerator_count)"
+        )
     trainer: dict[str, Any] = {
         "image": template["image"],
         "command": ["torchrun", "-m", ENTRY],
@@ -116,17 +127,31 @@ def trainjob(template: Mapping[str, Any], name: str, spec: Mapping[str, Any], wo
         trainer["env"] = list(template["env"])
     if template["resources"]:
         trainer["resourcesPerNode"] = dict(template["resources"])
-    metadata: dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/name": "evoesap",
-                                                         "app.kubernetes.io/component": "search", **template["labels"]}}
+    metadata: dict[str, Any] = {
+        "name": name,
+        "labels": {"app.kubernetes.io/name": "evoesap", "app.kubernetes.io/component": "search", **template["labels"]},
+    }
     if template["annotations"]:
         metadata["annotations"] = dict(template["annotations"])
-    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": metadata,
-            "spec": {"runtimeRef": {"name": template["runtime"], "apiGroup": GROUP, "kind": "ClusterTrainingRuntime"},
-                     "trainer": trainer}}
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "metadata": metadata,
+        "spec": {
+            "runtimeRef": {"name": template["runtime"], "apiGroup": GROUP, "kind": "ClusterTrainingRuntime"},
+            "trainer": trainer,
+        },
+    }
 
 
-def run_search_job(template: Mapping[str, Any], storage_root: str, inputs: Mapping[str, Any],
-                   params: Mapping[str, Any], api_client: Any = None, namespace: str | None = None) -> str:
+def run_search_job(
+    template: Mapping[str, Any],
+    storage_root: str,
+    inputs: Mapping[str, Any],
+    params: Mapping[str, Any],
+    api_client: Any = None,
+    namespace: str | None = None,
+) -> str:
     """Run the search stage as a TrainJob (see the module docstring); return its artifact's URI."""
     from evoesap import artifacts, distributed
     from evoesap.steps import make_params, output_uri
@@ -145,8 +170,10 @@ def run_search_job(template: Mapping[str, Any], storage_root: str, inputs: Mappi
     try:
         artifacts.read_manifest(out, "search")
     except EvoESAPError as exc:
-        raise EvoESAPError(f"TrainJob {namespace}/{body['metadata']['name']} completed but published no search "
-                           f"artifact at {artifacts.redact(out)}: {exc}") from None
+        raise EvoESAPError(
+            f"TrainJob {namespace}/{body['metadata']['name']} completed but published no search "
+            f"artifact at {artifacts.redact(out)}: {exc}"
+        ) from None
     return out
 
 
@@ -179,8 +206,12 @@ class _TrainJob:
 
         try:
             self.objects.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.body)
-            log.info("created %s (%d nodes x %d workers)", self.where, self.body["spec"]["trainer"]["numNodes"],
-                     self.body["spec"]["trainer"]["numProcPerNode"])
+            log.info(
+                "created %s (%d nodes x %d workers)",
+                self.where,
+                self.body["spec"]["trainer"]["numNodes"],
+                self.body["spec"]["trainer"]["numProcPerNode"],
+            )
             return
         except ApiException as exc:
             if exc.status != 409:
@@ -249,19 +280,24 @@ class _TrainJob:
         from kubernetes.client.exceptions import ApiException
 
         with contextlib.suppress(ApiException):
-            self.objects.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name,
-                                                         propagation_policy="Foreground")
+            self.objects.delete_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, self.name, propagation_policy="Foreground"
+            )
             log.info("deleted %s", self.where)
 
     def _refused(self, verb: str, exc: Any) -> EvoESAPError:
         detail = _first_line(_api_message(exc.body) or str(exc.reason or ""))
         if exc.status == 404 and verb == "create":
-            return EvoESAPError(f"the cluster has no {KIND} API ({GROUP}/{VERSION}) in namespace {self.namespace}: "
-                                f"install Kubeflow Trainer v2, or run the search with workers: 1 ({detail})")
+            return EvoESAPError(
+                f"the cluster has no {KIND} API ({GROUP}/{VERSION}) in namespace {self.namespace}: "
+                f"install Kubeflow Trainer v2, or run the search with workers: 1 ({detail})"
+            )
         if exc.status in (401, 403):
-            return EvoESAPError(f"the Kubernetes API refused to {verb} {self.where} (HTTP {exc.status}): give the "
-                                f"pipeline's service account create, get and delete on trainjobs.{GROUP} and list on "
-                                f"pods in {self.namespace} ({detail})")
+            return EvoESAPError(
+                f"the Kubernetes API refused to {verb} {self.where} (HTTP {exc.status}): give the "
+                f"pipeline's service account create, get and delete on trainjobs.{GROUP} and list on "
+                f"pods in {self.namespace} ({detail})"
+            )
         return EvoESAPError(f"the Kubernetes API could not {verb} {self.where} (HTTP {exc.status}): {detail}")
 
 
@@ -294,8 +330,10 @@ def _api_client() -> Any:
         else:  # the variable as it is now (the client reads it once, when imported)
             config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
     except config.ConfigException as exc:
-        raise EvoESAPError(f"no Kubernetes API to create the search's TrainJob in ({exc}): run the pipeline on a "
-                           "cluster, or point KUBECONFIG at one") from None
+        raise EvoESAPError(
+            f"no Kubernetes API to create the search's TrainJob in ({exc}): run the pipeline on a "
+            "cluster, or point KUBECONFIG at one"
+        ) from None
     return client.ApiClient()
 
 

@@ -41,10 +41,12 @@ def pytest_sessionstart(session):
     import subprocess
     import sys
 
-    code = ("import sys; from evoesap.demo import build_demo_world; "
-            f"build_demo_world(sys.argv[1], **{DEMO_WORLD!r})")
-    _WORLD_BUILD.append(subprocess.Popen([sys.executable, "-c", code, str(demo_cache_dir())],
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    code = f"import sys; from evoesap.demo import build_demo_world; build_demo_world(sys.argv[1], **{DEMO_WORLD!r})"
+    _WORLD_BUILD.append(
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(demo_cache_dir())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+    )
 
 
 def pytest_sessionfinish(session):
@@ -92,8 +94,11 @@ def s3(monkeypatch):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(key, value)
     fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = endpoint
     fs = fsspec.filesystem("s3", skip_instance_cache=True)

@@ -184,9 +184,7 @@ def test_pruned_sets_take_the_first_r_of_each_order_and_are_nested():
 @given(problems(max_layers=4, max_experts=7))
 def test_feasible_set_counts_ranks_and_unranks_like_brute_force(problem):
     n, k, b, g = problem
-    everything = sorted(
-        r for r in itertools.product(*[range(0, a - c + 1, g) for a, c in zip(n, k)]) if sum(r) == b
-    )
+    everything = sorted(r for r in itertools.product(*[range(0, a - c + 1, g) for a, c in zip(n, k)]) if sum(r) == b)
     assume(everything)
     space = allocation.FeasibleSet(n, k, b, g)
     assert space.size == len(everything)

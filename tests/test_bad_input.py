@@ -46,8 +46,25 @@ def stage_commands(world: dict[str, str], out: str) -> dict[str, list[str]]:
     return {
         "calibrate": ["calibrate", "--model", world["model"], "--data", world["calibration"], "--samples", "8", "--out", out],
         "cache-logits": ["cache-logits", "--model", world["model"], "--data", world["search"], "--samples", "4", "--out", out],
-        "search": ["search", "--model", world["model"], "--scores", world["scores"], "--cache", world["cache"],
-                   "--sparsity", "0.5", "--population", "4", "--elites", "1", "--generations", "1", "--out", out],
+        "search": [
+            "search",
+            "--model",
+            world["model"],
+            "--scores",
+            world["scores"],
+            "--cache",
+            world["cache"],
+            "--sparsity",
+            "0.5",
+            "--population",
+            "4",
+            "--elites",
+            "1",
+            "--generations",
+            "1",
+            "--out",
+            out,
+        ],
         "prune": ["prune", "--model", world["model"], "--scores", world["scores"], "--sparsity", "0.5", "--out", out],
         "evaluate": ["evaluate", "--model", world["pruned"], "--tasks", world["tasks"], "--limit", "1", "--out", out],
         "report": ["report", "--runs", world["evaluated"], "--out", out],
@@ -57,6 +74,7 @@ def stage_commands(world: dict[str, str], out: str) -> dict[str, list[str]]:
 @pytest.fixture
 def no_model_loading(monkeypatch):
     """Refusals must come before any work: loading a model fails the test."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the refusal")
 
@@ -227,14 +245,20 @@ def test_prune_and_esap_refuse_an_allocation_that_does_not_fit_the_model_and_bud
     "edit, message",
     [
         (lambda f: f[~((f["layer"] == 0) & (f["expert"] == 3))], "no row for expert(s) [3]"),
-        (lambda f: f.assign(reap=np.where((f["layer"] == 1) & (f["expert"] == 2), np.nan, f["reap"])), "reap of layer 1 expert 2 is nan"),
+        (
+            lambda f: f.assign(reap=np.where((f["layer"] == 1) & (f["expert"] == 2), np.nan, f["reap"])),
+            "reap of layer 1 expert 2 is nan",
+        ),
     ],
     ids=["missing-expert-row", "nan-score"],
 )
-def test_scores_with_a_missing_expert_or_a_non_finite_score_are_refused(edit, message, tiny_artifacts, tmp_path, capsys, no_model_loading):
+def test_scores_with_a_missing_expert_or_a_non_finite_score_are_refused(
+    edit, message, tiny_artifacts, tmp_path, capsys, no_model_loading
+):
     bad = tampered(tiny_artifacts["scores"], tmp_path / "scores", "scores.parquet", edit_parquet(edit))
-    code, line = cli(capsys, "prune", "--model", tiny_artifacts["model"], "--scores", bad, "--sparsity", "0.5",
-                     "--out", str(tmp_path / "out"))
+    code, line = cli(
+        capsys, "prune", "--model", tiny_artifacts["model"], "--scores", bad, "--sparsity", "0.5", "--out", str(tmp_path / "out")
+    )
     one_clear_line(code, line, message, "rebuild it with `evoesap calibrate`")
     assert not (tmp_path / "out").exists()
 
@@ -245,19 +269,50 @@ def test_an_artifact_of_another_stage_is_refused_as_a_cache(tiny_artifacts, tmp_
     manifest = json.loads((relabelled / artifacts.MANIFEST).read_text())
     (relabelled / artifacts.MANIFEST).write_text(artifacts.seal({**manifest, "stage": "calibrate"}))
     for cache in (tiny_artifacts["scores"], str(relabelled)):
-        code, line = cli(capsys, "search", "--model", tiny_artifacts["model"], "--scores", tiny_artifacts["scores"],
-                         "--cache", cache, "--sparsity", "0.5", "--out", str(tmp_path / "s"))
+        code, line = cli(
+            capsys,
+            "search",
+            "--model",
+            tiny_artifacts["model"],
+            "--scores",
+            tiny_artifacts["scores"],
+            "--cache",
+            cache,
+            "--sparsity",
+            "0.5",
+            "--out",
+            str(tmp_path / "s"),
+        )
         one_clear_line(code, line, "'calibrate' artifact, not 'cache-logits'")
 
 
-@pytest.mark.parametrize("text", ["{not json", "[]", '{"stage": 3}', '{"stage": "calibrate", "params": {}, "inputs": {}, '
-                                  '"files": {"scores.parquet": "abc"}, "cache_key": "k"}'])
-def test_a_malformed_manifest_gives_one_line_naming_the_artifact_and_the_rebuild(text, tiny_artifacts, tmp_path, capsys, no_model_loading):
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{not json",
+        "[]",
+        '{"stage": 3}',
+        '{"stage": "calibrate", "params": {}, "inputs": {}, "files": {"scores.parquet": "abc"}, "cache_key": "k"}',
+    ],
+)
+def test_a_malformed_manifest_gives_one_line_naming_the_artifact_and_the_rebuild(
+    text, tiny_artifacts, tmp_path, capsys, no_model_loading
+):
     scores = tmp_path / "scores"
     shutil.copytree(tiny_artifacts["scores"], scores)
     (scores / artifacts.MANIFEST).write_text(text)
-    code, line = cli(capsys, "prune", "--model", tiny_artifacts["model"], "--scores", str(scores), "--sparsity", "0.5",
-                     "--out", str(tmp_path / "out"))
+    code, line = cli(
+        capsys,
+        "prune",
+        "--model",
+        tiny_artifacts["model"],
+        "--scores",
+        str(scores),
+        "--sparsity",
+        "0.5",
+        "--out",
+        str(tmp_path / "out"),
+    )
     one_clear_line(code, line, str(scores), "malformed", "rebuild it with `evoesap calibrate`")
 
 
@@ -307,7 +362,9 @@ def test_cache_shard_names_cannot_leave_the_artifact(tiny_artifacts, tmp_path, c
 def test_a_missing_model_directory_is_named_and_never_sent_to_the_hub(tiny_artifacts, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(identity, "resolve_revision", lambda *a: pytest.fail("a missing path went to the hub"))
     for model in (str(tmp_path / "no-such-model"), "no-such-model", "./runs/model"):
-        code, line = cli(capsys, "calibrate", "--model", model, "--data", tiny_artifacts["calibration"], "--out", str(tmp_path / "o"))
+        code, line = cli(
+            capsys, "calibrate", "--model", model, "--data", tiny_artifacts["calibration"], "--out", str(tmp_path / "o")
+        )
         one_clear_line(code, line, model, "does not exist")
 
 
@@ -316,8 +373,18 @@ def test_a_data_row_missing_the_field_is_named_with_its_row(tiny_artifacts, tmp_
     rows[3] = {"prompt": "where are the messages?"}
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    code, line = cli(capsys, "calibrate", "--model", tiny_artifacts["model"], "--data", str(data), "--samples", str(len(rows)),
-                     "--out", str(tmp_path / "o"))
+    code, line = cli(
+        capsys,
+        "calibrate",
+        "--model",
+        tiny_artifacts["model"],
+        "--data",
+        str(data),
+        "--samples",
+        str(len(rows)),
+        "--out",
+        str(tmp_path / "o"),
+    )
     one_clear_line(code, line, f"{data} row 3 has no field 'messages'")
 
 
@@ -358,8 +425,9 @@ def test_cache_logits_refuses_a_dense_model(tiny_artifacts, tmp_path, no_model_l
     from transformers import LlamaConfig, LlamaForCausalLM
 
     dense = tmp_path / "dense"
-    config = LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2
+    )
     LlamaForCausalLM(config).save_pretrained(dense)
     with pytest.raises(ModelError, match="not a supported MoE family"):
         run_cache_logits(str(dense), tiny_artifacts["search"], CACHE, str(tmp_path / "cache"))
@@ -406,7 +474,9 @@ def test_default_samples_use_a_smaller_file_whole_with_a_warning_an_explicit_lar
     from evoesap.stages.calibrate import CalibrateParams
 
     rows = len(Path(tiny_artifacts["calibration"]).read_text().splitlines())
-    _, tokenized = runtime.tokenized_samples(tiny_artifacts["model"], tiny_artifacts["calibration"], CalibrateParams(max_length=64))
+    _, tokenized = runtime.tokenized_samples(
+        tiny_artifacts["model"], tiny_artifacts["calibration"], CalibrateParams(max_length=64)
+    )
     assert sorted(s.sample_id for s in tokenized) == list(range(rows))
     assert f"has {rows} rows, fewer than the default of 1024 samples" in caplog.text
     for asked in (rows + 1, CalibrateParams.DEFAULT_SAMPLES):  # given, even equal to the default: refused
@@ -416,8 +486,19 @@ def test_default_samples_use_a_smaller_file_whole_with_a_warning_an_explicit_lar
 
 def test_evaluate_refuses_the_search_cache_as_held_out(tiny_artifacts, tmp_path, capsys, no_model_loading):
     for extra in ([], ["--allocation", tiny_artifacts["search_out"]]):
-        code, line = cli(capsys, "evaluate", "--model", tiny_artifacts["pruned"], "--tasks", tiny_artifacts["tasks"],
-                         "--teacher-cache", tiny_artifacts["cache"], *extra, "--out", str(tmp_path / "e"))
+        code, line = cli(
+            capsys,
+            "evaluate",
+            "--model",
+            tiny_artifacts["pruned"],
+            "--tasks",
+            tiny_artifacts["tasks"],
+            "--teacher-cache",
+            tiny_artifacts["cache"],
+            *extra,
+            "--out",
+            str(tmp_path / "e"),
+        )
         one_clear_line(code, line, "the cache the search", "not held out")
 
 
@@ -479,8 +560,9 @@ def test_prune_out_through_a_symlink_and_dotdot_never_replaces_the_input_model(t
     shutil.copytree(tiny_artifacts["model"], model)
     before = snapshot(model)
     monkeypatch.chdir(tmp_path)
-    code, line = cli(capsys, "prune", "--model", "m", "--scores", tiny_artifacts["scores"], "--sparsity", "0.5",
-                     "--out", "L/../m")
+    code, line = cli(
+        capsys, "prune", "--model", "m", "--scores", tiny_artifacts["scores"], "--sparsity", "0.5", "--out", "L/../m"
+    )
     assert code == 0, line
     assert snapshot(model) == before
     assert (tmp_path / "elsewhere" / "m" / artifacts.MANIFEST).is_file()
@@ -493,8 +575,20 @@ def test_a_user_file_inside_an_earlier_artifact_of_the_same_stage_is_refused_and
     shutil.copytree(tiny_artifacts["scores"], earlier)
     (earlier / "NOTES.md").write_text("n\n")
     before = snapshot(earlier)
-    code, line = cli(capsys, "calibrate", "--model", tiny_artifacts["model"], "--data", tiny_artifacts["calibration"],
-                     "--samples", "8", "--seed", "3", "--out", str(earlier))
+    code, line = cli(
+        capsys,
+        "calibrate",
+        "--model",
+        tiny_artifacts["model"],
+        "--data",
+        tiny_artifacts["calibration"],
+        "--samples",
+        "8",
+        "--seed",
+        "3",
+        "--out",
+        str(earlier),
+    )
     one_clear_line(code, line, "NOTES.md", "not part of the calibrate artifact", "move them out")
     assert snapshot(earlier) == before
 
@@ -516,16 +610,24 @@ def test_out_changed_while_the_stage_worked_is_not_replaced_and_the_new_artifact
             (out / "notes.txt").write_text("mine\n")
         else:
             monkeypatch.setattr(artifacts, "_publish", real_publish)
-            steps.run_stage("calibrate", {"model": tiny_artifacts["model"], "data": tiny_artifacts["calibration"]},
-                            steps.make_params("calibrate", {"samples": 8, "max_length": 128, "seed": 5}), str(out))
+            steps.run_stage(
+                "calibrate",
+                {"model": tiny_artifacts["model"], "data": tiny_artifacts["calibration"]},
+                steps.make_params("calibrate", {"samples": 8, "max_length": 128, "seed": 5}),
+                str(out),
+            )
             monkeypatch.setattr(artifacts, "_publish", meanwhile)
         return real_publish(staging, out_uri, manifest, expected)
 
     monkeypatch.setattr(artifacts, "_publish", meanwhile)
     before = None
     with pytest.raises(ArtifactError, match="changed while this run worked") as caught:
-        steps.run_stage("calibrate", {"model": tiny_artifacts["model"], "data": tiny_artifacts["calibration"]},
-                        steps.make_params("calibrate", {"samples": 8, "max_length": 128, "seed": 9}), str(out))
+        steps.run_stage(
+            "calibrate",
+            {"model": tiny_artifacts["model"], "data": tiny_artifacts["calibration"]},
+            steps.make_params("calibrate", {"samples": 8, "max_length": 128, "seed": 9}),
+            str(out),
+        )
     if intruder == "user file":
         assert snapshot(out) == {"notes.txt": b"mine\n"}
     else:
@@ -541,13 +643,17 @@ def test_a_half_published_model_is_not_accepted_as_an_input(tiny_artifacts, tmp_
     shutil.copytree(tiny_artifacts["pruned"], half)
     (half / artifacts.MANIFEST).unlink()
     (half / artifacts.PUBLISHING).write_text(json.dumps({"stage": "prune", "files": ["config.json"]}))
-    for args in (["calibrate", "--model", str(half), "--data", tiny_artifacts["calibration"], "--samples", "8"],
-                 ["evaluate", "--model", str(half), "--tasks", tiny_artifacts["tasks"], "--limit", "1"]):
+    for args in (
+        ["calibrate", "--model", str(half), "--data", tiny_artifacts["calibration"], "--samples", "8"],
+        ["evaluate", "--model", str(half), "--tasks", tiny_artifacts["tasks"], "--limit", "1"],
+    ):
         code, line = cli(capsys, *args, "--out", str(tmp_path / args[0]))
         one_clear_line(code, line, str(half), "not a finished artifact", "evoesap prune")
 
 
-def test_a_mount_point_or_a_read_only_place_is_refused_before_any_work(tiny_artifacts, tmp_path, capsys, monkeypatch, no_model_loading):
+def test_a_mount_point_or_a_read_only_place_is_refused_before_any_work(
+    tiny_artifacts, tmp_path, capsys, monkeypatch, no_model_loading
+):
     mount = tmp_path / "mnt"
     mount.mkdir()
     monkeypatch.setattr(artifacts.os.path, "ismount", lambda p: str(p) == str(mount))
@@ -669,17 +775,24 @@ def test_a_population_no_machine_could_hold_is_refused_and_one_beyond_the_space_
     command[command.index("--population") + 1] = str(10**15)
     code, line = cli(capsys, *command)
     one_clear_line(code, line, f"population {10**15}", "history rows", "lower --generations")
-    bounds.check_search(SearchParams(sparsity=0.5, population=distinct + 5, generations=50, max_transfer=32, max_steps=32),
-                        [8] * 4, distinct, free_host=1 << 40)
+    bounds.check_search(
+        SearchParams(sparsity=0.5, population=distinct + 5, generations=50, max_transfer=32, max_steps=32),
+        [8] * 4,
+        distinct,
+        free_host=1 << 40,
+    )
 
 
 @pytest.mark.parametrize("stage", ["calibrate", "cache-logits", "search", "evaluate"])
-@pytest.mark.parametrize("device, gpus, words", [
-    ("cuda", 0, ("device 'cuda'", "no GPU", "--device cpu")),
-    ("cuda:7", 0, ("device 'cuda:7'", "no GPU")),
-    ("cuda:7", 2, ("device 'cuda:7'", "2 GPU(s), cuda:0..cuda:1")),
-    ("gpu0", 0, ("device 'gpu0' is not a device",)),
-])
+@pytest.mark.parametrize(
+    "device, gpus, words",
+    [
+        ("cuda", 0, ("device 'cuda'", "no GPU", "--device cpu")),
+        ("cuda:7", 0, ("device 'cuda:7'", "no GPU")),
+        ("cuda:7", 2, ("device 'cuda:7'", "2 GPU(s), cuda:0..cuda:1")),
+        ("gpu0", 0, ("device 'gpu0' is not a device",)),
+    ],
+)
 def test_a_device_this_machine_lacks_is_refused_before_any_work(
     stage, device, gpus, words, tiny_artifacts, tmp_path, capsys, monkeypatch, no_model_loading
 ):
@@ -717,9 +830,13 @@ def test_data_that_is_not_a_regular_file_is_refused_without_reading_it(
     else:
         data.symlink_to("/dev/zero")
     code, line = cli(capsys, "calibrate", "--model", tiny_artifacts["model"], "--data", str(data), "--out", str(tmp_path / "o"))
-    expected = {"fifo": ("a FIFO",), "directory": ("is a directory", "jsonl file"), "device": ("a character device",),
-                "empty directory": ("cannot load", "doesn't contain any data files"),
-                "symlink to /dev/zero": ("a character device", "a symlink to /dev/zero")}[kind]
+    expected = {
+        "fifo": ("a FIFO",),
+        "directory": ("is a directory", "jsonl file"),
+        "device": ("a character device",),
+        "empty directory": ("cannot load", "doesn't contain any data files"),
+        "symlink to /dev/zero": ("a character device", "a symlink to /dev/zero"),
+    }[kind]
     one_clear_line(code, line, str(data), *expected)
     assert not (tmp_path / "o").exists()
 
@@ -734,8 +851,9 @@ def test_a_symlink_to_dev_zero_inside_an_input_is_refused_without_hashing_it(
     target = scores / "scores.parquet" if where == "artifact payload" else model / "tokenizer.json"
     target.unlink()
     target.symlink_to("/dev/zero")
-    code, line = cli(capsys, "prune", "--model", str(model), "--scores", str(scores), "--sparsity", "0.5",
-                     "--out", str(tmp_path / "o"))
+    code, line = cli(
+        capsys, "prune", "--model", str(model), "--scores", str(scores), "--sparsity", "0.5", "--out", str(tmp_path / "o")
+    )
     one_clear_line(code, line, str(target), "a character device", "never read")
     if where == "artifact payload":
         assert "rebuild it with `evoesap calibrate`" in line
@@ -746,10 +864,21 @@ def test_a_manifest_that_is_a_directory_is_named_as_input_and_as_output(tiny_art
         shutil.copytree(tiny_artifacts["scores"], tmp_path / name)
         (tmp_path / name / artifacts.MANIFEST).unlink()
         (tmp_path / name / artifacts.MANIFEST).mkdir()
-    code, line = cli(capsys, "prune", "--model", tiny_artifacts["model"], "--scores", str(tmp_path / "scores"),
-                     "--sparsity", "0.5", "--out", str(tmp_path / "o"))
-    one_clear_line(code, line, str(tmp_path / "scores" / artifacts.MANIFEST), "not a regular file",
-                   "rebuild it with `evoesap calibrate`")
+    code, line = cli(
+        capsys,
+        "prune",
+        "--model",
+        tiny_artifacts["model"],
+        "--scores",
+        str(tmp_path / "scores"),
+        "--sparsity",
+        "0.5",
+        "--out",
+        str(tmp_path / "o"),
+    )
+    one_clear_line(
+        code, line, str(tmp_path / "scores" / artifacts.MANIFEST), "not a regular file", "rebuild it with `evoesap calibrate`"
+    )
     before = snapshot(tmp_path / "out")
     code, line = cli(capsys, *stage_commands(tiny_artifacts, str(tmp_path / "out"))["calibrate"])
     one_clear_line(code, line, "--out", "malformed manifest", "choose another --out")
@@ -830,8 +959,12 @@ def test_an_intact_checkpoint_passes_the_check(tiny_artifacts):
 def test_pipeline_settings_that_cannot_work_are_refused_when_the_config_loads(change, words, tiny_artifacts, tmp_path, capsys):
     import yaml
 
-    config = {"model": tiny_artifacts["model"], "calibration_data": tiny_artifacts["calibration"],
-              "search_data": tiny_artifacts["search"], "storage_root": str(tmp_path / "runs")}
+    config = {
+        "model": tiny_artifacts["model"],
+        "calibration_data": tiny_artifacts["calibration"],
+        "search_data": tiny_artifacts["search"],
+        "storage_root": str(tmp_path / "runs"),
+    }
     changed = {k: v.replace("MODEL", tiny_artifacts["model"]) if isinstance(v, str) else v for k, v in change.items()}
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump({**config, **changed}))
@@ -851,9 +984,13 @@ def test_pipeline_compile_into_the_working_directory_is_refused(tmp_path, capsys
 def test_quantities_kfp_accepts_and_a_storage_root_beside_the_model_pass(tiny_artifacts, tmp_path):
     from evoesap.pipeline.config import load_config
 
-    config = load_config({
-        "model": tiny_artifacts["model"], "calibration_data": tiny_artifacts["calibration"],
-        "search_data": tiny_artifacts["search"], "storage_root": str(Path(tiny_artifacts["model"]).parent / "model-runs"),
-        "resources": {"search": {"memory": "64Gi", "memory_request": "512M", "cpu": "500m", "cpu_request": "0.5"}},
-    })
+    config = load_config(
+        {
+            "model": tiny_artifacts["model"],
+            "calibration_data": tiny_artifacts["calibration"],
+            "search_data": tiny_artifacts["search"],
+            "storage_root": str(Path(tiny_artifacts["model"]).parent / "model-runs"),
+            "resources": {"search": {"memory": "64Gi", "memory_request": "512M", "cpu": "500m", "cpu_request": "0.5"}},
+        }
+    )
     assert config.settings("search").memory == "64Gi"

@@ -26,10 +26,23 @@ pytestmark = pytest.mark.slow
 def test_ten_random_faults_end_identical_or_with_a_clear_error_and_lose_no_user_data(tmp_path):
     kinds = [k for k in chaos.KINDS if k != "disk_full" or chaos.disk_full_available()]
     record = tmp_path / "outcomes.json"
-    command = [sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--world", "tiny", "--faults", "10", "--seed", "29",
-               "--kinds", ",".join(kinds), "--workdir", str(tmp_path / "work"), "--json", str(record)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "chaos.py"),
+        "--world",
+        "tiny",
+        "--faults",
+        "10",
+        "--seed",
+        "29",
+        "--kinds",
+        ",".join(kinds),
+        "--workdir",
+        str(tmp_path / "work"),
+        "--json",
+        str(record),
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     outcomes = json.loads(record.read_text()) if record.exists() else []
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert len(outcomes) == 10 and {o["kind"] for o in outcomes} == set(kinds)

@@ -12,18 +12,36 @@ from evoesap.pipeline.cluster import StageSettings, merged
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
 
-BASE = dict(model="/models/full", calibration_data="/data/code.jsonl", search_data="/data/math.jsonl",
-            storage_root="s3://bucket/runs", criteria=["reap"], sparsities=[0.5])
+BASE = dict(
+    model="/models/full",
+    calibration_data="/data/code.jsonl",
+    search_data="/data/math.jsonl",
+    storage_root="s3://bucket/runs",
+    criteria=["reap"],
+    sparsities=[0.5],
+)
 RESOURCES = {
-    "all": {"secrets": [{"name": "s3-credentials", "env": {"access_key": "AWS_ACCESS_KEY_ID", "secret_key": "AWS_SECRET_ACCESS_KEY"}}],
-            "image_pull_secrets": ["regcred"]},
-    "search": {"cpu_request": "4", "cpu": "8", "memory_request": "32G", "memory": "64G",
-               "accelerator_type": "nvidia.com/gpu", "accelerator_count": 1,
-               "node_selector": {"pool": "gpu"},
-               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-               "volumes": [{"pvc": "hf-cache", "mount_path": "/cache"}],
-               "secrets": [{"name": "hf", "env": {"token": "HF_TOKEN"}}],
-               "shm_size": "16Gi", "scratch": {"size": "100Gi"}, "retries": 0},
+    "all": {
+        "secrets": [
+            {"name": "s3-credentials", "env": {"access_key": "AWS_ACCESS_KEY_ID", "secret_key": "AWS_SECRET_ACCESS_KEY"}}
+        ],
+        "image_pull_secrets": ["regcred"],
+    },
+    "search": {
+        "cpu_request": "4",
+        "cpu": "8",
+        "memory_request": "32G",
+        "memory": "64G",
+        "accelerator_type": "nvidia.com/gpu",
+        "accelerator_count": 1,
+        "node_selector": {"pool": "gpu"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "volumes": [{"pvc": "hf-cache", "mount_path": "/cache"}],
+        "secrets": [{"name": "hf", "env": {"token": "HF_TOKEN"}}],
+        "shm_size": "16Gi",
+        "scratch": {"size": "100Gi"},
+        "retries": 0,
+    },
     "prune": {"cpu_request": "2", "memory_request": "8G", "memory": "16G", "scratch": {"size": "200Gi", "storage_class": "fast"}},
     "evaluate": {"node_selector": {"pool": "eval"}},
 }
@@ -77,8 +95,10 @@ def test_every_setting_reaches_exactly_the_stages_configured(compiled):
             assert bool(settings.get("genericEphemeralVolume")) == (stage in ("search", "prune")), executor
     (search,) = stages["search"]
     s3 = next(s for s in platform[search]["secretAsEnv"] if s["secretName"] == "s3-credentials")
-    assert {k["secretKey"]: k["envVar"] for k in s3["keyToEnv"]} == {"access_key": "AWS_ACCESS_KEY_ID",
-                                                                     "secret_key": "AWS_SECRET_ACCESS_KEY"}
+    assert {k["secretKey"]: k["envVar"] for k in s3["keyToEnv"]} == {
+        "access_key": "AWS_ACCESS_KEY_ID",
+        "secret_key": "AWS_SECRET_ACCESS_KEY",
+    }
     assert platform[search]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert platform[search]["pvcMount"][0]["mountPath"] == "/cache"
     (shm,) = platform[search]["emptyDirMounts"]
@@ -119,8 +139,17 @@ def test_display_names_are_unique_and_say_what_each_task_does(compiled):
     spec, _ = compiled
     names = [t["taskInfo"]["name"] for t in _tasks(spec).values()]
     assert len(names) == len(set(names)), names
-    assert {"evaluate full", "evaluate searched", "evaluate uniform", "prune searched", "prune uniform",
-            "cache-logits search set", "calibrate", "search", "report"} <= set(names)
+    assert {
+        "evaluate full",
+        "evaluate searched",
+        "evaluate uniform",
+        "prune searched",
+        "prune uniform",
+        "cache-logits search set",
+        "calibrate",
+        "search",
+        "report",
+    } <= set(names)
 
 
 def test_held_out_data_is_a_pipeline_input_only_when_configured(tmp_path):
@@ -168,10 +197,16 @@ def test_stage_settings_add_to_the_shared_ones():
 CPU_IMAGE, GPU_IMAGE = "registry.example.org/evoesap/stage-cpu:0.1.0", "registry.example.org/evoesap/stage-cuda:0.1.0"
 POD = {
     "all": {"env": {"HF_HOME": "/cache", "TOKENIZERS_PARALLELISM": "false"}, "labels": {"team": "ml"}},
-    "search": {"env": {"HF_HOME": "/fast-cache"}, "timeout": 7200, "annotations": {"cost-centre": "gpu"},
-               "labels": {"tier": "gpu"},
-               "node_affinity": [{"match_expressions": [{"key": "gpu", "operator": "In", "values": ["h100", "h200"]}]},
-                                 {"match_expressions": [{"key": "zone", "operator": "Exists"}], "weight": 50}]},
+    "search": {
+        "env": {"HF_HOME": "/fast-cache"},
+        "timeout": 7200,
+        "annotations": {"cost-centre": "gpu"},
+        "labels": {"tier": "gpu"},
+        "node_affinity": [
+            {"match_expressions": [{"key": "gpu", "operator": "In", "values": ["h100", "h200"]}]},
+            {"match_expressions": [{"key": "zone", "operator": "Exists"}], "weight": 50},
+        ],
+    },
     "prune": {"image": CPU_IMAGE, "timeout": 3600},
     "report": {"image": CPU_IMAGE},
 }

@@ -75,7 +75,10 @@ def test_a_yaml_component_is_a_step_of_a_team_pipeline(tmp_path):
     compiler.Compiler().compile(team, str(tmp_path / "team.yaml"))
     spec = yaml.safe_load((tmp_path / "team.yaml").read_text())
     prune_task = spec["root"]["dag"]["tasks"]["prune"]
-    assert prune_task["inputs"]["artifacts"]["model"]["taskOutputArtifact"] == {"outputArtifactKey": "model", "producerTask": "train"}
+    assert prune_task["inputs"]["artifacts"]["model"]["taskOutputArtifact"] == {
+        "outputArtifactKey": "model",
+        "producerTask": "train",
+    }
     assert "allocation" not in prune_task["inputs"].get("artifacts", {})  # optional: uniform pruning
 
 

@@ -33,7 +33,9 @@ def _tokenizer(template: str | None = CHATML, specials: Sequence[str] = SPECIALS
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS * 5, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", **named)
     fast.chat_template = template
@@ -74,7 +76,9 @@ def _answer_text(tokenizer, ts) -> list[str]:
 def test_chat_template_answer_mask_marks_assistant_content_and_end_of_turn(tok):
     (ts,) = data.tokenize_samples([CHAT], tok, max_length=512)
     # independent: the template's own token ids, and each assistant content as its own tokens
-    assert ts.input_ids == tok.apply_chat_template([{"role": r, "content": c} for r, c in CHAT.messages], tokenize=True, return_dict=False)
+    assert ts.input_ids == tok.apply_chat_template(
+        [{"role": r, "content": c} for r, c in CHAT.messages], tokenize=True, return_dict=False
+    )
     assert _answer_text(tok, ts) == ["four<|im_end|>", "assistant answers five<|im_end|>"]
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     for i, a in enumerate(ts.answer_mask):  # every run ends on an end-of-turn token
@@ -89,36 +93,47 @@ def test_chat_template_answer_mask_marks_assistant_content_and_end_of_turn(tok):
 BOS_DS, EOS_DS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 TEMPLATE_SHAPES = {
     "chatml (qwen2_moe, qwen3_moe)": (
-        CHATML, SPECIALS, {},
-        ["four<|im_end|>", "assistant answers five<|im_end|>"], "\n",
+        CHATML,
+        SPECIALS,
+        {},
+        ["four<|im_end|>", "assistant answers five<|im_end|>"],
+        "\n",
     ),
     "tulu (olmoe)": (
         "{% for m in messages %}{% if m['role'] == 'user' %}{{ '<|user|>\n' + m['content'] + '\n' }}"
         "{% elif m['role'] == 'assistant' %}{{ '<|assistant|>\n' + m['content'] + eos_token }}"
         "{% if not loop.last %}{{ '\n' }}{% endif %}{% endif %}"
         "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}{% endfor %}",
-        ["<|user|>", "<|assistant|>", "<|endoftext|>", "<pad>"], {"eos_token": "<|endoftext|>"},
-        ["four<|endoftext|>", "assistant answers five<|endoftext|>"], "\n",
+        ["<|user|>", "<|assistant|>", "<|endoftext|>", "<pad>"],
+        {"eos_token": "<|endoftext|>"},
+        ["four<|endoftext|>", "assistant answers five<|endoftext|>"],
+        "\n",
     ),
     "deepseek_v3": (
         "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}"
         "{% elif m['role'] == 'assistant' %}{{ '<｜Assistant｜>' + m['content'] + eos_token }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}",
-        [BOS_DS, EOS_DS, "<｜User｜>", "<｜Assistant｜>", "<pad>"], {"bos_token": BOS_DS, "eos_token": EOS_DS},
-        ["four" + EOS_DS, "assistant answers five" + EOS_DS], "<｜Assistant｜>",
+        [BOS_DS, EOS_DS, "<｜User｜>", "<｜Assistant｜>", "<pad>"],
+        {"bos_token": BOS_DS, "eos_token": EOS_DS},
+        ["four" + EOS_DS, "assistant answers five" + EOS_DS],
+        "<｜Assistant｜>",
     ),
     "deepseek_v2, ernie4_5_moe (plain role names)": (
         "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ 'User: ' + m['content'] + '\n\n' }}"
         "{% elif m['role'] == 'assistant' %}{{ 'Assistant: ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}",
-        [BOS_DS, EOS_DS, "<pad>"], {"bos_token": BOS_DS, "eos_token": EOS_DS},
-        [" four" + EOS_DS, " assistant answers five" + EOS_DS], ":",  # the space merges into the first word
+        [BOS_DS, EOS_DS, "<pad>"],
+        {"bos_token": BOS_DS, "eos_token": EOS_DS},
+        [" four" + EOS_DS, " assistant answers five" + EOS_DS],
+        ":",  # the space merges into the first word
     ),
     "mixtral [INST]": (
         "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
         "{% elif m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% endif %}{% endfor %}",
-        ["<s>", "</s>", "<pad>"], {"bos_token": "<s>", "eos_token": "</s>"},
-        ["four</s>", "assistant answers five</s>"], "]",
+        ["<s>", "</s>", "<pad>"],
+        {"bos_token": "<s>", "eos_token": "</s>"},
+        ["four</s>", "assistant answers five</s>"],
+        "]",
     ),
     "harmony (gpt_oss)": (
         "{% for m in messages %}{% if m['role'] == 'assistant' %}"
@@ -126,13 +141,20 @@ TEMPLATE_SHAPES = {
         "{% if loop.last and not add_generation_prompt %}{{ '<|return|>' }}{% else %}{{ '<|end|>' }}{% endif %}"
         "{% else %}{{ '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' }}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}",
-        ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<pad>"], {"eos_token": "<|return|>"},
-        ["four<|end|>", "assistant answers five<|return|>"], "<|message|>",
+        ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<pad>"],
+        {"eos_token": "<|return|>"},
+        ["four<|end|>", "assistant answers five<|return|>"],
+        "<|message|>",
     ),
 }
 TWO_TURNS = Sample(
     id=0,
-    messages=(("user", "what is two plus two"), ("assistant", "four"), ("user", "and the assistant"), ("assistant", "assistant answers five")),
+    messages=(
+        ("user", "what is two plus two"),
+        ("assistant", "four"),
+        ("user", "and the assistant"),
+        ("assistant", "assistant answers five"),
+    ),
 )
 
 
@@ -223,7 +245,12 @@ def test_batches_pad_right(tok):
 
 
 ROWS = [
-    {"prompt": f"question {i}", "answer": f"answer {i}", "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}], "text": f"doc {i}"}
+    {
+        "prompt": f"question {i}",
+        "answer": f"answer {i}",
+        "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}],
+        "text": f"doc {i}",
+    }
     for i in range(20)
 ]
 

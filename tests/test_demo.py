@@ -33,7 +33,7 @@ def test_splits_are_disjoint_and_deterministic(domain):
     prompts = {split: {s.user for s in a[split]} for split in SPLITS}
     for i, x in enumerate(held_out):
         assert len(prompts[x]) == len(a[x]), f"{domain}/{x} repeats a prompt"
-        for y in held_out[i + 1:]:
+        for y in held_out[i + 1 :]:
             assert not prompts[x] & prompts[y], f"{domain}: {x} and {y} share prompts"
     if DOMAINS[domain].memorised:
         # Facts are learned, so training covers every evaluated fact; nothing else may appear there.
@@ -172,8 +172,9 @@ def _experts_removed(model, removed: dict[int, list[int]]):
 @pytest.mark.slow
 def test_trained_model_solves_every_domain_through_lm_eval(demo_world):
     model, tok = _load(demo_world)
-    scores = run_tasks(model, tok, demo_world.tasks_dir,
-                       list(demo_world.generative_tasks + demo_world.multiple_choice_tasks), limit=EVAL_LIMIT)
+    scores = run_tasks(
+        model, tok, demo_world.tasks_dir, list(demo_world.generative_tasks + demo_world.multiple_choice_tasks), limit=EVAL_LIMIT
+    )
     print("\nfull model lm-eval:", json.dumps(scores))
     # The world is trained single-threaded with deterministic kernels (the same weights on any core count
     # or load) and with margin: >= 0.95 exact match on every domain where it was built (benchmarks/
@@ -188,9 +189,11 @@ def test_trained_model_solves_every_domain_through_lm_eval(demo_world):
 @pytest.mark.slow
 def test_experts_specialise_by_domain(demo_world):
     model, tok = _load(demo_world)
-    hists = {d: routing_histograms(model, tok, [r["messages"] for r in read_jsonl(demo_world.data_file(d, "search"))])
-             for d in demo_world.domains}
-    pairs = [(a, b) for i, a in enumerate(demo_world.domains) for b in demo_world.domains[i + 1:]]
+    hists = {
+        d: routing_histograms(model, tok, [r["messages"] for r in read_jsonl(demo_world.data_file(d, "search"))])
+        for d in demo_world.domains
+    }
+    pairs = [(a, b) for i, a in enumerate(demo_world.domains) for b in demo_world.domains[i + 1 :]]
     tv = {f"{a}-{b}": float(total_variation(hists[a], hists[b]).mean()) for a, b in pairs}
     mean_tv = float(np.mean(list(tv.values())))
     print(f"\nrouting TV per domain pair (mean over layers): {json.dumps(tv)}; mean {mean_tv:.3f}")
@@ -207,8 +210,7 @@ def test_random_half_pruning_hurts_at_least_one_domain(demo_world):
     full = run_tasks(model, tok, demo_world.tasks_dir, tasks, limit=EVAL_LIMIT)
     rng = np.random.default_rng(0)
     n_exp = model.config.num_experts
-    removed = {layer: sorted(rng.permutation(n_exp)[: n_exp // 2].tolist())
-               for layer in range(model.config.num_hidden_layers)}
+    removed = {layer: sorted(rng.permutation(n_exp)[: n_exp // 2].tolist()) for layer in range(model.config.num_hidden_layers)}
     with _experts_removed(model, removed):
         pruned = run_tasks(model, tok, demo_world.tasks_dir, tasks, limit=EVAL_LIMIT)
     drops = {t: full[t] - pruned[t] for t in tasks}
@@ -259,8 +261,10 @@ def test_source_closure_follows_names_and_decorators(tmp_path):
     from evoesap.demo.world import source_closure
 
     module = tmp_path / "m.py"
-    base = ("import dataclasses\nLIMIT = 3\n\n@dataclasses.dataclass(frozen=True)\nclass Box:\n    n: int\n\n"
-            "def a(x):\n    return b(Box(x))\n\ndef b(box):\n    return min(box.n, LIMIT)\n\ndef c():\n    return 0\n")
+    base = (
+        "import dataclasses\nLIMIT = 3\n\n@dataclasses.dataclass(frozen=True)\nclass Box:\n    n: int\n\n"
+        "def a(x):\n    return b(Box(x))\n\ndef b(box):\n    return min(box.n, LIMIT)\n\ndef c():\n    return 0\n"
+    )
     module.write_text(base)
     closure = source_closure(module, "a")
     assert all(part in closure for part in ("def a", "def b", "class Box", "LIMIT = 3", "frozen=True"))
@@ -281,7 +285,7 @@ def test_the_deployment_mix_takes_every_domain_in_turn_and_only_their_samples(de
         mixed = read_jsonl(demo_world.data_file(MIX, split))
         assert sorted(map(json.dumps, mixed)) == sorted(json.dumps(r) for rows in by_domain.values() for r in rows)
         shortest = min(map(len, by_domain.values()))
-        for i, row in enumerate(mixed[:shortest * len(domains)]):  # while every domain has samples left: in turn
+        for i, row in enumerate(mixed[: shortest * len(domains)]):  # while every domain has samples left: in turn
             assert row == by_domain[domains[i % len(domains)]][i // len(domains)]
     with pytest.raises(ConfigError, match="'mix' with"):
         demo_world.data_file(MIX, "train")
@@ -294,9 +298,21 @@ def test_the_demo_example_config_is_the_demo_make_runs(tmp_path):
     from evoesap.pipeline.demo import demo_config
 
     root = Path("runs/demo/world")
-    world = DemoWorld(root=root, model_dir=root / "model", data_dir=root / "data", tasks_dir=root / "tasks",
-                      generative_tasks=(), multiple_choice_tasks=(), tag="", seed=0, profile="default", key="", info={})
+    world = DemoWorld(
+        root=root,
+        model_dir=root / "model",
+        data_dir=root / "data",
+        tasks_dir=root / "tasks",
+        generative_tasks=(),
+        multiple_choice_tasks=(),
+        tag="",
+        seed=0,
+        profile="default",
+        key="",
+        info={},
+    )
     made = demo_config(world, Path("runs/demo")).model_dump(exclude_none=True)
     example = yaml.safe_load((Path(__file__).parents[1] / "examples" / "demo.yaml").read_text())
-    assert {k: made[k] for k in example if k not in ("calibrate", "cache_logits", "search", "evaluate")} == \
-        {k: v for k, v in example.items() if k not in ("calibrate", "cache_logits", "search", "evaluate")}
+    assert {k: made[k] for k in example if k not in ("calibrate", "cache_logits", "search", "evaluate")} == {
+        k: v for k, v in example.items() if k not in ("calibrate", "cache_logits", "search", "evaluate")
+    }

@@ -29,14 +29,27 @@ DIGITS = 3
 def test_demo_full_uniform_and_searched_reap_50_report_equals_metrics_json(demo_world, tmp_path):
     model = str(demo_world.model_dir)
     scores = str(tmp_path / "scores")
-    run_calibrate(model, str(demo_world.data_file("code", "calibration")),
-                  CalibrateParams(samples=32, max_length=256, batch_size=16, device="cpu"), scores)
+    run_calibrate(
+        model,
+        str(demo_world.data_file("code", "calibration")),
+        CalibrateParams(samples=32, max_length=256, batch_size=16, device="cpu"),
+        scores,
+    )
     cache = str(tmp_path / "cache")
-    run_cache_logits(model, str(demo_world.data_file("math", "search")),
-                     CacheLogitsParams(samples=32, max_length=256, batch_size=16, dtype="float32", device="cpu"), cache)
+    run_cache_logits(
+        model,
+        str(demo_world.data_file("math", "search")),
+        CacheLogitsParams(samples=32, max_length=256, batch_size=16, dtype="float32", device="cpu"),
+        cache,
+    )
     search = str(tmp_path / "search")
-    run_search(model, scores, cache, SearchParams(criterion="reap", sparsity=SPARSITY, population=8, elites=2,
-                                                  generations=3, batch_size=16, device="cpu"), search)
+    run_search(
+        model,
+        scores,
+        cache,
+        SearchParams(criterion="reap", sparsity=SPARSITY, population=8, elites=2, generations=3, batch_size=16, device="cpu"),
+        search,
+    )
     found = artifacts.read_json(artifacts.join(search, "allocation.json"))
 
     checkpoints = {"full": model}
@@ -47,7 +60,9 @@ def test_demo_full_uniform_and_searched_reap_50_report_equals_metrics_json(demo_
     runs = {}
     for method, checkpoint in checkpoints.items():
         labels = {} if method == "full" else {"criterion": "reap", "sparsity": SPARSITY}
-        params = EvaluateParams(tasks=(str(demo_world.tasks_dir),), limit=LIMIT, batch_size=16, device="cpu", method=method, **labels)
+        params = EvaluateParams(
+            tasks=(str(demo_world.tasks_dir),), limit=LIMIT, batch_size=16, device="cpu", method=method, **labels
+        )
         runs[method] = str(tmp_path / f"eval-{method}")
         run_evaluate(checkpoint, params, runs[method])
     report = tmp_path / "report"
@@ -80,9 +95,13 @@ def test_demo_full_uniform_and_searched_reap_50_report_equals_metrics_json(demo_
         pruning = artifacts.read_json(str(Path(checkpoints[method]) / "pruning.json"))
         assert [16 - len(pruning["pruned"][str(layer)]) for layer in range(4)] == expected[method]
     assert run_allocations(list(by_method.values()), [])[(SPARSITY, "reap")] == {
-        "uniform": ([8, 8, 8, 8], full_counts), "searched": (searched_r, full_counts)}
+        "uniform": ([8, 8, 8, 8], full_counts),
+        "searched": (searched_r, full_counts),
+    }
     config = artifacts.read_json(str(demo_world.model_dir / "config.json"))
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     expert_bytes = (3 * hidden * inter + hidden) * 4  # gate, up and down projections and its router row, float32
     for method in ("uniform", "searched"):
-        assert by_method[method]["memory"]["parameter_bytes"] == by_method["full"]["memory"]["parameter_bytes"] - 32 * expert_bytes
+        assert (
+            by_method[method]["memory"]["parameter_bytes"] == by_method["full"]["memory"]["parameter_bytes"] - 32 * expert_bytes
+        )

@@ -36,8 +36,9 @@ def world(tmp_path_factory):
     files = make_tiny_inputs(root)
     inputs = {"model": files["model"], "scores": str(root / "scores"), "cache": str(root / "cache")}
     run_calibrate(files["model"], files["calibration"], CalibrateParams(samples=16, max_length=256), inputs["scores"])
-    run_cache_logits(files["model"], files["search"], CacheLogitsParams(samples=12, max_length=256, dtype="float32"),
-                     inputs["cache"])
+    run_cache_logits(
+        files["model"], files["search"], CacheLogitsParams(samples=12, max_length=256, dtype="float32"), inputs["cache"]
+    )
     return root, inputs
 
 
@@ -52,15 +53,38 @@ def _one_process(world, name: str, params: SearchParams) -> str:
 def _cli(world, out: str, params: SearchParams, *extra: str) -> subprocess.Popen:
     """`evoesap -q search ... --workers N` in a fresh process, one CPU thread per worker."""
     _, inputs = world
-    args = ["--model", inputs["model"], "--scores", inputs["scores"], "--cache", inputs["cache"], "--out", out,
-            "--workers", str(params.workers)]
-    for key in ("criterion", "sparsity", "population", "elites", "generations", "racing_schedule",
-                "racing_min_samples", "racing_min_positions"):
+    args = [
+        "--model",
+        inputs["model"],
+        "--scores",
+        inputs["scores"],
+        "--cache",
+        inputs["cache"],
+        "--out",
+        out,
+        "--workers",
+        str(params.workers),
+    ]
+    for key in (
+        "criterion",
+        "sparsity",
+        "population",
+        "elites",
+        "generations",
+        "racing_schedule",
+        "racing_min_samples",
+        "racing_min_positions",
+    ):
         args += [f"--{key.replace('_', '-')}", str(getattr(params, key))]
     args += ["--racing"] * params.racing + ([] if params.prefix_reuse else ["--no-prefix-reuse"])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "evoesap", "-q", "search", *args, *extra], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "evoesap", "-q", "search", *args, *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _documents(out: str) -> tuple[dict, pd.DataFrame]:
@@ -167,7 +191,8 @@ def test_assignment_keeps_owners_follows_the_nearest_parent_and_balances():
 
 @settings(max_examples=200, deadline=None)
 @given(
-    workers=st.integers(2, 8), data=st.data(),
+    workers=st.integers(2, 8),
+    data=st.data(),
     culprit_exit=st.sampled_from([-int(signal.SIGKILL), -int(signal.SIGSEGV), 1, 2]),
 )
 def test_the_failure_named_is_the_one_that_stopped_the_job_not_the_sigterms_it_caused(workers, data, culprit_exit):
@@ -175,8 +200,10 @@ def test_the_failure_named_is_the_one_that_stopped_the_job_not_the_sigterms_it_c
     culprit = data.draw(st.integers(0, workers - 1))
     stamps = data.draw(st.lists(st.integers(0, 2), min_size=workers, max_size=workers))
     stamps[culprit] = min(stamps)  # the culprit died first, possibly in the same second as the rest
-    failures = {rank: SimpleNamespace(exitcode=culprit_exit if rank == culprit else -int(signal.SIGTERM),
-                                      timestamp=stamps[rank]) for rank in range(workers)}
+    failures = {
+        rank: SimpleNamespace(exitcode=culprit_exit if rank == culprit else -int(signal.SIGTERM), timestamp=stamps[rank])
+        for rank in range(workers)
+    }
     assert root_failure(failures)[0] == culprit
     only_sigterms = {rank: SimpleNamespace(exitcode=-int(signal.SIGTERM), timestamp=stamps[rank]) for rank in range(workers)}
     earliest = min(stamps)

@@ -36,7 +36,7 @@ def write_tasks(root: Path) -> Path:
     (root / "gen.yaml").write_text(
         "task: arith_gen\n" + common + "output_type: generate_until\n"
         'doc_to_text: "q: {{q}} a:"\ndoc_to_target: "{{a}}"\n'
-        "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 3\n  do_sample: false\n"
+        'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 3\n  do_sample: false\n'
         "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
         "metadata:\n  version: 1.0\n"
     )
@@ -132,8 +132,16 @@ def test_run_evaluate_writes_metrics_json(tmp_path):
     model.save_pretrained(checkpoint)
     tokenizer.save_pretrained(checkpoint)
     tasks = write_tasks(tmp_path / "tasks")
-    params = EvaluateParams(tasks=(str(tasks),), limit=3, batch_size=2, model_dtype="float32", device="cpu",
-                            criterion="reap", sparsity=0.5, method="uniform")
+    params = EvaluateParams(
+        tasks=(str(tasks),),
+        limit=3,
+        batch_size=2,
+        model_dtype="float32",
+        device="cpu",
+        criterion="reap",
+        sparsity=0.5,
+        method="uniform",
+    )
     manifest = run_evaluate(str(checkpoint), params, str(tmp_path / "eval"))
     metrics = records.read(str(tmp_path / "eval"), records.METRICS_FILE)
     assert manifest.files["metrics.json"] == artifacts.sha256_file(tmp_path / "eval" / "metrics.json")
@@ -171,7 +179,9 @@ def test_pruned_parameter_bytes_are_full_minus_removed_experts_exactly():
     assert after["parameter_bytes"] == before["parameter_bytes"] - removed
     # float32 tiny models: the bf16 load size is exactly half of what they hold
     assert after["bf16_bytes"] * 2 == after["parameter_bytes"]
-    assert lmeval.expert_counts(pruned)["num_experts"] == [n - len(PRUNED[i]) for i, n in enumerate(moe.inspect(full).num_experts)]
+    assert lmeval.expert_counts(pruned)["num_experts"] == [
+        n - len(PRUNED[i]) for i, n in enumerate(moe.inspect(full).num_experts)
+    ]
 
 
 def test_heldout_esap_of_a_pruned_checkpoint_equals_masking_the_full_model(tmp_path):
@@ -183,8 +193,7 @@ def test_heldout_esap_of_a_pruned_checkpoint_equals_masking_the_full_model(tmp_p
     full = moe.tiny_model("olmoe", seed=2)
     gen = torch.Generator().manual_seed(0)
     samples = [
-        TokenizedSample(i, torch.randint(3, 256, (12,), generator=gen).tolist(), [False] * 5 + [True] * 7)
-        for i in range(4)
+        TokenizedSample(i, torch.randint(3, 256, (12,), generator=gen).tolist(), [False] * 5 + [True] * 7) for i in range(4)
     ]
     teacher.write_cache(full, samples, tmp_path / "cache", mode="full", dtype="float32", batch_size=2)
     masked_score = CandidateEvaluator(full, str(tmp_path / "cache")).score(PRUNED)
@@ -201,7 +210,9 @@ def test_evaluate_cli_reports_a_missing_task_directory_as_one_error(tmp_path, ca
     from evoesap import moe
 
     moe.tiny_model("olmoe").save_pretrained(tmp_path / "model")  # a checkpoint that passes its own checks
-    code = main(["evaluate", "--model", str(tmp_path / "model"), "--tasks", str(tmp_path / "missing"), "--out", str(tmp_path / "o")])
+    code = main(
+        ["evaluate", "--model", str(tmp_path / "model"), "--tasks", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]
+    )
     assert code == 1
     assert "does not exist" in capsys.readouterr().err
 
@@ -209,10 +220,13 @@ def test_evaluate_cli_reports_a_missing_task_directory_as_one_error(tmp_path, ca
 # ------------------------------------------------------------------ vLLM tensor / pipeline parallel (issue 23)
 
 
-@pytest.mark.parametrize(("settings", "problem"), [
-    ({"tensor_parallel": 2}, "not 'hf': pass backend vllm"),
-    ({"backend": "vllm", "pipeline_parallel": 0}, "pipeline_parallel must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    ("settings", "problem"),
+    [
+        ({"tensor_parallel": 2}, "not 'hf': pass backend vllm"),
+        ({"backend": "vllm", "pipeline_parallel": 0}, "pipeline_parallel must be a positive integer"),
+    ],
+)
 def test_parallel_settings_that_cannot_apply_are_refused(settings, problem):
     from evoesap.stages.evaluate import EvaluateParams
 
@@ -231,10 +245,14 @@ def test_a_split_over_more_gpus_than_the_machine_shows_is_refused_before_work(ti
         bounds.check_stage(EvaluateParams(backend="vllm", tensor_parallel=2, pipeline_parallel=2), tiny_artifacts["model"])
 
 
-@pytest.mark.parametrize(("tensor", "pipeline", "expected"), [
-    (1, 1, {}), (4, 1, {"tensor_parallel_size": 4, "pipeline_parallel_size": 1}),
-    (2, 3, {"tensor_parallel_size": 2, "pipeline_parallel_size": 3}),
-])
+@pytest.mark.parametrize(
+    ("tensor", "pipeline", "expected"),
+    [
+        (1, 1, {}),
+        (4, 1, {"tensor_parallel_size": 4, "pipeline_parallel_size": 1}),
+        (2, 3, {"tensor_parallel_size": 2, "pipeline_parallel_size": 3}),
+    ],
+)
 def test_vllm_engine_is_asked_for_the_split(tensor, pipeline, expected, tiny_artifacts, monkeypatch):
     from evoesap import lmeval, vllm_eval
 
@@ -248,16 +266,22 @@ def test_vllm_engine_is_asked_for_the_split(tensor, pipeline, expected, tiny_art
     monkeypatch.setattr(vllm_eval, "simple_evaluate", simple_evaluate)
     plan = lmeval.resolve_tasks((tiny_artifacts["tasks"],))
     with pytest.raises(StopIteration):
-        lmeval.run_lm_eval(tiny_artifacts["model"], None, plan, backend="vllm", tensor_parallel=tensor,
-                           pipeline_parallel=pipeline)
+        lmeval.run_lm_eval(
+            tiny_artifacts["model"], None, plan, backend="vllm", tensor_parallel=tensor, pipeline_parallel=pipeline
+        )
     assert {k: v for k, v in asked[0].items() if k.endswith("_parallel_size")} == expected
 
 
 def test_a_pipeline_gives_the_evaluate_task_the_gpus_its_split_spans(tmp_path):
     from evoesap.pipeline.config import load_config
 
-    base = {"model": "org/model", "calibration_data": "c.jsonl", "search_data": "s.jsonl",
-            "storage_root": str(tmp_path / "runs"), "evaluate": {"backend": "vllm", "tensor_parallel": 2}}
+    base = {
+        "model": "org/model",
+        "calibration_data": "c.jsonl",
+        "search_data": "s.jsonl",
+        "storage_root": str(tmp_path / "runs"),
+        "evaluate": {"backend": "vllm", "tensor_parallel": 2},
+    }
     with pytest.raises(ConfigError, match=r"evaluate: .* spans 2 GPUs but resources.evaluate.accelerator_count is 0"):
         load_config(base)
     gpus = {"evaluate": {"accelerator_type": "nvidia.com/gpu", "accelerator_count": 2}}

@@ -28,8 +28,16 @@ def _team_module():
 
 
 def test_the_examples_cover_the_demo_and_the_papers_models():
-    assert [p.stem for p in CONFIGS] == ["deepseek-v2-lite", "deepseek-v3", "demo-math", "demo", "mixtral-8x7b", "olmoe-1b-7b-instruct",
-                                         "qwen3-235b-a22b", "qwen3-30b-a3b"]
+    assert [p.stem for p in CONFIGS] == [
+        "deepseek-v2-lite",
+        "deepseek-v3",
+        "demo-math",
+        "demo",
+        "mixtral-8x7b",
+        "olmoe-1b-7b-instruct",
+        "qwen3-235b-a22b",
+        "qwen3-30b-a3b",
+    ]
 
 
 @pytest.mark.parametrize("name,fits", [("mixtral-8x7b", True), ("qwen3-235b-a22b", True), ("deepseek-v3", False)])
@@ -58,7 +66,9 @@ def test_the_scale_out_examples_plan_offline_from_their_shipped_config(name, fit
 def test_example_configuration_is_documented_and_compiles(path, tmp_path):
     text = path.read_text()
     assert len(re.findall(r"^# \S", text, flags=re.M)) >= 2, f"{path.name} needs a comment saying what it runs"
-    spec, *platform = yaml.safe_load_all(compile_pipeline(load_config(path), tmp_path / "spec.yaml").read_text())  # Kubernetes settings: a second document
+    spec, *platform = yaml.safe_load_all(
+        compile_pipeline(load_config(path), tmp_path / "spec.yaml").read_text()
+    )  # Kubernetes settings: a second document
     assert spec["pipelineInfo"]["name"] == yaml.safe_load(text)["name"]
 
 
@@ -104,11 +114,15 @@ def test_with_a_registry_set_every_compiled_image_lies_in_it(path, tmp_path):
 
 @pytest.mark.parametrize(
     ("settings", "message"),
-    [({"image": "evoesap/stage:0.1.0"}, "image 'evoesap/stage:0.1.0' is not fully qualified"),
-     ({"image": "registry.example.org/evoesap/stage"}, "not fully qualified"),
-     ({"registry": "registry.internal/ml", "image": "ghcr.io/x/stage:1"}, "is not in the registry 'registry.internal/ml'"),
-     ({"registry": "registry.internal/ml", "resources": {"prune": {"image": "docker.io/x/cpu:1"}}},
-      "resources.prune.image 'docker.io/x/cpu:1' is not in the registry")],
+    [
+        ({"image": "evoesap/stage:0.1.0"}, "image 'evoesap/stage:0.1.0' is not fully qualified"),
+        ({"image": "registry.example.org/evoesap/stage"}, "not fully qualified"),
+        ({"registry": "registry.internal/ml", "image": "ghcr.io/x/stage:1"}, "is not in the registry 'registry.internal/ml'"),
+        (
+            {"registry": "registry.internal/ml", "resources": {"prune": {"image": "docker.io/x/cpu:1"}}},
+            "resources.prune.image 'docker.io/x/cpu:1' is not in the registry",
+        ),
+    ],
 )
 def test_an_unqualified_or_foreign_image_is_refused(settings, message):
     base = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
@@ -120,7 +134,9 @@ def test_team_pipeline_compiles_with_evoesap_as_a_sub_pipeline(tmp_path):
     from kfp import compiler
 
     team = _team_module()
-    compiler.Compiler().compile(team.build_team_pipeline(load_config(ROOT / "examples" / "demo.yaml")), str(tmp_path / "team.yaml"))
+    compiler.Compiler().compile(
+        team.build_team_pipeline(load_config(ROOT / "examples" / "demo.yaml")), str(tmp_path / "team.yaml")
+    )
     spec = yaml.safe_load((tmp_path / "team.yaml").read_text())
     root = spec["root"]["dag"]["tasks"]
     assert set(root) == {"train", "evoesap-demo-stages", "publish"}

@@ -52,13 +52,22 @@ def rerun_cases(world: dict[str, str]) -> dict[str, tuple[str, dict, dict]]:
     """Per stage: (the earlier artifact, inputs, parameters that differ from it, so the stage really runs)."""
     return {
         "calibrate": ("scores", {"model": world["model"], "data": world["calibration"]}, {"samples": 6, "max_length": 128}),
-        "cache-logits": ("cache", {"model": world["model"], "data": world["search"]},
-                         {"samples": 4, "max_length": 128, "dtype": "float32"}),
-        "search": ("search_out", {"model": world["model"], "scores": world["scores"], "cache": world["cache"]},
-                   {"criterion": "reap", "sparsity": 0.5, "population": 4, "elites": 1, "generations": 1, "seed": 7}),
+        "cache-logits": (
+            "cache",
+            {"model": world["model"], "data": world["search"]},
+            {"samples": 4, "max_length": 128, "dtype": "float32"},
+        ),
+        "search": (
+            "search_out",
+            {"model": world["model"], "scores": world["scores"], "cache": world["cache"]},
+            {"criterion": "reap", "sparsity": 0.5, "population": 4, "elites": 1, "generations": 1, "seed": 7},
+        ),
         "prune": ("pruned", {"model": world["model"], "scores": world["scores"]}, {"criterion": "reap", "sparsity": 0.5}),
-        "evaluate": ("evaluated", {"model": world["pruned"]},
-                     {"tasks": [world["tasks"]], "limit": 1, "batch_size": 2, "device": "cpu", "max_length": 128}),
+        "evaluate": (
+            "evaluated",
+            {"model": world["pruned"]},
+            {"tasks": [world["tasks"]], "limit": 1, "batch_size": 2, "device": "cpu", "max_length": 128},
+        ),
         "report": ("report", {"runs": [world["evaluated"]]}, {"title": "after a kill"}),
     }
 
@@ -117,8 +126,22 @@ def test_disk_full_while_writing_leaves_nothing_and_keeps_the_earlier_artifact(t
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(pd.DataFrame, "to_parquet", full_disk)
-    code = main(["--quiet", "calibrate", "--model", tiny_artifacts["model"], "--data", tiny_artifacts["calibration"],
-                 "--samples", "6", "--max-length", "128", "--out", str(out)])
+    code = main(
+        [
+            "--quiet",
+            "calibrate",
+            "--model",
+            tiny_artifacts["model"],
+            "--data",
+            tiny_artifacts["calibration"],
+            "--samples",
+            "6",
+            "--max-length",
+            "128",
+            "--out",
+            str(out),
+        ]
+    )
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 1 and line.startswith("error: no space left on the device") and "nothing was published" in line
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -130,8 +153,12 @@ def test_orphans_are_removed_only_when_dead_and_older_than_the_run(tiny_artifact
 
     out = tmp_path / "scores"
     tmpdir = tmp_path / "tmp"
-    dead = [tmp_path / ".scores.partial-dead", tmp_path / ".scores.old-dead", tmpdir / "evoesap-calibrate-dead",
-            tmpdir / "evoesap-in-dead"]
+    dead = [
+        tmp_path / ".scores.partial-dead",
+        tmp_path / ".scores.old-dead",
+        tmpdir / "evoesap-calibrate-dead",
+        tmpdir / "evoesap-in-dead",
+    ]
     alive = tmp_path / ".scores.partial-alive"  # a concurrent run still holds its lock
     other_stage = tmpdir / "evoesap-search-dead"  # another stage's staging: its own runs clean it
     for path in (*dead, alive, other_stage):
@@ -256,26 +283,42 @@ def test_an_object_store_outage_during_publish_leaves_no_finished_artifact_and_a
     assert artifacts.verify(out, "cache-logits") == manifest
     assert not fs.exists(f"{bucket}/runs/cache/publishing.json")
     assert sorted(fs.find(f"{bucket}/runs/cache")) == sorted(
-        f"{bucket}/runs/cache/{rel}" for rel in [*manifest.files, artifacts.MANIFEST])
+        f"{bucket}/runs/cache/{rel}" for rel in [*manifest.files, artifacts.MANIFEST]
+    )
 
 
 def test_search_then_prune_against_s3_verify_every_payload(tiny_artifacts, s3):
     _, fs, bucket = s3
     root = f"s3://{bucket}/runs"
-    scores = steps.run_step("calibrate", root, {"model": tiny_artifacts["model"], "data": tiny_artifacts["calibration"]},
-                            {"samples": 8, "max_length": 128})
-    cache = steps.run_step("cache-logits", root, {"model": tiny_artifacts["model"], "data": tiny_artifacts["search"]},
-                           {"samples": 6, "max_length": 128, "dtype": "float32"})
+    scores = steps.run_step(
+        "calibrate",
+        root,
+        {"model": tiny_artifacts["model"], "data": tiny_artifacts["calibration"]},
+        {"samples": 8, "max_length": 128},
+    )
+    cache = steps.run_step(
+        "cache-logits",
+        root,
+        {"model": tiny_artifacts["model"], "data": tiny_artifacts["search"]},
+        {"samples": 6, "max_length": 128, "dtype": "float32"},
+    )
     params = {k: v for k, v in SEARCH.__dict__.items() if k in ("population", "elites", "generations", "batch_size")}
-    searched = steps.run_step("search", root, {"model": tiny_artifacts["model"], "scores": scores, "cache": cache},
-                              {**params, "criterion": "reap", "sparsity": 0.5})
+    searched = steps.run_step(
+        "search",
+        root,
+        {"model": tiny_artifacts["model"], "scores": scores, "cache": cache},
+        {**params, "criterion": "reap", "sparsity": 0.5},
+    )
     for uri, stage in ((scores, "calibrate"), (cache, "cache-logits"), (searched, "search")):
         assert artifacts.verify(uri, stage).stage == stage
     fs.pipe(f"{scores[5:]}/scores.parquet", b"PAR1 replaced")
     with pytest.raises(ArtifactError, match="scores.parquet does not match the sha256"):
-        steps.run_step("prune", root, {"model": tiny_artifacts["model"], "scores": scores, "allocation": searched},
-                       {"criterion": "reap", "sparsity": 0.5})
-
+        steps.run_step(
+            "prune",
+            root,
+            {"model": tiny_artifacts["model"], "scores": scores, "allocation": searched},
+            {"criterion": "reap", "sparsity": 0.5},
+        )
 
 
 def test_a_user_file_in_an_earlier_remote_artifact_is_never_removed_as_stale(tiny_artifacts, s3):

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 
-
 def _load():
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_search.py"
     spec = importlib.util.spec_from_file_location("gpu_search", path)
@@ -19,8 +18,9 @@ def _load():
 
 
 def test_gpu_search_runs_on_cpu_at_tiny_size(capsys):
-    timings = _load().main(["--tiny", "--device", "cpu", "--samples", "4", "--length", "32", "--children", "3",
-                            "--prefix-cache-gib", "0.01"])  # one torch thread: tests/conftest.py
+    timings = _load().main(
+        ["--tiny", "--device", "cpu", "--samples", "4", "--length", "32", "--children", "3", "--prefix-cache-gib", "0.01"]
+    )  # one torch thread: tests/conftest.py
     methods = {(t.shape, t.method) for t in timings}
     assert methods == {(s, m) for s in ("olmoe", "qwen3") for m in ("(a) reference", "(b) exact", "(c) prefix")}
     for t in timings:

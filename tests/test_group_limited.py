@@ -18,8 +18,16 @@ from evoesap.importance import CRITERIA, model_orders
 from moe_support import cached_model, tokens
 from tiny_world import make_tiny_inputs
 
-GROUPED = moe.LayerSpec(ordinal=0, decoder_index=0, num_experts=16, top_k=2, routing="sigmoid_group_topk",
-                        shared_experts=True, n_group=4, topk_group=2)
+GROUPED = moe.LayerSpec(
+    ordinal=0,
+    decoder_index=0,
+    num_experts=16,
+    top_k=2,
+    routing="sigmoid_group_topk",
+    shared_experts=True,
+    n_group=4,
+    topk_group=2,
+)
 
 
 @settings(max_examples=50, deadline=None)
@@ -66,11 +74,19 @@ def test_every_feasible_allocation_of_the_space_masks_like_removal():
     model = cached_model("deepseek_v3")
     spec = moe.inspect(model)
     rng = np.random.default_rng(0)
-    scores = pd.DataFrame([
-        {"layer": layer, "expert": e, "tokens": 1, "frequency": int(rng.integers(100)),
-         **{c: float(rng.random()) for c in CRITERIA if c != "frequency"}}
-        for layer in range(len(spec.layers)) for e in range(16)
-    ])
+    scores = pd.DataFrame(
+        [
+            {
+                "layer": layer,
+                "expert": e,
+                "tokens": 1,
+                "frequency": int(rng.integers(100)),
+                **{c: float(rng.random()) for c in CRITERIA if c != "frequency"},
+            }
+            for layer in range(len(spec.layers))
+            for e in range(16)
+        ]
+    )
     orders = model_orders(scores, "reap", spec)
     space = moe.pruning_space(spec)
     budget = alloc.budget(0.25, space.num_experts, space.min_kept, space.granularity)
@@ -98,8 +114,13 @@ def test_search_and_prune_stages_run_on_group_limited_routing(tmp_path):
     run_calibrate(files["model"], files["calibration"], CalibrateParams(samples=8, max_length=256), scores)
     run_cache_logits(files["model"], files["search"], CacheLogitsParams(samples=8, max_length=256, dtype="float32"), cache)
     searched = str(tmp_path / "search")
-    run_search(files["model"], scores, cache, SearchParams(criterion="reap", sparsity=0.25, population=6, elites=2,
-                                                           generations=2, heldout_fraction=0.25), searched)
+    run_search(
+        files["model"],
+        scores,
+        cache,
+        SearchParams(criterion="reap", sparsity=0.25, population=6, elites=2, generations=2, heldout_fraction=0.25),
+        searched,
+    )
     document = artifacts.read_json(artifacts.join(searched, "allocation.json"))
     assert document["granularity"] == 4 and document["min_kept"] == [8, 8, 8]
     assert all(count % 4 == 0 for count in document["removal_counts"])

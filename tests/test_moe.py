@@ -149,9 +149,7 @@ def test_masked_equals_removed_saved_and_reloaded_for_each_family(family, tmp_pa
     assert not list(tmp_path.glob("*.bin"))
     reloaded = moe.load_pruned(str(tmp_path))
     assert type(reloaded) is type(model)
-    assert moe.inspect(reloaded).num_experts == tuple(
-        n - len(pruned[i]) for i, n in enumerate(spec.num_experts)
-    )
+    assert moe.inspect(reloaded).num_experts == tuple(n - len(pruned[i]) for i, n in enumerate(spec.num_experts))
 
     for implementation in ("eager", "grouped_mm", "batched_mm"):
         model.set_experts_implementation(implementation)
@@ -318,9 +316,7 @@ def test_saving_an_unsupported_model_writes_nothing(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"trust_remote_code": True}, {"ignore_mismatched_sizes": True}, {"use_safetensors": False}]
-)
+@pytest.mark.parametrize("kwargs", [{"trust_remote_code": True}, {"ignore_mismatched_sizes": True}, {"use_safetensors": False}])
 def test_load_pruned_refuses_options_that_would_load_something_else(kwargs, tmp_path):
     with pytest.raises(ConfigError):
         moe.load_pruned(str(tmp_path), **kwargs)
@@ -392,9 +388,7 @@ def even_group_removal(draw):
     pruned = {}
     for ordinal in range(3):
         per_group = draw(st.integers(0, 2))  # keep >= 2 per group: groups are scored by their best two
-        pruned[ordinal] = [
-            4 * group + e for group in range(4) for e in draw(st.permutations(range(4)))[:per_group]
-        ]
+        pruned[ordinal] = [4 * group + e for group in range(4) for e in draw(st.permutations(range(4)))[:per_group]]
     return pruned
 
 

@@ -95,18 +95,22 @@ def checkpoints(tmp_path_factory) -> dict:
         with torch.no_grad():
             want[case] = {
                 "logits": reference(x).logits,
-                "generated": reference.generate(
-                    x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False
-                ),
+                "generated": reference.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False),
             }
         paths.update({f"{case}/surgery": str(surgery), f"{case}/streamed": str(streamed)})
         resave[f"{case}/surgery"] = str(root / case / "resaved")
-    jobs = {"input_ids": str(root / "input_ids.pt"), "checkpoints": paths, "resave": resave,
-            "new_tokens": NEW_TOKENS, "out": str(root / "remote.pt")}
+    jobs = {
+        "input_ids": str(root / "input_ids.pt"),
+        "checkpoints": paths,
+        "resave": resave,
+        "new_tokens": NEW_TOKENS,
+        "out": str(root / "remote.pt"),
+    }
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env.update(HF_HOME=str(root / "hf-home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-I", "-c", LOADER, json.dumps(jobs)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", LOADER, json.dumps(jobs)], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return {"want": want, "got": torch.load(root / "remote.pt"), "root": root, "x": x}
 
@@ -180,8 +184,13 @@ def test_prune_stage_lists_the_modeling_file_in_its_manifest(tmp_path):
     files = make_tiny_inputs(tmp_path)  # OLMoE: 4 MoE layers of 8 experts, top-2; 25% is 8 experts
     scores, search, out = (str(tmp_path / name) for name in ("scores", "search", "pruned"))
     run_calibrate(files["model"], files["calibration"], CalibrateParams(samples=4, max_length=128), scores)
-    allocation = {"criterion": "reap", "sparsity": 0.25, "granularity": 1, "removal_counts": [4, 2, 2, 0],
-                  "pruned": {"0": [0, 1, 2, 3], "1": [4, 5], "2": [6, 7], "3": []}}
+    allocation = {
+        "criterion": "reap",
+        "sparsity": 0.25,
+        "granularity": 1,
+        "removal_counts": [4, 2, 2, 0],
+        "pruned": {"0": [0, 1, 2, 3], "1": [4, 5], "2": [6, 7], "3": []},
+    }
     with artifacts.stage_output(search, "search", {}, {"model": files["model"]}) as staging:
         (staging / "allocation.json").write_text(json.dumps(allocation))
     manifest = run_prune(files["model"], scores, PruneParams(criterion="reap", sparsity=0.25), out, allocation=search)

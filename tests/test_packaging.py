@@ -80,11 +80,20 @@ def test_no_module_is_loaded_under_two_names():
     import evoesap
 
     assert list(evoesap.__path__) == [str(ROOT / "evoesap")]
-    for path in [*ROOT.glob("evoesap/**/*.py"), *ROOT.glob("components/*.py"), *ROOT.glob("pipeline/*.py"),
-                 *ROOT.glob("tests/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("examples/*.py")]:
+    for path in [
+        *ROOT.glob("evoesap/**/*.py"),
+        *ROOT.glob("components/*.py"),
+        *ROOT.glob("pipeline/*.py"),
+        *ROOT.glob("tests/*.py"),
+        *ROOT.glob("benchmarks/*.py"),
+        *ROOT.glob("examples/*.py"),
+    ]:
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            )
             assert not [n for n in names if n.split(".")[0] in ("pipeline", "components")], (path, names)
 
 

@@ -108,7 +108,10 @@ def _same_task(evaluation: dict, metrics: dict, pipeline_root: Path) -> bool:
     for path in pipeline_root.rglob("executor_output.json"):
         outputs = json.loads(path.read_text()).get("artifacts", {})
         if {"evaluation", "metrics"} <= set(outputs):
-            if outputs["evaluation"]["artifacts"][0]["uri"] == evaluation["uri"] and outputs["metrics"]["artifacts"][0]["uri"] == metrics["uri"]:
+            if (
+                outputs["evaluation"]["artifacts"][0]["uri"] == evaluation["uri"]
+                and outputs["metrics"]["artifacts"][0]["uri"] == metrics["uri"]
+            ):
                 return True
     return False
 
@@ -151,9 +154,13 @@ def test_local_run_records_typed_artifacts_whose_metadata_matches_the_manifests(
 
 def test_new_sparsity_reuses_calibration_and_teacher_cache(first_run, files):
     storage = first_run["storage"]
-    before = {p: artifacts.read_manifest(str(p)).started for p in _artifacts(storage, "calibrate") + _artifacts(storage, "cache-logits")}
+    before = {
+        p: artifacts.read_manifest(str(p)).started for p in _artifacts(storage, "calibrate") + _artifacts(storage, "cache-logits")
+    }
     run_local(load_config(_config(files, storage, sparsities=[0.25])))
-    after = {p: artifacts.read_manifest(str(p)).started for p in _artifacts(storage, "calibrate") + _artifacts(storage, "cache-logits")}
+    after = {
+        p: artifacts.read_manifest(str(p)).started for p in _artifacts(storage, "calibrate") + _artifacts(storage, "cache-logits")
+    }
     assert after == before  # calibration and teacher caching ran zero times
     assert len(_artifacts(storage, "search")) == 2  # the new sparsity was searched
 
@@ -187,7 +194,9 @@ def s3_bucket(monkeypatch):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen([str(moto_server), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [str(moto_server), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     endpoint = f"http://127.0.0.1:{port}"
     try:
         for _ in range(100):
@@ -231,7 +240,12 @@ def test_calibrate_to_prune_chain_against_s3(files, s3_bucket):
     point = {"criterion": "reap", "sparsity": 0.5}
     searched = run_step("search", root, {"model": model, "scores": scores, "cache": cache}, {**SEARCH, **point})
     pruned = run_step("prune", root, {"model": model, "scores": scores, "allocation": searched}, point)
-    for uri, payload in ((scores, "scores.parquet"), (cache, "cache.json"), (searched, "allocation.json"), (pruned, "config.json")):
+    for uri, payload in (
+        (scores, "scores.parquet"),
+        (cache, "cache.json"),
+        (searched, "allocation.json"),
+        (pruned, "config.json"),
+    ):
         assert uri.startswith(f"{s3_bucket}/runs/")
         manifest = artifacts.read_manifest(uri)
         assert payload in manifest.files

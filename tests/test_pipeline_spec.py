@@ -62,7 +62,14 @@ def test_compiled_spec_imports_the_model_and_runs_the_dag_as_a_sub_pipeline(spec
     assert sorted(root) == ["evoesap-stages", "importer"]
     assert root["evoesap-stages"]["inputs"]["artifacts"]["model"]["taskOutputArtifact"]["producerTask"] == "importer"
     stages = _dag(spec, "comp-evoesap-stages")
-    assert sorted(_stage(t) for t in stages.values()) == ["cache-logits", "cache-logits", "calibrate", "evaluate", "for-loop", "report"]
+    assert sorted(_stage(t) for t in stages.values()) == [
+        "cache-logits",
+        "cache-logits",
+        "calibrate",
+        "evaluate",
+        "for-loop",
+        "report",
+    ]
     loop_name = next(n for n, t in stages.items() if _stage(t) == "for-loop")
     loop = stages[loop_name]
     assert set(loop["dependentTasks"]) == {"calibrate", "cache-logits", "cache-logits-2"}
@@ -221,21 +228,34 @@ def test_parallelism_bounds_the_fan_out_in_the_compiled_iterator_policy(tmp_path
 
 @pytest.mark.parametrize(
     ("sparsity", "why"),
-    [(0.5, r"budget 4 admits a single allocation \(2, 2\): there is nothing to search"),
-     (0.75, r"budget 6 is above sum\(n - k\) = 4")],
+    [
+        (0.5, r"budget 4 admits a single allocation \(2, 2\): there is nothing to search"),
+        (0.75, r"budget 6 is above sum\(n - k\) = 4"),
+    ],
 )
 def test_an_infeasible_sparsity_is_refused_at_compile_in_one_line(tmp_path, capsys, sparsity, why):
     from evoesap.cli import main
 
     model = quick_world_config(tmp_path / "quick")
     config = tmp_path / "pipeline.yaml"
-    config.write_text(yaml.safe_dump({**_config().model_dump(include={"calibration_data", "search_data", "storage_root"}),
-                                      "model": str(model), "criteria": ["reap"], "sparsities": [0.25, sparsity]}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                **_config().model_dump(include={"calibration_data", "search_data", "storage_root"}),
+                "model": str(model),
+                "criteria": ["reap"],
+                "sparsities": [0.25, sparsity],
+            }
+        )
+    )
     out = tmp_path / "spec.yaml"
     assert main(["pipeline", "compile", str(config), "-o", str(out)]) == 1
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert re.match(rf"error: criterion reap at sparsity {sparsity} cannot be searched on {model} .*{why}.*"
-                    r"remove it from sparsities$", line), line
+    assert re.match(
+        rf"error: criterion reap at sparsity {sparsity} cannot be searched on {model} .*{why}.*"
+        r"remove it from sparsities$",
+        line,
+    ), line
     assert not out.exists()
 
 

@@ -24,7 +24,8 @@ def test_model_bytes_from_headers_and_from_config_alone_equal_the_loaded_model(t
     assert footprint.model_shape(str(tmp_path / "config-only")).bytes == want
     assert footprint.model_shape(str(tmp_path / "full"), "bfloat16").bytes == want // 2
     assert footprint.model_shape(str(tmp_path / "full")).expert_bytes == sum(
-        n * b for n, b in zip(moe.inspect(model).num_experts, moe.expert_bytes(model)))
+        n * b for n, b in zip(moe.inspect(model).num_experts, moe.expert_bytes(model))
+    )
 
 
 def test_pruned_checkpoint_bytes_come_from_its_files(tmp_path):
@@ -99,8 +100,9 @@ def test_a_stage_that_would_not_fit_is_refused_before_any_work(tmp_path, monkeyp
     data.write_text('{"text": "two words"}\n' * 2)
     monkeypatch.setattr(footprint, "local_machine", lambda device="auto": footprint.Machine(host=1 << 20))
     with pytest.raises(ResourceError, match="calibrate needs .* available: change calibrate.batch_size"):
-        run_stage("calibrate", {"model": str(tmp_path / "model"), "data": str(data)}, CalibrateParams(samples=2),
-                  str(tmp_path / "out"))
+        run_stage(
+            "calibrate", {"model": str(tmp_path / "model"), "data": str(data)}, CalibrateParams(samples=2), str(tmp_path / "out")
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -128,12 +130,20 @@ def _cache_logits_case(tmp_path):
     def search_host(mode: str) -> int:
         # without the prefix cache, which takes half of whatever the rest leaves and so never tips the balance
         params_by_stage = {"cache-logits": dataclasses.replace(params, mode=mode), "search": SearchParams(prefix_reuse=False)}
-        return footprint.plan_stages(shape, footprint.Machine(1 << 50), footprint.Data(0, rows), params_by_stage, only="search")[0].host
+        return footprint.plan_stages(shape, footprint.Machine(1 << 50), footprint.Data(0, rows), params_by_stage, only="search")[
+            0
+        ].host
 
     full, topk = search_host("full"), search_host("topk")
     # the two searches differ by the two caches' sizes, as cache_bytes gives them
-    assert full - topk == rows * ((shape.vocab - 8) * 2 - 8 * 4 - 4) == (
-        footprint.cache_bytes(rows, shape.vocab, "full", 8, "float16") - footprint.cache_bytes(rows, shape.vocab, "topk", 8, "float16"))
+    assert (
+        full - topk
+        == rows * ((shape.vocab - 8) * 2 - 8 * 4 - 4)
+        == (
+            footprint.cache_bytes(rows, shape.vocab, "full", 8, "float16")
+            - footprint.cache_bytes(rows, shape.vocab, "topk", 8, "float16")
+        )
+    )
     # refusals leave out the checkpoint's expert pages that stay mapped after loading (the kernel drops them)
     between = (full + topk) // 2 - shape.expert_bytes
     return files, params, footprint.Machine(host=between), footprint.Machine(host=2 * full)
@@ -165,8 +175,12 @@ def test_an_explicit_full_cache_that_no_search_here_could_hold_is_refused_naming
     files, params, small, _ = _cache_logits_case(tmp_path)
     monkeypatch.setattr(footprint, "local_machine", lambda device="auto": small)
     with pytest.raises(ResourceError, match="cache_logits.mode is full, but search needs .*cache_logits.mode: topk"):
-        run_stage("cache-logits", {"model": files["model"], "data": files["search"]},
-                  dataclasses.replace(params, mode="full"), str(tmp_path / "out"))
+        run_stage(
+            "cache-logits",
+            {"model": files["model"], "data": files["search"]},
+            dataclasses.replace(params, mode="full"),
+            str(tmp_path / "out"),
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -178,7 +192,9 @@ def test_default_cache_mode_keeps_the_full_cache_within_half_of_the_search_memor
     data = footprint.Data(0, 64 * 4096)
     full = footprint.cache_bytes(data.cache_rows, shape.vocab, "full", 64, "float16")
     for device, want in ((2 * full, "full"), (2 * full - 1, "topk")):
-        mode, why = footprint.default_cache_mode(shape, footprint.Machine(1 << 50, device, 1), data, CacheLogitsParams(), SearchParams())
+        mode, why = footprint.default_cache_mode(
+            shape, footprint.Machine(1 << 50, device, 1), data, CacheLogitsParams(), SearchParams()
+        )
         assert mode == want, why
 
 
@@ -194,11 +210,17 @@ def test_cpu_host_plan_is_runtime_model_restacked_experts_dense_copies_one_layer
     attention = sum(p.numel() * 2 for n, p in model.named_parameters() if ".self_attn." in n and n.endswith("_proj.weight"))
     assert shape.dense_linear_bytes == attention  # OLMoE: q, k, v, o; the router is no nn.Linear, the head is left out
     settings = {"samples": 4, "max_length": 32, "batch_size": 2}
-    params = {"calibrate": make_params("calibrate", settings), "cache-logits": make_params("cache-logits", {**settings, "mode": "full"}),
-              "search": make_params("search", {"batch_size": 2}), "prune": make_params("prune", {"sparsity": 0.5}),
-              "evaluate": make_params("evaluate", {})}
+    params = {
+        "calibrate": make_params("calibrate", settings),
+        "cache-logits": make_params("cache-logits", {**settings, "mode": "full"}),
+        "search": make_params("search", {"batch_size": 2}),
+        "prune": make_params("prune", {"sparsity": 0.5}),
+        "evaluate": make_params("evaluate", {}),
+    }
     rows = 100
-    host = {p.stage: p.host for p in footprint.plan_stages(shape, footprint.Machine(1 << 50), footprint.Data(4 * 32, rows), params)}
+    host = {
+        p.stage: p.host for p in footprint.plan_stages(shape, footprint.Machine(1 << 50), footprint.Data(4 * 32, rows), params)
+    }
     base = footprint.RUNTIME_BYTES + moe.parameter_bytes(model) + shape.expert_bytes + attention
     layer = 64 * 2 * (8 * cfg.hidden_size + 3 * cfg.num_experts_per_tok * cfg.intermediate_size)  # 2 x 32 tokens, bf16
     assert host["calibrate"] == base + layer
@@ -222,12 +244,20 @@ def test_gpu_search_plan_counts_the_automatic_prefix_cache_as_half_of_what_the_r
     cache_p = make_params("cache-logits", {"samples": 4, "max_length": 32, "mode": "topk", "top_k": 8})
     rows = 100
     layer = 4 * 32 * 4 * (2 * 8 * cfg.hidden_size + 3 * cfg.num_experts_per_tok * cfg.intermediate_size)  # batch 4 x 32
-    rest = (footprint.CUDA_CONTEXT_BYTES + moe.parameter_bytes(model) + layer + HEAD_CHUNK_BYTES["gpu"] * HEAD_TEMPORARIES
-            + footprint.cache_bytes(rows, shape.vocab, "topk", 8, "float16"))
+    rest = (
+        footprint.CUDA_CONTEXT_BYTES
+        + moe.parameter_bytes(model)
+        + layer
+        + HEAD_CHUNK_BYTES["gpu"] * HEAD_TEMPORARIES
+        + footprint.cache_bytes(rows, shape.vocab, "topk", 8, "float16")
+    )
 
     def device(machine=gpu, **search) -> int:
-        params = {"cache-logits": cache_p, "search": make_params("search", {"batch_size": 4, **search}),
-                  "prune": make_params("prune", {"sparsity": 0.5})}
+        params = {
+            "cache-logits": cache_p,
+            "search": make_params("search", {"batch_size": 4, **search}),
+            "prune": make_params("prune", {"sparsity": 0.5}),
+        }
         return footprint.plan_stages(shape, machine, footprint.Data(0, rows), params, only="search")[0].device
 
     assert device(prefix_reuse=False) == rest

@@ -47,8 +47,15 @@ def world(tiny_artifacts, tmp_path_factory) -> dict[str, str]:
 
 
 def _publish(world: dict[str, str], out: Path, params: PublishParams = PublishParams(), **extra: Any) -> str:
-    run_publish(world["pruned"], [world["evaluated"], world["evaluated_full"]], params, str(out),
-                search=world["search_out"], report=world["report"], **extra)
+    run_publish(
+        world["pruned"],
+        [world["evaluated"], world["evaluated_full"]],
+        params,
+        str(out),
+        search=world["search_out"],
+        report=world["report"],
+        **extra,
+    )
     return (out / "README.md").read_text()
 
 
@@ -63,7 +70,7 @@ def _table(body: str, header_start: str) -> list[list[str]]:
     lines = body.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header_start}"))
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         rows.append([c.strip().replace("\\", "").strip("`") for c in re.split(r"(?<!\\)\|", line)[1:-1]])
@@ -98,15 +105,25 @@ def test_card_metadata_is_the_hubs_and_every_number_comes_from_an_artifact(world
 
     experts = _table(body, "MoE layer")
     assert [[int(c) for c in row] for row in experts] == [
-        [i, pruned_eval["experts"]["decoder_index"][i], full_eval["experts"]["num_experts"][i], kept,
-         pruning["removal_counts"][i], pruned_eval["experts"]["top_k"][i]]
+        [
+            i,
+            pruned_eval["experts"]["decoder_index"][i],
+            full_eval["experts"]["num_experts"][i],
+            kept,
+            pruning["removal_counts"][i],
+            pruned_eval["experts"]["top_k"][i],
+        ]
         for i, kept in enumerate(pruning["num_experts"])
     ]
     evaluation = _table(body, "Task")
     primary = [r for r in pruned_eval["records"] if r["primary"]]
     assert [row[:2] for row in evaluation] == [[r["task"], r["metric"]] for r in primary]
     for row, rec in zip(evaluation, primary):
-        base = next(r for r in full_eval["records"] if (r["task"], r["metric"], r["filter"]) == (rec["task"], rec["metric"], rec["filter"]))
+        base = next(
+            r
+            for r in full_eval["records"]
+            if (r["task"], r["metric"], r["filter"]) == (rec["task"], rec["metric"], rec["filter"])
+        )
         for cell, source in ((row[2], base), (row[3], rec)):
             value, stderr = (float(x) for x in cell.split("±"))
             assert abs(value - source["value"]) <= 5e-4 and abs(stderr - source["stderr"]) <= 5e-4
@@ -132,8 +149,19 @@ def test_card_metadata_is_the_hubs_and_every_number_comes_from_an_artifact(world
 
 def test_evaluation_table_puts_each_models_value_and_stderr_in_its_column():
     def metrics(value: float, stderr: float | None) -> dict[str, Any]:
-        return {"records": [{"task": "gsm8k", "metric": "exact_match", "filter": "strict", "value": value,
-                             "stderr": stderr, "samples": 1319, "primary": True}]}
+        return {
+            "records": [
+                {
+                    "task": "gsm8k",
+                    "metric": "exact_match",
+                    "filter": "strict",
+                    "value": value,
+                    "stderr": stderr,
+                    "samples": 1319,
+                    "primary": True,
+                }
+            ]
+        }
 
     table = card.evaluation_table(metrics(0.3125, 0.0125), metrics(0.5, 0.0138), digits=3)
     assert [c.text for c in table.rows[0]] == ["gsm8k", "exact_match", "0.500 ± 0.014", "0.312 ± 0.013", "-0.188", "1319"]
@@ -148,8 +176,7 @@ def test_license_and_base_model_are_carried_and_a_contradiction_is_refused(world
     assert meta["license"] == "apache-2.0" and meta["base_model"] == BASE
     assert "the full model was not evaluated" in body
     with pytest.raises(ConfigError, match="contradicts the base model's card"):
-        run_publish(world["licensed_pruned"], [world["licensed_evaluated"]], PublishParams(license="mit"),
-                    str(tmp_path / "b"))
+        run_publish(world["licensed_pruned"], [world["licensed_evaluated"]], PublishParams(license="mit"), str(tmp_path / "b"))
     assert not (tmp_path / "b").exists()
 
 
@@ -160,7 +187,7 @@ def test_a_push_to_an_fsspec_target_round_trips_byte_identical_files(world, tmp_
     _publish(world, out, PublishParams(to=to))
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     fs, root = artifacts.split(to)
-    assert files == sorted(p[len(root.rstrip("/")) + 1:] for p in fs.find(root))  # no publishing.json left
+    assert files == sorted(p[len(root.rstrip("/")) + 1 :] for p in fs.find(root))  # no publishing.json left
     assert all((out / f).read_bytes() == artifacts.read_bytes(artifacts.join(to, f)) for f in files)
     manifest = artifacts.verify(to, "publish")  # a finished artifact there, every sha256 checked
     prune_files = artifacts.read_manifest(world["pruned"]).files
@@ -214,15 +241,19 @@ class HubRecorder(BaseHTTPRequestHandler):
         elif path == "/api/validate-yaml":
             self._reply({})
         elif "/preupload/" in path:
-            self._reply({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                                   for f in body["files"]]})
+            self._reply({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in body["files"]]})
         elif self.fail_commit:
             self._reply({"error": "You don't have the rights to push to this repository"}, 403)
         else:
             files = {op["value"]["path"]: base64.b64decode(op["value"]["content"]) for op in body if op["key"] == "file"}
             self.repos[self._repo()].update(files)
-            self._reply({"commitUrl": f"http://{self.headers['Host']}/{self._repo()}/commit/{'a' * 40}",
-                         "commitOid": "a" * 40, "pullRequestUrl": None})
+            self._reply(
+                {
+                    "commitUrl": f"http://{self.headers['Host']}/{self._repo()}/commit/{'a' * 40}",
+                    "commitOid": "a" * 40,
+                    "pullRequestUrl": None,
+                }
+            )
 
     def log_message(self, *args):
         pass
@@ -242,8 +273,22 @@ def hub(monkeypatch) -> Iterator[str]:
 
 
 def _cli(world: dict[str, str], out: Path, *options: str) -> int:
-    return main(["publish", "--pruned", world["pruned"], "--evaluations", world["evaluated"], "--evaluations",
-                 world["evaluated_full"], "--search", world["search_out"], "--out", str(out), *options])
+    return main(
+        [
+            "publish",
+            "--pruned",
+            world["pruned"],
+            "--evaluations",
+            world["evaluated"],
+            "--evaluations",
+            world["evaluated_full"],
+            "--search",
+            world["search_out"],
+            "--out",
+            str(out),
+            *options,
+        ]
+    )
 
 
 def test_a_hub_push_makes_one_commit_of_every_file_and_the_token_is_nowhere(world, hub, tmp_path, capsys, caplog):
@@ -299,14 +344,17 @@ def test_a_hub_push_without_a_token_is_refused_before_any_work(world, hub, tmp_p
     assert HubRecorder.requests == [] and not out.exists()
 
 
-@pytest.mark.parametrize("case,message", [
-    ("missing prune", "does not exist"),
-    ("evaluation of another model", "neither the pruned model"),
-    ("no evaluation of the pruned model", "no evaluation of the pruned model"),
-    ("a prune artifact as evaluation", "is a 'prune' artifact, not 'evaluate'"),
-    ("a report without the pruned model", "does not cover the pruned model's evaluation"),
-    ("to is out", "give another place to push to"),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("missing prune", "does not exist"),
+        ("evaluation of another model", "neither the pruned model"),
+        ("no evaluation of the pruned model", "no evaluation of the pruned model"),
+        ("a prune artifact as evaluation", "is a 'prune' artifact, not 'evaluate'"),
+        ("a report without the pruned model", "does not cover the pruned model's evaluation"),
+        ("to is out", "give another place to push to"),
+    ],
+)
 def test_bad_inputs_are_refused_in_one_line_before_any_work(world, tmp_path, capsys, case, message):
     out = tmp_path / "published"
     pruned, evaluations, extra = world["pruned"], [world["evaluated"]], []

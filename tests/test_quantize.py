@@ -111,7 +111,8 @@ def test_quantized_nonuniform_model_loads_in_transformers_and_stays_close(world,
     assert not any(info.values()), info
     assert type(opt_in).__name__ == json.loads((Path(out) / "config.json").read_text())["architectures"][0]
     assert [layer.num_experts for layer in moe.inspect(ours).layers] == [
-        layer.num_experts for layer in moe.inspect(reference).layers]
+        layer.num_experts for layer in moe.inspect(reference).layers
+    ]
     x = tokens()
     with torch.no_grad():
         full, mine, theirs = reference(x).logits, ours(x).logits, opt_in.eval()(x).logits
@@ -143,8 +144,9 @@ def test_quantize_without_its_environment_says_how_to_build_it(world, tmp_path, 
 def test_a_failed_oneshot_is_one_line_and_publishes_nothing(world, tmp_path):
     # llm-compressor 0.14's AWQ needs an accelerator: on a CPU it fails inside the worker
     with pytest.raises(EvoESAPError, match=r"^llm-compressor oneshot failed \(exit 1\): \S.*") as failed:
-        run_quantize(world["olmoe-uniform"], QuantizeParams(recipe="w4a16-awq", **CALIBRATION), str(tmp_path / "q"),
-                     data=world["data"])
+        run_quantize(
+            world["olmoe-uniform"], QuantizeParams(recipe="w4a16-awq", **CALIBRATION), str(tmp_path / "q"), data=world["data"]
+        )
     assert "\n" not in str(failed.value)
     assert not list(tmp_path.iterdir())  # neither the artifact nor its staging directory
 

@@ -48,8 +48,9 @@ def test_elites_and_best_are_ranked_on_full_set_scores_only():
         full_calls.append(r)
         return FULL(r)
 
-    result = search.level_switch_search(full, N, K, BUDGET, generations=6, population=12, elites=3,
-                                        racing=SCHEDULE, subset_fitness=noisy)
+    result = search.level_switch_search(
+        full, N, K, BUDGET, generations=6, population=12, elites=3, racing=SCHEDULE, subset_fitness=noisy
+    )
     full_set = {h.allocation for h in result.history if h.level is None}
     assert full_set == set(full_calls)
     for gen in range(7):
@@ -92,8 +93,7 @@ def test_a_killed_racing_search_resumes_to_the_uninterrupted_result(tmp_path):
     resumed = run(checkpoint=uri, resume=True)
     assert resumed == uninterrupted
     with pytest.raises(ConfigError, match="racing"):
-        search.level_switch_search(FULL, N, K, BUDGET, generations=6, population=12, elites=3, checkpoint=uri,
-                                   resume=True)
+        search.level_switch_search(FULL, N, K, BUDGET, generations=6, population=12, elites=3, checkpoint=uri, resume=True)
 
 
 def test_racing_off_leaves_the_search_untouched():
@@ -102,19 +102,29 @@ def test_racing_off_leaves_the_search_untouched():
     assert len(plain.history) == 5 * 10
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(racing=SCHEDULE), "both"),
-    (dict(subset_fitness=noisy), "both"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(racing=SCHEDULE), "both"),
+        (dict(subset_fitness=noisy), "both"),
+    ],
+)
 def test_racing_needs_its_schedule_and_its_subset_fitness(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         search.level_switch_search(FULL, N, K, BUDGET, generations=2, population=6, elites=2, **kwargs)
 
 
-@pytest.mark.parametrize("fractions, advance, minimums", [
-    ((0.5, 0.25), 0.25, {}), ((0.5, 1.0), 0.25, {}), ((), 0.25, {}), ((0.5,), 0.0, {}),
-    ((0.5,), 0.25, {"min_samples": 0}), ((0.5,), 0.25, {"min_positions": -1}),
-])
+@pytest.mark.parametrize(
+    "fractions, advance, minimums",
+    [
+        ((0.5, 0.25), 0.25, {}),
+        ((0.5, 1.0), 0.25, {}),
+        ((), 0.25, {}),
+        ((0.5,), 0.0, {}),
+        ((0.5,), 0.25, {"min_samples": 0}),
+        ((0.5,), 0.25, {"min_positions": -1}),
+    ],
+)
 def test_bad_schedules_are_refused(fractions, advance, minimums):
     with pytest.raises(ConfigError):
         racing.Racing(fractions, advance, **minimums)
@@ -175,14 +185,17 @@ def test_a_16_sample_search_set_no_longer_races_on_one_sample():
     assert all(len(schedule.subset(list(range(16)), positions, 0, 0, g)) == 4 for g in range(5))
 
 
-@pytest.mark.parametrize("positions, schedule, message", [
-    # the default schedule on 16 samples: both levels would score the same 4 samples
-    ([360] * 16, racing.Racing(), r"racing level 0 \(share 0.0625\) may score 4 of the 16 search samples.*level 1's 4"),
-    # short answers: 16 samples of 15 positions never reach 256, so the level would be the whole set
-    ([15] * 16, racing.Racing((0.25,)), r"racing level 0 \(share 0.25\) may score 16 of the 16 .*whole search set"),
-    # fewer samples than the minimum
-    ([500] * 3, racing.Racing((0.5,)), r"may score 3 of the 3 search samples"),
-])
+@pytest.mark.parametrize(
+    "positions, schedule, message",
+    [
+        # the default schedule on 16 samples: both levels would score the same 4 samples
+        ([360] * 16, racing.Racing(), r"racing level 0 \(share 0.0625\) may score 4 of the 16 search samples.*level 1's 4"),
+        # short answers: 16 samples of 15 positions never reach 256, so the level would be the whole set
+        ([15] * 16, racing.Racing((0.25,)), r"racing level 0 \(share 0.25\) may score 16 of the 16 .*whole search set"),
+        # fewer samples than the minimum
+        ([500] * 3, racing.Racing((0.5,)), r"may score 3 of the 3 search samples"),
+    ],
+)
 def test_a_schedule_that_cannot_grow_within_the_search_set_is_refused_with_the_sizes(positions, schedule, message):
     with pytest.raises(ConfigError, match=message) as info:
         schedule.check(positions)
@@ -205,8 +218,9 @@ def stage_inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("racing-stage")
     files = make_tiny_inputs(root)
     run_calibrate(files["model"], files["calibration"], CalibrateParams(samples=16, max_length=256), str(root / "scores"))
-    run_cache_logits(files["model"], files["search"], CacheLogitsParams(samples=12, max_length=256, dtype="float32"),
-                     str(root / "cache"))
+    run_cache_logits(
+        files["model"], files["search"], CacheLogitsParams(samples=12, max_length=256, dtype="float32"), str(root / "cache")
+    )
     return root, files["model"]
 
 
@@ -234,9 +248,7 @@ def test_search_stage_records_cost_and_prefix_reuse_changes_only_the_cost(stage_
     assert raced["cost"]["full_set_evaluations"] < exact["cost"]["full_set_evaluations"]
 
 
-def test_search_stage_refuses_a_racing_schedule_too_large_for_its_search_set_before_loading_the_model(
-    stage_inputs, monkeypatch
-):
+def test_search_stage_refuses_a_racing_schedule_too_large_for_its_search_set_before_loading_the_model(stage_inputs, monkeypatch):
     from evoesap import runtime
     from evoesap.stages.search import SearchParams, run_search
 

@@ -81,8 +81,7 @@ def test_yaml_cli_and_python_build_the_same_parameters(name):
     from_yaml = load_config({**base, stage.section: {}}).parsed_params(name)
     grid_defaults = {"criterion": "reap", "sparsity": 0.25}
     assert from_yaml == dataclasses.replace(python, **{k: grid_defaults[k] for k in stage.grid})
-    from_cli = {o.name: o.default for o in cli_options(stage).values()
-                if o.name in {f.name for f in dataclasses.fields(cls)}}
+    from_cli = {o.name: o.default for o in cli_options(stage).values() if o.name in {f.name for f in dataclasses.fields(cls)}}
     from evoesap.steps import make_params
 
     assert make_params(name, from_cli) == python
@@ -110,7 +109,9 @@ def test_an_unknown_stage_names_the_nearest_one():
         stages.get("cache_logits")
 
 
-@pytest.mark.parametrize("value,message", [(2.7, "must be an integer"), (True, "must be an integer"), ("3", "must be an integer")])
+@pytest.mark.parametrize(
+    "value,message", [(2.7, "must be an integer"), (True, "must be an integer"), ("3", "must be an integer")]
+)
 def test_integers_are_coerced_once_and_refused_when_not_whole(value, message):
     from evoesap.steps import make_params
 
@@ -121,10 +122,13 @@ def test_integers_are_coerced_once_and_refused_when_not_whole(value, message):
 
 
 def test_listing_the_verbs_imports_no_stage_code():
-    code = ("import sys; from evoesap.cli import command; command(); "
-            "print(sorted(m for m in sys.modules if m.startswith('evoesap.stages.') or m == 'torch'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[1]).stdout
+    code = (
+        "import sys; from evoesap.cli import command; command(); "
+        "print(sorted(m for m in sys.modules if m.startswith('evoesap.stages.') or m == 'torch'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1]
+    ).stdout
     assert out.strip() == "[]"
 
 
@@ -135,8 +139,11 @@ def _imports_of_the_package() -> dict[str, set[str]]:
 
     root = Path(__file__).resolve().parents[1]
     modules = {}
-    for folder, package in ((root / "evoesap", "evoesap"), (root / "components", "evoesap.components"),
-                            (root / "pipeline", "evoesap.pipeline")):
+    for folder, package in (
+        (root / "evoesap", "evoesap"),
+        (root / "components", "evoesap.components"),
+        (root / "pipeline", "evoesap.pipeline"),
+    ):
         for path in folder.rglob("*.py"):
             parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
             modules[".".join([package, *parts])] = path
@@ -190,8 +197,14 @@ def test_the_memory_model_and_scoring_import_no_stage():
         assert not {m for m in graph[module] if m.startswith("evoesap.stages.")}, module
 
 
-@pytest.mark.parametrize("args,words", [(["foo"], "No such command 'foo'"), (["prune", "--data", "x"], "No such option '--data'"),
-                                        (["search"], "Missing option '--")])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["foo"], "No such command 'foo'"),
+        (["prune", "--data", "x"], "No such option '--data'"),
+        (["search"], "Missing option '--"),
+    ],
+)
 def test_usage_errors_exit_2_with_the_parsers_message(args, words, capsys):
     assert main(args) == 2
     assert words in capsys.readouterr().err

@@ -29,13 +29,36 @@ def make_metrics(method: str, values: dict[str, float], criterion=None, sparsity
     kept = [n - r for n, r in zip(N, ALLOCATIONS.get(method, [0] * len(N)))]
     records = []
     for task, value in values.items():
-        records.append({"task": task, "domain": TASKS[task], "metric": "acc", "filter": "none", "value": value,
-                        "stderr": 0.01, "samples": 10, "primary": True})
-        records.append({"task": task, "domain": TASKS[task], "metric": "acc_raw", "filter": "none", "value": -1.0,
-                        "stderr": None, "samples": 10, "primary": False})  # never in the table
+        records.append(
+            {
+                "task": task,
+                "domain": TASKS[task],
+                "metric": "acc",
+                "filter": "none",
+                "value": value,
+                "stderr": 0.01,
+                "samples": 10,
+                "primary": True,
+            }
+        )
+        records.append(
+            {
+                "task": task,
+                "domain": TASKS[task],
+                "metric": "acc_raw",
+                "filter": "none",
+                "value": -1.0,
+                "stderr": None,
+                "samples": 10,
+                "primary": False,
+            }
+        )  # never in the table
     params = 1000 + 100 * sum(kept)
     return {
-        "schema": 1, "model": f"mem://{method}", "records": records, "limit": None,
+        "schema": 1,
+        "model": f"mem://{method}",
+        "records": records,
+        "limit": None,
         "labels": {"criterion": criterion, "sparsity": sparsity, "method": method},
         "memory": {"parameters": params, "parameter_bytes": 4 * params, "bf16_bytes": 2 * params},
         "experts": {"family": "olmoe", "num_experts": kept, "top_k": [2] * len(N), "decoder_index": [0, 1, 2, 3]},
@@ -114,11 +137,24 @@ def allocation_doc(beats: bool, warnings: list[str] | None) -> dict:
     """An allocation.json as the search stage writes it; `warnings` None: one written before warnings were recorded."""
     difference = 0.01223 if beats else 4.2e-6  # the stage's verdict: beyond two standard errors (0.00456) or not
     doc = {
-        "criterion": "reap", "sparsity": 0.25, "metric": "esap", "budget": 8, "granularity": 1, "num_experts": N,
-        "removal_counts": ALLOCATIONS["searched"], "searched": {"removal_counts": ALLOCATIONS["searched"], "fitness": 0.91},
-        "uniform": {"removal_counts": ALLOCATIONS["uniform"], "fitness": 0.9}, "fallback_applied": False,
-        "heldout": {"samples": 16, "searched": 0.80011 + difference, "uniform": 0.80011, "difference": difference,
-                    "stderr": 0.00456, "beats_uniform": beats},
+        "criterion": "reap",
+        "sparsity": 0.25,
+        "metric": "esap",
+        "budget": 8,
+        "granularity": 1,
+        "num_experts": N,
+        "removal_counts": ALLOCATIONS["searched"],
+        "searched": {"removal_counts": ALLOCATIONS["searched"], "fitness": 0.91},
+        "uniform": {"removal_counts": ALLOCATIONS["uniform"], "fitness": 0.9},
+        "fallback_applied": False,
+        "heldout": {
+            "samples": 16,
+            "searched": 0.80011 + difference,
+            "uniform": 0.80011,
+            "difference": difference,
+            "stderr": 0.00456,
+            "beats_uniform": beats,
+        },
     }
     return doc if warnings is None else {**doc, "warnings": warnings}
 
@@ -126,8 +162,9 @@ def allocation_doc(beats: bool, warnings: list[str] | None) -> dict:
 def publish_search(root: Path, doc: dict, name: str = "search", inputs: dict | None = None, params: dict | None = None) -> str:
     history_frame().to_parquet(root / f"{name}.parquet")
     files = {"history.parquet": (root / f"{name}.parquet").read_bytes(), "allocation.json": json.dumps(doc).encode()}
-    with artifacts.stage_output(str(root / name), "search", {"criterion": "reap", "sparsity": 0.25, **(params or {})},
-                                inputs or {}) as staging:
+    with artifacts.stage_output(
+        str(root / name), "search", {"criterion": "reap", "sparsity": 0.25, **(params or {})}, inputs or {}
+    ) as staging:
         for file, data in files.items():
             (staging / file).write_bytes(data)
     return str(root / name)
@@ -218,14 +255,20 @@ def test_frequency_heuristic_panel_comes_from_the_search_scores(tmp_path):
     from evoesap.stages.report import _history
 
     rarity = {0: 1, 1: 100, 2: 2, 3: 100}  # layer 0 is rarest but keeps top_k=2; layer 2 is next
-    scores = pd.DataFrame([{"layer": layer, "expert": e, "frequency": f, "seer": 0.0, "ean": 0.0, "reap": 0.0, "tokens": 1}
-                           for layer, f in rarity.items() for e in range(8)])
+    scores = pd.DataFrame(
+        [
+            {"layer": layer, "expert": e, "frequency": f, "seer": 0.0, "ean": 0.0, "reap": 0.0, "tokens": 1}
+            for layer, f in rarity.items()
+            for e in range(8)
+        ]
+    )
     buf = tmp_path / "s.parquet"
     scores.to_parquet(buf)
     scores_uri = publish(tmp_path / "scores", "calibrate", {"scores.parquet": buf.read_bytes()})
     history_frame().to_parquet(tmp_path / "h.parquet")
-    with artifacts.stage_output(str(tmp_path / "search"), "search", {"criterion": "reap", "sparsity": 0.25, "granularity": 1},
-                                {"scores": scores_uri}) as staging:
+    with artifacts.stage_output(
+        str(tmp_path / "search"), "search", {"criterion": "reap", "sparsity": 0.25, "granularity": 1}, {"scores": scores_uri}
+    ) as staging:
         (staging / "history.parquet").write_bytes((tmp_path / "h.parquet").read_bytes())
     groups = run_allocations(list(RUNS.values()), [_history(str(tmp_path / "search"))[2]])
     assert groups[(0.25, "reap")]["frequency"] == ([6, 0, 2, 0], N)
@@ -301,7 +344,9 @@ class Page(HTMLParser):
             header = table[0]
             if header[0] == first_header and (containing is None or containing in header):
                 return [dict(zip(header, row)) for row in table[1:]]
-        raise AssertionError(f"no table headed {first_header!r} (containing {containing!r}); tables: {[t[0] for t in self.tables]}")
+        raise AssertionError(
+            f"no table headed {first_header!r} (containing {containing!r}); tables: {[t[0] for t in self.tables]}"
+        )
 
 
 def check_page(text: str) -> Page:
@@ -350,8 +395,10 @@ def check_summary(page: Page, by_method: dict[str, dict], doc: dict, digits: int
     assert len(rows) == 1, rows
     row, check = rows[0], doc["heldout"]
     assert (row["Searched"], row["Uniform"]) == (f"{check['searched']:.4f}", f"{check['uniform']:.4f}")
-    fine = {k: f"{check[k]:{s}.4f}" if abs(check[k]) >= 1e-3 or check[k] == 0 else f"{check[k]:{s}.1e}"
-            for k, s in (("difference", "+"), ("stderr", ""))}  # a held-out gap can be 1e-6: never shown as 0.0000
+    fine = {
+        k: f"{check[k]:{s}.4f}" if abs(check[k]) >= 1e-3 or check[k] == 0 else f"{check[k]:{s}.1e}"
+        for k, s in (("difference", "+"), ("stderr", ""))
+    }  # a held-out gap can be 1e-6: never shown as 0.0000
     assert (row["Difference"], row["Std. error"]) == (fine["difference"], fine["stderr"])
     assert row["Samples"] == str(check["samples"])
     assert row["Check (diff > 2 SE)"] == ("passed" if check["difference"] > 2 * check["stderr"] else "failed")
@@ -360,8 +407,11 @@ def check_summary(page: Page, by_method: dict[str, dict], doc: dict, digits: int
     delta = sum(prim["searched"][t] - prim["uniform"][t] for t in prim["uniform"]) / len(prim["uniform"])
     assert row["Task avg Δ"] == f"{delta:+.{digits}f}"
     err = {m: {r["task"]: r["stderr"] for r in by_method[m]["records"] if r["primary"]} for m in ("uniform", "searched")}
-    clear = [f"{t} {prim['searched'][t] - prim['uniform'][t]:+.{digits}f}" for t in sorted(prim["uniform"])
-             if abs(prim["searched"][t] - prim["uniform"][t]) > 2 * (err["uniform"][t] ** 2 + err["searched"][t] ** 2) ** 0.5]
+    clear = [
+        f"{t} {prim['searched'][t] - prim['uniform'][t]:+.{digits}f}"
+        for t in sorted(prim["uniform"])
+        if abs(prim["searched"][t] - prim["uniform"][t]) > 2 * (err["uniform"][t] ** 2 + err["searched"][t] ** 2) ** 0.5
+    ]
     assert row["Tasks Δ > 2 SE"] == (", ".join(clear) or "none")
     full, pruned = by_method["full"]["memory"]["bf16_bytes"], by_method["searched"]["memory"]["bf16_bytes"]
     assert row["Memory saved vs full"].startswith(f"{1 - pruned / full:.1%} (")
@@ -409,8 +459,9 @@ def test_number_check_fails_when_a_table_lacks_a_metrics_number(passing_report):
     out, by_method, _ = passing_report
     text = (out / "report.html").read_text()
     check_numbers(check_page(text), by_method, 3)
-    dropped = text.replace(f"<td style=\"text-align:right\">{RUNS['searched']['memory']['parameters']:,}</td>",
-                           "<td style=\"text-align:right\">–</td>")
+    dropped = text.replace(
+        f'<td style="text-align:right">{RUNS["searched"]["memory"]["parameters"]:,}</td>', '<td style="text-align:right">–</td>'
+    )
     assert dropped != text
     with pytest.raises(AssertionError):
         check_numbers(check_page(dropped), by_method, 3)
@@ -439,22 +490,32 @@ def test_text_from_artifacts_reaches_the_page_literally(text):
     assert f"<td>{literal}</td>\n<td><code>{literal}</code></td>" in html.unescape(table)
 
 
-
 def test_lineage_names_the_model_data_configuration_software_and_every_artifact(tmp_path):
     """Searches and runs lead through their manifests to the model directory and data file, with their content identity."""
     model, data = tmp_path / "model", tmp_path / "calibration.jsonl"
     model.mkdir()
     (model / "config.json").write_text("{}")
     data.write_text('{"text": "x"}\n')
-    scores_frame = pd.DataFrame([{"layer": layer, "expert": e, "frequency": e + 1, "seer": 0.0, "ean": 0.0, "reap": 0.0, "tokens": 1}
-                                 for layer in range(len(N)) for e in range(N[layer])])
-    with artifacts.stage_output(str(tmp_path / "scores"), "calibrate", {"samples": 64}, {"model": str(model), "data": str(data)}) as staging:
+    scores_frame = pd.DataFrame(
+        [
+            {"layer": layer, "expert": e, "frequency": e + 1, "seer": 0.0, "ean": 0.0, "reap": 0.0, "tokens": 1}
+            for layer in range(len(N))
+            for e in range(N[layer])
+        ]
+    )
+    with artifacts.stage_output(
+        str(tmp_path / "scores"), "calibrate", {"samples": 64}, {"model": str(model), "data": str(data)}
+    ) as staging:
         scores_frame.to_parquet(staging / "scores.parquet")
     scores = str(tmp_path / "scores")
-    search = publish_search(tmp_path, allocation_doc(True, []), inputs={"model": str(model), "scores": scores}, params={"population": 16})
+    search = publish_search(
+        tmp_path, allocation_doc(True, []), inputs={"model": str(model), "scores": scores}, params={"population": 16}
+    )
     runs = []
     for method, metrics in RUNS.items():
-        with artifacts.stage_output(str(tmp_path / method), "evaluate", {"limit": 48, "method": method}, {"model": str(model)}) as staging:
+        with artifacts.stage_output(
+            str(tmp_path / method), "evaluate", {"limit": 48, "method": method}, {"model": str(model)}
+        ) as staging:
             (staging / "metrics.json").write_text(json.dumps(metrics))
         runs.append(str(tmp_path / method))
     run_report(runs, ReportParams(title="Lineage | check"), str(tmp_path / "report"), searches=[search])
@@ -467,7 +528,9 @@ def test_lineage_names_the_model_data_configuration_software_and_every_artifact(
     data_sha = hashlib.sha256(data.read_bytes()).hexdigest()
     assert sources[str(data)]["Content identity"] == f"file, {data.stat().st_size} bytes, sha256 {data_sha[:12]}"
     assert sources[str(model)]["Content identity"].startswith("directory of 1 files, digest ")
-    assert sources[str(model)]["Read by"] == "evaluate (runs of report); search (searches of report); calibrate (scores of search)"
+    assert (
+        sources[str(model)]["Read by"] == "evaluate (runs of report); search (searches of report); calibrate (scores of search)"
+    )
     assert sources[str(data)]["Read by"] == "calibrate (scores of search)"
 
     config = {row["Stage"]: row["Parameters"] for row in page.table("Stage")}

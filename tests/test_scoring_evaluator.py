@@ -183,13 +183,32 @@ def test_cli_caches_then_scores_an_allocation(tmp_path, capsys) -> None:
     (tmp_path / "data.jsonl").write_text("\n".join(__import__("json").dumps(r) for r in rows))
     (tmp_path / "alloc.json").write_text('{"pruned": {"0": [0, 1, 2, 3], "2": [4, 5]}}')
     common = ["--model", str(tmp_path / "model")]
-    assert main(["cache-logits", *common, "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "cache"),
-                 "--samples", "6", "--max-length", "64", "--dtype", "float32"]) == 0
+    assert (
+        main(
+            [
+                "cache-logits",
+                *common,
+                "--data",
+                str(tmp_path / "data.jsonl"),
+                "--out",
+                str(tmp_path / "cache"),
+                "--samples",
+                "6",
+                "--max-length",
+                "64",
+                "--dtype",
+                "float32",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(["esap", *common, "--cache", str(tmp_path / "cache")]) == 0
     assert abs(float(capsys.readouterr().out.split()[0]) - 1.0) < 1e-4
     assert main(["esap", *common, "--cache", str(tmp_path / "cache"), "--allocation", str(tmp_path / "alloc.json")]) == 0
     assert float(capsys.readouterr().out.split()[0]) < 0.999
-    assert main(["cache-logits", *common, "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "c2"),
-                 "--mode", "dense"]) == 1
+    assert (
+        main(["cache-logits", *common, "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "c2"), "--mode", "dense"])
+        == 1
+    )
     assert "mode" in capsys.readouterr().err

@@ -69,8 +69,11 @@ def test_half_costs_count_top_k_of_the_routed_experts():
     expert_params = sum(p.numel() for p in block.experts.parameters())
     attention, feed_forward = runner.half_costs()[0]
     assert attention == sum(p.numel() for m in (layer.input_layernorm, layer.self_attn) for p in m.parameters())
-    assert feed_forward == (sum(p.numel() for m in (layer.post_attention_layernorm, layer.mlp) for p in m.parameters())
-                            - expert_params + expert_params * spec.top_k // spec.num_experts)
+    assert feed_forward == (
+        sum(p.numel() for m in (layer.post_attention_layernorm, layer.mlp) for p in m.parameters())
+        - expert_params
+        + expert_params * spec.top_k // spec.num_experts
+    )
 
 
 def test_head_at_scored_positions_equals_the_model_logits() -> None:

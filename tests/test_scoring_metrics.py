@@ -68,8 +68,7 @@ def test_sap_matches_numpy_reference_with_the_same_seed(seed: int) -> None:
     log_q = _np_log_softmax(cl)
     q = np.exp(log_q)
     cdf = np.cumsum(q, axis=-1)
-    y = np.array([min(int(np.searchsorted(cdf[i], uniforms[i] * cdf[i, -1], side="right")), q.shape[1] - 1)
-                  for i in range(n)])
+    y = np.array([min(int(np.searchsorted(cdf[i], uniforms[i] * cdf[i, -1], side="right")), q.shape[1] - 1) for i in range(n)])
     ref = np.minimum(1.0, np.exp(lp.astype(np.float64)[np.arange(n), y] - log_q[np.arange(n), y]))
 
     got = metrics.sap(torch.from_numpy(lp), torch.from_numpy(cl), torch.Generator().manual_seed(seed))

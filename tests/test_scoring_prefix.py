@@ -25,8 +25,9 @@ def _world(family: str, tmp_path, samples: int = 7):
 
 def _random_pruned(spec: moe.MoESpec, rng: np.random.Generator) -> dict[int, list[int]]:
     return {
-        layer.ordinal: sorted(rng.choice(layer.num_experts, size=int(rng.integers(0, layer.num_experts - layer.top_k + 1)),
-                                         replace=False).tolist())
+        layer.ordinal: sorted(
+            rng.choice(layer.num_experts, size=int(rng.integers(0, layer.num_experts - layer.top_k + 1)), replace=False).tolist()
+        )
         for layer in spec.layers
     }
 
@@ -41,7 +42,7 @@ def test_prefix_reuse_gives_from_scratch_fitness_on_random_allocations(family, t
     for _ in range(11):
         parent = seen[int(rng.integers(len(seen)))]
         child = dict(parent)
-        for layer in spec.layers[int(rng.integers(len(spec.layers))):]:
+        for layer in spec.layers[int(rng.integers(len(spec.layers))) :]:
             if rng.random() < 0.6:
                 child[layer.ordinal] = _random_pruned(spec, rng)[layer.ordinal]
         seen.append(child)
@@ -68,7 +69,10 @@ def test_prefix_reuse_starts_at_the_moe_block_of_the_first_changed_layer(tmp_pat
         ({0: [1], 1: [2], 2: [3]}, (att0 + ff0 + att1 + ff1 + att2 + ff2 + att3) * tokens + ff3 * scored),
         ({0: [1], 1: [2], 2: [4]}, ff3 * scored),  # first change at MoE ordinal 2: decoder layer 3's MoE block
         ({0: [1], 1: [5], 2: [4]}, (ff2 + att3) * tokens + ff3 * scored),  # ordinal 1: layer 2's block on
-        ({0: [2], 1: [5], 2: [4]}, (ff0 + att1 + ff1 + att2 + ff2 + att3) * tokens + ff3 * scored),  # layer 0's attention is shared
+        (
+            {0: [2], 1: [5], 2: [4]},
+            (ff0 + att1 + ff1 + att2 + ff2 + att3) * tokens + ff3 * scored,
+        ),  # layer 0's attention is shared
     ]
     for pruned, work in steps:
         before = evaluator.work
@@ -138,8 +142,8 @@ def test_prefix_reuse_gives_identical_values_along_a_real_search(tmp_path):
     for name, nbytes in (("scratch", 0), ("reuse", 1 << 30)):
         evaluator = CandidateEvaluator(model, cache, batch_size=4, prefix_cache_bytes=nbytes)
         result = search.level_switch_search(
-            lambda r: evaluator.score(alloc.pruned_sets(r, orders)), n, k, budget, population=8, elites=2,
-            generations=4, seed=1)
+            lambda r: evaluator.score(alloc.pruned_sets(r, orders)), n, k, budget, population=8, elites=2, generations=4, seed=1
+        )
         runs[name] = (result, evaluator.work)
     (a, work_a), (b, work_b) = runs["scratch"], runs["reuse"]
     assert [h.allocation for h in a.history] == [h.allocation for h in b.history]
@@ -154,7 +158,9 @@ def test_prefix_reuse_is_exact_along_a_search_on_the_demo_world(demo_world, tmp_
 
     model = moe.load_pruned(str(demo_world.model_dir), dtype=torch.float32).eval()
     tok = moe.load_tokenizer(str(demo_world.model_dir))
-    samples = [s for d in ("math", "code") for s in load_samples(str(demo_world.data_file(d, "search")), split="train", n=8, seed=0)]
+    samples = [
+        s for d in ("math", "code") for s in load_samples(str(demo_world.data_file(d, "search")), split="train", n=8, seed=0)
+    ]
     tokenized = [s.__class__(i, s.input_ids, s.answer_mask) for i, s in enumerate(tokenize_samples(samples, tok, max_length=256))]
     teacher.write_cache(model, tokenized, tmp_path, mode="full", dtype="float32", batch_size=8)
     cache = teacher.load_cache(str(tmp_path))
@@ -164,9 +170,18 @@ def test_prefix_reuse_is_exact_along_a_search_on_the_demo_world(demo_world, tmp_
     results = []
     for nbytes in (0, 1 << 30):
         evaluator = CandidateEvaluator(model, cache, batch_size=8, prefix_cache_bytes=nbytes, verify=False)
-        results.append(search.level_switch_search(
-            lambda r: evaluator.score(alloc.pruned_sets(r, orders)), n, k, alloc.budget(0.5, n, k),
-            population=8, elites=2, generations=3, seed=0))
+        results.append(
+            search.level_switch_search(
+                lambda r: evaluator.score(alloc.pruned_sets(r, orders)),
+                n,
+                k,
+                alloc.budget(0.5, n, k),
+                population=8,
+                elites=2,
+                generations=3,
+                seed=0,
+            )
+        )
     scratch, reuse = results
     assert [h.allocation for h in scratch.history] == [h.allocation for h in reuse.history]
     np.testing.assert_allclose([h.fitness for h in reuse.history], [h.fitness for h in scratch.history], atol=1e-6, rtol=0)

@@ -79,8 +79,9 @@ def test_topk_cache_holds_the_top_tokens_and_the_tail_mass(tmp_path) -> None:
 def test_shards_split_the_rows_and_load_back_whole(tmp_path) -> None:
     model, samples = tiny(), random_samples(6)
     one = teacher.write_cache(model, samples, tmp_path / "one", mode="full", dtype="float32")
-    many = teacher.write_cache(model, samples, tmp_path / "many", mode="full", dtype="float32",
-                               batch_size=2, shard_bytes=VOCAB * 4 * 5)
+    many = teacher.write_cache(
+        model, samples, tmp_path / "many", mode="full", dtype="float32", batch_size=2, shard_bytes=VOCAB * 4 * 5
+    )
     assert len(one.shards) == 1 and len(many.shards) > 2
     a, b = teacher.load_cache(str(tmp_path / "one")), teacher.load_cache(str(tmp_path / "many"))
     assert torch.equal(a.offsets, b.offsets) and torch.allclose(a.logprobs, b.logprobs, atol=1e-6)
@@ -217,8 +218,7 @@ def test_a_failed_cache_write_closes_its_shard_so_a_full_disk_gets_its_space_bac
     from evoesap.scoring.teacher import _ShardWriter
 
     def open_files() -> set[str]:
-        return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
-                if os.path.exists(f"/proc/self/fd/{fd}")}
+        return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")}
 
     def disk_full(self, table, row_group_size=None):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -62,9 +62,17 @@ def test_every_candidate_ever_produced_is_feasible(problem, data):
     for pattern in search.seed_patterns(n, k, b, g).values():
         assert_feasible(pattern, n, k, b, g)
     result = search.level_switch_search(
-        fitness, n, k, b, population=population, elites=elites, generations=generations,
-        max_transfer=data.draw(st.integers(1, 6)), max_steps=data.draw(st.integers(1, 4)),
-        granularity=g, seed=data.draw(st.integers(0, 2**32)),
+        fitness,
+        n,
+        k,
+        b,
+        population=population,
+        elites=elites,
+        generations=generations,
+        max_transfer=data.draw(st.integers(1, 6)),
+        max_steps=data.draw(st.integers(1, 4)),
+        granularity=g,
+        seed=data.draw(st.integers(0, 2**32)),
     )
     assert len(result.history) == (generations + 1) * population
     for gen in range(generations + 1):
@@ -135,10 +143,10 @@ def test_history_is_identical_in_a_fresh_interpreter():
         " [8] * 5, [2] * 5, 12, generations=5, population=8, elites=2)\n"
         "print(json.dumps([(h.allocation, h.fitness, h.elite) for h in r.history]))"
     )
-    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-            for _ in range(2)]
-    here = search.level_switch_search(lambda r: -sum((x - 2 * i) ** 2 for i, x in enumerate(r)),
-                                      [8] * 5, [2] * 5, 12, generations=5, population=8, elites=2)
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout for _ in range(2)]
+    here = search.level_switch_search(
+        lambda r: -sum((x - 2 * i) ** 2 for i, x in enumerate(r)), [8] * 5, [2] * 5, 12, generations=5, population=8, elites=2
+    )
     assert runs[0] == runs[1]
     assert json.loads(runs[0]) == [[list(h.allocation), h.fitness, h.elite] for h in here.history]
 
@@ -166,16 +174,27 @@ def test_killed_at_generation_3_and_resumed_gives_the_uninterrupted_result(tmp_p
         generation["done"] = gen
 
     with pytest.raises(Killed):
-        search.level_switch_search(crashing, n, k, 12, generations=8, population=10, elites=3, checkpoint=uri,
-                                   on_generation=track)
+        search.level_switch_search(
+            crashing, n, k, 12, generations=8, population=10, elites=3, checkpoint=uri, on_generation=track
+        )
     calls, progress = [], []
 
     def counting(r):
         calls.append(r)
         return fitness(r)
 
-    resumed = search.level_switch_search(counting, n, k, 12, generations=8, population=10, elites=3,
-                                         checkpoint=uri, resume=True, on_generation=lambda g, *_: progress.append(g))
+    resumed = search.level_switch_search(
+        counting,
+        n,
+        k,
+        12,
+        generations=8,
+        population=10,
+        elites=3,
+        checkpoint=uri,
+        resume=True,
+        on_generation=lambda g, *_: progress.append(g),
+    )
     assert resumed == uninterrupted
     assert progress == list(range(2, 9))  # restored generation 2, then 3..8
     first_three = {h.allocation for h in uninterrupted.history if h.generation <= 2}
@@ -269,8 +288,7 @@ def test_generation_0_holds_uniform_init_and_patterns_then_distinct_random_draws
     result = search.level_switch_search(lambda r: 0.0, n, k, 32, generations=0, init=[extra])
     first = [h.allocation for h in result.history]
     patterns = search.seed_patterns(n, k, 32)
-    assert first[:5] == [patterns["uniform"], extra, patterns["early_heavy"], patterns["middle_heavy"],
-                         patterns["late_heavy"]]
+    assert first[:5] == [patterns["uniform"], extra, patterns["early_heavy"], patterns["middle_heavy"], patterns["late_heavy"]]
     assert len(set(first)) == 32
 
 
@@ -280,8 +298,7 @@ def test_random_members_are_drawn_uniformly_from_the_feasible_set():
     seeds = set(search.seed_patterns(n, k, budget).values())
     counts = collections.Counter()
     for seed in range(400):
-        result = search.level_switch_search(lambda r: 0.0, n, k, budget, population=6, elites=1,
-                                            generations=0, seed=seed)
+        result = search.level_switch_search(lambda r: 0.0, n, k, budget, population=6, elites=1, generations=0, seed=seed)
         counts.update(h.allocation for h in result.history if h.allocation not in seeds)
     others = space.size - len(seeds)
     assert len(counts) == others

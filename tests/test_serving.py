@@ -80,7 +80,7 @@ def transformers_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -
     ids = torch.tensor([prompt])
     for _ in range(steps):
         ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)  # [1, T+1]
-    return ids[0, len(prompt):].tolist()
+    return ids[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -161,9 +161,7 @@ def test_plugin_reads_per_layer_counts_and_refuses_what_assumes_one_count():
 def test_uniform_checkpoint_on_stock_vllm_generates_transformers_greedy_tokens(family, checkpoints, served):
     config = json.loads((Path(checkpoints[f"{family}-uniform"]["dir"]) / "config.json").read_text())
     assert not config["architectures"][0].startswith(moe.NONUNIFORM_ARCHITECTURE_PREFIX)  # a stock class serves it
-    assert served[f"{family}-uniform"].get("tokens") == checkpoints[f"{family}-uniform"]["expected"], served[
-        f"{family}-uniform"
-    ]
+    assert served[f"{family}-uniform"].get("tokens") == checkpoints[f"{family}-uniform"]["expected"], served[f"{family}-uniform"]
 
 
 @pytest.mark.slow
@@ -271,8 +269,9 @@ def test_backend_has_one_name_in_the_python_api_the_cli_and_the_pipeline_config(
     monkeypatch.delenv("EVOESAP_VLLM_PYTHON", raising=False)
     tasks = str(write_tasks(tmp_path / "tasks"))
     moe.tiny_model("olmoe").save_pretrained(tmp_path / "model")  # a checkpoint that passes its own checks
-    code = main(["evaluate", "--model", str(tmp_path / "model"), "--tasks", tasks, "--out", str(tmp_path / "o"),
-                 "--backend", "vllm"])
+    code = main(
+        ["evaluate", "--model", str(tmp_path / "model"), "--tasks", tasks, "--out", str(tmp_path / "o"), "--backend", "vllm"]
+    )
     assert code == 1 and "EVOESAP_VLLM_PYTHON" in capsys.readouterr().err  # the CLI passed the backend on
 
 
@@ -285,9 +284,7 @@ def test_stage_images_install_the_plugin_and_name_its_python():
 
 
 @pytest.mark.slow
-def test_vllm_backend_scores_a_nonuniform_checkpoint_like_an_independent_computation_and_the_hf_backend(
-    tmp_path, monkeypatch
-):
+def test_vllm_backend_scores_a_nonuniform_checkpoint_like_an_independent_computation_and_the_hf_backend(tmp_path, monkeypatch):
     from evoesap.stages.evaluate import EvaluateParams, run_evaluate
     from test_evaluate import ROWS, independent_mc_accuracy, write_tasks
 
@@ -318,8 +315,14 @@ def test_vllm_backend_failure_names_the_engine_root_cause_printed_far_above_the_
     from evoesap.vllm_eval import _failure
 
     cause = "(VllmWorker-0 pid=7) ERROR [multiproc_executor.py:953] ValueError: Available memory on node 0 is less"
-    stderr = "\n".join(["INFO starting", cause, *[f"  File 'x.py', line {i}" for i in range(60)],
-                        "RuntimeError: Engine core initialization failed. See root cause above."])
+    stderr = "\n".join(
+        [
+            "INFO starting",
+            cause,
+            *[f"  File 'x.py', line {i}" for i in range(60)],
+            "RuntimeError: Engine core initialization failed. See root cause above.",
+        ]
+    )
     message = _failure(stderr)
     assert cause in message and message.splitlines()[-1].startswith("RuntimeError: Engine core")
     assert _failure("a\nb") == "a\nb"  # nothing that looks like an error: the tail as it is

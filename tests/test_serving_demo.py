@@ -35,12 +35,25 @@ def searched(demo_world, tmp_path_factory) -> Path:
     """REAP-50% checkpoint at the allocation a small search found (the demo's own stages, smaller settings)."""
     root = tmp_path_factory.mktemp("demo-searched")
     model, scores, cache, search = str(demo_world.model_dir), str(root / "scores"), str(root / "cache"), str(root / "search")
-    run_calibrate(model, str(demo_world.data_file("code", "calibration")),
-                  CalibrateParams(samples=32, max_length=256, batch_size=16, device="cpu"), scores)
-    run_cache_logits(model, str(demo_world.data_file("math", "search")),
-                     CacheLogitsParams(samples=32, max_length=256, batch_size=16, dtype="float32", device="cpu"), cache)
-    run_search(model, scores, cache, SearchParams(criterion="reap", sparsity=SPARSITY, population=8, elites=2,
-                                                  generations=3, batch_size=16, device="cpu"), search)
+    run_calibrate(
+        model,
+        str(demo_world.data_file("code", "calibration")),
+        CalibrateParams(samples=32, max_length=256, batch_size=16, device="cpu"),
+        scores,
+    )
+    run_cache_logits(
+        model,
+        str(demo_world.data_file("math", "search")),
+        CacheLogitsParams(samples=32, max_length=256, batch_size=16, dtype="float32", device="cpu"),
+        cache,
+    )
+    run_search(
+        model,
+        scores,
+        cache,
+        SearchParams(criterion="reap", sparsity=SPARSITY, population=8, elites=2, generations=3, batch_size=16, device="cpu"),
+        search,
+    )
     run_prune(model, scores, PruneParams(criterion="reap", sparsity=SPARSITY), str(root / "model"), allocation=search)
     return root / "model"
 
@@ -53,8 +66,9 @@ def test_demo_searched_checkpoint_generates_transformers_greedy_tokens_through_t
     assert len(set(moe.inspect(reloaded).num_experts)) > 1  # the search made it non-uniform
     tok = moe.load_tokenizer(str(searched))
     rows = [row for d in demo_world.domains for row in read_jsonl(demo_world.data_file(d, "evaluation"))[:PROMPTS_PER_DOMAIN]]
-    prompts = [tok.apply_chat_template(row["messages"][:1], add_generation_prompt=True, tokenize=True, return_dict=False)
-               for row in rows]
+    prompts = [
+        tok.apply_chat_template(row["messages"][:1], add_generation_prompt=True, tokenize=True, return_dict=False) for row in rows
+    ]
     expected = [transformers_greedy(reloaded, p, MAX_TOKENS) for p in prompts]
     assert any(tok.eos_token_id in e for e in expected)  # answers end within the window, as lm-eval's stop needs
     (tmp_path / "jobs.json").write_text(json.dumps([{"model": str(searched), "prompts": prompts, "max_tokens": MAX_TOKENS}]))
@@ -64,8 +78,7 @@ def test_demo_searched_checkpoint_generates_transformers_greedy_tokens_through_t
 
 
 @pytest.mark.slow
-def test_demo_searched_checkpoint_scores_the_same_through_the_vllm_and_hf_backends(demo_world, searched, tmp_path,
-                                                                                    monkeypatch):
+def test_demo_searched_checkpoint_scores_the_same_through_the_vllm_and_hf_backends(demo_world, searched, tmp_path, monkeypatch):
     monkeypatch.setenv("EVOESAP_VLLM_PYTHON", vllm_python())
     # vLLM as a user's shell starts it (engine process, KV cache as the backend sizes it), bar the class cache.
     for name in VLLM_ENV:
@@ -73,8 +86,7 @@ def test_demo_searched_checkpoint_scores_the_same_through_the_vllm_and_hf_backen
     monkeypatch.setenv("VLLM_CACHE_ROOT", VLLM_ENV["VLLM_CACHE_ROOT"])
     scores = {}
     for backend in ("hf", "vllm"):
-        params = EvaluateParams(tasks=(str(demo_world.tasks_dir),), limit=LIMIT, batch_size=16, device="cpu",
-                                backend=backend)
+        params = EvaluateParams(tasks=(str(demo_world.tasks_dir),), limit=LIMIT, batch_size=16, device="cpu", backend=backend)
         run_evaluate(str(searched), params, str(tmp_path / backend))
         metrics = records.read(str(tmp_path / backend), records.METRICS_FILE)
         assert metrics["experts"]["num_experts"] == list(moe.inspect(moe.load_pruned(str(searched))).num_experts)

@@ -130,7 +130,9 @@ def test_budget_above_capacity_is_refused_before_the_model_loads(inputs, monkeyp
 
     monkeypatch.setattr(search_stage.runtime, "load_model", no_loading)
     with pytest.raises(ConfigError, match="budget"):
-        run_search(inputs["model"], inputs["scores"], inputs["cache"], SearchParams(sparsity=0.9, **SMALL), str(inputs["root"] / "y"))
+        run_search(
+            inputs["model"], inputs["scores"], inputs["cache"], SearchParams(sparsity=0.9, **SMALL), str(inputs["root"] / "y")
+        )
 
 
 def test_generalisation_verdict_needs_a_gain_beyond_two_standard_errors():
@@ -215,6 +217,7 @@ def test_a_heldout_cache_judges_the_search_which_then_uses_every_cached_sample(i
 
 def test_a_heldout_cache_from_another_model_is_refused_before_the_search(inputs, tmp_path, monkeypatch):
     from evoesap import search
+
     other = tmp_path / "other"
     other.mkdir()
     files = make_tiny_inputs(other)
@@ -225,7 +228,13 @@ def test_a_heldout_cache_from_another_model_is_refused_before_the_search(inputs,
     searches = []
     monkeypatch.setattr(search, "level_switch_search", lambda *a, **k: searches.append(a))
     with pytest.raises(ArtifactError, match="weights"):
-        run_search(inputs["model"], inputs["scores"], inputs["cache"], SearchParams(criterion="reap", sparsity=0.5, **SMALL),
-                   str(tmp_path / "search"), heldout_cache=foreign)
+        run_search(
+            inputs["model"],
+            inputs["scores"],
+            inputs["cache"],
+            SearchParams(criterion="reap", sparsity=0.5, **SMALL),
+            str(tmp_path / "search"),
+            heldout_cache=foreign,
+        )
     assert searches == []
     assert not artifacts.exists(str(tmp_path / "search" / "manifest.json"))

@@ -23,8 +23,15 @@ from evoesap.pipeline.submit import Submission, follow, parse_overrides, submit
 from tiny_world import quick_world_config
 from recording_http import JsonHandler, serving
 
-CONFIG = dict(model="/models/full", calibration_data="/data/code.jsonl", search_data="/data/math.jsonl",
-              criteria=["reap"], sparsities=[0.5], storage_root="s3://bucket/runs", name="nightly-prune")
+CONFIG = dict(
+    model="/models/full",
+    calibration_data="/data/code.jsonl",
+    search_data="/data/math.jsonl",
+    criteria=["reap"],
+    sparsities=[0.5],
+    storage_root="s3://bucket/runs",
+    name="nightly-prune",
+)
 
 
 class Recorder(JsonHandler):
@@ -104,17 +111,22 @@ def _uploaded_spec() -> dict:
 
 
 def test_run_with_name_overrides_and_experiment(kfp_api):
-    submission = Submission(host=kfp_api, experiment="release", run_name="nightly-2026-11-26",
-                            overrides=parse_overrides(["search_params.generations=7", "search_params.racing=true",
-                                                       "storage_root=s3://other/runs"]))
+    submission = Submission(
+        host=kfp_api,
+        experiment="release",
+        run_name="nightly-2026-11-26",
+        overrides=parse_overrides(["search_params.generations=7", "search_params.racing=true", "storage_root=s3://other/runs"]),
+    )
     assert submit(PipelineConfig(**CONFIG), submission) == "run-1"
     posts = _posts()
     assert posts["/apis/v2beta1/experiments"]["display_name"] == "release"
     run = posts["/apis/v2beta1/runs"]
     assert run["display_name"] == "nightly-2026-11-26"
     assert run["experiment_id"] == "exp-1"
-    assert run["runtime_config"]["parameters"] == {"search_params": {"generations": 7, "racing": True},
-                                                   "storage_root": "s3://other/runs"}
+    assert run["runtime_config"]["parameters"] == {
+        "search_params": {"generations": 7, "racing": True},
+        "storage_root": "s3://other/runs",
+    }
     assert run["pipeline_version_reference"] == {"pipeline_id": "nightly-prune", "pipeline_version_id": "nightly-prune"}
     assert "pipeline_spec" not in run  # the run refers to the uploaded version
     spec = _uploaded_spec()
@@ -135,7 +147,8 @@ def test_pipeline_is_uploaded_once_and_each_distinct_spec_is_one_version(kfp_api
     version = uploads[1][1]["name"]
     assert uploads[1][1]["pipelineid"] == "nightly-prune" and re.fullmatch(r"nightly-prune-[0-9a-f]{12}", version)
     assert _uploaded_spec()["root"]["inputDefinitions"]["parameters"]["grid"]["defaultValue"] == [
-        {"criterion": "reap", "sparsity": 0.25}]
+        {"criterion": "reap", "sparsity": 0.25}
+    ]
     runs = [body for method, path, body in Recorder.requests if method == "POST" and path == "/apis/v2beta1/runs"]
     assert [r["pipeline_version_reference"]["pipeline_version_id"] for r in runs] == ["nightly-prune", version, version]
 
@@ -217,13 +230,19 @@ def test_bad_url_is_refused_in_one_line_before_the_configuration_torch_or_kfp_lo
     parameters import torch; compiling imports kfp)."""
     config = tmp_path / "pipeline.yaml"
     config.write_text(json.dumps(CONFIG))
-    probe = ("import sys; from evoesap.cli import main; rc = main(sys.argv[1:]); "
-             "heavy = sorted({'torch', 'kfp', 'evoesap.pipeline.dag'} & set(sys.modules)); "
-             "print('heavy:', heavy); sys.exit(rc)")
+    probe = (
+        "import sys; from evoesap.cli import main; rc = main(sys.argv[1:]); "
+        "heavy = sorted({'torch', 'kfp', 'evoesap.pipeline.dag'} & set(sys.modules)); "
+        "print('heavy:', heavy); sys.exit(rc)"
+    )
     for host in (f"http://127.0.0.1:{_unused_port()}", "kfp.example.org"):
         start = time.monotonic()
-        done = subprocess.run([sys.executable, "-c", probe, "pipeline", "submit", str(config), "--host", host],
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-c", probe, "pipeline", "submit", str(config), "--host", host],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         elapsed = time.monotonic() - start
         assert done.returncode == 1 and elapsed < 5, (elapsed, done.stderr)
         assert done.stdout.strip() == "heavy: []", done.stdout
@@ -289,6 +308,10 @@ def test_bad_schedule_options_are_refused(kwargs, message):
 
 def test_overrides_are_read_as_yaml_values():
     assert parse_overrides(["a=0.5", "b=true", "c=[reap, frequency]", "d=text"]) == {
-        "a": 0.5, "b": True, "c": ["reap", "frequency"], "d": "text"}
+        "a": 0.5,
+        "b": True,
+        "c": ["reap", "frequency"],
+        "d": "text",
+    }
     with pytest.raises(ConfigError, match="not key=value"):
         parse_overrides(["generations"])

@@ -25,12 +25,25 @@ from evoesap.steps import output_uri, run_step
 from tiny_world import make_tiny_inputs
 from recording_http import JsonHandler, serving
 
-BASE = dict(model="/models/full", calibration_data="/data/code.jsonl", search_data="/data/math.jsonl",
-            storage_root="s3://bucket/runs", criteria=["reap"], sparsities=[0.5],
-            image="registry.example.org/evoesap/stage:1")
-GPU_NODES = {"cpu": "16", "memory": "120Gi", "cpu_request": "12", "memory_request": "100Gi",
-             "accelerator_type": "nvidia.com/gpu", "accelerator_count": 2, "env": {"NCCL_DEBUG": "WARN"},
-             "secrets": [{"name": "s3-credentials", "env": {"access_key": "AWS_ACCESS_KEY_ID"}}]}
+BASE = dict(
+    model="/models/full",
+    calibration_data="/data/code.jsonl",
+    search_data="/data/math.jsonl",
+    storage_root="s3://bucket/runs",
+    criteria=["reap"],
+    sparsities=[0.5],
+    image="registry.example.org/evoesap/stage:1",
+)
+GPU_NODES = {
+    "cpu": "16",
+    "memory": "120Gi",
+    "cpu_request": "12",
+    "memory_request": "100Gi",
+    "accelerator_type": "nvidia.com/gpu",
+    "accelerator_count": 2,
+    "env": {"NCCL_DEBUG": "WARN"},
+    "secrets": [{"name": "s3-credentials", "env": {"access_key": "AWS_ACCESS_KEY_ID"}}],
+}
 JOBS = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/team-a/trainjobs"
 SMALL = dict(criterion="reap", sparsity=0.5, population=4, elites=1, generations=1, batch_size=8)
 
@@ -45,8 +58,11 @@ def _compile(tmp_path: Path, **overrides: Any) -> dict:
 
 
 def _tasks(spec: dict) -> dict[str, dict]:
-    return {name: task for component in spec["components"].values()
-            for name, task in component.get("dag", {}).get("tasks", {}).items()}
+    return {
+        name: task
+        for component in spec["components"].values()
+        for name, task in component.get("dag", {}).get("tasks", {}).items()
+    }
 
 
 def test_a_two_worker_search_compiles_to_the_trainjob_launcher_with_the_job_it_creates(tmp_path):
@@ -58,9 +74,13 @@ def test_a_two_worker_search_compiles_to_the_trainjob_launcher_with_the_job_it_c
     assert launcher["taskInfo"]["name"] == "search on 2 workers (TrainJob)"
     job = launcher["inputs"]["parameters"]["job"]["runtimeValue"]["constant"]
     assert job["runtime"] == "torch-distributed" and job["image"] == BASE["image"] and job["procs_per_node"] == 2
-    assert job["resources"] == {"requests": {"cpu": "12", "memory": "100Gi"},
-                                "limits": {"cpu": "16", "memory": "120Gi", "nvidia.com/gpu": "2"}}
-    assert {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "s3-credentials", "key": "access_key"}}} in job["env"]
+    assert job["resources"] == {
+        "requests": {"cpu": "12", "memory": "100Gi"},
+        "limits": {"cpu": "16", "memory": "120Gi", "nvidia.com/gpu": "2"},
+    }
+    assert {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "s3-credentials", "key": "access_key"}}} in job[
+        "env"
+    ]
     assert {"name": "OMP_NUM_THREADS", "value": "8"} in job["env"]  # 16 cores over 2 workers per node
     # the search's parameters reach the launcher unchanged, and without device_map: one worker per GPU
     search_params = spec["root"]["inputDefinitions"]["parameters"]["search_params"]["defaultValue"]
@@ -78,12 +98,15 @@ def test_one_worker_keeps_the_plain_search_task(tmp_path):
     assert resources["accelerator"]["resourceCount"] == "2"
 
 
-@pytest.mark.parametrize(("search", "resources", "message"), [
-    ({"workers": 2}, {"search": {"node_selector": {"pool": "gpu"}}}, "node_selector cannot reach the pods of a multi-worker"),
-    ({"workers": 2}, {"all": {"shm_size": "8Gi"}}, "shm_size .*ClusterTrainingRuntime 'torch-distributed'"),
-    ({"workers": 3}, {"search": GPU_NODES}, "workers 3 is not a multiple of resources.search.accelerator_count 2"),
-    ({"workers": 1}, {"prune": {"training_runtime": "mine"}}, "only the search runs as a multi-worker job"),
-])
+@pytest.mark.parametrize(
+    ("search", "resources", "message"),
+    [
+        ({"workers": 2}, {"search": {"node_selector": {"pool": "gpu"}}}, "node_selector cannot reach the pods of a multi-worker"),
+        ({"workers": 2}, {"all": {"shm_size": "8Gi"}}, "shm_size .*ClusterTrainingRuntime 'torch-distributed'"),
+        ({"workers": 3}, {"search": GPU_NODES}, "workers 3 is not a multiple of resources.search.accelerator_count 2"),
+        ({"workers": 1}, {"prune": {"training_runtime": "mine"}}, "only the search runs as a multi-worker job"),
+    ],
+)
 def test_settings_a_trainjob_cannot_carry_are_refused_when_the_configuration_loads(search, resources, message):
     with pytest.raises(ConfigError, match=message):
         load_config({**BASE, "search": search, "resources": resources})
@@ -150,10 +173,14 @@ def kube(tmp_path, monkeypatch) -> Iterator[str]:
     KubeAPI.requests, KubeAPI.states, KubeAPI.failure, KubeAPI.pods = [], [""], {}, []
     KubeAPI.existing, KubeAPI.on_complete = None, None
     with serving(KubeAPI) as url:
-        kubeconfig = {"apiVersion": "v1", "kind": "Config", "current-context": "test",
-                      "clusters": [{"name": "test", "cluster": {"server": url}}],
-                      "users": [{"name": "test", "user": {"token": "t0ken"}}],
-                      "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test", "namespace": "team-a"}}]}
+        kubeconfig = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "current-context": "test",
+            "clusters": [{"name": "test", "cluster": {"server": url}}],
+            "users": [{"name": "test", "user": {"token": "t0ken"}}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test", "namespace": "team-a"}}],
+        }
         (tmp_path / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
         monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
         monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
@@ -166,8 +193,9 @@ def world(tmp_path_factory):
     files = make_tiny_inputs(root)
     inputs = {"model": files["model"], "scores": str(root / "scores"), "cache": str(root / "cache"), "heldout_cache": None}
     run_calibrate(files["model"], files["calibration"], CalibrateParams(samples=8, max_length=128), inputs["scores"])
-    run_cache_logits(files["model"], files["search"], CacheLogitsParams(samples=6, max_length=128, dtype="float32"),
-                     inputs["cache"])
+    run_cache_logits(
+        files["model"], files["search"], CacheLogitsParams(samples=6, max_length=128, dtype="float32"), inputs["cache"]
+    )
     return inputs
 
 
@@ -198,8 +226,11 @@ def test_the_launcher_creates_the_trainjob_waits_for_it_and_returns_the_single_p
     assert path == JOBS
     assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
     assert re.fullmatch(r"evoesap-search-[0-9a-f]{12}", job["metadata"]["name"])
-    assert job["spec"]["runtimeRef"] == {"name": "torch-distributed", "apiGroup": "trainer.kubeflow.org",
-                                         "kind": "ClusterTrainingRuntime"}
+    assert job["spec"]["runtimeRef"] == {
+        "name": "torch-distributed",
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "ClusterTrainingRuntime",
+    }
     trainer = job["spec"]["trainer"]
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 2)  # 4 workers, one per GPU, 2 GPUs a node
     assert trainer["image"] == BASE["image"]
@@ -225,22 +256,40 @@ def test_the_launcher_creates_the_trainjob_waits_for_it_and_returns_the_single_p
 
 def test_a_failed_job_fails_the_task_with_the_job_s_reason_and_the_failed_worker_s_message(kube, world, tmp_path):
     KubeAPI.states = ["", "Failed"]
-    KubeAPI.failure = {"reason": "JobSetFailed", "message": "jobset failed: replicated job node failed, backoffLimit reached\nmore"}
+    KubeAPI.failure = {
+        "reason": "JobSetFailed",
+        "message": "jobset failed: replicated job node failed, backoffLimit reached\nmore",
+    }
     terminated = lambda name, code, message: {  # noqa: E731
         "metadata": {"name": name},
-        "status": {"containerStatuses": [{"name": "node", "ready": False, "restartCount": 0, "image": BASE["image"],
-                                          "imageID": "", "state": {"terminated": {"exitCode": code, "message": message,
-                                                                                  "finishedAt": "2026-11-26T10:00:00Z"}}}]}}
-    KubeAPI.pods = [terminated("evoesap-search-x-node-0-0", 143, "search worker 0: SIGTERM"),
-                    terminated("evoesap-search-x-node-0-1", 1, "search worker 3: ModelError: CUDA out of memory\ntrace")]
+        "status": {
+            "containerStatuses": [
+                {
+                    "name": "node",
+                    "ready": False,
+                    "restartCount": 0,
+                    "image": BASE["image"],
+                    "imageID": "",
+                    "state": {"terminated": {"exitCode": code, "message": message, "finishedAt": "2026-11-26T10:00:00Z"}},
+                }
+            ]
+        },
+    }
+    KubeAPI.pods = [
+        terminated("evoesap-search-x-node-0-0", 143, "search worker 0: SIGTERM"),
+        terminated("evoesap-search-x-node-0-1", 1, "search worker 3: ModelError: CUDA out of memory\ntrace"),
+    ]
     with pytest.raises(EvoESAPError) as caught:
         run_search_job(_template(), str(tmp_path / "store"), world, {**SMALL, "workers": 4})
     message = str(caught.value)
     assert "\n" not in message
-    assert re.fullmatch(r"search TrainJob team-a/evoesap-search-[0-9a-f]{12} failed \(JobSetFailed\): jobset failed: "
-                        r"replicated job node failed, backoffLimit reached; pod evoesap-search-x-node-0-1: "
-                        r"search worker 3: ModelError: CUDA out of memory", message), message
-    (_, query), = [(p, q) for m, p, q in KubeAPI.requests if m == "GET" and p.endswith("/pods")]
+    assert re.fullmatch(
+        r"search TrainJob team-a/evoesap-search-[0-9a-f]{12} failed \(JobSetFailed\): jobset failed: "
+        r"replicated job node failed, backoffLimit reached; pod evoesap-search-x-node-0-1: "
+        r"search worker 3: ModelError: CUDA out of memory",
+        message,
+    ), message
+    ((_, query),) = [(p, q) for m, p, q in KubeAPI.requests if m == "GET" and p.endswith("/pods")]
     assert query["labelSelector"] == [f"jobset.sigs.k8s.io/jobset-name={message.split('/')[1].split()[0]}"]
     assert not _calls("DELETE")  # kept, with its pods' logs, for whoever looks into it
 
@@ -256,8 +305,22 @@ def test_a_launcher_that_stops_waiting_deletes_its_job(kube, world, tmp_path):
 def test_a_retried_launcher_follows_the_job_its_earlier_attempt_started(kube, world, tmp_path):
     root = str(tmp_path / "store")
     params = {**SMALL, "workers": 4}
-    KubeAPI.existing = {"metadata": {"name": "earlier"}, "spec": {"trainer": {"args": [json.dumps(
-        {"inputs": world, "params": {**SMALL, "workers": 4}, "out_uri": output_uri("search", root, world, SearchParams(**SMALL))})]}}}
+    KubeAPI.existing = {
+        "metadata": {"name": "earlier"},
+        "spec": {
+            "trainer": {
+                "args": [
+                    json.dumps(
+                        {
+                            "inputs": world,
+                            "params": {**SMALL, "workers": 4},
+                            "out_uri": output_uri("search", root, world, SearchParams(**SMALL)),
+                        }
+                    )
+                ]
+            }
+        },
+    }
     KubeAPI.states, KubeAPI.on_complete = ["", "Complete"], _rank_zero
     uri = run_search_job(_template(), root, world, params)
     assert len(_calls("POST")) == 1 and not _calls("DELETE")  # the 409, then only looks at the running job
@@ -270,13 +333,21 @@ def test_the_component_reads_the_job_s_inputs_where_every_pod_can_and_fills_its_
     from evoesap.components.trainjob import search_trainjob
 
     model = dsl.Model(uri=world["model"], metadata={"revision": ""})
-    ours = {name: dsl.Dataset(uri=f"minio://kfp/{name}", metadata={"uri": world[name], "stage": name})
-            for name in ("scores", "cache")}
+    ours = {
+        name: dsl.Dataset(uri=f"minio://kfp/{name}", metadata={"uri": world[name], "stage": name}) for name in ("scores", "cache")
+    }
     allocation = dsl.Artifact(uri=str(tmp_path / "kfp" / "allocation"), metadata={})
     KubeAPI.states, KubeAPI.on_complete = ["Complete"], _rank_zero
-    search_trainjob(model=model, **ours, criterion="reap", sparsity=0.5, storage_root=str(tmp_path / "store"),
-                    job=_template(), allocation=allocation, params={k: v for k, v in SMALL.items()
-                                                                     if k not in ("criterion", "sparsity")} | {"workers": 2})
+    search_trainjob(
+        model=model,
+        **ours,
+        criterion="reap",
+        sparsity=0.5,
+        storage_root=str(tmp_path / "store"),
+        job=_template(),
+        allocation=allocation,
+        params={k: v for k, v in SMALL.items() if k not in ("criterion", "sparsity")} | {"workers": 2},
+    )
     ((_, job),) = _calls("POST")
     assert json.loads(job["spec"]["trainer"]["args"][0])["inputs"] == world
     assert job["spec"]["trainer"]["numNodes"] == 1  # 2 workers, 2 per node

@@ -29,6 +29,8 @@ def build(root: Path) -> dict[str, str]:
     run_cache_logits(files["model"], files["search"], CACHE, out["cache"])
     run_search(files["model"], out["scores"], out["cache"], SEARCH, out["search_out"])
     run_prune(files["model"], out["scores"], PRUNE, out["pruned"], allocation=out["search_out"])
-    run_evaluate(out["pruned"], evaluate_params(files["tasks"], method="searched"), out["evaluated"], allocation=out["search_out"])
+    run_evaluate(
+        out["pruned"], evaluate_params(files["tasks"], method="searched"), out["evaluated"], allocation=out["search_out"]
+    )
     run_report([out["evaluated"]], ReportParams(), out["report"], searches=[out["search_out"]])
     return out

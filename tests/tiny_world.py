@@ -34,6 +34,14 @@ def quick_world_config(root: Path) -> Path:
     pipeline's feasibility check reads. At 50% sparsity it admits one allocation, so nothing to search."""
     from transformers import OlmoeConfig
 
-    OlmoeConfig(num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, hidden_size=32, intermediate_size=32,
-                num_attention_heads=2, num_key_value_heads=2, vocab_size=64).save_pretrained(root)
+    OlmoeConfig(
+        num_hidden_layers=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        hidden_size=32,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=64,
+    ).save_pretrained(root)
     return root

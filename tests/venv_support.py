@@ -15,6 +15,8 @@ def venv_python(variable: str, venv: str, target: str, tool: str, installed: str
     is missing: `tool` names the environment, `installed` what a python set instead must hold."""
     python = os.environ.get(variable) or str(REPO / venv / "bin" / "python")
     if not os.access(python, os.X_OK):
-        pytest.fail(f"no {tool} environment at {python}: `make test` builds {venv} (make {target}), or set "
-                    f"{variable} to a python with {installed} installed")
+        pytest.fail(
+            f"no {tool} environment at {python}: `make test` builds {venv} (make {target}), or set "
+            f"{variable} to a python with {installed} installed"
+        )
     return python

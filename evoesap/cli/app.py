@@ -53,4 +53,3 @@ def revision_option() -> Any:
     return typer.Option(
         None, "--revision", help="Hub models only: branch, tag or commit of --model (default: the default branch)."
     )
-

@@ -8,8 +8,9 @@ import typer
 
 from evoesap.cli.app import app
 
-demo_app = typer.Typer(help="The demo world: a tiny trained OLMoE, synthetic chat domains, local lm-eval tasks.",
-                       no_args_is_help=True)
+demo_app = typer.Typer(
+    help="The demo world: a tiny trained OLMoE, synthetic chat domains, local lm-eval tasks.", no_args_is_help=True
+)
 app.add_typer(demo_app, name="demo")
 
 
@@ -29,8 +30,10 @@ def build(
     world = build_demo_world(out, seed=seed, profile=profile, force=force)
     info = world.info
     typer.echo(f"demo world:  {world.root}")
-    typer.echo(f"model:       {world.model_dir}  ({info['parameters']:,} parameters, "
-               f"{info['safetensors_bytes']:,} bytes, built in {info['build_seconds']:.0f}s)")
+    typer.echo(
+        f"model:       {world.model_dir}  ({info['parameters']:,} parameters, "
+        f"{info['safetensors_bytes']:,} bytes, built in {info['build_seconds']:.0f}s)"
+    )
     typer.echo(f"data:        {world.data_dir}/<domain>/<split>.jsonl  domains {', '.join(world.domains)}")
     typer.echo(f"tasks:       {world.tasks_dir}  (lm-eval include_path; tag {world.tag})")
     typer.echo(f"             {' '.join(world.generative_tasks + world.multiple_choice_tasks)}")

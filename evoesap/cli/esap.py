@@ -14,7 +14,8 @@ def esap_cmd(
     revision: str = revision_option(),
     cache: str = typer.Option(..., "--cache", help="Teacher cache artifact (evoesap cache-logits)."),
     allocation: str = typer.Option(
-        None, "--allocation",
+        None,
+        "--allocation",
         help='JSON file or URI with {"pruned": {"<MoE layer>": [expert ids], ...}}; omit to score the full model.',
     ),
     metric: str = typer.Option("esap", "--metric", help="esap, sap, kl or nll (kl and nll printed as raw values)."),

@@ -29,8 +29,9 @@ def compile_cmd(
 @pipeline_app.command("components")
 def components_cmd(
     out: Path = typer.Option(Path("components"), "--out", help="Directory for the <stage>.yaml files."),
-    config: Path = typer.Option(None, "--config",
-                                help="Pipeline YAML whose `registry`/`image` the components name (default: the project's image)."),
+    config: Path = typer.Option(
+        None, "--config", help="Pipeline YAML whose `registry`/`image` the components name (default: the project's image)."
+    ),
 ) -> None:
     """Compile each stage to a single-stage KFP component YAML.
 
@@ -51,9 +52,11 @@ def components_cmd(
 def run_cmd(
     config: Path = typer.Argument(..., help="Pipeline YAML configuration."),
     log: Path = typer.Option(None, "--log", help="Write the tasks' full logs here; the terminal shows one line per task."),
-    runner: str = typer.Option("subprocess", "--runner",
-                               help="subprocess (this environment) or docker (each stage in its own container of the "
-                                    "stage image, through DOCKER_HOST)."),
+    runner: str = typer.Option(
+        "subprocess",
+        "--runner",
+        help="subprocess (this environment) or docker (each stage in its own container of the stage image, through DOCKER_HOST).",
+    ),
 ) -> None:
     """Run the DAG on this machine (kfp.local).  Example: evoesap pipeline run demo.yaml --log runs/pipeline.log"""
     from evoesap.pipeline.config import load_config
@@ -76,11 +79,17 @@ def submit_cmd(
     run_name: str = typer.Option(None, "--run-name", help="Run (or recurring run) name (default: the config's name)."),
     namespace: str = typer.Option(None, "--namespace", help="Profile namespace on a multi-user cluster."),
     overrides: list[str] = typer.Option([], "--set", help="Override a pipeline parameter, key=value (repeatable)."),
-    token: str = typer.Option(None, "--token", envvar="EVOESAP_KFP_TOKEN", show_default=False,
-                              help="Bearer token; prefer the EVOESAP_KFP_TOKEN variable (default: the kfp client's "
-                                   "own credentials, e.g. KF_PIPELINES_SA_TOKEN_PATH)."),
-    service_account: str = typer.Option(None, "--service-account",
-                                        help="Kubernetes service account of the run's pods (default: the cluster's)."),
+    token: str = typer.Option(
+        None,
+        "--token",
+        envvar="EVOESAP_KFP_TOKEN",
+        show_default=False,
+        help="Bearer token; prefer the EVOESAP_KFP_TOKEN variable (default: the kfp client's "
+        "own credentials, e.g. KF_PIPELINES_SA_TOKEN_PATH).",
+    ),
+    service_account: str = typer.Option(
+        None, "--service-account", help="Kubernetes service account of the run's pods (default: the cluster's)."
+    ),
     wait: bool = typer.Option(False, "--wait", help="Follow the run; exit 0 when it succeeds, 1 otherwise."),
     schedule: str = typer.Option(None, "--schedule", help="Cron schedule for a recurring run, e.g. '0 3 * * *'."),
     interval: int = typer.Option(None, "--interval", help="Seconds between recurring runs (instead of --schedule)."),
@@ -94,9 +103,18 @@ def submit_cmd(
     from evoesap.pipeline.submit import Submission, follow, parse_overrides, submit
 
     submission = Submission(
-        host=host, experiment=experiment, run_name=run_name, namespace=namespace, overrides=parse_overrides(overrides),
-        token=token, service_account=service_account, wait=wait, schedule=schedule, interval_seconds=interval,
-        max_concurrency=max_concurrency, catchup=catchup,
+        host=host,
+        experiment=experiment,
+        run_name=run_name,
+        namespace=namespace,
+        overrides=parse_overrides(overrides),
+        token=token,
+        service_account=service_account,
+        wait=wait,
+        schedule=schedule,
+        interval_seconds=interval,
+        max_concurrency=max_concurrency,
+        catchup=catchup,
     )
     run_id = submit(config, submission)  # the endpoint is checked before the configuration is loaded
     if not wait:
@@ -113,9 +131,11 @@ def demo_cmd(
     out: Path = typer.Option(Path("runs/demo"), "--out", help="Where the demo world and all artifacts go."),
     seed: int = typer.Option(0, "--seed", help="Seed of the demo world."),
     profile: str = typer.Option("default", "--profile", help="Demo world profile: default or quick."),
-    runner: str = typer.Option("subprocess", "--runner",
-                               help="subprocess (this environment) or docker (each stage in its own container of the "
-                                    "stage image, through DOCKER_HOST)."),
+    runner: str = typer.Option(
+        "subprocess",
+        "--runner",
+        help="subprocess (this environment) or docker (each stage in its own container of the stage image, through DOCKER_HOST).",
+    ),
     image: str = typer.Option(None, "--image", help="Stage image for the docker runner (default: the project's)."),
 ) -> None:
     """Build the demo world and run the whole pipeline on it locally.  Example: evoesap pipeline demo --out runs/demo"""

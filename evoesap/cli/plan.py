@@ -12,13 +12,20 @@ from evoesap.cli.app import app
 @app.command("plan")
 def plan_cmd(
     config: Path = typer.Argument(..., help="Pipeline YAML configuration."),
-    gpus: int = typer.Option(None, "--gpus", help="GPUs per stage pod (default: the config's search resources, else this machine's)."),
+    gpus: int = typer.Option(
+        None, "--gpus", help="GPUs per stage pod (default: the config's search resources, else this machine's)."
+    ),
     gpu_memory: str = typer.Option(None, "--gpu-memory", help="Memory of one GPU, e.g. 80GB (default: this machine's free)."),
-    host_memory: str = typer.Option(None, "--host-memory", help="Host memory, e.g. 256GB (default: the config's search memory, else this machine's free)."),
+    host_memory: str = typer.Option(
+        None, "--host-memory", help="Host memory, e.g. 256GB (default: the config's search memory, else this machine's free)."
+    ),
     disk: str = typer.Option(None, "--disk", help="Free space where artifacts go, e.g. 500GB (default: not checked)."),
     model_config: Path = typer.Option(
-        None, "--model-config", help="A local folder holding the model's config.json, read instead of the config's "
-        "model (plans offline; examples/models/ has the example models')."),
+        None,
+        "--model-config",
+        help="A local folder holding the model's config.json, read instead of the config's "
+        "model (plans offline; examples/models/ has the example models').",
+    ),
 ) -> None:
     """Predict every stage's peak host and GPU memory, disk and temporary space, from config.json alone.
 
@@ -33,8 +40,11 @@ def plan_cmd(
     here = footprint.local_machine(cfg.search.get("device", "auto"))
     wanted = cfg.resources.get("search")
     count = gpus if gpus is not None else (wanted.accelerator_count if wanted and wanted.accelerator_type else here.devices)
-    host = plan.parse_bytes(host_memory) if host_memory else (
-        plan.parse_bytes(wanted.memory) if wanted and wanted.memory else here.host)
+    host = (
+        plan.parse_bytes(host_memory)
+        if host_memory
+        else (plan.parse_bytes(wanted.memory) if wanted and wanted.memory else here.host)
+    )
     per_gpu = plan.parse_bytes(gpu_memory) if gpu_memory else here.device
     if count and not per_gpu:
         raise typer.BadParameter("give --gpu-memory: this machine has no GPU to read it from")

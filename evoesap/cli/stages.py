@@ -27,8 +27,9 @@ class StageCommand(click.Command):
     """`evoesap <stage>`; its options are built on first use, so listing the verbs imports no stage code."""
 
     def __init__(self, stage: Stage) -> None:
-        super().__init__(stage.name, callback=_runner(stage), help=f"{stage.summary}\n\nExample: {stage.example}",
-                         short_help=stage.summary)
+        super().__init__(
+            stage.name, callback=_runner(stage), help=f"{stage.summary}\n\nExample: {stage.example}", short_help=stage.summary
+        )
         self.stage = stage
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
@@ -42,10 +43,13 @@ def options(stage: Stage) -> list[click.Option]:
     stage's own first, then the groups it shares with other stages)."""
     found = [_input_option(item) for item in stage.inputs]
     if any(item.model for item in stage.inputs):
-        found.append(click.Option(
-            ["--revision"], default=None,
-            help="Hub models only: branch, tag or commit of --model (default: the default branch).",
-        ))
+        found.append(
+            click.Option(
+                ["--revision"],
+                default=None,
+                help="Hub models only: branch, tag or commit of --model (default: the default branch).",
+            )
+        )
     found.append(click.Option(["--out"], required=True, help=f"Where to write {stage.output}."))
     cls = stage.params_class()
     hints = typing.get_type_hints(cls)

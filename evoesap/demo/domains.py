@@ -95,8 +95,7 @@ def _copy(rng: np.random.Generator) -> Sample:
 
 
 # --------------------------------------------------------------------------------------------- facts
-_CITIES = ("Quenta", "Morvil", "Tasko", "Belund", "Xirra", "Pollen", "Dravik", "Sunmere",
-           "Okara", "Vellis", "Rhun", "Caddis")
+_CITIES = ("Quenta", "Morvil", "Tasko", "Belund", "Xirra", "Pollen", "Dravik", "Sunmere", "Okara", "Vellis", "Rhun", "Caddis")
 _CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
 
 
@@ -162,7 +161,7 @@ def generate_splits(domain: str, seed: int, train_size: int) -> dict[str, list[S
         table = fact_table(seed, sum(sizes.values()))
         start = 0
         for split in SPLITS[:-1]:
-            out[split] = [_fact_sample(n, c, rng) for n, c in table[start:start + sizes[split]]]
+            out[split] = [_fact_sample(n, c, rng) for n, c in table[start : start + sizes[split]]]
             start += sizes[split]
         out["train"] = [_fact_sample(n, c, rng) for n, c in table]
         return out

@@ -41,8 +41,9 @@ class Profile:
 
 PROFILES: dict[str, Profile] = {
     "default": Profile(),
-    "quick": Profile(hidden_size=32, num_layers=2, num_experts=4, intermediate_size=32, num_heads=2,
-                     steps=12, batch_size=8, train_size=200),
+    "quick": Profile(
+        hidden_size=32, num_layers=2, num_experts=4, intermediate_size=32, num_heads=2, steps=12, batch_size=8, train_size=200
+    ),
 }
 
 

@@ -25,7 +25,7 @@ def routing_histograms(
     n_exp = int(model.config.num_experts)
     counts: np.ndarray | None = None
     for start in range(0, len(chats), batch_size):
-        texts = [tokenizer.apply_chat_template(list(c), tokenize=False) for c in chats[start:start + batch_size]]
+        texts = [tokenizer.apply_chat_template(list(c), tokenize=False) for c in chats[start : start + batch_size]]
         enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         out = model(**enc, output_router_logits=True)
         keep = enc["attention_mask"].reshape(-1).bool()  # [B*T]

@@ -28,8 +28,7 @@ def task_name(domain: str, multiple_choice: bool = False) -> str:
 
 def prompt_template(tokenizer: PreTrainedTokenizerBase) -> str:
     """`doc_to_text` for lm-eval: the chat template's rendering of one user turn plus generation prompt."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": _SLOT}], tokenize=False,
-                                             add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": _SLOT}], tokenize=False, add_generation_prompt=True)
     prefix, _, suffix = rendered.partition(_SLOT)
     if "{" in prefix + suffix:
         raise ConfigError(f"chat template output {rendered!r} contains braces that lm-eval would read as Jinja")
@@ -61,15 +60,27 @@ def write_tasks(
             "doc_to_text": text,
             "metadata": {"version": 1},
         }
-        gen = dict(common, task=task_name(domain), output_type="generate_until",
-                   doc_to_target="{{messages[1].content}}",
-                   generation_kwargs={"until": [end], "do_sample": False, "max_gen_toks": max_gen_toks},
-                   metric_list=[{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}])
+        gen = dict(
+            common,
+            task=task_name(domain),
+            output_type="generate_until",
+            doc_to_target="{{messages[1].content}}",
+            generation_kwargs={"until": [end], "do_sample": False, "max_gen_toks": max_gen_toks},
+            metric_list=[{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+        )
         tasks = [gen]
         if domain in multiple_choice:
-            tasks.append(dict(common, task=task_name(domain, True), output_type="multiple_choice",
-                              doc_to_choice="choices", doc_to_target="label", target_delimiter="",
-                              metric_list=[{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]))
+            tasks.append(
+                dict(
+                    common,
+                    task=task_name(domain, True),
+                    output_type="multiple_choice",
+                    doc_to_choice="choices",
+                    doc_to_target="label",
+                    target_delimiter="",
+                    metric_list=[{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+                )
+            )
         for task in tasks:
             target = out_dir / f"{task['task']}.yaml"
             content = yaml.safe_dump(task, sort_keys=False, allow_unicode=True)
@@ -96,9 +107,19 @@ def run_tasks(
 
     manager = TaskManager(include_path=str(tasks_dir), include_defaults=False)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
-                              num_fewshot=0, log_samples=False, bootstrap_iters=0, random_seed=0,
-                              numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    results = simple_evaluate(
+        model=lm,
+        tasks=list(tasks),
+        task_manager=manager,
+        limit=limit,
+        num_fewshot=0,
+        log_samples=False,
+        bootstrap_iters=0,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+        fewshot_random_seed=0,
+    )
     scores: dict[str, float] = {}
     for name, metrics in results["results"].items():
         for key in ("exact_match,none", "acc,none"):

@@ -101,8 +101,7 @@ def train(
             raise ConfigError(f"domain_weights has {len(profile.domain_weights)} entries for domains {domains}")
         weights = np.asarray(profile.domain_weights, dtype=np.float64) / sum(profile.domain_weights)
     model.set_experts_implementation(profile.experts_implementation)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=profile.lr, betas=(0.9, 0.98),
-                                  weight_decay=profile.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=profile.lr, betas=(0.9, 0.98), weight_decay=profile.weight_decay)
 
     def lr_at(step: int) -> float:
         if step < profile.warmup:
@@ -126,11 +125,22 @@ def train(
             scheduler.step()
             losses.append(out.loss.detach())
             if step % 200 == 0 or step == profile.steps - 1:
-                log.info("step %d loss %.4f aux %.4f %.2fs (cpu %.2fs)", step, float(out.loss.detach()),
-                         float(out.aux_loss.detach()), time.perf_counter() - start, time.process_time() - cpu_start)
+                log.info(
+                    "step %d loss %.4f aux %.4f %.2fs (cpu %.2fs)",
+                    step,
+                    float(out.loss.detach()),
+                    float(out.aux_loss.detach()),
+                    time.perf_counter() - start,
+                    time.process_time() - cpu_start,
+                )
     model.eval()
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     tail = torch.stack(losses[-50:]).mean()
     # cpu_seconds / threads estimates the wall time on idle cores when the machine is shared.
-    return {"train_seconds": seconds, "train_cpu_seconds": cpu_seconds, "final_loss": float(tail),
-            "steps": profile.steps, "load_average": list(os.getloadavg())}
+    return {
+        "train_seconds": seconds,
+        "train_cpu_seconds": cpu_seconds,
+        "final_loss": float(tail),
+        "steps": profile.steps,
+        "load_average": list(os.getloadavg()),
+    }

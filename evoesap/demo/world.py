@@ -65,8 +65,10 @@ class DemoWorld:
         deployment mix (`MIX`: calibration, search, search_heldout)."""
         known = (domain in DOMAINS and split in SPLITS) or (domain == MIX and split in MIX_SPLITS)
         if not known:
-            raise ConfigError(f"no demo data for domain {domain!r} split {split!r}; domains {sorted(DOMAINS)} "
-                              f"with splits {list(SPLITS)}, or {MIX!r} with {list(MIX_SPLITS)}")
+            raise ConfigError(
+                f"no demo data for domain {domain!r} split {split!r}; domains {sorted(DOMAINS)} "
+                f"with splits {list(SPLITS)}, or {MIX!r} with {list(MIX_SPLITS)}"
+            )
         return self.data_dir / domain / f"{split}.jsonl"
 
 
@@ -81,8 +83,7 @@ def world_key(seed: int, profile: str) -> str:
     for module in (_domains, _tokenizer, _train):
         h.update(Path(module.__file__).read_bytes())
     h.update(source_closure(Path(_data.__file__), "encode_sample").encode())
-    h.update(json.dumps({"seed": seed, "profile": dataclasses.asdict(get_profile(profile))},
-                        sort_keys=True).encode())
+    h.update(json.dumps({"seed": seed, "profile": dataclasses.asdict(get_profile(profile))}, sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -112,9 +113,12 @@ def source_closure(path: Path, *roots: str) -> str:
         reached.add(id(node))
         todo.extend(n.id for n in ast.walk(node) if isinstance(n, ast.Name))
     lines = text.splitlines()
-    spans = [(min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno]), node.end_lineno)
-             for node in body if id(node) in reached]  # decorators included: @dataclass(frozen=True) matters
-    return "\n".join("\n".join(lines[a - 1:b]) for a, b in spans)
+    spans = [
+        (min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno]), node.end_lineno)
+        for node in body
+        if id(node) in reached
+    ]  # decorators included: @dataclass(frozen=True) matters
+    return "\n".join("\n".join(lines[a - 1 : b]) for a, b in spans)
 
 
 @contextlib.contextmanager
@@ -130,17 +134,26 @@ def _lock(root: Path) -> Iterator[None]:
 
 def _world(root: Path, meta: dict) -> DemoWorld:
     mc = tuple(task_name(d, True) for d in sorted(DOMAINS) if DOMAINS[d].multiple_choice)
-    return DemoWorld(root=root, model_dir=root / "model", data_dir=root / "data", tasks_dir=root / "tasks",
-                     generative_tasks=tuple(task_name(d) for d in sorted(DOMAINS)), multiple_choice_tasks=mc,
-                     tag=TAG, seed=meta["seed"], profile=meta["profile"], key=meta["key"], info=meta["info"])
+    return DemoWorld(
+        root=root,
+        model_dir=root / "model",
+        data_dir=root / "data",
+        tasks_dir=root / "tasks",
+        generative_tasks=tuple(task_name(d) for d in sorted(DOMAINS)),
+        multiple_choice_tasks=mc,
+        tag=TAG,
+        seed=meta["seed"],
+        profile=meta["profile"],
+        key=meta["key"],
+        info=meta["info"],
+    )
 
 
 def _ensure_tasks(root: Path) -> None:
     """(Re)write the task YAMLs so their absolute paths point here, even if the directory was moved."""
     tok = transformers.AutoTokenizer.from_pretrained(str(root / "model"))
     files = {d: root / "data" / d / "evaluation.jsonl" for d in sorted(DOMAINS)}
-    write_tasks(root / "tasks", files, tok,
-                multiple_choice=tuple(d for d in DOMAINS if DOMAINS[d].multiple_choice))
+    write_tasks(root / "tasks", files, tok, multiple_choice=tuple(d for d in DOMAINS if DOMAINS[d].multiple_choice))
 
 
 def _ensure_mix(data_dir: Path) -> None:
@@ -178,12 +191,18 @@ def _build_into(staging: Path, seed: int, profile_name: str) -> dict:
     params = sum(p.numel() for p in model.parameters())
     expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     weights = sorted(model_dir.glob("*.safetensors"))
-    return dict(figures, build_seconds=time.perf_counter() - start, parameters=params,
-                expert_parameters=expert_params, parameter_bytes=sum(p.numel() * p.element_size()
-                                                                     for p in model.parameters()),
-                safetensors_bytes=sum(w.stat().st_size for w in weights),
-                weights_sha256=weights_hash(model_dir), torch_threads=profile.threads,
-                torch_version=torch.__version__, transformers_version=transformers.__version__)
+    return dict(
+        figures,
+        build_seconds=time.perf_counter() - start,
+        parameters=params,
+        expert_parameters=expert_params,
+        parameter_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        safetensors_bytes=sum(w.stat().st_size for w in weights),
+        weights_sha256=weights_hash(model_dir),
+        torch_threads=profile.threads,
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+    )
 
 
 def weights_hash(model_dir: Path) -> str:

@@ -211,6 +211,5 @@ def family_of(model_type: str) -> Family:
         return FAMILIES[model_type]
     except KeyError:
         raise ModelError(
-            f"model_type {model_type!r} is not a supported MoE family; supported: "
-            f"{', '.join(sorted(FAMILIES))}"
+            f"model_type {model_type!r} is not a supported MoE family; supported: {', '.join(sorted(FAMILIES))}"
         ) from None

@@ -64,9 +64,7 @@ def read_header(f: IO[bytes]) -> tuple[int, dict[str, Entry], dict[str, str]]:
         raise ArtifactError(f"not a safetensors file: header length {size} is implausible")
     header = json.loads(f.read(size))
     metadata = header.pop("__metadata__", None) or {}
-    entries = {
-        name: Entry(name, info["dtype"], tuple(info["shape"]), *info["data_offsets"]) for name, info in header.items()
-    }
+    entries = {name: Entry(name, info["dtype"], tuple(info["shape"]), *info["data_offsets"]) for name, info in header.items()}
     return 8 + size, entries, metadata
 
 

@@ -162,9 +162,7 @@ def check_pruned(spec: MoESpec, pruned: Pruned) -> dict[int, tuple[int, ...]]:
         experts = [_as_int(e, f"expert id in MoE layer {ordinal}") for e in ids]
         bad = sorted(e for e in experts if not 0 <= e < layer.num_experts)
         if bad:
-            raise ConfigError(
-                f"unknown expert ids {bad} in MoE layer {ordinal}, which has experts 0..{layer.num_experts - 1}"
-            )
+            raise ConfigError(f"unknown expert ids {bad} in MoE layer {ordinal}, which has experts 0..{layer.num_experts - 1}")
         duplicates = sorted(e for e, n in collections.Counter(experts).items() if n > 1)
         if duplicates:
             raise ConfigError(f"duplicate expert ids {duplicates} in MoE layer {ordinal}")
@@ -233,8 +231,13 @@ def pruning_space(spec: MoESpec, granularity: int = 1) -> PruningSpace:
             kept.append(max(layer.top_k, layer.n_group * _min_kept_per_group(layer)))
             g = math.lcm(g, layer.n_group)
     if g != granularity:
-        log.warning("granularity %d raised to %d: this %s model routes group-limited, so every layer must lose "
-                    "the same number of experts from each group", granularity, g, spec.family)
+        log.warning(
+            "granularity %d raised to %d: this %s model routes group-limited, so every layer must lose "
+            "the same number of experts from each group",
+            granularity,
+            g,
+            spec.family,
+        )
     return PruningSpace(spec.num_experts, tuple(kept), g)
 
 

@@ -192,9 +192,7 @@ class _KeyMapper:
         return self._dtype
 
 
-def _plan(
-    entry: shards.Entry, start: int, indexed: _Indexed | None, per_expert: bool, dtype: str
-) -> shards.Planned | None:
+def _plan(entry: shards.Entry, start: int, indexed: _Indexed | None, per_expert: bool, dtype: str) -> shards.Planned | None:
     """How one stored tensor is written: whole, renamed (per-expert key), sliced, or not at all (removed)."""
     convert = entry.dtype if dtype != entry.dtype else None
     whole = ((start + entry.begin, start + entry.end),)
@@ -207,7 +205,7 @@ def _plan(
         expert = int(match.group(1))
         if expert not in indexed.keep:
             return None
-        name = f"{entry.name[: match.start()]}.experts.{indexed.keep.index(expert)}.{entry.name[match.end():]}"
+        name = f"{entry.name[: match.start()]}.experts.{indexed.keep.index(expert)}.{entry.name[match.end() :]}"
         return shards.Planned(name, dtype, entry.shape, whole, convert)
     axis = indexed.axis
     if entry.shape[axis] != indexed.num_experts:

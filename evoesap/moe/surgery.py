@@ -39,9 +39,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 _CONFIG_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "subfolder")
 
 
-def _resize(
-    block: MoEBlock, family: Family, num_experts: int, make: Callable[[torch.Tensor, int], torch.Tensor]
-) -> None:
+def _resize(block: MoEBlock, family: Family, num_experts: int, make: Callable[[torch.Tensor, int], torch.Tensor]) -> None:
     """Replace every expert-indexed tensor of `block` by `make(old, expert_axis)`, and the counts; the same
     code the modeling file of a non-uniform checkpoint runs (`per_layer_modeling`)."""
     per_layer_modeling.resize_experts(block.block, layout(family), num_experts, make)
@@ -145,9 +143,7 @@ def load_pruned(uri_or_hub_name: str, **from_pretrained_kwargs: Any) -> PreTrain
         stock = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         counts = getattr(config, PER_LAYER_KEY, None)
         cls = _shrinking(stock, family_of(config.model_type), counts) if counts else stock
-        model, info = cls.from_pretrained(
-            source, config=config, use_safetensors=True, output_loading_info=True, **kwargs
-        )
+        model, info = cls.from_pretrained(source, config=config, use_safetensors=True, output_loading_info=True, **kwargs)
     problems = {k: sorted(map(str, v)) for k, v in info.items() if v}
     if problems:
         raise ArtifactError(f"{uri_or_hub_name} does not match its model exactly: {problems}")

@@ -202,8 +202,11 @@ class CandidateEvaluator:
 
             budget = free_memory_bytes(self.device) // 2
         fits = cache.heavy_bytes <= budget
-        log.info("teacher cache (%.2f GiB) %s", cache.heavy_bytes / 2**30,
-                 f"on {self.device}" if fits else f"streamed from the host: over the {budget / 2**30:.2f} GiB budget")
+        log.info(
+            "teacher cache (%.2f GiB) %s",
+            cache.heavy_bytes / 2**30,
+            f"on {self.device}" if fits else f"streamed from the host: over the {budget / 2**30:.2f} GiB budget",
+        )
         return fits
 
     def _sample_index(self, samples: Sequence[int] | None) -> torch.Tensor:
@@ -268,8 +271,10 @@ class CandidateEvaluator:
         else:
             hidden, point = self._stack([starts[s][1] for s in order[:active]], input_ids.shape[1]), self._starts[first]
         ctx = None  # masks and rotary embeddings of the active rows, built when an attention half first needs them
-        stations = sorted({a for a in (self.prefix.boundaries if self.prefix is not None else ()) if a > first}
-                          | {starts[s][0] for s in order[active:]})
+        stations = sorted(
+            {a for a in (self.prefix.boundaries if self.prefix is not None else ()) if a > first}
+            | {starts[s][0] for s in order[active:]}
+        )
         for a in stations:
             ctx = ctx or runner.context(hidden, attention_mask[:active])
             hidden = self._advance(hidden, ctx, point, self._starts[a], sum(lengths[:active]))
@@ -336,8 +341,10 @@ class CandidateEvaluator:
             return values, values
         if cache.mode == "topk":  # only esap reaches here (checked in __init__)
             return metrics.esap_topk_bounds(
-                cache.column_rows("topk_ids", rows, self.device), cache.column_rows("topk_logprobs", rows, self.device),
-                cache.tail_mass[rows], logits
+                cache.column_rows("topk_ids", rows, self.device),
+                cache.column_rows("topk_logprobs", rows, self.device),
+                cache.tail_mass[rows],
+                logits,
             )
         teacher = cache.column_rows("logprobs", rows, self.device)  # [P_b, V] stored dtype; the metrics upcast
         if name == "esap":

@@ -144,7 +144,10 @@ class LayerRunner:
         position_ids = torch.arange(embeds.shape[1], device=embeds.device).unsqueeze(0)  # [1, T]
         built = {
             kind: mask(
-                config=self.config, inputs_embeds=embeds, attention_mask=attention_mask, cache=None,
+                config=self.config,
+                inputs_embeds=embeds,
+                attention_mask=attention_mask,
+                cache=None,
                 position_ids=position_ids,
             )
             for kind, mask in self._masks.items()

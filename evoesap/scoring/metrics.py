@@ -111,9 +111,7 @@ def per_sample_mean(values: torch.Tensor, sample_index: torch.Tensor, num_sample
     values = _f32(values)
     idx = sample_index.long().to(values.device)
     sums = torch.zeros(num_samples, dtype=torch.float32, device=values.device).index_add_(0, idx, values)
-    counts = torch.zeros(num_samples, dtype=torch.float32, device=values.device).index_add_(
-        0, idx, torch.ones_like(values)
-    )
+    counts = torch.zeros(num_samples, dtype=torch.float32, device=values.device).index_add_(0, idx, torch.ones_like(values))
     return sums / counts  # 0/0 = NaN marks a sample with no scored position
 
 
@@ -149,4 +147,3 @@ def metric(name: str) -> Metric:
         return METRICS[name]
     except KeyError:
         raise ConfigError(f"unknown metric {name!r}: choose one of {', '.join(METRICS)}") from None
-

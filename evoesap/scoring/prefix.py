@@ -58,11 +58,18 @@ class PrefixCache:
             log.warning(
                 "prefix cache budget %d bytes holds no layer boundary for %d allocations (%d bytes each): "
                 "prefix reuse is off; raise prefix_cache_bytes to at least %d",
-                self.budget, self.keep + 1, boundary_bytes, (self.keep + 1) * boundary_bytes,
+                self.budget,
+                self.keep + 1,
+                boundary_bytes,
+                (self.keep + 1) * boundary_bytes,
             )
         elif len(self.boundaries) < len(boundaries):
-            log.info("prefix cache keeps MoE boundaries %s of %d (budget %d bytes)",
-                     list(self.boundaries), len(boundaries), self.budget)
+            log.info(
+                "prefix cache keeps MoE boundaries %s of %d (budget %d bytes)",
+                list(self.boundaries),
+                len(boundaries),
+                self.budget,
+            )
         self._entries: dict[EntryKey, _Entry] = {}
         self._fitness: dict[Sets, float] = {}  # committed allocations that own live entries
         self.bytes = 0
@@ -121,6 +128,5 @@ class PrefixCache:
                 break
             freed += self._entries.pop(key).bytes
         self.bytes -= freed
-        self._fitness = {s: f for s, f in self._fitness.items()
-                         if any((a, s[:a]) in self._entries for a in self.boundaries)}
+        self._fitness = {s: f for s, f in self._fitness.items() if any((a, s[:a]) in self._entries for a in self.boundaries)}
         return True

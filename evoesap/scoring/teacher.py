@@ -130,8 +130,7 @@ class CacheMeta:
         data = json.loads(text)
         if data.get("format") != CACHE_FORMAT:
             raise ArtifactError(
-                f"teacher cache format {data.get('format')!r} is not {CACHE_FORMAT}: rebuild it with "
-                "`evoesap cache-logits`"
+                f"teacher cache format {data.get('format')!r} is not {CACHE_FORMAT}: rebuild it with `evoesap cache-logits`"
             )
         data["shards"] = tuple(data["shards"])
         return cls(**data)
@@ -186,7 +185,10 @@ class _ShardWriter:
         light = [f.name for f in self.schema if not pa.types.is_fixed_size_binary(f.type)]
         # binary rows of log-probabilities hardly compress and need no statistics or dictionary
         self._writer = pq.ParquetWriter(
-            self.root / name, self.schema, use_dictionary=light, write_statistics=light,
+            self.root / name,
+            self.schema,
+            use_dictionary=light,
+            write_statistics=light,
             compression={f.name: "snappy" if f.name in light else "none" for f in self.schema},
         )
         self._rows = 0
@@ -219,7 +221,9 @@ def _fixed_list(values: np.ndarray, pa_type: pa.DataType) -> pa.Array:
 def _binary_rows(values: np.ndarray) -> pa.Array:
     """[N, W] numpy -> fixed_size_binary[W * itemsize], one row per value row, without copying."""
     values = np.ascontiguousarray(values)
-    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(values.shape[1] * values.itemsize), len(values), [None, pa.py_buffer(values)])
+    return pa.FixedSizeBinaryArray.from_buffers(
+        pa.binary(values.shape[1] * values.itemsize), len(values), [None, pa.py_buffer(values)]
+    )
 
 
 def _rows_of(column: pa.Array, dtype: np.dtype) -> np.ndarray:
@@ -227,7 +231,9 @@ def _rows_of(column: pa.Array, dtype: np.dtype) -> np.ndarray:
     n = len(column)
     if pa.types.is_fixed_size_binary(column.type):
         width = column.type.byte_width // dtype.itemsize
-        return np.frombuffer(column.buffers()[1], dtype=dtype, count=n * width, offset=column.offset * column.type.byte_width).reshape(n, width)
+        return np.frombuffer(
+            column.buffers()[1], dtype=dtype, count=n * width, offset=column.offset * column.type.byte_width
+        ).reshape(n, width)
     return column.flatten().to_numpy(zero_copy_only=False).reshape(n, -1)
 
 
@@ -259,8 +265,12 @@ def write_cache(
     out_dir = Path(out_dir)
     id_type = _id_type(tokenized)
     width = vocab if mode == "full" else 2 * top_k
-    writer = _ShardWriter(out_dir, _schema(mode, top_k, vocab, torch_dtype, id_type),
-                          shard_bytes // max(1, width * torch_dtype.itemsize), ROW_GROUP_BYTES // max(1, width * torch_dtype.itemsize))
+    writer = _ShardWriter(
+        out_dir,
+        _schema(mode, top_k, vocab, torch_dtype, id_type),
+        shard_bytes // max(1, width * torch_dtype.itemsize),
+        ROW_GROUP_BYTES // max(1, width * torch_dtype.itemsize),
+    )
     layout = _Rows(mode, top_k, torch_dtype, id_type, max(1, head_bytes // (HEAD_TEMPORARIES * 4 * vocab)))
     scored = [scored_positions(s.answer_mask) for s in tokenized]
     empty = sum(1 for p in scored if not p)
@@ -301,8 +311,9 @@ def write_cache(
     return meta
 
 
-def _check_request(tokenized: Sequence[TokenizedLike], mode: str, top_k: int | None, dtype: str, batch_size: int,
-                   vocab: int) -> None:
+def _check_request(
+    tokenized: Sequence[TokenizedLike], mode: str, top_k: int | None, dtype: str, batch_size: int, vocab: int
+) -> None:
     """Refuse a cache that cannot be written, before the model runs."""
     if mode not in MODES:
         raise ConfigError(f"cache mode {mode!r} is not one of {MODES}")
@@ -521,8 +532,9 @@ def load_cache(uri: str) -> TeacherCache:
             for shard in meta.shards:
                 artifacts.join(uri, shard)  # shard names stay inside the artifact
         except (ValueError, TypeError, KeyError, ArtifactError) as exc:
-            raise ArtifactError(f"{artifacts.redact(uri)}/{META_FILE} is malformed ({exc}): rebuild it with "
-                                "`evoesap cache-logits`") from None
+            raise ArtifactError(
+                f"{artifacts.redact(uri)}/{META_FILE} is malformed ({exc}): rebuild it with `evoesap cache-logits`"
+            ) from None
         files = [Path(root) / s for s in meta.shards]
         missing = [s for s, f in zip(meta.shards, files) if not f.exists()]
         if missing or not (Path(root) / SAMPLES_FILE).exists():
@@ -595,4 +607,3 @@ def _fill(cache: TeacherCache, files: Sequence[Path], destination: np.ndarray | 
             row += n
     if row != cache.meta.num_positions:
         raise ArtifactError("teacher cache shards hold fewer rows than cache.json says: the cache is corrupt, rebuild it")
-

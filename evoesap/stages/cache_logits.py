@@ -21,8 +21,9 @@ class CacheLogitsParams(DeviceParams, SampleParams):
 
     seed: int = param(42, "Seed of the sample selection: which samples are drawn.")
     mode: str | None = param(
-        None, "full (whole-vocabulary log-probabilities) or topk (top-K + tail mass: ESAP bounds); unset: full where "
-        "a search on this machine could hold it, else topk."
+        None,
+        "full (whole-vocabulary log-probabilities) or topk (top-K + tail mass: ESAP bounds); unset: full where "
+        "a search on this machine could hold it, else topk.",
     )
     top_k: int = param(64, "K for mode topk.")
     dtype: str = param("float16", "Storage of log-probabilities: float16 (half the bytes) or float32 (exact).")

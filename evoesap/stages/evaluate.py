@@ -24,19 +24,24 @@ SCHEMA_VERSION = 1
 class EvaluateParams(DeviceParams):
     """What to run and how; the labels (criterion, sparsity, method) only name the run in the report."""
 
-    tasks: tuple[str, ...] = param(("mc", "math"), "Comma-separated: suites mc, math, code; lm-eval task names; task "
-                                                   "directories.")
+    tasks: tuple[str, ...] = param(
+        ("mc", "math"), "Comma-separated: suites mc, math, code; lm-eval task names; task directories."
+    )
     limit: float | None = param(None, "At most N examples per task, for smoke runs (below 1: a fraction).")
     batch_size: int | str = param(8, "An integer or 'auto'.")
     allow_code_execution: bool = param(False, "Run model-written code (the code suite); use a sandbox.")
-    enable_thinking: bool = param(False, "Chat template switch of reasoning models for generation tasks (the paper "
-                                         "turns it off).")
+    enable_thinking: bool = param(
+        False, "Chat template switch of reasoning models for generation tasks (the paper turns it off)."
+    )
     think_end_token: str = param("</think>", "The answer follows this, when thinking is on.")
     max_length: int | None = param(None, "Context length for lm-eval; unset: the model config's.")
     backend: str = param("hf", "lm-eval model: hf (transformers) or vllm (EVOESAP_VLLM_PYTHON's environment).")
     tensor_parallel: int = param(1, "vllm backend: GPUs each layer is split across (vLLM's tensor_parallel_size).")
-    pipeline_parallel: int = param(1, "vllm backend: GPUs the layers are split across in sequence "
-                                      "(pipeline_parallel_size); the engine uses tensor_parallel x pipeline_parallel GPUs.")
+    pipeline_parallel: int = param(
+        1,
+        "vllm backend: GPUs the layers are split across in sequence "
+        "(pipeline_parallel_size); the engine uses tensor_parallel x pipeline_parallel GPUs.",
+    )
     esap_batch_size: int = param(8, "Batch size of held-out ESAP, when a teacher cache is given.")
     criterion: str | None = param(None, "Label for the report: the criterion the model was pruned with.")
     sparsity: float | None = param(None, "Label for the report: the sparsity the model was pruned at.")
@@ -55,8 +60,10 @@ class EvaluateParams(DeviceParams):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.gpus() > 1 and self.backend != "vllm":
-            raise ConfigError(f"tensor_parallel/pipeline_parallel split the vllm backend's engine, not {self.backend!r}: "
-                              "pass backend vllm (the hf backend spreads a model with device_map instead)")
+            raise ConfigError(
+                f"tensor_parallel/pipeline_parallel split the vllm backend's engine, not {self.backend!r}: "
+                "pass backend vllm (the hf backend spreads a model with device_map instead)"
+            )
         super().__post_init__()
 
     def gpus(self) -> int:

@@ -20,13 +20,15 @@ from evoesap.moe.spec import MoESpec
 log = logging.getLogger(__name__)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class PruneParams(StageParams):
     """Which experts go: the criterion's order within each layer, the allocation's (or uniform) counts."""
 
-    criterion: str = param("reap", "Importance criterion whose pruning order decides which experts go: frequency, "
-                                   "seer, ean or reap (must match the allocation's).")
+    criterion: str = param(
+        "reap",
+        "Importance criterion whose pruning order decides which experts go: frequency, "
+        "seer, ean or reap (must match the allocation's).",
+    )
     sparsity: float = param(0.25, "Global share of routed experts removed, in (0, 1) (must match the allocation's).")
     granularity: int = param(1, "Every per-layer count is a multiple of this (expert parallelism).")
     model_dtype: str = param("auto", "Dtype the checkpoint is written in: auto (its own), float32, bfloat16, float16.")
@@ -44,14 +46,21 @@ class PruneParams(StageParams):
         super().__post_init__()
 
 
-def planned_pruning(scores_uri: str, params: PruneParams, spec: MoESpec, allocation: str | None) -> tuple[str, list[int], dict[int, list[int]]]:
+def planned_pruning(
+    scores_uri: str, params: PruneParams, spec: MoESpec, allocation: str | None
+) -> tuple[str, list[int], dict[int, list[int]]]:
     """(method, removal counts, pruned expert ids per MoE layer) for this run."""
     from evoesap import moe
     from evoesap.importance import model_orders, read_scores
 
     if allocation is not None:
-        counts, pruned = records.allocation_counts(records.read(allocation, records.ALLOCATION_FILE), allocation, spec,
-                                                   criterion=params.criterion, sparsity=params.sparsity)
+        counts, pruned = records.allocation_counts(
+            records.read(allocation, records.ALLOCATION_FILE),
+            allocation,
+            spec,
+            criterion=params.criterion,
+            sparsity=params.sparsity,
+        )
         return "searched", counts, pruned
     space = moe.pruning_space(spec, params.granularity)
     budget = alloc.budget(params.sparsity, space.num_experts, space.min_kept, space.granularity)

@@ -37,10 +37,14 @@ class PublishParams:
     token_env: str = param("HF_TOKEN", "Environment variable holding the Hub token (a secret; never logged or recorded).")
     endpoint: str | None = param(None, "Hub endpoint URL; unset: huggingface_hub's (HF_ENDPOINT, else huggingface.co).")
     private: bool = param(True, "Create the Hub repository private when it does not exist yet.")
-    base_model: str | None = param(None, "Hub name of the base model, when the model was pruned from a local copy or "
-                                         "URI of it (a hub base names itself).")
-    license: str | None = param(None, "License of the base model when its card names none (a license on the base "
-                                      "model's card is carried and cannot be changed).")
+    base_model: str | None = param(
+        None, "Hub name of the base model, when the model was pruned from a local copy or URI of it (a hub base names itself)."
+    )
+    license: str | None = param(
+        None,
+        "License of the base model when its card names none (a license on the base "
+        "model's card is carried and cannot be changed).",
+    )
     digits: int = param(3, "Decimals in the evaluation table.")
 
     def __post_init__(self) -> None:
@@ -86,12 +90,16 @@ def _match_evaluations(pruned_uri: str, evaluations: Sequence[str]) -> _Inputs:
                 "give the evaluations of these two"
             )
         if role in found:
-            raise ConfigError(f"--evaluations {artifacts.redact(found[role])} and {artifacts.redact(uri)} both evaluate "
-                              f"the {role} model: give one")
+            raise ConfigError(
+                f"--evaluations {artifacts.redact(found[role])} and {artifacts.redact(uri)} both evaluate "
+                f"the {role} model: give one"
+            )
         found[role] = uri
     if "pruned" not in found:
-        raise ConfigError(f"no evaluation of the pruned model {artifacts.redact(pruned_uri)} among --evaluations: run "
-                          f"`evoesap evaluate --model {artifacts.redact(pruned_uri)}` and give its output")
+        raise ConfigError(
+            f"no evaluation of the pruned model {artifacts.redact(pruned_uri)} among --evaluations: run "
+            f"`evoesap evaluate --model {artifacts.redact(pruned_uri)}` and give its output"
+        )
     return _Inputs(pruned, found["pruned"], found.get("full"))
 
 
@@ -99,15 +107,19 @@ def _check_search(search: str, pruned: artifacts.Manifest, pruned_uri: str) -> N
     artifacts.read_manifest(search, "search")
     used = pruned.inputs.get("allocation", {}).get("manifest_sha256")
     if used != artifacts.manifest_sha256(search):
-        raise ConfigError(f"--search {artifacts.redact(search)} is not the search {artifacts.redact(pruned_uri)} was "
-                          "pruned by: give the prune artifact's --allocation, or leave --search out")
+        raise ConfigError(
+            f"--search {artifacts.redact(search)} is not the search {artifacts.redact(pruned_uri)} was "
+            "pruned by: give the prune artifact's --allocation, or leave --search out"
+        )
 
 
 def _check_report(report: str, pruned_eval: str) -> None:
     runs = artifacts.read_manifest(report, "report").inputs
     if artifacts.manifest_sha256(pruned_eval) not in {e.get("manifest_sha256") for e in runs.values()}:
-        raise ConfigError(f"--report {artifacts.redact(report)} does not cover the pruned model's evaluation "
-                          f"{artifacts.redact(pruned_eval)}: give a report made with it (evoesap report --runs ...)")
+        raise ConfigError(
+            f"--report {artifacts.redact(report)} does not cover the pruned model's evaluation "
+            f"{artifacts.redact(pruned_eval)}: give a report made with it (evoesap report --runs ...)"
+        )
 
 
 def _base_card(entry: Mapping[str, Any]) -> dict[str, Any]:
@@ -136,12 +148,16 @@ def _base(entry: Mapping[str, Any], params: PublishParams) -> tuple[str | None, 
     """(hub name of the base model, the license keys its card names, else the one given)."""
     named = entry["name"] if entry.get("kind") == "hub" else None
     if params.base_model and named and params.base_model != named:
-        raise ConfigError(f"base_model {params.base_model!r} contradicts the model the checkpoint was pruned from "
-                          f"({named}): leave base_model unset")
+        raise ConfigError(
+            f"base_model {params.base_model!r} contradicts the model the checkpoint was pruned from "
+            f"({named}): leave base_model unset"
+        )
     carried = {k: str(v) for k, v in _base_card(entry).items() if k in card.LICENSE_KEYS and v}
     if params.license and carried.get("license") not in (None, params.license):
-        raise ConfigError(f"license {params.license!r} contradicts the base model's card ({carried['license']}): a "
-                          "pruned model keeps its base's license; leave license unset")
+        raise ConfigError(
+            f"license {params.license!r} contradicts the base model's card ({carried['license']}): a "
+            "pruned model keeps its base's license; leave license unset"
+        )
     if not carried and params.license:
         carried = {"license": params.license}
     if not carried:
@@ -159,8 +175,10 @@ def _copy_payload(uri: str, manifest: artifacts.Manifest, dest: Path, skip: tupl
         target.parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(f"{root.rstrip('/')}/{rel}", str(target))
         if artifacts.sha256_file(target) != expected:
-            raise ArtifactError(f"{artifacts.redact(uri)}: {rel} does not match the sha256 in its manifest (truncated "
-                                f"or changed): {artifacts.rebuild_hint(manifest.stage)}")
+            raise ArtifactError(
+                f"{artifacts.redact(uri)}: {rel} does not match the sha256 in its manifest (truncated "
+                f"or changed): {artifacts.rebuild_hint(manifest.stage)}"
+            )
 
 
 def run_publish(
@@ -173,8 +191,7 @@ def run_publish(
     report: str | None = None,
 ) -> artifacts.Manifest:
     """Write the model card beside the pruned checkpoint, push the artifact to `to` and `repo`, then publish it."""
-    inputs = {"pruned": pruned, **{f"evaluations.{i}": u for i, u in enumerate(evaluations)}, "search": search,
-              "report": report}
+    inputs = {"pruned": pruned, **{f"evaluations.{i}": u for i, u in enumerate(evaluations)}, "search": search, "report": report}
     seen = artifacts.preflight(out_uri, "publish", inputs)
     matched = _match_evaluations(pruned, evaluations)
     if search is not None:
@@ -182,8 +199,13 @@ def run_publish(
     if report is not None:
         _check_report(report, matched.pruned_eval)
     report_manifest = artifacts.read_manifest(report, "report") if report else None
-    planned = {*matched.pruned.files, CARD_FILE, card.DENSITY_FILE, artifacts.MANIFEST,
-               *(f"{REPORT_DIR}/{rel}" for rel in (report_manifest.files if report_manifest else ()))}
+    planned = {
+        *matched.pruned.files,
+        CARD_FILE,
+        card.DENSITY_FILE,
+        artifacts.MANIFEST,
+        *(f"{REPORT_DIR}/{rel}" for rel in (report_manifest.files if report_manifest else ())),
+    }
     to_seen = _check_to(params.to, out_uri, inputs)
     secret = hub.token(params.token_env) if params.repo else ""
     if params.repo:
@@ -209,9 +231,15 @@ def run_publish(
         if params.to is not None and to_seen is not None:
             artifacts.publish_copy(staging, params.to, manifest, to_seen)
         if params.repo:
-            hub.push(staging, params.repo, endpoint=params.endpoint, secret=secret, private=params.private,
-                     message=f"EvoESAP: {evidence.base_model or 'model'} pruned ({pruning['criterion']}, "
-                             f"{pruning['sparsity']:.0%}, {pruning['method']})")
+            hub.push(
+                staging,
+                params.repo,
+                endpoint=params.endpoint,
+                secret=secret,
+                private=params.private,
+                message=f"EvoESAP: {evidence.base_model or 'model'} pruned ({pruning['criterion']}, "
+                f"{pruning['sparsity']:.0%}, {pruning['method']})",
+            )
 
     with artifacts.stage_output(out_uri, "publish", dataclasses.asdict(params), inputs, seen, before_publish=push) as staging:
         _copy_payload(pruned, matched.pruned, staging, skip=(CARD_FILE,))  # the base model's card, which ours replaces
@@ -219,10 +247,13 @@ def run_publish(
             _copy_payload(report, report_manifest, staging / REPORT_DIR)
         card.write_density(pruning, staging / card.DENSITY_FILE)
         (staging / CARD_FILE).write_text(text)
-    log.info("published %s%s%s", artifacts.redact(out_uri), f", pushed to {artifacts.redact(params.to)}" if params.to else "",
-             f", pushed to the Hub repository {params.repo}" if params.repo else "")
+    log.info(
+        "published %s%s%s",
+        artifacts.redact(out_uri),
+        f", pushed to {artifacts.redact(params.to)}" if params.to else "",
+        f", pushed to the Hub repository {params.repo}" if params.repo else "",
+    )
     return artifacts.read_manifest(out_uri)
-
 
 
 def _check_to(to: str | None, out_uri: str, inputs: Mapping[str, str | None]) -> str | None:
@@ -231,8 +262,9 @@ def _check_to(to: str | None, out_uri: str, inputs: Mapping[str, str | None]) ->
         return None
     relation = artifacts.overlap(to, out_uri)
     if relation:
-        raise ConfigError(f"--to {artifacts.redact(to)} {relation} --out {artifacts.redact(out_uri)}: give another "
-                          "place to push to")
+        raise ConfigError(
+            f"--to {artifacts.redact(to)} {relation} --out {artifacts.redact(out_uri)}: give another place to push to"
+        )
     try:
         return artifacts.preflight(to, "publish", inputs)
     except ConfigError as exc:  # its checks are --out's, for another place

@@ -35,11 +35,17 @@ class Recipe:
 
 
 RECIPES: dict[str, Recipe] = {
-    "fp8-dynamic": Recipe("FP8_DYNAMIC", "rtn", False, None, "FP8 weights per channel, FP8 activations per token at run "
-                                                              "time; no calibration data"),
+    "fp8-dynamic": Recipe(
+        "FP8_DYNAMIC", "rtn", False, None, "FP8 weights per channel, FP8 activations per token at run time; no calibration data"
+    ),
     "w4a16-gptq": Recipe("W4A16", "gptq", True, 128, "4-bit integer weights in groups of 128 by GPTQ, 16-bit activations"),
-    "w4a16-awq": Recipe("W4A16_ASYM", "awq", True, 128, "4-bit asymmetric weights in groups of 128 by AWQ (llm-compressor "
-                                                        "0.14 runs AWQ on an accelerator only)"),
+    "w4a16-awq": Recipe(
+        "W4A16_ASYM",
+        "awq",
+        True,
+        128,
+        "4-bit asymmetric weights in groups of 128 by AWQ (llm-compressor 0.14 runs AWQ on an accelerator only)",
+    ),
 }
 # Not offered: W8A8 int8. Its checkpoint of an MoE model opens neither in transformers 5.24 (the int8 experts fail
 # the conversion to fused experts) nor in vLLM's CPU build 0.32 (no int8 MoE kernel): benchmarks/RESULTS.md, issue 28.
@@ -60,8 +66,9 @@ class QuantizeParams(DeviceParams, SampleParams):
 
     DEFAULT_SAMPLES: ClassVar[int] = 256
 
-    recipe: str | None = param(None, f"Quantization recipe by name: {', '.join(RECIPES)}. Unset in a pipeline "
-                                     "configuration: no quantize step.")
+    recipe: str | None = param(
+        None, f"Quantization recipe by name: {', '.join(RECIPES)}. Unset in a pipeline configuration: no quantize step."
+    )
     batch_size: int = param(1, "Calibration sequences per forward.")
 
     def __post_init__(self) -> None:
@@ -92,8 +99,10 @@ def check_widths(config: dict[str, Any], recipe: Recipe, where: str) -> None:
     widths |= {d for name, p in net.named_parameters() if ".experts." in name and p.ndim == 3 for d in p.shape[1:]}
     bad = sorted(w for w in widths if w % recipe.group_size)
     if bad:
-        raise ConfigError(f"{where}: widths {bad} are not multiples of the group size {recipe.group_size} that "
-                          f"{recipe.scheme} quantizes in: choose fp8-dynamic (per channel)")
+        raise ConfigError(
+            f"{where}: widths {bad} are not multiples of the group size {recipe.group_size} that "
+            f"{recipe.scheme} quantizes in: choose fp8-dynamic (per channel)"
+        )
 
 
 def checkpoint_bytes(uri: str) -> int:
@@ -106,8 +115,10 @@ def _family(model: str) -> tuple[Any, dict[str, Any]]:
     """(family row, config.json) of a checkpoint; unsupported or already quantized checkpoints are refused."""
     config = artifacts.read_json(artifacts.join(model, "config.json"))
     if config.get("quantization_config"):
-        raise ConfigError(f"{artifacts.redact(model)} is already quantized ({config['quantization_config'].get('quant_method')}): "
-                          "give the unquantized (pruned) checkpoint")
+        raise ConfigError(
+            f"{artifacts.redact(model)} is already quantized ({config['quantization_config'].get('quant_method')}): "
+            "give the unquantized (pruned) checkpoint"
+        )
     return family_of(str(config.get("model_type"))), config
 
 
@@ -161,8 +172,7 @@ def run_quantize(model: str, params: QuantizeParams, out_uri: str, data: str | N
     }  # fmt: skip
     with artifacts.stage_output(out_uri, "quantize", dataclasses.asdict(params), inputs, seen) as staging:
         with artifacts.local_copy(model) as local:
-            result = quantize_env.run_worker(python, {**request, "model": str(local), "out": str(staging)},
-                                             device=params.device)
+            result = quantize_env.run_worker(python, {**request, "model": str(local), "out": str(staging)}, device=params.device)
             before = checkpoint_bytes(str(local))
         if request["per_layer"]:  # the architecture name, auto_map and opt-in modeling file of every non-uniform checkpoint
             surgery.name_nonuniform(staging, family, request["per_layer"]["stock"])

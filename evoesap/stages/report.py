@@ -41,9 +41,7 @@ class ReportParams(StageParams):
 def _history(search_uri: str) -> tuple[str, pd.DataFrame, Mapping[str, Any]]:
     manifest = artifacts.read_manifest(search_uri, "search")
     history = pd.read_parquet(io.BytesIO(artifacts.read_payload(search_uri, records.HISTORY_FILE, manifest)))
-    label = " ".join(
-        str(v) for v in (manifest.params.get("criterion"), _pct(manifest.params.get("sparsity"))) if v is not None
-    )
+    label = " ".join(str(v) for v in (manifest.params.get("criterion"), _pct(manifest.params.get("sparsity"))) if v is not None)
     return label or search_uri, history, manifest.params | {"_inputs": manifest.inputs}
 
 
@@ -59,9 +57,7 @@ def _frequency_allocation(search: Mapping[str, Any], experts: Mapping[str, Any])
     if scores_uri is None or search.get("sparsity") is None:
         return None
     scores = read_scores(scores_uri)
-    frequency = [
-        group.sort_values("expert")["frequency"].tolist() for _, group in scores.groupby("layer", sort=True)
-    ]
+    frequency = [group.sort_values("expert")["frequency"].tolist() for _, group in scores.groupby("layer", sort=True)]
     n, k = experts["num_experts"], experts["top_k"]
     granularity = int(search.get("granularity", 1))
     budget = allocation.budget(float(search["sparsity"]), n, k, granularity)
@@ -94,8 +90,7 @@ def run_allocations(
                 groups[key]["frequency"] = (list(r), n)
     order = {m: i for i, m in enumerate(rp.METHOD_ORDER)}
     return {
-        key: dict(sorted(methods.items(), key=lambda kv: order.get(kv[0], len(order))))
-        for key, methods in sorted(groups.items())
+        key: dict(sorted(methods.items(), key=lambda kv: order.get(kv[0], len(order)))) for key, methods in sorted(groups.items())
     }
 
 
@@ -160,7 +155,8 @@ def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches:
             "images": images,
             "sources": rp.sources_table(traced.sources),
             "configuration": rp.configuration_table(
-                [*lineage.configuration(traced.nodes, NAMES), ("report (this page)", _as_configuration(params))]),
+                [*lineage.configuration(traced.nodes, NAMES), ("report (this page)", _as_configuration(params))]
+            ),
             "software": rp.software_table(lineage.software(traced.nodes)),
             "artifacts": rp.artifacts_table(traced.nodes, gives),
         }

@@ -40,13 +40,13 @@ from evoesap.racing import Racing
 log = logging.getLogger(__name__)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class SearchParams(DeviceParams):
     """Search settings; defaults are the paper's (seed 42, P 32, m 4, Delta_max 4, tau_max 3)."""
 
-    criterion: str = param("reap", "Importance criterion whose within-layer pruning order the allocation applies: "
-                                   "frequency, seer, ean or reap.")
+    criterion: str = param(
+        "reap", "Importance criterion whose within-layer pruning order the allocation applies: frequency, seer, ean or reap."
+    )
     sparsity: float = param(0.25, "Global share of routed experts removed, in (0, 1).")
     population: int = param(32, "Candidate allocations per generation (P).")
     elites: int = param(4, "Fittest allocations kept each generation (m).")
@@ -56,23 +56,29 @@ class SearchParams(DeviceParams):
     granularity: int = param(1, "Per-layer counts and transfers in multiples of this (2: the paper's even transfers).")
     seed: int = param(42, "Seed of the search.")
     metric: str = param("esap", "Fitness: esap, sap, kl or nll.")
-    heldout_fraction: float = param(0.25, "Share of the cached samples kept out of the search for the held-out check "
-                                          "(when there is no heldout_cache).")
+    heldout_fraction: float = param(
+        0.25, "Share of the cached samples kept out of the search for the held-out check (when there is no heldout_cache)."
+    )
     fallback_to_uniform: bool = param(False, "Return uniform when the searched allocation does not generalise.")
     resume: bool = param(False, "Continue an interrupted search from its checkpoint beside the output.")
     batch_size: int = param(8, "Sequences per forward.")
-    racing: bool = param(False, "Race new candidates over growing sample subsets first (successive halving); "
-                                "elites are ranked on the full set.")
+    racing: bool = param(
+        False, "Race new candidates over growing sample subsets first (successive halving); elites are ranked on the full set."
+    )
     racing_schedule: str = param("0.0625,0.25:0.25", "Subset shares of the racing levels, then the share that advances.")
     racing_min_samples: int = param(4, "Least samples any racing level scores.")
     racing_min_positions: int = param(256, "Least scored positions any racing level scores (evoesap.racing says why).")
     prefix_reuse: bool = param(True, "Start candidates from cached hidden states of the fittest allocations (exact).")
     prefix_cache_bytes: int | None = param(
-        None, "Budget of the prefix cache on the model's device; unset: states of 32 x (elites + 1) allocations, at "
-        "most half of the free memory."
+        None,
+        "Budget of the prefix cache on the model's device; unset: states of 32 x (elites + 1) allocations, at "
+        "most half of the free memory.",
     )
-    workers: int = param(1, "Processes scoring each generation's candidates (torchrun underneath), each with a model "
-                            "replica (evoesap.distributed).", keyed=False)  # the same artifact on any number
+    workers: int = param(
+        1,
+        "Processes scoring each generation's candidates (torchrun underneath), each with a model replica (evoesap.distributed).",
+        keyed=False,
+    )  # the same artifact on any number
 
     def __post_init__(self) -> None:
         from evoesap.importance import CRITERIA
@@ -95,11 +101,15 @@ class SearchParams(DeviceParams):
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
         if self.workers > 1 and self.device_map is not None:
-            raise ConfigError(f"workers={self.workers} gives each worker its own model replica: drop device_map "
-                              f"{self.device_map!r} (a sharded model runs with workers=1)")
+            raise ConfigError(
+                f"workers={self.workers} gives each worker its own model replica: drop device_map "
+                f"{self.device_map!r} (a sharded model runs with workers=1)"
+            )
         if self.workers > 1 and ":" in self.device:
-            raise ConfigError(f"workers={self.workers} puts each worker on the GPU of its local rank: use device "
-                              f"'auto' or 'cuda', not {self.device!r}")
+            raise ConfigError(
+                f"workers={self.workers} puts each worker on the GPU of its local rank: use device "
+                f"'auto' or 'cuda', not {self.device!r}"
+            )
         if self.racing:
             self.schedule()
         super().__post_init__()
@@ -137,10 +147,15 @@ def generalisation(searched: np.ndarray, uniform: np.ndarray) -> dict[str, Any]:
 def heldout_warning(check: dict[str, Any], metric: str, fallback: bool) -> str:
     """The warning for a held-out check the searched allocation failed: headline, numbers, what to do."""
     stderr = "n/a" if check["stderr"] is None else f"{check['stderr']:.2e}"
-    action = "falling back to uniform" if fallback else (
-        "the search set may be too small or saturated (consider more or longer samples, or fallback_to_uniform)")
-    return (f"searched allocation does not beat uniform on held-out samples: {metric} {check['searched']:.4f} vs "
-            f"uniform {check['uniform']:.4f} (difference {check['difference']:.2e}, stderr {stderr}); {action}")
+    action = (
+        "falling back to uniform"
+        if fallback
+        else ("the search set may be too small or saturated (consider more or longer samples, or fallback_to_uniform)")
+    )
+    return (
+        f"searched allocation does not beat uniform on held-out samples: {metric} {check['searched']:.4f} vs "
+        f"uniform {check['uniform']:.4f} (difference {check['difference']:.2e}, stderr {stderr}); {action}"
+    )
 
 
 def _checkpoint_uri(out_uri: str) -> str:
@@ -172,8 +187,9 @@ def _cost(totals: dict[str, int], unit: int, result: Any) -> dict[str, Any]:
     the full set or on a racing subset. `totals` sums the workers' `Scoring.totals` (the peak is the
     largest worker's); `unit` is one plain forward over the search samples.
     """
-    raced_only = len({h.allocation for h in result.history if h.level is not None} -
-                     {h.allocation for h in result.history if h.level is None})
+    raced_only = len(
+        {h.allocation for h in result.history if h.level is not None} - {h.allocation for h in result.history if h.level is None}
+    )
     candidates = result.evaluations + raced_only
     total = totals["work"] / unit
     return {
@@ -189,7 +205,9 @@ def _cost(totals: dict[str, int], unit: int, result: Any) -> dict[str, Any]:
     }
 
 
-def _plots(staging: Path, params: SearchParams, history: pd.DataFrame, allocations: dict[str, list[int]], n: tuple[int, ...]) -> None:
+def _plots(
+    staging: Path, params: SearchParams, history: pd.DataFrame, allocations: dict[str, list[int]], n: tuple[int, ...]
+) -> None:
     import matplotlib.pyplot as plt
 
     from evoesap import report
@@ -237,9 +255,13 @@ class Scoring:
     def totals(self) -> dict[str, int]:
         """This process's share of the search's cost (`_cost`)."""
         prefix = self.evaluator.prefix
-        return {"work": self.evaluator.work, "forwards": self.evaluator.forwards, "workers": 1,
-                "prefix_budget": prefix.budget if prefix is not None else 0,
-                "prefix_peak": prefix.peak_bytes if prefix is not None else 0}
+        return {
+            "work": self.evaluator.work,
+            "forwards": self.evaluator.forwards,
+            "workers": 1,
+            "prefix_budget": prefix.budget if prefix is not None else 0,
+            "prefix_peak": prefix.peak_bytes if prefix is not None else 0,
+        }
 
 
 def prepare_scoring(
@@ -274,20 +296,47 @@ def prepare_scoring(
         schedule.check(search_positions)  # before the model loads
     loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
     evaluator = CandidateEvaluator(
-        loaded, teacher, metric=params.metric, batch_size=params.batch_size,
-        prefix_cache_bytes=params.prefix_cache_bytes if params.prefix_reuse else 0, keep=params.elites,
+        loaded,
+        teacher,
+        metric=params.metric,
+        batch_size=params.batch_size,
+        prefix_cache_bytes=params.prefix_cache_bytes if params.prefix_reuse else 0,
+        keep=params.elites,
     )
-    held = evaluator if heldout_teacher is None else CandidateEvaluator(  # refuses another model's cache now
-        loaded, heldout_teacher, metric=params.metric, batch_size=params.batch_size, weights_hash=teacher.meta.model_hash,
-        cache_device_bytes=0,  # the held-out cache stays on the host: it must not take the search's device memory
+    held = (
+        evaluator
+        if heldout_teacher is None
+        else CandidateEvaluator(  # refuses another model's cache now
+            loaded,
+            heldout_teacher,
+            metric=params.metric,
+            batch_size=params.batch_size,
+            weights_hash=teacher.meta.model_hash,
+            cache_device_bytes=0,  # the held-out cache stays on the host: it must not take the search's device memory
+        )
     )
     del teacher, heldout_teacher  # on a GPU the evaluator holds the device copy; the host copy goes now
-    return Scoring(orders, tuple(spec.top_k), n, kept, granularity, budget, uniform, search_ids, heldout_ids, search_positions,
-                   schedule, params.seed, evaluator, held)
+    return Scoring(
+        orders,
+        tuple(spec.top_k),
+        n,
+        kept,
+        granularity,
+        budget,
+        uniform,
+        search_ids,
+        heldout_ids,
+        search_positions,
+        schedule,
+        params.seed,
+        evaluator,
+        held,
+    )
 
 
-def _allocation_document(params: SearchParams, scoring: Scoring, result: Any, best: list[int],
-                         finals: dict[tuple[int, ...], float]) -> dict[str, Any]:
+def _allocation_document(
+    params: SearchParams, scoring: Scoring, result: Any, best: list[int], finals: dict[tuple[int, ...], float]
+) -> dict[str, Any]:
     """allocation.json: the chosen allocation (the searched one, or uniform when it does not generalise and
     `fallback_to_uniform` is set), both fitnesses, the held-out check and its warning."""
     orders, n, uniform = scoring.orders, scoring.num_experts, scoring.uniform

@@ -56,23 +56,29 @@ def _run(spec: dict[str, Any]) -> None:
     from evoesap.stages.search import SearchParams, prepare_scoring, run_search
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    logging.basicConfig(level=spec["log_level"] if rank == 0 else max(logging.WARNING, spec["log_level"]),
-                        format=f"%(levelname)s %(name)s [worker {rank}]: %(message)s")
+    logging.basicConfig(
+        level=spec["log_level"] if rank == 0 else max(logging.WARNING, spec["log_level"]),
+        format=f"%(levelname)s %(name)s [worker {rank}]: %(message)s",
+    )
     set_quiet(spec["quiet"] or rank > 0)
     params = SearchParams(**spec["params"])
     gpu = runtime.resolve_device(params.device).startswith("cuda")
     if gpu:
         torch.cuda.set_device(local_rank)  # "cuda" below means this rank's GPU
-    torch.set_num_threads(distributed.threads_per_worker(params.workers) if "OMP_NUM_THREADS" not in os.environ
-                          else int(os.environ["OMP_NUM_THREADS"]))
+    torch.set_num_threads(
+        distributed.threads_per_worker(params.workers)
+        if "OMP_NUM_THREADS" not in os.environ
+        else int(os.environ["OMP_NUM_THREADS"])
+    )
     dist.init_process_group("nccl" if gpu else "gloo", timeout=distributed.TIMEOUT)
     try:
         inputs = spec["inputs"]
         if rank == 0:
             run_search(**inputs, params=params, out_uri=spec["out_uri"])
         else:
-            distributed.serve(prepare_scoring(inputs["model"], inputs["scores"], inputs["cache"], params,
-                                              inputs["heldout_cache"], judge=False))
+            distributed.serve(
+                prepare_scoring(inputs["model"], inputs["scores"], inputs["cache"], params, inputs["heldout_cache"], judge=False)
+            )
     finally:
         dist.destroy_process_group()
 
