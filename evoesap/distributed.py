@@ -52,6 +52,13 @@ def joined() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def worker_gpus(gpus_per_worker: int) -> list[int]:
+    """The GPUs of this worker's group: local rank r holds GPUs r*g .. r*g+g-1 of its node (one process alone:
+    rank 0), so the groups of a node's workers never overlap."""
+    first = int(os.environ.get("LOCAL_RANK", "0")) * gpus_per_worker
+    return list(range(first, first + gpus_per_worker))
+
+
 def threads_per_worker(workers: int) -> int:
     """CPU threads per worker: the cores this process may use, split evenly (at least one), so that the
     workers' thread pools do not oversubscribe the cores and spin-wait on each other."""

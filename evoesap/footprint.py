@@ -36,6 +36,9 @@ LAYER_HIDDEN_STATES = 8
 # benchmarks/gpu_stages.py at OLMoE-1B-7B size, batch 8 x 4,096: calibrate -14%, cache-logits +0% (RESULTS.md)
 GPU_LAYER_FLOAT32_STATES = 2 * LAYER_HIDDEN_STATES
 CUDA_CONTEXT_BYTES = 512 << 20  # the CUDA context and kernels on the device (NVML counts them; torch does not)
+# host -> GPU copies of offloaded weights: accelerate's hooks copy from pageable host memory, about 12 GB/s on
+# PCIe 4.0 x16 (an assumption from the bus, not measured here: no GPU machine with offload has run this planner)
+OFFLOAD_BYTES_PER_S = 12e9
 CACHE_ROW_BYTES = 12  # sample id, position and target of one cached row
 FULL_PREFERRED_SHARE = 0.5  # full mode is the default while its cache takes at most this share of a device
 
@@ -84,6 +87,8 @@ class StagePlan:
     disk: int
     temp: int
     refusal: str | None = None
+    offloaded: int = 0  # weights waiting in host memory (offload: true), copied to a GPU by every forward
+    note: str | None = None  # what the offload costs
 
 
 def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
@@ -182,17 +187,69 @@ def plan_stages(
             continue
         p = params[stage.name]
         host, device, disk, temp = stage.peak_function()(shape, machine, data, p, params)
-        if stage.loads_model and on_gpu:
-            sharded = bool(getattr(p, "device_map", None)) and machine.devices > 1
-            device = math.ceil(device / machine.devices) if sharded else device
+        offloaded = 0
+        if stage.loads_model and on_gpu and getattr(p, "device_map", None):
+            host, device, offloaded = _spread(shape, machine, p, params, host, device)
         if not on_gpu:
             host, device = host + device, 0
         # the checkpoint's expert pages left mapped after restacking: resident, but the kernel drops them when short
         droppable = shape.expert_bytes if not on_gpu and stage.loads_model else 0
         temp = temp if remote_out else 0
         refusal = _refusal(stage.name, stage.fits_with, machine, host - droppable, device, disk + temp)
-        plans.append(StagePlan(stage.name, host, device, disk, temp, refusal))
+        if refusal is None and offloaded and not p.offload:
+            refusal = (
+                f"{stage.name} needs {offloaded / GiB:.1f} GiB more than its GPUs hold{_at_cap(p)}: set "
+                f"{stage.section}.offload: true to keep that in host memory (slower: see the note), raise max_memory, "
+                f"or spread device_map over more GPUs"
+            )
+        note = _offload_note(stage.name, offloaded, data, p, params) if offloaded and p.offload else None
+        plans.append(StagePlan(stage.name, host, device, disk, temp, refusal, offloaded, note))
     return plans
+
+
+def _spread(shape: ModelShape, machine: Machine, p: Any, params: dict[str, Any], host: int, device: int) -> tuple[int, int, int]:
+    """(host, busiest GPU, offloaded) of a model placed by device_map: the weights spread evenly over the GPUs one
+    replica spans (a search worker's group, else every GPU), each holding at most `max_memory` (unset, with
+    `offload`: what the stage's own work leaves of it), and what no GPU holds waits in host memory; the rest of
+    the stage's device memory (activations, caches) spread as evenly."""
+    from evoesap.sizes import parse_bytes
+
+    gpus = p.gpus_per_worker if getattr(p, "workers", 1) > 1 else machine.devices
+    gpus = max(1, min(gpus, machine.devices))
+    weights = model_weights(shape, p, params)
+    work = math.ceil((device - weights) / gpus)
+    share = math.ceil(weights / gpus)
+    if p.max_memory:
+        share = min(share, parse_bytes(p.max_memory))
+    elif p.offload:  # what the stage's own work leaves of each GPU
+        share = min(share, max(0, machine.device - work))
+    offloaded = max(0, weights - share * gpus)  # neither: the whole share, refused when a GPU cannot hold it
+    return host + offloaded, share + work, offloaded
+
+
+def model_weights(shape: ModelShape, p: Any, params: dict[str, Any]) -> int:
+    """Bytes of the model a stage loads: the pruned model for an evaluation (the prune entry's sparsity; none
+    given: evaluated as it is), else the full one."""
+    if hasattr(p, "tensor_parallel"):  # evaluate's parameters
+        return shape.bytes - int(shape.expert_bytes * (params["prune"].sparsity if "prune" in params else 0.0))
+    return shape.bytes
+
+
+def _at_cap(p: Any) -> str:
+    return f" at max_memory {p.max_memory}" if p.max_memory else ""
+
+
+def _offload_note(stage: str, offloaded: int, data: Data, p: Any, params: dict[str, Any]) -> str:
+    """How slow an offloaded stage runs: every forward copies the offloaded weights to a GPU."""
+    per_batch = offloaded / OFFLOAD_BYTES_PER_S
+    note = (
+        f"{stage}: {offloaded / GiB:.1f} GiB of weights wait in host memory and cross PCIe on every forward: at least "
+        f"{per_batch:.1f} s more per batch (at {OFFLOAD_BYTES_PER_S / 1e9:.0f} GB/s)"
+    )
+    if stage == "search":
+        batches = math.ceil(params["cache-logits"].sample_count / p.batch_size)
+        note += f", {batches * per_batch:.0f} s per candidate ({batches} batches; prefix reuse skips some)"
+    return note
 
 
 Peaks = tuple[int, int, int, int]  # (host, device, disk, temp) bytes; device figures go to the host without a GPU
@@ -265,8 +322,7 @@ def prune_peak(shape: ModelShape, machine: Machine, data: Data, p: Any, params: 
 
 def evaluate_peak(shape: ModelShape, machine: Machine, data: Data, p: Any, params: dict[str, Any]) -> Peaks:
     """The pruned model (the prune entry's sparsity; none given: evaluated as it is) and full-vocabulary logits."""
-    pruned_share = params["prune"].sparsity if "prune" in params else 0.0
-    pruned = shape.bytes - int(shape.expert_bytes * pruned_share)
+    pruned = model_weights(shape, p, params)
     tokens = (p.batch_size if isinstance(p.batch_size, int) else 1) * (p.max_length or params["cache-logits"].max_length)
     device = _context(machine) + pruned + _forward(shape, tokens, machine.devices > 0) + 2 * tokens * shape.vocab * 4
     return _loading(shape, machine), device, 1 << 20, 0

@@ -24,6 +24,8 @@ from evoesap import artifacts, moe
 from evoesap.data import TokenizedSample, batches
 from evoesap.errors import ConfigError, DataError
 from evoesap.progress import progress
+from evoesap.offload import module_device
+from evoesap.scoring.forward import model_device
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +88,8 @@ def observe(
     if not tokenized:
         raise DataError("no calibration samples to observe")
     spec = moe.inspect(model)
-    device = model.get_input_embeddings().weight.device
-    layer_devices = [next(block.experts.parameters()).device for block in moe.moe_blocks(model)]  # device_map
+    device = model_device(model)
+    layer_devices = [module_device(block.experts) for block in moe.moe_blocks(model)]  # device_map
     sums = _Sums([layer.num_experts for layer in spec.layers], layer_devices)
     bar = progress(total=len(tokenized), desc="calibrate", unit="sample")
     with torch.inference_mode(), moe.observe_routing(model, sums), bar:

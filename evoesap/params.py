@@ -155,9 +155,29 @@ class DeviceParams(StageParams):
     model_dtype: str = param("auto", "Model dtype: auto (the checkpoint's), bfloat16, float16 or float32.")
     device: str = param("auto", "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
     device_map: str | None = param(None, "'auto' spreads a model too large for one GPU over several.")
+    # where the weights sit, not what the stage computes: out of the reuse key
+    max_memory: str | None = param(
+        None, "With device_map: the most each GPU may hold of the model, e.g. 70GB (room for activations).", keyed=False
+    )
+    offload: bool = param(
+        False,
+        "With device_map: layers that fit on no GPU wait in host memory and cross PCIe every forward "
+        "(evoesap plan says how slow); without it such a model is refused.",
+        keyed=False,
+    )
 
     def __post_init__(self) -> None:
+        from evoesap.sizes import parse_bytes
         from evoesap.runtime import check_model_dtype
 
         check_model_dtype(self.model_dtype)
+        if (self.max_memory is not None or self.offload) and self.device_map is None:
+            raise ConfigError("max_memory and offload say how device_map places the model: set device_map: auto as well")
+        if self.max_memory is not None and parse_bytes(self.max_memory) <= 0:
+            raise ConfigError(f"max_memory must be a positive size such as 70GB, got {self.max_memory!r}")
         super().__post_init__()  # the next parameter group's checks, StageParams' last
+
+    @property
+    def placement(self) -> dict[str, Any]:
+        """`runtime.load_model`'s placement arguments."""
+        return {"device": self.device, "device_map": self.device_map, "max_memory": self.max_memory, "offload": self.offload}

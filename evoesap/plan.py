@@ -7,7 +7,6 @@ import dataclasses
 import logging
 from typing import Any
 
-from evoesap.errors import ConfigError
 from evoesap import footprint
 from evoesap.footprint import Data, GiB, Machine, ModelShape, StagePlan, cache_bytes, default_cache_mode, model_shape, plan_stages
 from evoesap.identity import is_uri
@@ -39,21 +38,10 @@ def format_table(shape: ModelShape, plans: list[StagePlan], data: Data, params: 
             f"| {plan.stage} | {gib(plan.host)} | {gib(plan.device)} | {gib(plan.disk)} | {gib(plan.temp)} | "
             f"{'yes' if plan.refusal is None else 'NO'} |"
         )
-    refusals = [p.refusal for p in plans if p.refusal]
-    if refusals:
-        lines += ["", *(f"- {r}" for r in refusals)]
+    remarks = [p.refusal for p in plans if p.refusal] + [p.note for p in plans if p.note]  # the offloads' costs
+    if remarks:
+        lines += ["", *(f"- {r}" for r in remarks)]
     return "\n".join(lines)
-
-
-def parse_bytes(text: str) -> int:
-    """'80GB', '64Gi', '512M' -> bytes (decimal and binary suffixes, as Kubernetes writes them)."""
-    import re
-
-    units = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]I?)?B?\s*", str(text).upper())
-    if match is None:
-        raise ConfigError(f"{text!r} is not a size: write e.g. 80GB, 64Gi or 512M")
-    return int(float(match.group(1)) * units[match.group(2) or ""])
 
 
 def pipeline_plan(

@@ -8,12 +8,12 @@ import gc
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from evoesap import artifacts
-from evoesap.errors import ArtifactError, ConfigError, ModelError
+from evoesap.errors import ArtifactError, ConfigError, ModelError, ResourceError
 from evoesap.identity import is_uri
 
 MODEL_DTYPES: dict[str, Any] = {
@@ -193,9 +193,20 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def load_model(uri: str, model_dtype: str = "auto", device: str = "auto", device_map: str | None = None) -> Any:
+def load_model(
+    uri: str,
+    model_dtype: str = "auto",
+    device: str = "auto",
+    device_map: str | None = None,
+    *,
+    max_memory: str | None = None,
+    offload: bool = False,
+    gpus: Sequence[int] | None = None,
+) -> Any:
     """A checkpoint (stock or pruned) in eval mode, its weights loaded straight onto their device: never a
-    whole host copy first (a 61 GB model on a 24 GB host). `device_map` shards it over several GPUs.
+    whole host copy first (a 61 GB model on a 24 GB host). `device_map` shards it over several GPUs (`gpus`:
+    which, default all), each holding at most `max_memory`; `offload` lets the layers no GPU holds wait in host
+    memory, and without it such a placement is refused.
 
     A checkpoint we published (a prune artifact) is verified file by file first, on the one local copy
     that is loaded (an object-store checkpoint is downloaded once). A model on the CPU sets torch's thread
@@ -204,22 +215,77 @@ def load_model(uri: str, model_dtype: str = "auto", device: str = "auto", device
 
     check_model_dtype(model_dtype)
     bound_allocator_retention()
-    placement = device_map or placement_map(resolve_device(device))
-    kwargs = {"device_map": placement} if placement else {}
+    kwargs = placement_kwargs(device, device_map, max_memory, offload, gpus)
     remote = is_uri(uri) and not artifacts.is_local(uri)
     with artifacts.local_copy(uri) if remote else contextlib.nullcontext(uri) as source:
         if artifacts.exists(artifacts.join(str(source), artifacts.MANIFEST)):
             artifacts.verify(uri, "prune", local=Path(source))
         model = moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype], **kwargs).eval()
-    if placement is None:
+    check_placement(getattr(model, "hf_device_map", None), offload, max_memory)
+    if "device_map" not in kwargs:
         use_cpu_threads(parameter_count(model))
     return model
+
+
+def placement_kwargs(
+    device: str,
+    device_map: str | None,
+    max_memory: str | None = None,
+    offload: bool = False,
+    gpus: Sequence[int] | None = None,
+    free: dict[int | str, int] | None = None,
+) -> dict[str, Any]:
+    """from_pretrained's placement arguments. With `device_map`, a `max_memory` budget per device when asked
+    for: each of `gpus` (default every GPU in `free`, accelerate's free memory per device) at most
+    `max_memory`, and the host only with `offload`."""
+    if device_map is None:
+        placement = placement_map(resolve_device(device))
+        return {"device_map": placement} if placement else {}
+    if max_memory is None and not offload and gpus is None:
+        return {"device_map": device_map}
+    from evoesap.sizes import parse_bytes
+
+    if free is None:
+        from accelerate.utils import get_max_memory
+
+        free = get_max_memory()
+    cap = parse_bytes(max_memory) if max_memory is not None else None
+    budget: dict[int | str, int] = {}
+    for gpu in gpus if gpus is not None else [k for k in free if isinstance(k, int)]:
+        if gpu not in free:
+            raise ResourceError(f"GPU {gpu} is not visible here ({visible_gpus()} GPUs): give this process fewer GPUs")
+        budget[gpu] = min(free[gpu], cap) if cap is not None else free[gpu]
+    if offload:
+        budget["cpu"] = free["cpu"]
+    return {"device_map": device_map, "max_memory": budget}
 
 
 def placement_map(device: str) -> dict[str, str] | None:
     """The `device_map` that puts the whole model on one device as it loads; None for the CPU, where
     transformers loads anyway (and a device_map would add dispatch hooks for nothing)."""
     return None if torch.device(device).type == "cpu" else {"": device}
+
+
+def check_placement(device_map: dict[str, Any] | None, offload: bool, max_memory: str | None) -> None:
+    """Refuse a model that accelerate put (partly) on the disk, or in host memory beside GPUs without `offload`:
+    every forward would copy those layers in, slowly, where the user asked for GPUs."""
+    if not device_map:
+        return
+    places = {str(v) for v in device_map.values()}
+    on_gpu = places - {"cpu", "disk"}
+    cap = f" at max_memory {max_memory}" if max_memory else ""
+    if "disk" in places:
+        raise ResourceError(
+            f"the model does not fit the GPUs{cap} and host memory: accelerate put layers on the disk. Use more GPUs "
+            f"(device_map over more), a larger max_memory, or a machine with more host memory"
+        )
+    if on_gpu and "cpu" in places and not offload:
+        moved = sorted(k for k, v in device_map.items() if str(v) == "cpu")
+        raise ResourceError(
+            f"the model does not fit the GPUs{cap}: {len(moved)} part(s) ({', '.join(moved[:3])}...) would wait in host "
+            f"memory. Set offload: true to accept that (each forward copies them over PCIe; evoesap plan says how "
+            f"slow), or use more GPUs or a larger max_memory"
+        )
 
 
 def release_memory() -> None:

@@ -188,7 +188,7 @@ def _check_stage_sections(config: PipelineConfig) -> None:
     if config.search_workers > 1:
         from .trainjob import check_workers
 
-        check_workers(config.settings("search"), config.search_workers)
+        check_workers(config.settings("search"), config.search_workers, config.parsed_params("search").gpus_per_worker)
     targets = sorted(k for k in ("to", "repo") if config.stage_params("publish").get(k))
     if config.publish_models and targets and len(config.grid()) > 1:
         raise ConfigError(

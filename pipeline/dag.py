@@ -36,7 +36,7 @@ def _configure(task: Any, stage: str, config: PipelineConfig, label: str | None 
 
 def _gpu_params(stage: str, config: PipelineConfig) -> dict[str, Any]:
     """Stage parameters, with the model spread over the task's GPUs when it has several (a multi-worker search
-    puts one worker on each GPU instead)."""
+    puts one worker on each GPU, or on each group of gpus_per_worker, instead)."""
     params = config.stage_params(stage)
     if config.settings(stage).accelerator_count > 1 and not (stage == "search" and config.search_workers > 1):
         params.setdefault("device_map", "auto")
@@ -55,7 +55,8 @@ def _search_trainjob(config: PipelineConfig, args: dict[str, Any]) -> Any:
     """The search task of a `workers > 1` configuration: the launcher (`pipeline.trainjob`), whose own pod asks for
     no compute; the job's nodes get the search's image, resources and environment."""
     settings, image = config.settings("search"), config.stage_image("search")
-    task = make_search_trainjob(image)(job=trainjob.job_template(settings, image), **args)
+    job = trainjob.job_template(settings, image, config.parsed_params("search").gpus_per_worker)
+    task = make_search_trainjob(image)(job=job, **args)
     task.set_display_name(f"search on {config.search_workers} workers (TrainJob)")
     task.set_caching_options(enable_caching=False)
     return cluster.apply(task, trainjob.launcher_settings(settings), config.retries)

@@ -10,8 +10,9 @@ runs the search and publishes the artifact at that URI, the other ranks score (`
 one line with the job's own reason (and the failed worker's termination message), and hands the URI back so the
 KFP output artifact is filled from the same artifact a single-process run publishes.
 
-Topology: one worker per GPU. `resources.search` describes one node (pod): with `accelerator_count` G each node runs
-G workers, one per GPU (numProcPerNode G, numNodes workers / G); without accelerators each node runs one worker.
+Topology: one worker per group of `search.gpus_per_worker` GPUs (default one). `resources.search` describes one
+node (pod): with `accelerator_count` G each node runs G / gpus_per_worker workers (numProcPerNode, numNodes the
+rest of workers); without accelerators each node runs one worker.
 The job's body uses only the fields every v1alpha1 release has (runtimeRef, trainer: image, command, args, env,
 numNodes, numProcPerNode, resourcesPerNode); pod placement (node selectors, tolerations, volumes, /dev/shm) is the
 runtime's template, the platform team's place for it.
@@ -47,7 +48,7 @@ COMPUTE = ("cpu", "memory", "cpu_request", "memory_request", "accelerator_type",
 _NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
-def check_workers(settings: StageSettings, workers: int) -> None:
+def check_workers(settings: StageSettings, workers: int, gpus_per_worker: int = 1) -> None:
     """Refuse, when the configuration loads, a multi-worker search whose settings its TrainJob cannot carry."""
     placed = [name for name in PLACEMENT if getattr(settings, name)]
     if placed:
@@ -56,11 +57,16 @@ def check_workers(settings: StageSettings, workers: int) -> None:
             f"which the Kubeflow Trainer runtime places: set them in the ClusterTrainingRuntime "
             f"{settings.training_runtime or DEFAULT_RUNTIME!r} (resources.search.training_runtime), or run with workers: 1"
         )
-    procs = procs_per_node(settings)
+    if settings.accelerator_count and settings.accelerator_count % gpus_per_worker:
+        raise ConfigError(
+            f"resources.search.accelerator_count {settings.accelerator_count} is not a multiple of search.gpus_per_worker "
+            f"{gpus_per_worker}: a node holds whole worker groups"
+        )
+    procs = procs_per_node(settings, gpus_per_worker)
     if workers % procs:
         raise ConfigError(
-            f"search.workers {workers} is not a multiple of resources.search.accelerator_count {procs}: "
-            "each node runs one worker per GPU"
+            f"search.workers {workers} is not a multiple of the {procs} workers per node "
+            "(resources.search.accelerator_count / search.gpus_per_worker): each node runs whole worker groups"
         )
 
 
@@ -70,18 +76,18 @@ def launcher_settings(settings: StageSettings) -> StageSettings:
     return StageSettings(**{k: v for k, v in settings.model_dump(exclude_unset=True).items() if k not in dropped})
 
 
-def procs_per_node(settings: StageSettings) -> int:
-    """Workers per node: one per GPU, else one."""
-    return settings.accelerator_count or 1
+def procs_per_node(settings: StageSettings, gpus_per_worker: int = 1) -> int:
+    """Workers per node: one per group of `gpus_per_worker` GPUs, else one."""
+    return max(1, (settings.accelerator_count or 0) // gpus_per_worker)
 
 
-def job_template(settings: StageSettings, image: str) -> dict[str, Any]:
+def job_template(settings: StageSettings, image: str, gpus_per_worker: int = 1) -> dict[str, Any]:
     """What the launcher needs to make the job, fixed when the pipeline compiles (plain JSON, a task input)."""
     requests = {k: v for k, v in (("cpu", settings.cpu_request), ("memory", settings.memory_request)) if v}
     limits = {k: v for k, v in (("cpu", settings.cpu), ("memory", settings.memory)) if v}
     if settings.accelerator_count:
         limits[settings.accelerator_type] = str(settings.accelerator_count)
-    procs = procs_per_node(settings)
+    procs = procs_per_node(settings, gpus_per_worker)
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in settings.env.items()]
     cpu = settings.cpu or settings.cpu_request
     if cpu and "OMP_NUM_THREADS" not in settings.env:  # the node's cores, not the host's, split over its workers
@@ -114,7 +120,8 @@ def trainjob(template: Mapping[str, Any], name: str, spec: Mapping[str, Any], wo
     procs = int(template["procs_per_node"])
     if workers % procs:
         raise ConfigError(
-            f"search.workers {workers} is not a multiple of the {procs} workers per node (resources.search.accelerator_count)"
+            f"search.workers {workers} is not a multiple of the {procs} workers per node "
+            "(resources.search.accelerator_count / search.gpus_per_worker)"
         )
     trainer: dict[str, Any] = {
         "image": template["image"],

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from evoesap import footprint, moe, plan
+from evoesap import footprint, moe, plan, sizes
 from evoesap.errors import ResourceError
 
 DATA = Path(__file__).parent / "data" / "plan"
@@ -107,11 +107,11 @@ def test_a_stage_that_would_not_fit_is_refused_before_any_work(tmp_path, monkeyp
 
 
 def test_parse_bytes_reads_kubernetes_sizes():
-    assert plan.parse_bytes("80GB") == 80 * 10**9
-    assert plan.parse_bytes("64Gi") == 64 << 30
-    assert plan.parse_bytes("512M") == 512 * 10**6
+    assert sizes.parse_bytes("80GB") == 80 * 10**9
+    assert sizes.parse_bytes("64Gi") == 64 << 30
+    assert sizes.parse_bytes("512M") == 512 * 10**6
     with pytest.raises(Exception, match="not a size"):
-        plan.parse_bytes("lots")
+        sizes.parse_bytes("lots")
 
 
 def _cache_logits_case(tmp_path):
@@ -266,3 +266,37 @@ def test_gpu_search_plan_counts_the_automatic_prefix_cache_as_half_of_what_the_r
     assert useful < (gpu.device - rest) // 2 and device() == rest + useful  # room to spare: what is worth keeping
     tight = footprint.Machine(host=1 << 40, device=rest + useful, devices=1)
     assert device(tight) == rest + useful // 2  # short of room: half of what is left
+
+
+def test_max_memory_leaves_the_rest_of_the_model_refused_or_offloaded_to_the_host_with_its_cost():
+    import dataclasses
+
+    shape, data, params, _ = example("qwen3-2gpu", 2)
+    machine = footprint.Machine(256 * 10**9, GB80, 2)
+    capped = dataclasses.replace(params["calibrate"], max_memory="20GB")
+    spread = footprint.plan_stages(shape, machine, data, params, only="calibrate")[0]
+    refused = footprint.plan_stages(shape, machine, data, {**params, "calibrate": capped}, only="calibrate")[0]
+    offloaded_p = dataclasses.replace(capped, offload=True)
+    offloaded = footprint.plan_stages(shape, machine, data, {**params, "calibrate": offloaded_p}, only="calibrate")[0]
+
+    assert spread.refusal is None and spread.offloaded == 0
+    want = shape.bytes - 2 * 20 * 10**9  # what two GPUs of 20 GB leave over
+    assert refused.offloaded == offloaded.offloaded == want
+    assert "calibrate.offload: true" in refused.refusal and "max_memory 20GB" in refused.refusal
+    assert offloaded.refusal is None
+    assert offloaded.host == spread.host + want and offloaded.device == spread.device - (shape.bytes // 2 - 20 * 10**9)
+    assert f"{want / footprint.OFFLOAD_BYTES_PER_S:.1f} s more per batch" in offloaded.note
+
+
+def test_a_search_worker_group_spreads_its_replica_over_its_own_gpus():
+    import dataclasses
+
+    shape, data, params, _ = example("qwen3-2gpu", 2)
+    four = footprint.Machine(256 * 10**9, GB80, 4)
+    alone = dataclasses.replace(params["search"], device_map="auto")
+    grouped = dataclasses.replace(alone, workers=2, gpus_per_worker=2)
+    one_process = footprint.plan_stages(shape, four, data, {**params, "search": alone}, only="search")[0]
+    per_group = footprint.plan_stages(shape, four, data, {**params, "search": grouped}, only="search")[0]
+    assert per_group.device > one_process.device  # half the GPUs per replica: more of it on each
+    two = footprint.plan_stages(shape, footprint.Machine(256 * 10**9, GB80, 2), data, {**params, "search": alone}, only="search")
+    assert per_group.device == two[0].device  # a group of 2 of 4 GPUs holds what 2 GPUs alone hold

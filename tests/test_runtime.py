@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from evoesap import moe, runtime
-from evoesap.errors import ConfigError
+from evoesap.errors import ConfigError, ResourceError
 
 
 class _Loaded(torch.nn.Module):
@@ -20,10 +20,13 @@ def test_load_model_places_weights_on_the_device_while_loading(monkeypatch):
     runtime.load_model("m", "bfloat16", device="cuda:1")
     runtime.load_model("m", device="cpu")
     runtime.load_model("m", device="cuda", device_map="auto")
+    monkeypatch.setattr(runtime, "placement_kwargs", lambda *args: {"device_map": "auto", "max_memory": {0: 1, "cpu": 2}})
+    runtime.load_model("m", device="cuda", device_map="auto", max_memory="1", offload=True)
     assert calls == [
         {"dtype": torch.bfloat16, "device_map": {"": "cuda:1"}},
         {"dtype": "auto"},
         {"dtype": "auto", "device_map": "auto"},
+        {"dtype": "auto", "device_map": "auto", "max_memory": {0: 1, "cpu": 2}},
     ]
 
 
@@ -114,3 +117,40 @@ def test_free_host_memory_is_the_smaller_of_host_and_container_room(monkeypatch)
     assert runtime.free_memory_bytes(torch.device("cpu")) == 20 << 30
     monkeypatch.setattr(runtime, "_host_available", lambda: None)
     assert runtime.free_memory_bytes(torch.device("cpu")) == 1 << 30
+
+
+FREE = {0: 80 << 30, 1: 80 << 30, 2: 40 << 30, "cpu": 500 << 30}  # accelerate's free memory per device
+
+
+def test_placement_budgets_each_gpu_and_the_host_only_with_offload():
+    assert runtime.placement_kwargs("cuda", "auto", free=FREE) == {"device_map": "auto"}
+    assert runtime.placement_kwargs("cuda", "auto", "70GiB", free=FREE) == {
+        "device_map": "auto",
+        "max_memory": {0: 70 << 30, 1: 70 << 30, 2: 40 << 30},  # never more than a GPU has free
+    }
+    assert runtime.placement_kwargs("cuda", "auto", offload=True, gpus=[1, 2], free=FREE) == {
+        "device_map": "auto",
+        "max_memory": {1: 80 << 30, 2: 40 << 30, "cpu": 500 << 30},  # a search worker's group, then the host
+    }
+    assert runtime.placement_kwargs("cuda:1", None, free=FREE) == {"device_map": {"": "cuda:1"}}
+    with pytest.raises(ResourceError, match="GPU 3 is not visible"):
+        runtime.placement_kwargs("cuda", "auto", gpus=[2, 3], free=FREE)
+
+
+def test_a_placement_on_the_disk_or_in_host_memory_without_offload_is_refused_naming_the_fix():
+    runtime.check_placement(None, False, None)
+    runtime.check_placement({"": "cpu"}, False, None)  # no GPU: the host is where the model runs, not an offload
+    runtime.check_placement({"model.layers.0": 0, "model.layers.1": "cpu"}, True, "70GB")
+    with pytest.raises(ResourceError, match="offload: true") as refused:
+        runtime.check_placement({"model.layers.0": 0, "model.layers.1": "cpu", "lm_head": "cpu"}, False, "70GB")
+    assert "2 part(s)" in str(refused.value) and "max_memory 70GB" in str(refused.value)
+    with pytest.raises(ResourceError, match="on the disk"):
+        runtime.check_placement({"model.layers.0": 0, "model.layers.1": "disk"}, True, None)
+
+
+@pytest.mark.parametrize("settings", [{"max_memory": "70GB"}, {"offload": True}, {"device_map": "auto", "max_memory": "0GB"}])
+def test_max_memory_and_offload_need_a_device_map_and_a_size(settings):
+    from evoesap.stages import get
+
+    with pytest.raises(ConfigError, match="device_map: auto|positive size"):
+        get("calibrate").params_class()(**settings)

@@ -17,6 +17,7 @@ from evoesap import artifacts
 from evoesap.errors import ConfigError, EvoESAPError
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
+from evoesap.pipeline import trainjob
 from evoesap.pipeline.trainjob import job_template, run_search_job
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate
@@ -91,6 +92,31 @@ def test_a_two_worker_search_compiles_to_the_trainjob_launcher_with_the_job_it_c
     assert [s["secretName"] for s in compiled["platform"]["exec-search-trainjob"]["secretAsEnv"]] == ["s3-credentials"]
 
 
+def test_workers_that_are_gpu_groups_run_one_process_per_group_on_each_node(tmp_path):
+    eight = {**GPU_NODES, "accelerator_count": 8}
+    search = {"workers": 4, "gpus_per_worker": 4, "device_map": "auto"}
+    spec = _compile(tmp_path, search=search, resources={"search": eight})["spec"]
+    (launcher,) = [t for t in _tasks(spec).values() if t["componentRef"]["name"] == "comp-search-trainjob"]
+    job = launcher["inputs"]["parameters"]["job"]["runtimeValue"]["constant"]
+    assert job["procs_per_node"] == 2 and job["resources"]["limits"]["nvidia.com/gpu"] == "8"  # two groups of 4 a node
+    assert {"name": "OMP_NUM_THREADS", "value": "8"} in job["env"]
+    body = trainjob.trainjob(job, "evoesap-search-x", {"params": search}, workers=4)
+    assert body["spec"]["trainer"]["numNodes"] == 2 and body["spec"]["trainer"]["numProcPerNode"] == 2
+
+
+def test_each_worker_of_a_node_spreads_its_replica_over_its_own_gpus(monkeypatch):
+    from evoesap import distributed
+
+    groups = []
+    for rank in range(3):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        groups.append(SearchParams(**SMALL, workers=3, gpus_per_worker=2, device_map="auto").placement["gpus"])
+    assert groups == [[0, 1], [2, 3], [4, 5]]
+    monkeypatch.delenv("LOCAL_RANK")
+    assert distributed.worker_gpus(4) == [0, 1, 2, 3]  # one process alone: the first group
+    assert SearchParams(**SMALL, workers=2).placement["gpus"] is None  # one GPU a worker: its local rank's
+
+
 def test_one_worker_keeps_the_plain_search_task(tmp_path):
     spec = _compile(tmp_path, search={"workers": 1}, resources={"search": GPU_NODES})["spec"]
     assert "comp-search" in spec["components"] and "comp-search-trainjob" not in spec["components"]
@@ -103,7 +129,14 @@ def test_one_worker_keeps_the_plain_search_task(tmp_path):
     [
         ({"workers": 2}, {"search": {"node_selector": {"pool": "gpu"}}}, "node_selector cannot reach the pods of a multi-worker"),
         ({"workers": 2}, {"all": {"shm_size": "8Gi"}}, "shm_size .*ClusterTrainingRuntime 'torch-distributed'"),
-        ({"workers": 3}, {"search": GPU_NODES}, "workers 3 is not a multiple of resources.search.accelerator_count 2"),
+        ({"workers": 3}, {"search": GPU_NODES}, "workers 3 is not a multiple of the 2 workers per node"),
+        (
+            {"workers": 2, "gpus_per_worker": 4, "device_map": "auto"},
+            {"search": GPU_NODES},
+            "accelerator_count 2 is not a multiple of search.gpus_per_worker 4",
+        ),
+        ({"workers": 2, "gpus_per_worker": 2}, {"search": GPU_NODES}, "gpus_per_worker=2 spreads .* set device_map: auto"),
+        ({"workers": 2, "device_map": "auto"}, {"search": GPU_NODES}, "drop device_map 'auto', or set gpus_per_worker"),
         ({"workers": 1}, {"prune": {"training_runtime": "mine"}}, "only the search runs as a multi-worker job"),
     ],
 )
@@ -361,8 +394,7 @@ def test_a_worker_writes_its_one_line_error_where_the_pod_status_shows_it(tmp_pa
     log.write_text("")
     monkeypatch.setattr(search_workers, "TERMINATION_LOG", str(log))
     monkeypatch.setenv("RANK", "3")
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-    spec = {"inputs": {}, "params": {}, "out_uri": str(tmp_path / "out"), "log_level": 30, "quiet": True}
+    spec = {"inputs": {}, "params": {"workers": 0}, "out_uri": str(tmp_path / "out"), "log_level": 30, "quiet": True}
     with pytest.raises(SystemExit):
         search_workers.main([json.dumps(spec)])  # the spec inline, as a job's pods get it
-    assert log.read_text() == "search worker 3: KeyError: 'LOCAL_RANK'"
+    assert log.read_text() == "search worker 3: ConfigError: workers must be >= 1, got 0"

@@ -34,21 +34,21 @@ def plan_cmd(
     """
     from evoesap.pipeline.config import load_config
 
-    from evoesap import footprint, plan
+    from evoesap import footprint, plan, sizes
 
     cfg = load_config(config)
     here = footprint.local_machine(cfg.search.get("device", "auto"))
     wanted = cfg.resources.get("search")
     count = gpus if gpus is not None else (wanted.accelerator_count if wanted and wanted.accelerator_type else here.devices)
     host = (
-        plan.parse_bytes(host_memory)
+        sizes.parse_bytes(host_memory)
         if host_memory
-        else (plan.parse_bytes(wanted.memory) if wanted and wanted.memory else here.host)
+        else (sizes.parse_bytes(wanted.memory) if wanted and wanted.memory else here.host)
     )
-    per_gpu = plan.parse_bytes(gpu_memory) if gpu_memory else here.device
+    per_gpu = sizes.parse_bytes(gpu_memory) if gpu_memory else here.device
     if count and not per_gpu:
         raise typer.BadParameter("give --gpu-memory: this machine has no GPU to read it from")
-    machine = footprint.Machine(host, per_gpu if count else 0, count, plan.parse_bytes(disk) if disk else None)
+    machine = footprint.Machine(host, per_gpu if count else 0, count, sizes.parse_bytes(disk) if disk else None)
     if model_config is not None and not (model_config / "config.json").is_file():
         raise typer.BadParameter(f"{model_config} holds no config.json: give the folder the model's config.json is in")
     shape, data, params, plans = plan.pipeline_plan(cfg, machine, model=str(model_config) if model_config else None)

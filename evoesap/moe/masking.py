@@ -14,8 +14,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from evoesap.offload import module_device, stored
 from evoesap.moe.routing import ROUTES, route_params
-from evoesap.moe.spec import LayerSpec, MoEBlock, Pruned, check_pruned, get_path, inspect, model_family, moe_blocks
+from evoesap.moe.spec import LayerSpec, MoEBlock, Pruned, check_pruned, inspect, model_family, moe_blocks
 
 
 @contextlib.contextmanager
@@ -40,10 +41,10 @@ def _masking_hook(model: nn.Module, block: MoEBlock, layer: LayerSpec, ids: tupl
     family = model_family(model)
     params = route_params(family, model.config, layer.top_k, layer.n_group, layer.topk_group)
     route = ROUTES[layer.routing]
-    device = get_path(block.router, family.router_tensors[0][0]).device
+    device = module_device(block.router)  # an offloaded router (device_map) computes where its hook says
     mask = torch.zeros(layer.num_experts, dtype=torch.float32, device=device)  # [E]
     mask[torch.tensor(ids, device=device)] = float("-inf")
-    bias = get_path(block.router, family.selection_bias).reshape(-1) if family.selection_bias else None  # [E]
+    bias = stored(block.router, family.selection_bias).reshape(-1) if family.selection_bias else None  # [E]
 
     def hook(module: nn.Module, args: tuple, output: tuple) -> tuple:
         logits, weights, _ = output  # [T, E] raw, [T, k], [T, k]

@@ -34,6 +34,7 @@ from typing import Iterator, Sequence
 import torch
 
 from evoesap.errors import ModelError
+from evoesap.offload import module_device
 
 # per attention kind, the function of transformers.masking_utils that builds its mask
 _MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
@@ -66,7 +67,8 @@ def pad_right(seqs: Sequence[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tens
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
+    """Where the model's inputs go: the device its embeddings compute on."""
+    return module_device(model.get_input_embeddings())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -129,7 +131,7 @@ class LayerRunner:
         from transformers import masking_utils
 
         self._masks = {kind: getattr(masking_utils, _MASKS[kind]) for kind in set(self.kinds)}
-        self.devices = [next(layer.parameters()).device for layer in self.layers]
+        self.devices = [module_device(layer) for layer in self.layers]
 
     @property
     def num_layers(self) -> int:
@@ -202,7 +204,7 @@ class LayerRunner:
 
     def norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm, per token, so it may run on the scored rows only: [..., H] -> [..., H]."""
-        return self.base.norm(hidden.to(next(self.base.norm.parameters()).device))
+        return self.base.norm(hidden.to(module_device(self.base.norm)))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The whole stack, layer by layer: equals the base model's last_hidden_state -> [B, T, H]."""
@@ -230,7 +232,7 @@ def _to(value: object, device: torch.device) -> object:
 def head_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The LM head (and any final logit soft-capping the family applies) on [P, H] -> [P, V]."""
     head = model.get_output_embeddings()
-    logits = head(hidden.to(head.weight.device))  # [P, V] model dtype
+    logits = head(hidden.to(module_device(head)))  # [P, V] model dtype
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap

@@ -44,6 +44,7 @@ import torch
 from evoesap import artifacts
 from evoesap.errors import ArtifactError, ConfigError, DataError
 from evoesap.progress import progress
+from evoesap.offload import state_tensors
 from evoesap.scoring.forward import final_hidden, head_logits, model_device, pad_right
 
 log = logging.getLogger(__name__)
@@ -76,10 +77,11 @@ class TokenizedLike(Protocol):
 def model_hash(model: torch.nn.Module) -> str:
     """sha256 over the state dict (names, dtypes, shapes, bytes), so any weight change is detected.
 
-    Costs one read of every weight (seconds per GB); it runs once per cache and once per evaluator.
+    Costs one read of every weight (seconds per GB); it runs once per cache and once per evaluator. An
+    offloaded model hashes as the same model loaded whole.
     """
     digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
+    for name, tensor in sorted(state_tensors(model), key=lambda item: item[0]):
         t = tensor.detach()
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         flat = t.contiguous().reshape(-1)

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from evoesap import artifacts, bounds, runtime
 from evoesap.errors import ConfigError
-from evoesap.params import DeviceParams, SampleParams, param
+from evoesap.params import DeviceParams, SampleParams, keyed, param
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,9 @@ def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: 
     tokenizer, tokenized = runtime.tokenized_samples(model, data, params)
     mode = footprint.cache_mode(model, params, sum(len(s.input_ids) for s in tokenized))  # the manifest keeps params as asked
     log.info("loading %s", artifacts.redact(model))
-    loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
+    loaded = runtime.load_model(model, params.model_dtype, **params.placement)
     check_vocab(tokenizer, loaded)
-    with artifacts.stage_output(out_uri, "cache-logits", dataclasses.asdict(params), inputs, seen) as staging:
+    with artifacts.stage_output(out_uri, "cache-logits", keyed(params), inputs, seen) as staging:
         teacher.write_cache(
             loaded,
             tokenized,

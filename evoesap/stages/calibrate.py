@@ -7,7 +7,7 @@ import logging
 from typing import ClassVar
 
 from evoesap import artifacts, bounds, runtime
-from evoesap.params import DeviceParams, SampleParams, param
+from evoesap.params import DeviceParams, SampleParams, keyed, param
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,8 @@ def run_calibrate(model: str, data: str, params: CalibrateParams, out_uri: str) 
     from evoesap import importance
 
     tokenizer, tokenized = runtime.tokenized_samples(model, data, params, pack=params.pack)
-    with artifacts.stage_output(out_uri, "calibrate", dataclasses.asdict(params), inputs, seen) as staging:
-        net = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
+    with artifacts.stage_output(out_uri, "calibrate", keyed(params), inputs, seen) as staging:
+        net = runtime.load_model(model, params.model_dtype, **params.placement)
         data_mod.check_vocab(tokenizer, net)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         scores = importance.observe(net, tokenized, params.batch_size, pad_id=pad_id)

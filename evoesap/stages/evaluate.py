@@ -11,7 +11,7 @@ from typing import Any, Iterator
 from evoesap import artifacts, bounds, records, runtime, vllm_eval
 from evoesap import lmeval
 from evoesap.errors import ConfigError, DataError
-from evoesap.params import DeviceParams, param
+from evoesap.params import DeviceParams, keyed, param
 from evoesap.identity import is_uri
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ def run_evaluate(
     tokenizer = moe.load_tokenizer(model)
     if tokenizer is None:
         raise DataError(f"{artifacts.redact(model)} has no tokenizer files: save the tokenizer with the model")
-    with artifacts.stage_output(out_uri, "evaluate", dataclasses.asdict(params), inputs, seen) as staging:
+    with artifacts.stage_output(out_uri, "evaluate", keyed(params), inputs, seen) as staging:
         log.info("loading %s", artifacts.redact(model))
         loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
         memory = lmeval.memory_footprint(loaded)

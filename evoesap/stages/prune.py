@@ -14,7 +14,7 @@ import logging
 from evoesap import allocation as alloc
 from evoesap import artifacts, bounds, records, runtime
 from evoesap.errors import ConfigError
-from evoesap.params import StageParams, param
+from evoesap.params import StageParams, keyed, param
 from evoesap.moe.spec import MoESpec
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def run_prune(model: str, scores: str, params: PruneParams, out_uri: str, alloca
     spec = runtime.inspect_checkpoint(model)
     method, counts, pruned = planned_pruning(scores, params, spec, allocation)  # refused before any weight is read
     dtype = runtime.MODEL_DTYPES[params.model_dtype]
-    with artifacts.stage_output(out_uri, "prune", dataclasses.asdict(params), inputs, seen) as staging:
+    with artifacts.stage_output(out_uri, "prune", keyed(params), inputs, seen) as staging:
         result = moe.prune_checkpoint(model, pruned, staging, dtype=None if dtype == "auto" else dtype)
         summary = {
             "method": method,

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from evoesap import artifacts, card, hub, identity, lineage, records
 from evoesap.errors import ArtifactError, ConfigError
-from evoesap.params import param
+from evoesap.params import keyed, param
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ def run_publish(
                 f"{pruning['sparsity']:.0%}, {pruning['method']})",
             )
 
-    with artifacts.stage_output(out_uri, "publish", dataclasses.asdict(params), inputs, seen, before_publish=push) as staging:
+    with artifacts.stage_output(out_uri, "publish", keyed(params), inputs, seen, before_publish=push) as staging:
         _copy_payload(pruned, matched.pruned, staging, skip=(CARD_FILE,))  # the base model's card, which ours replaces
         if report is not None and report_manifest is not None:
             _copy_payload(report, report_manifest, staging / REPORT_DIR)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from evoesap import artifacts, bounds, quantize_env, records, runtime
 from evoesap.errors import ConfigError, ModelError
 from evoesap.moe.families import PER_LAYER_KEY, family_of
-from evoesap.params import DeviceParams, SampleParams, param
+from evoesap.params import DeviceParams, SampleParams, keyed, param
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,10 @@ class QuantizeParams(DeviceParams, SampleParams):
     def __post_init__(self) -> None:
         if self.recipe is not None:
             check_recipe(self.recipe)
+        if self.max_memory is not None or self.offload:  # llm-compressor places the model itself (device_map alone)
+            raise ConfigError(
+                "quantize takes device_map alone: drop max_memory and offload (llm-compressor onloads layers itself)"
+            )
         super().__post_init__()
 
 
@@ -170,7 +174,7 @@ def run_quantize(model: str, params: QuantizeParams, out_uri: str, data: str | N
         "max_length": params.max_length,
         "batch_size": params.batch_size,
     }  # fmt: skip
-    with artifacts.stage_output(out_uri, "quantize", dataclasses.asdict(params), inputs, seen) as staging:
+    with artifacts.stage_output(out_uri, "quantize", keyed(params), inputs, seen) as staging:
         with artifacts.local_copy(model) as local:
             result = quantize_env.run_worker(python, {**request, "model": str(local), "out": str(staging)}, device=params.device)
             before = checkpoint_bytes(str(local))

@@ -14,7 +14,7 @@ import pandas as pd
 from evoesap import artifacts, records
 from evoesap import report as rp
 from evoesap.errors import ArtifactError, ConfigError, DataError
-from evoesap.params import StageParams, param
+from evoesap.params import StageParams, keyed, param
 from evoesap.importance import read_scores
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches:
     histories = [_history(uri) for uri in searches]
     found = [_allocation(uri, h[2]) for uri, h in zip(searches, histories)]
     traced = lineage.walk(inputs)
-    with artifacts.stage_output(out_uri, "report", dataclasses.asdict(params), inputs, seen) as staging:
+    with artifacts.stage_output(out_uri, "report", keyed(params), inputs, seen) as staging:
         cols = rp.columns(metrics)
         rows = rp.build_rows(metrics, [artifacts.redact(u) for u in runs], cols)
         settings = rp.settings(metrics, found)

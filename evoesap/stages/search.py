@@ -79,6 +79,9 @@ class SearchParams(DeviceParams):
         "Processes scoring each generation's candidates (torchrun underneath), each with a model replica (evoesap.distributed).",
         keyed=False,
     )  # the same artifact on any number
+    gpus_per_worker: int = param(
+        1, "GPUs each worker spreads its model replica over (with device_map: auto); workers x this many in all.", keyed=False
+    )
 
     def __post_init__(self) -> None:
         from evoesap.importance import CRITERIA
@@ -100,10 +103,16 @@ class SearchParams(DeviceParams):
             raise ConfigError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.workers < 1:
             raise ConfigError(f"workers must be >= 1, got {self.workers}")
-        if self.workers > 1 and self.device_map is not None:
+        if self.gpus_per_worker < 1:
+            raise ConfigError(f"gpus_per_worker must be >= 1, got {self.gpus_per_worker}")
+        if self.gpus_per_worker > 1 and self.device_map is None:
             raise ConfigError(
-                f"workers={self.workers} gives each worker its own model replica: drop device_map "
-                f"{self.device_map!r} (a sharded model runs with workers=1)"
+                f"gpus_per_worker={self.gpus_per_worker} spreads each worker's replica over its GPUs: set device_map: auto"
+            )
+        if self.workers > 1 and self.device_map is not None and self.gpus_per_worker == 1:
+            raise ConfigError(
+                f"workers={self.workers} gives each worker its own GPU: drop device_map {self.device_map!r}, or set "
+                f"gpus_per_worker to spread each worker's replica over several GPUs"
             )
         if self.workers > 1 and ":" in self.device:
             raise ConfigError(
@@ -113,6 +122,14 @@ class SearchParams(DeviceParams):
         if self.racing:
             self.schedule()
         super().__post_init__()
+
+    @property
+    def placement(self) -> dict[str, Any]:
+        """A worker's replica spreads over its own group of GPUs (`evoesap.distributed.worker_gpus`)."""
+        from evoesap import distributed
+
+        gpus = distributed.worker_gpus(self.gpus_per_worker) if self.gpus_per_worker > 1 else None
+        return {**super().placement, "gpus": gpus}
 
     def schedule(self) -> Racing | None:
         """The racing schedule, or None without racing."""
@@ -294,7 +311,7 @@ def prepare_scoring(
     search_positions = [scored[i] for i in search_ids]
     if schedule is not None:
         schedule.check(search_positions)  # before the model loads
-    loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
+    loaded = runtime.load_model(model, params.model_dtype, **params.placement)
     evaluator = CandidateEvaluator(
         loaded,
         teacher,
@@ -391,6 +408,8 @@ def run_search(
     inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}
     seen = artifacts.preflight(out_uri, "search", inputs)
     bounds.check_stage(params, model)
+    if not distributed.joined() and runtime.resolve_device(params.device).startswith("cuda"):  # the groups side by side
+        runtime.check_gpu_count(params.workers * params.gpus_per_worker, "workers x gpus_per_worker")
     for uri in (cache, heldout_cache):  # inputs must be finished artifacts before anything loads
         if uri:
             artifacts.read_manifest(uri, "cache-logits")

@@ -55,7 +55,7 @@ def _run(spec: dict[str, Any]) -> None:
     from evoesap.progress import set_quiet
     from evoesap.stages.search import SearchParams, prepare_scoring, run_search
 
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    rank = int(os.environ["RANK"])
     logging.basicConfig(
         level=spec["log_level"] if rank == 0 else max(logging.WARNING, spec["log_level"]),
         format=f"%(levelname)s %(name)s [worker {rank}]: %(message)s",
@@ -63,8 +63,8 @@ def _run(spec: dict[str, Any]) -> None:
     set_quiet(spec["quiet"] or rank > 0)
     params = SearchParams(**spec["params"])
     gpu = runtime.resolve_device(params.device).startswith("cuda")
-    if gpu:
-        torch.cuda.set_device(local_rank)  # "cuda" below means this rank's GPU
+    if gpu:  # "cuda" below means this rank's GPU, the first of its group
+        torch.cuda.set_device(distributed.worker_gpus(params.gpus_per_worker)[0])
     torch.set_num_threads(
         distributed.threads_per_worker(params.workers)
         if "OMP_NUM_THREADS" not in os.environ
