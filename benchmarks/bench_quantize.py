@@ -66,7 +66,7 @@ def main() -> None:
                         data=str(root / "calibration.jsonl"),
                     )
                     wall = time.perf_counter() - started
-                    doc = records.read(str(out), records.QUANTIZATION_FILE)
+                    doc = records.read(str(out), records.QuantizationRecord)
                     try:
                         with torch.no_grad():
                             p = reference(x).logits.float().softmax(-1)
@@ -74,10 +74,10 @@ def main() -> None:
                         loads, esap = "yes", f"{torch.minimum(p, q).sum(-1).mean().item():.3f}"
                     except Exception as exc:  # noqa: BLE001 - a figure to report, not a failure
                         loads, esap = f"no ({type(exc).__name__})", "-"
-                    before, after = doc["checkpoint_bytes_before"], doc["checkpoint_bytes_after"]
+                    before, after = doc.checkpoint_bytes_before, doc.checkpoint_bytes_after
                     print(
                         f"| {family} | {kind} | {counts} | {recipe} | {before:,} | {after:,} | {before / after:.2f}x | "
-                        f"{wall:.1f} | {doc['seconds']['oneshot']:.1f} | {loads} | {esap} |",
+                        f"{wall:.1f} | {doc.seconds['oneshot']:.1f} | {loads} | {esap} |",
                         flush=True,
                     )
     print(json.dumps({"torch_threads": torch.get_num_threads()}))

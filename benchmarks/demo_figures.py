@@ -37,7 +37,7 @@ import pandas as pd
 import torch
 
 from evoesap import allocation as alloc
-from evoesap import artifacts, moe, runtime
+from evoesap import moe, records, runtime
 from evoesap.importance import CRITERIA, pruning_order, read_scores
 from evoesap.scoring.evaluator import CandidateEvaluator
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
@@ -247,15 +247,15 @@ def section_search(run: Run) -> None:
             t = time.perf_counter()
             run_search(run.model, scores_uri, search_cache, params, uri)
             seconds = time.perf_counter() - t
-            doc = artifacts.read_json(artifacts.join(uri, "allocation.json"))
+            doc = records.read(uri, records.AllocationRecord)
             orders = pruning_order(scores, criterion)
-            best, uni = doc["searched"]["removal_counts"], doc["uniform"]["removal_counts"]
+            best, uni = doc.searched.removal_counts, doc.uniform.removal_counts
             split = generalisation(
                 heldout.sample_values(alloc.pruned_sets(best, orders)).numpy(),
                 heldout.sample_values(alloc.pruned_sets(uni, orders)).numpy(),
             )
             rows.append((criterion, sparsity, doc, split, seconds))
-    stage_n, search_n = rows[0][2]["heldout_samples"], rows[0][2]["search_samples"]
+    stage_n, search_n = rows[0][2].heldout_samples, rows[0][2].search_samples
     print("## Issue 6: searched vs uniform allocations\n")
     print(
         f"Scores from code calibration ({a.samples} samples), search on the math search split: {search_n} samples for "
@@ -270,8 +270,8 @@ def section_search(run: Run) -> None:
     print("|---|---|---|---|---|---|")
     for criterion, sparsity, doc, _, seconds in rows:
         print(
-            f"| {criterion} | {sparsity:.0%} | {doc['uniform']['removal_counts']} | {doc['searched']['removal_counts']} | "
-            f"{doc['evaluations']} | {seconds:.0f} s |"
+            f"| {criterion} | {sparsity:.0%} | {list(doc.uniform.removal_counts)} | {list(doc.searched.removal_counts)} | "
+            f"{doc.evaluations} | {seconds:.0f} s |"
         )
     print(
         f"\n| criterion | sparsity | search set ({search_n}): uniform | searched | stage held-out ({stage_n}): uniform | "
@@ -279,12 +279,12 @@ def section_search(run: Run) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for criterion, sparsity, doc, split, _ in rows:
-        h = doc["heldout"]
+        h = doc.heldout
         print(
-            f"| {criterion} | {sparsity:.0%} | {doc['uniform']['fitness']:.4f} | {doc['searched']['fitness']:.4f} | "
-            f"{h['uniform']:.4f} | {h['searched']:.4f} | {h['difference']:+.4f} ± {h['stderr']:.4f} | "
-            f"{'yes' if h['beats_uniform'] else '**no**'} | {split['uniform']:.4f} | {split['searched']:.4f} | "
-            f"{split['difference']:+.4f} ± {split['stderr']:.4f} | {'yes' if split['beats_uniform'] else '**no**'} |"
+            f"| {criterion} | {sparsity:.0%} | {doc.uniform.fitness:.4f} | {doc.searched.fitness:.4f} | "
+            f"{h.uniform:.4f} | {h.searched:.4f} | {h.difference:+.4f} ± {h.stderr:.4f} | "
+            f"{'yes' if h.beats_uniform else '**no**'} | {split.uniform:.4f} | {split.searched:.4f} | "
+            f"{split.difference:+.4f} ± {split.stderr:.4f} | {'yes' if split.beats_uniform else '**no**'} |"
         )
     print(f"\nWall time: {time.perf_counter() - t0:.1f} s\n")
 

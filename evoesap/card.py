@@ -17,6 +17,7 @@ import yaml
 from evoesap import lineage, render
 from evoesap import report as rp
 from evoesap.lineage import Lineage
+from evoesap.records import AllocationRecord, Experts, MetricsRecord, PruningRecord, TaskMetric
 from evoesap.report import Cell, Table
 
 DENSITY_FILE = "density.png"
@@ -27,11 +28,11 @@ LICENSE_KEYS = ("license", "license_name", "license_link")  # what a derivative 
 class Evidence:
     """What the card says, each part read from one artifact (or the base model's own card)."""
 
-    pruning: Mapping[str, Any]  # pruning.json of the prune artifact
+    pruning: PruningRecord  # pruning.json of the prune artifact
     config: Mapping[str, Any]  # config.json of the pruned checkpoint
-    pruned_eval: Mapping[str, Any]  # metrics.json of the pruned model's evaluation
-    full_eval: Mapping[str, Any] | None  # metrics.json of the base model's evaluation
-    search: Mapping[str, Any] | None  # allocation.json of the search the model was pruned by
+    pruned_eval: MetricsRecord  # metrics.json of the pruned model's evaluation
+    full_eval: MetricsRecord | None  # metrics.json of the base model's evaluation
+    search: AllocationRecord | None  # allocation.json of the search the model was pruned by
     search_params: Mapping[str, Any] | None  # that search's parameters (its manifest)
     lineage: Lineage
     base_model: str | None  # hub name of the base model
@@ -43,8 +44,8 @@ def metadata(evidence: Evidence) -> dict[str, Any]:
     """The card's YAML header: the keys the Hub reads (base model, license, library, pipeline, tags)."""
     from huggingface_hub import ModelCardData
 
-    family = evidence.pruned_eval["experts"]["family"]
-    tags = ["evoesap", "expert-pruning", "mixture-of-experts", family, evidence.pruning["criterion"]]
+    family = evidence.pruned_eval.experts.family
+    tags = ["evoesap", "expert-pruning", "mixture-of-experts", family, evidence.pruning.criterion]
     data = ModelCardData(
         base_model=evidence.base_model,
         library_name="transformers",
@@ -55,12 +56,11 @@ def metadata(evidence: Evidence) -> dict[str, Any]:
     return data.to_dict()
 
 
-def write_density(pruning: Mapping[str, Any], path: Path) -> None:
+def write_density(pruning: PruningRecord, path: Path) -> None:
     """The per-layer expert density of the pruned model (the report's Figure 1 panel) as a PNG."""
-    full = [k + r for k, r in zip(pruning["num_experts"], pruning["removal_counts"])]
+    full = [k + r for k, r in zip(pruning.num_experts, pruning.removal_counts)]
     figure = rp.density_figure(
-        {str(pruning["method"]): (pruning["removal_counts"], full)},
-        f"{pruning['criterion']} at {pruning['sparsity']:.0%} sparsity",
+        {pruning.method: (pruning.removal_counts, full)}, f"{pruning.criterion} at {pruning.sparsity:.0%} sparsity"
     )
     figure.savefig(path, dpi=120)
     rp.plt.close(figure)
@@ -72,27 +72,24 @@ def _pm(value: float | None, stderr: float | None, digits: int) -> str:
     return f"{value:.{digits}f}" + ("" if stderr is None else f" ± {stderr:.{digits}f}")
 
 
-def _primary(metrics: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    return [r for r in metrics["records"] if r.get("primary")]
-
-
-def evaluation_table(pruned: Mapping[str, Any], full: Mapping[str, Any] | None, digits: int) -> Table:
-    """Per task, its primary metric: full and pruned value ± standard error, their difference, the samples."""
-    by_key = {(r["task"], r["metric"], r["filter"]): r for r in (full or {}).get("records", [])}
+def evaluation_table(pruned: Sequence[TaskMetric], full: Sequence[TaskMetric], digits: int) -> Table:
+    """Per task, its primary metric (of `pruned`, the pruned model's records): full (`full`, the base model's
+    records, if evaluated) and pruned value ± standard error, their difference, the samples."""
+    by_key = {(r.task, r.metric, r.filter): r for r in full}
     lines = []
-    for row in _primary(pruned):
-        base = by_key.get((row["task"], row["metric"], row["filter"]))
-        delta = "–" if base is None else f"{row['value'] - base['value']:+.{digits}f}"
+    for row in (r for r in pruned if r.primary):
+        base = by_key.get((row.task, row.metric, row.filter))
+        delta = "–" if base is None else f"{row.value - base.value:+.{digits}f}"
         lines.append(
             tuple(
                 Cell(t)
                 for t in (
-                    row["task"],
-                    row["metric"],
-                    _pm(base and base["value"], base and base["stderr"], digits),
-                    _pm(row["value"], row["stderr"], digits),
+                    row.task,
+                    row.metric,
+                    "–" if base is None else _pm(base.value, base.stderr, digits),
+                    _pm(row.value, row.stderr, digits),
                     delta,
-                    "–" if row.get("samples") is None else str(row["samples"]),
+                    "–" if row.samples is None else str(row.samples),
                 )
             )
         )
@@ -100,11 +97,11 @@ def evaluation_table(pruned: Mapping[str, Any], full: Mapping[str, Any] | None, 
     return Table(header, tuple(lines), ("left", "left") + ("right",) * 4)
 
 
-def expert_table(pruning: Mapping[str, Any], experts: Mapping[str, Any]) -> Table:
+def expert_table(pruning: PruningRecord, experts: Experts) -> Table:
     """Per MoE layer: its decoder layer, experts before and after, removed, and the router's top-k."""
-    kept, removed = pruning["num_experts"], pruning["removal_counts"]
+    kept, removed = pruning.num_experts, pruning.removal_counts
     lines = [
-        tuple(Cell(str(v)) for v in (i, experts["decoder_index"][i], k + r, k, r, experts["top_k"][i]))
+        tuple(Cell(str(v)) for v in (i, experts.decoder_index[i], k + r, k, r, experts.top_k[i]))
         for i, (k, r) in enumerate(zip(kept, removed))
     ]
     header = ("MoE layer", "Decoder layer", "Experts (full)", "Experts kept", "Removed", "Top-k")
@@ -114,18 +111,18 @@ def expert_table(pruning: Mapping[str, Any], experts: Mapping[str, Any]) -> Tabl
 def memory_table(evidence: Evidence) -> Table:
     """Parameters and parameter bytes of the full and the pruned model (the evaluations' and pruning.json's)."""
     pruning, full = evidence.pruning, evidence.full_eval
-    saving = 1 - pruning["parameter_bytes_pruned"] / pruning["parameter_bytes_full"]
+    saving = 1 - pruning.parameter_bytes_pruned / pruning.parameter_bytes_full
     lines = [
         (
             Cell("Full"),
-            Cell("–" if full is None else f"{full['memory']['parameters']:,}"),
-            Cell(f"{pruning['parameter_bytes_full']:,}"),
+            Cell("–" if full is None else f"{full.memory.parameters:,}"),
+            Cell(f"{pruning.parameter_bytes_full:,}"),
             Cell(""),
         ),
         (
             Cell("Pruned"),
-            Cell(f"{evidence.pruned_eval['memory']['parameters']:,}"),
-            Cell(f"{pruning['parameter_bytes_pruned']:,}"),
+            Cell(f"{evidence.pruned_eval.memory.parameters:,}"),
+            Cell(f"{pruning.parameter_bytes_pruned:,}"),
             Cell(f"{saving:.1%}"),
         ),
     ]
@@ -136,25 +133,25 @@ def _search(evidence: Evidence, digits: int) -> dict[str, Any] | None:
     doc = evidence.search
     if doc is None:
         return None
-    check = doc.get("heldout")
+    check = doc.heldout
     return {
-        "metric": doc["metric"],
-        "fitness": f"{doc['fitness']:.{digits + 3}f}",
-        "uniform": f"{doc['uniform']['fitness']:.{digits + 3}f}",
-        "evaluations": doc.get("evaluations"),
+        "metric": doc.metric,
+        "fitness": _pm(doc.fitness, None, digits + 3),
+        "uniform": _pm(None if doc.uniform is None else doc.uniform.fitness, None, digits + 3),
+        "evaluations": doc.evaluations,
         "generations": (evidence.search_params or {}).get("generations"),
-        "fallback": bool(doc.get("fallback_applied")),
+        "fallback": bool(doc.fallback_applied),
         "heldout": None
-        if not check
+        if check is None
         else {
-            "samples": check["samples"],
-            "searched": f"{check['searched']:.{digits + 3}f}",
-            "uniform": f"{check['uniform']:.{digits + 3}f}",
-            "difference": f"{check['difference']:.2e}",
-            "stderr": "n/a" if check["stderr"] is None else f"{check['stderr']:.2e}",
-            "beats_uniform": bool(check["beats_uniform"]),
+            "samples": check.samples,
+            "searched": f"{check.searched:.{digits + 3}f}",
+            "uniform": f"{check.uniform:.{digits + 3}f}",
+            "difference": f"{check.difference:.2e}",
+            "stderr": "n/a" if check.stderr is None else f"{check.stderr:.2e}",
+            "beats_uniform": check.beats_uniform,
         },
-        "warnings": list(doc.get("warnings") or []),
+        "warnings": list(doc.warnings or []),
     }
 
 
@@ -168,27 +165,27 @@ def quantization(config: Mapping[str, Any]) -> str | None:
 def _name(evidence: Evidence) -> str:
     base = evidence.base_model or "the base model"
     pruning = evidence.pruning
-    return f"{base}, {pruning['sparsity']:.0%} of routed experts pruned ({pruning['criterion']}, {pruning['method']})"
+    return f"{base}, {pruning.sparsity:.0%} of routed experts pruned ({pruning.criterion}, {pruning.method})"
 
 
 def render_card(evidence: Evidence, digits: int = 3) -> str:
     """README.md: the Hub's YAML metadata header, then the card's Markdown."""
     from evoesap.stages import NAMES
 
-    pruning, experts = evidence.pruning, evidence.pruned_eval["experts"]
-    limits = sorted({f"{float(m['limit']):g}" for m in (evidence.pruned_eval, evidence.full_eval or {}) if m.get("limit")})
+    pruning, experts, full = evidence.pruning, evidence.pruned_eval.experts, evidence.full_eval
+    limits = sorted({f"{float(m.limit):g}" for m in (evidence.pruned_eval, full) if m is not None and m.limit})
     context = {
         "title": _name(evidence),
         "base_model": evidence.base_model,
-        "method": pruning["method"],
-        "criterion": pruning["criterion"],
-        "sparsity": f"{pruning['sparsity']:.0%}",
-        "removed": sum(pruning["removal_counts"]),
-        "total": sum(pruning["removal_counts"]) + sum(pruning["num_experts"]),
-        "family": experts["family"],
+        "method": pruning.method,
+        "criterion": pruning.criterion,
+        "sparsity": f"{pruning.sparsity:.0%}",
+        "removed": sum(pruning.removal_counts),
+        "total": sum(pruning.removal_counts) + sum(pruning.num_experts),
+        "family": experts.family,
         "experts": expert_table(pruning, experts),
         "density": DENSITY_FILE,
-        "evaluation": evaluation_table(evidence.pruned_eval, evidence.full_eval, digits),
+        "evaluation": evaluation_table(evidence.pruned_eval.records, full.records if full else (), digits),
         "full_evaluated": evidence.full_eval is not None,
         "limits": limits,
         "memory": memory_table(evidence),

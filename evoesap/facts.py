@@ -16,33 +16,33 @@ EXPORT_MAX_BYTES = 1 << 20  # files up to this size are copied into an orchestra
 
 
 def _search(uri: str) -> dict[str, Any]:
-    doc = records.read(uri, records.ALLOCATION_FILE)
+    doc = records.read(uri, records.AllocationRecord).to_json()
     keys = ("criterion", "sparsity", "metric", "fitness", "heldout", "removal_counts", "fallback_applied", "evaluations")
-    return {**{k: doc.get(k) for k in keys}, "cost": artifacts.read_manifest(uri).run.get("cost")}
+    return {**{k: doc[k] for k in keys}, "cost": artifacts.read_manifest(uri).run.get("cost")}
 
 
 def _prune(uri: str) -> dict[str, Any]:
-    doc = records.read(uri, records.PRUNING_FILE)
+    record = records.read(uri, records.PruningRecord)
     return {
-        "method": doc["method"],
-        "criterion": doc["criterion"],
-        "sparsity": doc["sparsity"],
-        "expert_counts": doc["num_experts"],
-        "removal_counts": doc["removal_counts"],
-        "parameter_bytes": doc["parameter_bytes_pruned"],
-        "parameter_bytes_full": doc["parameter_bytes_full"],
+        "method": record.method,
+        "criterion": record.criterion,
+        "sparsity": record.sparsity,
+        "expert_counts": list(record.num_experts),
+        "removal_counts": list(record.removal_counts),
+        "parameter_bytes": record.parameter_bytes_pruned,
+        "parameter_bytes_full": record.parameter_bytes_full,
     }
 
 
 def _evaluate(uri: str) -> dict[str, Any]:
-    doc = records.read(uri, records.METRICS_FILE)
-    return {**{k: v for k, v in doc["labels"].items() if v is not None}, "scores": task_scores(uri)}
+    labels = records.read(uri, records.MetricsRecord).labels.to_json()
+    return {**{k: v for k, v in labels.items() if v is not None}, "scores": task_scores(uri)}
 
 
 def _quantize(uri: str) -> dict[str, Any]:
-    doc = records.read(uri, records.QUANTIZATION_FILE)
+    doc = records.read(uri, records.QuantizationRecord).to_json()
     keys = ("recipe", "scheme", "num_experts_per_layer", "checkpoint_bytes_before", "checkpoint_bytes_after")
-    return {k: doc.get(k) for k in keys}
+    return {k: doc[k] for k in keys}
 
 
 _BY_STAGE: dict[str, Callable[[str], dict[str, Any]]] = {
@@ -69,8 +69,8 @@ def facts(uri: str) -> dict[str, Any]:
 
 def task_scores(uri: str) -> dict[str, float]:
     """`<task>/<metric>` -> value of each task's primary metric in an evaluate artifact."""
-    doc = records.read(uri, records.METRICS_FILE)
-    return {f"{r['task']}/{r['metric']}": float(r["value"]) for r in doc["records"] if r.get("primary")}
+    metrics = records.read(uri, records.MetricsRecord)
+    return {f"{r.task}/{r.metric}": float(r.value) for r in metrics.primary()}
 
 
 def export_small_files(uri: str, dest: Path, max_bytes: int = EXPORT_MAX_BYTES) -> list[str]:

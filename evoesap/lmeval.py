@@ -17,6 +17,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from evoesap import records as rec
 from evoesap import vllm_eval
 from evoesap.errors import ConfigError, DataError
 from evoesap.identity import locate
@@ -191,7 +192,7 @@ def run_lm_eval(
     model_dtype: str = "auto",
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+) -> tuple[list[rec.TaskMetric], dict[str, Any]]:
     """Run every request through lm-eval; return metric records and lm-eval's raw results per call.
 
     `model` is the loaded model for the `hf` backend, a checkpoint directory or hub name for `vllm`
@@ -212,7 +213,7 @@ def run_lm_eval(
             log.warning("tokenizer has no chat template: %s runs on raw prompts", request.name)
         groups.setdefault((chat, request.zero_shot, request.unsafe_code), []).append(request)
 
-    records: list[dict[str, Any]] = []
+    records: list[rec.TaskMetric] = []
     raw: dict[str, Any] = {}
     for (chat, zero_shot, unsafe), requests in groups.items():
         thinking = {"enable_thinking": enable_thinking, "think_end_token": think_end_token if enable_thinking else None}
@@ -300,7 +301,7 @@ def _vllm_engine_args() -> dict[str, Any]:
     return {} if torch.cuda.is_available() else {"enforce_eager": True, "kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
 
 
-def _records(request: TaskRequest, results: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _records(request: TaskRequest, results: Mapping[str, Any]) -> list[rec.TaskMetric]:
     """lm-eval's `metric,filter` keys for one task as flat records, its primary metric flagged."""
     entry = results.get("groups", {}).get(request.name) or results["results"].get(request.name)
     if entry is None:
@@ -313,55 +314,55 @@ def _records(request: TaskRequest, results: Mapping[str, Any]) -> list[dict[str,
         metric, filt = key.split(",", 1)
         stderr = entry.get(f"{metric}_stderr,{filt}")
         rows.append(
-            {
-                "task": request.name,
-                "domain": request.domain,
-                "metric": metric,
-                "filter": filt,
-                "value": float(value),
-                "stderr": float(stderr) if isinstance(stderr, (int, float)) and math.isfinite(stderr) else None,
-                "samples": samples,
-                "primary": False,
-            }
+            rec.TaskMetric(
+                task=request.name,
+                domain=request.domain,
+                metric=metric,
+                filter=filt,
+                value=float(value),
+                stderr=float(stderr) if isinstance(stderr, (int, float)) and math.isfinite(stderr) else None,
+                samples=samples,
+            )
         )
     primary = _primary(rows)
     if primary is not None:
-        primary["primary"] = True
+        rows[primary] = dataclasses.replace(rows[primary], primary=True)
     return rows
 
 
-def _primary(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _primary(rows: list[rec.TaskMetric]) -> int | None:
+    """Index of the task's primary metric: the first of PRIMARY_METRICS it has, else its first."""
     for metric, filt in PRIMARY_METRICS:
-        for row in rows:
-            if row["metric"] == metric and (filt is None or row["filter"] == filt):
-                return row
-    return rows[0] if rows else None
+        for i, row in enumerate(rows):
+            if row.metric == metric and (filt is None or row.filter == filt):
+                return i
+    return 0 if rows else None
 
 
-def memory_footprint(model: torch.nn.Module) -> dict[str, int]:
+def memory_footprint(model: torch.nn.Module) -> rec.Memory:
     """Parameter count, bytes as loaded, and the bf16 load size (floating tensors at 2 bytes)."""
     from evoesap import moe
 
     saved = {id(t): t for t in model.state_dict(keep_vars=True).values()}.values()  # what a checkpoint stores
     bf16 = sum(t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in saved)
     count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())  # tied weights once
-    return {"parameters": count, "parameter_bytes": int(moe.parameter_bytes(model)), "bf16_bytes": bf16}
+    return rec.Memory(parameters=count, parameter_bytes=int(moe.parameter_bytes(model)), bf16_bytes=bf16)
 
 
-def expert_counts(model: torch.nn.Module) -> dict[str, Any]:
+def expert_counts(model: torch.nn.Module) -> rec.Experts:
     """Experts and top-k per MoE layer, in model order."""
     from evoesap import moe
 
     spec = moe.inspect(model)
-    return {
-        "family": spec.family,
-        "num_experts": [int(n) for n in spec.num_experts],
-        "top_k": [int(k) for k in spec.top_k],
-        "decoder_index": [int(layer.decoder_index) for layer in spec.layers],
-    }
+    return rec.Experts(
+        family=spec.family,
+        num_experts=tuple(int(n) for n in spec.num_experts),
+        top_k=tuple(int(k) for k in spec.top_k),
+        decoder_index=tuple(int(layer.decoder_index) for layer in spec.layers),
+    )
 
 
-def heldout_esap(model: torch.nn.Module, tokenizer: Any, cache_uri: str, batch_size: int = 8) -> dict[str, Any]:
+def heldout_esap(model: torch.nn.Module, tokenizer: Any, cache_uri: str, batch_size: int = 8) -> rec.HeldoutEsap:
     """ESAP of this (physically pruned) model against its full model's teacher cache.
 
     The weights differ from the teacher's by design, so the evaluator checks only the vocabulary.
@@ -370,4 +371,4 @@ def heldout_esap(model: torch.nn.Module, tokenizer: Any, cache_uri: str, batch_s
 
     scorer = CandidateEvaluator(model, cache_uri, metric="esap", batch_size=batch_size, tokenizer=tokenizer, verify=False)
     lower, upper = scorer.bounds({})
-    return {"esap": lower, "esap_upper": upper, "samples": scorer.num_samples}
+    return rec.HeldoutEsap(esap=lower, esap_upper=upper, samples=scorer.num_samples)

@@ -1,6 +1,6 @@
 """Tables and plots from evaluate runs and search histories, shaped like the paper's Table 2 and Figure 1.
 
-Everything here works on plain data (metrics dicts, allocation.json documents, history tables); reading
+Everything here works on records already read (`MetricsRecord`, `AllocationRecord`) and history tables; reading
 artifacts is the stage's job, laying the page out is the templates' (`evoesap.render`). Tables are
 `Table`s of text cells; figure builders return matplotlib Figures (Agg) so tests can inspect what they draw.
 """
@@ -20,6 +20,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from evoesap.errors import DataError  # noqa: E402
+from evoesap.records import AllocationRecord, HeldoutCheck, MetricsRecord  # noqa: E402
 
 if TYPE_CHECKING:
     from evoesap.lineage import Node, Source
@@ -68,12 +69,12 @@ class Table:
     align: tuple[str, ...]  # "left" or "right" per column
 
 
-def primary_stderrs(metrics: Mapping[str, Any]) -> dict[str, float]:
+def primary_stderrs(metrics: MetricsRecord) -> dict[str, float]:
     """task -> standard error of its primary metric in a metrics.json, where lm-eval gave one."""
-    return {r["task"]: float(r["stderr"]) for r in metrics["records"] if r.get("primary") and r.get("stderr") is not None}
+    return {r.task: float(r.stderr) for r in metrics.primary() if r.stderr is not None}
 
 
-def clear_differences(uniform: Mapping[str, Any], searched: Mapping[str, Any]) -> tuple[tuple[str, float], ...] | None:
+def clear_differences(uniform: MetricsRecord, searched: MetricsRecord) -> tuple[tuple[str, float], ...] | None:
     """(task, searched - uniform) for each task whose difference exceeds two standard errors of the difference,
     sqrt(se_u^2 + se_s^2) (unpaired: conservative where the two runs' per-sample scores correlate); None when
     no task of both runs has standard errors."""
@@ -86,16 +87,12 @@ def clear_differences(uniform: Mapping[str, Any], searched: Mapping[str, Any]) -
     return tuple((t, d) for t, d in diffs.items() if abs(d) > 2 * math.hypot(errors[0][t], errors[1][t]))
 
 
-def primary_values(metrics: Mapping[str, Any]) -> dict[tuple[str, str], tuple[str, float]]:
+def primary_values(metrics: MetricsRecord) -> dict[tuple[str, str], tuple[str, float]]:
     """(domain, task) -> (metric, value) of each task's primary metric in a metrics.json."""
-    out = {}
-    for record in metrics["records"]:
-        if record.get("primary"):
-            out[(record["domain"], record["task"])] = (record["metric"], float(record["value"]))
-    return out
+    return {(r.domain, r.task): (r.metric, float(r.value)) for r in metrics.primary()}
 
 
-def columns(runs: Sequence[Mapping[str, Any]]) -> list[Column]:
+def columns(runs: Sequence[MetricsRecord]) -> list[Column]:
     """Task columns grouped by domain in first-seen order, each domain followed by its average when it has 2+ tasks."""
     by_domain: dict[str, dict[str, str]] = {}
     for metrics in runs:
@@ -109,11 +106,11 @@ def columns(runs: Sequence[Mapping[str, Any]]) -> list[Column]:
     return cols
 
 
-def _method(metrics: Mapping[str, Any]) -> str:
-    return str(metrics.get("labels", {}).get("method") or "run")
+def _method(metrics: MetricsRecord) -> str:
+    return str(metrics.labels.method or "run")
 
 
-def build_rows(runs: Sequence[Mapping[str, Any]], sources: Sequence[str], cols: Sequence[Column]) -> list[Row]:
+def build_rows(runs: Sequence[MetricsRecord], sources: Sequence[str], cols: Sequence[Column]) -> list[Row]:
     """Rows in table order (full first, then by sparsity and criterion, uniform before searched), with bold marks."""
     rows = []
     for metrics, source in zip(runs, sources):
@@ -130,9 +127,10 @@ def build_rows(runs: Sequence[Mapping[str, Any]], sources: Sequence[str], cols: 
                 task_count = sum(1 for c in cols if c.domain == col.domain and c.task)
                 if members and len(members) == task_count:
                     values[col] = sum(members) / len(members)
-        labels = metrics.get("labels", {})
-        sparsity = labels.get("sparsity")
-        rows.append(Row(None if sparsity is None else float(sparsity), labels.get("criterion"), _method(metrics), values, source))
+        sparsity = metrics.labels.sparsity
+        rows.append(
+            Row(None if sparsity is None else float(sparsity), metrics.labels.criterion, _method(metrics), values, source)
+        )
     rows.sort(key=_row_key)
     return _mark_better(rows, cols)
 
@@ -206,33 +204,30 @@ def benchmark_table(rows: Sequence[Row], cols: Sequence[Column], digits: int = 3
     )
 
 
-def run_label(metrics: Mapping[str, Any]) -> str:
+def run_label(metrics: MetricsRecord) -> str:
     """ "Full" or "25% reap searched": how tables name a run."""
-    labels = metrics.get("labels", {})
     if _method(metrics) == "full":
         return "Full"
-    return " ".join(str(v) for v in (_sparsity(labels.get("sparsity")), labels.get("criterion"), _method(metrics)) if v)
+    labels = metrics.labels
+    return " ".join(str(v) for v in (_sparsity(labels.sparsity), labels.criterion, _method(metrics)) if v)
 
 
-def memory_rows(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def memory_rows(runs: Sequence[MetricsRecord]) -> list[dict[str, Any]]:
     """Per run in table order: parameters, bytes, bf16 size, saving against the full run's bf16 size, held-out ESAP."""
     full = [m for m in runs if _method(m) == "full"]
-    full_bf16 = full[0]["memory"]["bf16_bytes"] if full else None
-    keyed = [
-        (_row_key(Row(m.get("labels", {}).get("sparsity"), m.get("labels", {}).get("criterion"), _method(m), {}, "")), i)
-        for i, m in enumerate(runs)
-    ]
+    full_bf16 = full[0].memory.bf16_bytes if full else None
+    keyed = [(_row_key(Row(m.labels.sparsity, m.labels.criterion, _method(m), {}, "")), i) for i, m in enumerate(runs)]
     out = []
     for _, i in sorted(keyed):
-        memory = runs[i]["memory"]
+        memory, esap = runs[i].memory, runs[i].heldout_esap
         out.append(
             {
                 "run": run_label(runs[i]),
-                "parameters": memory["parameters"],
-                "parameter_bytes": memory["parameter_bytes"],
-                "bf16_bytes": memory["bf16_bytes"],
-                "saving": None if not full_bf16 else 1 - memory["bf16_bytes"] / full_bf16,
-                "heldout_esap": (runs[i].get("heldout_esap") or {}).get("esap"),
+                "parameters": memory.parameters,
+                "parameter_bytes": memory.parameter_bytes,
+                "bf16_bytes": memory.bf16_bytes,
+                "saving": None if not full_bf16 else 1 - memory.bf16_bytes / full_bf16,
+                "heldout_esap": None if esap is None else esap.esap,
             }
         )
     return out
@@ -310,7 +305,7 @@ class Setting:
     sparsity: float
     criterion: str
     metric: str | None  # fitness of the held-out check (esap unless the search used another)
-    heldout: Mapping[str, Any] | None  # the search's check: samples, searched, uniform, difference, stderr, beats_uniform
+    heldout: HeldoutCheck | None  # the search's held-out check
     fallback_applied: bool | None  # None: no search artifact given for this setting
     task_delta: float | None  # mean over tasks of searched - uniform (primary metrics)
     clear_tasks: tuple[tuple[str, float], ...] | None  # (task, searched - uniform) beyond 2 SE; None: no SEs to judge
@@ -319,14 +314,14 @@ class Setting:
     warnings: tuple[str, ...]
 
 
-def settings(runs: Sequence[Mapping[str, Any]], searches: Sequence[Mapping[str, Any]]) -> list[Setting]:
-    """Every criterion x sparsity that has a search (allocation.json documents) or a uniform/searched run pair."""
-    by_key: dict[tuple[float, str], dict[str, Mapping[str, Any]]] = {}
+def settings(runs: Sequence[MetricsRecord], searches: Sequence[AllocationRecord]) -> list[Setting]:
+    """Every criterion x sparsity that has a search or a uniform/searched run pair."""
+    by_key: dict[tuple[float, str], dict[str, MetricsRecord]] = {}
     for metrics in runs:
-        labels = metrics.get("labels", {})
-        if labels.get("sparsity") is not None and _method(metrics) in PAIR:
-            by_key.setdefault((float(labels["sparsity"]), str(labels.get("criterion") or "")), {})[_method(metrics)] = metrics
-    found = {(float(s["sparsity"]), str(s["criterion"])): s for s in searches}
+        labels = metrics.labels
+        if labels.sparsity is not None and _method(metrics) in PAIR:
+            by_key.setdefault((float(labels.sparsity), str(labels.criterion or "")), {})[_method(metrics)] = metrics
+    found = {(float(s.sparsity), s.criterion): s for s in searches}
     full = [m for m in runs if _method(m) == "full"]
     out = []
     for key in sorted(set(by_key) | set(found)):
@@ -334,19 +329,19 @@ def settings(runs: Sequence[Mapping[str, Any]], searches: Sequence[Mapping[str, 
         prims = [{t: v for t, (_, v) in primary_values(pair[m]).items()} for m in PAIR if m in pair]
         shared = sorted(set(prims[0]) & set(prims[1])) if len(prims) == 2 else []
         pruned = pair.get("searched") or pair.get("uniform")
-        saved = full[0]["memory"]["bf16_bytes"] - pruned["memory"]["bf16_bytes"] if full and pruned else None
+        saved = full[0].memory.bf16_bytes - pruned.memory.bf16_bytes if full and pruned else None
         out.append(
             Setting(
                 sparsity=key[0],
                 criterion=key[1],
-                metric=search.get("metric") if search else None,
-                heldout=search.get("heldout") if search else None,
-                fallback_applied=bool(search.get("fallback_applied")) if search else None,
+                metric=search.metric if search else None,
+                heldout=search.heldout if search else None,
+                fallback_applied=bool(search.fallback_applied) if search else None,
                 task_delta=sum(prims[1][t] - prims[0][t] for t in shared) / len(shared) if shared else None,
                 clear_tasks=clear_differences(pair["uniform"], pair["searched"]) if len(prims) == 2 else None,
-                memory_saved=None if saved is None else saved / full[0]["memory"]["bf16_bytes"],
+                memory_saved=None if saved is None else saved / full[0].memory.bf16_bytes,
                 memory_saved_bytes=saved,
-                warnings=tuple(search.get("warnings") or ()) if search else (),
+                warnings=tuple(search.warnings or ()) if search else (),
             )
         )
     return out
@@ -368,18 +363,21 @@ def summary_table(rows: Sequence[Setting], digits: int = 3) -> Table:
     the difference clears two standard errors, whether the search fell back to uniform, the task-average Δ, memory saved."""
     lines = []
     for s in rows:
-        check = s.heldout or {}
-        passed = None if not check else bool(check.get("beats_uniform"))
+        check = s.heldout
+        passed = None if check is None else check.beats_uniform
+        searched, uniform, difference, stderr = (
+            (None,) * 4 if check is None else (check.searched, check.uniform, check.difference, check.stderr)
+        )
         lines.append(
             (
                 Cell(_sparsity(s.sparsity)),
                 Cell(s.criterion or "–"),
                 Cell(s.metric or "–"),
-                Cell(_fmt(check.get("searched"), 4)),
-                Cell(_fmt(check.get("uniform"), 4)),
-                Cell(_fine(check.get("difference"), "+")),
-                Cell(_fine(check.get("stderr"))),
-                Cell(str(check.get("samples", "–"))),
+                Cell(_fmt(searched, 4)),
+                Cell(_fmt(uniform, 4)),
+                Cell(_fine(difference, "+")),
+                Cell(_fine(stderr)),
+                Cell("–" if check is None else str(check.samples)),
                 Cell("–" if passed is None else "passed" if passed else "failed", "" if passed is not False else "bold"),
                 Cell(
                     "–" if s.fallback_applied is None else "applied" if s.fallback_applied else "no",
@@ -417,8 +415,8 @@ def _clear(tasks: tuple[tuple[str, float], ...] | None, digits: int) -> str:
 
 def headline(rows: Sequence[Setting]) -> str:
     """One sentence: in how many settings the search beat uniform on held-out data and on the tasks."""
-    checked = [s for s in rows if s.heldout]
-    beat = sum(bool(s.heldout and s.heldout.get("beats_uniform")) for s in checked)
+    checked = [s.heldout for s in rows if s.heldout is not None]
+    beat = sum(check.beats_uniform for check in checked)
     deltas = [s.task_delta for s in rows if s.task_delta is not None]
     parts = []
     if checked:

@@ -112,14 +112,14 @@ def test_lm_eval_on_local_tasks_matches_independent_loglikelihood(tmp_path):
     model = tiny_olmoe(tokenizer)
     plan = lmeval.resolve_tasks([str(write_tasks(tmp_path / "tasks"))])
     records, raw = lmeval.run_lm_eval(model, tokenizer, plan, batch_size=2)
-    by_key = {(r["task"], r["metric"]): r for r in records}
+    by_key = {(r.task, r.metric): r for r in records}
     acc, acc_norm = independent_mc_accuracy(model, tokenizer)
-    assert by_key[("arith_mc", "acc")]["value"] == pytest.approx(acc)
-    assert by_key[("arith_mc", "acc_norm")]["value"] == pytest.approx(acc_norm)
-    assert by_key[("arith_mc", "acc_norm")]["primary"] and not by_key[("arith_mc", "acc")]["primary"]
-    assert by_key[("arith_mc", "acc")]["samples"] == len(ROWS)
+    assert by_key[("arith_mc", "acc")].value == pytest.approx(acc)
+    assert by_key[("arith_mc", "acc_norm")].value == pytest.approx(acc_norm)
+    assert by_key[("arith_mc", "acc_norm")].primary and not by_key[("arith_mc", "acc")].primary
+    assert by_key[("arith_mc", "acc")].samples == len(ROWS)
     gen = by_key[("arith_gen", "exact_match")]
-    assert gen["primary"] and 0.0 <= gen["value"] <= 1.0 and gen["stderr"] is not None
+    assert gen.primary and 0.0 <= gen.value <= 1.0 and gen.stderr is not None
     assert set(raw["results"]) == {"arith_mc", "arith_gen"}
 
 
@@ -143,7 +143,8 @@ def test_run_evaluate_writes_metrics_json(tmp_path):
         method="uniform",
     )
     manifest = run_evaluate(str(checkpoint), params, str(tmp_path / "eval"))
-    metrics = records.read(str(tmp_path / "eval"), records.METRICS_FILE)
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert records.read(str(tmp_path / "eval"), records.MetricsRecord).to_json() == metrics
     assert manifest.files["metrics.json"] == artifacts.sha256_file(tmp_path / "eval" / "metrics.json")
     assert metrics["labels"] == {"criterion": "reap", "sparsity": 0.5, "method": "uniform"}
     assert {(r["task"], r["metric"]) for r in metrics["records"]} >= {("arith_mc", "acc"), ("arith_gen", "exact_match")}
@@ -176,12 +177,12 @@ def test_pruned_parameter_bytes_are_full_minus_removed_experts_exactly():
     after = lmeval.memory_footprint(pruned)
     removed = sum(len(PRUNED[layer]) * per_expert[layer] for layer in PRUNED)
     assert removed > 0
-    assert after["parameter_bytes"] == before["parameter_bytes"] - removed
+    assert after.parameter_bytes == before.parameter_bytes - removed
     # float32 tiny models: the bf16 load size is exactly half of what they hold
-    assert after["bf16_bytes"] * 2 == after["parameter_bytes"]
-    assert lmeval.expert_counts(pruned)["num_experts"] == [
+    assert after.bf16_bytes * 2 == after.parameter_bytes
+    assert lmeval.expert_counts(pruned).num_experts == tuple(
         n - len(PRUNED[i]) for i, n in enumerate(moe.inspect(full).num_experts)
-    ]
+    )
 
 
 def test_heldout_esap_of_a_pruned_checkpoint_equals_masking_the_full_model(tmp_path):
@@ -199,9 +200,9 @@ def test_heldout_esap_of_a_pruned_checkpoint_equals_masking_the_full_model(tmp_p
     masked_score = CandidateEvaluator(full, str(tmp_path / "cache")).score(PRUNED)
     pruned = moe.prune_experts(moe.tiny_model("olmoe", seed=2), PRUNED)
     result = lmeval.heldout_esap(pruned, None, str(tmp_path / "cache"), batch_size=2)
-    assert result["samples"] == 4
-    assert result["esap"] == pytest.approx(masked_score, abs=1e-5)
-    assert result["esap"] < 1.0
+    assert result.samples == 4
+    assert result.esap == pytest.approx(masked_score, abs=1e-5)
+    assert result.esap < 1.0
 
 
 def test_evaluate_cli_reports_a_missing_task_directory_as_one_error(tmp_path, capsys):

@@ -97,9 +97,9 @@ def test_card_metadata_is_the_hubs_and_every_number_comes_from_an_artifact(world
     meta, body = _split_card(text)
     assert ModelCard(text).data.to_dict() == meta  # huggingface_hub reads the same header
     assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
-    pruning = records.read(world["pruned"], records.PRUNING_FILE)
-    pruned_eval = records.read(world["evaluated"], records.METRICS_FILE)
-    full_eval = records.read(world["evaluated_full"], records.METRICS_FILE)
+    pruning = records.read(world["pruned"], records.PruningRecord).to_json()
+    pruned_eval = records.read(world["evaluated"], records.MetricsRecord).to_json()
+    full_eval = records.read(world["evaluated_full"], records.MetricsRecord).to_json()
     assert {"evoesap", "mixture-of-experts", pruning["criterion"], pruned_eval["experts"]["family"]} <= set(meta["tags"])
     assert "base_model" not in meta and "license" not in meta  # a local base, no card: nothing invented
 
@@ -133,7 +133,7 @@ def test_card_metadata_is_the_hubs_and_every_number_comes_from_an_artifact(world
     assert int(memory["Full"][1].replace(",", "")) == full_eval["memory"]["parameters"]
     assert int(memory["Pruned"][2].replace(",", "")) == pruning["parameter_bytes_pruned"]
     assert int(memory["Full"][2].replace(",", "")) == pruning["parameter_bytes_full"]
-    allocation = records.read(world["search_out"], records.ALLOCATION_FILE)
+    allocation = records.read(world["search_out"], records.AllocationRecord).to_json()
     assert f"{allocation['fitness']:.6f}" in body and f"{allocation['heldout']['searched']:.6f}" in body
     assert "## Quantization" in body and "None: the weights are stored in" in body  # no recipe in config.json
 
@@ -148,24 +148,12 @@ def test_card_metadata_is_the_hubs_and_every_number_comes_from_an_artifact(world
 
 
 def test_evaluation_table_puts_each_models_value_and_stderr_in_its_column():
-    def metrics(value: float, stderr: float | None) -> dict[str, Any]:
-        return {
-            "records": [
-                {
-                    "task": "gsm8k",
-                    "metric": "exact_match",
-                    "filter": "strict",
-                    "value": value,
-                    "stderr": stderr,
-                    "samples": 1319,
-                    "primary": True,
-                }
-            ]
-        }
+    def metrics(value: float, stderr: float | None) -> list[records.TaskMetric]:
+        return [records.TaskMetric("gsm8k", "math", "exact_match", "strict", value, stderr, samples=1319, primary=True)]
 
     table = card.evaluation_table(metrics(0.3125, 0.0125), metrics(0.5, 0.0138), digits=3)
     assert [c.text for c in table.rows[0]] == ["gsm8k", "exact_match", "0.500 ± 0.014", "0.312 ± 0.013", "-0.188", "1319"]
-    alone = card.evaluation_table(metrics(0.25, None), None, digits=2)
+    alone = card.evaluation_table(metrics(0.25, None), (), digits=2)
     assert [c.text for c in alone.rows[0]][2:5] == ["–", "0.25", "–"]
 
 

@@ -89,7 +89,7 @@ def test_quantized_checkpoints_shrink_as_their_bits_say_and_keep_their_architect
         source, out = world[f"{family}-{kind}"], str(tmp_path / kind)
         run_quantize(source, QuantizeParams(recipe=recipe, **CALIBRATION), out, data=world["data"])
         artifacts.verify(out, "quantize")
-        summary = records.read(out, records.QUANTIZATION_FILE)
+        summary = records.read(out, records.QuantizationRecord).to_json()
         floor = expected_bytes(source, BITS[recipe])
         assert summary["checkpoint_bytes_before"] == (Path(source) / "model.safetensors").stat().st_size
         assert floor <= summary["checkpoint_bytes_after"] <= 1.1 * floor + 64 * 1024, (summary, floor)

@@ -3,6 +3,7 @@ report.html is one self-contained, fully rendered page with a summary on top and
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import hashlib
 import json
@@ -16,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from markdown_it import MarkdownIt
 
-from evoesap import __version__, artifacts, render
+from evoesap import __version__, artifacts, records, render
 from evoesap import report as rp
 from evoesap.stages.report import ReportParams, run_allocations, run_report
 
@@ -71,6 +72,10 @@ RUNS = {
     "uniform": make_metrics("uniform", {"arc_easy": 0.61234, "boolq": 0.6, "gsm8k": 0.3}, "reap", 0.25),
     "searched": make_metrics("searched", {"arc_easy": 0.6, "boolq": 0.65, "gsm8k": 0.35}, "reap", 0.25),
 }
+
+
+def typed(runs: list[dict]) -> list[records.MetricsRecord]:
+    return [records.MetricsRecord.from_json(doc, "metrics.json") for doc in runs]
 
 
 def publish(uri: Path, stage: str, files: dict[str, bytes], params: dict | None = None) -> str:
@@ -129,7 +134,7 @@ def test_search_curve_figure_plots_best_so_far_and_generation_mean():
 
 
 def test_allocations_are_read_off_expert_counts_against_the_full_model():
-    groups = run_allocations(list(RUNS.values()), [])
+    groups = run_allocations(typed(list(RUNS.values())), [])
     assert groups == {(0.25, "reap"): {"uniform": (ALLOCATIONS["uniform"], N), "searched": (ALLOCATIONS["searched"], N)}}
 
 
@@ -144,6 +149,7 @@ def allocation_doc(beats: bool, warnings: list[str] | None) -> dict:
         "granularity": 1,
         "num_experts": N,
         "removal_counts": ALLOCATIONS["searched"],
+        "pruned": {str(layer): list(range(r)) for layer, r in enumerate(ALLOCATIONS["searched"])},
         "searched": {"removal_counts": ALLOCATIONS["searched"], "fitness": 0.91},
         "uniform": {"removal_counts": ALLOCATIONS["uniform"], "fitness": 0.9},
         "fallback_applied": False,
@@ -245,7 +251,7 @@ def test_full_uniform_and_searched_tiny_models_through_lm_eval_into_the_report(t
     run_report(runs, ReportParams(digits=4), str(tmp_path / "report"))
     by_method = {m: artifacts.read_json(str(Path(u) / "metrics.json")) for m, u in zip(allocations, runs)}
     check_table((tmp_path / "report" / "report.md").read_text(), by_method, 4)
-    groups = run_allocations(list(by_method.values()), [])
+    groups = run_allocations(typed(list(by_method.values())), [])
     assert groups[(0.5, "reap")] == {m: (allocations[m], [8, 8, 8, 8]) for m in ("uniform", "searched")}
     full, uniform = by_method["full"]["memory"], by_method["uniform"]["memory"]
     assert uniform["parameter_bytes"] < full["parameter_bytes"]
@@ -270,7 +276,7 @@ def test_frequency_heuristic_panel_comes_from_the_search_scores(tmp_path):
         str(tmp_path / "search"), "search", {"criterion": "reap", "sparsity": 0.25, "granularity": 1}, {"scores": scores_uri}
     ) as staging:
         (staging / "history.parquet").write_bytes((tmp_path / "h.parquet").read_bytes())
-    groups = run_allocations(list(RUNS.values()), [_history(str(tmp_path / "search"))[2]])
+    groups = run_allocations(typed(list(RUNS.values())), [_history(str(tmp_path / "search"))[2]])
     assert groups[(0.25, "reap")]["frequency"] == ([6, 0, 2, 0], N)
     assert list(groups[(0.25, "reap")]) == ["uniform", "frequency", "searched"]
 
@@ -552,11 +558,9 @@ def test_lineage_names_the_model_data_configuration_software_and_every_artifact(
 
 
 def test_task_differences_clear_two_standard_errors_only_when_both_runs_carry_them():
-    uniform, searched = RUNS["uniform"], RUNS["searched"]
+    uniform, searched = typed([RUNS["uniform"], RUNS["searched"]])
     # arc_easy -0.012 is within 2 * sqrt(0.01^2 + 0.01^2) = 0.028; boolq and gsm8k +0.05 are beyond it
     assert [(t, round(d, 6)) for t, d in rp.clear_differences(uniform, searched)] == [("boolq", 0.05), ("gsm8k", 0.05)]
-    bare = json.loads(json.dumps(searched))
-    for record in bare["records"]:
-        record["stderr"] = None
+    bare = dataclasses.replace(searched, records=tuple(dataclasses.replace(r, stderr=None) for r in searched.records))
     assert rp.clear_differences(uniform, bare) is None
     assert rp._clear(None, 3) == "–" and rp._clear((), 3) == "none"

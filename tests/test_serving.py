@@ -300,7 +300,7 @@ def test_vllm_backend_scores_a_nonuniform_checkpoint_like_an_independent_computa
     values = {}
     for backend in ("hf", "vllm"):
         run_evaluate(str(tmp_path / "model"), EvaluateParams(tasks=(tasks,), backend=backend), str(tmp_path / backend))
-        metrics = records.read(str(tmp_path / backend), records.METRICS_FILE)
+        metrics = records.read(str(tmp_path / backend), records.MetricsRecord).to_json()
         assert metrics["experts"]["num_experts"] == list(moe.inspect(pruned).num_experts)
         values[backend] = {(r["task"], r["metric"]): r["value"] for r in metrics["records"] if r["filter"] == "none"}
     acc, acc_norm = independent_mc_accuracy(moe.load_pruned(str(tmp_path / "model")), tok)

@@ -88,7 +88,7 @@ def test_demo_searched_checkpoint_scores_the_same_through_the_vllm_and_hf_backen
     for backend in ("hf", "vllm"):
         params = EvaluateParams(tasks=(str(demo_world.tasks_dir),), limit=LIMIT, batch_size=16, device="cpu", backend=backend)
         run_evaluate(str(searched), params, str(tmp_path / backend))
-        metrics = records.read(str(tmp_path / backend), records.METRICS_FILE)
+        metrics = records.read(str(tmp_path / backend), records.MetricsRecord).to_json()
         assert metrics["experts"]["num_experts"] == list(moe.inspect(moe.load_pruned(str(searched))).num_experts)
         scores[backend] = {r["task"]: (r["value"], r["samples"]) for r in metrics["records"] if r["primary"]}
     tasks = set(demo_world.generative_tasks) | set(demo_world.multiple_choice_tasks)

@@ -1,5 +1,6 @@
 """The search and prune stages end to end on a tiny OLMoE with the demo tokenizer and demo data."""
 
+import dataclasses
 import json
 import logging
 
@@ -138,14 +139,16 @@ def test_budget_above_capacity_is_refused_before_the_model_loads(inputs, monkeyp
 def test_generalisation_verdict_needs_a_gain_beyond_two_standard_errors():
     rng = np.random.default_rng(0)
     base = rng.uniform(0.8, 0.9, size=16)
-    assert generalisation(base + 0.01 + rng.normal(0, 1e-3, 16), base)["beats_uniform"]
+    assert generalisation(base + 0.01 + rng.normal(0, 1e-3, 16), base).beats_uniform
     noise = rng.normal(0, 1e-2, 16)
-    assert not generalisation(base + noise - noise.mean(), base)["beats_uniform"]  # no gain on average
-    assert not generalisation(base - 0.01, base)["beats_uniform"]
+    assert not generalisation(base + noise - noise.mean(), base).beats_uniform  # no gain on average
+    assert not generalisation(base - 0.01, base).beats_uniform
 
 
 def test_search_that_does_not_generalise_warns_and_can_fall_back_to_uniform(inputs, monkeypatch, caplog):
-    monkeypatch.setattr(search_stage, "generalisation", lambda s, u: {**generalisation(s, u), "beats_uniform": False})
+    monkeypatch.setattr(
+        search_stage, "generalisation", lambda s, u: dataclasses.replace(generalisation(s, u), beats_uniform=False)
+    )
     out = str(inputs["root"] / "search-fallback")
     params = SearchParams(criterion="reap", sparsity=0.5, fallback_to_uniform=True, **SMALL)
     with caplog.at_level(logging.WARNING, logger="evoesap.stages.search"):

@@ -395,8 +395,8 @@ def score_allocation(
 
     runtime.check_model_dtype(model_dtype)
     if allocation and artifacts.exists(artifacts.join(allocation, artifacts.MANIFEST)):  # a search artifact: checked
-        doc = records.read(allocation, records.ALLOCATION_FILE)
-        _, pruned = records.allocation_counts(doc, allocation, runtime.inspect_checkpoint(model))
+        record = records.read(allocation, records.AllocationRecord)
+        _, pruned = records.allocation_counts(record, allocation, runtime.inspect_checkpoint(model))
     else:
         pruned = read_pruned(allocation) if allocation else {}
     loaded_cache = load_cache(cache)

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-from typing import Any, Iterator
+from typing import Iterator
 
 from evoesap import artifacts, bounds, records, runtime, vllm_eval
 from evoesap import lmeval
@@ -70,8 +70,8 @@ class EvaluateParams(DeviceParams):
         """GPUs one vLLM engine spans; 1 for the hf backend (its device_map decides)."""
         return self.tensor_parallel * self.pipeline_parallel
 
-    def labels(self) -> dict[str, Any]:
-        return {"criterion": self.criterion, "sparsity": self.sparsity, "method": self.method}
+    def labels(self) -> records.Labels:
+        return records.Labels(self.criterion, self.sparsity, self.method)
 
 
 def _limit(limit: float | None) -> int | float | None:
@@ -128,17 +128,17 @@ def run_evaluate(
                 task_records, raw = lmeval.run_lm_eval(
                     served, tokenizer, plan, backend="vllm", model_dtype=dtype, **lm_eval_options
                 )
-        metrics = {
-            "schema": SCHEMA_VERSION,
-            "model": artifacts.redact(model),
-            "labels": params.labels(),
-            "records": task_records,
-            "memory": memory,
-            "experts": experts,
-            "heldout_esap": esap,
-            "limit": params.limit,
-        }
-        records.write(staging, records.METRICS_FILE, metrics)
+        metrics = records.MetricsRecord(
+            schema=SCHEMA_VERSION,
+            model=artifacts.redact(model),
+            labels=params.labels(),
+            records=tuple(task_records),
+            memory=memory,
+            experts=experts,
+            heldout_esap=esap,
+            limit=params.limit,
+        )
+        records.write(staging, metrics)
         (staging / LM_EVAL_FILE).write_text(json.dumps(raw, indent=2, sort_keys=True, default=str))
     return artifacts.read_manifest(out_uri)
 

@@ -55,7 +55,7 @@ def planned_pruning(
 
     if allocation is not None:
         counts, pruned = records.allocation_counts(
-            records.read(allocation, records.ALLOCATION_FILE),
+            records.read(allocation, records.AllocationRecord),
             allocation,
             spec,
             criterion=params.criterion,
@@ -88,16 +88,16 @@ def run_prune(model: str, scores: str, params: PruneParams, out_uri: str, alloca
     dtype = runtime.MODEL_DTYPES[params.model_dtype]
     with artifacts.stage_output(out_uri, "prune", keyed(params), inputs, seen) as staging:
         result = moe.prune_checkpoint(model, pruned, staging, dtype=None if dtype == "auto" else dtype)
-        summary = {
-            "method": method,
-            "criterion": params.criterion,
-            "sparsity": params.sparsity,
-            "removal_counts": counts,
-            "pruned": {str(layer): ids for layer, ids in sorted(pruned.items())},
-            "num_experts": list(result.num_experts),
-            "parameter_bytes_full": result.bytes_full,
-            "parameter_bytes_pruned": result.bytes_pruned,
-        }
-        records.write(staging, records.PRUNING_FILE, summary)
+        summary = records.PruningRecord(
+            method=method,
+            criterion=params.criterion,
+            sparsity=params.sparsity,
+            removal_counts=tuple(counts),
+            pruned={layer: tuple(ids) for layer, ids in pruned.items()},
+            num_experts=tuple(result.num_experts),
+            parameter_bytes_full=result.bytes_full,
+            parameter_bytes_pruned=result.bytes_pruned,
+        )
+        records.write(staging, summary)
     log.info("pruned %s (%s): %d experts removed", artifacts.redact(model), method, sum(counts))
     return artifacts.read_manifest(out_uri)

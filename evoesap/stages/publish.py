@@ -212,13 +212,13 @@ def run_publish(
         hub.check_target(params.repo, planned, endpoint=params.endpoint, secret=secret)
     base_model, license = _base(matched.pruned.inputs["model"], params)
 
-    pruning = records.read(pruned, records.PRUNING_FILE)
+    pruning = records.read(pruned, records.PruningRecord)
     evidence = card.Evidence(
         pruning=pruning,
         config=json.loads(artifacts.read_payload(pruned, "config.json", matched.pruned)),
-        pruned_eval=records.read(matched.pruned_eval, records.METRICS_FILE),
-        full_eval=records.read(matched.full_eval, records.METRICS_FILE) if matched.full_eval else None,
-        search=records.read(search, records.ALLOCATION_FILE) if search else None,
+        pruned_eval=records.read(matched.pruned_eval, records.MetricsRecord),
+        full_eval=records.read(matched.full_eval, records.MetricsRecord) if matched.full_eval else None,
+        search=records.read(search, records.AllocationRecord) if search else None,
         search_params=artifacts.read_manifest(search, "search").params if search else None,
         lineage=lineage.walk({k: v for k, v in inputs.items() if v is not None}, "publish"),
         base_model=base_model,
@@ -237,8 +237,8 @@ def run_publish(
                 endpoint=params.endpoint,
                 secret=secret,
                 private=params.private,
-                message=f"EvoESAP: {evidence.base_model or 'model'} pruned ({pruning['criterion']}, "
-                f"{pruning['sparsity']:.0%}, {pruning['method']})",
+                message=f"EvoESAP: {evidence.base_model or 'model'} pruned ({pruning.criterion}, "
+                f"{pruning.sparsity:.0%}, {pruning.method})",
             )
 
     with artifacts.stage_output(out_uri, "publish", keyed(params), inputs, seen, before_publish=push) as staging:

@@ -183,18 +183,19 @@ def run_quantize(model: str, params: QuantizeParams, out_uri: str, data: str | N
         after = checkpoint_bytes(str(staging))
         if not after:
             raise ModelError(f"llm-compressor wrote no safetensors for {artifacts.redact(model)}")
-        summary = {
-            "recipe": params.recipe,
-            "scheme": recipe.scheme,
-            "algorithm": recipe.algorithm,
-            "calibration_samples": len(input_ids),
-            "architectures": config.get("architectures"),
-            "num_experts_per_layer": request["counts"],
-            "checkpoint_bytes_before": before,
-            "checkpoint_bytes_after": after,
-            "seconds": result["seconds"],
-            "versions": result["versions"],
-        }
-        records.write(staging, records.QUANTIZATION_FILE, summary)
+        architectures, counts = config.get("architectures"), request["counts"]
+        summary = records.QuantizationRecord(
+            recipe=params.recipe,
+            scheme=recipe.scheme,
+            algorithm=recipe.algorithm,
+            calibration_samples=len(input_ids),
+            architectures=None if architectures is None else tuple(architectures),
+            num_experts_per_layer=None if counts is None else {int(layer): n for layer, n in counts.items()},
+            checkpoint_bytes_before=before,
+            checkpoint_bytes_after=after,
+            seconds=result["seconds"],
+            versions=result["versions"],
+        )
+        records.write(staging, summary)
     log.info("quantized %s (%s): %d -> %d bytes of weights", artifacts.redact(model), params.recipe, before, after)
     return artifacts.read_manifest(out_uri)

@@ -49,7 +49,7 @@ def _pct(value: Any) -> str | None:
     return None if value is None else f"{float(value):.0%}"
 
 
-def _frequency_allocation(search: Mapping[str, Any], experts: Mapping[str, Any]) -> tuple[int, ...] | None:
+def _frequency_allocation(search: Mapping[str, Any], experts: records.Experts) -> tuple[int, ...] | None:
     """The global frequency heuristic for a search's budget, from the scores that search used (None if unknown)."""
     from evoesap import allocation
 
@@ -58,34 +58,35 @@ def _frequency_allocation(search: Mapping[str, Any], experts: Mapping[str, Any])
         return None
     scores = read_scores(scores_uri)
     frequency = [group.sort_values("expert")["frequency"].tolist() for _, group in scores.groupby("layer", sort=True)]
-    n, k = experts["num_experts"], experts["top_k"]
+    n, k = experts.num_experts, experts.top_k
     granularity = int(search.get("granularity", 1))
     budget = allocation.budget(float(search["sparsity"]), n, k, granularity)
     return allocation.frequency_global(frequency, n, k, budget, granularity)
 
 
 def run_allocations(
-    runs: Sequence[Mapping[str, Any]], searches: Sequence[Mapping[str, Any]]
+    runs: Sequence[records.MetricsRecord], searches: Sequence[Mapping[str, Any]]
 ) -> dict[tuple[float, str], dict[str, tuple[Sequence[int], Sequence[int]]]]:
-    """Per (sparsity, criterion): method -> (r, n), with r read off each run's expert counts against the full model."""
-    full = [m for m in runs if m["labels"].get("method") == "full"]
+    """Per (sparsity, criterion): method -> (r, n), with r read off each run's expert counts against the full model.
+    `searches`: the searches' parameters, for the frequency heuristic of the same budget."""
+    full = [m for m in runs if m.labels.method == "full"]
     if not full:
         return {}
-    n = full[0]["experts"]["num_experts"]
+    n = list(full[0].experts.num_experts)
     groups: dict[tuple[float, str], dict[str, tuple[Sequence[int], Sequence[int]]]] = {}
     for metrics in runs:
-        labels = metrics["labels"]
-        if labels.get("method") in (None, "full") or labels.get("sparsity") is None:
+        labels = metrics.labels
+        if labels.method in (None, "full") or labels.sparsity is None:
             continue
-        kept = metrics["experts"]["num_experts"]
+        kept = metrics.experts.num_experts
         if len(kept) != len(n):
-            raise DataError(f"run {metrics['model']} has {len(kept)} MoE layers, the full model {len(n)}")
-        key = (float(labels["sparsity"]), str(labels.get("criterion") or ""))
-        groups.setdefault(key, {})[labels["method"]] = ([a - b for a, b in zip(n, kept)], n)
+            raise DataError(f"run {metrics.model} has {len(kept)} MoE layers, the full model {len(n)}")
+        key = (float(labels.sparsity), str(labels.criterion or ""))
+        groups.setdefault(key, {})[labels.method] = ([a - b for a, b in zip(n, kept)], n)
     for search in searches:
         key = (float(search.get("sparsity") or 0.0), str(search.get("criterion") or ""))
         if key in groups and "frequency" not in groups[key]:
-            r = _frequency_allocation(search, full[0]["experts"])
+            r = _frequency_allocation(search, full[0].experts)
             if r is not None:
                 groups[key]["frequency"] = (list(r), n)
     order = {m: i for i, m in enumerate(rp.METHOD_ORDER)}
@@ -99,17 +100,16 @@ def _save(fig: Any, path: Path) -> None:
     plt.close(fig)
 
 
-def _allocation(uri: str, search_params: Mapping[str, Any]) -> dict[str, Any]:
+def _allocation(uri: str, search_params: Mapping[str, Any]) -> records.AllocationRecord:
     """allocation.json of a search, with its warnings (searches made before they were recorded get them rebuilt)."""
-    from evoesap.stages.search import heldout_warning
-
-    doc = records.read(uri, records.ALLOCATION_FILE)
-    if doc.get("warnings") is None:
-        check = doc.get("heldout")
-        failed = check and check.get("samples") and not check.get("beats_uniform")
-        fallback = bool(search_params.get("fallback_to_uniform"))
-        doc["warnings"] = [heldout_warning(check, doc.get("metric", "esap"), fallback)] if failed else []
-    return doc
+    record = records.read(uri, records.AllocationRecord)
+    if record.warnings is not None:
+        return record
+    check = record.heldout
+    if check is None or not check.samples or check.beats_uniform:
+        return dataclasses.replace(record, warnings=())
+    warning = check.warning(record.metric or "esap", bool(search_params.get("fallback_to_uniform")))
+    return dataclasses.replace(record, warnings=(warning,))
 
 
 def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches: Sequence[str] = ()) -> artifacts.Manifest:
@@ -121,7 +121,7 @@ def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches:
         raise ConfigError("give at least one evaluate run (--runs)")
     inputs = {**{f"runs.{i}": u for i, u in enumerate(runs)}, **{f"searches.{i}": u for i, u in enumerate(searches)}}
     seen = artifacts.preflight(out_uri, "report", inputs)
-    metrics = [records.read(uri, records.METRICS_FILE) for uri in runs]
+    metrics = [records.read(uri, records.MetricsRecord) for uri in runs]
     histories = [_history(uri) for uri in searches]
     found = [_allocation(uri, h[2]) for uri, h in zip(searches, histories)]
     traced = lineage.walk(inputs)
@@ -171,8 +171,8 @@ def _as_configuration(params: ReportParams) -> dict[str, list[str]]:
     return {k: [str(v)] for k, v in dataclasses.asdict(params).items()}
 
 
-def _notes(metrics: Sequence[Mapping[str, Any]]) -> list[str]:
-    limits = sorted({f"{float(m['limit']):g}" for m in metrics if m.get("limit") is not None})  # configs may turn 48 into 48.0
+def _notes(metrics: Sequence[records.MetricsRecord]) -> list[str]:
+    limits = sorted({f"{float(m.limit):g}" for m in metrics if m.limit is not None})  # configs may turn 48 into 48.0
     if limits:
         return [f"Smoke run: at most {', '.join(limits)} examples per task; not comparable with full evaluations."]
     return []

@@ -144,34 +144,20 @@ def split_samples(num_samples: int, fraction: float, seed: int) -> tuple[list[in
     return sorted(order[held:].tolist()), sorted(order[:held].tolist())
 
 
-def generalisation(searched: np.ndarray, uniform: np.ndarray) -> dict[str, Any]:
+def generalisation(searched: np.ndarray, uniform: np.ndarray) -> records.HeldoutCheck:
     """Paired comparison on held-out samples (values oriented so that higher is better)."""
     diff = searched - uniform
     n = len(diff)
     stderr = float(diff.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
     mean = float(diff.mean()) if n else float("nan")
     beats = n > 1 and mean > 2 * stderr
-    return {
-        "samples": n,
-        "searched": float(searched.mean()) if n else None,
-        "uniform": float(uniform.mean()) if n else None,
-        "difference": mean if n else None,
-        "stderr": stderr if n > 1 else None,
-        "beats_uniform": bool(beats),
-    }
-
-
-def heldout_warning(check: dict[str, Any], metric: str, fallback: bool) -> str:
-    """The warning for a held-out check the searched allocation failed: headline, numbers, what to do."""
-    stderr = "n/a" if check["stderr"] is None else f"{check['stderr']:.2e}"
-    action = (
-        "falling back to uniform"
-        if fallback
-        else ("the search set may be too small or saturated (consider more or longer samples, or fallback_to_uniform)")
-    )
-    return (
-        f"searched allocation does not beat uniform on held-out samples: {metric} {check['searched']:.4f} vs "
-        f"uniform {check['uniform']:.4f} (difference {check['difference']:.2e}, stderr {stderr}); {action}"
+    return records.HeldoutCheck(
+        samples=n,
+        searched=float(searched.mean()) if n else None,
+        uniform=float(uniform.mean()) if n else None,
+        difference=mean if n else None,
+        stderr=stderr if n > 1 else None,
+        beats_uniform=bool(beats),
     )
 
 
@@ -351,9 +337,9 @@ def prepare_scoring(
     )
 
 
-def _allocation_document(
+def _allocation_record(
     params: SearchParams, scoring: Scoring, result: Any, best: list[int], finals: dict[tuple[int, ...], float]
-) -> dict[str, Any]:
+) -> records.AllocationRecord:
     """allocation.json: the chosen allocation (the searched one, or uniform when it does not generalise and
     `fallback_to_uniform` is set), both fitnesses, the held-out check and its warning."""
     orders, n, uniform = scoring.orders, scoring.num_experts, scoring.uniform
@@ -366,32 +352,32 @@ def _allocation_document(
             sign * judge.sample_values(alloc.pruned_sets(best, orders), samples=scoring.heldout_ids).numpy(),
             sign * judge.sample_values(alloc.pruned_sets(uniform, orders), samples=scoring.heldout_ids).numpy(),
         )
-        if not check["beats_uniform"]:
-            warnings.append(heldout_warning(check, params.metric, params.fallback_to_uniform))
+        if not check.beats_uniform:
+            warnings.append(check.warning(params.metric, params.fallback_to_uniform))
             headline, detail = warnings[-1].split(": ", 1)
             log.warning("%s: %s", headline.upper(), detail)
-    chosen = uniform if (check and not check["beats_uniform"] and params.fallback_to_uniform) else best
-    return {
-        "criterion": params.criterion,
-        "sparsity": params.sparsity,
-        "metric": params.metric,
-        "budget": scoring.budget,
-        "granularity": scoring.granularity,
-        "num_experts": list(n),
-        "top_k": list(scoring.top_k),
-        "min_kept": list(scoring.min_kept),
-        "removal_counts": chosen,
-        "pruned": {str(layer): ids for layer, ids in sorted(alloc.pruned_sets(chosen, orders).items())},
-        "fitness": finals[tuple(chosen)],
-        "searched": {"removal_counts": best, "fitness": result.best_fitness},
-        "uniform": {"removal_counts": uniform, "fitness": finals[tuple(uniform)]},
-        "fallback_applied": chosen is uniform and best != uniform,
-        "heldout": check,
-        "warnings": warnings,
-        "evaluations": result.evaluations,
-        "search_samples": len(scoring.search_ids),
-        "heldout_samples": len(scoring.heldout_ids),
-    }
+    chosen = uniform if (check and not check.beats_uniform and params.fallback_to_uniform) else best
+    return records.AllocationRecord(
+        criterion=params.criterion,
+        sparsity=params.sparsity,
+        metric=params.metric,
+        budget=scoring.budget,
+        granularity=scoring.granularity,
+        num_experts=tuple(n),
+        top_k=scoring.top_k,
+        min_kept=tuple(scoring.min_kept),
+        removal_counts=tuple(chosen),
+        pruned={layer: tuple(ids) for layer, ids in alloc.pruned_sets(chosen, orders).items()},
+        fitness=finals[tuple(chosen)],
+        searched=records.Candidate(tuple(best), result.best_fitness),
+        uniform=records.Candidate(tuple(uniform), finals[tuple(uniform)]),
+        fallback_applied=chosen is uniform and best != uniform,
+        heldout=check,
+        warnings=tuple(warnings),
+        evaluations=result.evaluations,
+        search_samples=len(scoring.search_ids),
+        heldout_samples=len(scoring.heldout_ids),
+    )
 
 
 def run_search(
@@ -452,10 +438,10 @@ def run_search(
         finals = dict(zip(wanted, pool.score_batch(wanted, None, params.generations)))
         cost = _cost(pool.totals(), scoring.evaluator.full_forward_work(scoring.search_ids), result)
 
-    document = _allocation_document(params, scoring, result, best, finals)
+    record = _allocation_record(params, scoring, result, best, finals)
     history = _history_frame(result.history)
     with artifacts.stage_output(out_uri, "search", keyed(params), inputs, seen, run={"cost": cost}) as staging:
-        records.write(staging, records.ALLOCATION_FILE, document)
+        records.write(staging, record)
         history.to_parquet(staging / records.HISTORY_FILE, index=False)
         _plots(staging, params, history, {"uniform": uniform, "searched": best}, n)
     checkpoint = _checkpoint_uri(out_uri)
