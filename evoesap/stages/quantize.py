@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from evoesap import artifacts, bounds, quantize_env, records, runtime
 from evoesap.errors import ConfigError, ModelError
 from evoesap.moe.families import PER_LAYER_KEY, family_of
-from evoesap.params import DeviceParams, SampleParams, param
+from evoesap.params import DeviceParams, SampleParams, keyed, param
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,10 @@ class QuantizeParams(DeviceParams, SampleParams):
         if self.recipe is not None:
             check_recipe(self.recipe)
         super().__post_init__()
+
+    def tool_versions(self) -> dict[str, str]:
+        """llm-compressor's and compressed-tensors' versions in the environment that runs them: in the reuse key."""
+        return quantize_env.tool_versions()
 
 
 def ignored_modules(family: Any) -> list[str]:
@@ -170,7 +174,7 @@ def run_quantize(model: str, params: QuantizeParams, out_uri: str, data: str | N
         "max_length": params.max_length,
         "batch_size": params.batch_size,
     }  # fmt: skip
-    with artifacts.stage_output(out_uri, "quantize", dataclasses.asdict(params), inputs, seen) as staging:
+    with artifacts.stage_output(out_uri, "quantize", keyed(params), inputs, seen) as staging:
         with artifacts.local_copy(model) as local:
             result = quantize_env.run_worker(python, {**request, "model": str(local), "out": str(staging)}, device=params.device)
             before = checkpoint_bytes(str(local))
