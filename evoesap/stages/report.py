@@ -75,8 +75,8 @@ def run_allocations(
     groups: dict[tuple[float, str], dict[str, tuple[Sequence[int], Sequence[int]]]] = {}
     for metrics in runs:
         labels = metrics["labels"]
-        if labels.get("method") in (None, "full") or labels.get("sparsity") is None:
-            continue
+        if labels.get("method") in (None, "full") or labels.get("sparsity") is None or metrics.get("quantization"):
+            continue  # a quantized model keeps the experts of the one it was quantized from
         kept = metrics["experts"]["num_experts"]
         if len(kept) != len(n):
             raise DataError(f"run {metrics['model']} has {len(kept)} MoE layers, the full model {len(n)}")
