@@ -28,8 +28,8 @@ class Evidence:
     """What the card says, each part read from one artifact (or the base model's own card)."""
 
     pruning: Mapping[str, Any]  # pruning.json of the prune artifact
-    config: Mapping[str, Any]  # config.json of the pruned checkpoint
-    pruned_eval: Mapping[str, Any]  # metrics.json of the pruned model's evaluation
+    config: Mapping[str, Any]  # config.json of the published checkpoint (the quantized one, when quantized)
+    pruned_eval: Mapping[str, Any] | None  # metrics.json of the pruned model's evaluation (required unless quantized)
     full_eval: Mapping[str, Any] | None  # metrics.json of the base model's evaluation
     search: Mapping[str, Any] | None  # allocation.json of the search the model was pruned by
     search_params: Mapping[str, Any] | None  # that search's parameters (its manifest)
@@ -37,14 +37,25 @@ class Evidence:
     base_model: str | None  # hub name of the base model
     license: Mapping[str, str]  # LICENSE_KEYS found on the base model's card (or given)
     report_files: Sequence[str] = ()  # the report's files, under report/ in the published artifact
+    quantization: Mapping[str, Any] | None = None  # quantization.json of the quantize artifact published instead
+    quantized_eval: Mapping[str, Any] | None = None  # metrics.json of the quantized model's evaluation
+
+    @property
+    def published_eval(self) -> Mapping[str, Any]:
+        """The evaluation of the checkpoint the card describes."""
+        published = self.quantized_eval if self.quantization is not None else self.pruned_eval
+        assert published is not None, "the published checkpoint's evaluation is required (the publish stage checks it)"
+        return published
 
 
 def metadata(evidence: Evidence) -> dict[str, Any]:
     """The card's YAML header: the keys the Hub reads (base model, license, library, pipeline, tags)."""
     from huggingface_hub import ModelCardData
 
-    family = evidence.pruned_eval["experts"]["family"]
+    family = evidence.published_eval["experts"]["family"]
     tags = ["evoesap", "expert-pruning", "mixture-of-experts", family, evidence.pruning["criterion"]]
+    if evidence.quantization is not None:
+        tags += ["compressed-tensors", evidence.quantization["recipe"]]
     data = ModelCardData(
         base_model=evidence.base_model,
         library_name="transformers",
@@ -76,28 +87,32 @@ def _primary(metrics: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [r for r in metrics["records"] if r.get("primary")]
 
 
-def evaluation_table(pruned: Mapping[str, Any], full: Mapping[str, Any] | None, digits: int) -> Table:
-    """Per task, its primary metric: full and pruned value ± standard error, their difference, the samples."""
-    by_key = {(r["task"], r["metric"], r["filter"]): r for r in (full or {}).get("records", [])}
+def evaluation_table(
+    pruned: Mapping[str, Any] | None,
+    full: Mapping[str, Any] | None,
+    digits: int,
+    quantized: Mapping[str, Any] | None = None,
+    recipe: str = "quantized",
+) -> Table:
+    """Per task of the published model (the quantized one, when given), its primary metric: full, pruned and quantized
+    value ± standard error, the published model's difference from full, the samples."""
+    keyed = [
+        {(r["task"], r["metric"], r["filter"]): r for r in (m or {}).get("records", [])}
+        for m in ((full, pruned) if quantized is not None else (full,))
+    ]
     lines = []
-    for row in _primary(pruned):
-        base = by_key.get((row["task"], row["metric"], row["filter"]))
+    for row in _primary(quantized if quantized is not None else pruned or {"records": []}):
+        others = [by_key.get((row["task"], row["metric"], row["filter"])) for by_key in keyed]
+        base = others[0]
         delta = "–" if base is None else f"{row['value'] - base['value']:+.{digits}f}"
-        lines.append(
-            tuple(
-                Cell(t)
-                for t in (
-                    row["task"],
-                    row["metric"],
-                    _pm(base and base["value"], base and base["stderr"], digits),
-                    _pm(row["value"], row["stderr"], digits),
-                    delta,
-                    "–" if row.get("samples") is None else str(row["samples"]),
-                )
-            )
-        )
-    header = ("Task", "Metric", "Full", "Pruned", "Δ (pruned − full)", "Samples")
-    return Table(header, tuple(lines), ("left", "left") + ("right",) * 4)
+        values = [_pm(o and o["value"], o and o["stderr"], digits) for o in others] + [_pm(row["value"], row["stderr"], digits)]
+        samples = "–" if row.get("samples") is None else str(row["samples"])
+        lines.append(tuple(Cell(t) for t in (row["task"], row["metric"], *values, delta, samples)))
+    if quantized is None:
+        header: tuple[str, ...] = ("Task", "Metric", "Full", "Pruned", "Δ (pruned − full)", "Samples")
+    else:
+        header = ("Task", "Metric", "Full", "Pruned", f"Pruned + {recipe}", "Δ (quantized − full)", "Samples")
+    return Table(header, tuple(lines), ("left", "left") + ("right",) * (len(header) - 2))
 
 
 def expert_table(pruning: Mapping[str, Any], experts: Mapping[str, Any]) -> Table:
@@ -124,7 +139,7 @@ def memory_table(evidence: Evidence) -> Table:
         ),
         (
             Cell("Pruned"),
-            Cell(f"{evidence.pruned_eval['memory']['parameters']:,}"),
+            Cell("–" if evidence.pruned_eval is None else f"{evidence.pruned_eval['memory']['parameters']:,}"),
             Cell(f"{pruning['parameter_bytes_pruned']:,}"),
             Cell(f"{saving:.1%}"),
         ),
@@ -158,6 +173,31 @@ def _search(evidence: Evidence, digits: int) -> dict[str, Any] | None:
     }
 
 
+def quantized(doc: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """What quantization.json says of the published checkpoint: recipe, scheme, algorithm, calibration samples,
+    tool versions and the stored bytes before and after; None when the checkpoint was not quantized by evoesap."""
+    if doc is None:
+        return None
+    before, after = doc["checkpoint_bytes_before"], doc["checkpoint_bytes_after"]
+    bytes_table = Table(
+        ("Checkpoint", "Safetensors bytes", "Saving"),
+        (
+            (Cell("Pruned"), Cell(f"{before:,}"), Cell("")),
+            (Cell(f"Pruned + {doc['recipe']}"), Cell(f"{after:,}"), Cell(f"{1 - after / before:.1%}")),
+        ),
+        ("left", "right", "right"),
+    )
+    versions = doc.get("versions") or {}
+    return {
+        "recipe": doc["recipe"],
+        "scheme": doc["scheme"],
+        "algorithm": doc.get("algorithm"),
+        "samples": doc.get("calibration_samples"),
+        "versions": ", ".join(f"{name} {version}" for name, version in sorted(versions.items())),
+        "bytes": bytes_table,
+    }
+
+
 def quantization(config: Mapping[str, Any]) -> str | None:
     """The checkpoint's quantization recipe as config.json records it (compressed-tensors and transformers'
     quantizers write `quantization_config` there); None for unquantized weights."""
@@ -168,15 +208,18 @@ def quantization(config: Mapping[str, Any]) -> str | None:
 def _name(evidence: Evidence) -> str:
     base = evidence.base_model or "the base model"
     pruning = evidence.pruning
-    return f"{base}, {pruning['sparsity']:.0%} of routed experts pruned ({pruning['criterion']}, {pruning['method']})"
+    title = f"{base}, {pruning['sparsity']:.0%} of routed experts pruned ({pruning['criterion']}, {pruning['method']})"
+    return title + (f", quantized ({evidence.quantization['recipe']})" if evidence.quantization else "")
 
 
 def render_card(evidence: Evidence, digits: int = 3) -> str:
     """README.md: the Hub's YAML metadata header, then the card's Markdown."""
     from evoesap.stages import NAMES
 
-    pruning, experts = evidence.pruning, evidence.pruned_eval["experts"]
-    limits = sorted({f"{float(m['limit']):g}" for m in (evidence.pruned_eval, evidence.full_eval or {}) if m.get("limit")})
+    pruning, experts = evidence.pruning, evidence.published_eval["experts"]
+    evaluations = (evidence.pruned_eval or {}, evidence.quantized_eval or {}, evidence.full_eval or {})
+    limits = sorted({f"{float(m['limit']):g}" for m in evaluations if m.get("limit")})
+    recipe = evidence.quantization["recipe"] if evidence.quantization else "quantized"
     context = {
         "title": _name(evidence),
         "base_model": evidence.base_model,
@@ -188,7 +231,9 @@ def render_card(evidence: Evidence, digits: int = 3) -> str:
         "family": experts["family"],
         "experts": expert_table(pruning, experts),
         "density": DENSITY_FILE,
-        "evaluation": evaluation_table(evidence.pruned_eval, evidence.full_eval, digits),
+        "evaluation": evaluation_table(
+            evidence.pruned_eval, evidence.full_eval, digits, evidence.quantized_eval if evidence.quantization else None, recipe
+        ),
         "full_evaluated": evidence.full_eval is not None,
         "limits": limits,
         "memory": memory_table(evidence),
@@ -196,6 +241,7 @@ def render_card(evidence: Evidence, digits: int = 3) -> str:
         "remote_code": "auto_map" in evidence.config,
         "dtype": evidence.config.get("dtype") or evidence.config.get("torch_dtype"),
         "quantization": quantization(evidence.config),
+        "quantized": quantized(evidence.quantization),
         "license": evidence.license.get("license"),
         "report": "report/report.html"
         if "report.html" in evidence.report_files
