@@ -215,6 +215,11 @@ def load_model(uri: str, model_dtype: str = "auto", device: str = "auto", device
             stage = artifacts.read_manifest(str(source)).stage
             artifacts.verify(uri, stage if stage in CHECKPOINT_STAGES else "prune", local=Path(source))
         model = moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype], **kwargs).eval()
+    if getattr(model, "ct_decompress_hook", None) is not None:
+        # a compressed-tensors checkpoint decompresses on the whole model's first forward (a pre-hook); evoesap's
+        # layer-by-layer forwards (held-out ESAP) never call the whole model, so one token's forward fires it now
+        with torch.no_grad():
+            model(torch.zeros((1, 1), dtype=torch.long, device=next(model.parameters()).device))
     if placement is None:
         use_cpu_threads(parameter_count(model))
     return model

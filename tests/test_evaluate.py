@@ -296,3 +296,16 @@ def test_a_quantized_checkpoint_for_vllm_on_the_cpu_is_refused_before_any_work(t
     with pytest.raises(ConfigError, match=r"is quantized \(compressed-tensors\) and vLLM's CPU build .*backend hf"):
         run_evaluate(tiny_quantized["quantized"], params, str(tmp_path / "eval"))
     assert not list(tmp_path.iterdir())
+
+
+def test_held_out_esap_runs_on_a_quantized_checkpoint_and_stays_near_the_pruned_models(tiny_quantized):
+    from evoesap import moe, runtime
+
+    q = tiny_quantized
+    tokenizer = moe.load_tokenizer(q["pruned"])
+    esap = {
+        k: lmeval.heldout_esap(runtime.load_model(q[k], device="cpu"), tokenizer, q["cache"])["esap"]
+        for k in ("pruned", "quantized")
+    }
+    assert 0 < esap["quantized"] <= 1 and abs(esap["quantized"] - esap["pruned"]) < 0.05, esap  # fp8: close, not equal
+    assert esap["quantized"] != esap["pruned"]
