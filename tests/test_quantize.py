@@ -202,8 +202,11 @@ def test_a_quantize_recipe_in_the_configuration_adds_the_step_after_prune_and_no
         load_config({**base, "quantize": {"recipe": "int4"}})
     off = compile_pipeline(load_config(base), tmp_path / "off.yaml").read_text()
     on = compile_pipeline(load_config({**base, "quantize": {"recipe": "fp8-dynamic"}}), tmp_path / "on.yaml").read_text()
-    assert "comp-quantize" not in off and "quantize searched" not in off
-    assert "comp-quantize" in on and "quantize searched" in on
+    assert "comp-quantize" not in off and "quantize searched" not in off and "evaluate quantized" not in off
+    assert "comp-quantize" in on and "quantize searched" in on and "evaluate quantized" in on
+    published = {**base, "quantize": {"recipe": "fp8-dynamic"}, "publish_models": True}
+    spec = compile_pipeline(load_config(published), tmp_path / "pub.yaml").read_text()
+    assert "publish quantized" in spec and "publish searched" not in spec  # quantize on: the quantized model is released
 
 
 @pytest.mark.slow
