@@ -54,8 +54,8 @@ test: $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP)  # the serving and quantize tests
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q -n 2 --durations=25  # two workers; the demo world trains beside them (tests/conftest.py)
 
-demo: $(STAMP)
-	$(PY) -m evoesap pipeline demo --out runs/demo
+demo: $(STAMP) $(QUANTIZE_STAMP)  # the demo quantizes each searched model (w4a16-gptq) with llm-compressor
+	EVOESAP_QUANTIZE_PYTHON=$(abspath $(QUANTIZE_PY)) $(PY) -m evoesap pipeline demo --out runs/demo
 
 # docs/report.png: the demo's report.html as headless Chromium shows it 1400 px wide (runs the demo if missing)
 report-screenshot: $(STAMP)

@@ -206,6 +206,7 @@ def report(
     storage_root: str,
     markdown: Output[Markdown],
     page: Output[HTML],
+    quantized: Optional[Input[List[Dataset]]] = None,
     params: dict = {},
 ):
     """The benchmark table, memory figures and plots of a set of evaluations and searches.
@@ -216,6 +217,7 @@ def report(
         uniform: Evaluations of the uniformly pruned models.
         searches: The search stage's allocations (search curves and densities).
         storage_root: (see module)
+        quantized: Evaluations of the quantized searched models: a row each beside the models they were quantized from.
 
     Returns:
         markdown: The report in Markdown (rendered in the KFP UI).
@@ -224,7 +226,8 @@ def report(
     from evoesap.components.kfp_artifacts import publish_report, source
     from evoesap.steps import run_step
 
-    inputs = {"runs": [source(a) for a in [full, *uniform, *searched]], "searches": [source(a) for a in searches]}
+    runs = [full, *uniform, *searched, *(quantized or [])]
+    inputs = {"runs": [source(a) for a in runs], "searches": [source(a) for a in searches]}
     publish_report(markdown, page, run_step("report", storage_root, inputs, params))
 
 
@@ -236,9 +239,11 @@ def publish(
     full_evaluation: Optional[Input[Dataset]] = None,
     search: Optional[Input[Artifact]] = None,
     report: Optional[Input[Markdown]] = None,
+    quantized: Optional[Input[Model]] = None,
+    quantized_evaluation: Optional[Input[Dataset]] = None,
     params: dict = {},
 ):
-    """Write the model card beside a pruned checkpoint and push both to params `to` (a URI) and `repo` (the Hub).
+    """Write the model card beside a pruned (or its quantized) checkpoint and push both to params `to` (a URI) and `repo` (the Hub).
 
     Args:
         pruned: The prune stage's pruned checkpoint.
@@ -246,7 +251,9 @@ def publish(
         storage_root: (see module)
         full_evaluation: The evaluation of the full model it was pruned from: the card's comparison.
         search: The search stage's allocation the checkpoint was pruned by: the card's search section.
-        report: The report covering the pruned model's evaluation: copied beside the checkpoint.
+        report: The report covering the published model's evaluation: copied beside the checkpoint.
+        quantized: The quantize stage's checkpoint of `pruned`: published instead of it (the card states its recipe and bytes).
+        quantized_evaluation: The evaluation of `quantized` (required with it).
 
     Returns:
         published: The checkpoint with its model card (README.md) and density plot; metadata: its storage URI.
@@ -255,8 +262,14 @@ def publish(
     from evoesap.components.kfp_artifacts import source
     from evoesap.steps import run_step
 
-    evaluations = [source(evaluation)] + ([source(full_evaluation)] if full_evaluation is not None else [])
-    inputs = {"pruned": source(pruned), "evaluations": evaluations, "search": source(search), "report": source(report)}
+    evaluations = [source(e) for e in (quantized_evaluation, evaluation, full_evaluation) if e is not None]
+    inputs = {
+        "pruned": source(pruned),
+        "evaluations": evaluations,
+        "search": source(search),
+        "report": source(report),
+        "quantized": source(quantized),
+    }
     describe(published, run_step("publish", storage_root, inputs, params))
 
 

@@ -17,7 +17,7 @@ import yaml
 from evoesap import lineage, render
 from evoesap import report as rp
 from evoesap.lineage import Lineage
-from evoesap.records import AllocationRecord, Experts, MetricsRecord, PruningRecord, TaskMetric
+from evoesap.records import AllocationRecord, Experts, MetricsRecord, PruningRecord, QuantizationRecord, TaskMetric
 from evoesap.report import Cell, Table
 
 DENSITY_FILE = "density.png"
@@ -29,8 +29,8 @@ class Evidence:
     """What the card says, each part read from one artifact (or the base model's own card)."""
 
     pruning: PruningRecord  # pruning.json of the prune artifact
-    config: Mapping[str, Any]  # config.json of the pruned checkpoint
-    pruned_eval: MetricsRecord  # metrics.json of the pruned model's evaluation
+    config: Mapping[str, Any]  # config.json of the published checkpoint (the quantized one, when quantized)
+    pruned_eval: MetricsRecord | None  # metrics.json of the pruned model's evaluation (required unless quantized)
     full_eval: MetricsRecord | None  # metrics.json of the base model's evaluation
     search: AllocationRecord | None  # allocation.json of the search the model was pruned by
     search_params: Mapping[str, Any] | None  # that search's parameters (its manifest)
@@ -38,14 +38,25 @@ class Evidence:
     base_model: str | None  # hub name of the base model
     license: Mapping[str, str]  # LICENSE_KEYS found on the base model's card (or given)
     report_files: Sequence[str] = ()  # the report's files, under report/ in the published artifact
+    quantization: QuantizationRecord | None = None  # quantization.json of the quantize artifact published instead
+    quantized_eval: MetricsRecord | None = None  # metrics.json of the quantized model's evaluation
+
+    @property
+    def published_eval(self) -> MetricsRecord:
+        """The evaluation of the checkpoint the card describes."""
+        published = self.quantized_eval if self.quantization is not None else self.pruned_eval
+        assert published is not None, "the published checkpoint's evaluation is required (the publish stage checks it)"
+        return published
 
 
 def metadata(evidence: Evidence) -> dict[str, Any]:
     """The card's YAML header: the keys the Hub reads (base model, license, library, pipeline, tags)."""
     from huggingface_hub import ModelCardData
 
-    family = evidence.pruned_eval.experts.family
+    family = evidence.published_eval.experts.family
     tags = ["evoesap", "expert-pruning", "mixture-of-experts", family, evidence.pruning.criterion]
+    if evidence.quantization is not None:
+        tags += ["compressed-tensors", evidence.quantization.recipe]
     data = ModelCardData(
         base_model=evidence.base_model,
         library_name="transformers",
@@ -72,29 +83,34 @@ def _pm(value: float | None, stderr: float | None, digits: int) -> str:
     return f"{value:.{digits}f}" + ("" if stderr is None else f" ± {stderr:.{digits}f}")
 
 
-def evaluation_table(pruned: Sequence[TaskMetric], full: Sequence[TaskMetric], digits: int) -> Table:
-    """Per task, its primary metric (of `pruned`, the pruned model's records): full (`full`, the base model's
-    records, if evaluated) and pruned value ± standard error, their difference, the samples."""
-    by_key = {(r.task, r.metric, r.filter): r for r in full}
+def evaluation_table(
+    pruned: Sequence[TaskMetric],
+    full: Sequence[TaskMetric],
+    digits: int,
+    quantized: Sequence[TaskMetric] | None = None,
+    recipe: str = "quantized",
+) -> Table:
+    """Per task of the published model (`quantized`, when given, else `pruned`; each a model's metrics.json records),
+    its primary metric: full, pruned and quantized value ± standard error, the published model's difference from
+    full, the samples."""
+    keyed = [{(r.task, r.metric, r.filter): r for r in m} for m in ((full, pruned) if quantized is not None else (full,))]
     lines = []
-    for row in (r for r in pruned if r.primary):
-        base = by_key.get((row.task, row.metric, row.filter))
+    for row in (r for r in (quantized if quantized is not None else pruned) if r.primary):
+        others = [by_key.get((row.task, row.metric, row.filter)) for by_key in keyed]
+        base = others[0]
         delta = "–" if base is None else f"{row.value - base.value:+.{digits}f}"
-        lines.append(
-            tuple(
-                Cell(t)
-                for t in (
-                    row.task,
-                    row.metric,
-                    "–" if base is None else _pm(base.value, base.stderr, digits),
-                    _pm(row.value, row.stderr, digits),
-                    delta,
-                    "–" if row.samples is None else str(row.samples),
-                )
-            )
-        )
-    header = ("Task", "Metric", "Full", "Pruned", "Δ (pruned − full)", "Samples")
-    return Table(header, tuple(lines), ("left", "left") + ("right",) * 4)
+        values = [_pm(o and o.value, o and o.stderr, digits) for o in others] + [_pm(row.value, row.stderr, digits)]
+        samples = "–" if row.samples is None else str(row.samples)
+        lines.append(tuple(Cell(t) for t in (row.task, row.metric, *values, delta, samples)))
+    if quantized is None:
+        header: tuple[str, ...] = ("Task", "Metric", "Full", "Pruned", "Δ (pruned − full)", "Samples")
+    else:
+        header = ("Task", "Metric", "Full", "Pruned", f"Pruned + {recipe}", "Δ (quantized − full)", "Samples")
+    return Table(header, tuple(lines), ("left", "left") + ("right",) * (len(header) - 2))
+
+
+def _records(metrics: MetricsRecord | None) -> tuple[TaskMetric, ...]:
+    return metrics.records if metrics is not None else ()
 
 
 def expert_table(pruning: PruningRecord, experts: Experts) -> Table:
@@ -121,7 +137,7 @@ def memory_table(evidence: Evidence) -> Table:
         ),
         (
             Cell("Pruned"),
-            Cell(f"{evidence.pruned_eval.memory.parameters:,}"),
+            Cell("–" if evidence.pruned_eval is None else f"{evidence.pruned_eval.memory.parameters:,}"),
             Cell(f"{pruning.parameter_bytes_pruned:,}"),
             Cell(f"{saving:.1%}"),
         ),
@@ -155,6 +171,30 @@ def _search(evidence: Evidence, digits: int) -> dict[str, Any] | None:
     }
 
 
+def quantized(doc: QuantizationRecord | None) -> dict[str, Any] | None:
+    """What quantization.json says of the published checkpoint: recipe, scheme, algorithm, calibration samples,
+    tool versions and the stored bytes before and after; None when the checkpoint was not quantized by evoesap."""
+    if doc is None:
+        return None
+    before, after = doc.checkpoint_bytes_before, doc.checkpoint_bytes_after
+    bytes_table = Table(
+        ("Checkpoint", "Safetensors bytes", "Saving"),
+        (
+            (Cell("Pruned"), Cell(f"{before:,}"), Cell("")),
+            (Cell(f"Pruned + {doc.recipe}"), Cell(f"{after:,}"), Cell(f"{1 - after / before:.1%}")),
+        ),
+        ("left", "right", "right"),
+    )
+    return {
+        "recipe": doc.recipe,
+        "scheme": doc.scheme,
+        "algorithm": doc.algorithm,
+        "samples": doc.calibration_samples,
+        "versions": ", ".join(f"{name} {version}" for name, version in sorted(doc.versions.items())),
+        "bytes": bytes_table,
+    }
+
+
 def quantization(config: Mapping[str, Any]) -> str | None:
     """The checkpoint's quantization recipe as config.json records it (compressed-tensors and transformers'
     quantizers write `quantization_config` there); None for unquantized weights."""
@@ -165,15 +205,18 @@ def quantization(config: Mapping[str, Any]) -> str | None:
 def _name(evidence: Evidence) -> str:
     base = evidence.base_model or "the base model"
     pruning = evidence.pruning
-    return f"{base}, {pruning.sparsity:.0%} of routed experts pruned ({pruning.criterion}, {pruning.method})"
+    title = f"{base}, {pruning.sparsity:.0%} of routed experts pruned ({pruning.criterion}, {pruning.method})"
+    return title + (f", quantized ({evidence.quantization.recipe})" if evidence.quantization else "")
 
 
 def render_card(evidence: Evidence, digits: int = 3) -> str:
     """README.md: the Hub's YAML metadata header, then the card's Markdown."""
     from evoesap.stages import NAMES
 
-    pruning, experts, full = evidence.pruning, evidence.pruned_eval.experts, evidence.full_eval
-    limits = sorted({f"{float(m.limit):g}" for m in (evidence.pruned_eval, full) if m is not None and m.limit})
+    pruning, experts = evidence.pruning, evidence.published_eval.experts
+    evaluations = (evidence.pruned_eval, evidence.quantized_eval, evidence.full_eval)
+    limits = sorted({f"{float(m.limit):g}" for m in evaluations if m is not None and m.limit})
+    recipe = evidence.quantization.recipe if evidence.quantization else "quantized"
     context = {
         "title": _name(evidence),
         "base_model": evidence.base_model,
@@ -185,7 +228,13 @@ def render_card(evidence: Evidence, digits: int = 3) -> str:
         "family": experts.family,
         "experts": expert_table(pruning, experts),
         "density": DENSITY_FILE,
-        "evaluation": evaluation_table(evidence.pruned_eval.records, full.records if full else (), digits),
+        "evaluation": evaluation_table(
+            _records(evidence.pruned_eval),
+            _records(evidence.full_eval),
+            digits,
+            _records(evidence.quantized_eval) if evidence.quantization else None,
+            recipe,
+        ),
         "full_evaluated": evidence.full_eval is not None,
         "limits": limits,
         "memory": memory_table(evidence),
@@ -193,6 +242,7 @@ def render_card(evidence: Evidence, digits: int = 3) -> str:
         "remote_code": "auto_map" in evidence.config,
         "dtype": evidence.config.get("dtype") or evidence.config.get("torch_dtype"),
         "quantization": quantization(evidence.config),
+        "quantized": quantized(evidence.quantization),
         "license": evidence.license.get("license"),
         "report": "report/report.html"
         if "report.html" in evidence.report_files

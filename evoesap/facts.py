@@ -40,9 +40,22 @@ def _evaluate(uri: str) -> dict[str, Any]:
 
 
 def _quantize(uri: str) -> dict[str, Any]:
+    """The recipe and bytes, plus the method, criterion and sparsity of the prune artifact it quantized (they label
+    the quantized model's evaluation, as a prune artifact's own do)."""
     doc = records.read(uri, records.QuantizationRecord).to_json()
     keys = ("recipe", "scheme", "num_experts_per_layer", "checkpoint_bytes_before", "checkpoint_bytes_after")
-    return {k: doc[k] for k in keys}
+    source = artifacts.read_manifest(uri, "quantize").inputs["model"]
+    pruned = source.get("uri")
+    same = bool(source.get("manifest_sha256")) and artifacts.exists(artifacts.join(pruned, artifacts.MANIFEST))
+    if (
+        same
+        and artifacts.manifest_sha256(pruned) == source["manifest_sha256"]
+        and artifacts.read_manifest(pruned).stage == "prune"
+    ):
+        labels = {k: v for k, v in _prune(pruned).items() if k in ("method", "criterion", "sparsity")}
+    else:
+        labels = {}  # a checkpoint of our own making no longer where it was, or any other checkpoint
+    return {**labels, **{k: doc[k] for k in keys}}
 
 
 _BY_STAGE: dict[str, Callable[[str], dict[str, Any]]] = {

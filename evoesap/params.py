@@ -24,10 +24,17 @@ def param(default: Any, help: str, keyed: bool = True) -> Any:  # noqa: A002 - t
     return dataclasses.field(default=default, metadata={_HELP: help, _KEYED: keyed})
 
 
+TOOLS = "tools"  # the key of the outside tools' versions in a keyed parameter record
+
+
 def keyed(params: Any) -> dict[str, Any]:
-    """The parameters that determine a stage's artifact: its reuse key and its manifest's record."""
+    """The parameters that determine a stage's artifact: its reuse key and its manifest's record. A stage that runs
+    a tool from an environment of its own (`evoesap.side_env`) adds that tool's versions (its parameter class's
+    `tool_versions()`), so a new version makes the artifact again."""
     values = dataclasses.asdict(params)
-    return {f.name: values[f.name] for f in dataclasses.fields(params) if f.metadata.get(_KEYED, True)}
+    record = {f.name: values[f.name] for f in dataclasses.fields(params) if f.metadata.get(_KEYED, True)}
+    tools = getattr(params, "tool_versions", None)
+    return {**record, TOOLS: tools()} if tools is not None else record
 
 
 def help_of(field: dataclasses.Field) -> str:

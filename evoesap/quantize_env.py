@@ -7,6 +7,7 @@ environment: the worker script runs in a subprocess with the python named by EVO
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from evoesap.errors import EvoESAPError
+from evoesap.errors import ConfigError, EvoESAPError
 from evoesap.side_env import side_python
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,35 @@ def quantize_python() -> str:
         "llm-compressor installed (`make quantize-venv` builds .venv-quantize/bin/python)",
         "build it with `make quantize-venv`",
     )
+
+
+# The tools whose versions decide what the quantize stage makes: llm-compressor (the algorithms) and
+# compressed-tensors (the checkpoint's format). They are keyed as the environment actually used reports them,
+# not as a pin says: EVOESAP_QUANTIZE_PYTHON may name any environment, and keying on the pin (the Makefile's
+# LLMCOMPRESSOR, a lock) would reuse an artifact another llm-compressor made.
+KEYED_TOOLS = ("llmcompressor", "compressed-tensors")
+
+
+def tool_versions() -> dict[str, str]:
+    """The versions of `KEYED_TOOLS` in the quantize environment (part of the quantize stage's reuse key)."""
+    return dict(_versions(quantize_python()))
+
+
+@functools.lru_cache(maxsize=8)
+def _versions(python: str) -> tuple[tuple[str, str], ...]:
+    """Asked of `python` once per process: package metadata only, nothing imported (well under a second)."""
+    script = f"import importlib.metadata as m, json; print(json.dumps({{n: m.version(n) for n in {KEYED_TOOLS!r}}}))"
+    done = subprocess.run([python, "-c", script], capture_output=True, text=True)
+    try:
+        versions = json.loads(done.stdout) if done.returncode == 0 else None
+    except ValueError:
+        versions = None
+    if not isinstance(versions, dict) or set(versions) != set(KEYED_TOOLS):
+        raise ConfigError(
+            f"{PYTHON_ENV}={python} did not report the versions of {', '.join(KEYED_TOOLS)} "
+            f"({failure(done.stderr or done.stdout)}): rebuild it with `make quantize-venv`"
+        )
+    return tuple(sorted((name, str(version)) for name, version in versions.items()))
 
 
 def device_env(device: str) -> dict[str, str]:

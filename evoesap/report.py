@@ -107,7 +107,11 @@ def columns(runs: Sequence[MetricsRecord]) -> list[Column]:
 
 
 def _method(metrics: MetricsRecord) -> str:
-    return str(metrics.labels.method or "run")
+    """The run's method label; a quantized model's names its recipe too (`searched + w4a16-gptq`), so it gets a row
+    of its own beside the model it was quantized from and never stands in for it."""
+    method = str(metrics.labels.method or "run")
+    quantized = metrics.quantization
+    return f"{method} + {quantized.recipe or quantized.scheme}" if quantized else method
 
 
 def build_rows(runs: Sequence[MetricsRecord], sources: Sequence[str], cols: Sequence[Column]) -> list[Row]:
@@ -216,10 +220,12 @@ def memory_rows(runs: Sequence[MetricsRecord]) -> list[dict[str, Any]]:
     """Per run in table order: parameters, bytes, bf16 size, saving against the full run's bf16 size, held-out ESAP."""
     full = [m for m in runs if _method(m) == "full"]
     full_bf16 = full[0].memory.bf16_bytes if full else None
+    full_stored = full[0].memory.checkpoint_bytes if full else None
     keyed = [(_row_key(Row(m.labels.sparsity, m.labels.criterion, _method(m), {}, "")), i) for i, m in enumerate(runs)]
     out = []
     for _, i in sorted(keyed):
         memory, esap = runs[i].memory, runs[i].heldout_esap
+        stored = memory.checkpoint_bytes  # None: evaluated before it was recorded, or a hub model not cached
         out.append(
             {
                 "run": run_label(runs[i]),
@@ -227,6 +233,8 @@ def memory_rows(runs: Sequence[MetricsRecord]) -> list[dict[str, Any]]:
                 "parameter_bytes": memory.parameter_bytes,
                 "bf16_bytes": memory.bf16_bytes,
                 "saving": None if not full_bf16 else 1 - memory.bf16_bytes / full_bf16,
+                "checkpoint_bytes": stored,
+                "checkpoint_saving": None if not full_stored or stored is None else 1 - stored / full_stored,
                 "heldout_esap": None if esap is None else esap.esap,
             }
         )
@@ -238,18 +246,27 @@ def _gib(n: int) -> str:
 
 
 def memory_table(rows: Sequence[Mapping[str, Any]]) -> Table:
+    """Per run: parameters and bytes as loaded, the bf16 size and its saving, the checkpoint's stored bytes (what a
+    quantized model shrinks) and their saving, held-out ESAP."""
     lines = []
     for r in rows:
         saving = "–" if r["saving"] is None else f"{r['saving']:.1%}"
         esap = "–" if r["heldout_esap"] is None else f"{r['heldout_esap']:.4f}"
-        lines.append(
-            tuple(
-                Cell(t)
-                for t in (r["run"], f"{r['parameters']:,}", f"{r['parameter_bytes']:,}", _gib(r["bf16_bytes"]), saving, esap)
-            )
-        )
-    header = ("Run", "Parameters", "Parameter bytes", "bf16 size", "Saving vs full", "Held-out ESAP")
-    return Table(header, tuple(lines), ("left",) + ("right",) * 5)
+        stored = "–" if r.get("checkpoint_bytes") is None else f"{r['checkpoint_bytes']:,}"
+        stored_saving = "–" if r.get("checkpoint_saving") is None else f"{r['checkpoint_saving']:.1%}"
+        cells = (r["run"], f"{r['parameters']:,}", f"{r['parameter_bytes']:,}", _gib(r["bf16_bytes"]), saving)
+        lines.append(tuple(Cell(t) for t in (*cells, stored, stored_saving, esap)))
+    header = (
+        "Run",
+        "Parameters",
+        "Parameter bytes",
+        "bf16 size",
+        "Saving vs full",
+        "Checkpoint bytes",
+        "Checkpoint saving",
+        "Held-out ESAP",
+    )
+    return Table(header, tuple(lines), ("left",) + ("right",) * 7)
 
 
 def density_figure(allocations: Mapping[str, tuple[Sequence[int], Sequence[int]]], title: str = "") -> Figure:

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import gc
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -15,6 +16,9 @@ import torch
 from evoesap import artifacts
 from evoesap.errors import ArtifactError, ConfigError, ModelError, ResourceError
 from evoesap.identity import is_uri
+from evoesap.offload import module_device
+
+log = logging.getLogger(__name__)
 
 MODEL_DTYPES: dict[str, Any] = {
     "auto": "auto",  # the checkpoint's own dtype
@@ -208,7 +212,7 @@ def load_model(
     which, default all), each holding at most `max_memory`; `offload` lets the layers no GPU holds wait in host
     memory, and without it such a placement is refused.
 
-    A checkpoint we published (a prune artifact) is verified file by file first, on the one local copy
+    A checkpoint we published (a prune or quantize artifact) is verified file by file first, on the one local copy
     that is loaded (an object-store checkpoint is downloaded once). A model on the CPU sets torch's thread
     count for its size (`use_cpu_threads`)."""
     from evoesap import moe
@@ -219,9 +223,15 @@ def load_model(
     remote = is_uri(uri) and not artifacts.is_local(uri)
     with artifacts.local_copy(uri) if remote else contextlib.nullcontext(uri) as source:
         if artifacts.exists(artifacts.join(str(source), artifacts.MANIFEST)):
-            artifacts.verify(uri, "prune", local=Path(source))
+            stage = artifacts.read_manifest(str(source)).stage
+            artifacts.verify(uri, stage if stage in CHECKPOINT_STAGES else "prune", local=Path(source))
         model = moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype], **kwargs).eval()
     check_placement(getattr(model, "hf_device_map", None), offload, max_memory)
+    if getattr(model, "ct_decompress_hook", None) is not None:
+        # a compressed-tensors checkpoint decompresses on the whole model's first forward (a pre-hook); evoesap's
+        # layer-by-layer forwards (held-out ESAP) never call the whole model, so one token's forward fires it now
+        with torch.no_grad():
+            model(torch.zeros((1, 1), dtype=torch.long, device=module_device(model.get_input_embeddings())))
     if "device_map" not in kwargs:
         use_cpu_threads(parameter_count(model))
     return model
@@ -258,6 +268,33 @@ def placement_kwargs(
     if offload:
         budget["cpu"] = free["cpu"]
     return {"device_map": device_map, "max_memory": budget}
+
+
+CHECKPOINT_STAGES = ("prune", "quantize")  # the stages whose artifact is a checkpoint that loads as a model
+
+
+def checkpoint_bytes(uri: str) -> int:
+    """Bytes of a checkpoint's safetensors files (the weights as stored), at a path or fsspec URI."""
+    fs, root = artifacts.split(uri)
+    return sum(fs.size(path) for path in fs.find(root) if path.endswith(".safetensors"))
+
+
+def stored_bytes(model: str) -> int | None:
+    """`checkpoint_bytes` of what `model` names: a path, URI or hub name (its files as the hub cache holds them at
+    the commit that loaded); None where the files are not at hand."""
+    from evoesap.identity import hub_model, locate
+
+    if hub_model(model) is None:
+        return checkpoint_bytes(model)
+    import huggingface_hub
+
+    name, pinned = locate(model)
+    try:
+        local = huggingface_hub.snapshot_download(name, allow_patterns=["*.safetensors"], local_files_only=True, **pinned)
+    except Exception as exc:  # noqa: BLE001 - the bytes are a figure of the report, not a condition of the run
+        log.warning("the stored size of %s is unknown (%s: %s)", model, type(exc).__name__, exc)
+        return None
+    return checkpoint_bytes(local)
 
 
 def placement_map(device: str) -> dict[str, str] | None:

@@ -5,10 +5,10 @@ installed) and writes each distribution as `name==version --hash=sha256:...`, th
 --require-hashes` reads. torch is resolved (its dependencies are locked) but left out of the lines: each image
 and the Makefile install it first, its CPU or CUDA build at the Dockerfiles' TORCH_VERSION, and the lock after it
 with `--no-deps`. Run with `make lock` after changing pyproject.toml, serving/vllm or a Dockerfile's
-TORCH_VERSION / VLLM_VERSION; tests/test_images.py checks the locks still agree with them.
+TORCH_VERSION / VLLM_VERSION / LLMCOMPRESSOR_VERSION; tests/test_images.py checks the locks still agree with them.
 
     python images/lock.py                 # all locks
-    python images/lock.py --only vllm     # one: stage, vllm or vllm-cuda
+    python images/lock.py --only vllm     # one: stage, vllm, vllm-cuda or quantize
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ class Lock:
 
 def locks() -> dict[str, Lock]:
     torch, vllm, plugin = dockerfile_arg("TORCH_VERSION"), dockerfile_arg("VLLM_VERSION"), ROOT / "serving" / "vllm"
+    llmcompressor = dockerfile_arg("LLMCOMPRESSOR_VERSION")
     return {
         "stage": Lock(
             "requirements.lock",
@@ -68,6 +69,14 @@ def locks() -> dict[str, Lock]:
             (f"vllm=={vllm}", f"{plugin}[eval]", f"torch==={torch}"),
             r"evoesap-vllm|torch",
             "The vLLM environment of the CUDA image: vllm and serving/vllm[eval]",
+        ),
+        # llm-compressor pins transformers <= 5.17 (ours: >= 5.23): the quantize stage runs it from its own venv.
+        # One lock serves both images: torch (and, in the CUDA image, the runtime wheels it pins) is installed first.
+        "quantize": Lock(
+            "requirements-quantize.lock",
+            (f"llmcompressor=={llmcompressor}", f"torch=={torch}"),
+            rf"torch|{TORCH_RUNTIME}",
+            "The llm-compressor environment of both images (/opt/quantize): llmcompressor",
         ),
     }
 

@@ -1,7 +1,7 @@
 """Write a CycloneDX 1.6 JSON SBOM of a stage image's Python environments, from the images' hashed locks.
 
 One document per image flavour (cpu: images/Dockerfile, cuda: images/Dockerfile.cuda): every package of the
-stage environment (/opt/venv) and of the vLLM environment (/opt/vllm), each a `library` component with its
+stage environment (/opt/venv), of the vLLM environment (/opt/vllm) and of llm-compressor's (/opt/quantize), each a `library` component with its
 purl (pkg:pypi/name@version) and the sha256 the lock makes pip check, plus torch at the images' TORCH_VERSION
 and the project's own two distributions. Standard library only, so the image build runs the same file with the
 image's Python (it writes /opt/venv/sbom.cdx.json) as `make sbom` and the release workflow do here.
@@ -27,10 +27,19 @@ from urllib.parse import quote
 HERE = Path(__file__).resolve().parent
 # flavour -> (environment, its lock, torch's local version label); the images install torch before each lock
 ENVIRONMENTS = {
-    "cpu": (("/opt/venv", "requirements.lock", "+cpu"), ("/opt/vllm", "requirements-vllm.lock", "+cpu")),
-    "cuda": (("/opt/venv", "requirements.lock", ""), ("/opt/vllm", "requirements-vllm-cuda.lock", "")),
+    "cpu": (
+        ("/opt/venv", "requirements.lock", "+cpu"),
+        ("/opt/vllm", "requirements-vllm.lock", "+cpu"),
+        ("/opt/quantize", "requirements-quantize.lock", "+cpu"),
+    ),
+    "cuda": (
+        ("/opt/venv", "requirements.lock", ""),
+        ("/opt/vllm", "requirements-vllm-cuda.lock", ""),
+        ("/opt/quantize", "requirements-quantize.lock", ""),
+    ),
 }
-OWN = {"/opt/venv": "evoesap", "/opt/vllm": "evoesap-vllm"}  # built from this repository's source, no hash
+OWN = {"/opt/venv": "evoesap", "/opt/vllm": "evoesap-vllm"}  # built from this repository's source, no hash (the
+# llm-compressor environment /opt/quantize holds nothing of it: the worker script runs from /opt/venv's package)
 LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)((?:\s+--hash=sha256:[0-9a-f]{64})+)\s*$")
 
 
@@ -68,7 +77,8 @@ def component(venv: str, name: str, version: str, kind: str = "library", hashes:
 def sbom(flavour: str, locks: Path, version: str, torch: str, commit: str, created: dt.datetime) -> dict:
     components = []
     for venv, lock, label in ENVIRONMENTS[flavour]:
-        components.append(component(venv, OWN[venv], version, "application"))
+        if venv in OWN:
+            components.append(component(venv, OWN[venv], version, "application"))
         components.append(component(venv, "torch", torch + label))
         components += [component(venv, name, pin, hashes=digests) for name, pin, digests in read_lock(locks / lock)]
     digest = hashlib.sha256(json.dumps([flavour, version, commit, components], sort_keys=True).encode()).hexdigest()

@@ -1,8 +1,10 @@
 """The EvoESAP DAG as a KFP pipeline, built from one validated configuration.
 
 calibrate and cache-logits run once; for each criterion x sparsity a search, a searched and a uniform
-prune, and their evaluations fan out (ParallelFor), with `publish_models` the searched model's publish
-(model card, push) and, when the `quantize` section names a recipe, the searched model's quantize step; the full model is evaluated once; the report collects everything. `build_subpipeline` is that DAG for a full model given as an artifact (a step of
+prune, and their evaluations fan out (ParallelFor); when the `quantize` section names a recipe, the searched
+checkpoint's quantize step and its evaluation; with `publish_models` the publish (model card, push) of the searched
+model, or of its quantized checkpoint when quantize is on. The full model is evaluated once; the report collects
+everything. `build_subpipeline` is that DAG for a full model given as an artifact (a step of
 another pipeline); `build_pipeline` imports the model from a path, URI or hub name and runs it.
 """
 
@@ -113,6 +115,11 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
         def stage(name: str, task: Any, label: str | None = None) -> Any:
             return _configure(task, name, config, label)
 
+        # With quantize on, publish releases the quantized checkpoint, not the pruned one: it is the model the quantize
+        # step exists to ship, one `to`/`repo` holds one checkpoint, and its card still shows the pruned model's
+        # accuracy beside it (the pruned checkpoint stays in the storage root and in `pruned_models`).
+        quantize_on = bool(config.stage_params("quantize").get("recipe"))
+
         scores = stage(
             "calibrate", comps.calibrate(model=model, data=calibration_data, storage_root=storage_root, params=calibrate_params)
         )
@@ -157,16 +164,24 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
                                                          params=evaluate_params, **teacher), f"evaluate {method}")
                 for method, task in pruned.items()
             }  # fmt: skip
-            if config.stage_params("quantize").get("recipe"):  # opt-in: the searched checkpoint, quantized
-                stage("quantize", comps.quantize(model=pruned["searched"].outputs["pruned"], data=calibration_data,
-                                                 storage_root=storage_root, params=config.stage_params("quantize")),
-                      "quantize searched")  # fmt: skip
+            release = {}  # what publish releases: the searched checkpoint, or its quantized one when quantize is on
+            if quantize_on:  # opt-in: the searched checkpoint quantized, and evaluated for the report and the card
+                quantized = stage("quantize", comps.quantize(model=pruned["searched"].outputs["pruned"],
+                                                             data=calibration_data, storage_root=storage_root,
+                                                             params=config.stage_params("quantize")),
+                                  "quantize searched")  # fmt: skip
+                evals["quantized"] = stage("evaluate", comps.evaluate(model=quantized.outputs["quantized"],
+                                                                      storage_root=storage_root,
+                                                                      params=evaluate_params, **teacher),
+                                           "evaluate quantized")  # fmt: skip
+                release = {"quantized": quantized.outputs["quantized"],
+                           "quantized_evaluation": evals["quantized"].outputs["evaluation"]}  # fmt: skip
             if config.publish_models:
                 stage("publish", comps.publish(pruned=pruned["searched"].outputs["pruned"], storage_root=storage_root,
                                                evaluation=evals["searched"].outputs["evaluation"],
                                                full_evaluation=full.outputs["evaluation"],
-                                               search=searched.outputs["allocation"], params=publish_params),
-                      "publish searched")  # fmt: skip
+                                               search=searched.outputs["allocation"], params=publish_params, **release),
+                      "publish quantized" if quantize_on else "publish searched")  # fmt: skip
         report = stage(
             "report",
             comps.report(
@@ -176,6 +191,7 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
                 searches=dsl.Collected(searched.outputs["allocation"]),
                 storage_root=storage_root,
                 params=report_params,
+                **({"quantized": dsl.Collected(evals["quantized"].outputs["evaluation"])} if quantize_on else {}),
             ),
         )
         return Outputs(

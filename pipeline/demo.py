@@ -2,7 +2,8 @@
 
 A miniature of the paper's setting: calibrate on the code domain, search on the deployment mix (every
 domain in turn, the data a general model serves), evaluate every demo domain through lm-eval; REAP and
-Frequency at 25% and 50%, uniform beside searched. examples/demo-math.yaml is the "specialise" variant
+Frequency at 25% and 50%, uniform beside searched, each searched model also quantized (w4a16-gptq) and evaluated
+(its row in the report beside full and pruned). examples/demo-math.yaml is the "specialise" variant
 (search on math alone).
 """
 
@@ -22,6 +23,9 @@ log = logging.getLogger(__name__)
 # Search and evaluation sized so the whole demo runs in minutes on a 2-core CPU.
 DEMO_SEARCH = {"population": 16, "elites": 4, "generations": 12, "batch_size": 16, "heldout_fraction": 0.25}
 DEMO_EVALUATE = {"limit": 48, "batch_size": 16}
+# Each searched model quantized (4-bit GPTQ on the calibration samples; the demo world's widths are whole groups of
+# 128) and evaluated beside it: about 15 s more per point on a 2-core CPU (benchmarks/RESULTS.md, issue 28).
+DEMO_QUANTIZE = {"recipe": "w4a16-gptq", "samples": 64, "max_length": 256}
 
 
 def demo_config(world: Any, out: Path, runner: str = "subprocess", image: str | None = None) -> PipelineConfig:
@@ -43,6 +47,7 @@ def demo_config(world: Any, out: Path, runner: str = "subprocess", image: str | 
             "cache_logits": {"samples": 64, "max_length": 256, "batch_size": 16, "dtype": "float32"},
             "search": DEMO_SEARCH,
             "evaluate": {"tasks": [str(world.tasks_dir)], **DEMO_EVALUATE},
+            "quantize": DEMO_QUANTIZE,
             "report": {"title": "EvoESAP demo: OLMoE-tiny, calibrate on code, search on the deployment mix"},
         }
     )
@@ -58,6 +63,11 @@ def run_demo(
 ) -> str:
     """Build (or reuse) the demo world under `out`, run the pipeline, return the report artifact URI."""
     from evoesap.demo.world import build_demo_world
+
+    if runner == "subprocess":  # the quantize step's environment, before the world trains (minutes)
+        from evoesap.quantize_env import quantize_python
+
+        quantize_python()
 
     world = build_demo_world(out / "world", seed=seed, profile=profile)
     config = demo_config(world, out, runner, image)

@@ -137,6 +137,10 @@ def run_local(
         _check_mounted(config, Path(pipeline_root))
         chosen: Any = local.DockerRunner(user=f"{os.getuid()}:{os.getgid()}")
     elif runner == "subprocess":
+        if config.stage_params("quantize").get("recipe"):  # its step runs llm-compressor from its own venv: checked now
+            from evoesap.quantize_env import quantize_python
+
+            quantize_python()
         chosen = local.SubprocessRunner(use_venv=False)
     else:
         raise ConfigError(f"unknown runner {runner!r}; choose one of {', '.join(RUNNERS)}")

@@ -80,6 +80,15 @@ def tiny_artifacts(tmp_path_factory):
     return build(tmp_path_factory.mktemp("tiny-artifacts"))
 
 
+@pytest.fixture(scope="session")
+def tiny_quantized(tiny_artifacts, tmp_path_factory):
+    """The tiny artifacts plus the full model's evaluation, the searched pruned model quantized (fp8-dynamic, by
+    llm-compressor from .venv-quantize) and its evaluation, and a report of the three evaluations."""
+    from tiny_artifacts import quantized_build
+
+    return quantized_build(tiny_artifacts, tmp_path_factory.mktemp("tiny-quantized"))
+
+
 @pytest.fixture
 def s3(monkeypatch):
     """A real S3 endpoint (moto's threaded server on loopback) that a test can stop and start again, keeping its data."""

@@ -287,3 +287,26 @@ def test_a_pipeline_gives_the_evaluate_task_the_gpus_its_split_spans(tmp_path):
         load_config(base)
     gpus = {"evaluate": {"accelerator_type": "nvidia.com/gpu", "accelerator_count": 2}}
     assert load_config({**base, "resources": gpus}).parsed_params("evaluate").gpus() == 2
+
+
+def test_a_quantized_checkpoint_for_vllm_on_the_cpu_is_refused_before_any_work(tiny_quantized, tmp_path, monkeypatch):
+    from venv_support import venv_python
+
+    monkeypatch.setenv("EVOESAP_VLLM_PYTHON", venv_python("EVOESAP_VLLM_PYTHON", ".venv-vllm", "vllm-venv", "vLLM", "vllm"))
+    params = EvaluateParams(tasks=(tiny_quantized["tasks"],), backend="vllm", device="cpu")
+    with pytest.raises(ConfigError, match=r"is quantized \(compressed-tensors\) and vLLM's CPU build .*backend hf"):
+        run_evaluate(tiny_quantized["quantized"], params, str(tmp_path / "eval"))
+    assert not list(tmp_path.iterdir())
+
+
+def test_held_out_esap_runs_on_a_quantized_checkpoint_and_stays_near_the_pruned_models(tiny_quantized):
+    from evoesap import moe, runtime
+
+    q = tiny_quantized
+    tokenizer = moe.load_tokenizer(q["pruned"])
+    esap = {
+        k: lmeval.heldout_esap(runtime.load_model(q[k], device="cpu"), tokenizer, q["cache"]).esap
+        for k in ("pruned", "quantized")
+    }
+    assert 0 < esap["quantized"] <= 1 and abs(esap["quantized"] - esap["pruned"]) < 0.05, esap  # fp8: close, not equal
+    assert esap["quantized"] != esap["pruned"]

@@ -20,7 +20,7 @@ from evoesap import artifacts
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILES = {name: (ROOT / "images" / name).read_text() for name in ("Dockerfile", "Dockerfile.cuda")}
-LOCKS = ("requirements.lock", "requirements-vllm.lock", "requirements-vllm-cuda.lock")
+LOCKS = ("requirements.lock", "requirements-vllm.lock", "requirements-vllm-cuda.lock", "requirements-quantize.lock")
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 RELEASE = ROOT / ".github" / "workflows" / "release.yml"
 
@@ -99,7 +99,7 @@ def test_both_images_build_the_torch_and_vllm_the_locks_were_resolved_with():
 def test_vllm_locks_hold_lm_eval_as_the_plugin_extra_pins_it():
     extra = tomllib.loads((ROOT / "serving" / "vllm" / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     lm_eval = Requirement(extra["eval"][0])
-    for name in LOCKS[1:]:
+    for name in ("requirements-vllm.lock", "requirements-vllm-cuda.lock"):
         assert lm_eval.specifier.contains(_lock(name)[canonicalize_name(lm_eval.name)]), name
     # the CPU build's CUDA extras break `import vllm`: never installed
     assert not {"torchvision", "torchaudio", "torchcodec"} & set(_lock("requirements-vllm.lock"))
@@ -271,7 +271,11 @@ def test_sbom_is_cyclonedx_with_every_locked_package_purl_and_hash(tmp_path, fla
     assert len(refs) == len(set(refs)), "bom-refs must be unique"
     vllm_lock = "requirements-vllm.lock" if flavour == "cpu" else "requirements-vllm-cuda.lock"
     torch = _arg(DOCKERFILES["Dockerfile"], "TORCH_VERSION") + ("+cpu" if flavour == "cpu" else "")
-    for venv, lock in (("/opt/venv", "requirements.lock"), ("/opt/vllm", vllm_lock)):
+    for venv, lock in (
+        ("/opt/venv", "requirements.lock"),
+        ("/opt/vllm", vllm_lock),
+        ("/opt/quantize", "requirements-quantize.lock"),
+    ):
         listed = {c["name"]: c for c in bom["components"] if c["properties"] == [{"name": "evoesap:venv", "value": venv}]}
         for pkg, version, digests in _lock_lines(lock):
             component = listed[pkg]
@@ -279,10 +283,8 @@ def test_sbom_is_cyclonedx_with_every_locked_package_purl_and_hash(tmp_path, fla
             assert component["purl"] == f"pkg:pypi/{pkg}@{version}"  # canonical names and plain versions need no escaping
             assert component["hashes"] == [{"alg": "SHA-256", "content": d} for d in digests]
         assert listed["torch"]["purl"] == "pkg:pypi/torch@" + torch.replace("+", "%2B")
-        assert set(listed) == {pkg for pkg, _, _ in _lock_lines(lock)} | {
-            "torch",
-            "evoesap" if venv == "/opt/venv" else "evoesap-vllm",
-        }
+        own = {"/opt/venv": {"evoesap"}, "/opt/vllm": {"evoesap-vllm"}, "/opt/quantize": set()}[venv]
+        assert set(listed) == {pkg for pkg, _, _ in _lock_lines(lock)} | {"torch"} | own
 
 
 def test_sbom_serial_number_follows_its_content(tmp_path):
@@ -365,3 +367,19 @@ def test_release_never_prints_a_secret():
             for line in run.splitlines():
                 if var in line:
                     assert "| docker login" in line and "--password-stdin" in line or f'--username "${var}"' in line, line
+
+
+@pytest.mark.parametrize("name", sorted(DOCKERFILES))
+def test_images_hold_the_llm_compressor_venv_from_its_hashed_lock_at_the_makefiles_pin(name):
+    text = re.sub(r"\\\n\s*", " ", DOCKERFILES[name])
+    pinned = re.search(r"^LLMCOMPRESSOR := llmcompressor==(\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert _arg(DOCKERFILES[name], "LLMCOMPRESSOR_VERSION") == pinned == _lock("requirements-quantize.lock")["llmcompressor"]
+    assert "COPY images/requirements.lock" in text and "images/requirements-quantize.lock ./" in text
+    install = re.search(r"python -m venv /opt/quantize && (.*)", text).group(1)
+    assert install.index("TORCH_VERSION") < install.index("--require-hashes --no-deps")  # torch first, then the lock
+    assert "-r requirements-quantize.lock" in install and "/opt/quantize/bin/pip check" in install
+    assert "assert version('llmcompressor') == '${LLMCOMPRESSOR_VERSION}'" in install
+    assert re.search(r"^ENV EVOESAP_QUANTIZE_PYTHON=/opt/quantize/bin/python$", DOCKERFILES[name], re.M)
+    lock = _lock("requirements-quantize.lock")
+    assert {"compressed-tensors", "transformers"} <= set(lock) and not {"torch", "evoesap"} & set(lock)
+    assert int(lock["transformers"].split(".")[1]) <= 17  # llm-compressor's pin, which is why it has a venv of its own

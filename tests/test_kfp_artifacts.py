@@ -131,3 +131,23 @@ def test_a_kfp_local_consumer_loads_the_pruned_model_from_model_path_stored_once
         everywhere = _sha256_of_files(storage, pipeline_root)
         assert all(everywhere.count(digest) == 1 for digest in stored.values())  # no second copy anywhere
     assert len(list((storage / "calibrate").iterdir())) == 1
+
+
+def test_a_quantize_artifact_carries_the_labels_of_the_pruned_model_it_quantized(tiny_quantized, tmp_path):
+    """The evaluate component labels a run from its model's metadata: a quantized model's come from its pruning.json."""
+    from evoesap import facts
+
+    pruning = json.loads(Path(tiny_quantized["pruned"], "pruning.json").read_text())
+    found = facts.facts(tiny_quantized["quantized"])
+    assert {k: found[k] for k in ("method", "criterion", "sparsity")} == {
+        k: pruning[k] for k in ("method", "criterion", "sparsity")
+    }
+    assert found["recipe"] == "fp8-dynamic" and found["stage"] == "quantize"
+    moved = tmp_path / "elsewhere"  # its pruned input no longer where the manifest says: no labels, still its facts
+    import shutil
+
+    shutil.copytree(tiny_quantized["quantized"], moved)
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["inputs"]["model"]["uri"] = str(tmp_path / "gone")
+    (moved / "manifest.json").write_text(artifacts.seal(manifest))
+    assert "method" not in facts.facts(str(moved)) and facts.facts(str(moved))["recipe"] == "fp8-dynamic"

@@ -257,3 +257,25 @@ def test_calibrate_to_prune_chain_against_s3(files, s3_bucket):
     allocation = artifacts.read_json(f"{searched}/allocation.json")
     kept = [n - r for n, r in zip(allocation["num_experts"], allocation["removal_counts"])]
     assert list(moe.inspect(moe.load_pruned(pruned)).num_experts) == kept
+
+
+def test_with_quantize_on_the_quantized_model_is_evaluated_reported_and_published(files, tmp_path, monkeypatch):
+    from test_quantize import quantize_python
+
+    monkeypatch.setenv("EVOESAP_QUANTIZE_PYTHON", quantize_python())
+    storage = tmp_path / "artifacts"
+    config = load_config(_config(files, storage, quantize={"recipe": "fp8-dynamic"}, publish_models=True))
+    text = (Path(report_uri(run_local(config))) / "report.md").read_text()
+    (quantized,) = _artifacts(storage, "quantize")
+    (searched,) = [p for p in _artifacts(storage, "prune") if "allocation" in artifacts.read_manifest(str(p)).inputs]
+    assert artifacts.read_manifest(str(quantized)).inputs["model"]["manifest_sha256"] == artifacts.manifest_sha256(str(searched))
+    runs = {artifacts.read_manifest(str(p)).inputs["model"]["uri"]: p for p in _artifacts(storage, "evaluate")}
+    assert len(runs) == 4 and str(quantized) in runs  # full, uniform, searched and the quantized searched model
+    assert "| 50% | reap | searched + fp8-dynamic |" in text
+    stored = sum(p.stat().st_size for p in quantized.glob("*.safetensors"))
+    assert "| 50% reap searched + fp8-dynamic |" in text and f"| {stored:,} |" in text
+    (published,) = _artifacts(storage, "publish")
+    assert (published / "config.json").read_bytes() == (quantized / "config.json").read_bytes()  # the quantized release
+    inputs = artifacts.read_manifest(str(published)).inputs
+    assert inputs["quantized"]["manifest_sha256"] == artifacts.manifest_sha256(str(quantized))
+    assert "quantized (fp8-dynamic)" in (published / "README.md").read_text()

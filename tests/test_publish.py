@@ -157,6 +157,91 @@ def test_evaluation_table_puts_each_models_value_and_stderr_in_its_column():
     assert [c.text for c in alone.rows[0]][2:5] == ["–", "0.25", "–"]
 
 
+def test_a_quantized_checkpoint_is_published_with_its_recipe_bytes_and_lineage_traced_to_artifacts(tiny_quantized, tmp_path):
+    from huggingface_hub import ModelCard
+
+    q = tiny_quantized
+    evaluations = [q["evaluated_quantized"], q["evaluated"], q["evaluated_full"]]
+    out = tmp_path / "published"
+    run_publish(q["pruned"], evaluations, PublishParams(), str(out), search=q["search_out"], quantized=q["quantized"])
+    text = (out / "README.md").read_text()
+    meta, body = _split_card(text)
+    assert ModelCard(text).data.to_dict() == meta
+    summary = records.read(q["quantized"], records.QuantizationRecord).to_json()
+    assert {"compressed-tensors", summary["recipe"]} <= set(meta["tags"])
+    assert f"quantized ({summary['recipe']})" in next(line for line in body.splitlines() if line.startswith("# "))
+
+    # the released checkpoint is the quantize artifact's, byte for byte, beside the card and the density plot
+    quantized_files = json.loads(Path(q["quantized"], "manifest.json").read_text())["files"]
+    published = json.loads((out / "manifest.json").read_text())["files"]
+    assert {k: v for k, v in published.items() if k in quantized_files} == quantized_files
+    assert set(published) - set(quantized_files) == {"README.md", card.DENSITY_FILE}
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "compressed-tensors"
+
+    # the evaluation table: full, pruned and quantized value ± stderr per task, each from its metrics.json
+    full, pruned, quant = (
+        records.read(q[k], records.MetricsRecord).to_json() for k in ("evaluated_full", "evaluated", "evaluated_quantized")
+    )
+    assert _header(body, "Task") == [
+        "Task",
+        "Metric",
+        "Full",
+        "Pruned",
+        f"Pruned + {summary['recipe']}",
+        "Δ (quantized − full)",
+        "Samples",
+    ]
+    rows = _table(body, "Task")
+    primary = [r for r in quant["records"] if r["primary"]]
+    assert [row[:2] for row in rows] == [[r["task"], r["metric"]] for r in primary] and primary
+    for row, rec in zip(rows, primary):
+        same = [
+            next(r for r in m["records"] if (r["task"], r["metric"], r["filter"]) == (rec["task"], rec["metric"], rec["filter"]))
+            for m in (full, pruned)
+        ]
+        for cell, source in zip(row[2:5], [*same, rec]):
+            value, stderr = (float(x) for x in cell.split("±"))
+            assert abs(value - source["value"]) <= 5e-4 and abs(stderr - source["stderr"]) <= 5e-4
+        assert abs(float(row[5]) - (rec["value"] - same[0]["value"])) <= 5e-4
+
+    # the bytes before and after, and the saving, from quantization.json
+    stored = {row[0]: row for row in _table(body, "Checkpoint")}
+    before, after = summary["checkpoint_bytes_before"], summary["checkpoint_bytes_after"]
+    assert int(stored["Pruned"][1].replace(",", "")) == before == (Path(q["pruned"]) / "model.safetensors").stat().st_size
+    assert int(stored[f"Pruned + {summary['recipe']}"][1].replace(",", "")) == after
+    assert stored[f"Pruned + {summary['recipe']}"][2] == f"{(before - after) / before:.1%}"
+    assert f"scheme {summary['scheme']}" in body and f"llmcompressor {summary['versions']['llmcompressor']}" in body
+
+    # lineage: the quantize manifest among every artifact behind the card, walked by hand
+    shown = {row[0]: row[3] for row in _table(body, "Artifact")}
+    assert shown == _lineage_manifests([q["quantized"], q["pruned"], *evaluations, q["search_out"]])
+    assert shown[q["quantized"]] == artifacts.manifest_sha256(q["quantized"])
+
+
+def _header(body: str, header_start: str) -> list[str]:
+    line = next(line for line in body.splitlines() if line.startswith(f"| {header_start}"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_a_quantized_checkpoint_of_another_model_or_without_its_evaluation_is_refused_before_any_work(
+    tiny_quantized, world, tmp_path
+):
+    q = tiny_quantized
+    with pytest.raises(
+        ConfigError, match=r"^--quantized .* quantized .*, not --pruned .*licensed_pruned: give the quantize artifact"
+    ):
+        run_publish(
+            world["licensed_pruned"],
+            [world["licensed_evaluated"]],
+            PublishParams(),
+            str(tmp_path / "a"),
+            quantized=q["quantized"],
+        )
+    with pytest.raises(ConfigError, match=r"^no evaluation of the quantized model .*: run `evoesap evaluate --model "):
+        run_publish(q["pruned"], [q["evaluated"]], PublishParams(), str(tmp_path / "b"), quantized=q["quantized"])
+    assert not list(tmp_path.iterdir())
+
+
 def test_license_and_base_model_are_carried_and_a_contradiction_is_refused(world, tmp_path):
     params = PublishParams(base_model=BASE)
     run_publish(world["licensed_pruned"], [world["licensed_evaluated"]], params, str(tmp_path / "a"))

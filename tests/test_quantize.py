@@ -121,6 +121,48 @@ def test_quantized_nonuniform_model_loads_in_transformers_and_stays_close(world,
     assert agreement(full, mine) > (0.9 if recipe == "fp8-dynamic" else 0.8)
 
 
+def fake_python(where: Path, llmcompressor: str, answer: str | None = None) -> str:
+    """A "python" that finds every module (the environment check passes) and answers the version query with
+    `answer`, by default llm-compressor at `llmcompressor` and compressed-tensors at 0.19.0."""
+    where.mkdir(parents=True, exist_ok=True)
+    reply = answer if answer is not None else json.dumps({"llmcompressor": llmcompressor, "compressed-tensors": "0.19.0"})
+    script = where / "python"
+    script.write_text(f"#!/bin/sh\ncase \"$2\" in *importlib.metadata*) echo '{reply}' ;; esac\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def installed_version(python: str, distribution: str) -> str:
+    """A distribution's version in the venv of `python`, read off its dist-info directory's name (no python asked)."""
+    root = Path(python).absolute().parent.parent  # the venv, not where its python links to
+    (info,) = root.glob(f"lib/python*/site-packages/{distribution.replace('-', '_')}-*.dist-info")
+    return info.name.removesuffix(".dist-info").split("-", 1)[1]
+
+
+def test_the_reuse_key_holds_the_llm_compressor_version_of_the_environment_used(world, tmp_path, monkeypatch):
+    from evoesap.params import keyed
+    from evoesap.steps import output_uri
+
+    params, inputs = QuantizeParams(recipe="fp8-dynamic"), {"model": world["olmoe-uniform"], "data": None}
+
+    def place(python: str) -> str:
+        monkeypatch.setenv("EVOESAP_QUANTIZE_PYTHON", python)
+        return output_uri("quantize", str(tmp_path / "root"), inputs, params)
+
+    python = quantize_python()
+    versions = {name: installed_version(python, name) for name in ("llmcompressor", "compressed-tensors")}
+    real = place(python)
+    assert keyed(params)["tools"] == versions
+    older = place(fake_python(tmp_path / "a", "0.13.0"))
+    assert older != real  # another llm-compressor: another artifact
+    assert place(fake_python(tmp_path / "b", "0.13.0")) == older  # another venv, the same versions: the same artifact
+    assert place(fake_python(tmp_path / "c", versions["llmcompressor"])) == real
+    with pytest.raises(
+        ConfigError, match=r"did not report the versions of llmcompressor, compressed-tensors.*make quantize-venv"
+    ):
+        place(fake_python(tmp_path / "d", "", answer="no json"))
+
+
 def test_unknown_recipe_is_refused_with_the_valid_names_before_any_work(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown recipe 'fp8'.*fp8-dynamic, w4a16-gptq"):
         QuantizeParams(recipe="fp8")
@@ -160,13 +202,17 @@ def test_a_quantize_recipe_in_the_configuration_adds_the_step_after_prune_and_no
         load_config({**base, "quantize": {"recipe": "int4"}})
     off = compile_pipeline(load_config(base), tmp_path / "off.yaml").read_text()
     on = compile_pipeline(load_config({**base, "quantize": {"recipe": "fp8-dynamic"}}), tmp_path / "on.yaml").read_text()
-    assert "comp-quantize" not in off and "quantize searched" not in off
-    assert "comp-quantize" in on and "quantize searched" in on
+    assert "comp-quantize" not in off and "quantize searched" not in off and "evaluate quantized" not in off
+    assert "comp-quantize" in on and "quantize searched" in on and "evaluate quantized" in on
+    published = {**base, "quantize": {"recipe": "fp8-dynamic"}, "publish_models": True}
+    spec = compile_pipeline(load_config(published), tmp_path / "pub.yaml").read_text()
+    assert "publish quantized" in spec and "publish searched" not in spec  # quantize on: the quantized model is released
 
 
 @pytest.mark.slow
-def test_a_prune_artifact_is_verified_its_lineage_recorded_and_a_second_run_reused(tmp_path):
+def test_a_prune_artifact_is_verified_its_lineage_recorded_and_a_second_run_reused(tmp_path, monkeypatch):
     from evoesap.errors import ArtifactError
+    from evoesap.params import keyed
     from evoesap.stages.calibrate import CalibrateParams, run_calibrate
     from evoesap.stages.prune import PruneParams, run_prune
     from evoesap.steps import run_stage
@@ -180,6 +226,11 @@ def test_a_prune_artifact_is_verified_its_lineage_recorded_and_a_second_run_reus
     made = run_stage("quantize", {"model": pruned, "data": None}, params, out)
     assert made.inputs["model"]["manifest_sha256"] == artifacts.manifest_sha256(pruned)
     assert run_stage("quantize", {"model": pruned, "data": None}, params, out) == made  # same key: reused, not redone
+    worker = records.read(out, records.QuantizationRecord).to_json()["versions"]  # what the worker imported, as it saw them
+    assert made.params["tools"] == {name: worker[name] for name in ("llmcompressor", "compressed-tensors")}
+    monkeypatch.setenv("EVOESAP_QUANTIZE_PYTHON", fake_python(tmp_path / "newer", "0.15.0"))
+    assert artifacts.cached(out, "quantize", keyed(params), {"model": pruned, "data": None}) is None  # made again
+    monkeypatch.setenv("EVOESAP_QUANTIZE_PYTHON", quantize_python())
     weights = Path(pruned) / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-8] + bytes(8))  # same size, other bytes
     with pytest.raises(ArtifactError, match="does not match the sha256 in its manifest"):

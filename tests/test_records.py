@@ -110,10 +110,11 @@ METRICS = {
             "primary": False,
         },
     ],
-    "memory": {"parameters": 1000, "parameter_bytes": 4000, "bf16_bytes": 2000},
+    "memory": {"parameters": 1000, "parameter_bytes": 4000, "bf16_bytes": 2000, "checkpoint_bytes": 4096},
     "experts": {"family": "olmoe", "num_experts": [6, 6], "top_k": [2, 2], "decoder_index": [0, 1]},
     "heldout_esap": {"esap": 0.93, "esap_upper": 0.95, "samples": 4},
     "limit": 48,  # a config's 48 stays an int, 48.0 stays a float
+    "quantization": None,
 }
 QUANTIZATION = {
     "recipe": "w4a16-gptq",
@@ -134,6 +135,7 @@ WRITTEN = [
     (records.MetricsRecord, METRICS),
     (records.MetricsRecord, {**METRICS, "labels": {"criterion": None, "sparsity": None, "method": "full"}, "limit": 0.5}),
     (records.MetricsRecord, {**METRICS, "heldout_esap": None, "limit": None}),
+    (records.MetricsRecord, {**METRICS, "quantization": {"recipe": "fp8-dynamic", "scheme": "FP8_DYNAMIC"}}),
     (records.QuantizationRecord, QUANTIZATION),
     (records.QuantizationRecord, {**QUANTIZATION, "num_experts_per_layer": None, "calibration_samples": 0}),
 ]
@@ -193,6 +195,13 @@ def test_fields_an_older_or_hand_written_allocation_lacks_take_the_defaults_read
 def test_metrics_without_labels_read_as_unlabelled():
     unlabelled = {k: v for k, v in METRICS.items() if k != "labels"}
     assert records.MetricsRecord.from_json(unlabelled, "m").labels == records.Labels(None, None, None)
+
+
+def test_metrics_written_before_checkpoint_bytes_and_quantization_were_recorded_read_as_unknown():
+    memory = {k: v for k, v in METRICS["memory"].items() if k != "checkpoint_bytes"}
+    older = {**{k: v for k, v in METRICS.items() if k != "quantization"}, "memory": memory}
+    record = records.MetricsRecord.from_json(older, "m")
+    assert record.memory.checkpoint_bytes is None and record.quantization is None
 
 
 def test_no_scoring_module_imports_a_stage():

@@ -564,3 +564,34 @@ def test_task_differences_clear_two_standard_errors_only_when_both_runs_carry_th
     bare = dataclasses.replace(searched, records=tuple(dataclasses.replace(r, stderr=None) for r in searched.records))
     assert rp.clear_differences(uniform, bare) is None
     assert rp._clear(None, 3) == "–" and rp._clear((), 3) == "none"
+
+
+def _section_table(markdown: str, section: str) -> list[dict[str, str]]:
+    """The first table under `## section`, as dicts keyed by its header."""
+    part = markdown.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+    lines = [line for line in part.splitlines() if line.startswith("|")]
+    header, *rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    return [dict(zip(header, row)) for row in rows[1:]]
+
+
+def test_full_pruned_and_pruned_quantized_runs_stand_side_by_side_with_accuracy_and_checkpoint_bytes(tiny_quantized):
+    q = tiny_quantized
+    text = Path(q["report_quantized"], "report.md").read_text()
+    runs = {k: json.loads(Path(q[k], "metrics.json").read_text()) for k in ("evaluated_full", "evaluated", "evaluated_quantized")}
+    recipe = json.loads(Path(q["quantized"], "quantization.json").read_text())["recipe"]
+    assert runs["evaluated_quantized"]["quantization"] == {"recipe": recipe, "scheme": "FP8_DYNAMIC"}
+    assert runs["evaluated"]["quantization"] is None and runs["evaluated_full"]["quantization"] is None
+    bench = {row["Method"] or row["Sparsity"]: row for row in _section_table(text, "Benchmarks")}
+    assert list(bench) == ["Full", "searched", f"searched + {recipe}"]  # full, pruned, pruned+quantized: one row each
+    for key, method in (("evaluated_full", "Full"), ("evaluated", "searched"), ("evaluated_quantized", f"searched + {recipe}")):
+        for record in (r for r in runs[key]["records"] if r["primary"]):
+            assert bench[method][f"{record['task']} ({record['metric']})"] == f"{record['value']:.3f}"
+    memory = {row["Run"]: row for row in _section_table(text, "Memory")}
+    stored = {  # the safetensors files on disk, summed here
+        k: sum(p.stat().st_size for p in Path(src).glob("*.safetensors"))
+        for k, src in (("evaluated_full", q["model"]), ("evaluated", q["pruned"]), ("evaluated_quantized", q["quantized"]))
+    }
+    assert stored["evaluated_quantized"] < stored["evaluated"] < stored["evaluated_full"]
+    for key, run in (("evaluated_full", "Full"), ("evaluated", "– searched"), ("evaluated_quantized", f"– searched + {recipe}")):
+        assert memory[run]["Checkpoint bytes"] == f"{stored[key]:,}" == f"{runs[key]['memory']['checkpoint_bytes']:,}"
+        assert memory[run]["Checkpoint saving"] == f"{1 - stored[key] / stored['evaluated_full']:.1%}"

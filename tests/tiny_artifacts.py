@@ -34,3 +34,26 @@ def build(root: Path) -> dict[str, str]:
     )
     run_report([out["evaluated"]], ReportParams(), out["report"], searches=[out["search_out"]])
     return out
+
+
+def quantized_build(built: dict[str, str], root: Path) -> dict[str, str]:
+    """`built` (from `build`) plus: evaluated_full, quantized (fp8-dynamic: per channel, any width), evaluated_quantized
+    and report_quantized (the full, pruned and quantized evaluations)."""
+    import os
+
+    from evoesap.stages.quantize import QuantizeParams, run_quantize
+    from test_quantize import quantize_python
+
+    out = {**built, **{name: str(root / name) for name in ("evaluated_full", "quantized", "evaluated_quantized")}}
+    out["report_quantized"] = str(root / "report_quantized")
+    run_evaluate(built["model"], evaluate_params(built["tasks"], method="full"), out["evaluated_full"])
+    before = os.environ.get("EVOESAP_QUANTIZE_PYTHON")
+    os.environ["EVOESAP_QUANTIZE_PYTHON"] = quantize_python()
+    try:
+        run_quantize(built["pruned"], QuantizeParams(recipe="fp8-dynamic", device="cpu"), out["quantized"])
+    finally:
+        os.environ.pop("EVOESAP_QUANTIZE_PYTHON") if before is None else os.environ.update(EVOESAP_QUANTIZE_PYTHON=before)
+    run_evaluate(out["quantized"], evaluate_params(built["tasks"], method="searched"), out["evaluated_quantized"])
+    runs = [out["evaluated_full"], built["evaluated"], out["evaluated_quantized"]]
+    run_report(runs, ReportParams(), out["report_quantized"], searches=[built["search_out"]])
+    return out

@@ -27,6 +27,7 @@ from evoesap.records.documents import (
     MetricsRecord,
     PruningRecord,
     QuantizationRecord,
+    Quantized,
     TaskMetric,
 )
 from evoesap.records.typed import Record
@@ -47,6 +48,7 @@ __all__ = [
     "MetricsRecord",
     "PruningRecord",
     "QuantizationRecord",
+    "Quantized",
     "Record",
     "TaskMetric",
     "allocation_counts",

@@ -122,6 +122,7 @@ class Memory(Record):
     parameters: int  # parameter count, tied weights once
     parameter_bytes: int  # parameter bytes as loaded
     bf16_bytes: int  # load size with every floating tensor at 2 bytes
+    checkpoint_bytes: int | None = None  # the safetensors files as stored; None: not at hand (or not yet recorded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +145,14 @@ class HeldoutEsap(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class Quantized(Record):
+    """How the evaluated weights are quantized."""
+
+    recipe: str | None  # the quantize stage's recipe; None: a quantized checkpoint not of our making
+    scheme: str  # compressed-tensors scheme, or the quantization method its config names
+
+
+@dataclasses.dataclass(frozen=True)
 class MetricsRecord(Record):
     """metrics.json: one evaluated model."""
 
@@ -158,6 +167,7 @@ class MetricsRecord(Record):
     labels: Labels = Labels()  # how the report names the run
     heldout_esap: HeldoutEsap | None = None  # None: no teacher cache given
     limit: float | None = None  # examples per task lm-eval was limited to (a smoke run); None: all
+    quantization: Quantized | None = None  # None: unquantized weights
 
     def primary(self) -> tuple[TaskMetric, ...]:
         """Each task's primary metric, in the order lm-eval gave them."""

@@ -188,14 +188,23 @@ STAGES: tuple[Stage, ...] = (
             StageInput("pruned", "Prune artifact: the checkpoint to publish."),
             StageInput(
                 "evaluations",
-                "Evaluate artifacts (repeat the option): the pruned model's, and the full model's for the comparison.",
+                "Evaluate artifacts (repeat the option): the published model's, and the full (and pruned) model's for "
+                "the comparison.",
                 many=True,
             ),
             StageInput("search", "Search artifact the model was pruned by: the card's search section.", required=False),
-            StageInput("report", "Report artifact covering the pruned model's evaluation: copied under report/.", required=False),
+            StageInput(
+                "report", "Report artifact covering the published model's evaluation: copied under report/.", required=False
+            ),
+            StageInput(
+                "quantized",
+                "Quantize artifact of the pruned checkpoint: published instead of it, the card stating its recipe and "
+                "bytes (its evaluation is then the one required).",
+                required=False,
+            ),
         ),
         "the publish artifact (checkpoint and model card)",
-        "Write the model card beside a pruned checkpoint; push both to a URI or a Hub repository.",
+        "Write the model card beside a pruned (or pruned and quantized) checkpoint; push both to a URI or a Hub repository.",
         "evoesap publish --pruned runs/pruned --evaluations runs/eval --evaluations runs/eval-full --search runs/search "
         "--repo my-org/olmoe-pruned --out runs/publish",
         loads_model=False,

@@ -6,13 +6,13 @@ import contextlib
 import dataclasses
 import json
 import logging
-from typing import Iterator
+from typing import Any, Iterator
 
 from evoesap import artifacts, bounds, records, runtime, vllm_eval
 from evoesap import lmeval
 from evoesap.errors import ConfigError, DataError
 from evoesap.params import DeviceParams, keyed, param
-from evoesap.identity import is_uri
+from evoesap.identity import is_hub_name, is_uri
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ def run_evaluate(
     inputs = {"model": model, "teacher_cache": teacher_cache, "allocation": allocation}
     seen = artifacts.preflight(out_uri, "evaluate", inputs)
     bounds.check_stage(params, model)
+    if python is not None:
+        _check_vllm_quantized(model, params.device)
     if teacher_cache:
         _check_heldout(teacher_cache, model, allocation)
     tokenizer = moe.load_tokenizer(model)
@@ -105,8 +107,9 @@ def run_evaluate(
         raise DataError(f"{artifacts.redact(model)} has no tokenizer files: save the tokenizer with the model")
     with artifacts.stage_output(out_uri, "evaluate", keyed(params), inputs, seen) as staging:
         log.info("loading %s", artifacts.redact(model))
-        loaded = runtime.load_model(model, params.model_dtype, params.device, params.device_map)
-        memory = lmeval.memory_footprint(loaded)
+        loaded = runtime.load_model(model, params.model_dtype, **params.placement)
+        memory = dataclasses.replace(lmeval.memory_footprint(loaded), checkpoint_bytes=runtime.stored_bytes(model))
+        quantized = quantization(model, loaded.config)
         experts = lmeval.expert_counts(loaded)
         esap = lmeval.heldout_esap(loaded, tokenizer, teacher_cache, params.esap_batch_size) if teacher_cache else None
         lm_eval_options = dict(
@@ -137,10 +140,43 @@ def run_evaluate(
             experts=experts,
             heldout_esap=esap,
             limit=params.limit,
+            quantization=quantized,
         )
         records.write(staging, metrics)
         (staging / LM_EVAL_FILE).write_text(json.dumps(raw, indent=2, sort_keys=True, default=str))
     return artifacts.read_manifest(out_uri)
+
+
+def quantization(model: str, config: Any) -> records.Quantized | None:
+    """How the evaluated weights are quantized: a quantize artifact's recipe and scheme (quantization.json), else the
+    method a quantized checkpoint's config names (`quantization_config`); None for unquantized weights."""
+    if _stage(model) == "quantize":
+        doc = records.read(model, records.QuantizationRecord)
+        return records.Quantized(recipe=doc.recipe, scheme=doc.scheme)
+    found = getattr(config, "quantization_config", None)
+    if found is None:
+        return None
+    found = found if isinstance(found, dict) else found.to_dict()
+    return records.Quantized(recipe=None, scheme=str(found.get("quant_method") or "unknown"))
+
+
+def _check_vllm_quantized(model: str, device: str) -> None:
+    """Refuse, before any work, a quantized checkpoint for vLLM on the CPU: its CPU build has no quantized MoE kernel."""
+    if runtime.resolve_device(device) != "cpu" or is_hub_name(model):
+        return
+    config = artifacts.read_json(artifacts.join(model, "config.json"))
+    if config.get("quantization_config"):
+        raise ConfigError(
+            f"{artifacts.redact(model)} is quantized ({config['quantization_config'].get('quant_method')}) and vLLM's CPU "
+            "build has no quantized MoE kernel: evaluate it with backend hf, or with vllm on a GPU"
+        )
+
+
+def _stage(model: str) -> str | None:
+    """The stage that made `model` when it is one of our artifacts, else None."""
+    if is_hub_name(model) or not artifacts.exists(artifacts.join(model, artifacts.MANIFEST)):
+        return None
+    return artifacts.read_manifest(model).stage
 
 
 def _check_heldout(teacher_cache: str, model: str, allocation: str | None) -> None:
@@ -148,7 +184,9 @@ def _check_heldout(teacher_cache: str, model: str, allocation: str | None) -> No
     artifacts.read_manifest(teacher_cache, "cache-logits")  # a finished cache, before the model loads
     digest = artifacts.manifest_sha256(teacher_cache)
     search_uri = allocation
-    if search_uri is None and artifacts.exists(artifacts.join(model, artifacts.MANIFEST)):
+    if search_uri is None and _stage(model) == "quantize":  # the search behind the checkpoint that was quantized
+        model = artifacts.read_manifest(model).inputs.get("model", {}).get("uri", "")
+    if search_uri is None and model and _stage(model) is not None:
         search_uri = artifacts.read_manifest(model).inputs.get("allocation", {}).get("uri")
     if not search_uri or not artifacts.exists(artifacts.join(search_uri, artifacts.MANIFEST)):
         return

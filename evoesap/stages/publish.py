@@ -1,6 +1,7 @@
 """Stage `publish`: a pruned checkpoint with its model card, published as an artifact and pushed where it is released.
 
-The artifact holds the prune artifact's checkpoint files, README.md (the model card, `evoesap.card`: Hub
+The artifact holds the prune artifact's checkpoint files (the quantize artifact's, when a quantized checkpoint of it
+is given: it is then the model released), README.md (the model card, `evoesap.card`: Hub
 metadata, method, per-layer expert counts, density plot, evaluation table with standard errors,
 quantization, lineage) and density.png, plus the report's files under report/ when a report is given. Its
 inputs are checked against each other before any work: every evaluation must be of the pruned model or of
@@ -65,29 +66,52 @@ class _Inputs:
     """The publish's inputs, read and checked against each other."""
 
     pruned: artifacts.Manifest
-    pruned_eval: str
+    pruned_eval: str | None
     full_eval: str | None
+    quantized: artifacts.Manifest | None = None  # the quantize artifact published instead of the pruned checkpoint
+    quantized_eval: str | None = None
+
+    @property
+    def published_eval(self) -> str:
+        """The evaluation of the checkpoint this publish releases."""
+        return self.quantized_eval or self.pruned_eval or ""
 
 
 def _identity(entry: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in entry.items() if k != "uri"}
 
 
-def _match_evaluations(pruned_uri: str, evaluations: Sequence[str]) -> _Inputs:
-    """Which evaluation is of the pruned model and which of its base, by the identities their manifests record;
-    an evaluation of any other model, or two of the same, is refused."""
+def _check_quantized(quantized_uri: str, pruned_uri: str) -> artifacts.Manifest:
+    """The quantize artifact's manifest, refused unless it was made from the pruned checkpoint given."""
+    quantized = artifacts.read_manifest(quantized_uri, "quantize")
+    if quantized.inputs["model"].get("manifest_sha256") != artifacts.manifest_sha256(pruned_uri):
+        raise ConfigError(
+            f"--quantized {artifacts.redact(quantized_uri)} quantized {quantized.inputs['model']['uri']}, not --pruned "
+            f"{artifacts.redact(pruned_uri)}: give the quantize artifact of this pruned model"
+        )
+    return quantized
+
+
+def _match_evaluations(pruned_uri: str, evaluations: Sequence[str], quantized_uri: str | None = None) -> _Inputs:
+    """Which evaluation is of the pruned model, of its quantized checkpoint and of its base, by the identities their
+    manifests record; an evaluation of any other model, or two of the same, is refused. The published checkpoint's
+    evaluation (the quantized one's when given) is required."""
     pruned = artifacts.read_manifest(pruned_uri, "prune")
-    pruned_sha = artifacts.manifest_sha256(pruned_uri)
+    quantized = _check_quantized(quantized_uri, pruned_uri) if quantized_uri else None
+    shas = {artifacts.manifest_sha256(pruned_uri): "pruned"}
+    if quantized_uri:
+        shas[artifacts.manifest_sha256(quantized_uri)] = "quantized"
     base = _identity(pruned.inputs["model"])
     found: dict[str, str] = {}
     for uri in evaluations:
         entry = artifacts.read_manifest(uri, "evaluate").inputs["model"]
-        role = "pruned" if entry.get("manifest_sha256") == pruned_sha else "full" if _identity(entry) == base else None
+        role = shas.get(entry.get("manifest_sha256") or "") or ("full" if _identity(entry) == base else None)
         if role is None:
+            also = f", its quantized checkpoint {artifacts.redact(quantized_uri)}" if quantized_uri else ""
             raise ConfigError(
                 f"--evaluations {artifacts.redact(uri)} evaluated {entry['uri']}, which is neither the pruned model "
-                f"{artifacts.redact(pruned_uri)} nor the model it was pruned from ({pruned.inputs['model']['uri']}): "
-                "give the evaluations of these two"
+                f"{artifacts.redact(pruned_uri)}{also} nor the model it was pruned from ({pruned.inputs['model']['uri']}): "
+                "give the evaluations of these"
             )
         if role in found:
             raise ConfigError(
@@ -95,12 +119,13 @@ def _match_evaluations(pruned_uri: str, evaluations: Sequence[str]) -> _Inputs:
                 f"the {role} model: give one"
             )
         found[role] = uri
-    if "pruned" not in found:
+    published, name = (quantized_uri, "quantized") if quantized_uri else (pruned_uri, "pruned")
+    if name not in found:
         raise ConfigError(
-            f"no evaluation of the pruned model {artifacts.redact(pruned_uri)} among --evaluations: run "
-            f"`evoesap evaluate --model {artifacts.redact(pruned_uri)}` and give its output"
+            f"no evaluation of the {name} model {artifacts.redact(published)} among --evaluations: run "
+            f"`evoesap evaluate --model {artifacts.redact(published)}` and give its output"
         )
-    return _Inputs(pruned, found["pruned"], found.get("full"))
+    return _Inputs(pruned, found.get("pruned"), found.get("full"), quantized, found.get("quantized"))
 
 
 def _check_search(search: str, pruned: artifacts.Manifest, pruned_uri: str) -> None:
@@ -189,18 +214,29 @@ def run_publish(
     *,
     search: str | None = None,
     report: str | None = None,
+    quantized: str | None = None,
 ) -> artifacts.Manifest:
-    """Write the model card beside the pruned checkpoint, push the artifact to `to` and `repo`, then publish it."""
-    inputs = {"pruned": pruned, **{f"evaluations.{i}": u for i, u in enumerate(evaluations)}, "search": search, "report": report}
+    """Write the model card beside the pruned checkpoint (its quantized checkpoint, when `quantized` is given), push the
+    artifact to `to` and `repo`, then publish it."""
+    inputs = {
+        "pruned": pruned,
+        **{f"evaluations.{i}": u for i, u in enumerate(evaluations)},
+        "search": search,
+        "report": report,
+        "quantized": quantized,
+    }
     seen = artifacts.preflight(out_uri, "publish", inputs)
-    matched = _match_evaluations(pruned, evaluations)
+    matched = _match_evaluations(pruned, evaluations, quantized)
     if search is not None:
         _check_search(search, matched.pruned, pruned)
     if report is not None:
-        _check_report(report, matched.pruned_eval)
+        _check_report(report, matched.published_eval)
     report_manifest = artifacts.read_manifest(report, "report") if report else None
+    checkpoint, checkpoint_manifest = (
+        (quantized, matched.quantized) if quantized and matched.quantized else (pruned, matched.pruned)
+    )
     planned = {
-        *matched.pruned.files,
+        *checkpoint_manifest.files,
         CARD_FILE,
         card.DENSITY_FILE,
         artifacts.MANIFEST,
@@ -215,8 +251,8 @@ def run_publish(
     pruning = records.read(pruned, records.PruningRecord)
     evidence = card.Evidence(
         pruning=pruning,
-        config=json.loads(artifacts.read_payload(pruned, "config.json", matched.pruned)),
-        pruned_eval=records.read(matched.pruned_eval, records.MetricsRecord),
+        config=json.loads(artifacts.read_payload(checkpoint, "config.json", checkpoint_manifest)),
+        pruned_eval=records.read(matched.pruned_eval, records.MetricsRecord) if matched.pruned_eval else None,
         full_eval=records.read(matched.full_eval, records.MetricsRecord) if matched.full_eval else None,
         search=records.read(search, records.AllocationRecord) if search else None,
         search_params=artifacts.read_manifest(search, "search").params if search else None,
@@ -224,6 +260,8 @@ def run_publish(
         base_model=base_model,
         license=license,
         report_files=tuple(report_manifest.files) if report_manifest else (),
+        quantization=records.read(quantized, records.QuantizationRecord) if quantized else None,
+        quantized_eval=records.read(matched.quantized_eval, records.MetricsRecord) if matched.quantized_eval else None,
     )
     text = card.render_card(evidence, params.digits)  # rendered before the copy: a broken record stops here
 
@@ -238,11 +276,12 @@ def run_publish(
                 secret=secret,
                 private=params.private,
                 message=f"EvoESAP: {evidence.base_model or 'model'} pruned ({pruning.criterion}, "
-                f"{pruning.sparsity:.0%}, {pruning.method})",
+                f"{pruning.sparsity:.0%}, {pruning.method})"
+                + (f", quantized ({evidence.quantization.recipe})" if evidence.quantization else ""),
             )
 
     with artifacts.stage_output(out_uri, "publish", keyed(params), inputs, seen, before_publish=push) as staging:
-        _copy_payload(pruned, matched.pruned, staging, skip=(CARD_FILE,))  # the base model's card, which ours replaces
+        _copy_payload(checkpoint, checkpoint_manifest, staging, skip=(CARD_FILE,))  # the base model's card, which ours replaces
         if report is not None and report_manifest is not None:
             _copy_payload(report, report_manifest, staging / REPORT_DIR)
         card.write_density(pruning, staging / card.DENSITY_FILE)

@@ -80,6 +80,10 @@ class QuantizeParams(DeviceParams, SampleParams):
             )
         super().__post_init__()
 
+    def tool_versions(self) -> dict[str, str]:
+        """llm-compressor's and compressed-tensors' versions in the environment that runs them: in the reuse key."""
+        return quantize_env.tool_versions()
+
 
 def ignored_modules(family: Any) -> list[str]:
     """Modules left unquantized: the output head and every router (a few rows whose every bit decides routing),
@@ -107,12 +111,6 @@ def check_widths(config: dict[str, Any], recipe: Recipe, where: str) -> None:
             f"{where}: widths {bad} are not multiples of the group size {recipe.group_size} that "
             f"{recipe.scheme} quantizes in: choose fp8-dynamic (per channel)"
         )
-
-
-def checkpoint_bytes(uri: str) -> int:
-    """Bytes of a checkpoint's safetensors files (the weights as stored)."""
-    fs, root = artifacts.split(uri)
-    return sum(fs.size(path) for path in fs.find(root) if path.endswith(".safetensors"))
 
 
 def _family(model: str) -> tuple[Any, dict[str, Any]]:
@@ -177,10 +175,10 @@ def run_quantize(model: str, params: QuantizeParams, out_uri: str, data: str | N
     with artifacts.stage_output(out_uri, "quantize", keyed(params), inputs, seen) as staging:
         with artifacts.local_copy(model) as local:
             result = quantize_env.run_worker(python, {**request, "model": str(local), "out": str(staging)}, device=params.device)
-            before = checkpoint_bytes(str(local))
+            before = runtime.checkpoint_bytes(str(local))
         if request["per_layer"]:  # the architecture name, auto_map and opt-in modeling file of every non-uniform checkpoint
             surgery.name_nonuniform(staging, family, request["per_layer"]["stock"])
-        after = checkpoint_bytes(str(staging))
+        after = runtime.checkpoint_bytes(str(staging))
         if not after:
             raise ModelError(f"llm-compressor wrote no safetensors for {artifacts.redact(model)}")
         architectures, counts = config.get("architectures"), request["counts"]

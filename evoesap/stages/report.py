@@ -76,8 +76,8 @@ def run_allocations(
     groups: dict[tuple[float, str], dict[str, tuple[Sequence[int], Sequence[int]]]] = {}
     for metrics in runs:
         labels = metrics.labels
-        if labels.method in (None, "full") or labels.sparsity is None:
-            continue
+        if labels.method in (None, "full") or labels.sparsity is None or metrics.quantization:
+            continue  # a quantized model keeps the experts of the one it was quantized from
         kept = metrics.experts.num_experts
         if len(kept) != len(n):
             raise DataError(f"run {metrics.model} has {len(kept)} MoE layers, the full model {len(n)}")
