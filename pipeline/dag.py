@@ -3,7 +3,8 @@
 calibrate and cache-logits run once; for each criterion x sparsity a search, a searched and a uniform
 prune, and their evaluations fan out (ParallelFor), with `publish_models` the searched model's publish
 (model card, push) and, when the `quantize` section names a recipe, the searched model's quantize step; the full
-model is evaluated once; the report collects everything. `build_subpipeline` is that DAG for a full model given as an artifact (a step of
+model is evaluated once; the report collects everything; each searched checkpoint is handed on imported at its
+stored URI (`components.stored`). `build_subpipeline` is that DAG for a full model given as an artifact (a step of
 another pipeline), with pod settings the outer pipeline overrides or binds; `build_pipeline` imports the model from
 a path, URI or hub name and runs it.
 """
@@ -19,7 +20,7 @@ from typing import Any, Callable, Iterable, List, Mapping, NamedTuple
 from kfp import compiler, dsl
 from kfp.dsl import HTML, Input, Markdown, Model
 
-from evoesap.components import StageComponents, make_components
+from evoesap.components import StageComponents, make_components, stored
 from evoesap.components.trainjob import make_search_trainjob
 from evoesap.pipeline.feasibility import check_grid
 from evoesap.errors import ConfigError
@@ -165,6 +166,8 @@ def build_subpipeline(
     bound = {image: make_components(image) for image in {config.stage_image(stage.name) for stage in STAGES}}
     comps = StageComponents(**{stage.section: getattr(bound[config.stage_image(stage.name)], stage.section) for stage in STAGES})
     d = _defaults(config, [stage for stage, names in runtime.items() if "accelerator_count" in names])
+    lookup_uri = stored.make_lookup(config.default_image)
+    all_settings = config.resources.get("all") or cluster.StageSettings()  # a small pod: credentials, labels, pull secrets
 
     def evoesap_stages(
         model: Input[Model],
@@ -234,6 +237,12 @@ def build_subpipeline(
                 stage("quantize", comps.quantize(model=pruned["searched"].outputs["pruned"], data=calibration_data,
                                                  storage_root=storage_root, params=config.stage_params("quantize")),
                       "quantize searched")  # fmt: skip
+            # what the sub-pipeline hands on: the stored checkpoint at its own URI, whether or not KFP kept the
+            # prune output as a view (`components.stored`)
+            lookup = cluster.apply(lookup_uri(artifact=pruned["searched"].outputs["pruned"]), all_settings, config.retries)
+            lookup.set_display_name("stored uri").set_caching_options(enable_caching=False)
+            handed_on = stored.import_stored(uri=lookup.output).set_display_name("searched model")
+            handed_on.set_caching_options(enable_caching=False)
             if config.publish_models:
                 stage("publish", comps.publish(pruned=pruned["searched"].outputs["pruned"], storage_root=storage_root,
                                                evaluation=evals["searched"].outputs["evaluation"],
@@ -254,7 +263,7 @@ def build_subpipeline(
         return Outputs(
             report=report.outputs["markdown"],
             report_html=report.outputs["page"],
-            pruned_models=dsl.Collected(pruned["searched"].outputs["pruned"]),
+            pruned_models=dsl.Collected(handed_on.output),
         )
 
     extra = [parameter for by_setting in runtime.values() for parameter in by_setting.values()]
