@@ -3,9 +3,9 @@
 `train` stands for the team's own training step: it fine-tunes a checkpoint for a few steps on chat
 samples and emits an `Output[dsl.Model]`. EvoESAP takes that model as its input artifact (the whole DAG
 as a sub-pipeline, `build_subpipeline`) and hands back the searched pruned model of every
-criterion x sparsity point as `dsl.Model` artifacts. `publish` receives them and writes release notes
-from each model's own metadata (expert counts, parameter bytes, where the checkpoint is stored),
-checked against the checkpoint's config.
+criterion x sparsity point as `dsl.Model` artifacts whose URI is the stored checkpoint. `publish`
+receives them and writes release notes from each checkpoint's own record at `model.path` (expert
+counts, parameter bytes) and its URI, checked against the checkpoint's config.
 
 Run it on this machine (kfp.local), on the demo world:
 
@@ -65,7 +65,7 @@ def train(base_model: str, data: str, steps: int, learning_rate: float, model: O
 
 
 def publish(pruned_models: Input[List[Model]], report: Input[Markdown], release: Output[Markdown]):
-    """Release notes for the pruned models, from the metadata of the artifacts handed over.
+    """Release notes for the pruned models, from the checkpoints handed over.
 
     Args:
         pruned_models: EvoESAP's searched pruned models, one per criterion x sparsity.
@@ -77,24 +77,27 @@ def publish(pruned_models: Input[List[Model]], report: Input[Markdown], release:
     import json
     import os
 
+    from evoesap.facts import facts
+
     lines = ["# Release", ""]
+    models = []
     for pruned in pruned_models:
-        meta = pruned.metadata
-        counts = [int(c) for c in meta["expert_counts"]]  # KFP metadata numbers arrive as floats
-        config = json.load(open(os.path.join(pruned.path, "config.json")))  # the checkpoint's own record
+        # model.path is the checkpoint (on a cluster, the launcher's copy of model.uri); its record is there too
+        meta = facts(pruned.path)
+        counts = list(meta["expert_counts"])
+        config = json.load(open(os.path.join(pruned.path, "config.json")))  # the checkpoint's own config
         stored = config.get("evoesap_num_experts_per_layer")
         if stored is not None and sorted(stored.values()) != sorted(counts):
-            raise ValueError(f"{meta['uri']}: metadata expert counts {counts} disagree with its config {stored}")
+            raise ValueError(f"{pruned.uri}: recorded expert counts {counts} disagree with its config {stored}")
         lines.append(
             f"- {meta['criterion']} at {meta['sparsity']:.0%}: experts per layer {counts}, "
-            f"{int(meta['parameter_bytes']) / 2**20:.2f} MiB of parameters, checkpoint {meta['uri']}"
+            f"{meta['parameter_bytes'] / 2**20:.2f} MiB of parameters, checkpoint {pruned.uri}"
         )
+        models.append({"uri": pruned.uri, "expert_counts": counts})
     lines += ["", f"Report: {report.metadata['uri']}"]
     with open(release.path, "w") as f:
         f.write("\n".join(lines) + "\n")
-    release.metadata["models"] = [
-        {"uri": m.metadata["uri"], "expert_counts": [int(c) for c in m.metadata["expert_counts"]]} for m in pruned_models
-    ]
+    release.metadata["models"] = models
 
 
 Release = NamedTuple("Release", release=Markdown, pruned_models=List[Model])

@@ -6,7 +6,8 @@ task: requests, limits, accelerators and environment variables through the KFP D
 selectors and affinity, tolerations, PVCs, an in-memory /dev/shm, scratch space, image pull secrets,
 pod labels and annotations and the timeout through kfp-kubernetes. A stage's `image` is the base image
 its component is built with (`pipeline.dag`). KFP's spec has no ephemeral-storage resource, so scratch
-space is a generic ephemeral volume with TMPDIR on it.
+space is a generic ephemeral volume with TMPDIR on it. `RUNTIME_SETTINGS` are the settings KFP takes from a
+pipeline parameter, which `pipeline.dag.build_subpipeline` can make inputs of the sub-pipeline.
 """
 
 from __future__ import annotations
@@ -22,6 +23,24 @@ SCRATCH_MOUNT = "/scratch"
 # configuration loads, not as an internal error halfway through compiling
 _MEMORY = re.compile(r"[0-9]+(E|Ei|P|Pi|T|Ti|G|Gi|M|Mi|K|Ki)?")
 _CPU = re.compile(r"([0-9]*[.])?[0-9]+m?")
+
+
+# The settings KFP 2.17 takes from a pipeline parameter, with the parameter's type; every other setting is a
+# constant of the spec (set_env_variable, pod labels and annotations, timeout, volumes and secrets take no
+# channel). Resources are strings, the accelerator count included: the driver reads the parameter's string
+# value (kubeflow/pipelines backend/src/v2/driver/driver.go, resolvePodSpecInputRuntimeParameter), so an
+# integer parameter would resolve to "" and the pod would get no accelerator.
+RUNTIME_SETTINGS: dict[str, type] = {
+    "image": str,
+    "cpu": str,
+    "memory": str,
+    "cpu_request": str,
+    "memory_request": str,
+    "accelerator_type": str,
+    "accelerator_count": str,
+    "node_selector": dict,
+    "tolerations": list,
+}
 
 
 class _Strict(BaseModel):
@@ -136,30 +155,56 @@ def merged(shared: StageSettings | None, own: StageSettings | None) -> StageSett
     return StageSettings(**values)
 
 
-def apply(task: Any, settings: StageSettings, retries: int) -> Any:
-    """Put one stage's settings on a task; `retries` is the configuration-wide default."""
+def runtime_default(settings: StageSettings, name: str) -> Any:
+    """The configured value of a `RUNTIME_SETTINGS` entry in the form its pipeline parameter takes (None: unset).
+    `image` is not here: a stage's image defaults to the configuration's (`PipelineConfig.stage_image`)."""
+    value = getattr(settings, name)
+    if name == "accelerator_count":
+        return str(value) if settings.accelerator_type else None
+    if name == "tolerations":  # Kubernetes' Toleration JSON, as kfp-kubernetes' add_toleration_json takes it
+        return [
+            {"tolerationSeconds" if k == "toleration_seconds" else k: v for k, v in t.model_dump(exclude_none=True).items()}
+            for t in value
+        ]
+    return value
+
+
+def apply(task: Any, settings: StageSettings, retries: int, inputs: dict[str, Any] | None = None) -> Any:
+    """Put one stage's settings on a task; `retries` is the configuration-wide default. `inputs` maps names of
+    `RUNTIME_SETTINGS` to pipeline parameters that replace the configured values."""
     from kfp import kubernetes
 
+    inputs = inputs or {}
     count = settings.retries if settings.retries is not None else retries
     if count:
         task.set_retry(num_retries=count, backoff_duration="30s", backoff_factor=2.0, backoff_max_duration="10m")
-    for setter, value in (
-        (task.set_cpu_limit, settings.cpu),
-        (task.set_memory_limit, settings.memory),
-        (task.set_cpu_request, settings.cpu_request),
-        (task.set_memory_request, settings.memory_request),
+    if "image" in inputs:
+        task.set_container_image(inputs["image"])
+    for setter, name in (
+        (task.set_cpu_limit, "cpu"),
+        (task.set_memory_limit, "memory"),
+        (task.set_cpu_request, "cpu_request"),
+        (task.set_memory_request, "memory_request"),
     ):
+        value = inputs.get(name, getattr(settings, name))
         if value:
             setter(value)
-    if settings.accelerator_count:
-        task.set_accelerator_type(settings.accelerator_type)
-        task.set_accelerator_limit(settings.accelerator_count)
+    accelerators = inputs.get("accelerator_count", settings.accelerator_count)
+    if accelerators:
+        task.set_accelerator_type(inputs.get("accelerator_type", settings.accelerator_type))
+        task.set_accelerator_limit(accelerators)
     for secret in settings.secrets:
         kubernetes.use_secret_as_env(task, secret_name=secret.name, secret_key_to_env=dict(secret.env))
-    for key, value in settings.node_selector.items():
-        kubernetes.add_node_selector(task, label_key=key, label_value=value)
-    for toleration in settings.tolerations:
-        kubernetes.add_toleration(task, **toleration.model_dump())
+    if "node_selector" in inputs:  # the driver puts the parameter's mapping in place of any fixed labels
+        kubernetes.add_node_selector_json(task, inputs["node_selector"])
+    else:
+        for key, value in settings.node_selector.items():
+            kubernetes.add_node_selector(task, label_key=key, label_value=value)
+    if "tolerations" in inputs:  # its default holds the configured tolerations
+        kubernetes.add_toleration_json(task, inputs["tolerations"])
+    else:
+        for toleration in settings.tolerations:
+            kubernetes.add_toleration(task, **toleration.model_dump())
     for volume in settings.volumes:
         kubernetes.mount_pvc(task, pvc_name=volume.pvc, mount_path=volume.mount_path, sub_path=volume.sub_path)
     if settings.shm_size:

@@ -7,11 +7,22 @@ stage's parameter dataclass, so an unknown or invalid key fails here with the va
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from types import NoneType, UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from evoesap import __version__, stages
 from evoesap.errors import ConfigError
@@ -198,6 +209,54 @@ def _check_stage_sections(config: PipelineConfig) -> None:
         )
 
 
+def _keys_at(root: Any, loc: tuple) -> list[str]:
+    """The keys the mapping at `loc` under the type `root` takes (a model's fields; none for a free mapping)."""
+    kind = root
+    for part in loc:
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            field = kind.model_fields.get(part)
+            kind = field.annotation if field else None
+        else:  # an item of a list or a value of a mapping
+            kind = (get_args(kind) or (None,))[-1]
+        if get_origin(kind) in (Union, UnionType):  # `Scratch | None`
+            kind = next((k for k in get_args(kind) if k is not NoneType), None)
+    return sorted(kind.model_fields) if isinstance(kind, type) and issubclass(kind, BaseModel) else []
+
+
+def _problems(exc: ValidationError, root: Any) -> str:
+    """Pydantic's errors in one line, each at its key; an unknown key also names the valid ones."""
+    problems = []
+    for err in exc.errors():
+        message = err["msg"]
+        valid = _keys_at(root, err["loc"][:-1]) if err["type"] == "extra_forbidden" else []
+        if valid:
+            message += f" (valid: {', '.join(valid)})"
+        where = ".".join(str(p) for p in err["loc"] if p != "[key]")  # pydantic's marker of a refused mapping key
+        problems.append(f"{where or '<root>'}: {message}")
+    return "; ".join(problems)
+
+
+RESOURCES = _Settings.model_fields["resources"].annotation  # the `resources` section: stage or `all` -> StageSettings
+
+
+def with_resources(config: PipelineConfig, overrides: Mapping[str, Any]) -> PipelineConfig:
+    """`config` with `overrides` (the `resources` section's schema) merged over its `resources`, as `all` is merged
+    under a stage: lists add up, mappings merge, a value set in `overrides` wins. Validated as a file is."""
+    try:
+        extra = TypeAdapter(RESOURCES).validate_python(overrides)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid overrides: {_problems(exc, RESOURCES)}") from exc
+    resources = {**config.resources, **{key: merged(config.resources.get(key), own) for key, own in extra.items()}}
+    data = {
+        **config.model_dump(exclude_unset=True),
+        "resources": {k: v.model_dump(exclude_unset=True) for k, v in resources.items()},
+    }
+    try:
+        return load_config(data)
+    except ConfigError as exc:
+        raise ConfigError(f"with the overrides {dict(overrides)}: {exc}") from exc
+
+
 def load_config(source: str | Path | dict[str, Any]) -> PipelineConfig:
     """Read and validate a pipeline configuration (a YAML path or a dict)."""
     if isinstance(source, dict):
@@ -216,8 +275,7 @@ def load_config(source: str | Path | dict[str, Any]) -> PipelineConfig:
     try:
         config = PipelineConfig(**data)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors())
-        raise ConfigError(f"invalid {where}: {problems}") from exc
+        raise ConfigError(f"invalid {where}: {_problems(exc, PipelineConfig)}") from exc
     config.pinned_model  # noqa: B018 - a revision for a path or URI is refused here, before anything runs
     _check_stage_sections(config)
     return config

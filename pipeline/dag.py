@@ -4,53 +4,112 @@ calibrate and cache-logits run once; for each criterion x sparsity a search, a s
 prune, and their evaluations fan out (ParallelFor); when the `quantize` section names a recipe, the searched
 checkpoint's quantize step and its evaluation; with `publish_models` the publish (model card, push) of the searched
 model, or of its quantized checkpoint when quantize is on. The full model is evaluated once; the report collects
-everything. `build_subpipeline` is that DAG for a full model given as an artifact (a step of
-another pipeline); `build_pipeline` imports the model from a path, URI or hub name and runs it.
+everything; each searched checkpoint is handed on imported at its stored URI (`components.stored`).
+`build_subpipeline` is that DAG for a full model given as an artifact (a step of another pipeline), with pod
+settings the outer pipeline overrides or binds; `build_pipeline` imports the model from a path, URI or hub name
+and runs it.
 """
 
 # No `from __future__ import annotations`: kfp reads the pipeline function's real annotations.
+import functools
 import inspect
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, List, NamedTuple
+from typing import Any, Callable, Iterable, List, Mapping, NamedTuple
 
 from kfp import compiler, dsl
 from kfp.dsl import HTML, Input, Markdown, Model
 
-from evoesap.components import StageComponents, make_components
+from evoesap.components import StageComponents, make_components, stored
 from evoesap.components.trainjob import make_search_trainjob
 from evoesap.pipeline.feasibility import check_grid
-from evoesap.stages import STAGES
+from evoesap.errors import ConfigError
+from evoesap.stages import MODEL_STAGES, NAMES, STAGES
+from evoesap.stages import get as get_stage
 from evoesap.pipeline import cluster, trainjob
-from evoesap.pipeline.config import PipelineConfig
+from evoesap.pipeline.config import PipelineConfig, with_resources
 from evoesap.pipeline.files import SPEC_MARKER, claim_output_file
 
 
-def _configure(task: Any, stage: str, config: PipelineConfig, label: str | None = None) -> Any:
-    """Display name, caching and Kubernetes settings (`pipeline.cluster`) of one task."""
+def _configure(
+    task: Any, stage: str, config: PipelineConfig, label: str | None = None, inputs: dict[str, Any] | None = None
+) -> Any:
+    """Display name, caching and Kubernetes settings (`pipeline.cluster`) of one task; `inputs`: the settings
+    that the sub-pipeline's parameters give (`settings_parameters`)."""
     task.set_display_name(label or stage)
     # Never KFP's cache: it would return an output whose payload was deleted or changed in storage. Each
     # stage checks its own finished output instead (manifest, inputs' identity, payload sha256).
     task.set_caching_options(enable_caching=False)
-    return cluster.apply(task, config.settings(stage), config.retries)
+    return cluster.apply(task, config.settings(stage), config.retries, inputs)
 
 
-def _gpu_params(stage: str, config: PipelineConfig) -> dict[str, Any]:
-    """Stage parameters, with the model spread over the task's GPUs when it has several (a multi-worker search
-    puts one worker on each GPU, or on each group of gpus_per_worker, instead)."""
+def _gpu_params(stage: str, config: PipelineConfig, gpus_at_run_time: bool = False) -> dict[str, Any]:
+    """Stage parameters, with the model spread over the task's GPUs when it has several, or may have (its GPU count
+    a sub-pipeline input); a multi-worker search puts one worker on each GPU, or on each group of gpus_per_worker,
+    instead."""
     params = config.stage_params(stage)
-    if config.settings(stage).accelerator_count > 1 and not (stage == "search" and config.search_workers > 1):
+    several = gpus_at_run_time or config.settings(stage).accelerator_count > 1
+    if several and not (stage == "search" and config.search_workers > 1):
         params.setdefault("device_map", "auto")
     return params
 
 
-def _without(func: Callable, name: str) -> Callable:
-    """`func` with parameter `name` hidden from KFP (its default stays): no pipeline input that no task uses.
-    Applied before `dsl.pipeline`, which reads the signature."""
+def settings_parameters(config: PipelineConfig, names: Iterable[str]) -> dict[str, dict[str, inspect.Parameter]]:
+    """stage -> setting -> the sub-pipeline parameter `<section>_<setting>` that carries it at run time, its
+    default the configured value, for each `<stage>.<setting>` of `names` (`cluster.RUNTIME_SETTINGS`)."""
+    if isinstance(names, str):
+        raise ConfigError(f"settings_inputs {names!r}: give a list of <stage>.<setting> names, e.g. ['search.accelerator_count']")
+    out: dict[str, dict[str, inspect.Parameter]] = {}
+    for name in names:
+        stage, _, setting = str(name).partition(".")
+        where = f"settings input {name!r}"
+        if stage not in NAMES:
+            raise ConfigError(f"{where}: unknown stage {stage!r}; write <stage>.<setting> with a stage of {', '.join(NAMES)}")
+        if setting not in cluster.RUNTIME_SETTINGS:
+            raise ConfigError(
+                f"{where}: {setting!r} is not a setting KFP takes at run time; valid: {', '.join(cluster.RUNTIME_SETTINGS)} "
+                "(the others are fixed when the pipeline is built: pass them in `overrides`)"
+            )
+        absent = {
+            "quantize": not config.stage_params("quantize").get("recipe") and "the quantize section names no recipe",
+            "publish": not config.publish_models and "publish_models is off",
+            "search": config.search_workers > 1 and "the search runs as a TrainJob (workers > 1), whose pods are fixed",
+        }.get(stage)
+        if absent:
+            raise ConfigError(f"{where}: the DAG has no {stage} task to set, since {absent}")
+        if setting.startswith("accelerator") and stage not in MODEL_STAGES:
+            raise ConfigError(f"{where}: {stage} loads no model; stages that can use an accelerator: {', '.join(MODEL_STAGES)}")
+        settings = config.settings(stage)
+        default = config.stage_image(stage) if setting == "image" else cluster.runtime_default(settings, setting)
+        if default is None:
+            raise ConfigError(
+                f"{where} needs a configured value to start from: set resources.{stage}.{setting}"
+                + (" and accelerator_type" if setting == "accelerator_count" else "")
+                + " in the configuration or the overrides"
+            )
+        section = get_stage(stage).section
+        kind = cluster.RUNTIME_SETTINGS[setting]
+        parameter = inspect.Parameter(f"{section}_{setting}", inspect.Parameter.KEYWORD_ONLY, default=default, annotation=kind)
+        out.setdefault(stage, {})[setting] = parameter
+    return out
+
+
+def _signed(func: Callable, drop: tuple[str, ...] = (), extra: Iterable[inspect.Parameter] = ()) -> Callable:
+    """`func` as KFP reads it (`dsl.pipeline` reads the signature, then calls it with one argument per parameter, in
+    order): without the parameters `drop` (their defaults stay: no pipeline input that no task uses), with the
+    `extra` keyword parameters it takes through `**`."""
     signature = inspect.signature(func)
-    func.__signature__ = signature.replace(parameters=[p for p in signature.parameters.values() if p.name != name])
-    return func
+    kept = [p for p in signature.parameters.values() if p.name not in drop and p.kind is not p.VAR_KEYWORD]
+    parameters = kept + [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in extra]
+    names = [p.name for p in parameters]
+
+    @functools.wraps(func)
+    def pipeline(*args: Any) -> Any:
+        return func(**dict(zip(names, args)))
+
+    pipeline.__signature__ = signature.replace(parameters=parameters)
+    return pipeline
 
 
 def _search_trainjob(config: PipelineConfig, args: dict[str, Any]) -> Any:
@@ -67,35 +126,51 @@ def _search_trainjob(config: PipelineConfig, args: dict[str, Any]) -> Any:
 Outputs = NamedTuple("Outputs", report=Markdown, report_html=HTML, pruned_models=List[Model])
 
 
-def _defaults(config: PipelineConfig) -> dict[str, Any]:
-    """The pipeline parameters' defaults: the configuration's values."""
+def _defaults(config: PipelineConfig, gpus_at_run_time: Iterable[str] = ()) -> dict[str, Any]:
+    """The pipeline parameters' defaults: the configuration's values. `gpus_at_run_time`: the stages whose GPU count
+    is a sub-pipeline input."""
+
+    def gpu_params(stage: str) -> dict[str, Any]:
+        return _gpu_params(stage, config, stage in gpus_at_run_time)
+
     return {
         "calibration_data": config.calibration_data,
         "search_data": config.search_data,
         "heldout_data": config.heldout_data or "",
         "storage_root": config.storage_root,
         "grid": config.grid(),
-        "calibrate_params": _gpu_params("calibrate", config),
-        "cache_logits_params": _gpu_params("cache-logits", config),
-        "search_params": _gpu_params("search", config),
+        "calibrate_params": gpu_params("calibrate"),
+        "cache_logits_params": gpu_params("cache-logits"),
+        "search_params": gpu_params("search"),
         "prune_params": config.stage_params("prune"),
-        "evaluate_params": _gpu_params("evaluate", config),
+        "evaluate_params": gpu_params("evaluate"),
         "report_params": config.stage_params("report"),
         "publish_params": config.stage_params("publish"),
     }
 
 
-def build_subpipeline(config: PipelineConfig) -> Callable:
+def build_subpipeline(
+    config: PipelineConfig, overrides: Mapping[str, Any] | None = None, settings_inputs: Iterable[str] = ()
+) -> Callable:
     """The whole EvoESAP DAG as a pipeline that takes the full model as an artifact (`Input[Model]`).
 
     Use it as a step of another pipeline: `evoesap = build_subpipeline(config)`, then
     `evoesap(model=train_task.outputs["model"])`; its outputs are the report (Markdown, HTML) and the
     searched pruned model of every criterion x sparsity point (`pruned_models`, a list of `dsl.Model`).
+    `overrides`: pod settings in the schema of the configuration's `resources` section, merged over it.
+    `settings_inputs`: `<stage>.<setting>` names (`cluster.RUNTIME_SETTINGS`) that become inputs
+    `<section>_<setting>` the outer pipeline binds at run time, e.g. `search.accelerator_count` ->
+    `search_accelerator_count: str`, its default the configured value.
     """
+    if overrides:
+        config = with_resources(config, overrides)
+    runtime = settings_parameters(config, settings_inputs)
     check_grid(config.pinned_model, config.grid(), config.stage_params("search"), config.stage_params("prune"))
     bound = {image: make_components(image) for image in {config.stage_image(stage.name) for stage in STAGES}}
     comps = StageComponents(**{stage.section: getattr(bound[config.stage_image(stage.name)], stage.section) for stage in STAGES})
-    d = _defaults(config)
+    d = _defaults(config, [stage for stage, names in runtime.items() if "accelerator_count" in names])
+    lookup_uri = stored.make_lookup(config.default_image)
+    all_settings = config.resources.get("all") or cluster.StageSettings()  # a small pod: credentials, labels, pull secrets
 
     def evoesap_stages(
         model: Input[Model],
@@ -110,10 +185,12 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
         evaluate_params: dict = d["evaluate_params"],
         report_params: dict = d["report_params"],
         publish_params: dict = d["publish_params"],
-        heldout_data: str = d["heldout_data"],  # last: hidden (`_without`) when the configuration has none
+        heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
+        **settings: Any,  # the settings inputs (`runtime`), by parameter name
     ) -> Outputs:
         def stage(name: str, task: Any, label: str | None = None) -> Any:
-            return _configure(task, name, config, label)
+            inputs = {setting: settings[parameter.name] for setting, parameter in runtime.get(name, {}).items()}
+            return _configure(task, name, config, label, inputs)
 
         # With quantize on, publish releases the quantized checkpoint, not the pruned one: it is the model the quantize
         # step exists to ship, one `to`/`repo` holds one checkpoint, and its card still shows the pruned model's
@@ -176,6 +253,12 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
                                            "evaluate quantized")  # fmt: skip
                 release = {"quantized": quantized.outputs["quantized"],
                            "quantized_evaluation": evals["quantized"].outputs["evaluation"]}  # fmt: skip
+            # what the sub-pipeline hands on: the stored checkpoint at its own URI, whether or not KFP kept the
+            # prune output as a view (`components.stored`)
+            lookup = cluster.apply(lookup_uri(artifact=pruned["searched"].outputs["pruned"]), all_settings, config.retries)
+            lookup.set_display_name("stored uri").set_caching_options(enable_caching=False)
+            handed_on = stored.import_stored(uri=lookup.output).set_display_name("searched model")
+            handed_on.set_caching_options(enable_caching=False)
             if config.publish_models:
                 stage("publish", comps.publish(pruned=pruned["searched"].outputs["pruned"], storage_root=storage_root,
                                                evaluation=evals["searched"].outputs["evaluation"],
@@ -197,10 +280,11 @@ def build_subpipeline(config: PipelineConfig) -> Callable:
         return Outputs(
             report=report.outputs["markdown"],
             report_html=report.outputs["page"],
-            pruned_models=dsl.Collected(pruned["searched"].outputs["pruned"]),
+            pruned_models=dsl.Collected(handed_on.output),
         )
 
-    func = evoesap_stages if config.heldout_data else _without(evoesap_stages, "heldout_data")
+    extra = [parameter for by_setting in runtime.values() for parameter in by_setting.values()]
+    func = _signed(evoesap_stages, () if config.heldout_data else ("heldout_data",), extra)
     description = "EvoESAP stages: calibrate ... report, for a given full model"
     return dsl.pipeline(name=f"{config.name}-stages", description=description)(func)
 
@@ -225,7 +309,7 @@ def build_pipeline(config: PipelineConfig) -> Callable:
         evaluate_params: dict = d["evaluate_params"],
         report_params: dict = d["report_params"],
         publish_params: dict = d["publish_params"],
-        heldout_data: str = d["heldout_data"],  # last: hidden (`_without`) when the configuration has none
+        heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
     ) -> Outputs:
         # the revision travels with the model artifact (its metadata, in ML Metadata too); every stage reads it there
         imported = dsl.importer(artifact_uri=model, artifact_class=Model, reimport=False, metadata={"revision": revision})
@@ -249,7 +333,7 @@ def build_pipeline(config: PipelineConfig) -> Callable:
             report=run.outputs["report"], report_html=run.outputs["report_html"], pruned_models=run.outputs["pruned_models"]
         )
 
-    func = evoesap_pipeline if config.heldout_data else _without(evoesap_pipeline, "heldout_data")
+    func = evoesap_pipeline if config.heldout_data else _signed(evoesap_pipeline, ("heldout_data",))
     return dsl.pipeline(name=config.name, description="EvoESAP: ESAP-guided non-uniform expert pruning")(func)
 
 

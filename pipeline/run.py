@@ -103,7 +103,8 @@ def run_local(
     kfp_caching: bool = False,
 ) -> dict[str, Any]:
     """Run the whole DAG here through kfp.local; return the pipeline's outputs (`report`,
-    `report_html`, `pruned_models`: KFP artifacts whose metadata says where each is stored).
+    `report_html`: KFP artifacts whose metadata says where each is stored; `pruned_models`: the stored
+    checkpoints, each a `dsl.Model` whose URI is where it is stored).
 
     `runner`: "subprocess" runs each stage in a process of this environment; "docker" runs each in its
     own container of the stage image (`image`) through a Docker-compatible API (DOCKER_HOST), as the

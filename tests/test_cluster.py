@@ -1,16 +1,18 @@
-"""Per-stage Kubernetes settings in the compiled spec (pipeline.cluster), display names, and pipeline inputs."""
+"""Per-stage Kubernetes settings in the compiled spec (pipeline.cluster), display names, pipeline inputs, and the
+settings an outer pipeline overrides or binds."""
 
-from __future__ import annotations
+# No `from __future__ import annotations`: kfp reads the real annotations of the pipelines below.
 
 import re
 
 import pytest
 import yaml
 
+from evoesap.components import DEFAULT_IMAGE
 from evoesap.errors import ConfigError
 from evoesap.pipeline.cluster import StageSettings, merged
 from evoesap.pipeline.config import load_config
-from evoesap.pipeline.dag import compile_pipeline
+from evoesap.pipeline.dag import build_subpipeline, compile_pipeline
 
 BASE = dict(
     model="/models/full",
@@ -261,3 +263,145 @@ def test_a_stage_s_own_image_and_the_config_s_image_for_the_rest(pod_settings):
 def test_bad_pod_settings_are_refused_with_the_key(resources, message):
     with pytest.raises(ConfigError, match=message):
         load_config({**BASE, "resources": resources})
+
+
+# ------------------------------------------------------------------ settings the outer pipeline of build_subpipeline sets
+
+
+def _team_spec(tmp_path, config, bind: dict | None = None, **build) -> tuple[dict, dict]:
+    """A team's pipeline with the DAG as its sub-pipeline (`build_subpipeline(config, **build)`), compiled."""
+    from kfp import compiler, dsl
+
+    stages = build_subpipeline(config, **build)
+
+    @dsl.pipeline(name="team")
+    def team():
+        trained = dsl.importer(artifact_uri="s3://bucket/trained", artifact_class=dsl.Model)
+        stages(model=trained.output, **(bind or {}))
+
+    compiler.Compiler().compile(team, str(tmp_path / "team.yaml"))
+    spec, *platform = yaml.safe_load_all((tmp_path / "team.yaml").read_text())
+    return spec, platform[0] if platform else {}
+
+
+def _differences(a, b, path=()) -> list[tuple]:
+    """The paths at which two parsed YAML documents differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for key in sorted(a.keys() | b.keys()) for d in _differences(a.get(key), b.get(key), (*path, key))]
+    return [] if a == b else [path]
+
+
+def test_an_override_changes_exactly_that_stage_s_tasks_and_nothing_else(tmp_path):
+    config = load_config({**BASE, "resources": RESOURCES})
+    before = _team_spec(tmp_path, config)
+    override = {"prune": {"memory": "99G", "env": {"SHARD": "1"}, "node_selector": {"pool": "big"}, "labels": {"run": "x"}}}
+    after = _team_spec(tmp_path, config, overrides=override)
+    prune = set(_executors_by_stage(before[0])["prune"])
+    assert len(prune) == 2  # searched and uniform
+    changed = _differences(before[0], after[0]) + _differences(before[1], after[1])
+    assert changed and {p[:3] for p in changed} <= {("deploymentSpec", "executors", e) for e in prune} | {
+        ("platforms", "kubernetes", "deploymentSpec")
+    }
+    assert {p[4] for p in changed if p[0] == "platforms"} <= prune  # platforms/kubernetes/deploymentSpec/executors/<e>
+    for executor in prune:  # the override merged over the configured prune settings and `all`
+        container = after[0]["deploymentSpec"]["executors"][executor]["container"]
+        assert container["resources"]["resourceMemoryLimit"] == "99G" and {"name": "SHARD", "value": "1"} in container["env"]
+        assert container["resources"]["resourceMemoryRequest"] == "8G"  # configured, kept
+        settings = after[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"][executor]
+        assert settings["nodeSelector"]["labels"] == {"pool": "big"} and settings["podMetadata"]["labels"] == {"run": "x"}
+        assert [s["secretName"] for s in settings["secretAsEnv"]] == ["s3-credentials"]  # `all` still under it
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        ({"overrides": {"serch": {"memory": "1G"}}}, r"invalid overrides: serch: Input should be 'all', 'calibrate', "),
+        (
+            {"overrides": {"search": {"memroy": "1G"}}},
+            r"search.memroy: Extra inputs are not permitted \(valid: accelerator_count, ",
+        ),
+        ({"overrides": {"prune": {"accelerator_type": "nvidia.com/gpu", "accelerator_count": 1}}}, "prune loads no model"),
+        ({"settings_inputs": ["serch.memory"]}, r"unknown stage 'serch'; write <stage>.<setting> with a stage of calibrate, "),
+        ({"settings_inputs": ["search.env"]}, r"'env' is not a setting KFP takes at run time; valid: image, cpu, memory, "),
+        ({"settings_inputs": ["search"]}, r"'' is not a setting KFP takes at run time; valid: image"),
+        ({"settings_inputs": "search.memory"}, r"give a list of <stage>.<setting> names"),
+        ({"settings_inputs": ["prune.accelerator_count"]}, "prune loads no model; stages that can use an accelerator: "),
+        ({"settings_inputs": ["quantize.image"]}, "no quantize task to set, since the quantize section names no recipe"),
+        ({"settings_inputs": ["report.memory"]}, r"needs a configured value to start from: set resources.report.memory "),
+        ({"settings_inputs": ["evaluate.accelerator_count"]}, "set resources.evaluate.accelerator_count and accelerator_type"),
+    ],
+)
+def test_an_unknown_or_unusable_override_or_settings_input_is_refused_in_one_line(build, message):
+    config = load_config({**BASE, "resources": RESOURCES})
+    with pytest.raises(ConfigError, match=message) as refused:
+        build_subpipeline(config, **build)
+    assert "\n" not in str(refused.value)
+
+
+def test_settings_inputs_are_sub_pipeline_parameters_the_outer_pipeline_binds_at_run_time(tmp_path):
+    config = load_config({**BASE, "resources": RESOURCES})
+    names = ["search.accelerator_count", "search.image", "search.node_selector", "search.tolerations", "prune.memory"]
+    bind = {"search_accelerator_count": "4", "prune_memory": "48G"}
+    spec, platform = _team_spec(tmp_path, config, bind, settings_inputs=names)
+    inputs = spec["components"]["comp-evoesap-stages"]["inputDefinitions"]["parameters"]
+    defaults = {name: (inputs[name]["parameterType"], inputs[name]["defaultValue"]) for name in inputs}
+    tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert {k: defaults[k] for k in inputs.keys() - build_subpipeline(config).component_spec.inputs.keys()} == {
+        "search_accelerator_count": ("STRING", "1"),  # a string: KFP's driver reads the parameter's string value
+        "search_image": ("STRING", DEFAULT_IMAGE),
+        "search_node_selector": ("STRUCT", {"pool": "gpu"}),
+        "search_tolerations": ("LIST", tolerations),
+        "prune_memory": ("STRING", "16G"),
+    }
+    assert inputs["search_params"]["defaultValue"]["device_map"] == "auto"  # the GPU count may be more than one
+    (call,) = [t for t in spec["root"]["dag"]["tasks"].values() if t["componentRef"]["name"] == "comp-evoesap-stages"]
+    assert {k: v["runtimeValue"]["constant"] for k, v in call["inputs"]["parameters"].items()} == bind
+    executors, stages = spec["deploymentSpec"]["executors"], _executors_by_stage(spec)
+    (search,) = stages["search"]
+    container = executors[search]["container"]
+    assert (
+        container["resources"]["accelerator"]["resourceCount"]
+        == "{{$.inputs.parameters['pipelinechannel--search_accelerator_count']}}"
+    )
+    assert container["resources"]["accelerator"]["resourceType"] == "nvidia.com/gpu"  # configured, fixed
+    assert container["image"] == "{{$.inputs.parameters['pipelinechannel--search_image']}}"
+    k8s = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert k8s[search]["nodeSelector"] == {
+        "nodeSelectorJson": {"componentInputParameter": "pipelinechannel--search_node_selector"}
+    }
+    assert k8s[search]["tolerations"] == [{"tolerationJson": {"componentInputParameter": "pipelinechannel--search_tolerations"}}]
+    for prune in stages["prune"]:
+        assert executors[prune]["container"]["resources"]["resourceMemoryLimit"] == (
+            "{{$.inputs.parameters['pipelinechannel--prune_memory']}}"
+        )
+        assert executors[prune]["container"]["image"] == DEFAULT_IMAGE
+    for evaluate in stages["evaluate"]:  # a stage not named keeps its fixed settings
+        assert executors[evaluate]["container"].get("resources") is None
+        assert k8s[evaluate]["nodeSelector"] == {"labels": {"pool": "eval"}}
+
+
+def echo(text: str) -> str:
+    return text
+
+
+def test_a_task_whose_settings_are_pipeline_inputs_runs_under_kfp_local(tmp_path):
+    """kfp.local has no pods: the settings inputs (placeholders the compiler adds to the task) must not break a run."""
+    from kfp import dsl, local
+
+    from evoesap.pipeline.cluster import apply
+
+    step = dsl.component(base_image="python:3.11", install_kfp_package=False)(echo)
+    gpu = StageSettings(accelerator_type="nvidia.com/gpu", tolerations=[{"key": "gpu", "operator": "Exists"}])
+
+    @dsl.pipeline
+    def inner(text: str, memory: str = "1G", image: str = DEFAULT_IMAGE, gpus: str = "1", pool: dict = {"a": "b"}) -> str:
+        task = step(text=text)
+        apply(task, gpu, 0, {"memory": memory, "image": image, "accelerator_count": gpus, "node_selector": pool})
+        return task.output
+
+    @dsl.pipeline
+    def outer(text: str = "hi") -> str:
+        return inner(text=text, memory="2G", gpus="2").output
+
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "kfp"))
+    assert outer().output == "hi"

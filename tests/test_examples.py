@@ -10,6 +10,7 @@ import yaml
 
 import evoesap
 from evoesap import artifacts, moe
+from evoesap.facts import facts
 from evoesap.errors import ConfigError
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
@@ -177,9 +178,11 @@ def team_run(tmp_path_factory):
 
 def test_team_pipeline_publishes_the_pruned_models_it_was_handed(team_run):
     first = team_run["first"]
-    (model,) = first["pruned_models"]
-    uri = model.metadata["uri"]
-    assert model.metadata["stage"] == "prune" and model.metadata["method"] == "searched"
+    (model,) = first["pruned_models"]  # the importer's artifact: its own URI is the stored checkpoint
+    uri = model.uri
+    assert model.path == uri and Path(uri).parent.name == "prune" and (Path(uri) / "model.safetensors").is_file()
+    record = facts(uri)
+    assert record["stage"] == "prune" and record["method"] == "searched"
     kept = list(moe.inspect(moe.load_pruned(uri)).num_experts)  # the checkpoint itself, loaded independently
     release = first["release"]
     (published,) = release.metadata["models"]
@@ -187,13 +190,14 @@ def test_team_pipeline_publishes_the_pruned_models_it_was_handed(team_run):
     assert f"experts per layer {kept}" in Path(release.path).read_text()
     trained = artifacts.read_manifest(uri).inputs["model"]["uri"]
     assert trained != team_run["base"] and Path(trained).is_dir()  # pruned from the train step's output
-    allocation = artifacts.read_json(artifacts.join(model.metadata["inputs"]["allocation"], "allocation.json"))
+    allocation = artifacts.read_json(artifacts.join(record["inputs"]["allocation"], "allocation.json"))
     assert [n - r for n, r in zip(allocation["num_experts"], allocation["removal_counts"])] == kept
 
 
 def test_deleted_checkpoint_and_report_are_made_again_not_reported_from_a_cache(team_run):
     (model,) = team_run["first"]["pruned_models"]
-    pruned_dir = Path(model.metadata["uri"])
+    pruned_dir = Path(model.uri)
+    first_model = facts(str(pruned_dir))["inputs"]["model"]
     report_dir = team_run["root"] / "artifacts" / "report" / _only(team_run, "report")
     calibrate_dir = team_run["root"] / "artifacts" / "calibrate" / _only(team_run, "calibrate")
     calibrated = artifacts.read_manifest(str(calibrate_dir)).started
@@ -201,9 +205,9 @@ def test_deleted_checkpoint_and_report_are_made_again_not_reported_from_a_cache(
     shutil.rmtree(report_dir)
     second = team_run["run"]()
     (again,) = second["pruned_models"]
-    assert again.metadata["uri"] == str(pruned_dir)  # same inputs, same content address
+    assert again.uri == str(pruned_dir)  # same inputs, same content address
     assert artifacts.read_manifest(str(pruned_dir)).stage == "prune"  # it exists again, made again
-    assert list(moe.inspect(moe.load_pruned(str(pruned_dir))).num_experts) == [int(c) for c in again.metadata["expert_counts"]]
+    assert list(moe.inspect(moe.load_pruned(str(pruned_dir))).num_experts) == facts(again.path)["expert_counts"]
     # The re-made checkpoint has a new manifest, so its evaluation and the report are made again, at their
     # new content addresses; the report the release names exists.
     report_line = next(line for line in Path(second["release"].path).read_text().splitlines() if line.startswith("Report: "))
@@ -211,7 +215,7 @@ def test_deleted_checkpoint_and_report_are_made_again_not_reported_from_a_cache(
     assert report != report_dir and (report / "report.md").is_file()
     # The team's train step came from kfp.local's cache (its output still exists), so EvoESAP saw the same
     # model and reused every stage whose output was untouched.
-    assert artifacts.read_manifest(str(pruned_dir)).inputs["model"]["uri"] == model.metadata["inputs"]["model"]
+    assert artifacts.read_manifest(str(pruned_dir)).inputs["model"]["uri"] == first_model
     assert artifacts.read_manifest(str(calibrate_dir)).started == calibrated
 
 

@@ -10,6 +10,7 @@ from kfp import dsl
 
 from evoesap import artifacts
 from evoesap.components.kfp_artifacts import artifact_uri, publish
+from evoesap.components.stored import stored_uri
 
 
 def _artifact(uri: str, stage: str, files: dict[str, bytes]) -> str:
@@ -55,6 +56,17 @@ def test_an_object_store_artifact_is_the_output_locally_and_a_view_under_an_obje
     assert fs.cat_file(f"{bucket}/evoesap/cache-logits/k/model.safetensors") == WEIGHTS["model.safetensors"]
 
 
+def test_the_lookup_finds_the_stored_uri_behind_a_view_and_refuses_a_foreign_artifact(tmp_path, s3):
+    _, _, bucket = s3
+    uri = _artifact(f"s3://{bucket}/evoesap/calibrate/k", "calibrate", WEIGHTS)  # any stage's output; no facts needed
+    view = dsl.Model(name="pruned", uri=f"s3://{bucket}/pipeline-root/p/run/task/pruned")  # a cluster's launcher
+    view.set_path(str(tmp_path / "pod" / "pruned"))
+    publish(view, uri)
+    assert view.uri != uri and stored_uri(view) == uri  # what dsl.importer then imports: the weights' own URI
+    with pytest.raises(ValueError, match="is not an EvoESAP stage's output"):
+        stored_uri(dsl.Model(name="trained", uri="s3://team/trained", metadata={"base_model": "x"}))
+
+
 # ------------------------------------------------------------------ a kfp.local pipeline and a consumer that knows nothing of EvoESAP
 
 
@@ -90,7 +102,7 @@ def test_a_kfp_local_consumer_loads_the_pruned_model_from_model_path_stored_once
     from kfp import local
 
     from evoesap import moe
-    from evoesap.components import make_components
+    from evoesap.components import make_components, stored
     from tiny_world import make_tiny_inputs
 
     files = make_tiny_inputs(tmp_path / "inputs")
@@ -99,7 +111,8 @@ def test_a_kfp_local_consumer_loads_the_pruned_model_from_model_path_stored_once
     storage, pipeline_root = tmp_path / "storage", tmp_path / "kfp"
     comps = make_components()
     consumer = dsl.component(base_image="python:3.11", install_kfp_package=False)(consume)
-    Outputs = NamedTuple("Outputs", report=str, pruned=dsl.Model)
+    lookup = stored.make_lookup("python:3.11")
+    Outputs = NamedTuple("Outputs", report=str, pruned=dsl.Model, imported_report=str, imported=dsl.Model)
 
     @dsl.pipeline
     def release(model_uri: str, data: str, storage_root: str) -> Outputs:
@@ -112,7 +125,11 @@ def test_a_kfp_local_consumer_loads_the_pruned_model_from_model_path_stored_once
         for task in (scores, pruned):
             task.set_caching_options(enable_caching=False)
         consumed = consumer(model=pruned.outputs["pruned"]).set_caching_options(enable_caching=False)
-        return Outputs(report=consumed.output, pruned=pruned.outputs["pruned"])
+        # what build_subpipeline hands on: the stored URI looked up, then imported (components.stored)
+        uri = lookup(artifact=pruned.outputs["pruned"]).set_caching_options(enable_caching=False)
+        imported = stored.import_stored(uri=uri.output).set_caching_options(enable_caching=False)
+        from_import = consumer(model=imported.output).set_caching_options(enable_caching=False)
+        return Outputs(consumed.output, pruned.outputs["pruned"], from_import.output, imported.output)
 
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(pipeline_root))
     runs, started = [], []
@@ -124,6 +141,8 @@ def test_a_kfp_local_consumer_loads_the_pruned_model_from_model_path_stored_once
     for run in runs:  # the second run reuses the stored artifact: the same URI, the same one copy
         pruned, report = run.outputs["pruned"], json.loads(run.outputs["report"])
         assert pruned.uri == pruned.metadata["uri"] == str(prune_dir)
+        assert run.outputs["imported"].uri == run.outputs["imported"].path == str(prune_dir)
+        assert json.loads(run.outputs["imported_report"]) == report  # the imported artifact is the same checkpoint
         assert report["num_experts"] == 4 and report["finite"]  # 8 experts, half removed uniformly
         assert report["weight_bytes"] > 1 << 20 and report["parameter_bytes"] == int(pruned.metadata["parameter_bytes"])
         stored = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in prune_dir.glob("*.safetensors")}

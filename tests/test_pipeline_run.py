@@ -118,12 +118,18 @@ def _same_task(evaluation: dict, metrics: dict, pipeline_root: Path) -> bool:
 
 def test_local_run_records_typed_artifacts_whose_metadata_matches_the_manifests(first_run):
     storage, outputs = first_run["storage"], first_run["outputs"]
-    (pruned,) = outputs["pruned_models"]
-    summary = json.loads((Path(pruned.metadata["uri"]) / "pruning.json").read_text())
-    assert pruned.metadata["method"] == "searched"
-    assert [int(c) for c in pruned.metadata["expert_counts"]] == summary["num_experts"]
-    assert int(pruned.metadata["parameter_bytes"]) == summary["parameter_bytes_pruned"]
-    assert pruned.uri == pruned.path == pruned.metadata["uri"]  # the artifact is the stored checkpoint, weights included
+    (pruned,) = outputs["pruned_models"]  # the importer's artifact of the stored checkpoint
+    (searched,) = [
+        p for p in _artifacts(storage, "prune") if json.loads((p / "pruning.json").read_text())["method"] == "searched"
+    ]
+    assert pruned.uri == pruned.path == str(searched)  # the artifact is the stored checkpoint, weights included
+    recorded_prune = [
+        a for a in _recorded_artifacts(Path(first_run["config"].pipeline_root))["pruned"] if a["uri"] == str(searched)
+    ]
+    summary = json.loads((searched / "pruning.json").read_text())
+    (facts,) = [a["metadata"] for a in recorded_prune]  # the prune task's own output carries its facts
+    assert facts["method"] == "searched" and [int(c) for c in facts["expert_counts"]] == summary["num_experts"]
+    assert int(facts["parameter_bytes"]) == summary["parameter_bytes_pruned"]
     assert list(Path(pruned.path).glob("*.safetensors")) and artifacts.verify(pruned.uri, "prune").files  # sha256 checked
     assert re.search(r"<img [^>]*src=[\"']data:image/png;base64,", Path(outputs["report_html"].path).read_text())
     assert Path(outputs["report"].path).read_text() == (Path(first_run["report"]) / "report.md").read_text()

@@ -77,7 +77,15 @@ def test_compiled_spec_imports_the_model_and_runs_the_dag_as_a_sub_pipeline(spec
     grid = spec["root"]["inputDefinitions"]["parameters"]["grid"]["defaultValue"]
     assert grid == [{"criterion": c, "sparsity": s} for c in ("reap", "frequency") for s in (0.25, 0.5)]
     inner = _dag(spec, loop["componentRef"]["name"])
-    assert sorted(_stage(t) for t in inner.values()) == ["evaluate", "evaluate", "prune", "prune", "search"]
+    assert sorted(_stage(t) for t in inner.values()) == [
+        "evaluate",
+        "evaluate",
+        "evoesap-stored-model",  # the searched checkpoint handed on at its stored URI (below)
+        "prune",
+        "prune",
+        "search",
+        "stored-uri",
+    ]
     searched_prune = next(n for n, t in inner.items() if _stage(t) == "prune" and t.get("dependentTasks") == ["search"])
     assert any(t.get("dependentTasks") == [searched_prune] for t in inner.values() if _stage(t) == "evaluate")
     for task in inner.values():  # the loop item's fields, never the item itself, reach the stages
@@ -94,7 +102,7 @@ _ARTIFACTS = {  # stage -> (input artifact classes, output artifact classes)
     "search": (["Dataset", "Dataset", "Dataset", "Model"], ["Artifact"]),
     "prune": (["Artifact", "Dataset", "Model"], ["Model"]),
     "evaluate": (["Dataset", "Model"], ["Dataset", "Metrics"]),
-    "report": (["Artifact[]", "Dataset", "Dataset[]", "Dataset[]"], ["HTML", "Markdown"]),
+    "report": (["Artifact[]", "Dataset", "Dataset[]", "Dataset[]", "Dataset[]"], ["HTML", "Markdown"]),  # + quantized (optional)
 }
 
 
@@ -117,11 +125,32 @@ def test_every_stage_takes_and_makes_artifacts_of_the_right_class(spec):
         assert _classes(component["outputDefinitions"]) == outputs, stage
     assert seen == set(_ARTIFACTS)
     assert _classes(spec["root"]["outputDefinitions"]) == ["HTML", "Markdown", "Model[]"]  # report, pruned models
+
+
+def test_the_sub_pipeline_hands_on_the_searched_checkpoints_imported_at_their_stored_uri(spec):
+    """pruned_models: a lookup of the searched prune output's stored URI, then dsl.importer of that URI in a DAG of
+    its own (KFP's importer launcher takes a runtime URI only from its DAG's inputs)."""
     stages_outputs = spec["components"]["comp-evoesap-stages"]["dag"]["outputs"]["artifacts"]
     (selector,) = stages_outputs["pruned_models"]["artifactSelectors"]
     loop = _dag(spec, "comp-evoesap-stages")[selector["producerSubtask"]]
-    searched_prune = next(n for n, t in _dag(spec, loop["componentRef"]["name"]).items() if t.get("dependentTasks") == ["search"])
-    assert selector["outputArtifactKey"] == f"pipelinechannel--{searched_prune}-pruned"  # the searched ones
+    inner = _dag(spec, loop["componentRef"]["name"])
+    searched_prune = next(n for n, t in inner.items() if t.get("dependentTasks") == ["search"])
+    assert selector["outputArtifactKey"] == "pipelinechannel--evoesap-stored-model-Output"
+    lookup = inner["stored-uri"]["inputs"]["artifacts"]["artifact"]["taskOutputArtifact"]
+    assert lookup == {"outputArtifactKey": "pruned", "producerTask": searched_prune}  # the searched ones
+    handed = inner["evoesap-stored-model"]
+    assert handed["inputs"]["parameters"]["uri"]["taskOutputParameter"] == {
+        "outputParameterKey": "Output",
+        "producerTask": "stored-uri",
+    }
+    nested = spec["components"][handed["componentRef"]["name"]]
+    assert nested["outputDefinitions"]["artifacts"]["Output"]["artifactType"]["schemaTitle"] == "system.Model"
+    (importer,) = nested["dag"]["tasks"].values()
+    assert importer["inputs"]["parameters"]["uri"] == {"componentInputParameter": "uri"}  # the DAG's input, not a task's
+    executor = spec["deploymentSpec"]["executors"][spec["components"][importer["componentRef"]["name"]]["executorLabel"]]
+    assert executor["importer"]["artifactUri"] == {"runtimeParameter": "uri"} and "metadata" not in executor["importer"]
+    assert executor["importer"]["typeSchema"]["schemaTitle"] == "system.Model" and not executor["importer"].get("reimport")
+    assert not any(t.get("cachingOptions", {}).get("enableCache") for t in (importer, handed, inner["stored-uri"]))
 
 
 def test_compiled_spec_carries_resources_and_retries_and_never_kfp_caching(spec):
@@ -176,7 +205,7 @@ def test_the_model_revision_is_a_pipeline_parameter_carried_by_the_imported_mode
     assert spec["root"]["inputDefinitions"]["parameters"]["revision"]["defaultValue"] == "v1.0"
     importer = spec["root"]["dag"]["tasks"]["importer"]["inputs"]["parameters"]
     assert importer["metadata"]["componentInputParameter"] == "revision"
-    (executor,) = [e["importer"] for e in spec["deploymentSpec"]["executors"].values() if "importer" in e]
+    executor = spec["deploymentSpec"]["executors"][spec["components"]["comp-importer"]["executorLabel"]]["importer"]
     assert executor["metadata"] == {"revision": "{{$.inputs.parameters['metadata']}}"}
 
 
