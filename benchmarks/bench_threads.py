@@ -7,6 +7,10 @@ the loaded runs: with two of them on a 2-core machine, two spin-waiting torch th
 for a training that needs 3 on idle cores (issue 25).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_threads.py --steps 40 --load 2
+
+With both conditions it ends with each configuration's loaded/idle wall-time ratio (issue 25: at most 2 for
+the world build beside two busy processes), e.g. `--steps 200 --configs "1 thread"`, the default world's
+training as the build runs it, idle and then beside two `yes`.
 """
 
 from __future__ import annotations
@@ -80,6 +84,7 @@ def main() -> None:
     print(f"default profile, {args.steps} steps; load average at start {os.getloadavg()}")
     print("| configuration | condition | wall s | cpu s | s/step | weights sha256 |")
     print("|---|---|---|---|---|---|")
+    wall: dict[tuple[str, bool], float] = {}
     for loaded in [c == "loaded" for c in args.conditions]:
         loaders = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(args.load if loaded else 0)]
         try:
@@ -89,6 +94,7 @@ def main() -> None:
                 if r is None:
                     print(f"| {name} | {cond} | > {args.timeout:.0f} (stopped) | | | |", flush=True)
                     continue
+                wall[name, loaded] = r["wall_s"]
                 print(
                     f"| {name} | {cond} (load avg {os.getloadavg()[0]:.1f}) | {r['wall_s']:.1f} | {r['cpu_s']:.1f} "
                     f"| {r['wall_s'] / args.steps:.2f} | {r['sha256'][:12]} |",
@@ -98,6 +104,9 @@ def main() -> None:
             for p in loaders:
                 p.kill()
                 p.wait()
+    for name in args.configs:
+        if (name, False) in wall and (name, True) in wall:
+            print(f"{name}: wall beside {args.load}x yes / idle = {wall[name, True] / wall[name, False]:.2f}")
 
 
 if __name__ == "__main__":

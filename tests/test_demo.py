@@ -61,6 +61,26 @@ def test_math_answers_are_worked_and_correct():
         assert len(build_tokenizer()(s.assistant)["input_ids"]) >= 25  # tens of tokens: ESAP must not saturate
 
 
+def test_bracket_verdicts_are_correct_and_training_sees_both_at_every_length():
+    """The verdict agrees with an independent check (every prefix opens at least as many as it closes, the
+    whole string as many); training holds balanced strings of each length evaluated (it once held 12 in 8,000)."""
+    splits = generate_splits("code", seed=0, train_size=3000)
+    seen = {}
+    for split in ("evaluation", "train"):
+        rows = [s for s in splits[split] if s.user.startswith("balanced ")]
+        for s in rows:
+            brackets = s.user.removeprefix("balanced ")
+            prefixes = [brackets[:i].count("(") - brackets[:i].count(")") for i in range(1, len(brackets) + 1)]
+            assert s.assistant == ("yes" if min(prefixes) >= 0 and prefixes[-1] == 0 else "no"), s
+        seen[split] = {(len(s.user) - len("balanced "), s.assistant) for s in rows}
+        assert 0.2 <= sum(s.assistant == "yes" for s in rows) / len(rows) <= 0.7, split
+    assert (
+        {n for n, _ in seen["evaluation"]}
+        <= {n for n, v in seen["train"] if v == "yes"}
+        == {n for n, v in seen["train"] if v == "no"}
+    )
+
+
 def test_tokenizer_round_trips_and_masks_assistant(tmp_path):
     build_tokenizer().save_pretrained(str(tmp_path))
     tok = AutoTokenizer.from_pretrained(str(tmp_path))

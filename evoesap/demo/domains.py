@@ -62,18 +62,30 @@ def _math(rng: np.random.Generator) -> Sample:
 _LETTERS = "abcdefgh"
 
 
+def _balanced(brackets: str) -> bool:
+    depth = 0
+    for ch in brackets:
+        depth += 1 if ch == "(" else -1
+        if depth < 0:
+            return False
+    return depth == 0
+
+
 def _code(rng: np.random.Generator) -> Sample:
-    """A string transform a programmer would write: reverse, sort, or bracket matching."""
+    """A string transform a programmer would write: reverse, sort, or bracket matching.
+
+    Bracket strings are 10-14 characters, half of them balanced (drawn uniformly within their class and
+    length). Uniform strings of 4-8 characters were balanced 1 time in 12 and numbered 336 in all, so the
+    evaluation and search splits took most balanced ones: training held 12 "yes" among 8,000 prompts, none of
+    length 4, and the model answered "no" to all 5 balanced evaluation strings (code 121/128 exact match).
+    """
     op = int(rng.integers(3))
     if op == 2:
-        n = int(rng.integers(2, 5)) * 2
-        brackets = "".join("()"[int(i)] for i in rng.integers(0, 2, size=n))
-        depth, ok = 0, True
-        for ch in brackets:
-            depth += 1 if ch == "(" else -1
-            ok = ok and depth >= 0
-        ok = ok and depth == 0
-        return Sample(f"balanced {brackets}", "yes" if ok else "no")
+        n, want = int(rng.integers(5, 8)) * 2, bool(rng.integers(2))
+        while True:
+            brackets = "".join("()"[int(i)] for i in rng.integers(0, 2, size=n))
+            if _balanced(brackets) == want:
+                return Sample(f"balanced {brackets}", "yes" if want else "no")
     word = "".join(_LETTERS[int(i)] for i in rng.integers(0, len(_LETTERS), size=int(rng.integers(3, 7))))
     if op == 0:
         return Sample(f"reverse {word}", word[::-1])
