@@ -497,6 +497,12 @@ def _owned_dir(parent: Path, name: str) -> Iterator[Path]:
         os.close(fd)
 
 
+def owned_tempdir(stage: str) -> contextlib.AbstractContextManager[Path]:
+    """A scratch directory in TMPDIR for a run of `stage`, locked by this process while it lives: a concurrent
+    run's `clean_orphans` takes `evoesap-<stage>-*` directories only once their owner is gone."""
+    return _owned_dir(Path(tempfile.gettempdir()), f"evoesap-{stage}")
+
+
 def _is_orphan(path: Path, locked: bool) -> bool:
     """Left by a killed run: older than this process and (when `locked`) no live process holds its lock."""
     try:

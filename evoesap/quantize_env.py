@@ -13,10 +13,10 @@ import logging
 import os
 import re
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from evoesap import artifacts
 from evoesap.errors import ConfigError, EvoESAPError
 from evoesap.side_env import side_python
 
@@ -77,8 +77,8 @@ def device_env(device: str) -> dict[str, str]:
 
 def run_worker(python: str, request: dict[str, Any], device: str = "auto") -> dict[str, Any]:
     """Run `oneshot` as `request` says in the quantize environment, on `device`; the worker's result."""
-    with tempfile.TemporaryDirectory(prefix="evoesap-quantize-") as tmp:
-        request_file, result_file = Path(tmp) / "request.json", Path(tmp) / "result.json"
+    with artifacts.owned_tempdir("quantize") as tmp:  # locked: a concurrent quantize stage's clean-up leaves it
+        request_file, result_file = tmp / "request.json", tmp / "result.json"
         request_file.write_text(json.dumps(request))
         log.info("llm-compressor oneshot (%s): %s", python, request["recipe"]["name"])
         done = subprocess.run(

@@ -236,3 +236,20 @@ def test_a_prune_artifact_is_verified_its_lineage_recorded_and_a_second_run_reus
     with pytest.raises(ArtifactError, match="does not match the sha256 in its manifest"):
         run_quantize(pruned, params, str(tmp_path / "q2"))
     assert not (tmp_path / "q2").exists()
+
+
+def test_a_quantize_stage_starting_beside_a_running_worker_leaves_its_files_alone(tmp_path, monkeypatch):
+    """Two quantize steps of one pipeline run at once: the later one's clean-up of what killed runs left in TMPDIR
+    (`evoesap-quantize-*`) must not take the earlier one's live worker directory (the demo lost a result so)."""
+    import subprocess
+
+    from evoesap import quantize_env
+
+    def worker(args, **kwargs):
+        monkeypatch.setattr(artifacts, "_STARTED", float("inf"))  # a quantize stage that started after this one
+        artifacts.clean_orphans(str(tmp_path / "other"), "quantize")
+        Path(args[-1]).write_text(json.dumps({"done": True}))
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+    monkeypatch.setattr(quantize_env.subprocess, "run", worker)
+    assert quantize_env.run_worker("python", {"recipe": {"name": "fp8-dynamic"}}) == {"done": True}
