@@ -75,15 +75,17 @@ def device_env(device: str) -> dict[str, str]:
     return {}
 
 
-def run_worker(python: str, request: dict[str, Any], device: str = "auto") -> dict[str, Any]:
-    """Run `oneshot` as `request` says in the quantize environment, on `device`; the worker's result."""
+def run_worker(python: str, request: dict[str, Any], device: str = "auto", threads: int | None = None) -> dict[str, Any]:
+    """Run `oneshot` as `request` says in the quantize environment, on `device` (with `threads` CPU threads, else
+    torch's own count); the worker's result."""
     with artifacts.owned_tempdir("quantize") as tmp:  # locked: a concurrent quantize stage's clean-up leaves it
         request_file, result_file = tmp / "request.json", tmp / "result.json"
         request_file.write_text(json.dumps(request))
         log.info("llm-compressor oneshot (%s): %s", python, request["recipe"]["name"])
         done = subprocess.run(
             [python, str(WORKER), str(request_file), str(result_file)],
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **device_env(device)}, capture_output=True, text=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **device_env(device),
+                 **({"OMP_NUM_THREADS": str(threads)} if threads else {})}, capture_output=True, text=True,
         )  # fmt: skip
         if done.returncode != 0:
             raise EvoESAPError(f"llm-compressor oneshot failed (exit {done.returncode}): {failure(done.stderr)}")

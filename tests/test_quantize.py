@@ -245,11 +245,17 @@ def test_a_quantize_stage_starting_beside_a_running_worker_leaves_its_files_alon
 
     from evoesap import quantize_env
 
+    threads = []
+
     def worker(args, **kwargs):
+        threads.append(kwargs["env"].get("OMP_NUM_THREADS"))
         monkeypatch.setattr(artifacts, "_STARTED", float("inf"))  # a quantize stage that started after this one
         artifacts.clean_orphans(str(tmp_path / "other"), "quantize")
         Path(args[-1]).write_text(json.dumps({"done": True}))
         return subprocess.CompletedProcess(args, 0, "", "")
 
     monkeypatch.setattr(quantize_env.subprocess, "run", worker)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert quantize_env.run_worker("python", {"recipe": {"name": "fp8-dynamic"}}, threads=1) == {"done": True}
     assert quantize_env.run_worker("python", {"recipe": {"name": "fp8-dynamic"}}) == {"done": True}
+    assert threads == ["1", None]  # one thread for a tiny model on the CPU, else torch's own count

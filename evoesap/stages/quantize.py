@@ -174,8 +174,11 @@ def run_quantize(model: str, params: QuantizeParams, out_uri: str, data: str | N
     }  # fmt: skip
     with artifacts.stage_output(out_uri, "quantize", keyed(params), inputs, seen) as staging:
         with artifacts.local_copy(model) as local:
-            result = quantize_env.run_worker(python, {**request, "model": str(local), "out": str(staging)}, device=params.device)
             before = runtime.checkpoint_bytes(str(local))
+            # on the CPU a tiny model runs one thread (runtime.cpu_threads): two spin-wait whenever a core is shared
+            threads = runtime.cpu_threads(before // 4) if runtime.resolve_device(params.device) == "cpu" else None
+            job = {**request, "model": str(local), "out": str(staging)}
+            result = quantize_env.run_worker(python, job, device=params.device, threads=threads)
         if request["per_layer"]:  # the architecture name, auto_map and opt-in modeling file of every non-uniform checkpoint
             surgery.name_nonuniform(staging, family, request["per_layer"]["stock"])
         after = runtime.checkpoint_bytes(str(staging))
