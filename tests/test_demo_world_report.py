@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_report import check_numbers, check_page, check_summary, check_table
 
-from evoesap import artifacts
+from evoesap import artifacts, records
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate
 from evoesap.stages.evaluate import EvaluateParams, run_evaluate
@@ -94,7 +94,8 @@ def test_demo_full_uniform_and_searched_reap_50_report_equals_metrics_json(demo_
     for method in ("uniform", "searched"):
         pruning = artifacts.read_json(str(Path(checkpoints[method]) / "pruning.json"))
         assert [16 - len(pruning["pruned"][str(layer)]) for layer in range(4)] == expected[method]
-    assert run_allocations(list(by_method.values()), [])[(SPARSITY, "reap")] == {
+    typed = [records.MetricsRecord.from_json(m, "metrics.json") for m in by_method.values()]
+    assert run_allocations(typed, [])[(SPARSITY, "reap")] == {
         "uniform": ([8, 8, 8, 8], full_counts),
         "searched": (searched_r, full_counts),
     }

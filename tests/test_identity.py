@@ -1,6 +1,5 @@
 """Content identity of stage inputs (`evoesap.identity`): what must change for a stage to run again."""
 
-import dataclasses
 import hashlib
 import json
 import shutil
@@ -13,6 +12,7 @@ import torch
 
 from evoesap import artifacts, identity
 from evoesap.errors import ConfigError
+from evoesap.params import keyed
 
 
 def test_a_local_file_is_identified_by_size_and_sha256(tmp_path):
@@ -182,10 +182,10 @@ def test_reuse_keys_and_manifests_carry_the_commit_and_a_moved_branch_runs_again
         "revision": hub.commits["main"],
     }
     assert json.loads(Path(out, "manifest.json").read_text())["inputs"]["model"]["revision"] == hub.commits["main"]
-    assert artifacts.cached(out, "calibrate", dataclasses.asdict(params), inputs) is not None  # same commit: reused
+    assert artifacts.cached(out, "calibrate", keyed(params), inputs) is not None  # same commit: reused
     hub.commits["main"] = hub.commits["v2"]  # a push moves the branch
     identity._hub_revision.cache_clear()  # a later run, in its own process
-    assert artifacts.cached(out, "calibrate", dataclasses.asdict(params), inputs) is None  # so it runs again
+    assert artifacts.cached(out, "calibrate", keyed(params), inputs) is None  # so it runs again
 
 
 def test_the_streamed_prune_reads_the_shards_of_the_pinned_commit(hub, tiny_artifacts, tmp_path):
