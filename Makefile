@@ -11,8 +11,6 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 QUANTIZE_VENV ?= .venv-quantize
 QUANTIZE_PY := $(QUANTIZE_VENV)/bin/python
 QUANTIZE_STAMP := $(QUANTIZE_VENV)/.installed
-# llmcompressor 0.14.0.1 brings its pins: transformers 5.17.0, compressed-tensors 0.19.0
-LLMCOMPRESSOR := llmcompressor==0.14.0.1
 
 .PHONY: install vllm-venv quantize-venv test demo report-screenshot bench chaos lock sbom image components clean
 
@@ -40,11 +38,12 @@ $(VLLM_STAMP): serving/vllm/pyproject.toml images/requirements-vllm.lock
 vllm-venv: $(VLLM_STAMP)
 
 # EVOESAP_QUANTIZE_PYTHON=$(QUANTIZE_PY) points the quantize stage at it (README, "Quantizing a pruned model").
-$(QUANTIZE_STAMP): Makefile
+# llm-compressor from the images' hashed lock (the environment the stage images hold at /opt/quantize).
+$(QUANTIZE_STAMP): images/requirements-quantize.lock
 	test -x $(QUANTIZE_PY) || $(PYTHON) -m venv $(QUANTIZE_VENV)
 	$(QUANTIZE_PY) -m pip install --quiet --upgrade pip
-	$(QUANTIZE_PY) -m pip install --quiet torch==2.13.0  # first: a local CPU wheel; see README
-	$(QUANTIZE_PY) -m pip install --quiet $(LLMCOMPRESSOR)
+	$(QUANTIZE_PY) -m pip install --quiet --no-deps torch==2.13.0  # first: a local CPU wheel; see README
+	$(QUANTIZE_PY) -m pip install --quiet --require-hashes --no-deps -r images/requirements-quantize.lock
 	touch $(QUANTIZE_STAMP)
 
 quantize-venv: $(QUANTIZE_STAMP)

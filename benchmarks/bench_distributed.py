@@ -7,7 +7,7 @@ leaves the search's steady rate, barriers included. The world is the tests' tiny
 tokenizer (tests/tiny_world.py), built once in a temporary directory; `--hidden`/`--layers`/`--experts`
 replace its random OLMoE with a larger one, so that a candidate costs enough for the rate to be measured.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_distributed.py [--workers 1 2] [--population 16] [--hidden 512]
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_distributed.py [--workers 1 2] [--population 32] [--hidden 1024 --layers 8 --experts 16]
 """
 
 from __future__ import annotations
@@ -79,8 +79,10 @@ def timed_search(inputs: dict[str, str], out: Path, workers: int, generations: i
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
-    subprocess.run(args, env=env, check=True, capture_output=True)
+    done = subprocess.run(args, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
+    if done.returncode:
+        sys.exit(f"evoesap search --workers {workers} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return wall, json.loads((out / "manifest.json").read_text())["run"]["cost"]["candidates"]
 
 

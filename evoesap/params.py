@@ -162,6 +162,19 @@ class DeviceParams(StageParams):
     model_dtype: str = param("auto", "Model dtype: auto (the checkpoint's), bfloat16, float16 or float32.")
     device: str = param("auto", "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
     device_map: str | None = param(None, "'auto' spreads a model too large for one GPU over several.")
+
+    def __post_init__(self) -> None:
+        from evoesap.runtime import check_model_dtype
+
+        check_model_dtype(self.model_dtype)
+        super().__post_init__()  # the next parameter group's checks, StageParams' last
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacementParams(DeviceParams):
+    """A stage that places the model itself (`runtime.load_model`): how much of each GPU it may fill, and whether
+    what does not fit may wait in host memory."""
+
     # where the weights sit, not what the stage computes: out of the reuse key
     max_memory: str | None = param(
         None, "With device_map: the most each GPU may hold of the model, e.g. 70GB (room for activations).", keyed=False
@@ -175,14 +188,12 @@ class DeviceParams(StageParams):
 
     def __post_init__(self) -> None:
         from evoesap.sizes import parse_bytes
-        from evoesap.runtime import check_model_dtype
 
-        check_model_dtype(self.model_dtype)
         if (self.max_memory is not None or self.offload) and self.device_map is None:
             raise ConfigError("max_memory and offload say how device_map places the model: set device_map: auto as well")
         if self.max_memory is not None and parse_bytes(self.max_memory) <= 0:
             raise ConfigError(f"max_memory must be a positive size such as 70GB, got {self.max_memory!r}")
-        super().__post_init__()  # the next parameter group's checks, StageParams' last
+        super().__post_init__()
 
     @property
     def placement(self) -> dict[str, Any]:

@@ -290,14 +290,17 @@ def build_subpipeline(
 
 
 def build_pipeline(config: PipelineConfig) -> Callable:
-    """The standalone pipeline: the full model given by path, URI or hub name (`dsl.importer`, with a hub
-    model's `revision` in the imported artifact's metadata), then the DAG."""
+    """The standalone pipeline: the full model given by path, URI or hub name (`dsl.importer`), then the DAG.
+
+    A hub model's revision rides in the `model` parameter itself (`org/name@REV`, the configuration's
+    `pinned_model`): a cluster's importer stores its metadata as compiled, so a run-time revision there would
+    reach the stages as a literal placeholder (backend/src/v2/component/importer_launcher.go copies
+    `importer.metadata` unresolved), while its artifact URI is resolved from the pipeline's inputs."""
     stages = build_subpipeline(config)
     d = _defaults(config)
 
     def evoesap_pipeline(
-        model: str = config.model,
-        revision: str = config.revision or "",
+        model: str = config.pinned_model,
         calibration_data: str = d["calibration_data"],
         search_data: str = d["search_data"],
         storage_root: str = d["storage_root"],
@@ -311,8 +314,7 @@ def build_pipeline(config: PipelineConfig) -> Callable:
         publish_params: dict = d["publish_params"],
         heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
     ) -> Outputs:
-        # the revision travels with the model artifact (its metadata, in ML Metadata too); every stage reads it there
-        imported = dsl.importer(artifact_uri=model, artifact_class=Model, reimport=False, metadata={"revision": revision})
+        imported = dsl.importer(artifact_uri=model, artifact_class=Model, reimport=False)
         imported.set_display_name("model").set_caching_options(enable_caching=False)
         run = stages(
             model=imported.output,

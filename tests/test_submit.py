@@ -203,7 +203,7 @@ def test_unknown_or_mistyped_override_is_refused_before_anything_is_created(kfp_
         submit(PipelineConfig(**CONFIG), Submission(host=kfp_api, overrides={"heldout_data": "/data/h.jsonl"}))
     with pytest.raises(ConfigError, match="grid='all'.*takes list"):
         submit(PipelineConfig(**CONFIG), Submission(host=kfp_api, overrides={"grid": "all"}))
-    with pytest.raises(ConfigError, match="revision 'v1' applies to hub models"):  # /models/full is a path
+    with pytest.raises(ConfigError, match="--set revision: the pipeline has no such parameter"):  # it rides in `model`
         submit(PipelineConfig(**CONFIG), Submission(host=kfp_api, overrides={"revision": "v1"}))
     assert not _posts()
 

@@ -8,13 +8,13 @@ from typing import ClassVar
 
 from evoesap import artifacts, bounds, runtime
 from evoesap.errors import ConfigError
-from evoesap.params import DeviceParams, SampleParams, keyed, param
+from evoesap.params import PlacementParams, SampleParams, keyed, param
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class CacheLogitsParams(DeviceParams, SampleParams):
+class CacheLogitsParams(PlacementParams, SampleParams):
     """What to cache and how; validated on construction, before any model is loaded."""
 
     DEFAULT_SAMPLES: ClassVar[int] = 64

@@ -7,13 +7,13 @@ import logging
 from typing import ClassVar
 
 from evoesap import artifacts, bounds, runtime
-from evoesap.params import DeviceParams, SampleParams, keyed, param
+from evoesap.params import PlacementParams, SampleParams, keyed, param
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class CalibrateParams(DeviceParams, SampleParams):
+class CalibrateParams(PlacementParams, SampleParams):
     """Which calibration samples are observed and how; scores accumulate in float64 whatever the model dtype."""
 
     DEFAULT_SAMPLES: ClassVar[int] = 1024

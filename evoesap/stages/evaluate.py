@@ -11,7 +11,7 @@ from typing import Any, Iterator
 from evoesap import artifacts, bounds, records, runtime, vllm_eval
 from evoesap import lmeval
 from evoesap.errors import ConfigError, DataError
-from evoesap.params import DeviceParams, keyed, param
+from evoesap.params import PlacementParams, keyed, param
 from evoesap.identity import is_hub_name, is_uri
 
 log = logging.getLogger(__name__)
@@ -21,7 +21,7 @@ SCHEMA_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
-class EvaluateParams(DeviceParams):
+class EvaluateParams(PlacementParams):
     """What to run and how; the labels (criterion, sparsity, method) only name the run in the report."""
 
     tasks: tuple[str, ...] = param(

@@ -62,7 +62,8 @@ def check_recipe(name: str) -> Recipe:
 
 @dataclasses.dataclass(frozen=True)
 class QuantizeParams(DeviceParams, SampleParams):
-    """Which recipe, and which calibration samples the calibrated recipes observe."""
+    """Which recipe, and which calibration samples the calibrated recipes observe (llm-compressor places the model
+    and onloads its layers itself: no max_memory or offload here)."""
 
     DEFAULT_SAMPLES: ClassVar[int] = 256
 
@@ -74,10 +75,6 @@ class QuantizeParams(DeviceParams, SampleParams):
     def __post_init__(self) -> None:
         if self.recipe is not None:
             check_recipe(self.recipe)
-        if self.max_memory is not None or self.offload:  # llm-compressor places the model itself (device_map alone)
-            raise ConfigError(
-                "quantize takes device_map alone: drop max_memory and offload (llm-compressor onloads layers itself)"
-            )
         super().__post_init__()
 
     def tool_versions(self) -> dict[str, str]:

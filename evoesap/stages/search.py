@@ -33,7 +33,7 @@ import pandas as pd
 from evoesap import allocation as alloc
 from evoesap import artifacts, bounds, records, runtime
 from evoesap.errors import ConfigError
-from evoesap.params import DeviceParams, keyed, param
+from evoesap.params import PlacementParams, keyed, param
 from evoesap.progress import progress
 from evoesap.racing import Racing
 
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class SearchParams(DeviceParams):
+class SearchParams(PlacementParams):
     """Search settings; defaults are the paper's (seed 42, P 32, m 4, Delta_max 4, tau_max 3)."""
 
     criterion: str = param(
