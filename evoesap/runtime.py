@@ -225,6 +225,8 @@ def load_model(
         if artifacts.exists(artifacts.join(str(source), artifacts.MANIFEST)):
             stage = artifacts.read_manifest(str(source)).stage
             artifacts.verify(uri, stage if stage in CHECKPOINT_STAGES else "prune", local=Path(source))
+        if model_dtype == "auto" and Path(str(source)).is_dir():  # as stored: its bytes are a floor of the loaded size
+            check_budget(checkpoint_bytes(str(source)), kwargs.get("max_memory"), max_memory)
         model = moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype], **kwargs).eval()
     check_placement(getattr(model, "hf_device_map", None), offload, max_memory)
     if getattr(model, "ct_decompress_hook", None) is not None:
@@ -301,6 +303,22 @@ def placement_map(device: str) -> dict[str, str] | None:
     """The `device_map` that puts the whole model on one device as it loads; None for the CPU, where
     transformers loads anyway (and a device_map would add dispatch hooks for nothing)."""
     return None if torch.device(device).type == "cpu" else {"": device}
+
+
+def check_budget(weights: int, budget: dict[int | str, int] | None, max_memory: str | None) -> None:
+    """Refuse, before any weight loads, a checkpoint of `weights` bytes that the GPUs of a `max_memory` budget
+    (`placement_kwargs`) cannot hold when the host is not in it (no `offload`): accelerate would put the rest
+    on the disk. `check_placement` judges the placement accelerate then makes."""
+    if not budget or "cpu" in budget:
+        return
+    gpus = sum(budget.values())
+    if weights > gpus:
+        cap = f" at max_memory {max_memory}" if max_memory else ""
+        raise ResourceError(
+            f"the checkpoint's {weights / 2**30:.1f} GiB of weights exceed what its {len(budget)} GPU(s) may hold{cap} "
+            f"({gpus / 2**30:.1f} GiB). Set offload: true to keep the rest in host memory (each forward copies it over "
+            f"PCIe; evoesap plan says how slow), or use more GPUs or a larger max_memory"
+        )
 
 
 def check_placement(device_map: dict[str, Any] | None, offload: bool, max_memory: str | None) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "images"
-TORCH_RUNTIME = r"nvidia-.*|triton|cuda-.*"  # torch's CUDA build pins these itself; the CPU build has none
+TORCH_RUNTIME = r"nvidia-(?!ml-py$).*|triton|cuda-.*"  # torch's CUDA build pins these itself (nvidia-ml-py, an NVML binding, is not one)
 
 
 def dockerfile_arg(name: str) -> str:

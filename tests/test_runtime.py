@@ -148,6 +148,19 @@ def test_a_placement_on_the_disk_or_in_host_memory_without_offload_is_refused_na
         runtime.check_placement({"model.layers.0": 0, "model.layers.1": "disk"}, True, None)
 
 
+def test_a_checkpoint_larger_than_the_gpu_budget_is_refused_before_any_weight_loads(tmp_path, monkeypatch):
+    runtime.check_budget(100 << 30, None, None)  # no budget: accelerate's own choice
+    runtime.check_budget(100 << 30, {0: 70 << 30, "cpu": 500 << 30}, "70GB")  # offload: the host takes the rest
+    runtime.check_budget(100 << 30, {0: 70 << 30, 1: 40 << 30}, "70GB")
+    with pytest.raises(ResourceError, match=r"100.0 GiB of weights exceed what its 2 GPU\(s\) may hold at max_memory 70GB"):
+        runtime.check_budget(100 << 30, {0: 70 << 30, 1: 20 << 30}, "70GB")
+    moe.tiny_model("olmoe").save_pretrained(tmp_path)
+    monkeypatch.setattr(runtime, "placement_kwargs", lambda *args: {"device_map": "auto", "max_memory": {0: 1024}})
+    monkeypatch.setattr(moe, "load_pruned", lambda *a, **k: pytest.fail("weights loaded before the refusal"))
+    with pytest.raises(ResourceError, match="offload: true"):
+        runtime.load_model(str(tmp_path), device="cuda", device_map="auto", max_memory="1KiB")
+
+
 @pytest.mark.parametrize("settings", [{"max_memory": "70GB"}, {"offload": True}, {"device_map": "auto", "max_memory": "0GB"}])
 def test_max_memory_and_offload_need_a_device_map_and_a_size(settings):
     from evoesap.stages import get
