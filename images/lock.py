@@ -24,7 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "images"
-TORCH_RUNTIME = r"nvidia-(?!ml-py$).*|triton|cuda-.*"  # torch's CUDA build pins these itself (nvidia-ml-py, an NVML binding, is not one)
+TORCH_RUNTIME = (
+    r"nvidia-(?!ml-py$).*|triton|cuda-.*"  # torch's CUDA build pins these itself (nvidia-ml-py, an NVML binding, is not one)
+)
 
 
 def dockerfile_arg(name: str) -> str:
