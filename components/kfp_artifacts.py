@@ -29,11 +29,19 @@ log = logging.getLogger(__name__)
 _LAUNCHER_SCHEMES = ("gs://", "s3://", "minio://", "oci://")
 
 
+def referenced(artifact: Any) -> str | None:
+    """The URI an input artifact stands for, where its metadata names one: one of ours, its storage URI; a model
+    reference (`components.reference`), the model it names. None for anything else."""
+    if artifact.metadata.get("uri") and artifact.metadata.get("stage"):
+        return artifact.metadata["uri"]
+    return artifact.metadata.get("model") or None
+
+
 def source(artifact: Any) -> str | None:
     """The URI a stage reads for an input artifact (None when an optional input was not given).
 
-    One of ours: the storage URI in its metadata. Anything else (a team's model, an imported URI or hub
-    name): the local copy KFP made when there is one, else the artifact's URI itself; a hub name whose
+    One whose metadata names a URI (`referenced`): that URI. Anything else (a team's model, an imported URI or
+    hub name): the local copy KFP made when there is one, else the artifact's URI itself; a hub name whose
     metadata names a `revision` (branch, tag or commit) is read at that revision (`org/name@revision`),
     and a revision on anything else is refused.
     """
@@ -41,16 +49,19 @@ def source(artifact: Any) -> str | None:
 
     if artifact is None:
         return None
-    if artifact.metadata.get("uri") and artifact.metadata.get("stage"):
-        return artifact.metadata["uri"]
+    named = referenced(artifact)
+    if named:
+        return named
     path = artifact.path
     return pin(path if path and os.path.exists(path) else artifact.uri, artifact.metadata.get("revision") or None)
 
 
 def artifact_uri(kfp_uri: str, uri: str) -> str | None:
     """The URI a KFP output artifact first given `kfp_uri` takes to be the stage's artifact at `uri`, or None
-    where KFP would refuse it (both in object storage: `uri` is not under the run's directory)."""
-    if kfp_uri.startswith(_LAUNCHER_SCHEMES) and uri.startswith(_LAUNCHER_SCHEMES):
+    where a cluster would refuse it: under an object-store pipeline root, always. The producer's launcher fails
+    an object-store `uri` outside the run's directory, and every consumer's launcher fails on an input whose URI
+    names no object store (a path on a shared volume, `file://`: launcher_v2.go `fetchNonDefaultBuckets`)."""
+    if kfp_uri.startswith(_LAUNCHER_SCHEMES):
         return None
     if uri.startswith("file://"):
         return os.path.abspath(uri.removeprefix("file://"))

@@ -44,9 +44,10 @@ _STORAGE = (
     "inputs and parameters are unchanged is found finished there and reused."
 )
 _FULL_MODEL = (
-    "model: The full MoE model: a checkpoint directory (a team's Output[Model]), or dsl.importer of a path, URI or hub "
-    "name; a hub name is read at the branch, tag or commit in the artifact's metadata `revision` (default: its "
-    "default branch), and identified by the commit that resolves to."
+    "model: The full MoE model: a checkpoint directory (a team's Output[Model]), the output of "
+    "evoesap.components.reference.model_reference naming a path, URI or hub name (`org/name@REV` at a branch, tag "
+    "or commit; a cluster's importer takes object-store URIs only), or dsl.importer of an object-store URI; a hub "
+    "name is identified by the commit its revision resolves to."
 )
 
 

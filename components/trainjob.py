@@ -47,15 +47,15 @@ def search_trainjob(
 
 
 def shared(artifact: Any) -> Optional[str]:
-    """The URI of an input artifact that every pod of the job reads alike: ours, its storage URI; anything else,
-    the artifact's own URI (at its hub `revision`), never the copy KFP made inside this launcher's pod."""
+    """The URI of an input artifact that every pod of the job reads alike: the one its metadata names
+    (`kfp_artifacts.referenced`); anything else, the artifact's own URI (at its hub `revision`), never the copy
+    KFP made inside this launcher's pod."""
+    from evoesap.components.kfp_artifacts import referenced
     from evoesap.identity import pin
 
     if artifact is None:
         return None
-    if artifact.metadata.get("uri") and artifact.metadata.get("stage"):
-        return artifact.metadata["uri"]
-    return pin(artifact.uri, artifact.metadata.get("revision") or None)
+    return referenced(artifact) or pin(artifact.uri, artifact.metadata.get("revision") or None)
 
 
 def make_search_trainjob(image: str) -> dsl.component:

@@ -82,18 +82,20 @@ def publish(pruned_models: Input[List[Model]], report: Input[Markdown], release:
     lines = ["# Release", ""]
     models = []
     for pruned in pruned_models:
-        # model.path is the checkpoint (on a cluster, the launcher's copy of model.uri); its record is there too
+        # model.path holds the checkpoint's record and config.json: the whole checkpoint under kfp.local or a shared
+        # pipeline root; under an object-store pipeline root a view of its small files, the weights at metadata["uri"]
         meta = facts(pruned.path)
+        checkpoint = pruned.metadata.get("uri") or pruned.uri  # where the weights are stored
         counts = list(meta["expert_counts"])
         config = json.load(open(os.path.join(pruned.path, "config.json")))  # the checkpoint's own config
         stored = config.get("evoesap_num_experts_per_layer")
         if stored is not None and sorted(stored.values()) != sorted(counts):
-            raise ValueError(f"{pruned.uri}: recorded expert counts {counts} disagree with its config {stored}")
+            raise ValueError(f"{checkpoint}: recorded expert counts {counts} disagree with its config {stored}")
         lines.append(
             f"- {meta['criterion']} at {meta['sparsity']:.0%}: experts per layer {counts}, "
-            f"{meta['parameter_bytes'] / 2**20:.2f} MiB of parameters, checkpoint {pruned.uri}"
+            f"{meta['parameter_bytes'] / 2**20:.2f} MiB of parameters, checkpoint {checkpoint}"
         )
-        models.append({"uri": pruned.uri, "expert_counts": counts})
+        models.append({"uri": checkpoint, "expert_counts": counts})
     lines += ["", f"Report: {report.metadata['uri']}"]
     with open(release.path, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -4,10 +4,9 @@ calibrate and cache-logits run once; for each criterion x sparsity a search, a s
 prune, and their evaluations fan out (ParallelFor); when the `quantize` section names a recipe, the searched
 checkpoint's quantize step and its evaluation; with `publish_models` the publish (model card, push) of the searched
 model, or of its quantized checkpoint when quantize is on. The full model is evaluated once; the report collects
-everything; each searched checkpoint is handed on imported at its stored URI (`components.stored`).
-`build_subpipeline` is that DAG for a full model given as an artifact (a step of another pipeline), with pod
-settings the outer pipeline overrides or binds; `build_pipeline` imports the model from a path, URI or hub name
-and runs it.
+everything; each searched prune output is handed on (`pruned_models`). `build_subpipeline` is that DAG for a
+full model given as an artifact (a step of another pipeline), with pod settings the outer pipeline overrides or
+binds; `build_pipeline` names the model (a path, URI or hub name) by a reference step and runs it.
 """
 
 # No `from __future__ import annotations`: kfp reads the pipeline function's real annotations.
@@ -21,7 +20,8 @@ from typing import Any, Callable, Iterable, List, Mapping, NamedTuple
 from kfp import compiler, dsl
 from kfp.dsl import HTML, Input, Markdown, Model
 
-from evoesap.components import StageComponents, make_components, stored
+from evoesap.components import StageComponents, make_components
+from evoesap.components.reference import make_reference
 from evoesap.components.trainjob import make_search_trainjob
 from evoesap.pipeline.feasibility import check_grid
 from evoesap.errors import ConfigError
@@ -169,8 +169,6 @@ def build_subpipeline(
     bound = {image: make_components(image) for image in {config.stage_image(stage.name) for stage in STAGES}}
     comps = StageComponents(**{stage.section: getattr(bound[config.stage_image(stage.name)], stage.section) for stage in STAGES})
     d = _defaults(config, [stage for stage, names in runtime.items() if "accelerator_count" in names])
-    lookup_uri = stored.make_lookup(config.default_image)
-    all_settings = config.resources.get("all") or cluster.StageSettings()  # a small pod: credentials, labels, pull secrets
 
     def evoesap_stages(
         model: Input[Model],
@@ -253,12 +251,6 @@ def build_subpipeline(
                                            "evaluate quantized")  # fmt: skip
                 release = {"quantized": quantized.outputs["quantized"],
                            "quantized_evaluation": evals["quantized"].outputs["evaluation"]}  # fmt: skip
-            # what the sub-pipeline hands on: the stored checkpoint at its own URI, whether or not KFP kept the
-            # prune output as a view (`components.stored`)
-            lookup = cluster.apply(lookup_uri(artifact=pruned["searched"].outputs["pruned"]), all_settings, config.retries)
-            lookup.set_display_name("stored uri").set_caching_options(enable_caching=False)
-            handed_on = stored.import_stored(uri=lookup.output).set_display_name("searched model")
-            handed_on.set_caching_options(enable_caching=False)
             if config.publish_models:
                 stage("publish", comps.publish(pruned=pruned["searched"].outputs["pruned"], storage_root=storage_root,
                                                evaluation=evals["searched"].outputs["evaluation"],
@@ -280,7 +272,9 @@ def build_subpipeline(
         return Outputs(
             report=report.outputs["markdown"],
             report_html=report.outputs["page"],
-            pruned_models=dsl.Collected(handed_on.output),
+            # the prune outputs themselves: no importer in the loop (a cluster's importer takes object-store URIs
+            # only, and kubeflow/pipelines#10860: importers inside a ParallelFor); the checkpoint is at metadata["uri"]
+            pruned_models=dsl.Collected(pruned["searched"].outputs["pruned"]),
         )
 
     extra = [parameter for by_setting in runtime.values() for parameter in by_setting.values()]
@@ -290,14 +284,15 @@ def build_subpipeline(
 
 
 def build_pipeline(config: PipelineConfig) -> Callable:
-    """The standalone pipeline: the full model given by path, URI or hub name (`dsl.importer`), then the DAG.
+    """The standalone pipeline: the full model given by path, URI or hub name, then the DAG.
 
-    A hub model's revision rides in the `model` parameter itself (`org/name@REV`, the configuration's
-    `pinned_model`): a cluster's importer stores its metadata as compiled, so a run-time revision there would
-    reach the stages as a literal placeholder (backend/src/v2/component/importer_launcher.go copies
-    `importer.metadata` unresolved), while its artifact URI is resolved from the pipeline's inputs."""
+    The model reaches the stages as a reference (`components.reference`): a cluster's importer takes object-store
+    URIs only, so a hub name or a path cannot be imported there. A hub model's revision rides in the `model`
+    parameter itself (`org/name@REV`, the configuration's `pinned_model`), never in metadata compiled with a
+    run-time placeholder, which a cluster would store unresolved."""
     stages = build_subpipeline(config)
     d = _defaults(config)
+    reference = make_reference(config.default_image)
 
     def evoesap_pipeline(
         model: str = config.pinned_model,
@@ -314,10 +309,10 @@ def build_pipeline(config: PipelineConfig) -> Callable:
         publish_params: dict = d["publish_params"],
         heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
     ) -> Outputs:
-        imported = dsl.importer(artifact_uri=model, artifact_class=Model, reimport=False)
+        imported = cluster.apply(reference(model=model), config.resources.get("all") or cluster.StageSettings(), config.retries)
         imported.set_display_name("model").set_caching_options(enable_caching=False)
         run = stages(
-            model=imported.output,
+            model=imported.outputs["reference"],
             calibration_data=calibration_data,
             search_data=search_data,
             **({"heldout_data": heldout_data} if config.heldout_data else {}),

@@ -178,7 +178,7 @@ def team_run(tmp_path_factory):
 
 def test_team_pipeline_publishes_the_pruned_models_it_was_handed(team_run):
     first = team_run["first"]
-    (model,) = first["pruned_models"]  # the importer's artifact: its own URI is the stored checkpoint
+    (model,) = first["pruned_models"]  # the searched prune output: under kfp.local its URI is the stored checkpoint
     uri = model.uri
     assert model.path == uri and Path(uri).parent.name == "prune" and (Path(uri) / "model.safetensors").is_file()
     record = facts(uri)

@@ -10,7 +10,6 @@ from kfp import dsl
 
 from evoesap import artifacts
 from evoesap.components.kfp_artifacts import artifact_uri, publish
-from evoesap.components.stored import stored_uri
 
 
 def _artifact(uri: str, stage: str, files: dict[str, bytes]) -> str:
@@ -33,11 +32,13 @@ def test_a_local_output_becomes_the_stored_artifact_and_nothing_is_written_at_kf
 
 
 def test_where_kfps_launcher_keeps_a_changed_output_uri():
-    """launcher_v2 uploads gs/s3/minio/oci outputs and refuses one outside the run's directory; other URIs it keeps."""
+    """launcher_v2 uploads gs/s3/minio/oci outputs and refuses one outside the run's directory; a consumer's launcher
+    refuses an input URI that names no object store: under an object-store pipeline root, KFP's URI stays."""
     assert artifact_uri("/tmp/kfp/run/task/model", "s3://bucket/evoesap/prune/k") == "s3://bucket/evoesap/prune/k"
     assert artifact_uri("/tmp/kfp/run/task/model", "file:///data/prune/k") == "/data/prune/k"
     assert artifact_uri("/tmp/kfp/run/task/model", "relative/prune/k") == str(Path("relative/prune/k").resolve())
-    assert artifact_uri("s3://root/pipe/run/task/salt/model", "/mnt/evoesap/prune/k") == "/mnt/evoesap/prune/k"  # shared volume
+    # a shared volume under an object-store pipeline root: a consumer's launcher would fail on a path URI
+    assert artifact_uri("s3://root/pipe/run/task/salt/model", "/mnt/evoesap/prune/k") is None
     assert artifact_uri("s3://root/pipe/run/task/salt/model", "s3://bucket/evoesap/prune/k") is None
     assert artifact_uri("minio://mlpipeline/v2/artifacts/p/r/t/model", "gs://bucket/evoesap/prune/k") is None
 
@@ -54,17 +55,6 @@ def test_an_object_store_artifact_is_the_output_locally_and_a_view_under_an_obje
     assert cluster.uri == f"s3://{bucket}/pipeline-root/p/run/cache-logits/cache" and cluster.metadata["uri"] == uri
     assert sorted(p.name for p in Path(cluster.path).iterdir()) == ["config.json", "manifest.json"]  # weights never copied
     assert fs.cat_file(f"{bucket}/evoesap/cache-logits/k/model.safetensors") == WEIGHTS["model.safetensors"]
-
-
-def test_the_lookup_finds_the_stored_uri_behind_a_view_and_refuses_a_foreign_artifact(tmp_path, s3):
-    _, _, bucket = s3
-    uri = _artifact(f"s3://{bucket}/evoesap/calibrate/k", "calibrate", WEIGHTS)  # any stage's output; no facts needed
-    view = dsl.Model(name="pruned", uri=f"s3://{bucket}/pipeline-root/p/run/task/pruned")  # a cluster's launcher
-    view.set_path(str(tmp_path / "pod" / "pruned"))
-    publish(view, uri)
-    assert view.uri != uri and stored_uri(view) == uri  # what dsl.importer then imports: the weights' own URI
-    with pytest.raises(ValueError, match="is not an EvoESAP stage's output"):
-        stored_uri(dsl.Model(name="trained", uri="s3://team/trained", metadata={"base_model": "x"}))
 
 
 # ------------------------------------------------------------------ a kfp.local pipeline and a consumer that knows nothing of EvoESAP
@@ -102,7 +92,7 @@ def test_a_kfp_local_consumer_loads_the_pruned_model_from_model_path_stored_once
     from kfp import local
 
     from evoesap import moe
-    from evoesap.components import make_components, stored
+    from evoesap.components import make_components
     from tiny_world import make_tiny_inputs
 
     files = make_tiny_inputs(tmp_path / "inputs")
@@ -111,8 +101,7 @@ def test_a_kfp_local_consumer_loads_the_pruned_model_from_model_path_stored_once
     storage, pipeline_root = tmp_path / "storage", tmp_path / "kfp"
     comps = make_components()
     consumer = dsl.component(base_image="python:3.11", install_kfp_package=False)(consume)
-    lookup = stored.make_lookup("python:3.11")
-    Outputs = NamedTuple("Outputs", report=str, pruned=dsl.Model, imported_report=str, imported=dsl.Model)
+    Outputs = NamedTuple("Outputs", report=str, pruned=dsl.Model)
 
     @dsl.pipeline
     def release(model_uri: str, data: str, storage_root: str) -> Outputs:
@@ -125,11 +114,7 @@ def test_a_kfp_local_consumer_loads_the_pruned_model_from_model_path_stored_once
         for task in (scores, pruned):
             task.set_caching_options(enable_caching=False)
         consumed = consumer(model=pruned.outputs["pruned"]).set_caching_options(enable_caching=False)
-        # what build_subpipeline hands on: the stored URI looked up, then imported (components.stored)
-        uri = lookup(artifact=pruned.outputs["pruned"]).set_caching_options(enable_caching=False)
-        imported = stored.import_stored(uri=uri.output).set_caching_options(enable_caching=False)
-        from_import = consumer(model=imported.output).set_caching_options(enable_caching=False)
-        return Outputs(consumed.output, pruned.outputs["pruned"], from_import.output, imported.output)
+        return Outputs(consumed.output, pruned.outputs["pruned"])
 
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(pipeline_root))
     runs, started = [], []
@@ -140,9 +125,7 @@ def test_a_kfp_local_consumer_loads_the_pruned_model_from_model_path_stored_once
     assert started[0] == started[1]  # made once, reused by the second run
     for run in runs:  # the second run reuses the stored artifact: the same URI, the same one copy
         pruned, report = run.outputs["pruned"], json.loads(run.outputs["report"])
-        assert pruned.uri == pruned.metadata["uri"] == str(prune_dir)
-        assert run.outputs["imported"].uri == run.outputs["imported"].path == str(prune_dir)
-        assert json.loads(run.outputs["imported_report"]) == report  # the imported artifact is the same checkpoint
+        assert pruned.uri == pruned.path == pruned.metadata["uri"] == str(prune_dir)
         assert report["num_experts"] == 4 and report["finite"]  # 8 experts, half removed uniformly
         assert report["weight_bytes"] > 1 << 20 and report["parameter_bytes"] == int(pruned.metadata["parameter_bytes"])
         stored = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in prune_dir.glob("*.safetensors")}

@@ -118,7 +118,7 @@ def _same_task(evaluation: dict, metrics: dict, pipeline_root: Path) -> bool:
 
 def test_local_run_records_typed_artifacts_whose_metadata_matches_the_manifests(first_run):
     storage, outputs = first_run["storage"], first_run["outputs"]
-    (pruned,) = outputs["pruned_models"]  # the importer's artifact of the stored checkpoint
+    (pruned,) = outputs["pruned_models"]  # the searched prune output: under kfp.local, the stored checkpoint
     (searched,) = [
         p for p in _artifacts(storage, "prune") if json.loads((p / "pruning.json").read_text())["method"] == "searched"
     ]
@@ -137,8 +137,11 @@ def test_local_run_records_typed_artifacts_whose_metadata_matches_the_manifests(
     metrics = recorded["metrics"]
     assert len(metrics) == 3  # full, searched, uniform
     assert {name: len(v) for name, v in recorded.items()} == {
-        "scores": 1, "cache": 2, "allocation": 1, "pruned": 2, "evaluation": 3, "metrics": 3, "markdown": 1, "page": 1,
+        "reference": 1, "scores": 1, "cache": 2, "allocation": 1, "pruned": 2, "evaluation": 3, "metrics": 3,
+        "markdown": 1, "page": 1,
     }  # fmt: skip
+    (reference,) = recorded.pop("reference")  # the full model, named (components.reference), not imported
+    assert reference["metadata"] == {"model": first_run["config"].pinned_model}
     for name, entries in recorded.items():
         for entry in entries if name != "metrics" else ():
             manifest = artifacts.read_manifest(entry["metadata"]["uri"])

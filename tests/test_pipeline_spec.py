@@ -1,5 +1,6 @@
 """The compiled KFP spec, the configuration schema, the images and the cluster submission request."""
 
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -59,10 +60,10 @@ def _all_tasks(spec: dict) -> dict:
     return {f"{where}/{name}": task for where, tasks in dags.items() for name, task in tasks.items()}
 
 
-def test_compiled_spec_imports_the_model_and_runs_the_dag_as_a_sub_pipeline(spec):
+def test_compiled_spec_names_the_model_and_runs_the_dag_as_a_sub_pipeline(spec):
     root = spec["root"]["dag"]["tasks"]
-    assert sorted(root) == ["evoesap-stages", "importer"]
-    assert root["evoesap-stages"]["inputs"]["artifacts"]["model"]["taskOutputArtifact"]["producerTask"] == "importer"
+    assert sorted(root) == ["evoesap-stages", "model-reference"]
+    assert root["evoesap-stages"]["inputs"]["artifacts"]["model"]["taskOutputArtifact"]["producerTask"] == "model-reference"
     stages = _dag(spec, "comp-evoesap-stages")
     assert sorted(_stage(t) for t in stages.values()) == [
         "cache-logits",
@@ -82,11 +83,9 @@ def test_compiled_spec_imports_the_model_and_runs_the_dag_as_a_sub_pipeline(spec
     assert sorted(_stage(t) for t in inner.values()) == [
         "evaluate",
         "evaluate",
-        "evoesap-stored-model",  # the searched checkpoint handed on at its stored URI (below)
         "prune",
         "prune",
         "search",
-        "stored-uri",
     ]
     searched_prune = next(n for n, t in inner.items() if _stage(t) == "prune" and t.get("dependentTasks") == ["search"])
     assert any(t.get("dependentTasks") == [searched_prune] for t in inner.values() if _stage(t) == "evaluate")
@@ -129,30 +128,18 @@ def test_every_stage_takes_and_makes_artifacts_of_the_right_class(spec):
     assert _classes(spec["root"]["outputDefinitions"]) == ["HTML", "Markdown", "Model[]"]  # report, pruned models
 
 
-def test_the_sub_pipeline_hands_on_the_searched_checkpoints_imported_at_their_stored_uri(spec):
-    """pruned_models: a lookup of the searched prune output's stored URI, then dsl.importer of that URI in a DAG of
-    its own (KFP's importer launcher takes a runtime URI only from its DAG's inputs)."""
+def test_the_sub_pipeline_hands_on_the_searched_prune_outputs_with_no_importer_in_the_loop(spec):
+    """pruned_models: the searched prune task's own outputs, collected over the loop. No importer: a cluster's importer
+    takes object-store URIs only, and an importer inside a ParallelFor is not supported there (kubeflow/pipelines#10860)."""
     stages_outputs = spec["components"]["comp-evoesap-stages"]["dag"]["outputs"]["artifacts"]
     (selector,) = stages_outputs["pruned_models"]["artifactSelectors"]
     loop = _dag(spec, "comp-evoesap-stages")[selector["producerSubtask"]]
     inner = _dag(spec, loop["componentRef"]["name"])
     searched_prune = next(n for n, t in inner.items() if t.get("dependentTasks") == ["search"])
-    assert selector["outputArtifactKey"] == "pipelinechannel--evoesap-stored-model-Output"
-    lookup = inner["stored-uri"]["inputs"]["artifacts"]["artifact"]["taskOutputArtifact"]
-    assert lookup == {"outputArtifactKey": "pruned", "producerTask": searched_prune}  # the searched ones
-    handed = inner["evoesap-stored-model"]
-    assert handed["inputs"]["parameters"]["uri"]["taskOutputParameter"] == {
-        "outputParameterKey": "Output",
-        "producerTask": "stored-uri",
-    }
-    nested = spec["components"][handed["componentRef"]["name"]]
-    assert nested["outputDefinitions"]["artifacts"]["Output"]["artifactType"]["schemaTitle"] == "system.Model"
-    (importer,) = nested["dag"]["tasks"].values()
-    assert importer["inputs"]["parameters"]["uri"] == {"componentInputParameter": "uri"}  # the DAG's input, not a task's
-    executor = spec["deploymentSpec"]["executors"][spec["components"][importer["componentRef"]["name"]]["executorLabel"]]
-    assert executor["importer"]["artifactUri"] == {"runtimeParameter": "uri"} and "metadata" not in executor["importer"]
-    assert executor["importer"]["typeSchema"]["schemaTitle"] == "system.Model" and not executor["importer"].get("reimport")
-    assert not any(t.get("cachingOptions", {}).get("enableCache") for t in (importer, handed, inner["stored-uri"]))
+    loop_outputs = spec["components"][loop["componentRef"]["name"]]["dag"]["outputs"]["artifacts"]
+    (inner_selector,) = loop_outputs[selector["outputArtifactKey"]]["artifactSelectors"]
+    assert inner_selector == {"outputArtifactKey": "pruned", "producerSubtask": searched_prune}
+    assert not [name for name, e in spec["deploymentSpec"]["executors"].items() if "importer" in e]
 
 
 def test_compiled_spec_carries_resources_and_retries_and_never_kfp_caching(spec):
@@ -200,18 +187,30 @@ def test_bad_configuration_is_refused_with_the_offending_key(overrides, message)
         load_config(data)
 
 
-def test_the_model_revision_rides_in_the_model_parameter_the_importer_resolves(tmp_path):
+def test_the_model_reaches_the_stages_as_a_reference_naming_it_at_its_revision(tmp_path):
     config = load_config({"model": "org/moe", "revision": "v1.0", "calibration_data": "c", "search_data": "s"})
     assert config.revision == "v1.0" and config.pinned_model == "org/moe@v1.0"
     spec = yaml.safe_load(compile_pipeline(config, tmp_path / "spec.yaml").read_text())
     assert spec["root"]["inputDefinitions"]["parameters"]["model"]["defaultValue"] == "org/moe@v1.0"
     assert "revision" not in spec["root"]["inputDefinitions"]["parameters"]
-    importer = spec["root"]["dag"]["tasks"]["importer"]["inputs"]["parameters"]
-    assert importer == {"uri": {"componentInputParameter": "model"}}
-    executor = spec["deploymentSpec"]["executors"][spec["components"]["comp-importer"]["executorLabel"]]["importer"]
-    # a cluster's importer stores metadata as compiled: no run-time placeholder may sit there
-    assert executor["artifactUri"] == {"runtimeParameter": "uri"} and "metadata" not in executor
-    assert source(dsl.Model(name="model", uri="org/moe@v1.0")) == "org/moe@v1.0"  # what every stage then reads
+    # no importer anywhere near the full model: a cluster's importer takes object-store URIs only
+    assert not [name for name in spec["root"]["dag"]["tasks"] if "importer" in name]
+    reference = spec["root"]["dag"]["tasks"]["model-reference"]
+    assert reference["inputs"]["parameters"] == {"model": {"componentInputParameter": "model"}}
+    stages = next(t for name, t in spec["root"]["dag"]["tasks"].items() if name.endswith("-stages"))
+    assert stages["inputs"]["artifacts"]["model"] == {
+        "taskOutputArtifact": {"outputArtifactKey": "reference", "producerTask": "model-reference"}
+    }
+
+
+def test_a_model_reference_names_the_model_every_stage_then_reads(tmp_path):
+    from evoesap.components.reference import model_reference
+    from evoesap.components.trainjob import shared
+
+    reference = dsl.Model(name="reference", uri=str(tmp_path / "reference"))
+    model_reference("org/moe@v1.0", reference)
+    assert json.loads(Path(reference.path).read_text()) == {"model": "org/moe@v1.0"}
+    assert source(reference) == shared(reference) == "org/moe@v1.0"  # the name, never the JSON file KFP copied
 
 
 def test_a_revision_for_a_model_that_is_not_a_hub_name_is_refused(tmp_path):
