@@ -177,7 +177,7 @@ def resolve_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any]) -> 
         return arguments.get(name, parameters.get(name, {}).get("defaultValue"))
 
     if {"model", "grid", "search_params", "prune_params"} & set(arguments):
-        # a revision for a model that is not a hub name, or a sparsity the model cannot search: refused now, not in the run
+        # a sparsity the model cannot search or prune: refused now, not hours into the run
         check_grid(value("model"), value("grid"), value("search_params"), value("prune_params"))
     return arguments
 
