@@ -45,16 +45,15 @@ def _quantize(uri: str) -> dict[str, Any]:
     doc = records.read(uri, records.QuantizationRecord).to_json()
     keys = ("recipe", "scheme", "num_experts_per_layer", "checkpoint_bytes_before", "checkpoint_bytes_after")
     source = artifacts.read_manifest(uri, "quantize").inputs["model"]
-    pruned = source.get("uri")
-    same = bool(source.get("manifest_sha256")) and artifacts.exists(artifacts.join(pruned, artifacts.MANIFEST))
-    if (
-        same
-        and artifacts.manifest_sha256(pruned) == source["manifest_sha256"]
+    pruned, digest = source.get("uri"), source.get("manifest_sha256")
+    # the very prune artifact it quantized; none: a checkpoint of ours no longer where it was, or any other checkpoint
+    ours = (
+        bool(digest)
+        and artifacts.exists(artifacts.join(pruned, artifacts.MANIFEST))
+        and artifacts.manifest_sha256(pruned) == digest
         and artifacts.read_manifest(pruned).stage == "prune"
-    ):
-        labels = {k: v for k, v in _prune(pruned).items() if k in ("method", "criterion", "sparsity")}
-    else:
-        labels = {}  # a checkpoint of our own making no longer where it was, or any other checkpoint
+    )
+    labels = {k: v for k, v in _prune(pruned).items() if k in ("method", "criterion", "sparsity")} if ours else {}
     return {**labels, **{k: doc[k] for k in keys}}
 
 

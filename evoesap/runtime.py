@@ -225,8 +225,9 @@ def load_model(
         if artifacts.exists(artifacts.join(str(source), artifacts.MANIFEST)):
             stage = artifacts.read_manifest(str(source)).stage
             artifacts.verify(uri, stage if stage in CHECKPOINT_STAGES else "prune", local=Path(source))
-        if model_dtype == "auto" and Path(str(source)).is_dir():  # as stored: its bytes are a floor of the loaded size
-            check_budget(checkpoint_bytes(str(source)), kwargs.get("max_memory"), max_memory)
+        budget = kwargs.get("max_memory")
+        if budget and "cpu" not in budget and model_dtype == "auto" and Path(str(source)).is_dir():
+            check_budget(checkpoint_bytes(str(source)), budget, max_memory)  # as stored: a floor of the loaded size
         model = moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype], **kwargs).eval()
     check_placement(getattr(model, "hf_device_map", None), offload, max_memory)
     if getattr(model, "ct_decompress_hook", None) is not None:

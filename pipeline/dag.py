@@ -309,10 +309,10 @@ def build_pipeline(config: PipelineConfig) -> Callable:
         publish_params: dict = d["publish_params"],
         heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
     ) -> Outputs:
-        imported = cluster.apply(reference(model=model), config.resources.get("all") or cluster.StageSettings(), config.retries)
-        imported.set_display_name("model").set_caching_options(enable_caching=False)
+        named = cluster.apply(reference(model=model), config.resources.get("all") or cluster.StageSettings(), config.retries)
+        named.set_display_name("model").set_caching_options(enable_caching=False)
         run = stages(
-            model=imported.outputs["reference"],
+            model=named.outputs["reference"],
             calibration_data=calibration_data,
             search_data=search_data,
             **({"heldout_data": heldout_data} if config.heldout_data else {}),

@@ -67,7 +67,7 @@ def run_cmd(
         claim_output_file(log, "--log", LOG_HEADER, inputs=(config,))
     outputs = run_local(load_config(config), log_path=log, runner=runner)
     for model in outputs["pruned_models"]:
-        typer.echo(f"pruned model: {model.uri}")
+        typer.echo(f"pruned model: {model.metadata['uri']}")
     typer.echo(report_uri(outputs))
 
 
