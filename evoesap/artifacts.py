@@ -28,7 +28,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, NoReturn
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -346,32 +346,81 @@ class Occupied(ConfigError):
         self.what = what
 
 
-def occupant(out_uri: str, stage: str) -> str:
+def occupant(out_uri: str, stage: str, lease: str | None = None) -> str:
     """What the output location holds: "absent", "empty", "artifact:<manifest sha256>" or
     "publishing:<sha256>" (an interrupted remote publish of `stage`). Anything else (another stage's
     artifact, user files, files an earlier artifact's manifest does not list) is refused: it is not ours
-    to replace."""
+    to replace. `lease`: the token of this process's own publishing.json, which does not count. A location
+    that changes while it is read (another run's publish swapping it in that instant) is read again."""
+    for attempt in range(_SETTLE_TRIES):
+        try:
+            return _occupant_now(out_uri, stage, lease)
+        except _Moving:
+            time.sleep(0.02 * (attempt + 1))
+    raise ArtifactError(
+        f"--out {redact(out_uri)} kept changing while it was read: is another run writing it? re-run when it is done"
+    )
+
+
+class _Moving(Exception):
+    """The location changed between two reads of one look at it (a concurrent swap): look again."""
+
+
+def _read_settled(uri: str) -> bytes:
+    """The bytes of a file that was just listed; its disappearance means the location is moving."""
+    try:
+        return read_bytes(uri)
+    except (ArtifactError, FileNotFoundError):
+        if exists(uri):
+            raise
+        raise _Moving from None
+
+
+def _manifest_at(out_uri: str) -> Manifest | None:
+    """The manifest at a listed location, None when malformed (a directory, a FIFO, bad JSON)."""
+    fs, path = split(join(out_uri, MANIFEST))
+    if not fs.isfile(path):
+        if not fs.exists(path):
+            raise _Moving
+        return None
+    try:
+        return Manifest.from_json(_read_settled(join(out_uri, MANIFEST)).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, TypeError):
+        return None
+
+
+def _occupant_now(out_uri: str, stage: str, lease: str | None) -> str:
     fs, path = split(out_uri)
-    if not fs.exists(path):
+    fs.invalidate_cache(path)  # other processes publish here: what this process listed before may be stale
+    try:
+        kind = fs.info(path)["type"]  # one look: exists-then-isdir could straddle another run's swap
+    except FileNotFoundError:
         return "absent"
-    if not fs.isdir(path):
+    if kind != "directory":
         raise Occupied(out_uri, "is an existing file", f"give a new or empty directory (or an earlier {stage} output)")
-    names = sorted(Path(p.rstrip("/")).name for p in fs.ls(path, detail=False))
+    try:
+        names = sorted(Path(p.rstrip("/")).name for p in fs.ls(path, detail=False))
+    except FileNotFoundError:
+        raise _Moving from None
+    own = set()
+    if lease is not None and PUBLISHING in names and _publishing_record(out_uri).get("token") == lease:
+        names.remove(PUBLISHING)
+        own = {PUBLISHING}
+        if names and MANIFEST not in names:  # what an interrupted publish left, which our lease took over
+            _refuse_unlisted(out_uri, stage, _ours_while_publishing(out_uri))
+            return _TAKEN_OVER
     if not names:
         return "empty"
     if PUBLISHING in names and _publishing_record(out_uri).get("stage") == stage:
         _refuse_unlisted(out_uri, stage, _ours_while_publishing(out_uri))
-        return f"publishing:{sha256_bytes(read_bytes(join(out_uri, PUBLISHING)))}"
+        return f"publishing:{sha256_bytes(_read_settled(join(out_uri, PUBLISHING)))}"
     if MANIFEST in names:
-        try:
-            manifest = read_manifest(out_uri)
-        except ArtifactError:
-            manifest = None
+        manifest = _manifest_at(out_uri)
         if manifest is None or manifest.stage != stage:
             what = f"a {manifest.stage!r} artifact" if manifest else "a malformed manifest"
             raise Occupied(out_uri, f"holds {what}, not a {stage} output", "choose another --out (or delete it)")
-        _refuse_unlisted(out_uri, stage, set(manifest.files) | {MANIFEST})
-        return f"artifact:{sha256_bytes(read_bytes(join(out_uri, MANIFEST)))}"
+        _refuse_unlisted(out_uri, stage, set(manifest.files) | {MANIFEST} | own)
+        return f"artifact:{sha256_bytes(_read_settled(join(out_uri, MANIFEST)))}"
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
     raise Occupied(
         out_uri,
@@ -484,10 +533,13 @@ def _now() -> str:
 
 
 @contextlib.contextmanager
-def _owned_dir(parent: Path, name: str) -> Iterator[Path]:
-    """A new directory `parent/name-<random>` locked (flock) by this process while it lives; removed after."""
+def _owned_dir(parent: Path, name: str, published: bool = False) -> Iterator[Path]:
+    """A new directory `parent/name-<random>` locked (flock) by this process while it lives; removed after.
+    `published`: it becomes the output, so it gets the mode `mkdir` would give it (the umask's), not mkdtemp's 0700."""
     parent.mkdir(parents=True, exist_ok=True)
     path = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=parent))
+    if published:
+        os.chmod(path, 0o777 & ~umask())
     fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -495,6 +547,17 @@ def _owned_dir(parent: Path, name: str) -> Iterator[Path]:
     finally:
         shutil.rmtree(path, ignore_errors=True)
         os.close(fd)
+
+
+def umask() -> int:
+    """The process's umask, read without changing it (`os.umask` sets it to read it, which races other threads)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def owned_tempdir(stage: str) -> contextlib.AbstractContextManager[Path]:
@@ -601,7 +664,7 @@ def stage_output(
     key = cache_key(stage, params, described)
     parent, prefix = _staging_place(out_uri, stage)
     try:
-        with _owned_dir(parent, prefix) as staging:
+        with _owned_dir(parent, prefix, published=True) as staging:
             yield staging
             files = {p.relative_to(staging).as_posix(): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()}
             manifest = Manifest(
@@ -643,7 +706,7 @@ def publish_copy(staging: Path, uri: str, manifest: Manifest, seen: str) -> None
     under the rules of a stage's own output: `seen` is what `preflight(uri, ...)` found there before the work,
     the manifest goes last, and a failed copy is not a finished artifact there."""
     parent, prefix = _staging_place(uri, manifest.stage)
-    with _owned_dir(parent, prefix) as copy:
+    with _owned_dir(parent, prefix, published=True) as copy:
         shutil.copytree(staging, copy, dirs_exist_ok=True)
         _publish(copy, uri, manifest, _Expected(uri, manifest.stage, seen, manifest.cache_key, parent))
 
@@ -659,10 +722,24 @@ class _Expected:
     key: str
     aside: Path  # where a refused publish keeps its staged artifact
 
-    def check(self, staging: Path) -> None:
-        problem = self._problem()
-        if problem is None:
-            return
+    def check(self, staging: Path, lease: str | None = None) -> bool:
+        """Whether to swap the staged artifact in (True), or leave the identical one another run published
+        meanwhile (False); anything else there is refused with the staged artifact kept aside. Called with the
+        output's swap lock (local) or its lease (`lease`, remote) held, so no other publish moves it meanwhile."""
+        try:
+            now = occupant(self.out_uri, self.stage, lease)
+        except Occupied as exc:
+            self.refuse(staging, exc.what)
+        except ConfigError as exc:  # the location became unreadable as an output in another way
+            self.refuse(staging, str(exc))
+        if now == self.seen or {now, self.seen} <= _NOTHING or (now == _TAKEN_OVER and self.seen.startswith("publishing:")):
+            return True
+        if now.startswith("artifact:") and getattr(_manifest_at(self.out_uri), "cache_key", None) == self.key:
+            log.info("an identical %s run published %s first: its artifact stays", self.stage, redact(self.out_uri))
+            return False
+        self.refuse(staging, f"another {self.stage} run published there")
+
+    def refuse(self, staging: Path, problem: str) -> NoReturn:
         kept = self.aside / f"evoesap-unpublished-{self.stage}-{uuid.uuid4().hex[:8]}"
         os.rename(staging, kept)
         raise ArtifactError(
@@ -670,25 +747,9 @@ class _Expected:
             f"this run's {self.stage} artifact is kept at {kept}"
         )
 
-    def _problem(self) -> str | None:
-        """Why the output may not be replaced now; None when it may. Another publish swapping the same
-        output in this instant (a manifest read between its two renames) is waited out, briefly."""
-        for attempt in range(_SETTLE_TRIES):
-            try:
-                now = occupant(self.out_uri, self.stage)
-                return None if now == self.seen or self._same_work(now) else f"another {self.stage} run published there"
-            except Occupied as exc:
-                return exc.what
-            except ConfigError as exc:  # the location became unreadable as an output in another way
-                return str(exc)
-            except (ArtifactError, FileNotFoundError):
-                if attempt == _SETTLE_TRIES - 1:
-                    raise
-                time.sleep(0.05 * (attempt + 1))
-        return None
 
-    def _same_work(self, now: str) -> bool:
-        return now.startswith("artifact:") and read_manifest(self.out_uri).cache_key == self.key
+_NOTHING = {"absent", "empty"}
+_TAKEN_OVER = "taken-over"  # an interrupted publish's files under this publish's own lease
 
 
 def _publish(staging: Path, out_uri: str, manifest: Manifest, expected: _Expected) -> None:
@@ -696,9 +757,10 @@ def _publish(staging: Path, out_uri: str, manifest: Manifest, expected: _Expecte
     if "file" in _protocols(fs):
         _publish_local(staging, local_destination(path), expected)
     else:
-        expected.check(staging)
         try:
-            _publish_remote(fs, staging, out_uri, manifest)
+            _publish_remote(fs, staging, out_uri, manifest, expected)
+        except ArtifactError:
+            raise
         except Exception as exc:  # noqa: BLE001 - an object store fails in many ways; each means "not published"
             raise ArtifactError(
                 f"publishing {redact(out_uri)} failed ({type(exc).__name__}: {redact(str(exc))[:200]}): it is not a "
@@ -707,40 +769,100 @@ def _publish(staging: Path, out_uri: str, manifest: Manifest, expected: _Expecte
     log.info("published %s artifact at %s", manifest.stage, redact(out_uri))
 
 
-def _publish_local(staging: Path, dest: Path, expected: _Expected) -> None:
-    """Swap the staged directory in: the old artifact is renamed aside, the new one renamed in, the old removed
-    (only the files its manifest lists)."""
-    olds = []
-    for _ in range(8):  # another process may publish the same output at the same moment
-        expected.check(staging)
-        old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"  # a new name each try: one may be taken
+_LOCK_WAIT = 120.0  # seconds a publish waits for another publish of the same output to finish
+
+
+@contextlib.contextmanager
+def _swap_lock(dest: Path) -> Iterator[None]:
+    """The right to check and swap a local output, exclusive among evoesap processes (flock on `.NAME.lock`
+    beside it, removed on release): the check and the swap it allows are one step, so an artifact another run
+    publishes meanwhile is always seen. A lock file its releasing holder removed under us is opened again."""
+    lock = dest.parent / f".{dest.name}.lock"
+    deadline = time.monotonic() + _LOCK_WAIT
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise ArtifactError(
+                            f"another run has been publishing {dest} for over {_LOCK_WAIT:.0f} s: is it stuck? "
+                            "re-run when it is done"
+                        ) from None
+                    time.sleep(0.01)
+            if _same_file(fd, lock):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield
+    finally:
         with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
+        os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        held, named = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
+
+
+def _publish_local(staging: Path, dest: Path, expected: _Expected) -> None:
+    """Swap the staged directory in under the output's lock: the old artifact is renamed aside, the new one
+    renamed in, the old removed (only the files its manifest lists)."""
+    with _swap_lock(dest):
+        if not expected.check(staging):
+            return
+        old = dest.parent / f".{dest.name}.old-{uuid.uuid4().hex[:8]}"
+        try:
             os.replace(dest, old)
-            olds.append(old)
+        except FileNotFoundError:
+            old = None
         try:
             os.rename(staging, dest)
-            break
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
-    else:
-        raise ArtifactError(f"{dest} kept changing while publishing: is another run writing it?")
-    for old in olds:
+            expected.refuse(
+                staging, "something was created there while it was swapped" + (f"; the old artifact is at {old}" if old else "")
+            )
+    if old is not None:
         _discard_replaced(old, dest)
 
 
-def _publish_remote(fs: fsspec.AbstractFileSystem, staging: Path, uri: str, manifest: Manifest) -> None:
-    """Mark the upload under way (naming every file it may write or remove), retire the old manifest,
-    replace the files, write the manifest, unmark. Only files the replaced artifact listed are removed."""
+def _publish_remote(fs: fsspec.AbstractFileSystem, staging: Path, uri: str, manifest: Manifest, expected: _Expected) -> None:
+    """Take the output's lease (publishing.json, created only if absent), check it, retire the old manifest,
+    replace the files, write the manifest, release the lease. Only files the replaced artifact listed are removed;
+    the lease names every file the publish may write or remove, so an interrupted one is finished by the next run."""
     root = split(uri)[1].rstrip("/")
-    publishing = fs.exists(f"{root}/{PUBLISHING}")
-    replaced = (
-        _ours_while_publishing(uri) if publishing else set(read_manifest(uri).files) if fs.exists(f"{root}/{MANIFEST}") else set()
-    )
+    token = uuid.uuid4().hex
+    lease = {"stage": manifest.stage, "key": manifest.cache_key, "token": token, "files": sorted(manifest.files)}
+    interrupted = _take_lease(fs, uri, lease, expected, staging)
+    try:
+        replace = expected.check(staging, token)
+    except BaseException:
+        fs.rm(f"{root}/{PUBLISHING}")
+        raise
+    if not replace:
+        fs.rm(f"{root}/{PUBLISHING}")
+        return
+    if interrupted is not None:
+        replaced = set(interrupted.get("files", []))
+    elif fs.exists(f"{root}/{MANIFEST}"):
+        replaced = set((_manifest_at(uri) or manifest).files)
+    else:
+        replaced = set()
     replaced -= {PUBLISHING, MANIFEST}
-    record = {"stage": manifest.stage, "files": sorted(replaced | set(manifest.files))}
-    with fs.open(f"{root}/{PUBLISHING}", "wb") as f:
-        f.write(json.dumps(record).encode("utf-8"))
+    lease["files"] = sorted(replaced | set(manifest.files))
+    fs.pipe_file(f"{root}/{PUBLISHING}", json.dumps(lease).encode("utf-8"))  # ours: widened to what it may remove
     if fs.exists(f"{root}/{MANIFEST}"):
         fs.rm(f"{root}/{MANIFEST}")  # the old artifact stops counting as finished before its payload changes
     stale = [p for p in fs.find(root) if p[len(root) + 1 :] in replaced - set(manifest.files)]
@@ -751,6 +873,46 @@ def _publish_remote(fs: fsspec.AbstractFileSystem, staging: Path, uri: str, mani
     with fs.open(f"{root}/{MANIFEST}", "wb") as f:
         f.write(manifest.to_json().encode("utf-8"))
     fs.rm(f"{root}/{PUBLISHING}")
+
+
+def _take_lease(
+    fs: fsspec.AbstractFileSystem, uri: str, lease: dict[str, Any], expected: _Expected, staging: Path
+) -> dict[str, Any] | None:
+    """Create publishing.json only where none exists (a conditional put where the store has one, as S3 does): one
+    publish at a time holds an output. An interrupted publish that preflight saw is ours to finish (its record is
+    returned); an identical publish under way is waited out (the check then finds its artifact); any other is refused."""
+    path = join(uri, PUBLISHING)
+    deadline = time.monotonic() + _LOCK_WAIT
+    interrupted = None
+    while True:
+        try:
+            fs.pipe_file(split(path)[1], json.dumps(lease).encode("utf-8"), mode="create")
+            return interrupted
+        except FileExistsError:
+            pass
+        fs.invalidate_cache(split(path)[1])  # another process wrote it: a listing cached here is stale
+        try:
+            held = fs.cat_file(split(path)[1])
+        except FileNotFoundError:
+            continue  # released in between: take it
+        if expected.seen == f"publishing:{sha256_bytes(held)}":  # the interrupted publish preflight saw
+            interrupted = json.loads(held)
+            lease["files"] = sorted(set(lease["files"]) | set(interrupted.get("files", [])))
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(split(path)[1])
+            continue
+        try:
+            other = json.loads(held)
+        except ValueError:
+            other = {}
+        if not isinstance(other, dict) or other.get("key") != lease["key"]:
+            expected.refuse(staging, f"another {expected.stage} run is publishing there")
+        if time.monotonic() > deadline:
+            raise ArtifactError(
+                f"an identical {expected.stage} run has been publishing {redact(uri)} for over {_LOCK_WAIT:.0f} s: "
+                f"if it was stopped, re-run `evoesap {expected.stage}` to finish it"
+            )
+        time.sleep(0.2)
 
 
 @contextlib.contextmanager

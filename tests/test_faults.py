@@ -100,7 +100,8 @@ def test_kill_9_leaves_no_false_artifact_and_the_next_run_finishes_and_cleans_up
         assert not out.exists()
         with pytest.raises(ArtifactError, match="not a finished artifact"):
             artifacts.read_manifest(str(out))
-        assert {n.split("-")[0] for n in leftovers(out, tmpdir)} == {".out.old", ".out.partial"}
+        # killed holding the output's swap lock: its file stays until the next publish takes and removes it
+        assert {n.split("-")[0] for n in leftovers(out, tmpdir)} == {".out.lock", ".out.old", ".out.partial"}
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
     monkeypatch.setattr(artifacts, "_STARTED", time.time())  # the next run: the killed one is older

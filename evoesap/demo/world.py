@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -24,6 +25,7 @@ from typing import Iterator
 import torch
 import transformers
 
+from evoesap import artifacts
 from evoesap import data as _data
 from evoesap.demo import domains as _domains
 from evoesap.demo import tokenizer as _tokenizer
@@ -249,6 +251,7 @@ def build_demo_world(out_dir: str | Path, seed: int = 0, profile: str = "default
             log.info("demo world in %s was built from other inputs; rebuilding", root)
         log.info("building demo world (seed %d, profile %s) in %s", seed, profile, root)
         staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.build-", dir=root.parent))
+        os.chmod(staging, 0o777 & ~artifacts.umask())  # it becomes the world: the mode mkdir gives, not 0700
         try:
             info = _build_into(staging, seed, profile)
             meta = {"key": key, "seed": seed, "profile": profile, "info": info}

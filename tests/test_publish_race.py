@@ -1,0 +1,170 @@
+"""Concurrent publishes of one output, with the interleavings forced by hooks (no sleeps, no timing).
+
+Identical publishes (a KFP retry racing its first try, two team runs of one step) all succeed and leave one
+intact artifact; a different artifact published while a run worked is refused without touching either.
+The same protocol under real concurrency, 200 rounds: `benchmarks/publish_race.py`.
+"""
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from evoesap import artifacts
+from evoesap.errors import ArtifactError
+
+
+def publish(out: str, payload: str, params: dict | None = None, before_publish=None) -> artifacts.Manifest:
+    with artifacts.stage_output(out, "demo", params or {"payload": payload}, {}, before_publish=before_publish) as staging:
+        (staging / "x.txt").write_text(payload)
+    return artifacts.read_manifest(out)
+
+
+def payload_of(out: str) -> str:
+    manifest = artifacts.verify(out, "demo")
+    return artifacts.read_payload(out, "x.txt", manifest).decode()
+
+
+def test_a_look_at_the_output_while_another_run_swaps_it_sees_the_settled_artifact(tmp_path, monkeypatch):
+    """The directory is there when looked up and gone (renamed aside by a publish) when listed: that is a
+    publish in its instant of swapping, to be read again, not an error."""
+    out = tmp_path / "art"
+    first = publish(str(out), "one")
+    aside = tmp_path / ".art.old-swap"
+    real_ls = fsspec.implementations.local.LocalFileSystem.ls
+    swaps = []
+
+    def ls_mid_swap(self, path, *args, **kwargs):
+        if Path(self._strip_protocol(path)) == out and not swaps:
+            swaps.append(1)
+            os.replace(out, aside)  # the other publish renames the old artifact aside...
+            try:
+                return real_ls(self, path, *args, **kwargs)
+            finally:
+                os.replace(aside, out)  # ...and its new one in
+        return real_ls(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(fsspec.implementations.local.LocalFileSystem, "ls", ls_mid_swap)
+    seen = artifacts.preflight(str(out), "demo", {})
+    assert swaps == [1]
+    assert seen == f"artifact:{artifacts.manifest_sha256(str(out))}"
+    assert artifacts.read_manifest(str(out)) == first
+
+
+def run_beside(other):
+    """Run `other()` in a thread when `fire()` is called, and wait until it has finished or is waiting for
+    the output's swap lock (which the hooked publish holds); returns the thread's outcome holder."""
+    outcome = {}
+    settled = threading.Event()
+    real_flock = artifacts.fcntl.flock
+    worker = []
+
+    def flock(fd, op):
+        try:
+            return real_flock(fd, op)
+        except BlockingIOError:
+            if worker and threading.current_thread() is worker[0]:
+                settled.set()  # the other run waits for the lock the hooked publish holds
+            raise
+
+    def body():
+        try:
+            outcome["manifest"] = other()
+        except Exception as exc:  # noqa: BLE001 - asserted by the caller
+            outcome["error"] = exc
+        settled.set()
+
+    def fire():
+        thread = threading.Thread(target=body)
+        worker.append(thread)
+        thread.start()
+        assert settled.wait(60), "the concurrent publish neither finished nor waited"
+        outcome["thread"] = thread
+
+    return outcome, flock, fire
+
+
+@pytest.mark.parametrize("identical", [True, False])
+def test_a_publish_between_another_runs_check_and_its_swap(tmp_path, monkeypatch, identical):
+    """Run B publishes in the instant after run A checked the output and before A swaps: without one lock over
+    check and swap, both succeed and B's artifact is silently replaced."""
+    out = tmp_path / "art"
+    publish(str(out), "earlier")
+    b_payload = "A" if identical else "B"
+    outcome, flock, fire = run_beside(lambda: publish(str(out), b_payload))
+    monkeypatch.setattr(artifacts.fcntl, "flock", flock)
+    real_replace = os.replace
+    fired = []
+
+    def replace(src, dst, *args, **kwargs):  # A renames the earlier artifact aside: its check is done
+        if Path(src) == out and not fired:
+            fired.append(1)
+            fire()
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(artifacts.os, "replace", replace)
+    a = publish(str(out), "A")
+    outcome["thread"].join(60)
+    assert fired == [1]
+    assert payload_of(str(out)) == "A"
+    assert artifacts.read_manifest(str(out)) == a
+    if identical:
+        assert "error" not in outcome, outcome.get("error")
+        assert outcome["manifest"] == a  # B left A's identical artifact in place
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+    else:
+        error = outcome["error"]
+        assert isinstance(error, ArtifactError) and "changed while this run worked" in str(error)
+        kept = Path(str(error).rsplit("kept at ", 1)[1])
+        assert (kept / "x.txt").read_text() == "B"  # B's artifact is kept, not lost
+
+
+def test_a_remote_publish_waits_out_an_identical_one_under_way_and_refuses_a_different_one(s3, monkeypatch):
+    """On an object store the lease (publishing.json, created only where none exists) is the lock."""
+    _, fs, bucket = s3
+    out = f"s3://{bucket}/runs/art"
+    publish(out, "A")
+    key = artifacts.read_manifest(out).cache_key
+    lease = f"{bucket}/runs/art/{artifacts.PUBLISHING}"
+    record = b'{"stage": "demo", "key": "%s", "token": "other", "files": ["x.txt"]}' % key.encode()
+
+    def other_run_publishing(staging, manifest):  # another run takes the lease after this one's preflight
+        fs.pipe_file(lease, record)
+
+    with pytest.raises(ArtifactError, match="another demo run is publishing there"):
+        publish(out, "B", before_publish=other_run_publishing)
+    assert payload_of_leased(fs, bucket) == "A"
+    fs.rm(lease)  # the other run is done
+
+    real_sleep, waits = time.sleep, []
+
+    def sleep(seconds):  # this run waits for the identical one, which then finishes
+        if threading.current_thread() is threading.main_thread() and not waits:
+            waits.append(seconds)
+            fs.rm(lease)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    assert publish(out, "A", before_publish=lambda staging, manifest: fs.pipe_file(lease, record)).cache_key == key
+    assert waits  # it did wait
+    assert payload_of(out) == "A"
+    assert sorted(fs.find(f"{bucket}/runs/art")) == [f"{bucket}/runs/art/{n}" for n in (artifacts.MANIFEST, "x.txt")]
+
+
+def payload_of_leased(fs, bucket) -> str:
+    return fs.cat(f"{bucket}/runs/art/x.txt").decode()
+
+
+def test_a_published_artifact_gets_the_umask_not_0700(tmp_path):
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "art"
+        publish(str(out), "readable")
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert (out / "x.txt").stat().st_mode & 0o777 == 0o644
+    assert (out / artifacts.MANIFEST).stat().st_mode & 0o777 == 0o644
