@@ -11,6 +11,8 @@ documented key by key from the stage's parameters (`evoesap.components.interface
 # No `from __future__ import annotations` here: kfp reads the real type annotations.
 import dataclasses
 import inspect
+import os
+import tempfile
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -313,6 +315,9 @@ def write_component_yamls(directory: str | Path, image: str = DEFAULT_IMAGE) -> 
     written = []
     for stage in STAGES:
         path = directory / f"{stage.section}.yaml"
-        compiler.Compiler().compile(getattr(comps, stage.section), str(path))
+        with tempfile.TemporaryDirectory(dir=directory, prefix=f".{path.name}.partial-") as tmp:
+            staged = Path(tmp) / path.name
+            compiler.Compiler().compile(getattr(comps, stage.section), str(staged))
+            os.replace(staged, path)  # a reader never sees half a component
         written.append(path)
     return written

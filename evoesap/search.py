@@ -71,6 +71,7 @@ ScoreBatch = Callable[[Sequence[Allocation], "int | None", int], Sequence[float]
 OnGeneration = Callable[[int, Allocation, float, float, int], None]
 
 _FORMAT = "evoesap.search/1"
+_HEAD = json.dumps({"format": _FORMAT})[:-1].encode("utf-8")  # how every checkpoint file starts
 _REDRAWS = 32
 
 
@@ -497,6 +498,11 @@ def _write_checkpoint(
     }
     data = json.dumps(payload).encode("utf-8")
     fs, path = artifacts.split(uri)
+    if not is_checkpoint_place(uri):  # appeared since the search started: not ours to replace
+        raise ArtifactError(
+            f"{artifacts.redact(uri)} is a file that is not a search checkpoint: it was left as it is; move it away "
+            "and re-run the search"
+        )
     if artifacts.is_local(uri):
         fs.makedirs(posixpath.dirname(path), exist_ok=True)
         partial = f"{path}.partial-{uuid.uuid4().hex[:8]}"
@@ -504,6 +510,27 @@ def _write_checkpoint(
         fs.mv(partial, path)  # a rename: readers see the old checkpoint or the new one, never half
     else:
         fs.pipe_file(path, data)  # one object-store put is atomic by itself
+
+
+def is_checkpoint_place(uri: str) -> bool:
+    """Whether `uri` is free or holds a search checkpoint: a file of that name that is not one (a user's own) is
+    never overwritten or removed. Read from its first bytes, which `_write_checkpoint` always starts with."""
+    fs, path = artifacts.split(uri)
+    try:
+        if fs.info(path)["type"] != "file":
+            return False
+        with fs.open(path, "rb") as f:
+            head = f.read(len(_HEAD))
+    except FileNotFoundError:
+        return True
+    return head == _HEAD
+
+
+def remove_checkpoint(uri: str) -> None:
+    """Remove a finished search's checkpoint, only if it is one."""
+    if artifacts.exists(uri) and is_checkpoint_place(uri):
+        fs, path = artifacts.split(uri)
+        fs.rm(path)
 
 
 def _read_checkpoint(uri: str, params: _Params) -> dict[str, Any]:

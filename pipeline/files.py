@@ -32,3 +32,12 @@ def claim_output_file(path: Path, option: str, marker: str, inputs: tuple[Path, 
                 "nothing was changed"
             )
     return path
+
+
+def claim_output_dir(path: Path, option: str) -> Path:
+    """`path` as a directory to write into, checked before any work: not a file, not under a file."""
+    for place in (path, *path.parents):
+        if place.exists() and not place.is_dir():
+            what = "is a file" if place == path else f"goes through the file {place}"
+            raise ConfigError(f"{option} {path} {what}: give a directory")
+    return path

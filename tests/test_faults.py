@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from evoesap import artifacts, steps
-from evoesap.errors import ArtifactError
+from evoesap.errors import ArtifactError, ConfigError
 from tiny_artifacts import CACHE, CALIBRATE, SEARCH
 
 _KILLER = """
@@ -336,3 +336,55 @@ def test_a_user_file_in_an_earlier_remote_artifact_is_never_removed_as_stale(tin
         steps.run_stage("calibrate", inputs, steps.make_params("calibrate", {"samples": 8, "max_length": 128, "seed": 4}), out)
     fs.invalidate_cache()
     assert sorted(fs.find(f"{bucket}/runs/scores")) == before and fs.cat(f"{bucket}/runs/scores/NOTES.md") == b"mine"
+
+
+# ------------------------------------------------------------------------ user files beside an output
+
+
+def test_a_users_file_named_like_the_search_checkpoint_is_refused_before_work_and_never_touched(tiny_artifacts, tmp_path):
+    out = tmp_path / "s"
+    mine = tmp_path / "s.checkpoint.json"
+    mine.write_text('{"my": "notes"}')
+    inputs = {"model": tiny_artifacts["model"], "scores": tiny_artifacts["scores"], "cache": tiny_artifacts["cache"]}
+    with pytest.raises(ConfigError, match="s.checkpoint.json is a file that is not a search checkpoint"):
+        steps.run_stage("search", inputs, SEARCH, str(out))
+    assert mine.read_text() == '{"my": "notes"}' and not out.exists()
+
+
+def test_a_users_file_that_appears_where_the_search_checkpoint_goes_is_never_overwritten(tiny_artifacts, tmp_path, monkeypatch):
+    from evoesap import search
+
+    out = tmp_path / "s"
+    mine = tmp_path / "s.checkpoint.json"
+    real = search._write_checkpoint
+
+    def user_saves_a_file_first(uri, *args, **kwargs):  # between the start of the search and its first checkpoint
+        if not mine.exists():
+            mine.write_text("mine")
+        return real(uri, *args, **kwargs)
+
+    monkeypatch.setattr(search, "_write_checkpoint", user_saves_a_file_first)
+    inputs = {"model": tiny_artifacts["model"], "scores": tiny_artifacts["scores"], "cache": tiny_artifacts["cache"]}
+    with pytest.raises(ArtifactError, match="is a file that is not a search checkpoint: it was left as it is"):
+        steps.run_stage("search", inputs, SEARCH, str(out))
+    assert mine.read_text() == "mine" and not out.exists()
+
+
+def test_a_finished_search_removes_its_own_checkpoint(tiny_artifacts, tmp_path):
+    out = tmp_path / "s"
+    inputs = {"model": tiny_artifacts["model"], "scores": tiny_artifacts["scores"], "cache": tiny_artifacts["cache"]}
+    steps.run_stage("search", inputs, SEARCH, str(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+def test_pipeline_components_refuses_to_overwrite_a_users_yaml(tmp_path, capsys):
+    from evoesap.cli import main
+
+    mine = tmp_path / "calibrate.yaml"
+    mine.write_text("my: own\n")
+    assert main(["--quiet", "pipeline", "components", "--out", str(tmp_path)]) == 1
+    assert "this command did not write" in capsys.readouterr().err
+    assert mine.read_text() == "my: own\n" and sorted(p.name for p in tmp_path.iterdir()) == ["calibrate.yaml"]
+    (tmp_path / "afile").write_text("x")
+    assert main(["--quiet", "pipeline", "components", "--out", str(tmp_path / "afile" / "x")]) == 1
+    assert "goes through the file" in capsys.readouterr().err

@@ -38,7 +38,12 @@ def components_cmd(
     Example: evoesap pipeline components --out components --config pipeline.yaml
     """
     from evoesap.components import DEFAULT_IMAGE, write_component_yamls
+    from evoesap.pipeline.files import SPEC_MARKER, claim_output_dir, claim_output_file
+    from evoesap.stages import STAGES
 
+    claim_output_dir(out, "--out")
+    for stage in STAGES:  # before any work: a user's own <stage>.yaml there is never overwritten
+        claim_output_file(out / f"{stage.section}.yaml", "--out", SPEC_MARKER)
     image = DEFAULT_IMAGE
     if config is not None:
         from evoesap.pipeline.config import load_config

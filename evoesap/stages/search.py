@@ -393,6 +393,11 @@ def run_search(
 
     inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}
     seen = artifacts.preflight(out_uri, "search", inputs)
+    if not search.is_checkpoint_place(_checkpoint_uri(out_uri)):
+        raise ConfigError(
+            f"{artifacts.redact(_checkpoint_uri(out_uri))} is a file that is not a search checkpoint: the search keeps "
+            "its checkpoint under that name beside --out; move the file or choose another --out (nothing was changed)"
+        )
     bounds.check_stage(params, model)
     if not distributed.joined() and runtime.resolve_device(params.device).startswith("cuda"):  # the groups side by side
         runtime.check_gpu_count(params.workers * params.gpus_per_worker, "workers x gpus_per_worker")
@@ -444,8 +449,5 @@ def run_search(
         records.write(staging, record)
         history.to_parquet(staging / records.HISTORY_FILE, index=False)
         _plots(staging, params, history, {"uniform": uniform, "searched": best}, n)
-    checkpoint = _checkpoint_uri(out_uri)
-    if artifacts.exists(checkpoint):
-        fs, path = artifacts.split(checkpoint)
-        fs.rm(path)
+    search.remove_checkpoint(_checkpoint_uri(out_uri))
     return artifacts.read_manifest(out_uri)
