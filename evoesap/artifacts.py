@@ -4,7 +4,10 @@ Every stage checks its output location first (`preflight`: absent, empty, or an 
 stage; never an input, `.`, `/` or a path through a file), writes its payload into a staging directory
 (beside a local output, in TMPDIR for an object store), and `stage_output` publishes it (one rename
 locally, an upload marked by publishing.json remotely) with the manifest last, so a directory without a
-manifest is never mistaken for a finished artifact. Readers check the manifest's stage and the sha256 of
+manifest is never mistaken for a finished artifact. Concurrent publishes of one output take turns: the check
+of what is there and the swap happen under a lock (flock on `.NAME.lock` beside a local output; on an object
+store publishing.json itself, created only where absent), so an identical run's artifact is kept and a
+different one is refused, never silently replaced. Readers check the manifest's stage and the sha256 of
 every payload file (`verify`, `read_payload`). Staging directories are locked by their process, so the
 next run of a stage removes what a killed one left (`clean_orphans`).
 """
@@ -875,6 +878,20 @@ def _publish_remote(fs: fsspec.AbstractFileSystem, staging: Path, uri: str, mani
     fs.rm(f"{root}/{PUBLISHING}")
 
 
+_EXCLUSIVE_PUT = {"s3", "s3a", "memory"}  # stores whose fsspec pipe_file(mode="create") is one conditional put
+
+
+def _create(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Write `path` only where it does not exist (FileExistsError otherwise): one conditional put on S3; on other
+    stores a look, then the write, which leaves a moment in which two publishes could both take the lease."""
+    if _EXCLUSIVE_PUT & set(_protocols(fs)):
+        fs.pipe_file(path, data, mode="create")
+        return
+    if fs.exists(path):
+        raise FileExistsError(path)
+    fs.pipe_file(path, data)
+
+
 def _take_lease(
     fs: fsspec.AbstractFileSystem, uri: str, lease: dict[str, Any], expected: _Expected, staging: Path
 ) -> dict[str, Any] | None:
@@ -886,7 +903,7 @@ def _take_lease(
     interrupted = None
     while True:
         try:
-            fs.pipe_file(split(path)[1], json.dumps(lease).encode("utf-8"), mode="create")
+            _create(fs, split(path)[1], json.dumps(lease).encode("utf-8"))
             return interrupted
         except FileExistsError:
             pass
