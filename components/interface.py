@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from evoesap import params as parameters
-from evoesap import stages
+from evoesap import registry as stages
 
 
 def _type_name(annotation: Any) -> str:

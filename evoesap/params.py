@@ -29,7 +29,7 @@ TOOLS = "tools"  # the key of the outside tools' versions in a keyed parameter r
 
 def keyed(params: Any) -> dict[str, Any]:
     """The parameters that determine a stage's artifact: its reuse key and its manifest's record. A stage that runs
-    a tool from an environment of its own (`evoesap.side_env`) adds that tool's versions (its parameter class's
+    a tool from an environment of its own (`evoesap.machine.side_env`) adds that tool's versions (its parameter class's
     `tool_versions()`), so a new version makes the artifact again."""
     values = dataclasses.asdict(params)
     record = {f.name: values[f.name] for f in dataclasses.fields(params) if f.metadata.get(_KEYED, True)}
@@ -101,10 +101,10 @@ def _coerce(name: str, allowed: set[Any], value: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class StageParams:
-    """The base of every stage's parameters: the checks no single stage owns (`evoesap.bounds`), run last."""
+    """The base of every stage's parameters: the checks no single stage owns (`evoesap.machine.bounds`), run last."""
 
     def __post_init__(self) -> None:
-        from evoesap.bounds import check_params
+        from evoesap.machine.bounds import check_params
 
         check_params(self)
 
@@ -164,7 +164,7 @@ class DeviceParams(StageParams):
     device_map: str | None = param(None, "'auto' spreads a model too large for one GPU over several.")
 
     def __post_init__(self) -> None:
-        from evoesap.runtime import check_model_dtype
+        from evoesap.machine.runtime import check_model_dtype
 
         check_model_dtype(self.model_dtype)
         super().__post_init__()  # the next parameter group's checks, StageParams' last
@@ -187,7 +187,7 @@ class PlacementParams(DeviceParams):
     )
 
     def __post_init__(self) -> None:
-        from evoesap.sizes import parse_bytes
+        from evoesap.machine.sizes import parse_bytes
 
         if (self.max_memory is not None or self.offload) and self.device_map is None:
             raise ConfigError("max_memory and offload say how device_map places the model: set device_map: auto as well")

@@ -1,6 +1,6 @@
 """The pipeline's one YAML configuration, validated before anything runs.
 
-One section per stage of the registry (`evoesap.stages`: `calibrate`, `cache_logits`, ...) holds exactly
+One section per stage of the registry (`evoesap.registry`: `calibrate`, `cache_logits`, ...) holds exactly
 the parameters of that stage's Python API and CLI, under the same names; they are checked against the
 stage's parameter dataclass, so an unknown or invalid key fails here with the valid names listed.
 """
@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from evoesap import __version__, stages
+from evoesap import __version__, registry as stages
 from evoesap.errors import ConfigError
 
 from .cluster import StageSettings, merged
@@ -131,8 +131,8 @@ class _Settings(BaseModel):
 
     @property
     def pinned_model(self) -> str:
-        """`model` at `revision` (`org/name@revision`, `evoesap.identity.pin`), as every stage reads it."""
-        from evoesap.identity import pin
+        """`model` at `revision` (`org/name@revision`, `evoesap.store.identity.pin`), as every stage reads it."""
+        from evoesap.store.identity import pin
 
         return pin(self.model, self.revision)
 

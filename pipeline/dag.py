@@ -25,8 +25,8 @@ from evoesap.components.reference import make_reference
 from evoesap.components.trainjob import make_search_trainjob
 from evoesap.pipeline.feasibility import check_grid
 from evoesap.errors import ConfigError
-from evoesap.stages import MODEL_STAGES, NAMES, STAGES
-from evoesap.stages import get as get_stage
+from evoesap.registry import MODEL_STAGES, NAMES, STAGES
+from evoesap.registry import get as get_stage
 from evoesap.pipeline import cluster, trainjob
 from evoesap.pipeline.config import PipelineConfig, with_resources
 from evoesap.pipeline.files import SPEC_MARKER, claim_output_file

@@ -4,7 +4,8 @@ import base64
 import json
 import re
 
-from evoesap import artifacts, facts
+from evoesap.store import artifacts
+from evoesap.records import facts
 
 
 def _artifact(path, stage, files):

@@ -1,4 +1,4 @@
-"""evoesap.importance: the observer pass against an all-experts reference written here, and orders."""
+"""evoesap.scoring.importance: the observer pass against an all-experts reference written here, and orders."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers.activations import ACT2FN
 
-from evoesap import importance, moe
+from evoesap.scoring import importance
+from evoesap import moe
 from evoesap.data import TokenizedSample, batches
 from evoesap.errors import ConfigError
 

@@ -1,4 +1,4 @@
-"""`evoesap <stage>`: one command per registry entry (`evoesap.stages.STAGES`), its options generated from the
+"""`evoesap <stage>`: one command per registry entry (`evoesap.registry.STAGES`), its options generated from the
 stage's inputs and parameter fields, so the CLI cannot drift from the Python API or the pipeline YAML."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import click
 
 from evoesap import params as parameters
 from evoesap.cli.app import echo_uri
-from evoesap.stages import STAGES, Stage, StageInput
+from evoesap.registry import STAGES, Stage, StageInput
 
 
 def flag(name: str) -> str:
@@ -83,7 +83,7 @@ def _param_option(field: dataclasses.Field, hint: Any) -> click.Option:
 
 def _runner(stage: Stage) -> Callable[..., None]:
     def run(**options: Any) -> None:
-        from evoesap.identity import pin
+        from evoesap.store.identity import pin
         from evoesap.steps import make_params, run_stage
 
         out, revision = options.pop("out"), options.pop("revision", None)

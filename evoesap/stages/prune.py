@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from evoesap import allocation as alloc
-from evoesap import artifacts, bounds, records, runtime
+from evoesap.method import allocation as alloc
+from evoesap.store import artifacts
+from evoesap.machine import bounds, runtime
+from evoesap import records
 from evoesap.errors import ConfigError
 from evoesap.params import StageParams, keyed, param
 from evoesap.moe.spec import MoESpec
@@ -34,7 +36,7 @@ class PruneParams(StageParams):
     model_dtype: str = param("auto", "Dtype the checkpoint is written in: auto (its own), float32, bfloat16, float16.")
 
     def __post_init__(self) -> None:
-        from evoesap.importance import CRITERIA
+        from evoesap.scoring.importance import CRITERIA
 
         if self.criterion not in CRITERIA:
             raise ConfigError(f"criterion {self.criterion!r} is not one of {', '.join(CRITERIA)}")
@@ -51,7 +53,7 @@ def planned_pruning(
 ) -> tuple[str, list[int], dict[int, list[int]]]:
     """(method, removal counts, pruned expert ids per MoE layer) for this run."""
     from evoesap import moe
-    from evoesap.importance import model_orders, read_scores
+    from evoesap.scoring.importance import model_orders, read_scores
 
     if allocation is not None:
         counts, pruned = records.allocation_counts(

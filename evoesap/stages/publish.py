@@ -1,7 +1,7 @@
 """Stage `publish`: a pruned checkpoint with its model card, published as an artifact and pushed where it is released.
 
 The artifact holds the prune artifact's checkpoint files (the quantize artifact's, when a quantized checkpoint of it
-is given: it is then the model released), README.md (the model card, `evoesap.card`: Hub
+is given: it is then the model released), README.md (the model card, `evoesap.reporting.card`: Hub
 metadata, method, per-layer expert counts, density plot, evaluation table with standard errors,
 quantization, lineage) and density.png, plus the report's files under report/ when a report is given. Its
 inputs are checked against each other before any work: every evaluation must be of the pruned model or of
@@ -19,7 +19,10 @@ import logging
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from evoesap import artifacts, card, hub, identity, lineage, records
+from evoesap.store import artifacts, identity, lineage
+from evoesap.reporting import card
+from evoesap.release import hub
+from evoesap import records
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.params import keyed, param
 

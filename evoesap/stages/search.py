@@ -9,7 +9,7 @@ so loudly and, with `fallback_to_uniform`, returns uniform instead.
 
 Cost: prefix reuse (on by default, exact) starts each candidate's forward at the MoE block of its
 first MoE layer that differs from a cached allocation's; racing (opt-in) scores new candidates on
-growing sample subsets first (`evoesap.racing`). The manifest (`run.cost`) records the search's cost in
+growing sample subsets first (`evoesap.method.racing`). The manifest (`run.cost`) records the search's cost in
 full-forward equivalents: the work of the search (active multiply-accumulates, `evoesap.scoring.forward`)
 divided by that of one plain forward over the search samples, in all and per candidate (distinct
 allocations scored on any subset), with the prefix cache's budget and peak.
@@ -30,12 +30,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from evoesap import allocation as alloc
-from evoesap import artifacts, bounds, records, runtime
+from evoesap.method import allocation as alloc
+from evoesap.store import artifacts
+from evoesap.machine import bounds, runtime
+from evoesap import records
 from evoesap.errors import ConfigError
 from evoesap.params import PlacementParams, keyed, param
 from evoesap.progress import progress
-from evoesap.racing import Racing
+from evoesap.method.racing import Racing
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ class SearchParams(PlacementParams):
     )
     racing_schedule: str = param("0.0625,0.25:0.25", "Subset shares of the racing levels, then the share that advances.")
     racing_min_samples: int = param(4, "Least samples any racing level scores.")
-    racing_min_positions: int = param(256, "Least scored positions any racing level scores (evoesap.racing says why).")
+    racing_min_positions: int = param(256, "Least scored positions any racing level scores (evoesap.method.racing says why).")
     prefix_reuse: bool = param(True, "Start candidates from cached hidden states of the fittest allocations (exact).")
     prefix_cache_bytes: int | None = param(
         None,
@@ -76,7 +78,7 @@ class SearchParams(PlacementParams):
     )
     workers: int = param(
         1,
-        "Processes scoring each generation's candidates (torchrun underneath), each with a model replica (evoesap.distributed).",
+        "Processes scoring each generation's candidates (torchrun underneath), each with a model replica (evoesap.method.distributed).",
         keyed=False,
     )  # the same artifact on any number
     gpus_per_worker: int = param(
@@ -84,7 +86,7 @@ class SearchParams(PlacementParams):
     )
 
     def __post_init__(self) -> None:
-        from evoesap.importance import CRITERIA
+        from evoesap.scoring.importance import CRITERIA
         from evoesap.scoring import metrics
 
         if self.criterion not in CRITERIA:
@@ -125,8 +127,8 @@ class SearchParams(PlacementParams):
 
     @property
     def placement(self) -> dict[str, Any]:
-        """A worker's replica spreads over its own group of GPUs (`evoesap.distributed.worker_gpus`)."""
-        from evoesap import distributed
+        """A worker's replica spreads over its own group of GPUs (`evoesap.method.distributed.worker_gpus`)."""
+        from evoesap.method import distributed
 
         gpus = distributed.worker_gpus(self.gpus_per_worker) if self.gpus_per_worker > 1 else None
         return {**super().placement, "gpus": gpus}
@@ -213,7 +215,7 @@ def _plots(
 ) -> None:
     import matplotlib.pyplot as plt
 
-    from evoesap import report
+    from evoesap.reporting import report
 
     label = f"{params.criterion} {params.sparsity:.0%}"
     fig = report.search_curve_figure({label: history})
@@ -273,7 +275,7 @@ def prepare_scoring(
     """Load the model and the teacher cache(s) and build the search's evaluator; `judge=False` (a worker)
     skips the held-out evaluator."""
     from evoesap import moe
-    from evoesap.importance import model_orders, read_scores
+    from evoesap.scoring.importance import model_orders, read_scores
     from evoesap.scoring.evaluator import CandidateEvaluator
     from evoesap.scoring.teacher import load_cache
 
@@ -386,10 +388,10 @@ def run_search(
     """Search the allocation for one criterion and sparsity; publish allocation.json, history and plots.
 
     `heldout_cache`: a teacher cache of other samples for the generalisation check (see the module docstring).
-    With `workers > 1` it launches that many processes (`evoesap.distributed`); the coordinator among them
+    With `workers > 1` it launches that many processes (`evoesap.method.distributed`); the coordinator among them
     runs the search and publishes the same artifact.
     """
-    from evoesap import distributed, search
+    from evoesap.method import distributed, search
 
     inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}
     seen = artifacts.preflight(out_uri, "search", inputs)
@@ -408,7 +410,7 @@ def run_search(
 
     def on_generation(gen: int, best: Any, best_fitness: float, mean_fitness: float, evaluations: int) -> None:
         bar.n = gen + 1
-        bar.set_postfix(best=f"{best_fitness:.5f}", mean=f"{mean_fitness:.5f}", evals=evaluations)  # evoesap.search logs it
+        bar.set_postfix(best=f"{best_fitness:.5f}", mean=f"{mean_fitness:.5f}", evals=evaluations)  # method.search logs it
 
     with distributed.scorer(scoring) as pool:
         try:

@@ -20,7 +20,8 @@ import pandas as pd
 import pyarrow as pa
 import torch
 
-from evoesap import artifacts, moe
+from evoesap.store import artifacts
+from evoesap import moe
 from evoesap.data import TokenizedSample, batches
 from evoesap.errors import ConfigError, DataError
 from evoesap.progress import progress
