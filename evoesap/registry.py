@@ -1,6 +1,6 @@
 """The stage registry: the one list of pipeline stages, from which everything that names a stage is derived.
 
-Each stage is `run_<stage>(inputs..., params, out_uri) -> Manifest` in its own module here, with a
+Each stage is `run_<stage>(inputs..., params, out_uri) -> Manifest` in its own module of `evoesap.stages`, with a
 frozen parameter dataclass whose fields carry their help (`evoesap.params`). The CLI verbs
 (`evoesap.cli.stages`), the pipeline YAML's sections (`evoesap.pipeline.config`), the KFP components'
 documentation (`evoesap.components`), the cluster settings and the planner all read `STAGES`; adding a
