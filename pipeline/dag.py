@@ -25,6 +25,7 @@ from evoesap.components.reference import make_reference
 from evoesap.components.trainjob import make_search_trainjob
 from evoesap.pipeline.feasibility import check_grid
 from evoesap.errors import ConfigError
+from evoesap.params import PlacementParams
 from evoesap.registry import MODEL_STAGES, NAMES, STAGES
 from evoesap.registry import get as get_stage
 from evoesap.pipeline import cluster, trainjob
@@ -130,8 +131,10 @@ def _defaults(config: PipelineConfig, gpus_at_run_time: Iterable[str] = ()) -> d
     """The pipeline parameters' defaults: the configuration's values. `gpus_at_run_time`: the stages whose GPU count
     is a sub-pipeline input."""
 
-    def gpu_params(stage: str) -> dict[str, Any]:
-        return _gpu_params(stage, config, stage in gpus_at_run_time)
+    def params(stage: Any) -> dict[str, Any]:  # a stage that places its model itself may spread it over the GPUs
+        if issubclass(stage.params_class(), PlacementParams):
+            return _gpu_params(stage.name, config, stage.name in gpus_at_run_time)
+        return config.stage_params(stage.name)
 
     return {
         "calibration_data": config.calibration_data,
@@ -139,14 +142,25 @@ def _defaults(config: PipelineConfig, gpus_at_run_time: Iterable[str] = ()) -> d
         "heldout_data": config.heldout_data or "",
         "storage_root": config.storage_root,
         "grid": config.grid(),
-        "calibrate_params": gpu_params("calibrate"),
-        "cache_logits_params": gpu_params("cache-logits"),
-        "search_params": gpu_params("search"),
-        "prune_params": config.stage_params("prune"),
-        "evaluate_params": gpu_params("evaluate"),
-        "report_params": config.stage_params("report"),
-        "publish_params": config.stage_params("publish"),
+        **{params_input(stage.name): params(stage) for stage in STAGES},
     }
+
+
+def params_input(stage: str) -> str:
+    """The pipeline input that carries a stage's parameters (`<section>_params`, a dict)."""
+    return f"{get_stage(stage).section}_params"
+
+
+def _params_parameters(config: PipelineConfig, defaults: Mapping[str, Any]) -> list[inspect.Parameter]:
+    """One `<section>_params: dict` pipeline input per stage of the registry, its default the configured section;
+    quantize's only when the DAG has a quantize task (its section names a recipe), since an input no task reads
+    would take a `--set` silently."""
+    quantize_on = bool(config.stage_params("quantize").get("recipe"))
+    return [
+        inspect.Parameter(params_input(s.name), inspect.Parameter.KEYWORD_ONLY, default=defaults[params_input(s.name)], annotation=dict)
+        for s in STAGES
+        if s.name != "quantize" or quantize_on
+    ]
 
 
 def build_subpipeline(
@@ -176,19 +190,17 @@ def build_subpipeline(
         search_data: str = d["search_data"],
         storage_root: str = d["storage_root"],
         grid: list = d["grid"],
-        calibrate_params: dict = d["calibrate_params"],
-        cache_logits_params: dict = d["cache_logits_params"],
-        search_params: dict = d["search_params"],
-        prune_params: dict = d["prune_params"],
-        evaluate_params: dict = d["evaluate_params"],
-        report_params: dict = d["report_params"],
-        publish_params: dict = d["publish_params"],
         heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
-        **settings: Any,  # the settings inputs (`runtime`), by parameter name
+        **settings: Any,  # each stage's `<section>_params`, then the settings inputs (`runtime`), by parameter name
     ) -> Outputs:
         def stage(name: str, task: Any, label: str | None = None) -> Any:
             inputs = {setting: settings[parameter.name] for setting, parameter in runtime.get(name, {}).items()}
             return _configure(task, name, config, label, inputs)
+
+        calibrate_params, cache_logits_params, search_params, prune_params, quantize_params, evaluate_params = (
+            settings.get(params_input(name)) for name in ("calibrate", "cache-logits", "search", "prune", "quantize", "evaluate")
+        )
+        report_params, publish_params = settings[params_input("report")], settings[params_input("publish")]
 
         # With quantize on, publish releases the quantized checkpoint, not the pruned one: it is the model the quantize
         # step exists to ship, one `to`/`repo` holds one checkpoint, and its card still shows the pruned model's
@@ -243,7 +255,7 @@ def build_subpipeline(
             if quantize_on:  # opt-in: the searched checkpoint quantized, and evaluated for the report and the card
                 quantized = stage("quantize", comps.quantize(model=pruned["searched"].outputs["pruned"],
                                                              data=calibration_data, storage_root=storage_root,
-                                                             params=config.stage_params("quantize")),
+                                                             params=quantize_params),
                                   "quantize searched")  # fmt: skip
                 evals["quantized"] = stage("evaluate", comps.evaluate(model=quantized.outputs["quantized"],
                                                                       storage_root=storage_root,
@@ -277,7 +289,7 @@ def build_subpipeline(
             pruned_models=dsl.Collected(pruned["searched"].outputs["pruned"]),
         )
 
-    extra = [parameter for by_setting in runtime.values() for parameter in by_setting.values()]
+    extra = [*_params_parameters(config, d), *(parameter for by_setting in runtime.values() for parameter in by_setting.values())]
     func = _signed(evoesap_stages, () if config.heldout_data else ("heldout_data",), extra)
     description = "EvoESAP stages: calibrate ... report, for a given full model"
     return dsl.pipeline(name=f"{config.name}-stages", description=description)(func)
@@ -300,14 +312,8 @@ def build_pipeline(config: PipelineConfig) -> Callable:
         search_data: str = d["search_data"],
         storage_root: str = d["storage_root"],
         grid: list = d["grid"],
-        calibrate_params: dict = d["calibrate_params"],
-        cache_logits_params: dict = d["cache_logits_params"],
-        search_params: dict = d["search_params"],
-        prune_params: dict = d["prune_params"],
-        evaluate_params: dict = d["evaluate_params"],
-        report_params: dict = d["report_params"],
-        publish_params: dict = d["publish_params"],
         heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
+        **params: dict,  # each stage's `<section>_params`
     ) -> Outputs:
         named = cluster.apply(reference(model=model), config.resources.get("all") or cluster.StageSettings(), config.retries)
         named.set_display_name("model").set_caching_options(enable_caching=False)
@@ -318,19 +324,13 @@ def build_pipeline(config: PipelineConfig) -> Callable:
             **({"heldout_data": heldout_data} if config.heldout_data else {}),
             storage_root=storage_root,
             grid=grid,
-            calibrate_params=calibrate_params,
-            cache_logits_params=cache_logits_params,
-            search_params=search_params,
-            prune_params=prune_params,
-            evaluate_params=evaluate_params,
-            report_params=report_params,
-            publish_params=publish_params,
+            **params,
         ).set_caching_options(enable_caching=False)
         return Outputs(
             report=run.outputs["report"], report_html=run.outputs["report_html"], pruned_models=run.outputs["pruned_models"]
         )
 
-    func = evoesap_pipeline if config.heldout_data else _signed(evoesap_pipeline, ("heldout_data",))
+    func = _signed(evoesap_pipeline, () if config.heldout_data else ("heldout_data",), _params_parameters(config, d))
     return dsl.pipeline(name=config.name, description="EvoESAP: ESAP-guided non-uniform expert pruning")(func)
 
 
