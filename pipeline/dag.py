@@ -157,7 +157,9 @@ def _params_parameters(config: PipelineConfig, defaults: Mapping[str, Any]) -> l
     would take a `--set` silently."""
     quantize_on = bool(config.stage_params("quantize").get("recipe"))
     return [
-        inspect.Parameter(params_input(s.name), inspect.Parameter.KEYWORD_ONLY, default=defaults[params_input(s.name)], annotation=dict)
+        inspect.Parameter(
+            params_input(s.name), inspect.Parameter.KEYWORD_ONLY, default=defaults[params_input(s.name)], annotation=dict
+        )
         for s in STAGES
         if s.name != "quantize" or quantize_on
     ]

@@ -143,7 +143,10 @@ def test_a_run_overrides_quantize_parameters_when_the_dag_quantizes(kfp_api):
     parameters = _posts()["/apis/v2beta1/runs"]["runtime_config"]["parameters"]
     assert parameters == {"quantize_params": {"recipe": "fp8-dynamic", "samples": 32}}
     spec = _uploaded_spec()
-    assert spec["root"]["inputDefinitions"]["parameters"]["quantize_params"]["defaultValue"] == {"recipe": "w4a16-gptq", "samples": 64}
+    assert spec["root"]["inputDefinitions"]["parameters"]["quantize_params"]["defaultValue"] == {
+        "recipe": "w4a16-gptq",
+        "samples": 64,
+    }
     loop_inputs = json.dumps(spec["components"])
     assert '"componentInputParameter": "pipelinechannel--quantize_params"' in loop_inputs
     with pytest.raises(ConfigError, match="unknown parameter.*recipes.*for stage 'quantize'"):
