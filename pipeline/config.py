@@ -26,10 +26,9 @@ from pydantic import (
 
 from evoesap import __version__, registry as stages
 from evoesap.errors import ConfigError
+from evoesap.scoring.criteria import CRITERIA, Criterion
 
 from .cluster import StageSettings, merged
-
-CRITERIA = ("frequency", "seer", "ean", "reap")
 
 
 class _Settings(BaseModel):
@@ -43,7 +42,7 @@ class _Settings(BaseModel):
     calibration_data: str  # data for the importance criteria
     search_data: str  # data for the teacher cache and the ESAP fitness
     heldout_data: str | None = None  # other samples of the search domain: the search's held-out check, held-out ESAP in evaluate
-    criteria: list[Literal["frequency", "seer", "ean", "reap"]] = ["reap"]
+    criteria: list[Criterion] = ["reap"]
     sparsities: list[float] = [0.25]
     storage_root: str = "./runs/artifacts"  # where every artifact goes: a path, s3://, gs://
     pipeline_root: str | None = None  # kfp.local's own scratch directory (local runs only)

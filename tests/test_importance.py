@@ -224,7 +224,7 @@ def test_calibrate_stage_and_cli_write_scores(tmp_path):
 def test_calibrate_params_validated_before_any_loading():
     from evoesap.stages.calibrate import CalibrateParams
 
-    with pytest.raises(ConfigError, match="batch_size must be at least 1, got 0"):
+    with pytest.raises(ConfigError, match="batch_size must be >= 1, got 0"):
         CalibrateParams(batch_size=0)
     with pytest.raises(ConfigError, match="model_dtype 'int8'"):
         CalibrateParams(model_dtype="int8")
