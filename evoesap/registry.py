@@ -42,6 +42,7 @@ class Stage:
     grid: tuple[str, ...] = ()  # parameters set per point of the criterion x sparsity fan-out, not in its section
     peak: str | None = None  # "module:function" predicting its peak memory, disk and temp (evoesap.planning.footprint)
     fits_with: str = ""  # the settings that make it fit when its plan is refused
+    facts: str | None = None  # "module:function": its artifact's headline numbers for KFP metadata (records.facts)
 
     @property
     def section(self) -> str:
@@ -53,6 +54,11 @@ class Stage:
 
     def params_class(self) -> type:
         return _load(self.params)
+
+    def facts_function(self) -> Callable[[str], dict[str, Any]]:
+        if self.facts is None:
+            raise ConfigError(f"stage {self.name!r} has no facts")
+        return _load(self.facts)
 
     def peak_function(self) -> Callable[..., Any]:
         if self.peak is None:
@@ -114,6 +120,7 @@ STAGES: tuple[Stage, ...] = (
         loads_model=True,
         grid=("criterion", "sparsity"),
         peak="evoesap.planning.footprint:search_peak",
+        facts="evoesap.records.facts:search_facts",
         fits_with="cache_logits.mode: topk (top_k 64), fewer cache_logits.samples or max_length, search.batch_size, "
         "or search.device_map: auto over more GPUs",
     ),
@@ -129,6 +136,7 @@ STAGES: tuple[Stage, ...] = (
         loads_model=False,
         grid=("criterion", "sparsity"),
         peak="evoesap.planning.footprint:prune_peak",
+        facts="evoesap.records.facts:prune_facts",
         fits_with="a larger volume for the pruned checkpoint",
     ),
     Stage(
@@ -149,6 +157,7 @@ STAGES: tuple[Stage, ...] = (
         "evoesap quantize --model runs/pruned --data runs/demo/data/calibration.jsonl --recipe w4a16-gptq --samples 64 "
         "--out runs/quantized",
         loads_model=True,
+        facts="evoesap.records.facts:quantize_facts",
     ),
     Stage(
         "evaluate",
@@ -164,6 +173,7 @@ STAGES: tuple[Stage, ...] = (
         "evoesap evaluate --model runs/pruned --tasks mc,math,./my_tasks --out runs/eval --limit 20 --method searched",
         loads_model=True,
         peak="evoesap.planning.footprint:evaluate_peak",
+        facts="evoesap.records.facts:evaluate_facts",
         fits_with="evaluate.batch_size or evaluate.max_length, or device_map: auto over more GPUs",
     ),
     Stage(

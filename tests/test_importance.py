@@ -218,7 +218,9 @@ def test_calibrate_stage_and_cli_write_scores(tmp_path):
         == 0
     )
     pd.testing.assert_frame_equal(importance.read_scores(str(tmp_path / "cli")), got)
-    assert main(["calibrate", "--model", "m", "--data", "d.jsonl", "--out", str(tmp_path / "x"), "--batch-size", "0"]) == 1
+    assert (
+        main(["calibrate", "--model", "m", "--data", "d.jsonl", "--out", str(tmp_path / "x"), "--batch-size", "0"]) == 2
+    )  # out of the declared range: a usage error
 
 
 def test_calibrate_params_validated_before_any_loading():

@@ -104,3 +104,13 @@ def test_the_components_docs_show_choices_ranges_and_the_stage_s_defaults():
     assert "sparsity (float, default 0.25): Global share of routed experts removed. [> 0 and < 1]" in params_description("search")
     assert "[>= 1; unset here: 1024]" in params_description("calibrate")
     assert "[>= 1; unset here: 256]" in params_description("quantize")
+
+
+def test_publish_parameters_get_the_checks_every_stage_shares(monkeypatch):
+    publish = next(s for s in STAGES if s.name == "publish").params_class()
+    with pytest.raises(ConfigError, match="^digits must be >= 1 and <= 8, got 9$"):
+        publish(digits=9)
+    checked = []
+    monkeypatch.setattr("evoesap.machine.bounds.check_params", checked.append)
+    made = publish(digits=4)
+    assert checked == [made]  # machine.bounds.check_params ran on it, as on every stage's parameters
