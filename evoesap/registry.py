@@ -27,6 +27,21 @@ class StageInput:
     required: bool = True
     many: bool = False  # a list (the CLI option repeats)
     model: bool = False  # a model that a hub `revision` can pin
+    # the KFP component's arguments that carry it: None, one of its own name; KFP types a list of artifacts by what
+    # they are, so report's runs arrive as full, searched, uniform, quantized; (): none (the CLI's lineage only)
+    kfp: tuple[str, ...] | None = None
+
+    @property
+    def kfp_arguments(self) -> tuple[str, ...]:
+        return (self.name,) if self.kfp is None else self.kfp
+
+
+@dataclasses.dataclass(frozen=True)
+class StageOutput:
+    """An output of a stage's KFP component: its name and its KFP artifact type (`kfp.dsl.<kind>`)."""
+
+    name: str
+    kind: str  # Dataset, Artifact, Model, Metrics, Markdown or HTML
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +51,7 @@ class Stage:
     params: str  # "module:class" of its parameter dataclass
     inputs: tuple[StageInput, ...]
     output: str  # what --out receives
+    outputs: tuple[StageOutput, ...]  # what its KFP component writes (the CLI writes the one artifact at --out)
     summary: str  # one line: what the stage does
     example: str  # a command line that runs it
     loads_model: bool  # whether it runs the model (and may use an accelerator)
@@ -81,6 +97,7 @@ STAGES: tuple[Stage, ...] = (
         "evoesap.stages.calibrate:CalibrateParams",
         (_MODEL, StageInput("data", "Calibration data: JSONL/JSON/Parquet/CSV path or URI, or a hub dataset.")),
         "the scores artifact",
+        (StageOutput("scores", "Dataset"),),
         "Score every expert (frequency, SEER, EAN, REAP) in one observer pass over calibration samples.",
         "evoesap calibrate --model runs/demo/model --data runs/demo/data/calibration.jsonl --samples 64 --out runs/cal",
         loads_model=True,
@@ -93,6 +110,7 @@ STAGES: tuple[Stage, ...] = (
         "evoesap.stages.cache_logits:CacheLogitsParams",
         (_MODEL, StageInput("data", "Search samples: JSONL/JSON/Parquet/CSV path or URI, or a hub dataset.")),
         "the teacher cache artifact",
+        (StageOutput("cache", "Dataset"),),
         "Run the full model once over the search samples and cache its next-token distributions.",
         "evoesap cache-logits --model runs/demo/model --data runs/demo/search.jsonl --out runs/cache --mode topk --top-k 32",
         loads_model=True,
@@ -114,6 +132,7 @@ STAGES: tuple[Stage, ...] = (
             ),
         ),
         "the search artifact",
+        (StageOutput("allocation", "Artifact"),),
         "Search the per-layer allocation with ESAP as fitness.",
         "evoesap search --model runs/demo/model --scores runs/cal --cache runs/cache --criterion reap --sparsity 0.25 "
         "--out runs/search --racing",
@@ -130,6 +149,7 @@ STAGES: tuple[Stage, ...] = (
         "evoesap.stages.prune:PruneParams",
         (_MODEL, _SCORES, StageInput("allocation", "Search artifact; omit for the uniform allocation.", required=False)),
         "the pruned checkpoint artifact",
+        (StageOutput("pruned", "Model"),),
         "Cut experts out of a checkpoint.",
         "evoesap prune --model runs/demo/model --scores runs/cal --allocation runs/search --criterion reap --sparsity 0.5 "
         "--out runs/pruned",
@@ -153,6 +173,7 @@ STAGES: tuple[Stage, ...] = (
             ),
         ),
         "the quantized checkpoint artifact (compressed-tensors)",
+        (StageOutput("quantized", "Model"),),
         "Quantize a checkpoint with llm-compressor's oneshot by a named recipe, in llm-compressor's own environment.",
         "evoesap quantize --model runs/pruned --data runs/demo/data/calibration.jsonl --recipe w4a16-gptq --samples 64 "
         "--out runs/quantized",
@@ -166,9 +187,10 @@ STAGES: tuple[Stage, ...] = (
         (
             StageInput("model", "Checkpoint (path or URI) or hub name; pruned checkpoints load too.", model=True),
             StageInput("teacher_cache", "Full model's cache on held-out samples: adds held-out ESAP.", required=False),
-            StageInput("allocation", "Allocation artifact the model was pruned with (lineage).", required=False),
+            StageInput("allocation", "Allocation artifact the model was pruned with (lineage).", required=False, kfp=()),
         ),
         "the metrics artifact",
+        (StageOutput("metrics", "Metrics"), StageOutput("evaluation", "Dataset")),
         "Evaluate a model with lm-eval, its memory footprint and expert counts; write metrics.json.",
         "evoesap evaluate --model runs/pruned --tasks mc,math,./my_tasks --out runs/eval --limit 20 --method searched",
         loads_model=True,
@@ -181,10 +203,16 @@ STAGES: tuple[Stage, ...] = (
         "evoesap.stages.report:run_report",
         "evoesap.stages.report:ReportParams",
         (
-            StageInput("runs", "Evaluate artifacts (repeat the option): full, uniform, searched runs.", many=True),
+            StageInput(
+                "runs",
+                "Evaluate artifacts (repeat the option): full, uniform, searched runs.",
+                many=True,
+                kfp=("full", "searched", "uniform", "quantized"),
+            ),
             StageInput("searches", "Search artifacts whose history.parquet gives the search curves.", required=False, many=True),
         ),
         "the report artifact",
+        (StageOutput("markdown", "Markdown"), StageOutput("page", "HTML")),
         "Tables like the paper's Table 2, memory savings, per-layer density plots and search curves.",
         "evoesap report --runs runs/eval-full --runs runs/eval-uniform --runs runs/eval-searched --searches runs/search "
         "--out runs/report",
@@ -201,6 +229,7 @@ STAGES: tuple[Stage, ...] = (
                 "Evaluate artifacts (repeat the option): the published model's, and the full (and pruned) model's for "
                 "the comparison.",
                 many=True,
+                kfp=("evaluation", "full_evaluation", "quantized_evaluation"),
             ),
             StageInput("search", "Search artifact the model was pruned by: the card's search section.", required=False),
             StageInput(
@@ -214,6 +243,7 @@ STAGES: tuple[Stage, ...] = (
             ),
         ),
         "the publish artifact (checkpoint and model card)",
+        (StageOutput("published", "Model"),),
         "Write the model card beside a pruned (or pruned and quantized) checkpoint; push both to a URI or a Hub repository.",
         "evoesap publish --pruned runs/pruned --evaluations runs/eval --evaluations runs/eval-full --search runs/search "
         "--repo my-org/olmoe-pruned --out runs/publish",

@@ -173,12 +173,17 @@ class _Settings(BaseModel):
         return merged(self.resources.get("all"), self.resources.get(stage))
 
 
-PipelineConfig = create_model(
-    "PipelineConfig",
-    __base__=_Settings,
-    __doc__="Everything one pipeline run needs: inputs, grid, one parameter section per stage, storage and cluster settings.",
-    **{stage.section: (dict[str, Any], {}) for stage in stages.STAGES},
-)
+def config_model() -> type[_Settings]:
+    """The configuration's model: the settings plus one parameter section per stage of the registry."""
+    return create_model(
+        "PipelineConfig",
+        __base__=_Settings,
+        __doc__="Everything one pipeline run needs: inputs, grid, one parameter section per stage, storage and cluster settings.",
+        **{stage.section: (dict[str, Any], {}) for stage in stages.STAGES},
+    )
+
+
+PipelineConfig = config_model()
 
 
 def _check_stage_sections(config: PipelineConfig) -> None:
