@@ -30,13 +30,8 @@ class ReportParams(StageParams):
     """How the report looks; what it says comes from its inputs."""
 
     title: str = param("EvoESAP report", "Title of the report.")
-    digits: int = param(3, "Decimals in the benchmark table (the paper uses 3).")
+    digits: int = param(3, "Decimals in the benchmark table (the paper uses 3).", ge=1, le=8)
     html: bool = param(True, "Also write report.html.")
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.digits <= 8:
-            raise ConfigError(f"digits must be within 1..8, got {self.digits}")
-        super().__post_init__()
 
 
 def _history(search_uri: str) -> tuple[str, pd.DataFrame, Mapping[str, Any]]:
