@@ -17,7 +17,8 @@ import time
 import numpy as np
 import torch
 
-from evoesap import moe, runtime
+from evoesap import moe
+from evoesap.machine import runtime
 from evoesap.data import TokenizedSample
 from evoesap.scoring import forward, teacher
 

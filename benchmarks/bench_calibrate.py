@@ -20,7 +20,9 @@ import numpy as np
 import torch
 from transformers.activations import ACT2FN
 
-from evoesap import importance, moe, runtime
+from evoesap.scoring import importance
+from evoesap import moe
+from evoesap.machine import runtime
 from evoesap.data import TokenizedSample, batches
 
 

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from evoesap import moe, runtime
+from evoesap import moe
+from evoesap.machine import runtime
 from evoesap.data import TokenizedSample, load_samples, scored_mask, tokenize_samples
 from evoesap.scoring import forward, teacher
 from evoesap.scoring.evaluator import CandidateEvaluator
@@ -113,7 +114,7 @@ def main() -> None:
     parser.add_argument(
         "--threads",
         type=int,
-        help="intra-op threads (sets EVOESAP_CPU_THREADS); default: evoesap.runtime's choice, 1 for tiny models",
+        help="intra-op threads (sets EVOESAP_CPU_THREADS); default: evoesap.machine.runtime's choice, 1 for tiny models",
     )
     args = parser.parse_args()
     if args.model and not args.data:

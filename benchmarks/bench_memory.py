@@ -7,7 +7,7 @@ allocated) and file-backed memory (RssFile); from /proc/PID/smaps the resident p
 memory-mapped safetensors, and the peak of anonymous + those weights at one instant (what the
 planner's host figure predicts). A first process loads a teacher cache alone. Each row gives the
 peak anonymous memory over model bytes, the loaded cache over its bytes, and the planner's host
-prediction (`evoesap.plan`) with its error; `--repredict` recomputes only the planner's columns of
+prediction (`evoesap.planning.plan`) with its error; `--repredict` recomputes only the planner's columns of
 an earlier run's --json rows (from config.json of the same models).
 
     PYTHONPATH=$PWD python benchmarks/bench_memory.py                    # 0.3, 1 and 2 GB
@@ -36,7 +36,7 @@ SETTINGS = dict(samples=4, max_length=128, batch_size=2)
 # what every stage process imports before it loads anything: the baseline subtracted from its peaks
 RUNTIME_PROBE = (
     "import torch, transformers, pyarrow, pandas, evoesap.stages.search, evoesap.stages.prune, "
-    "evoesap.plan, evoesap.scoring.teacher, transformers.models.olmoe.modeling_olmoe"
+    "evoesap.planning.plan, evoesap.scoring.teacher, transformers.models.olmoe.modeling_olmoe"
 )
 CACHE_PROBE = """
 import sys
@@ -213,7 +213,7 @@ def stage_commands(root: Path, model: Path, data: dict[str, str]) -> dict[str, l
 
 def predictions(model: Path, cache_rows: int, mode: str) -> dict[str, int]:
     """The planner's host prediction of each stage on a CPU machine (a cache of `cache_rows` rows in `mode`)."""
-    from evoesap import footprint
+    from evoesap.planning import footprint
     from evoesap.steps import make_params
 
     shape = footprint.model_shape(str(model), "bfloat16")
@@ -251,7 +251,7 @@ def repredict(rows: list[dict], workdir: Path) -> list[dict]:
 
 
 def run_size(gigabytes: float, workdir: Path) -> list[dict]:
-    from evoesap import footprint
+    from evoesap.planning import footprint
     from evoesap.scoring import teacher
     from evoesap.demo.domains import generate_splits, write_jsonl
 
@@ -296,7 +296,8 @@ def cache_load_row(workdir: Path) -> dict:
     """Peak anonymous memory of loading a 307 MB full cache, over the cache's bytes (import baseline subtracted)."""
     import numpy as np
 
-    from evoesap import footprint, moe
+    from evoesap.planning import footprint
+    from evoesap import moe
     from evoesap.scoring import teacher
     from evoesap.data import TokenizedSample
 

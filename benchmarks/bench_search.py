@@ -42,10 +42,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from evoesap import allocation as alloc
-from evoesap import moe, racing, runtime, search
+from evoesap.method import allocation as alloc
+from evoesap import moe
+from evoesap.method import racing, search
+from evoesap.machine import runtime
 from evoesap.data import TokenizedSample, load_samples, scored_mask, tokenize_samples
-from evoesap.importance import observe, pruning_order
+from evoesap.scoring.importance import observe, pruning_order
 from evoesap.scoring import forward, teacher
 from evoesap.scoring.evaluator import CandidateEvaluator
 
@@ -282,7 +284,7 @@ def main() -> None:
     parser.add_argument(
         "--threads",
         type=int,
-        help="intra-op threads (sets EVOESAP_CPU_THREADS); default: evoesap.runtime's choice, 1 for tiny models",
+        help="intra-op threads (sets EVOESAP_CPU_THREADS); default: evoesap.machine.runtime's choice, 1 for tiny models",
     )
     args = parser.parse_args()
     if (args.shape is None) == (args.model is None or args.data is None):

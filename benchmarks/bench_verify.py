@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 
 
 def _best(fn, repeat: int) -> float:

@@ -40,7 +40,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # this checkout's evoesap; tests' tiny world
 
-from evoesap.stages import STAGES
+from evoesap.registry import STAGES
 
 KINDS = ("kill9", "sigterm", "s3_outage", "disk_full", "corrupt")
 BUCKET = "chaos"
@@ -101,7 +101,7 @@ def run_pipeline(files: dict[str, str], params: dict[str, Any], root: str) -> st
 
 def child(spec_path: str) -> int:
     """Run the pipeline as a stage process would: exit 0, or 1 with one `error:` line (the CLI's rule)."""
-    from evoesap.artifacts import redact
+    from evoesap.store.artifacts import redact
     from evoesap.errors import EvoESAPError
 
     spec = json.loads(Path(spec_path).read_text())
@@ -153,7 +153,7 @@ def _held_under(root: Path) -> list[str]:
 
 
 def storage_fs(root: str):
-    from evoesap import artifacts
+    from evoesap.store import artifacts
 
     return artifacts.split(root)
 
@@ -405,7 +405,7 @@ class Harness:
             stage.function()
         import lm_eval.evaluator  # noqa: F401 - the evaluate stage's heaviest import
 
-        from evoesap import artifacts
+        from evoesap.store import artifacts
 
         artifacts._checkout_head()  # read once, before the forks: the code every stage process runs is this
 
@@ -439,7 +439,7 @@ class Harness:
             os.chdir(self.ws.top)  # lm-eval records the working directory's git commit: not a checkout that moves
             os.environ["TMPDIR"] = str(self.ws.tmp)
             tempfile.tempdir = None
-            from evoesap import artifacts
+            from evoesap.store import artifacts
 
             artifacts._STARTED = time.time()
             code = disk_full_child(spec, disk) if disk else child(spec)

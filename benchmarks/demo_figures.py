@@ -36,9 +36,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from evoesap import allocation as alloc
-from evoesap import moe, records, runtime
-from evoesap.importance import CRITERIA, pruning_order, read_scores
+from evoesap.method import allocation as alloc
+from evoesap import moe, records
+from evoesap.machine import runtime
+from evoesap.scoring.importance import CRITERIA, pruning_order, read_scores
 from evoesap.scoring.evaluator import CandidateEvaluator
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads",
         type=int,
-        help="intra-op threads (sets EVOESAP_CPU_THREADS); default: evoesap.runtime's choice, 1 for tiny models",
+        help="intra-op threads (sets EVOESAP_CPU_THREADS); default: evoesap.machine.runtime's choice, 1 for tiny models",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

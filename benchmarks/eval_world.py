@@ -15,7 +15,7 @@ import math
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from evoesap import runtime
+from evoesap.machine import runtime
 from evoesap.demo import load_demo_world, run_tasks, weights_hash
 from evoesap.demo.domains import read_jsonl
 

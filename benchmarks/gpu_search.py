@@ -38,8 +38,9 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from evoesap import allocation as alloc
-from evoesap import moe, racing, search
+from evoesap.method import allocation as alloc
+from evoesap import moe
+from evoesap.method import racing, search
 from evoesap.scoring.evaluator import CandidateEvaluator
 from evoesap.scoring.teacher import CacheMeta, TeacherCache
 

@@ -6,7 +6,7 @@ tokens, then runs calibrate, cache-logits (top-K at the paper's search size, the
 samples), search and the streamed prune, each as its own `python -m evoesap` process. Host memory is
 sampled from /proc (bench_memory.Probe: RssAnon apart from file-backed pages), device memory from NVML
 (memory used on the GPU above what was used before the stage started, CUDA context included). Each row
-also carries the planner's prediction for the same settings (`evoesap.plan`), so its error can be read
+also carries the planner's prediction for the same settings (`evoesap.planning.plan`), so its error can be read
 off; each stage's own output goes to WORKDIR/<stage>.log. Rows are printed (and appended to `--json`) as they come: a run cut short keeps what it measured.
 
     python benchmarks/gpu_stages.py --workdir /tmp/stages --json $OUT/stages.jsonl
@@ -30,7 +30,7 @@ import torch
 from bench_memory import Probe
 from gpu_search import SHAPES, build_model
 
-from evoesap import footprint
+from evoesap.planning import footprint
 from evoesap.steps import make_params
 
 

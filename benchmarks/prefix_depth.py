@@ -21,8 +21,8 @@ import sys
 
 import numpy as np
 
-from evoesap import allocation as alloc
-from evoesap import search
+from evoesap.method import allocation as alloc
+from evoesap.method import search
 
 DEPTHS = {
     "demo (4 x 16, top-2)": (4, 16, 2),

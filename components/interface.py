@@ -8,20 +8,29 @@ section of the same name, the CLI's options). Their meaning is declared once, wi
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any
 
 from evoesap import params as parameters
-from evoesap import stages
+from evoesap import registry as stages
 
 
 def _type_name(annotation: Any) -> str:
+    """`int | None`, `str`; a `Literal` by the type of its choices (the choices go with the meaning)."""
+    if parameters.choices_of(annotation):
+        return " | ".join(sorted(t.__name__ for t in parameters.kinds(annotation)))
     return str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
 
 
 def param_docs(stage: str) -> list[tuple[str, str, Any, str]]:
-    """(name, type, default, meaning) of every parameter of `stage`."""
+    """(name, type, default, meaning) of every parameter of `stage`; the meaning with the declared choices or
+    range and what unset means for this stage (`params.describe`)."""
     cls = stages.get(stage).params_class()
-    return [(f.name, _type_name(f.type), f.default, parameters.help_of(f).rstrip(".")) for f in dataclasses.fields(cls)]
+    hints = typing.get_type_hints(cls)
+    return [
+        (f.name, _type_name(hints[f.name]), f.default, parameters.describe(cls, f, hints[f.name]).rstrip("."))
+        for f in dataclasses.fields(cls)
+    ]
 
 
 def params_description(stage: str, exclude: tuple[str, ...] = ()) -> str:

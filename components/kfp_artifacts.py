@@ -4,7 +4,7 @@ artifact holds.
 A stage's result lives at its content-addressed URI under `storage_root` (reused across runs, with its
 manifest). The KFP output artifact becomes that artifact: its URI is set to the storage URI, so the
 weights, logits and manifest are at the artifact's own `uri` / `path` for any consumer, stored once, with
-the stage's headline numbers (`evoesap.facts`) in its metadata. Where KFP's launcher would refuse a changed
+the stage's headline numbers (`evoesap.records.facts`) in its metadata. Where KFP's launcher would refuse a changed
 URI (an object-store storage root under a cluster's object-store pipeline root), the artifact stays at
 KFP's URI and holds a view: the manifest and the small files, `metadata["uri"]` naming the full artifact.
 See docs/ARCHITECTURE.md, "KFP artifacts and the storage root".
@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from evoesap import facts
-from evoesap.identity import is_uri
+from evoesap.records import facts
+from evoesap.store.identity import is_uri
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def source(artifact: Any) -> str | None:
     metadata names a `revision` (branch, tag or commit) is read at that revision (`org/name@revision`),
     and a revision on anything else is refused.
     """
-    from evoesap.identity import pin
+    from evoesap.store.identity import pin
 
     if artifact is None:
         return None
@@ -94,7 +94,7 @@ def publish_metrics(metrics: Any, uri: str) -> None:
 
 def publish_report(markdown: Any, page: Any, uri: str) -> None:
     """The report as KFP Markdown and HTML artifacts, rendered by the KFP UI."""
-    from evoesap import artifacts
+    from evoesap.store import artifacts
 
     for artifact in (markdown, page):
         artifact.metadata.update(facts.facts(uri))

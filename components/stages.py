@@ -20,7 +20,7 @@ from kfp import dsl
 from kfp.dsl import HTML, Artifact, Dataset, Input, Markdown, Metrics, Model, Output
 
 from evoesap import __version__
-from evoesap.stages import STAGES
+from evoesap.registry import STAGES
 
 # Where the stage images are published: images/Dockerfile as `<registry>/stage:<version>`, images/Dockerfile.cuda
 # as `<registry>/stage-cuda:<version>`. Fully qualified (a registry host first), so no runtime resolves a bare

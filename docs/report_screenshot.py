@@ -19,7 +19,7 @@ from pathlib import Path
 
 from PIL import Image, ImageChops
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 from evoesap.stages.report import HTML_FILE, ReportParams, run_report
 
 WIDTH = 1400  # a laptop screen; KFP's artifact viewer is narrower, and the page scales down to it

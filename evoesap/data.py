@@ -116,7 +116,7 @@ def load_samples(
             raise ConfigError(f"subset {subset!r} applies to hub datasets only, not to the file {source}")
         rows = _FileRows(source, fmt, split)
     else:
-        from evoesap.identity import check_local_or_hub
+        from evoesap.store.identity import check_local_or_hub
 
         check_local_or_hub(source)  # a mistyped path is not sent to the hub
         rows = _HubRows(source, split, subset)
@@ -155,7 +155,7 @@ class _FileRows:
     def __init__(self, source: str, fmt: str, split: str) -> None:
         import fsspec
 
-        from evoesap.identity import refuse_special
+        from evoesap.store.identity import refuse_special
 
         if "://" not in source:
             refuse_special(source, fix="give a data file")
@@ -232,7 +232,7 @@ class _HubRows:
     def __init__(self, name: str, split: str, subset: str | None) -> None:
         import datasets
 
-        from evoesap.identity import hub_model
+        from evoesap.store.identity import hub_model
 
         repo, revision = hub_model(name) or (name, None)  # `org/name@revision` pins a branch, tag or commit
         try:

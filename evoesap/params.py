@@ -16,12 +16,82 @@ from evoesap.errors import ConfigError
 
 _HELP = "help"
 _KEYED = "keyed"
+_BOUNDS = "bounds"
+_UNSET = "unset"
+_OPERATORS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 
-def param(default: Any, help: str, keyed: bool = True) -> Any:  # noqa: A002 - the word every CLI library uses
+def param(
+    default: Any,
+    help: str,  # noqa: A002 - the word every CLI library uses
+    keyed: bool = True,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    unset: str | None = None,
+) -> Any:
     """A parameter field: its default and the one sentence that documents it everywhere. `keyed=False`: how the
-    stage runs, not what it makes (the artifact is the same for every value), so it stays out of the reuse key."""
-    return dataclasses.field(default=default, metadata={_HELP: help, _KEYED: keyed})
+    stage runs, not what it makes (the artifact is the same for every value), so it stays out of the reuse key.
+    `ge`/`gt`/`le`/`lt`: the range of a number (None always passes); the choices of a word are its type
+    (`Literal[...]`). Both are checked on construction (`check_declared`) and shown by the CLI's --help and the
+    components' docs. `unset`: the class attribute giving what None means for this stage (`DEFAULT_SAMPLES`)."""
+    bounds = {k: v for k, v in {"ge": ge, "gt": gt, "le": le, "lt": lt}.items() if v is not None}
+    return dataclasses.field(default=default, metadata={_HELP: help, _KEYED: keyed, _BOUNDS: bounds, _UNSET: unset})
+
+
+def bounds_of(field: dataclasses.Field) -> dict[str, float]:
+    """The declared range of a number field: {"ge": 1, "lt": 1, ...}."""
+    return dict(field.metadata.get(_BOUNDS, {}))
+
+
+def choices_of(field_type: Any) -> tuple[Any, ...]:
+    """The values a `Literal[...]` field (or `Literal[...] | None`) may take; () for any other field."""
+    if typing.get_origin(field_type) is typing.Literal:
+        return typing.get_args(field_type)
+    return tuple(c for arg in typing.get_args(field_type) for c in choices_of(arg))
+
+
+def constraint(field: dataclasses.Field, field_type: Any) -> str:
+    """The declared choices or range in words (`one of esap, sap`, `> 0 and < 1`); "" when there are none."""
+    choices = choices_of(field_type)
+    if choices:
+        return "one of " + ", ".join(map(str, choices))
+    return " and ".join(f"{_OPERATORS[op]} {value:g}" for op, value in bounds_of(field).items())
+
+
+def effective_default(params_class: type, field: dataclasses.Field) -> Any:
+    """What the field's default means for this stage: the class's `unset` attribute where the default is None."""
+    unset = field.metadata.get(_UNSET)
+    return getattr(params_class, unset) if unset and field.default is None else field.default
+
+
+def describe(params_class: type, field: dataclasses.Field, field_type: Any) -> str:
+    """The field's help with its declared choices or range and, where None stands for a per-stage default, that
+    default: the one text the CLI, the YAML reference and the components' docs show."""
+    text = help_of(field)
+    rule = constraint(field, field_type)
+    extra = [rule] if rule else []
+    if field.metadata.get(_UNSET) and field.default is None:
+        extra.append(f"unset here: {effective_default(params_class, field)}")
+    return f"{text} [{'; '.join(extra)}]" if extra else text
+
+
+def check_declared(params: Any) -> None:
+    """Each field against its declared choices and range: the first offender refused in one line."""
+    hints = typing.get_type_hints(type(params))
+    for field in dataclasses.fields(params):
+        value = getattr(params, field.name)
+        if value is None:
+            continue
+        choices = choices_of(hints[field.name])
+        if choices and value not in choices:
+            raise ConfigError(f"{field.name} {value!r} is not one of {', '.join(map(str, choices))}")
+        for op, limit in bounds_of(field).items():
+            ok = {"ge": value >= limit, "gt": value > limit, "le": value <= limit, "lt": value < limit}[op]
+            if not ok:
+                raise ConfigError(f"{field.name} must be {constraint(field, hints[field.name])}, got {value!r}")
 
 
 TOOLS = "tools"  # the key of the outside tools' versions in a keyed parameter record
@@ -29,7 +99,7 @@ TOOLS = "tools"  # the key of the outside tools' versions in a keyed parameter r
 
 def keyed(params: Any) -> dict[str, Any]:
     """The parameters that determine a stage's artifact: its reuse key and its manifest's record. A stage that runs
-    a tool from an environment of its own (`evoesap.side_env`) adds that tool's versions (its parameter class's
+    a tool from an environment of its own (`evoesap.machine.side_env`) adds that tool's versions (its parameter class's
     `tool_versions()`), so a new version makes the artifact again."""
     values = dataclasses.asdict(params)
     record = {f.name: values[f.name] for f in dataclasses.fields(params) if f.metadata.get(_KEYED, True)}
@@ -45,10 +115,14 @@ def help_of(field: dataclasses.Field) -> str:
 
 
 def kinds(field_type: Any) -> set[Any]:
-    """The plain types a field accepts (`int | None` -> {int, NoneType}; `tuple[str, ...]` -> {tuple})."""
+    """The plain types a field accepts (`int | None` -> {int, NoneType}; `tuple[str, ...]` -> {tuple};
+    `Literal["a", "b"]` -> {str})."""
     if typing.get_origin(field_type) is tuple:
         return {tuple}
-    return set(typing.get_args(field_type)) or {field_type}
+    if typing.get_origin(field_type) is typing.Literal:
+        return {type(choice) for choice in typing.get_args(field_type)}
+    args = typing.get_args(field_type)
+    return set().union(*(kinds(arg) for arg in args)) if args else {field_type}
 
 
 def make(params_class: type, values: Mapping[str, Any], where: str) -> Any:
@@ -101,11 +175,13 @@ def _coerce(name: str, allowed: set[Any], value: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class StageParams:
-    """The base of every stage's parameters: the checks no single stage owns (`evoesap.bounds`), run last."""
+    """The base of every stage's parameters: each field's declared choices and range (`check_declared`), then the
+    checks no single stage owns (`evoesap.machine.bounds`), run last."""
 
     def __post_init__(self) -> None:
-        from evoesap.bounds import check_params
+        from evoesap.machine.bounds import check_params
 
+        check_declared(self)
         check_params(self)
 
 
@@ -119,9 +195,11 @@ class SampleParams(StageParams):
         None,
         "Samples drawn from the data; unset: the stage's default count, or every row of a smaller file "
         "(with a warning). A count larger than the file is refused.",
+        ge=1,
+        unset="DEFAULT_SAMPLES",
     )
-    max_length: int = param(2048, "Tokens per sample (truncated from the end, or per packed sequence).")
-    batch_size: int = param(8, "Sequences per forward.")
+    max_length: int = param(2048, "Tokens per sample (truncated from the end, or per packed sequence).", ge=2)
+    batch_size: int = param(8, "Sequences per forward.", ge=1)
     seed: int = param(0, "Seed of the sample selection: which samples are drawn.")
     split: str = param("train", "Dataset split (hub datasets, or a JSON object keyed by split).")
     subset: str | None = param(None, "Hub dataset configuration name.")
@@ -132,12 +210,6 @@ class SampleParams(StageParams):
     enable_thinking: bool = param(False, "Passed to the chat template (the switch of reasoning models).")
 
     def __post_init__(self) -> None:
-        if self.samples is not None and self.samples < 1:
-            raise ConfigError(f"samples must be at least 1 (or unset), got {self.samples}")
-        if self.batch_size < 1:
-            raise ConfigError(f"batch_size must be at least 1, got {self.batch_size}")
-        if self.max_length < 2:
-            raise ConfigError(f"max_length must be at least 2, got {self.max_length}")
         self.fields  # noqa: B018 - field combinations are checked here, not after the model has loaded
         super().__post_init__()  # the next parameter group's checks, StageParams' last
 
@@ -164,7 +236,7 @@ class DeviceParams(StageParams):
     device_map: str | None = param(None, "'auto' spreads a model too large for one GPU over several.")
 
     def __post_init__(self) -> None:
-        from evoesap.runtime import check_model_dtype
+        from evoesap.machine.runtime import check_model_dtype
 
         check_model_dtype(self.model_dtype)
         super().__post_init__()  # the next parameter group's checks, StageParams' last
@@ -187,7 +259,7 @@ class PlacementParams(DeviceParams):
     )
 
     def __post_init__(self) -> None:
-        from evoesap.sizes import parse_bytes
+        from evoesap.machine.sizes import parse_bytes
 
         if (self.max_memory is not None or self.offload) and self.device_map is None:
             raise ConfigError("max_memory and offload say how device_map places the model: set device_map: auto as well")

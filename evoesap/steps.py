@@ -1,4 +1,4 @@
-"""Run any stage of the registry (`evoesap.stages`) by name, reusing a finished output made from the same inputs and parameters.
+"""Run any stage of the registry (`evoesap.registry`) by name, reusing a finished output made from the same inputs and parameters.
 
 `run_stage` runs a stage into a given output URI unless the manifest there records the same stage,
 parameters and inputs (the CLI's entry). Orchestrators (the KFP components, `evoesap pipeline run`)
@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping, Sequence
 
-from evoesap import artifacts, stages
+from evoesap.store import artifacts
+from evoesap import registry as stages
 from evoesap import params as parameters
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ def run_stage(stage: str, inputs: Mapping[str, Any], params: Any, out_uri: str) 
     if done is not None:
         log.info("%s: reusing the finished artifact at %s", stage, artifacts.redact(out_uri))
         return done
-    from evoesap import plan
+    from evoesap.planning import plan
 
     plan.check_stage(stage, dict(inputs), params)  # refuses a stage that would not fit, before any work
     return function(**inputs, params=params, out_uri=out_uri)

@@ -77,7 +77,7 @@ def publish(pruned_models: Input[List[Model]], report: Input[Markdown], release:
     import json
     import os
 
-    from evoesap.facts import facts
+    from evoesap.records.facts import facts
 
     lines = ["# Release", ""]
     models = []

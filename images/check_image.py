@@ -20,7 +20,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow.parquet as pq
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 
 ROOT = Path(__file__).resolve().parents[1]
 CALIBRATE = ["--quiet", "calibrate", "--samples", "16", "--max-length", "128"]

@@ -1,6 +1,6 @@
 """The pipeline's one YAML configuration, validated before anything runs.
 
-One section per stage of the registry (`evoesap.stages`: `calibrate`, `cache_logits`, ...) holds exactly
+One section per stage of the registry (`evoesap.registry`: `calibrate`, `cache_logits`, ...) holds exactly
 the parameters of that stage's Python API and CLI, under the same names; they are checked against the
 stage's parameter dataclass, so an unknown or invalid key fails here with the valid names listed.
 """
@@ -24,12 +24,11 @@ from pydantic import (
     model_validator,
 )
 
-from evoesap import __version__, stages
+from evoesap import __version__, registry as stages
 from evoesap.errors import ConfigError
+from evoesap.scoring.criteria import CRITERIA, Criterion
 
 from .cluster import StageSettings, merged
-
-CRITERIA = ("frequency", "seer", "ean", "reap")
 
 
 class _Settings(BaseModel):
@@ -43,7 +42,7 @@ class _Settings(BaseModel):
     calibration_data: str  # data for the importance criteria
     search_data: str  # data for the teacher cache and the ESAP fitness
     heldout_data: str | None = None  # other samples of the search domain: the search's held-out check, held-out ESAP in evaluate
-    criteria: list[Literal["frequency", "seer", "ean", "reap"]] = ["reap"]
+    criteria: list[Criterion] = ["reap"]
     sparsities: list[float] = [0.25]
     storage_root: str = "./runs/artifacts"  # where every artifact goes: a path, s3://, gs://
     pipeline_root: str | None = None  # kfp.local's own scratch directory (local runs only)
@@ -131,8 +130,8 @@ class _Settings(BaseModel):
 
     @property
     def pinned_model(self) -> str:
-        """`model` at `revision` (`org/name@revision`, `evoesap.identity.pin`), as every stage reads it."""
-        from evoesap.identity import pin
+        """`model` at `revision` (`org/name@revision`, `evoesap.store.identity.pin`), as every stage reads it."""
+        from evoesap.store.identity import pin
 
         return pin(self.model, self.revision)
 
@@ -174,12 +173,17 @@ class _Settings(BaseModel):
         return merged(self.resources.get("all"), self.resources.get(stage))
 
 
-PipelineConfig = create_model(
-    "PipelineConfig",
-    __base__=_Settings,
-    __doc__="Everything one pipeline run needs: inputs, grid, one parameter section per stage, storage and cluster settings.",
-    **{stage.section: (dict[str, Any], {}) for stage in stages.STAGES},
-)
+def config_model() -> type[_Settings]:
+    """The configuration's model: the settings plus one parameter section per stage of the registry."""
+    return create_model(
+        "PipelineConfig",
+        __base__=_Settings,
+        __doc__="Everything one pipeline run needs: inputs, grid, one parameter section per stage, storage and cluster settings.",
+        **{stage.section: (dict[str, Any], {}) for stage in stages.STAGES},
+    )
+
+
+PipelineConfig = config_model()
 
 
 def _check_stage_sections(config: PipelineConfig) -> None:

@@ -25,8 +25,9 @@ from evoesap.components.reference import make_reference
 from evoesap.components.trainjob import make_search_trainjob
 from evoesap.pipeline.feasibility import check_grid
 from evoesap.errors import ConfigError
-from evoesap.stages import MODEL_STAGES, NAMES, STAGES
-from evoesap.stages import get as get_stage
+from evoesap.params import PlacementParams
+from evoesap.registry import MODEL_STAGES, NAMES, STAGES
+from evoesap.registry import get as get_stage
 from evoesap.pipeline import cluster, trainjob
 from evoesap.pipeline.config import PipelineConfig, with_resources
 from evoesap.pipeline.files import SPEC_MARKER, claim_output_file
@@ -130,8 +131,10 @@ def _defaults(config: PipelineConfig, gpus_at_run_time: Iterable[str] = ()) -> d
     """The pipeline parameters' defaults: the configuration's values. `gpus_at_run_time`: the stages whose GPU count
     is a sub-pipeline input."""
 
-    def gpu_params(stage: str) -> dict[str, Any]:
-        return _gpu_params(stage, config, stage in gpus_at_run_time)
+    def params(stage: Any) -> dict[str, Any]:  # a stage that places its model itself may spread it over the GPUs
+        if issubclass(stage.params_class(), PlacementParams):
+            return _gpu_params(stage.name, config, stage.name in gpus_at_run_time)
+        return config.stage_params(stage.name)
 
     return {
         "calibration_data": config.calibration_data,
@@ -139,14 +142,27 @@ def _defaults(config: PipelineConfig, gpus_at_run_time: Iterable[str] = ()) -> d
         "heldout_data": config.heldout_data or "",
         "storage_root": config.storage_root,
         "grid": config.grid(),
-        "calibrate_params": gpu_params("calibrate"),
-        "cache_logits_params": gpu_params("cache-logits"),
-        "search_params": gpu_params("search"),
-        "prune_params": config.stage_params("prune"),
-        "evaluate_params": gpu_params("evaluate"),
-        "report_params": config.stage_params("report"),
-        "publish_params": config.stage_params("publish"),
+        **{params_input(stage.name): params(stage) for stage in STAGES},
     }
+
+
+def params_input(stage: str) -> str:
+    """The pipeline input that carries a stage's parameters (`<section>_params`, a dict)."""
+    return f"{get_stage(stage).section}_params"
+
+
+def _params_parameters(config: PipelineConfig, defaults: Mapping[str, Any]) -> list[inspect.Parameter]:
+    """One `<section>_params: dict` pipeline input per stage of the registry, its default the configured section;
+    quantize's only when the DAG has a quantize task (its section names a recipe), since an input no task reads
+    would take a `--set` silently."""
+    quantize_on = bool(config.stage_params("quantize").get("recipe"))
+    return [
+        inspect.Parameter(
+            params_input(s.name), inspect.Parameter.KEYWORD_ONLY, default=defaults[params_input(s.name)], annotation=dict
+        )
+        for s in STAGES
+        if s.name != "quantize" or quantize_on
+    ]
 
 
 def build_subpipeline(
@@ -176,99 +192,18 @@ def build_subpipeline(
         search_data: str = d["search_data"],
         storage_root: str = d["storage_root"],
         grid: list = d["grid"],
-        calibrate_params: dict = d["calibrate_params"],
-        cache_logits_params: dict = d["cache_logits_params"],
-        search_params: dict = d["search_params"],
-        prune_params: dict = d["prune_params"],
-        evaluate_params: dict = d["evaluate_params"],
-        report_params: dict = d["report_params"],
-        publish_params: dict = d["publish_params"],
         heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
-        **settings: Any,  # the settings inputs (`runtime`), by parameter name
+        **settings: Any,  # each stage's `<section>_params`, then the settings inputs (`runtime`), by parameter name
     ) -> Outputs:
         def stage(name: str, task: Any, label: str | None = None) -> Any:
             inputs = {setting: settings[parameter.name] for setting, parameter in runtime.get(name, {}).items()}
             return _configure(task, name, config, label, inputs)
 
-        # With quantize on, publish releases the quantized checkpoint, not the pruned one: it is the model the quantize
-        # step exists to ship, one `to`/`repo` holds one checkpoint, and its card still shows the pruned model's
-        # accuracy beside it (the pruned checkpoint stays in the storage root and in `pruned_models`).
-        quantize_on = bool(config.stage_params("quantize").get("recipe"))
-
-        scores = stage(
-            "calibrate", comps.calibrate(model=model, data=calibration_data, storage_root=storage_root, params=calibrate_params)
-        )
-        cache = stage(
-            "cache-logits",
-            comps.cache_logits(model=model, data=search_data, storage_root=storage_root, params=cache_logits_params),
-            "cache-logits search set",
-        )
-        heldout = {}
-        if config.heldout_data:
-            heldout["heldout_cache"] = stage(
-                "cache-logits",
-                comps.cache_logits(model=model, data=heldout_data, storage_root=storage_root, params=cache_logits_params),
-                "cache-logits held-out set",
-            ).outputs["cache"]
-        teacher = {"teacher_cache": heldout["heldout_cache"]} if heldout else {}
-        full = stage(
-            "evaluate", comps.evaluate(model=model, storage_root=storage_root, params=evaluate_params, **teacher), "evaluate full"
-        )
+        dag = _Dag(config, comps, stage, model, storage_root, {name: settings.get(params_input(name)) for name in NAMES})
+        full = dag.once(calibration_data, search_data, heldout_data)
         with dsl.ParallelFor(grid, name="criterion-x-sparsity", parallelism=config.parallelism) as point:
-            point_args = dict(criterion=point.criterion, sparsity=point.sparsity, storage_root=storage_root)
-            search_args = dict(
-                model=model,
-                scores=scores.outputs["scores"],
-                cache=cache.outputs["cache"],
-                params=search_params,
-                **heldout,
-                **point_args,
-            )
-            if config.search_workers > 1:  # a Kubeflow Trainer job that this task launches and follows
-                searched = _search_trainjob(config, search_args)
-            else:
-                searched = stage("search", comps.search(**search_args))
-            allocations = {"searched": {"allocation": searched.outputs["allocation"]}, "uniform": {}}  # uniform: none
-            pruned = {
-                method: stage("prune", comps.prune(model=model, scores=scores.outputs["scores"], params=prune_params,
-                                                   **allocation, **point_args), f"prune {method}")
-                for method, allocation in allocations.items()
-            }  # fmt: skip
-            evals = {
-                method: stage("evaluate", comps.evaluate(model=task.outputs["pruned"], storage_root=storage_root,
-                                                         params=evaluate_params, **teacher), f"evaluate {method}")
-                for method, task in pruned.items()
-            }  # fmt: skip
-            release = {}  # what publish releases: the searched checkpoint, or its quantized one when quantize is on
-            if quantize_on:  # opt-in: the searched checkpoint quantized, and evaluated for the report and the card
-                quantized = stage("quantize", comps.quantize(model=pruned["searched"].outputs["pruned"],
-                                                             data=calibration_data, storage_root=storage_root,
-                                                             params=config.stage_params("quantize")),
-                                  "quantize searched")  # fmt: skip
-                evals["quantized"] = stage("evaluate", comps.evaluate(model=quantized.outputs["quantized"],
-                                                                      storage_root=storage_root,
-                                                                      params=evaluate_params, **teacher),
-                                           "evaluate quantized")  # fmt: skip
-                release = {"quantized": quantized.outputs["quantized"],
-                           "quantized_evaluation": evals["quantized"].outputs["evaluation"]}  # fmt: skip
-            if config.publish_models:
-                stage("publish", comps.publish(pruned=pruned["searched"].outputs["pruned"], storage_root=storage_root,
-                                               evaluation=evals["searched"].outputs["evaluation"],
-                                               full_evaluation=full.outputs["evaluation"],
-                                               search=searched.outputs["allocation"], params=publish_params, **release),
-                      "publish quantized" if quantize_on else "publish searched")  # fmt: skip
-        report = stage(
-            "report",
-            comps.report(
-                full=full.outputs["evaluation"],
-                searched=dsl.Collected(evals["searched"].outputs["evaluation"]),
-                uniform=dsl.Collected(evals["uniform"].outputs["evaluation"]),
-                searches=dsl.Collected(searched.outputs["allocation"]),
-                storage_root=storage_root,
-                params=report_params,
-                **({"quantized": dsl.Collected(evals["quantized"].outputs["evaluation"])} if quantize_on else {}),
-            ),
-        )
+            searched, pruned, evals = dag.point(point, calibration_data)
+        report = dag.report(full, searched, evals)
         return Outputs(
             report=report.outputs["markdown"],
             report_html=report.outputs["page"],
@@ -277,10 +212,125 @@ def build_subpipeline(
             pruned_models=dsl.Collected(pruned["searched"].outputs["pruned"]),
         )
 
-    extra = [parameter for by_setting in runtime.values() for parameter in by_setting.values()]
+    extra = [*_params_parameters(config, d), *(parameter for by_setting in runtime.values() for parameter in by_setting.values())]
     func = _signed(evoesap_stages, () if config.heldout_data else ("heldout_data",), extra)
     description = "EvoESAP stages: calibrate ... report, for a given full model"
     return dsl.pipeline(name=f"{config.name}-stages", description=description)(func)
+
+
+class _Dag:
+    """The tasks of the DAG, step by step: what runs once (`once`), what runs per criterion x sparsity point
+    (`point`, inside the ParallelFor), and the report over all of them (`report`)."""
+
+    def __init__(
+        self, config: PipelineConfig, comps: Any, stage: Callable, model: Any, storage_root: Any, params: Mapping[str, Any]
+    ) -> None:
+        self.config, self.comps, self.stage, self.model, self.root, self.params = (
+            config,
+            comps,
+            stage,
+            model,
+            storage_root,
+            params,
+        )
+        self.scores = self.cache = self.full = None
+        self.heldout: dict[str, Any] = {}  # the held-out teacher cache, as the search's input
+        self.teacher: dict[str, Any] = {}  # the same cache, as the evaluations' input
+        # With quantize on, publish releases the quantized checkpoint, not the pruned one: it is the model the quantize
+        # step exists to ship, one `to`/`repo` holds one checkpoint, and its card still shows the pruned model's
+        # accuracy beside it (the pruned checkpoint stays in the storage root and in `pruned_models`).
+        self.quantize_on = bool(config.stage_params("quantize").get("recipe"))
+
+    def once(self, calibration_data: Any, search_data: Any, heldout_data: Any) -> Any:
+        """calibrate, the teacher caches and the full model's evaluation; returns that evaluation's task."""
+        comps, stage, model, root, p = self.comps, self.stage, self.model, self.root, self.params
+        self.scores = stage(
+            "calibrate", comps.calibrate(model=model, data=calibration_data, storage_root=root, params=p["calibrate"])
+        )
+        self.cache = stage(
+            "cache-logits",
+            comps.cache_logits(model=model, data=search_data, storage_root=root, params=p["cache-logits"]),
+            "cache-logits search set",
+        )
+        if self.config.heldout_data:
+            self.heldout["heldout_cache"] = stage(
+                "cache-logits",
+                comps.cache_logits(model=model, data=heldout_data, storage_root=root, params=p["cache-logits"]),
+                "cache-logits held-out set",
+            ).outputs["cache"]
+        self.teacher = {"teacher_cache": self.heldout["heldout_cache"]} if self.heldout else {}
+        self.full = stage(
+            "evaluate", comps.evaluate(model=model, storage_root=root, params=p["evaluate"], **self.teacher), "evaluate full"
+        )
+        return self.full
+
+    def point(self, point: Any, calibration_data: Any) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+        """One criterion x sparsity point: the search, the searched and uniform prunes, their evaluations, and the
+        quantize and publish steps when configured. Returns (search task, prune tasks, evaluate tasks) by method."""
+        comps, stage, model, root, p = self.comps, self.stage, self.model, self.root, self.params
+        point_args = dict(criterion=point.criterion, sparsity=point.sparsity, storage_root=root)
+        search_args = dict(
+            model=model,
+            scores=self.scores.outputs["scores"],
+            cache=self.cache.outputs["cache"],
+            params=p["search"],
+            **self.heldout,
+            **point_args,
+        )
+        if self.config.search_workers > 1:  # a Kubeflow Trainer job that this task launches and follows
+            searched = _search_trainjob(self.config, search_args)
+        else:
+            searched = stage("search", comps.search(**search_args))
+        allocations = {"searched": {"allocation": searched.outputs["allocation"]}, "uniform": {}}  # uniform: none
+        pruned = {
+            method: stage("prune", comps.prune(model=model, scores=self.scores.outputs["scores"], params=p["prune"],
+                                               **allocation, **point_args), f"prune {method}")
+            for method, allocation in allocations.items()
+        }  # fmt: skip
+        evals = {
+            method: stage("evaluate", comps.evaluate(model=task.outputs["pruned"], storage_root=root,
+                                                     params=p["evaluate"], **self.teacher), f"evaluate {method}")
+            for method, task in pruned.items()
+        }  # fmt: skip
+        release = self._quantize(pruned["searched"], evals, calibration_data) if self.quantize_on else {}
+        if self.config.publish_models:
+            self._publish(pruned["searched"], evals["searched"], searched, release)
+        return searched, pruned, evals
+
+    def _quantize(self, pruned: Any, evals: dict[str, Any], calibration_data: Any) -> dict[str, Any]:
+        """Opt-in: the searched checkpoint quantized, and evaluated (`evals["quantized"]`) for the report and the
+        card; returns what publish releases instead of the pruned checkpoint."""
+        comps, stage, root, p = self.comps, self.stage, self.root, self.params
+        quantized = stage("quantize", comps.quantize(model=pruned.outputs["pruned"], data=calibration_data,
+                                                     storage_root=root, params=p["quantize"]),
+                          "quantize searched")  # fmt: skip
+        evals["quantized"] = stage("evaluate", comps.evaluate(model=quantized.outputs["quantized"], storage_root=root,
+                                                              params=p["evaluate"], **self.teacher),
+                                   "evaluate quantized")  # fmt: skip
+        return {"quantized": quantized.outputs["quantized"], "quantized_evaluation": evals["quantized"].outputs["evaluation"]}
+
+    def _publish(self, pruned: Any, evaluated: Any, searched: Any, release: dict[str, Any]) -> None:
+        self.stage("publish", self.comps.publish(pruned=pruned.outputs["pruned"], storage_root=self.root,
+                                                 evaluation=evaluated.outputs["evaluation"],
+                                                 full_evaluation=self.full.outputs["evaluation"],
+                                                 search=searched.outputs["allocation"], params=self.params["publish"],
+                                                 **release),
+                   "publish quantized" if self.quantize_on else "publish searched")  # fmt: skip
+
+    def report(self, full: Any, searched: Any, evals: dict[str, Any]) -> Any:
+        """The report over the full model's evaluation and every point's searched, uniform (and quantized) ones."""
+        return self.stage(
+            "report",
+            self.comps.report(
+                full=full.outputs["evaluation"],
+                searched=dsl.Collected(evals["searched"].outputs["evaluation"]),
+                uniform=dsl.Collected(evals["uniform"].outputs["evaluation"]),
+                searches=dsl.Collected(searched.outputs["allocation"]),
+                storage_root=self.root,
+                params=self.params["report"],
+                **({"quantized": dsl.Collected(evals["quantized"].outputs["evaluation"])} if self.quantize_on else {}),
+            ),
+        )
 
 
 def build_pipeline(config: PipelineConfig) -> Callable:
@@ -300,14 +350,8 @@ def build_pipeline(config: PipelineConfig) -> Callable:
         search_data: str = d["search_data"],
         storage_root: str = d["storage_root"],
         grid: list = d["grid"],
-        calibrate_params: dict = d["calibrate_params"],
-        cache_logits_params: dict = d["cache_logits_params"],
-        search_params: dict = d["search_params"],
-        prune_params: dict = d["prune_params"],
-        evaluate_params: dict = d["evaluate_params"],
-        report_params: dict = d["report_params"],
-        publish_params: dict = d["publish_params"],
         heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
+        **params: dict,  # each stage's `<section>_params`
     ) -> Outputs:
         named = cluster.apply(reference(model=model), config.resources.get("all") or cluster.StageSettings(), config.retries)
         named.set_display_name("model").set_caching_options(enable_caching=False)
@@ -318,19 +362,13 @@ def build_pipeline(config: PipelineConfig) -> Callable:
             **({"heldout_data": heldout_data} if config.heldout_data else {}),
             storage_root=storage_root,
             grid=grid,
-            calibrate_params=calibrate_params,
-            cache_logits_params=cache_logits_params,
-            search_params=search_params,
-            prune_params=prune_params,
-            evaluate_params=evaluate_params,
-            report_params=report_params,
-            publish_params=publish_params,
+            **params,
         ).set_caching_options(enable_caching=False)
         return Outputs(
             report=run.outputs["report"], report_html=run.outputs["report_html"], pruned_models=run.outputs["pruned_models"]
         )
 
-    func = evoesap_pipeline if config.heldout_data else _signed(evoesap_pipeline, ("heldout_data",))
+    func = _signed(evoesap_pipeline, () if config.heldout_data else ("heldout_data",), _params_parameters(config, d))
     return dsl.pipeline(name=config.name, description="EvoESAP: ESAP-guided non-uniform expert pruning")(func)
 
 

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 from evoesap.demo.world import MIX
 from evoesap.pipeline.config import PipelineConfig, load_config
 from evoesap.pipeline.run import report_uri, run_local
@@ -65,7 +65,7 @@ def run_demo(
     from evoesap.demo.world import build_demo_world
 
     if runner == "subprocess":  # the quantize step's environment, before the world trains (minutes)
-        from evoesap.quantize_env import quantize_python
+        from evoesap.release.quantize_env import quantize_python
 
         quantize_python()
 

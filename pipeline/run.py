@@ -13,12 +13,12 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 from evoesap.errors import ConfigError
 from evoesap.pipeline.config import PipelineConfig
 from evoesap.pipeline.dag import build_pipeline
 from evoesap.pipeline.files import LOG_HEADER, claim_output_file
-from evoesap.identity import is_uri
+from evoesap.store.identity import is_uri
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def run_local(
         chosen: Any = local.DockerRunner(user=f"{os.getuid()}:{os.getgid()}")
     elif runner == "subprocess":
         if config.stage_params("quantize").get("recipe"):  # its step runs llm-compressor from its own venv: checked now
-            from evoesap.quantize_env import quantize_python
+            from evoesap.release.quantize_env import quantize_python
 
             quantize_python()
         chosen = local.SubprocessRunner(use_venv=False)

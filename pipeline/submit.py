@@ -28,9 +28,9 @@ from typing import Any, Callable, Mapping
 
 import yaml
 
-from evoesap.artifacts import redact
+from evoesap.store.artifacts import redact
 from evoesap.errors import ConfigError
-from evoesap.stages import NAMES
+from evoesap.registry import NAMES
 from evoesap.steps import make_params
 
 from .config import PipelineConfig, load_config

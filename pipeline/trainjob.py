@@ -5,7 +5,7 @@ search's content-addressed output URI exactly as a single-process run would (`ev
 is not part of the key), reuses a finished artifact there, else creates one TrainJob
 (trainer.kubeflow.org/v1alpha1, `runtimeRef` to a torch ClusterTrainingRuntime, `torch-distributed` by default)
 whose pods run `torchrun -m evoesap.stages.search_workers SPEC` with the runtime's PET_* rendezvous variables. Rank 0
-runs the search and publishes the artifact at that URI, the other ranks score (`evoesap.distributed`), as with
+runs the search and publishes the artifact at that URI, the other ranks score (`evoesap.method.distributed`), as with
 `evoesap search --workers N` on one machine. The launcher waits for the job's Complete or Failed condition, raises
 one line with the job's own reason (and the failed worker's termination message), and hands the URI back so the
 KFP output artifact is filled from the same artifact a single-process run publishes.
@@ -116,7 +116,7 @@ def job_name(out_uri: str) -> str:
 
 
 def trainjob(template: Mapping[str, Any], name: str, spec: Mapping[str, Any], workers: int) -> dict[str, Any]:
-    """The TrainJob resource for a worker `spec` (`evoesap.distributed.worker_spec`) on `workers` processes."""
+    """The TrainJob resource for a worker `spec` (`evoesap.method.distributed.worker_spec`) on `workers` processes."""
     procs = int(template["procs_per_node"])
     if workers % procs:
         raise ConfigError(
@@ -160,7 +160,8 @@ def run_search_job(
     namespace: str | None = None,
 ) -> str:
     """Run the search stage as a TrainJob (see the module docstring); return its artifact's URI."""
-    from evoesap import artifacts, distributed
+    from evoesap.store import artifacts
+    from evoesap.method import distributed
     from evoesap.steps import make_params, output_uri
 
     parsed = make_params("search", params)

@@ -11,9 +11,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config):
-    """Every model the tests build is tiny: one intra-op thread, as evoesap.runtime chooses for tiny models
+    """Every model the tests build is tiny: one intra-op thread, as evoesap.machine.runtime chooses for tiny models
     (two threads spin-wait for each other whenever other processes hold the cores)."""
-    from evoesap import runtime
+    from evoesap.machine import runtime
 
     runtime.use_cpu_threads(parameters=0)
 

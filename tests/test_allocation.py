@@ -4,7 +4,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from evoesap import allocation
+from evoesap.method import allocation
 from evoesap.errors import ConfigError
 
 

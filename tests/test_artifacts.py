@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 from evoesap.errors import ArtifactError
 
 

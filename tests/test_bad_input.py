@@ -13,7 +13,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from evoesap import artifacts, identity, runtime
+from evoesap.store import artifacts, identity
+from evoesap.machine import runtime
 from evoesap.cli import main
 from evoesap.errors import ArtifactError, ConfigError, DataError, ModelError
 from evoesap.stages.cache_logits import run_cache_logits
@@ -505,7 +506,7 @@ def test_evaluate_refuses_the_search_cache_as_held_out(tiny_artifacts, tmp_path,
 def test_lm_eval_asks_git_quietly_outside_a_checkout(tmp_path, monkeypatch, capfd):
     import lm_eval.evaluator
 
-    from evoesap.lmeval import _quiet_git_hash
+    from evoesap.evaluation.lmeval import _quiet_git_hash
 
     monkeypatch.chdir(tmp_path)
     with _quiet_git_hash():
@@ -767,7 +768,7 @@ def test_a_population_no_machine_could_hold_is_refused_and_one_beyond_the_space_
 ):
     """Beyond the distinct allocations a population only repeats them (the search warns and runs, as on the
     quick demo world); one whose history cannot fit in memory is refused before anything loads."""
-    from evoesap import bounds
+    from evoesap.machine import bounds
     from evoesap.stages.search import SearchParams
 
     distinct = distinct_allocations(tiny_artifacts["model"], 0.5)

@@ -84,7 +84,8 @@ def test_a_yaml_component_is_a_step_of_a_team_pipeline(tmp_path):
 
 def test_overwritten_weights_at_the_same_uri_are_calibrated_again(tmp_path):
     """A nightly re-prune of a model overwritten in place must not get last week's scores."""
-    from evoesap import artifacts, moe
+    from evoesap.store import artifacts
+    from evoesap import moe
     from evoesap.components import make_components
     from tiny_world import make_tiny_inputs
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from test_report import check_numbers, check_page, check_summary, check_table
 
-from evoesap import artifacts, records
+from evoesap.store import artifacts
+from evoesap import records
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate
 from evoesap.stages.evaluate import EvaluateParams, run_evaluate

@@ -1,4 +1,4 @@
-"""Candidate-parallel search (evoesap.distributed): gloo workers under torchrun's launcher give the one-process
+"""Candidate-parallel search (evoesap.method.distributed): gloo workers under torchrun's launcher give the one-process
 artifact; a killed worker ends the job in one line and a resumed run finishes to the same result."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evoesap import artifacts
-from evoesap.distributed import assign, common_prefix, root_failure
+from evoesap.store import artifacts
+from evoesap.method.distributed import assign, common_prefix, root_failure
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate
 from evoesap.stages.search import SearchParams, run_search

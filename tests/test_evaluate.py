@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from evoesap import artifacts, records
-from evoesap import lmeval
+from evoesap.store import artifacts
+from evoesap import records
+from evoesap.evaluation import lmeval
 from evoesap.demo.tokenizer import build_tokenizer
 from evoesap.errors import ConfigError
 from evoesap.stages.evaluate import EvaluateParams, run_evaluate
@@ -236,7 +237,7 @@ def test_parallel_settings_that_cannot_apply_are_refused(settings, problem):
 
 
 def test_a_split_over_more_gpus_than_the_machine_shows_is_refused_before_work(tiny_artifacts, monkeypatch):
-    from evoesap import bounds
+    from evoesap.machine import bounds
     from evoesap.stages.evaluate import EvaluateParams
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -255,7 +256,7 @@ def test_a_split_over_more_gpus_than_the_machine_shows_is_refused_before_work(ti
     ],
 )
 def test_vllm_engine_is_asked_for_the_split(tensor, pipeline, expected, tiny_artifacts, monkeypatch):
-    from evoesap import lmeval, vllm_eval
+    from evoesap.evaluation import lmeval, vllm_eval
 
     asked = []
 
@@ -300,7 +301,8 @@ def test_a_quantized_checkpoint_for_vllm_on_the_cpu_is_refused_before_any_work(t
 
 
 def test_held_out_esap_runs_on_a_quantized_checkpoint_and_stays_near_the_pruned_models(tiny_quantized):
-    from evoesap import moe, runtime
+    from evoesap import moe
+    from evoesap.machine import runtime
 
     q = tiny_quantized
     tokenizer = moe.load_tokenizer(q["pruned"])

@@ -9,8 +9,9 @@ import pytest
 import yaml
 
 import evoesap
-from evoesap import artifacts, moe
-from evoesap.facts import facts
+from evoesap.store import artifacts
+from evoesap import moe
+from evoesap.records.facts import facts
 from evoesap.errors import ConfigError
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
@@ -45,7 +46,7 @@ def test_the_examples_cover_the_demo_and_the_papers_models():
 def test_the_scale_out_examples_plan_offline_from_their_shipped_config(name, fits, capsys, monkeypatch):
     """`evoesap plan` prints the per-GPU table of each scale-out example without asking the hub; DeepSeek-V3 in
     bfloat16 is larger than two nodes of eight 80 GB GPUs, and the plan says so."""
-    from evoesap import identity
+    from evoesap.store import identity
     from evoesap.cli import main
 
     def offline(*args, **kwargs):
@@ -106,7 +107,7 @@ def test_with_a_registry_set_every_compiled_image_lies_in_it(path, tmp_path):
     compiler.Compiler().compile(_team_module().build_team_pipeline(config), str(tmp_path / "team.yaml"))
     assert main(["pipeline", "components", "--out", str(tmp_path / "components"), "--config", str(config_path)]) == 0
     texts = [pipeline, (tmp_path / "team.yaml").read_text(), *(p.read_text() for p in (tmp_path / "components").glob("*.yaml"))]
-    from evoesap.stages import STAGES
+    from evoesap.registry import STAGES
 
     assert len(texts) == 2 + len(STAGES)  # the pipeline, the team pipeline, one component per stage
     for text in texts:

@@ -4,7 +4,8 @@ import base64
 import json
 import re
 
-from evoesap import artifacts, facts
+from evoesap.store import artifacts
+from evoesap.records import facts
 
 
 def _artifact(path, stage, files):
@@ -48,3 +49,23 @@ def test_report_html_is_one_file_with_its_plots_inlined_and_a_changed_page_is_re
     (copy / "report.html").write_text("<html>changed</html>")
     with pytest.raises(ArtifactError, match="report.html does not match the sha256"):
         facts.standalone_html(str(copy))
+
+
+def test_each_stage_s_facts_come_from_its_registry_entry(tmp_path, monkeypatch):
+    """The headline numbers are the registry entry's `facts`; a stage without one gets the common keys only."""
+    import dataclasses
+
+    from evoesap import registry
+
+    assert {s.name for s in registry.STAGES if s.facts} == {"search", "prune", "evaluate", "quantize"}
+    assert all(callable(s.facts_function()) for s in registry.STAGES if s.facts)
+    uri = _artifact(tmp_path / "art", "report", {"report.md": b"# r"})
+    common = {"uri", "stage", "manifest_sha256", "inputs", "evoesap_version"}
+    assert set(facts.facts(uri)) == common
+    marked = tuple(dataclasses.replace(s, facts="tests.test_facts:_marker") if s.name == "report" else s for s in registry.STAGES)
+    monkeypatch.setattr(registry, "STAGES", marked)
+    assert facts.facts(uri)["marker"] == uri
+
+
+def _marker(uri: str) -> dict:
+    return {"marker": uri}

@@ -18,13 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from evoesap import artifacts, steps
+from evoesap.store import artifacts
+from evoesap import steps
 from evoesap.errors import ArtifactError, ConfigError
 from tiny_artifacts import CACHE, CALIBRATE, SEARCH
 
 _KILLER = """
 import json, os, signal, sys
-from evoesap import artifacts, steps
+from evoesap.store import artifacts
+from evoesap import steps
 
 spec = json.loads(sys.argv[1])
 

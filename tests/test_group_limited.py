@@ -12,9 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evoesap import allocation as alloc
-from evoesap import artifacts, moe
-from evoesap.importance import CRITERIA, model_orders
+from evoesap.method import allocation as alloc
+from evoesap.store import artifacts
+from evoesap import moe
+from evoesap.scoring.importance import CRITERIA, model_orders
 from moe_support import cached_model, tokens
 from tiny_world import make_tiny_inputs
 

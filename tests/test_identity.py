@@ -1,4 +1,4 @@
-"""Content identity of stage inputs (`evoesap.identity`): what must change for a stage to run again."""
+"""Content identity of stage inputs (`evoesap.store.identity`): what must change for a stage to run again."""
 
 import hashlib
 import json
@@ -10,7 +10,7 @@ import fsspec
 import pytest
 import torch
 
-from evoesap import artifacts, identity
+from evoesap.store import artifacts, identity
 from evoesap.errors import ConfigError
 from evoesap.params import keyed
 
@@ -147,7 +147,8 @@ def test_offline_a_revision_is_resolved_from_the_hub_cache(hub, monkeypatch):
 def test_a_pinned_hub_model_loads_the_commit_its_revision_resolves_to(hub):
     from safetensors.torch import load_file
 
-    from evoesap import moe, runtime
+    from evoesap import moe
+    from evoesap.machine import runtime
 
     for ref in ("v1", "v2"):
         stored = load_file(hub.snapshots / hub.commits[ref] / "model.safetensors")[EMBED]
@@ -201,8 +202,8 @@ def test_the_streamed_prune_reads_the_shards_of_the_pinned_commit(hub, tiny_arti
 
 
 def test_lm_eval_vllm_is_given_the_commit_of_a_pinned_hub_model(hub, tiny_artifacts, monkeypatch):
-    from evoesap import lmeval
-    from evoesap import vllm_eval
+    from evoesap.evaluation import lmeval
+    from evoesap.evaluation import vllm_eval
 
     asked = []
 

@@ -16,7 +16,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILES = {name: (ROOT / "images" / name).read_text() for name in ("Dockerfile", "Dockerfile.cuda")}

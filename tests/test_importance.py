@@ -1,4 +1,4 @@
-"""evoesap.importance: the observer pass against an all-experts reference written here, and orders."""
+"""evoesap.scoring.importance: the observer pass against an all-experts reference written here, and orders."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers.activations import ACT2FN
 
-from evoesap import importance, moe
+from evoesap.scoring import importance
+from evoesap import moe
 from evoesap.data import TokenizedSample, batches
 from evoesap.errors import ConfigError
 
@@ -217,13 +218,15 @@ def test_calibrate_stage_and_cli_write_scores(tmp_path):
         == 0
     )
     pd.testing.assert_frame_equal(importance.read_scores(str(tmp_path / "cli")), got)
-    assert main(["calibrate", "--model", "m", "--data", "d.jsonl", "--out", str(tmp_path / "x"), "--batch-size", "0"]) == 1
+    assert (
+        main(["calibrate", "--model", "m", "--data", "d.jsonl", "--out", str(tmp_path / "x"), "--batch-size", "0"]) == 2
+    )  # out of the declared range: a usage error
 
 
 def test_calibrate_params_validated_before_any_loading():
     from evoesap.stages.calibrate import CalibrateParams
 
-    with pytest.raises(ConfigError, match="batch_size must be at least 1, got 0"):
+    with pytest.raises(ConfigError, match="batch_size must be >= 1, got 0"):
         CalibrateParams(batch_size=0)
     with pytest.raises(ConfigError, match="model_dtype 'int8'"):
         CalibrateParams(model_dtype="int8")

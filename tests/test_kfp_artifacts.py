@@ -8,7 +8,7 @@ from typing import NamedTuple
 import pytest
 from kfp import dsl
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 from evoesap.components.kfp_artifacts import artifact_uri, publish
 
 
@@ -137,7 +137,7 @@ def test_a_kfp_local_consumer_loads_the_pruned_model_from_model_path_stored_once
 
 def test_a_quantize_artifact_carries_the_labels_of_the_pruned_model_it_quantized(tiny_quantized, tmp_path):
     """The evaluate component labels a run from its model's metadata: a quantized model's come from its pruning.json."""
-    from evoesap import facts
+    from evoesap.records import facts
 
     pruning = json.loads(Path(tiny_quantized["pruned"], "pruning.json").read_text())
     found = facts.facts(tiny_quantized["quantized"])

@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from evoesap import artifacts, moe
+from evoesap.store import artifacts
+from evoesap import moe
 from evoesap.moe.remote_code import AUTO_CLASS, MODELING_FILE
 from moe_support import FAMILIES, cached_model, tokens
 from test_moe import UNGROUPED, nonuniform_sets

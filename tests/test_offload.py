@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from evoesap import importance, moe
+from evoesap.scoring import importance
+from evoesap import moe
 from evoesap.scoring import teacher
 from evoesap.scoring.evaluator import CandidateEvaluator
 

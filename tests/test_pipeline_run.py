@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 from evoesap.steps import run_step
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.run import report_uri, run_local

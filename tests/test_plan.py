@@ -1,4 +1,4 @@
-"""evoesap.plan: predictions from config.json alone, the example configs' tables and refusals, the stage check."""
+"""evoesap.planning.plan: predictions from config.json alone, the example configs' tables and refusals, the stage check."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from evoesap import footprint, moe, plan, sizes
+from evoesap.planning import footprint, plan
+from evoesap import moe
+from evoesap.machine import sizes
 from evoesap.errors import ResourceError
 
 DATA = Path(__file__).parent / "data" / "plan"
@@ -117,7 +119,7 @@ def test_parse_bytes_reads_kubernetes_sizes():
 def _cache_logits_case(tmp_path):
     """A tiny model and data, a cache-logits setting, and a host that holds a top-K search but not a full one."""
     import dataclasses
-    from evoesap import runtime
+    from evoesap.machine import runtime
     from evoesap.stages.cache_logits import CacheLogitsParams
     from evoesap.stages.search import SearchParams
     from tiny_world import make_tiny_inputs
@@ -160,7 +162,7 @@ def test_an_unset_cache_mode_is_topk_where_a_search_could_not_hold_the_full_cach
     for machine, want in ((small, "topk"), (large, "full")):
         monkeypatch.setattr(footprint, "local_machine", lambda device="auto", m=machine: m)
         out = tmp_path / want
-        with caplog.at_level(logging.INFO, logger="evoesap.footprint"):
+        with caplog.at_level(logging.INFO, logger="evoesap.planning.footprint"):
             run_stage("cache-logits", {"model": files["model"], "data": files["search"]}, params, str(out))
         assert json.loads((out / "cache.json").read_text())["mode"] == want
         assert json.loads((out / "manifest.json").read_text())["params"]["mode"] is None  # recorded as asked: reusable

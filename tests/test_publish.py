@@ -17,7 +17,9 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from evoesap import artifacts, card, records
+from evoesap.store import artifacts
+from evoesap.reporting import card
+from evoesap import records
 from evoesap.cli import main
 from evoesap.errors import ConfigError
 from evoesap.stages.evaluate import run_evaluate

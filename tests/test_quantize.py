@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from evoesap import artifacts, moe, records
+from evoesap.store import artifacts
+from evoesap import moe, records
 from evoesap.demo.domains import generate_splits, write_jsonl
 from evoesap.demo.tokenizer import build_tokenizer
 from evoesap.errors import ConfigError, EvoESAPError
@@ -255,7 +256,7 @@ def test_a_quantize_stage_starting_beside_a_running_worker_leaves_its_files_alon
     (`evoesap-quantize-*`) must not take the earlier one's live worker directory (the demo lost a result so)."""
     import subprocess
 
-    from evoesap import quantize_env
+    from evoesap.release import quantize_env
 
     threads = []
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evoesap import racing, search
+from evoesap.method import racing, search
 from evoesap.errors import ConfigError
 
 from test_search import concave
@@ -227,7 +227,7 @@ def stage_inputs(tmp_path_factory):
 def test_search_stage_records_cost_and_prefix_reuse_changes_only_the_cost(stage_inputs):
     """Same allocation and fitness (1e-6) with and without prefix reuse, less work with it; racing runs
     through the stage, and the manifest carries the cost in full-forward equivalents."""
-    from evoesap import artifacts
+    from evoesap.store import artifacts
     from evoesap.stages.search import SearchParams, run_search
 
     root, model = stage_inputs
@@ -249,7 +249,7 @@ def test_search_stage_records_cost_and_prefix_reuse_changes_only_the_cost(stage_
 
 
 def test_search_stage_refuses_a_racing_schedule_too_large_for_its_search_set_before_loading_the_model(stage_inputs, monkeypatch):
-    from evoesap import runtime
+    from evoesap.machine import runtime
     from evoesap.stages.search import SearchParams, run_search
 
     root, model = stage_inputs

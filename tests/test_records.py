@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evoesap import artifacts, records
+from evoesap.store import artifacts
+from evoesap import records
 from evoesap.errors import ArtifactError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
 """One registry, one declaration (issue 24): the CLI, the pipeline YAML, the KFP components and the Python
-API are all derived from `evoesap.stages.STAGES` and the parameter fields, and a mismatch fails here."""
+API are all derived from `evoesap.registry.STAGES` and the parameter fields, and a mismatch fails here."""
 
 import dataclasses
 import subprocess
@@ -10,7 +10,7 @@ import click
 import pytest
 
 from evoesap import params as parameters
-from evoesap import stages
+from evoesap import registry as stages
 from evoesap.cli import command, main
 from evoesap.errors import ConfigError
 
@@ -193,7 +193,7 @@ def test_no_module_imports_itself_back_through_others():
 
 def test_the_memory_model_and_scoring_import_no_stage():
     graph = _imports_of_the_package()
-    for module in ("evoesap.footprint", *(m for m in graph if m.startswith("evoesap.scoring"))):
+    for module in ("evoesap.planning.footprint", *(m for m in graph if m.startswith("evoesap.scoring"))):
         assert not {m for m in graph[module] if m.startswith("evoesap.stages.")}, module
 
 

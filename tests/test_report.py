@@ -17,8 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from markdown_it import MarkdownIt
 
-from evoesap import __version__, artifacts, records, render
-from evoesap import report as rp
+from evoesap import __version__, records
+from evoesap.store import artifacts
+from evoesap.reporting import render
+from evoesap.reporting import report as rp
 from evoesap.stages.report import ReportParams, run_allocations, run_report
 
 N = [8, 8, 8, 8]  # experts per MoE layer of the full model

@@ -1,11 +1,12 @@
-"""evoesap.runtime: models load straight onto their device; free memory as the host and its container allow."""
+"""evoesap.machine.runtime: models load straight onto their device; free memory as the host and its container allow."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from evoesap import moe, runtime
+from evoesap import moe
+from evoesap.machine import runtime
 from evoesap.errors import ConfigError, ResourceError
 
 
@@ -163,7 +164,7 @@ def test_a_checkpoint_larger_than_the_gpu_budget_is_refused_before_any_weight_lo
 
 @pytest.mark.parametrize("settings", [{"max_memory": "70GB"}, {"offload": True}, {"device_map": "auto", "max_memory": "0GB"}])
 def test_max_memory_and_offload_need_a_device_map_and_a_size(settings):
-    from evoesap.stages import get
+    from evoesap.registry import get
 
     with pytest.raises(ConfigError, match="device_map: auto|positive size"):
         get("calibrate").params_class()(**settings)

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from evoesap import allocation as alloc
-from evoesap import moe, search
+from evoesap.method import allocation as alloc
+from evoesap import moe
+from evoesap.method import search
 from evoesap.scoring import teacher
 from evoesap.scoring.evaluator import CandidateEvaluator
 from evoesap.scoring.forward import LayerRunner
@@ -189,7 +190,7 @@ def test_prefix_reuse_is_exact_along_a_search_on_the_demo_world(demo_world, tmp_
 
 def test_an_unset_budget_holds_a_generation_of_states_within_half_the_free_memory(tmp_path, monkeypatch):
     from evoesap.scoring import evaluator as evaluator_module
-    from evoesap import runtime
+    from evoesap.machine import runtime
 
     model, cache = _world("olmoe", tmp_path)
     probe = CandidateEvaluator(model, cache, prefix_cache_bytes=1 << 30)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from evoesap import allocation, search
+from evoesap.method import allocation, search
 from evoesap.errors import ArtifactError, ConfigError, DataError
 
 from test_allocation import assert_feasible, problems
@@ -138,7 +138,7 @@ def test_same_seed_same_history_other_seed_other_history():
 
 def test_history_is_identical_in_a_fresh_interpreter():
     code = (
-        "import json, math; from evoesap import search\n"
+        "import json, math; from evoesap.method import search\n"
         "r = search.level_switch_search(lambda r: -sum((x - 2 * i) ** 2 for i, x in enumerate(r)),"
         " [8] * 5, [2] * 5, 12, generations=5, population=8, elites=2)\n"
         "print(json.dumps([(h.allocation, h.fitness, h.elite) for h in r.history]))"
@@ -234,7 +234,7 @@ def test_checkpoint_is_complete_json_and_leaves_no_partial_files(tmp_path):
 
 def test_resume_refuses_a_file_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "search.json").write_text('{"something": "else"}')
-    with pytest.raises(ArtifactError, match="not a evoesap.search/1 checkpoint"):
+    with pytest.raises(ArtifactError, match="not a evoesap.method.search/1 checkpoint"):
         small_search(checkpoint=str(tmp_path / "search.json"), resume=True)
 
 
@@ -322,6 +322,6 @@ def test_on_generation_reports_every_generation_monotonically():
 
 
 def test_search_never_imports_torch():
-    code = "import sys, evoesap.search, evoesap.allocation; print('torch' in sys.modules)"
+    code = "import sys, evoesap.method.search, evoesap.method.allocation; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -312,7 +312,7 @@ def test_vllm_backend_scores_a_nonuniform_checkpoint_like_an_independent_computa
 
 
 def test_vllm_backend_failure_names_the_engine_root_cause_printed_far_above_the_last_traceback():
-    from evoesap.vllm_eval import _failure
+    from evoesap.evaluation.vllm_eval import _failure
 
     cause = "(VllmWorker-0 pid=7) ERROR [multiproc_executor.py:953] ValueError: Available memory on node 0 is less"
     stderr = "\n".join(

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from test_serving import GENERATE, VLLM_ENV, run_vllm, transformers_greedy, vllm_python
 
-from evoesap import artifacts, moe, records
+from evoesap.store import artifacts
+from evoesap import moe, records
 from evoesap.demo.domains import read_jsonl
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate

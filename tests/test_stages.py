@@ -10,10 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from evoesap import allocation as alloc
-from evoesap import artifacts, moe
+from evoesap.method import allocation as alloc
+from evoesap.store import artifacts
+from evoesap import moe
 from evoesap.errors import ArtifactError, ConfigError
-from evoesap.importance import pruning_order, read_scores
+from evoesap.scoring.importance import pruning_order, read_scores
 from evoesap.scoring.evaluator import CandidateEvaluator
 from evoesap.stages import search as search_stage
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
@@ -219,7 +220,7 @@ def test_a_heldout_cache_judges_the_search_which_then_uses_every_cached_sample(i
 
 
 def test_a_heldout_cache_from_another_model_is_refused_before_the_search(inputs, tmp_path, monkeypatch):
-    from evoesap import search
+    from evoesap.method import search
 
     other = tmp_path / "other"
     other.mkdir()

@@ -134,6 +134,30 @@ def test_run_with_name_overrides_and_experiment(kfp_api):
     assert "exec-search" in spec["deploymentSpec"]["executors"]
 
 
+def test_a_run_overrides_quantize_parameters_when_the_dag_quantizes(kfp_api):
+    """quantize_params is a pipeline input like every stage's, generated from the registry: a run sets the recipe's
+    samples and the quantize task reads the input, not a constant compiled into it."""
+    config = PipelineConfig(**{**CONFIG, "quantize": {"recipe": "w4a16-gptq", "samples": 64}})
+    overrides = parse_overrides(["quantize_params.samples=32", "quantize_params.recipe=fp8-dynamic"])
+    assert submit(config, Submission(host=kfp_api, overrides=overrides)) == "run-1"
+    parameters = _posts()["/apis/v2beta1/runs"]["runtime_config"]["parameters"]
+    assert parameters == {"quantize_params": {"recipe": "fp8-dynamic", "samples": 32}}
+    spec = _uploaded_spec()
+    assert spec["root"]["inputDefinitions"]["parameters"]["quantize_params"]["defaultValue"] == {
+        "recipe": "w4a16-gptq",
+        "samples": 64,
+    }
+    loop_inputs = json.dumps(spec["components"])
+    assert '"componentInputParameter": "pipelinechannel--quantize_params"' in loop_inputs
+    with pytest.raises(ConfigError, match="unknown parameter.*recipes.*for stage 'quantize'"):
+        submit(config, Submission(host=kfp_api, overrides={"quantize_params.recipes": "x"}))
+
+
+def test_without_a_quantize_step_there_is_no_quantize_input_to_set(kfp_api):
+    with pytest.raises(ConfigError, match="--set quantize_params.samples: the pipeline has no such parameter"):
+        submit(PipelineConfig(**CONFIG), Submission(host=kfp_api, overrides={"quantize_params.samples": 32}))
+
+
 def test_pipeline_is_uploaded_once_and_each_distinct_spec_is_one_version(kfp_api):
     """First submission: the pipeline with its first version; a changed spec: a new version named by its
     sha256; the same spec again: that version, nothing uploaded."""

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import yaml
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 from evoesap.errors import ConfigError, EvoESAPError
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
@@ -105,7 +105,7 @@ def test_workers_that_are_gpu_groups_run_one_process_per_group_on_each_node(tmp_
 
 
 def test_each_worker_of_a_node_spreads_its_replica_over_its_own_gpus(monkeypatch):
-    from evoesap import distributed
+    from evoesap.method import distributed
 
     groups = []
     for rank in range(3):

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             return exc.exit_code
         if state["debug"]:
             raise
-        from evoesap.artifacts import redact
+        from evoesap.store.artifacts import redact
 
         kind = "error" if isinstance(exc, EvoESAPError) else f"internal error ({type(exc).__name__})"
         print(redact(f"{kind}: {exc}"), file=sys.stderr)

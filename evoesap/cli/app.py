@@ -35,7 +35,7 @@ def _global(
 
 def _redact_record(record: logging.LogRecord) -> bool:
     """No user:password@ of any URI reaches the log (the message is formatted here, then redacted)."""
-    from evoesap.artifacts import redact
+    from evoesap.store.artifacts import redact
 
     record.msg, record.args = redact(record.getMessage()), None
     return True
@@ -43,7 +43,7 @@ def _redact_record(record: logging.LogRecord) -> bool:
 
 def echo_uri(uri: str) -> None:
     """Print an artifact's URI (the command's result) without credentials."""
-    from evoesap.artifacts import redact
+    from evoesap.store.artifacts import redact
 
     typer.echo(redact(uri))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from evoesap.cli.app import app, revision_option
-from evoesap.identity import pin
+from evoesap.store.identity import pin
 
 
 @app.command("esap")

@@ -34,7 +34,8 @@ def plan_cmd(
     """
     from evoesap.pipeline.config import load_config
 
-    from evoesap import footprint, plan, sizes
+    from evoesap.planning import footprint, plan
+    from evoesap.machine import sizes
 
     cfg = load_config(config)
     here = footprint.local_machine(cfg.search.get("device", "auto"))

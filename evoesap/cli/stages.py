@@ -1,4 +1,4 @@
-"""`evoesap <stage>`: one command per registry entry (`evoesap.stages.STAGES`), its options generated from the
+"""`evoesap <stage>`: one command per registry entry (`evoesap.registry.STAGES`), its options generated from the
 stage's inputs and parameter fields, so the CLI cannot drift from the Python API or the pipeline YAML."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import click
 
 from evoesap import params as parameters
 from evoesap.cli.app import echo_uri
-from evoesap.stages import STAGES, Stage, StageInput
+from evoesap.registry import STAGES, Stage, StageInput
 
 
 def flag(name: str) -> str:
@@ -54,7 +54,7 @@ def options(stage: Stage) -> list[click.Option]:
     cls = stage.params_class()
     hints = typing.get_type_hints(cls)
     own_first = sorted(dataclasses.fields(cls), key=lambda field: field.name not in cls.__annotations__)
-    return found + [_param_option(field, hints[field.name]) for field in own_first]
+    return found + [_param_option(cls, field, hints[field.name]) for field in own_first]
 
 
 def _input_option(item: StageInput) -> click.Option:
@@ -63,27 +63,39 @@ def _input_option(item: StageInput) -> click.Option:
     return click.Option([flag(item.name)], required=item.required, default=None, help=item.help)
 
 
-def _param_option(field: dataclasses.Field, hint: Any) -> click.Option:
+def _param_option(cls: type, field: dataclasses.Field, hint: Any) -> click.Option:
+    """The option of one parameter field: its type, choices and range as declared (click shows and checks them),
+    and its default, or what unset means for this stage."""
     kinds = parameters.kinds(hint)
     name, text, default = flag(field.name), parameters.help_of(field), field.default
     if bool in kinds:
         return click.Option([f"{name}/--no-{name[2:]}"], default=default, show_default=True, help=text)
     if tuple in kinds:
         return click.Option([name], type=str, default=",".join(default), show_default=True, help=text)
-    if str in kinds:
-        kind: Any = click.STRING
-    elif int in kinds:
-        kind = click.INT
-    elif float in kinds:
-        kind = click.FLOAT
+    shown = parameters.effective_default(cls, field)
+    show = str(shown) if default is None and shown is not None else default is not None
+    choices, limits = parameters.choices_of(hint), parameters.bounds_of(field)
+    if choices:
+        kind: Any = click.Choice([str(c) for c in choices])
+    elif str in kinds:
+        kind = click.STRING
+    elif (int in kinds or float in kinds) and not limits:
+        kind = click.INT if float not in kinds else click.FLOAT
+    elif int in kinds or float in kinds:
+        kind = (click.IntRange if int in kinds and float not in kinds else click.FloatRange)(
+            min=limits.get("ge", limits.get("gt")),
+            max=limits.get("le", limits.get("lt")),
+            min_open="gt" in limits,
+            max_open="lt" in limits,
+        )
     else:
         kind = click.STRING
-    return click.Option([name], type=kind, default=default, show_default=default is not None, help=text)
+    return click.Option([name], type=kind, default=default, show_default=show, help=text)
 
 
 def _runner(stage: Stage) -> Callable[..., None]:
     def run(**options: Any) -> None:
-        from evoesap.identity import pin
+        from evoesap.store.identity import pin
         from evoesap.steps import make_params, run_stage
 
         out, revision = options.pop("out"), options.pop("revision", None)

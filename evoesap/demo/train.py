@@ -19,7 +19,7 @@ from transformers import OlmoeConfig, OlmoeForCausalLM, PreTrainedTokenizerBase
 from evoesap.data import Sample, encode_sample
 from evoesap.demo.profiles import Profile
 from evoesap.errors import ConfigError
-from evoesap.runtime import fixed_cpu_threads
+from evoesap.machine.runtime import fixed_cpu_threads
 from evoesap.progress import progress
 
 log = logging.getLogger(__name__)

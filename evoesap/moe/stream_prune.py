@@ -23,14 +23,14 @@ import fsspec
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 from evoesap.errors import ArtifactError, ConfigError
-from evoesap.identity import locate
+from evoesap.store.identity import locate
 from evoesap.moe import shards
 from evoesap.moe.families import PER_LAYER_KEY
 from evoesap.moe.spec import Pruned, check_pruned, expert_tensors, inspect, model_family, moe_blocks
 from evoesap.moe.surgery import name_nonuniform, set_counts
-from evoesap.identity import is_uri
+from evoesap.store.identity import is_uri
 
 log = logging.getLogger(__name__)
 

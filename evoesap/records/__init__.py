@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any, TypeVar
 
-from evoesap import allocation as alloc
-from evoesap import artifacts
+from evoesap.method import allocation as alloc
+from evoesap.store import artifacts
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.records.documents import (
     ALLOCATION_FILE,

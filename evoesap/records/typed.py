@@ -8,7 +8,7 @@ import functools
 import types
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 from evoesap.errors import ArtifactError
 
 R = TypeVar("R", bound="Record")

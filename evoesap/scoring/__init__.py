@@ -9,5 +9,8 @@
 4. `metrics`: ESAP, SAP, KL and NLL per scored position, and the per-sample and dataset means.
 5. `evaluator`: `CandidateEvaluator`, which ties them together (memoised per allocation and sample).
 
+Beside them, `importance` scores the experts themselves (one observer pass, the four criteria, the per-layer
+pruning orders) with the same forward.
+
 Nothing is imported here, so that reading a cache (`teacher`) never loads the evaluator's dependencies.
 """

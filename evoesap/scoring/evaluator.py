@@ -24,7 +24,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from evoesap import artifacts, records
+from evoesap.store import artifacts
+from evoesap import records
 from evoesap.errors import ConfigError
 from evoesap.scoring import metrics
 from evoesap.scoring.forward import LayerRunner, head_logits, iter_batches, model_device, pad_right
@@ -122,7 +123,7 @@ class CandidateEvaluator:
         boundaries = list(range(len(self._starts)))
         boundary_bytes = sum(self._lengths) * int(model.config.hidden_size) * next(model.parameters()).element_size()
         if prefix_cache_bytes is None:
-            from evoesap.runtime import free_memory_bytes
+            from evoesap.machine.runtime import free_memory_bytes
 
             prefix_cache_bytes = auto_prefix_budget(free_memory_bytes(self.device), keep, len(boundaries), boundary_bytes)
             log.info("prefix cache budget: %.2f GiB on %s", prefix_cache_bytes / 2**30, self.device)
@@ -198,7 +199,7 @@ class CandidateEvaluator:
         if self.device.type == "cpu":
             return True
         if budget is None:
-            from evoesap.runtime import free_memory_bytes
+            from evoesap.machine.runtime import free_memory_bytes
 
             budget = free_memory_bytes(self.device) // 2
         fits = cache.heavy_bytes <= budget
@@ -391,7 +392,8 @@ def score_allocation(
     device: str = "auto",
 ) -> tuple[float, float]:
     """Load the full model and a cache, score one allocation (none: the full model) -> raw (lower, upper)."""
-    from evoesap import moe, runtime
+    from evoesap import moe
+    from evoesap.machine import runtime
 
     runtime.check_model_dtype(model_dtype)
     if allocation and artifacts.exists(artifacts.join(allocation, artifacts.MANIFEST)):  # a search artifact: checked

@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 from evoesap.errors import ArtifactError, ConfigError, DataError
 from evoesap.progress import progress
 from evoesap.offload import state_tensors

@@ -6,7 +6,8 @@ import dataclasses
 import logging
 from typing import ClassVar
 
-from evoesap import artifacts, bounds, runtime
+from evoesap.store import artifacts
+from evoesap.machine import bounds, runtime
 from evoesap.errors import ConfigError
 from evoesap.params import PlacementParams, SampleParams, keyed, param
 
@@ -42,7 +43,7 @@ class CacheLogitsParams(PlacementParams, SampleParams):
 
 def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: str) -> artifacts.Manifest:
     """Cache the teacher (`model`, a checkpoint URI or hub name) on `data` samples and publish it at `out_uri`."""
-    from evoesap import footprint
+    from evoesap.planning import footprint
     from evoesap.data import check_vocab
     from evoesap.scoring import teacher
 

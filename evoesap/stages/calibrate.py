@@ -6,7 +6,8 @@ import dataclasses
 import logging
 from typing import ClassVar
 
-from evoesap import artifacts, bounds, runtime
+from evoesap.store import artifacts
+from evoesap.machine import bounds, runtime
 from evoesap.params import PlacementParams, SampleParams, keyed, param
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ def run_calibrate(model: str, data: str, params: CalibrateParams, out_uri: str) 
     bounds.check_stage(params, model)
 
     from evoesap import data as data_mod
-    from evoesap import importance
+    from evoesap.scoring import importance
 
     tokenizer, tokenized = runtime.tokenized_samples(model, data, params, pack=params.pack)
     with artifacts.stage_output(out_uri, "calibrate", keyed(params), inputs, seen) as staging:

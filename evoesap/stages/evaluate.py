@@ -8,11 +8,14 @@ import json
 import logging
 from typing import Any, Iterator
 
-from evoesap import artifacts, bounds, records, runtime, vllm_eval
-from evoesap import lmeval
+from evoesap.store import artifacts
+from evoesap.machine import bounds, runtime
+from evoesap import records
+from evoesap.evaluation import vllm_eval
+from evoesap.evaluation import lmeval
 from evoesap.errors import ConfigError, DataError
 from evoesap.params import PlacementParams, keyed, param
-from evoesap.identity import is_hub_name, is_uri
+from evoesap.store.identity import is_hub_name, is_uri
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from evoesap import allocation as alloc
-from evoesap import artifacts, bounds, records, runtime
-from evoesap.errors import ConfigError
+from evoesap.method import allocation as alloc
+from evoesap.store import artifacts
+from evoesap.machine import bounds, runtime
+from evoesap import records
 from evoesap.params import StageParams, keyed, param
+from evoesap.scoring.criteria import Criterion
 from evoesap.moe.spec import MoESpec
 
 log = logging.getLogger(__name__)
@@ -24,24 +26,14 @@ log = logging.getLogger(__name__)
 class PruneParams(StageParams):
     """Which experts go: the criterion's order within each layer, the allocation's (or uniform) counts."""
 
-    criterion: str = param(
-        "reap",
-        "Importance criterion whose pruning order decides which experts go: frequency, "
-        "seer, ean or reap (must match the allocation's).",
+    criterion: Criterion = param(
+        "reap", "Importance criterion whose pruning order decides which experts go (must match the allocation's)."
     )
-    sparsity: float = param(0.25, "Global share of routed experts removed, in (0, 1) (must match the allocation's).")
-    granularity: int = param(1, "Every per-layer count is a multiple of this (expert parallelism).")
+    sparsity: float = param(0.25, "Global share of routed experts removed (must match the allocation's).", gt=0, lt=1)
+    granularity: int = param(1, "Every per-layer count is a multiple of this (expert parallelism).", ge=1)
     model_dtype: str = param("auto", "Dtype the checkpoint is written in: auto (its own), float32, bfloat16, float16.")
 
     def __post_init__(self) -> None:
-        from evoesap.importance import CRITERIA
-
-        if self.criterion not in CRITERIA:
-            raise ConfigError(f"criterion {self.criterion!r} is not one of {', '.join(CRITERIA)}")
-        if not 0 < self.sparsity < 1:
-            raise ConfigError(f"sparsity must lie in (0, 1), got {self.sparsity}")
-        if self.granularity < 1:
-            raise ConfigError(f"granularity must be >= 1, got {self.granularity}")
         runtime.check_model_dtype(self.model_dtype)
         super().__post_init__()
 
@@ -51,7 +43,7 @@ def planned_pruning(
 ) -> tuple[str, list[int], dict[int, list[int]]]:
     """(method, removal counts, pruned expert ids per MoE layer) for this run."""
     from evoesap import moe
-    from evoesap.importance import model_orders, read_scores
+    from evoesap.scoring.importance import model_orders, read_scores
 
     if allocation is not None:
         counts, pruned = records.allocation_counts(

@@ -1,7 +1,7 @@
 """Stage `publish`: a pruned checkpoint with its model card, published as an artifact and pushed where it is released.
 
 The artifact holds the prune artifact's checkpoint files (the quantize artifact's, when a quantized checkpoint of it
-is given: it is then the model released), README.md (the model card, `evoesap.card`: Hub
+is given: it is then the model released), README.md (the model card, `evoesap.reporting.card`: Hub
 metadata, method, per-layer expert counts, density plot, evaluation table with standard errors,
 quantization, lineage) and density.png, plus the report's files under report/ when a report is given. Its
 inputs are checked against each other before any work: every evaluation must be of the pruned model or of
@@ -17,11 +17,14 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from evoesap import artifacts, card, hub, identity, lineage, records
+from evoesap.store import artifacts, identity, lineage
+from evoesap.reporting import card
+from evoesap.release import hub
+from evoesap import records
 from evoesap.errors import ArtifactError, ConfigError
-from evoesap.params import keyed, param
+from evoesap.params import StageParams, keyed, param
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +33,7 @@ REPORT_DIR = "report"
 
 
 @dataclasses.dataclass(frozen=True)
-class PublishParams:
+class PublishParams(StageParams):
     """Where the checkpoint goes and what the card cannot read from the artifacts; what it says comes from them."""
 
     to: str | None = param(None, "Also push the published artifact to this fsspec URI (a path, s3://, gs://).")
@@ -46,7 +49,7 @@ class PublishParams:
         "License of the base model when its card names none (a license on the base "
         "model's card is carried and cannot be changed).",
     )
-    digits: int = param(3, "Decimals in the evaluation table.")
+    digits: int = param(3, "Decimals in the evaluation table.", ge=1, le=8)
 
     def __post_init__(self) -> None:
         for name in ("repo", "base_model"):
@@ -57,8 +60,7 @@ class PublishParams:
             raise ConfigError(f"token_env {self.token_env!r} is not an environment variable name")
         if self.to is not None:
             artifacts.split(self.to)  # credentials inside the URI are refused here
-        if not 1 <= self.digits <= 8:
-            raise ConfigError(f"digits must be within 1..8, got {self.digits}")
+        super().__post_init__()  # declared ranges, then the bounds every stage shares
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,11 +228,7 @@ def run_publish(
         "quantized": quantized,
     }
     seen = artifacts.preflight(out_uri, "publish", inputs)
-    matched = _match_evaluations(pruned, evaluations, quantized)
-    if search is not None:
-        _check_search(search, matched.pruned, pruned)
-    if report is not None:
-        _check_report(report, matched.published_eval)
+    matched = _check_inputs(pruned, evaluations, search, report, quantized)
     report_manifest = artifacts.read_manifest(report, "report") if report else None
     checkpoint, checkpoint_manifest = (
         (quantized, matched.quantized) if quantized and matched.quantized else (pruned, matched.pruned)
@@ -242,15 +240,62 @@ def run_publish(
         artifacts.MANIFEST,
         *(f"{REPORT_DIR}/{rel}" for rel in (report_manifest.files if report_manifest else ())),
     }
+    to_seen, secret = _check_targets(params, out_uri, inputs, planned)
+    evidence = _evidence(inputs, matched, checkpoint, checkpoint_manifest, report_manifest, params)
+    text = card.render_card(evidence, params.digits)  # rendered before the copy: a broken record stops here
+    push = _pusher(params, to_seen, secret, evidence)
+    with artifacts.stage_output(out_uri, "publish", keyed(params), inputs, seen, before_publish=push) as staging:
+        _copy_payload(checkpoint, checkpoint_manifest, staging, skip=(CARD_FILE,))  # the base model's card, which ours replaces
+        if report is not None and report_manifest is not None:
+            _copy_payload(report, report_manifest, staging / REPORT_DIR)
+        card.write_density(evidence.pruning, staging / card.DENSITY_FILE)
+        (staging / CARD_FILE).write_text(text)
+    log.info(
+        "published %s%s%s",
+        artifacts.redact(out_uri),
+        f", pushed to {artifacts.redact(params.to)}" if params.to else "",
+        f", pushed to the Hub repository {params.repo}" if params.repo else "",
+    )
+    return artifacts.read_manifest(out_uri)
+
+
+def _check_inputs(
+    pruned: str, evaluations: Sequence[str], search: str | None, report: str | None, quantized: str | None
+) -> _Inputs:
+    """The inputs read and checked against each other: the evaluations (and quantize artifact) are of the pruned
+    checkpoint, the search made it, the report covers the published model's evaluation."""
+    matched = _match_evaluations(pruned, evaluations, quantized)
+    if search is not None:
+        _check_search(search, matched.pruned, pruned)
+    if report is not None:
+        _check_report(report, matched.published_eval)
+    return matched
+
+
+def _check_targets(
+    params: PublishParams, out_uri: str, inputs: Mapping[str, str | None], planned: set[str]
+) -> tuple[str | None, str]:
+    """Before any copy: what `to` holds now, and the Hub token, with the repository checked to take `planned`."""
     to_seen = _check_to(params.to, out_uri, inputs)
     secret = hub.token(params.token_env) if params.repo else ""
     if params.repo:
         hub.check_target(params.repo, planned, endpoint=params.endpoint, secret=secret)
-    base_model, license = _base(matched.pruned.inputs["model"], params)
+    return to_seen, secret
 
-    pruning = records.read(pruned, records.PruningRecord)
-    evidence = card.Evidence(
-        pruning=pruning,
+
+def _evidence(
+    inputs: Mapping[str, str | None],
+    matched: _Inputs,
+    checkpoint: str,
+    checkpoint_manifest: artifacts.Manifest,
+    report_manifest: artifacts.Manifest | None,
+    params: PublishParams,
+) -> card.Evidence:
+    """Every record the card shows, read and checked from the artifacts."""
+    pruned, search, quantized = inputs["pruned"], inputs["search"], inputs["quantized"]
+    base_model, license = _base(matched.pruned.inputs["model"], params)
+    return card.Evidence(
+        pruning=records.read(pruned, records.PruningRecord),
         config=json.loads(artifacts.read_payload(checkpoint, "config.json", checkpoint_manifest)),
         pruned_eval=records.read(matched.pruned_eval, records.MetricsRecord) if matched.pruned_eval else None,
         full_eval=records.read(matched.full_eval, records.MetricsRecord) if matched.full_eval else None,
@@ -263,7 +308,13 @@ def run_publish(
         quantization=records.read(quantized, records.QuantizationRecord) if quantized else None,
         quantized_eval=records.read(matched.quantized_eval, records.MetricsRecord) if matched.quantized_eval else None,
     )
-    text = card.render_card(evidence, params.digits)  # rendered before the copy: a broken record stops here
+
+
+def _pusher(
+    params: PublishParams, to_seen: str | None, secret: str, evidence: card.Evidence
+) -> Callable[[Path, artifacts.Manifest], None]:
+    """What runs on the finished staging directory before it is published: the copy to `to`, the Hub commit."""
+    pruning = evidence.pruning
 
     def push(staging: Path, manifest: artifacts.Manifest) -> None:
         if params.to is not None and to_seen is not None:
@@ -280,19 +331,7 @@ def run_publish(
                 + (f", quantized ({evidence.quantization.recipe})" if evidence.quantization else ""),
             )
 
-    with artifacts.stage_output(out_uri, "publish", keyed(params), inputs, seen, before_publish=push) as staging:
-        _copy_payload(checkpoint, checkpoint_manifest, staging, skip=(CARD_FILE,))  # the base model's card, which ours replaces
-        if report is not None and report_manifest is not None:
-            _copy_payload(report, report_manifest, staging / REPORT_DIR)
-        card.write_density(pruning, staging / card.DENSITY_FILE)
-        (staging / CARD_FILE).write_text(text)
-    log.info(
-        "published %s%s%s",
-        artifacts.redact(out_uri),
-        f", pushed to {artifacts.redact(params.to)}" if params.to else "",
-        f", pushed to the Hub repository {params.repo}" if params.repo else "",
-    )
-    return artifacts.read_manifest(out_uri)
+    return push
 
 
 def _check_to(to: str | None, out_uri: str, inputs: Mapping[str, str | None]) -> str | None:

@@ -1,6 +1,6 @@
 """Stage `quantize`: llm-compressor's `oneshot` on a (pruned) checkpoint, by a recipe picked by name.
 
-llm-compressor runs in its own environment (`evoesap.quantize_env`: its transformers pin excludes ours).
+llm-compressor runs in its own environment (`evoesap.release.quantize_env`: its transformers pin excludes ours).
 This stage checks everything first (the recipe name, that environment, the output place, the checkpoint's
 family), draws and tokenizes the calibration samples as every data stage does, then hands the worker one
 request. The artifact is a compressed-tensors checkpoint that keeps the input's architecture name, its
@@ -15,7 +15,10 @@ import difflib
 import logging
 from typing import Any, ClassVar
 
-from evoesap import artifacts, bounds, quantize_env, records, runtime
+from evoesap.store import artifacts
+from evoesap.machine import bounds, runtime
+from evoesap.release import quantize_env
+from evoesap import records
 from evoesap.errors import ConfigError, ModelError
 from evoesap.moe.families import PER_LAYER_KEY, family_of
 from evoesap.params import DeviceParams, SampleParams, keyed, param

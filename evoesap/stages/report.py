@@ -11,11 +11,12 @@ from typing import Any, Mapping, Sequence
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from evoesap import artifacts, records
-from evoesap import report as rp
+from evoesap.store import artifacts
+from evoesap import records
+from evoesap.reporting import report as rp
 from evoesap.errors import ArtifactError, ConfigError, DataError
 from evoesap.params import StageParams, keyed, param
-from evoesap.importance import read_scores
+from evoesap.scoring.importance import read_scores
 
 log = logging.getLogger(__name__)
 
@@ -29,13 +30,8 @@ class ReportParams(StageParams):
     """How the report looks; what it says comes from its inputs."""
 
     title: str = param("EvoESAP report", "Title of the report.")
-    digits: int = param(3, "Decimals in the benchmark table (the paper uses 3).")
+    digits: int = param(3, "Decimals in the benchmark table (the paper uses 3).", ge=1, le=8)
     html: bool = param(True, "Also write report.html.")
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.digits <= 8:
-            raise ConfigError(f"digits must be within 1..8, got {self.digits}")
-        super().__post_init__()
 
 
 def _history(search_uri: str) -> tuple[str, pd.DataFrame, Mapping[str, Any]]:
@@ -51,7 +47,7 @@ def _pct(value: Any) -> str | None:
 
 def _frequency_allocation(search: Mapping[str, Any], experts: records.Experts) -> tuple[int, ...] | None:
     """The global frequency heuristic for a search's budget, from the scores that search used (None if unknown)."""
-    from evoesap import allocation
+    from evoesap.method import allocation
 
     scores_uri = search["_inputs"].get("scores", {}).get("uri")
     if scores_uri is None or search.get("sparsity") is None:
@@ -114,8 +110,9 @@ def _allocation(uri: str, search_params: Mapping[str, Any]) -> records.Allocatio
 
 def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches: Sequence[str] = ()) -> artifacts.Manifest:
     """Write report.md (and a self-contained report.html): summary, benchmark and memory tables, plots, lineage."""
-    from evoesap import lineage, render
-    from evoesap.stages import NAMES
+    from evoesap.store import lineage
+    from evoesap.reporting import render
+    from evoesap.registry import NAMES
 
     if not runs:
         raise ConfigError("give at least one evaluate run (--runs)")

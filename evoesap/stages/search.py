@@ -9,7 +9,7 @@ so loudly and, with `fallback_to_uniform`, returns uniform instead.
 
 Cost: prefix reuse (on by default, exact) starts each candidate's forward at the MoE block of its
 first MoE layer that differs from a cached allocation's; racing (opt-in) scores new candidates on
-growing sample subsets first (`evoesap.racing`). The manifest (`run.cost`) records the search's cost in
+growing sample subsets first (`evoesap.method.racing`). The manifest (`run.cost`) records the search's cost in
 full-forward equivalents: the work of the search (active multiply-accumulates, `evoesap.scoring.forward`)
 divided by that of one plain forward over the search samples, in all and per candidate (distinct
 allocations scored on any subset), with the prefix cache's budget and peak.
@@ -25,17 +25,20 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
 
-from evoesap import allocation as alloc
-from evoesap import artifacts, bounds, records, runtime
+from evoesap.method import allocation as alloc
+from evoesap.store import artifacts
+from evoesap.machine import bounds, runtime
+from evoesap import records
 from evoesap.errors import ConfigError
-from evoesap.params import PlacementParams, keyed, param
+from evoesap.params import PlacementParams, check_declared, keyed, param
+from evoesap.scoring.criteria import Criterion
 from evoesap.progress import progress
-from evoesap.racing import Racing
+from evoesap.method.racing import Racing
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +47,21 @@ log = logging.getLogger(__name__)
 class SearchParams(PlacementParams):
     """Search settings; defaults are the paper's (seed 42, P 32, m 4, Delta_max 4, tau_max 3)."""
 
-    criterion: str = param(
-        "reap", "Importance criterion whose within-layer pruning order the allocation applies: frequency, seer, ean or reap."
-    )
-    sparsity: float = param(0.25, "Global share of routed experts removed, in (0, 1).")
-    population: int = param(32, "Candidate allocations per generation (P).")
-    elites: int = param(4, "Fittest allocations kept each generation (m).")
-    generations: int = param(50, "Generations of the evolutionary search.")
-    max_transfer: int = param(4, "Largest level-switch transfer, in multiples of granularity (Delta_max).")
-    max_steps: int = param(3, "tau_max: composed level-switch steps per offspring.")
-    granularity: int = param(1, "Per-layer counts and transfers in multiples of this (2: the paper's even transfers).")
+    criterion: Criterion = param("reap", "Importance criterion whose within-layer pruning order the allocation applies.")
+    sparsity: float = param(0.25, "Global share of routed experts removed.", gt=0, lt=1)
+    population: int = param(32, "Candidate allocations per generation (P).", ge=2)
+    elites: int = param(4, "Fittest allocations kept each generation (m), fewer than population.", ge=1)
+    generations: int = param(50, "Generations of the evolutionary search.", ge=0)
+    max_transfer: int = param(4, "Largest level-switch transfer, in multiples of granularity (Delta_max).", ge=1)
+    max_steps: int = param(3, "tau_max: composed level-switch steps per offspring.", ge=1)
+    granularity: int = param(1, "Per-layer counts and transfers in multiples of this (2: the paper's even transfers).", ge=1)
     seed: int = param(42, "Seed of the search.")
-    metric: str = param("esap", "Fitness: esap, sap, kl or nll.")
+    metric: Literal["esap", "sap", "kl", "nll"] = param("esap", "Fitness (scoring.metrics.METRICS).")
     heldout_fraction: float = param(
-        0.25, "Share of the cached samples kept out of the search for the held-out check (when there is no heldout_cache)."
+        0.25,
+        "Share of the cached samples kept out of the search for the held-out check (when there is no heldout_cache).",
+        ge=0,
+        lt=1,
     )
     fallback_to_uniform: bool = param(False, "Return uniform when the searched allocation does not generalise.")
     resume: bool = param(False, "Continue an interrupted search from its checkpoint beside the output.")
@@ -66,45 +70,34 @@ class SearchParams(PlacementParams):
         False, "Race new candidates over growing sample subsets first (successive halving); elites are ranked on the full set."
     )
     racing_schedule: str = param("0.0625,0.25:0.25", "Subset shares of the racing levels, then the share that advances.")
-    racing_min_samples: int = param(4, "Least samples any racing level scores.")
-    racing_min_positions: int = param(256, "Least scored positions any racing level scores (evoesap.racing says why).")
+    racing_min_samples: int = param(4, "Least samples any racing level scores.", ge=1)
+    racing_min_positions: int = param(
+        256, "Least scored positions any racing level scores (evoesap.method.racing says why).", ge=1
+    )
     prefix_reuse: bool = param(True, "Start candidates from cached hidden states of the fittest allocations (exact).")
     prefix_cache_bytes: int | None = param(
         None,
         "Budget of the prefix cache on the model's device; unset: states of 32 x (elites + 1) allocations, at "
         "most half of the free memory.",
+        ge=0,
     )
     workers: int = param(
         1,
-        "Processes scoring each generation's candidates (torchrun underneath), each with a model replica (evoesap.distributed).",
+        "Processes scoring each generation's candidates (torchrun underneath), each with a model replica (evoesap.method.distributed).",
         keyed=False,
+        ge=1,
     )  # the same artifact on any number
     gpus_per_worker: int = param(
-        1, "GPUs each worker spreads its model replica over (with device_map: auto); workers x this many in all.", keyed=False
+        1,
+        "GPUs each worker spreads its model replica over (with device_map: auto); workers x this many in all.",
+        keyed=False,
+        ge=1,
     )
 
     def __post_init__(self) -> None:
-        from evoesap.importance import CRITERIA
-        from evoesap.scoring import metrics
-
-        if self.criterion not in CRITERIA:
-            raise ConfigError(f"criterion {self.criterion!r} is not one of {', '.join(CRITERIA)}")
-        if self.metric not in metrics.METRICS:
-            raise ConfigError(f"metric {self.metric!r} is not one of {', '.join(metrics.METRICS)}")
-        if not 0 < self.sparsity < 1:
-            raise ConfigError(f"sparsity must lie in (0, 1), got {self.sparsity}")
-        if not 0 <= self.heldout_fraction < 1:
-            raise ConfigError(f"heldout_fraction must lie in [0, 1), got {self.heldout_fraction}")
+        check_declared(self)  # choices and ranges first: the rules below compare fields that are in range
         if self.elites >= self.population:
             raise ConfigError(f"elites ({self.elites}) must be fewer than population ({self.population})")
-        if self.elites < 1 or self.generations < 0 or self.max_transfer < 1 or self.max_steps < 1:
-            raise ConfigError("elites, max_transfer and max_steps must be >= 1 and generations >= 0")
-        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
-            raise ConfigError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
-        if self.workers < 1:
-            raise ConfigError(f"workers must be >= 1, got {self.workers}")
-        if self.gpus_per_worker < 1:
-            raise ConfigError(f"gpus_per_worker must be >= 1, got {self.gpus_per_worker}")
         if self.gpus_per_worker > 1 and self.device_map is None:
             raise ConfigError(
                 f"gpus_per_worker={self.gpus_per_worker} spreads each worker's replica over its GPUs: set device_map: auto"
@@ -125,8 +118,8 @@ class SearchParams(PlacementParams):
 
     @property
     def placement(self) -> dict[str, Any]:
-        """A worker's replica spreads over its own group of GPUs (`evoesap.distributed.worker_gpus`)."""
-        from evoesap import distributed
+        """A worker's replica spreads over its own group of GPUs (`evoesap.method.distributed.worker_gpus`)."""
+        from evoesap.method import distributed
 
         gpus = distributed.worker_gpus(self.gpus_per_worker) if self.gpus_per_worker > 1 else None
         return {**super().placement, "gpus": gpus}
@@ -213,7 +206,7 @@ def _plots(
 ) -> None:
     import matplotlib.pyplot as plt
 
-    from evoesap import report
+    from evoesap.reporting import report
 
     label = f"{params.criterion} {params.sparsity:.0%}"
     fig = report.search_curve_figure({label: history})
@@ -273,7 +266,7 @@ def prepare_scoring(
     """Load the model and the teacher cache(s) and build the search's evaluator; `judge=False` (a worker)
     skips the held-out evaluator."""
     from evoesap import moe
-    from evoesap.importance import model_orders, read_scores
+    from evoesap.scoring.importance import model_orders, read_scores
     from evoesap.scoring.evaluator import CandidateEvaluator
     from evoesap.scoring.teacher import load_cache
 
@@ -386,10 +379,10 @@ def run_search(
     """Search the allocation for one criterion and sparsity; publish allocation.json, history and plots.
 
     `heldout_cache`: a teacher cache of other samples for the generalisation check (see the module docstring).
-    With `workers > 1` it launches that many processes (`evoesap.distributed`); the coordinator among them
+    With `workers > 1` it launches that many processes (`evoesap.method.distributed`); the coordinator among them
     runs the search and publishes the same artifact.
     """
-    from evoesap import distributed, search
+    from evoesap.method import distributed, search
 
     inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}
     seen = artifacts.preflight(out_uri, "search", inputs)
@@ -413,7 +406,7 @@ def run_search(
 
     def on_generation(gen: int, best: Any, best_fitness: float, mean_fitness: float, evaluations: int) -> None:
         bar.n = gen + 1
-        bar.set_postfix(best=f"{best_fitness:.5f}", mean=f"{mean_fitness:.5f}", evals=evaluations)  # evoesap.search logs it
+        bar.set_postfix(best=f"{best_fitness:.5f}", mean=f"{mean_fitness:.5f}", evals=evaluations)  # method.search logs it
 
     with distributed.scorer(scoring) as pool:
         try:

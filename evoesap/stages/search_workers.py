@@ -1,8 +1,8 @@
 """The processes of a multi-worker search (`python -m evoesap.stages.search_workers SPEC`, started by
-`evoesap.distributed.launch` under torch's elastic launcher, or by `torchrun -m` in the pods of a Kubeflow Trainer
+`evoesap.method.distributed.launch` under torch's elastic launcher, or by `torchrun -m` in the pods of a Kubeflow Trainer
 job, `evoesap.pipeline.trainjob`): join the group, then rank 0 runs the search stage and the other ranks serve its
 batches. SPEC is a JSON file, or the JSON itself (a job's pods share no file). Kept apart from
-`evoesap.distributed` (the protocol), which imports no stage."""
+`evoesap.method.distributed` (the protocol), which imports no stage."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from evoesap import distributed
+from evoesap.method import distributed
 
 log = logging.getLogger(__name__)
 TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
@@ -51,7 +51,7 @@ def _run(spec: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from evoesap import runtime
+    from evoesap.machine import runtime
     from evoesap.progress import set_quiet
     from evoesap.stages.search import SearchParams, prepare_scoring, run_search
 

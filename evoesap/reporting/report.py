@@ -1,7 +1,7 @@
 """Tables and plots from evaluate runs and search histories, shaped like the paper's Table 2 and Figure 1.
 
 Everything here works on records already read (`MetricsRecord`, `AllocationRecord`) and history tables; reading
-artifacts is the stage's job, laying the page out is the templates' (`evoesap.render`). Tables are
+artifacts is the stage's job, laying the page out is the templates' (`evoesap.reporting.render`). Tables are
 `Table`s of text cells; figure builders return matplotlib Figures (Agg) so tests can inspect what they draw.
 """
 
@@ -23,7 +23,7 @@ from evoesap.errors import DataError  # noqa: E402
 from evoesap.records import AllocationRecord, HeldoutCheck, MetricsRecord  # noqa: E402
 
 if TYPE_CHECKING:
-    from evoesap.lineage import Node, Source
+    from evoesap.store.lineage import Node, Source
 
 METHOD_ORDER = ("full", "uniform", "frequency", "searched")
 PAIR = ("uniform", "searched")  # bolded against each other; deltas are searched - uniform

@@ -2,7 +2,7 @@
 
 `run_search` with `workers > 1` calls `launch`, which starts N processes through torch.distributed's
 elastic launcher (what `torchrun` runs; gloo on the CPU, nccl on GPUs, one GPU per local rank), each
-running `evoesap.stages.search_workers` (this module imports no stage). Rank 0, the coordinator, runs the search (`evoesap.search`, unchanged) and alone writes
+running `evoesap.stages.search_workers` (this module imports no stage). Rank 0, the coordinator, runs the search (`evoesap.method.search`, unchanged) and alone writes
 the checkpoint and the artifact; every rank, rank 0 included, scores a share of each batch.
 
 Protocol, one round per batch the search asks for (`score_batch`: a generation's new candidates, or one
@@ -36,7 +36,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from evoesap import artifacts, errors
+from evoesap.store import artifacts
+from evoesap import errors
 
 log = logging.getLogger(__name__)
 

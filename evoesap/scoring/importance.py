@@ -20,7 +20,9 @@ import pandas as pd
 import pyarrow as pa
 import torch
 
-from evoesap import artifacts, moe
+from evoesap.scoring.criteria import CRITERIA
+from evoesap.store import artifacts
+from evoesap import moe
 from evoesap.data import TokenizedSample, batches
 from evoesap.errors import ConfigError, DataError
 from evoesap.progress import progress
@@ -29,7 +31,6 @@ from evoesap.scoring.forward import model_device
 
 log = logging.getLogger(__name__)
 
-CRITERIA: tuple[str, ...] = ("frequency", "seer", "ean", "reap")
 COLUMNS: tuple[str, ...] = ("layer", "expert", "frequency", "seer", "ean", "reap", "tokens")
 SCORES_FILE = "scores.parquet"
 

@@ -38,7 +38,7 @@ def check_params(params: Any) -> None:
 
 def check_stage(params: Any, model: str) -> None:
     """Refuse a device this machine lacks and a local checkpoint that cannot load, before any work."""
-    from evoesap import runtime
+    from evoesap.machine import runtime
 
     if hasattr(params, "device"):
         runtime.check_device(params.device)
@@ -70,7 +70,7 @@ def check_search(params: Any, num_experts: Sequence[int], space_size: int, free_
     if free_host is None:
         import torch
 
-        from evoesap.runtime import free_memory_bytes
+        from evoesap.machine.runtime import free_memory_bytes
 
         free_host = free_memory_bytes(torch.device("cpu"))
     if need > free_host:

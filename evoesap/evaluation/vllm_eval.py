@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from evoesap.errors import EvoESAPError
-from evoesap.side_env import side_python
+from evoesap.machine.side_env import side_python
 
 log = logging.getLogger(__name__)
 

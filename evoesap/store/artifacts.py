@@ -36,8 +36,9 @@ from typing import Any, Callable, Iterator, Mapping, NoReturn
 import fsspec
 from fsspec.core import url_to_fs
 
-from evoesap import __version__, identity
-from evoesap.identity import redact  # artifacts.redact: the one redaction, used everywhere
+from evoesap import __version__
+from evoesap.store import identity
+from evoesap.store.identity import redact  # artifacts.redact: the one redaction, used everywhere
 from evoesap.errors import ArtifactError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ class Manifest:
 
     stage: str
     params: dict[str, Any]
-    inputs: dict[str, dict[str, Any]]  # name -> {"uri", "kind", and its identity: `evoesap.identity`}
+    inputs: dict[str, dict[str, Any]]  # name -> {"uri", "kind", and its identity: `evoesap.store.identity`}
     files: dict[str, str]  # relative path -> sha256
     cache_key: str
     version: str = __version__
@@ -254,7 +255,7 @@ def _repo_type(name: str) -> str:
 
 
 def describe_inputs(inputs: Mapping[str, str | None]) -> dict[str, dict[str, Any]]:
-    """Input URIs with their content identity (`evoesap.identity`): our artifacts by their manifest's
+    """Input URIs with their content identity (`evoesap.store.identity`): our artifacts by their manifest's
     sha256, other files and checkpoints by content or store metadata, hub names by resolved revision.
     A missing input is refused here, before any work."""
     described: dict[str, dict[str, Any]] = {}

@@ -14,11 +14,12 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from evoesap import lineage, render
-from evoesap import report as rp
-from evoesap.lineage import Lineage
+from evoesap.store import lineage
+from evoesap.reporting import render
+from evoesap.reporting import report as rp
+from evoesap.store.lineage import Lineage
 from evoesap.records import AllocationRecord, Experts, MetricsRecord, PruningRecord, QuantizationRecord, TaskMetric
-from evoesap.report import Cell, Table
+from evoesap.reporting.report import Cell, Table
 
 DENSITY_FILE = "density.png"
 LICENSE_KEYS = ("license", "license_name", "license_link")  # what a derivative carries from its base's card
@@ -211,7 +212,7 @@ def _name(evidence: Evidence) -> str:
 
 def render_card(evidence: Evidence, digits: int = 3) -> str:
     """README.md: the Hub's YAML metadata header, then the card's Markdown."""
-    from evoesap.stages import NAMES
+    from evoesap.registry import NAMES
 
     pruning, experts = evidence.pruning, evidence.published_eval.experts
     evaluations = (evidence.pruned_eval, evidence.quantized_eval, evidence.full_eval)

@@ -5,7 +5,7 @@ built from the config), the data sizes and the stage parameters: host memory, me
 disk for the artifact and temporary space, for calibrate, cache-logits, search, prune and evaluate,
 and the teacher cache in full and top-K modes, with the refusal of a stage whose prediction exceeds what
 the machine has, naming the setting to change. Each stage contributes its formula through the registry
-(`evoesap.stages.Stage.peak`); this module imports no stage. `evoesap.plan` applies it to a pipeline
+(`evoesap.registry.Stage.peak`); this module imports no stage. `evoesap.planning.plan` applies it to a pipeline
 configuration and to a stage about to run.
 
 The formulas follow what the stages allocate (the model, one decoder layer's activations, the LM-head
@@ -98,7 +98,7 @@ def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
 
     from evoesap import moe
     from evoesap.moe import shards, stream_prune
-    from evoesap.runtime import MODEL_DTYPES
+    from evoesap.machine.runtime import MODEL_DTYPES
 
     fs, root = stream_prune.checkpoint_files(uri, patterns=("*.json",))  # a hub model: no weights fetched
     config = stream_prune.read_config(fs, root)
@@ -178,7 +178,7 @@ def plan_stages(
     """The predicted peaks of every stage of the registry that has a peak formula (or the one named `only`),
     each with its refusal (None when it fits). `params`: the parameter dataclasses by stage name; the
     search and prune entries may be left out where the stages planned do not read them."""
-    from evoesap.stages import STAGES
+    from evoesap.registry import STAGES
 
     plans = []
     on_gpu = machine.devices > 0
@@ -212,7 +212,7 @@ def _spread(shape: ModelShape, machine: Machine, p: Any, params: dict[str, Any],
     replica spans (a search worker's group, else every GPU), each holding at most `max_memory` (unset, with
     `offload`: what the stage's own work leaves of it), and what no GPU holds waits in host memory; the rest of
     the stage's device memory (activations, caches) spread as evenly."""
-    from evoesap.sizes import parse_bytes
+    from evoesap.machine.sizes import parse_bytes
 
     gpus = p.gpus_per_worker if getattr(p, "workers", 1) > 1 else machine.devices
     gpus = max(1, min(gpus, machine.devices))
@@ -379,7 +379,7 @@ def local_machine(device: str = "auto") -> Machine:
     """What this process may use: free host memory (cgroup-aware) and, on a GPU, each device's free memory."""
     import torch
 
-    from evoesap.runtime import free_memory_bytes, resolve_device
+    from evoesap.machine.runtime import free_memory_bytes, resolve_device
 
     host = free_memory_bytes(torch.device("cpu"))
     count = torch.cuda.device_count() if resolve_device(device).startswith("cuda") else 0
@@ -394,7 +394,7 @@ def cache_mode(model: str, params: Any, rows: int) -> str:
     if params.mode:
         return params.mode
     shape = model_shape(model, params.model_dtype)
-    from evoesap.stages import get
+    from evoesap.registry import get
 
     search_p = get("search").params_class()()  # the default search: what this cache will most likely serve
     mode, why = default_cache_mode(shape, local_machine(params.device), Data(0, rows), params, search_p)

@@ -14,7 +14,7 @@ multiple of `g` no larger than `max_transfer`: `Δ ∈ {g, 2g, ..., floor(max_tr
 just `{g}` when `max_transfer < g`. Starting from a feasible allocation, such moves keep every count a
 multiple of `g`. Internally counts are handled in units of `g` experts.
 
-This module is pure Python + numpy, like `evoesap.search`; it never imports torch.
+This module is pure Python + numpy, like `evoesap.method.search`; it never imports torch.
 """
 
 from __future__ import annotations

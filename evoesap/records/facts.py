@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from evoesap import artifacts, records
+from evoesap.store import artifacts
+from evoesap import records, registry
 
 EXPORT_MAX_BYTES = 1 << 20  # files up to this size are copied into an orchestrator's artifact; weights never
 
 
-def _search(uri: str) -> dict[str, Any]:
+def search_facts(uri: str) -> dict[str, Any]:
     doc = records.read(uri, records.AllocationRecord).to_json()
     keys = ("criterion", "sparsity", "metric", "fitness", "heldout", "removal_counts", "fallback_applied", "evaluations")
     return {**{k: doc[k] for k in keys}, "cost": artifacts.read_manifest(uri).run.get("cost")}
 
 
-def _prune(uri: str) -> dict[str, Any]:
+def prune_facts(uri: str) -> dict[str, Any]:
     record = records.read(uri, records.PruningRecord)
     return {
         "method": record.method,
@@ -34,12 +35,12 @@ def _prune(uri: str) -> dict[str, Any]:
     }
 
 
-def _evaluate(uri: str) -> dict[str, Any]:
+def evaluate_facts(uri: str) -> dict[str, Any]:
     labels = records.read(uri, records.MetricsRecord).labels.to_json()
     return {**{k: v for k, v in labels.items() if v is not None}, "scores": task_scores(uri)}
 
 
-def _quantize(uri: str) -> dict[str, Any]:
+def quantize_facts(uri: str) -> dict[str, Any]:
     """The recipe and bytes, plus the method, criterion and sparsity of the prune artifact it quantized (they label
     the quantized model's evaluation, as a prune artifact's own do)."""
     doc = records.read(uri, records.QuantizationRecord).to_json()
@@ -53,20 +54,13 @@ def _quantize(uri: str) -> dict[str, Any]:
         and artifacts.manifest_sha256(pruned) == digest
         and artifacts.read_manifest(pruned).stage == "prune"
     )
-    labels = {k: v for k, v in _prune(pruned).items() if k in ("method", "criterion", "sparsity")} if ours else {}
+    labels = {k: v for k, v in prune_facts(pruned).items() if k in ("method", "criterion", "sparsity")} if ours else {}
     return {**labels, **{k: doc[k] for k in keys}}
 
 
-_BY_STAGE: dict[str, Callable[[str], dict[str, Any]]] = {
-    "search": _search,
-    "prune": _prune,
-    "evaluate": _evaluate,
-    "quantize": _quantize,
-}
-
-
 def facts(uri: str) -> dict[str, Any]:
-    """The artifact's location, stage and manifest hash, plus the stage's own headline numbers."""
+    """The artifact's location, stage and manifest hash, plus the stage's own headline numbers (its registry
+    entry's `facts`)."""
     manifest = artifacts.read_manifest(uri)
     common = {
         "uri": artifacts.redact(uri),
@@ -75,8 +69,8 @@ def facts(uri: str) -> dict[str, Any]:
         "inputs": {name: entry.get("uri") for name, entry in manifest.inputs.items()},
         "evoesap_version": manifest.version,
     }
-    extra = _BY_STAGE.get(manifest.stage)
-    return {**common, **(extra(uri) if extra else {})}
+    stage = registry.get(manifest.stage) if manifest.stage in registry.NAMES else None
+    return {**common, **(stage.facts_function()(uri) if stage is not None and stage.facts else {})}
 
 
 def task_scores(uri: str) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Racing: successive halving of each generation's new candidates over growing sample subsets.
 
-EvoPress's multi-step selection, applied to the level-switch search (`evoesap.search`). In every
+EvoPress's multi-step selection, applied to the level-switch search (`evoesap.method.search`). In every
 generation the candidates not yet scored on the full search set run a race: all of them are scored on
 the first subset (default 1/16 of the search samples), the best `advance` share (default a quarter, at
 least one) on the next (1/4), and the best `advance` share of those on the full set. Only full-set

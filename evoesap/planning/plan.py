@@ -1,4 +1,4 @@
-"""`evoesap plan` and the check before a stage runs: the memory model (`evoesap.footprint`) applied to a
+"""`evoesap plan` and the check before a stage runs: the memory model (`evoesap.planning.footprint`) applied to a
 pipeline configuration, or to one stage's inputs and parameters on this machine."""
 
 from __future__ import annotations
@@ -7,9 +7,19 @@ import dataclasses
 import logging
 from typing import Any
 
-from evoesap import footprint
-from evoesap.footprint import Data, GiB, Machine, ModelShape, StagePlan, cache_bytes, default_cache_mode, model_shape, plan_stages
-from evoesap.identity import is_uri
+from evoesap.planning import footprint
+from evoesap.planning.footprint import (
+    Data,
+    GiB,
+    Machine,
+    ModelShape,
+    StagePlan,
+    cache_bytes,
+    default_cache_mode,
+    model_shape,
+    plan_stages,
+)
+from evoesap.store.identity import is_uri
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +59,7 @@ def pipeline_plan(
 ) -> tuple[ModelShape, Data, dict[str, Any], list[StagePlan]]:
     """The plan of a pipeline configuration (`pipeline.config.PipelineConfig`) on `machine`; `model`: a
     checkpoint or config folder to read instead of the configuration's model (offline planning)."""
-    from evoesap.stages import STAGES
+    from evoesap.registry import STAGES
 
     params = {stage.name: config.parsed_params(stage.name) for stage in STAGES}
     shape = model_shape(model or config.pinned_model, params["search"].model_dtype)
@@ -67,7 +77,9 @@ def check_stage(stage: str, inputs: dict[str, Any], params: Any) -> StagePlan | 
     """Refuse (ResourceError) a stage that would not fit this machine, before it loads anything; its plan.
     A stage without a peak formula, or whose inputs cannot be read yet, gets no plan (the stage itself
     says what is wrong with an input)."""
-    from evoesap import artifacts, bounds, stages
+    from evoesap.store import artifacts
+    from evoesap.machine import bounds
+    from evoesap import registry as stages
     from evoesap.errors import EvoESAPError, ResourceError
 
     if stages.get(stage).peak is None:

@@ -13,9 +13,9 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 from evoesap.errors import ArtifactError, ConfigError, ModelError, ResourceError
-from evoesap.identity import is_uri
+from evoesap.store.identity import is_uri
 from evoesap.offload import module_device
 
 log = logging.getLogger(__name__)
@@ -256,7 +256,7 @@ def placement_kwargs(
         return {"device_map": placement} if placement else {}
     if max_memory is None and not offload and gpus is None:
         return {"device_map": device_map}
-    from evoesap.sizes import parse_bytes
+    from evoesap.machine.sizes import parse_bytes
 
     if free is None:
         from accelerate.utils import get_max_memory
@@ -285,7 +285,7 @@ def checkpoint_bytes(uri: str) -> int:
 def stored_bytes(model: str) -> int | None:
     """`checkpoint_bytes` of what `model` names: a path, URI or hub name (its files as the hub cache holds them at
     the commit that loaded); None where the files are not at hand."""
-    from evoesap.identity import hub_model, locate
+    from evoesap.store.identity import hub_model, locate
 
     if hub_model(model) is None:
         return checkpoint_bytes(model)
@@ -356,7 +356,7 @@ def inspect_checkpoint(uri: str) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from evoesap import moe
-    from evoesap.identity import locate
+    from evoesap.store.identity import locate
 
     if is_uri(uri):
         data = artifacts.read_json(artifacts.join(uri, "config.json"))

@@ -13,9 +13,9 @@ import json
 import logging
 from typing import Any, Mapping
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 from evoesap.errors import ArtifactError
-from evoesap.identity import summary
+from evoesap.store.identity import summary
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class Source:
 
     name: str  # the input name its readers gave it (model, data)
     uri: str
-    identity: str  # the content identity the manifest records, in one line (evoesap.identity.summary)
+    identity: str  # the content identity the manifest records, in one line (evoesap.store.identity.summary)
     read_by: tuple[str, ...]  # "<stage> (<how that artifact was used>)"
 
 

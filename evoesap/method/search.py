@@ -1,7 +1,7 @@
 """Level-switch evolutionary search over per-layer allocations: the paper's Algorithm 1, resumable.
 
 Pure Python + numpy; it knows nothing of torch. `fitness` maps an allocation (a tuple of per-layer
-removal counts, see `evoesap.allocation`) to a float, higher is better.
+removal counts, see `evoesap.method.allocation`) to a float, higher is better.
 
 - Feasible set: `sum(r) == budget`, `0 <= r[l] <= n_l - k_l`, every `r[l]` a multiple of `granularity`.
 - Generation 0: the seeds `uniform` (allocation.uniform), the caller's `init` allocations (for example
@@ -29,7 +29,7 @@ removal counts, see `evoesap.allocation`) to a float, higher is better.
   those of an uninterrupted run. Parameters must match, except `generations`, which may be raised to
   extend a finished search; a missing checkpoint starts afresh.
 - Racing (opt-in, `racing=Racing(...)` with `subset_fitness`): each generation's candidates that have
-  no full-set fitness yet are raced over growing sample subsets (`evoesap.racing` documents the
+  no full-set fitness yet are raced over growing sample subsets (`evoesap.method.racing` documents the
   schedule and the minimum each level scores) and only the survivors get `fitness`, the full-set score. Elites and the best allocation
   are ranked on full-set scores only. `subset_fitness(allocation, level, generation)` scores on level
   `level`'s subset of that generation; it holds no state the search must save, so a resumed racing
@@ -38,7 +38,7 @@ removal counts, see `evoesap.allocation`) to a float, higher is better.
   off leaves Algorithm 1 and its results unchanged.
 - Scoring goes through one seam, a batch per generation and racing level: `score_batch(allocations,
   level, generation)` (level None: the full set), so that a caller can score a generation's candidates on
-  several workers (`evoesap.distributed`). The search asks for the same allocations in the same order
+  several workers (`evoesap.method.distributed`). The search asks for the same allocations in the same order
   whether it is given `fitness` / `subset_fitness` (scored one by one) or `score_batch`.
 """
 
@@ -55,10 +55,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from evoesap import allocation, artifacts
-from evoesap.allocation import Allocation
+from evoesap.method import allocation
+from evoesap.store import artifacts
+from evoesap.method.allocation import Allocation
 from evoesap.errors import ArtifactError, ConfigError, DataError
-from evoesap.racing import Racing
+from evoesap.method.racing import Racing
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""llm-compressor's own Python environment, where the quantize stage runs `oneshot` (`evoesap.quantize_worker`).
+"""llm-compressor's own Python environment, where the quantize stage runs `oneshot` (`evoesap.release.quantize_worker`).
 
 llm-compressor 0.14 pins transformers <= 5.17 and this package needs >= 5.23, so it cannot share its
 environment: the worker script runs in a subprocess with the python named by EVOESAP_QUANTIZE_PYTHON
@@ -16,9 +16,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 from evoesap.errors import ConfigError, EvoESAPError
-from evoesap.side_env import side_python
+from evoesap.machine.side_env import side_python
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from evoesap import records as rec
-from evoesap import vllm_eval
+from evoesap.evaluation import vllm_eval
 from evoesap.errors import ConfigError, DataError
-from evoesap.identity import locate
+from evoesap.store.identity import locate
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ def run_lm_eval(
     """Run every request through lm-eval; return metric records and lm-eval's raw results per call.
 
     `model` is the loaded model for the `hf` backend, a checkpoint directory or hub name for `vllm`
-    (run by `evoesap.vllm_eval`; `model_dtype`, `tensor_parallel` and `pipeline_parallel` apply there).
+    (run by `evoesap.evaluation.vllm_eval`; `model_dtype`, `tensor_parallel` and `pipeline_parallel` apply there).
     Requests are batched by protocol (chat template or not, zero-shot or not, code execution) so that one
     call's settings never leak into another's tasks.
     """

@@ -17,12 +17,12 @@ import jinja2
 import markupsafe
 from markdown_it import MarkdownIt
 
-from evoesap.report import Cell
+from evoesap.reporting.report import Cell
 
 _MD_INLINE = re.compile(r"[\\`*\[\]<|&]|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")  # an intraword _ is never emphasis
 _MD_BLOCK = re.compile(r"^(?:[#>+=-]|\d+(?=[.)]))")  # what would open a heading, quote, list or rule at a line start
 _ENV = jinja2.Environment(
-    loader=jinja2.PackageLoader("evoesap", "templates"),
+    loader=jinja2.PackageLoader("evoesap.reporting", "templates"),
     autoescape=jinja2.select_autoescape(["html.j2"]),
     trim_blocks=True,
     lstrip_blocks=True,
@@ -69,5 +69,5 @@ def data_uri(png: bytes) -> str:
 
 
 def model_card(context: Mapping[str, Any]) -> str:
-    """The Markdown of a model card from `context` (see the template and `evoesap.card`)."""
+    """The Markdown of a model card from `context` (see the template and `evoesap.reporting.card`)."""
     return _ENV.get_template("model_card.md.j2").render(**context)

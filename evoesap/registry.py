@@ -1,0 +1,265 @@
+"""The stage registry: the one list of pipeline stages, from which everything that names a stage is derived.
+
+Each stage is `run_<stage>(inputs..., params, out_uri) -> Manifest` in its own module of `evoesap.stages`, with a
+frozen parameter dataclass whose fields carry their help (`evoesap.params`). The CLI verbs
+(`evoesap.cli.stages`), the pipeline YAML's sections (`evoesap.pipeline.config`), the KFP components'
+documentation (`evoesap.components`), the cluster settings and the planner all read `STAGES`; adding a
+stage is its module plus one entry below. Entries name their code as strings, so reading the registry
+imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+from typing import Any, Callable
+
+from evoesap.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class StageInput:
+    """An input of a stage: an artifact, a model or a data file, given by path, URI or hub name."""
+
+    name: str
+    help: str
+    required: bool = True
+    many: bool = False  # a list (the CLI option repeats)
+    model: bool = False  # a model that a hub `revision` can pin
+    # the KFP component's arguments that carry it: None, one of its own name; KFP types a list of artifacts by what
+    # they are, so report's runs arrive as full, searched, uniform, quantized; (): none (the CLI's lineage only)
+    kfp: tuple[str, ...] | None = None
+
+    @property
+    def kfp_arguments(self) -> tuple[str, ...]:
+        return (self.name,) if self.kfp is None else self.kfp
+
+
+@dataclasses.dataclass(frozen=True)
+class StageOutput:
+    """An output of a stage's KFP component: its name and its KFP artifact type (`kfp.dsl.<kind>`)."""
+
+    name: str
+    kind: str  # Dataset, Artifact, Model, Metrics, Markdown or HTML
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    name: str  # the CLI verb, the artifact's stage, the key of the cluster settings
+    run: str  # "module:function" of run_<stage>
+    params: str  # "module:class" of its parameter dataclass
+    inputs: tuple[StageInput, ...]
+    output: str  # what --out receives
+    outputs: tuple[StageOutput, ...]  # what its KFP component writes (the CLI writes the one artifact at --out)
+    summary: str  # one line: what the stage does
+    example: str  # a command line that runs it
+    loads_model: bool  # whether it runs the model (and may use an accelerator)
+    grid: tuple[str, ...] = ()  # parameters set per point of the criterion x sparsity fan-out, not in its section
+    peak: str | None = None  # "module:function" predicting its peak memory, disk and temp (evoesap.planning.footprint)
+    fits_with: str = ""  # the settings that make it fit when its plan is refused
+    facts: str | None = None  # "module:function": its artifact's headline numbers for KFP metadata (records.facts)
+
+    @property
+    def section(self) -> str:
+        """Its key in the pipeline YAML and its attribute name in Python (`cache-logits` -> `cache_logits`)."""
+        return self.name.replace("-", "_")
+
+    def function(self) -> Callable[..., Any]:
+        return _load(self.run)
+
+    def params_class(self) -> type:
+        return _load(self.params)
+
+    def facts_function(self) -> Callable[[str], dict[str, Any]]:
+        if self.facts is None:
+            raise ConfigError(f"stage {self.name!r} has no facts")
+        return _load(self.facts)
+
+    def peak_function(self) -> Callable[..., Any]:
+        if self.peak is None:
+            raise ConfigError(f"stage {self.name!r} has no memory formula")
+        return _load(self.peak)
+
+
+def _load(target: str) -> Any:
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+_MODEL = StageInput("model", "Full model: path, URI or hub name.", model=True)
+_SCORES = StageInput("scores", "Calibration artifact (scores.parquet).")
+
+STAGES: tuple[Stage, ...] = (
+    Stage(
+        "calibrate",
+        "evoesap.stages.calibrate:run_calibrate",
+        "evoesap.stages.calibrate:CalibrateParams",
+        (_MODEL, StageInput("data", "Calibration data: JSONL/JSON/Parquet/CSV path or URI, or a hub dataset.")),
+        "the scores artifact",
+        (StageOutput("scores", "Dataset"),),
+        "Score every expert (frequency, SEER, EAN, REAP) in one observer pass over calibration samples.",
+        "evoesap calibrate --model runs/demo/model --data runs/demo/data/calibration.jsonl --samples 64 --out runs/cal",
+        loads_model=True,
+        peak="evoesap.planning.footprint:calibrate_peak",
+        fits_with="calibrate.batch_size or calibrate.max_length, or device_map: auto over more GPUs",
+    ),
+    Stage(
+        "cache-logits",
+        "evoesap.stages.cache_logits:run_cache_logits",
+        "evoesap.stages.cache_logits:CacheLogitsParams",
+        (_MODEL, StageInput("data", "Search samples: JSONL/JSON/Parquet/CSV path or URI, or a hub dataset.")),
+        "the teacher cache artifact",
+        (StageOutput("cache", "Dataset"),),
+        "Run the full model once over the search samples and cache its next-token distributions.",
+        "evoesap cache-logits --model runs/demo/model --data runs/demo/search.jsonl --out runs/cache --mode topk --top-k 32",
+        loads_model=True,
+        peak="evoesap.planning.footprint:cache_logits_peak",
+        fits_with="cache_logits.batch_size, or device_map: auto over more GPUs",
+    ),
+    Stage(
+        "search",
+        "evoesap.stages.search:run_search",
+        "evoesap.stages.search:SearchParams",
+        (
+            _MODEL,
+            _SCORES,
+            StageInput("cache", "Teacher cache artifact from cache-logits."),
+            StageInput(
+                "heldout_cache",
+                "Teacher cache of other samples for the held-out check (then --cache is all search).",
+                required=False,
+            ),
+        ),
+        "the search artifact",
+        (StageOutput("allocation", "Artifact"),),
+        "Search the per-layer allocation with ESAP as fitness.",
+        "evoesap search --model runs/demo/model --scores runs/cal --cache runs/cache --criterion reap --sparsity 0.25 "
+        "--out runs/search --racing",
+        loads_model=True,
+        grid=("criterion", "sparsity"),
+        peak="evoesap.planning.footprint:search_peak",
+        facts="evoesap.records.facts:search_facts",
+        fits_with="cache_logits.mode: topk (top_k 64), fewer cache_logits.samples or max_length, search.batch_size, "
+        "or search.device_map: auto over more GPUs",
+    ),
+    Stage(
+        "prune",
+        "evoesap.stages.prune:run_prune",
+        "evoesap.stages.prune:PruneParams",
+        (_MODEL, _SCORES, StageInput("allocation", "Search artifact; omit for the uniform allocation.", required=False)),
+        "the pruned checkpoint artifact",
+        (StageOutput("pruned", "Model"),),
+        "Cut experts out of a checkpoint.",
+        "evoesap prune --model runs/demo/model --scores runs/cal --allocation runs/search --criterion reap --sparsity 0.5 "
+        "--out runs/pruned",
+        loads_model=False,
+        grid=("criterion", "sparsity"),
+        peak="evoesap.planning.footprint:prune_peak",
+        facts="evoesap.records.facts:prune_facts",
+        fits_with="a larger volume for the pruned checkpoint",
+    ),
+    Stage(
+        "quantize",
+        "evoesap.stages.quantize:run_quantize",
+        "evoesap.stages.quantize:QuantizeParams",
+        (
+            StageInput("model", "Checkpoint to quantize: a prune artifact (uniform or non-uniform) or a path or URI."),
+            StageInput(
+                "data",
+                "Calibration data (the run's calibration set): JSONL/JSON/Parquet/CSV path or URI, or a hub "
+                "dataset; recipes without calibration (fp8-dynamic) ignore it.",
+                required=False,
+            ),
+        ),
+        "the quantized checkpoint artifact (compressed-tensors)",
+        (StageOutput("quantized", "Model"),),
+        "Quantize a checkpoint with llm-compressor's oneshot by a named recipe, in llm-compressor's own environment.",
+        "evoesap quantize --model runs/pruned --data runs/demo/data/calibration.jsonl --recipe w4a16-gptq --samples 64 "
+        "--out runs/quantized",
+        loads_model=True,
+        facts="evoesap.records.facts:quantize_facts",
+    ),
+    Stage(
+        "evaluate",
+        "evoesap.stages.evaluate:run_evaluate",
+        "evoesap.stages.evaluate:EvaluateParams",
+        (
+            StageInput("model", "Checkpoint (path or URI) or hub name; pruned checkpoints load too.", model=True),
+            StageInput("teacher_cache", "Full model's cache on held-out samples: adds held-out ESAP.", required=False),
+            StageInput("allocation", "Allocation artifact the model was pruned with (lineage).", required=False, kfp=()),
+        ),
+        "the metrics artifact",
+        (StageOutput("metrics", "Metrics"), StageOutput("evaluation", "Dataset")),
+        "Evaluate a model with lm-eval, its memory footprint and expert counts; write metrics.json.",
+        "evoesap evaluate --model runs/pruned --tasks mc,math,./my_tasks --out runs/eval --limit 20 --method searched",
+        loads_model=True,
+        peak="evoesap.planning.footprint:evaluate_peak",
+        facts="evoesap.records.facts:evaluate_facts",
+        fits_with="evaluate.batch_size or evaluate.max_length, or device_map: auto over more GPUs",
+    ),
+    Stage(
+        "report",
+        "evoesap.stages.report:run_report",
+        "evoesap.stages.report:ReportParams",
+        (
+            StageInput(
+                "runs",
+                "Evaluate artifacts (repeat the option): full, uniform, searched runs.",
+                many=True,
+                kfp=("full", "searched", "uniform", "quantized"),
+            ),
+            StageInput("searches", "Search artifacts whose history.parquet gives the search curves.", required=False, many=True),
+        ),
+        "the report artifact",
+        (StageOutput("markdown", "Markdown"), StageOutput("page", "HTML")),
+        "Tables like the paper's Table 2, memory savings, per-layer density plots and search curves.",
+        "evoesap report --runs runs/eval-full --runs runs/eval-uniform --runs runs/eval-searched --searches runs/search "
+        "--out runs/report",
+        loads_model=False,
+    ),
+    Stage(
+        "publish",
+        "evoesap.stages.publish:run_publish",
+        "evoesap.stages.publish:PublishParams",
+        (
+            StageInput("pruned", "Prune artifact: the checkpoint to publish."),
+            StageInput(
+                "evaluations",
+                "Evaluate artifacts (repeat the option): the published model's, and the full (and pruned) model's for "
+                "the comparison.",
+                many=True,
+                kfp=("evaluation", "full_evaluation", "quantized_evaluation"),
+            ),
+            StageInput("search", "Search artifact the model was pruned by: the card's search section.", required=False),
+            StageInput(
+                "report", "Report artifact covering the published model's evaluation: copied under report/.", required=False
+            ),
+            StageInput(
+                "quantized",
+                "Quantize artifact of the pruned checkpoint: published instead of it, the card stating its recipe and "
+                "bytes (its evaluation is then the one required).",
+                required=False,
+            ),
+        ),
+        "the publish artifact (checkpoint and model card)",
+        (StageOutput("published", "Model"),),
+        "Write the model card beside a pruned (or pruned and quantized) checkpoint; push both to a URI or a Hub repository.",
+        "evoesap publish --pruned runs/pruned --evaluations runs/eval --evaluations runs/eval-full --search runs/search "
+        "--repo my-org/olmoe-pruned --out runs/publish",
+        loads_model=False,
+    ),
+)
+
+NAMES: tuple[str, ...] = tuple(stage.name for stage in STAGES)
+MODEL_STAGES: tuple[str, ...] = tuple(stage.name for stage in STAGES if stage.loads_model)
+
+
+def get(name: str) -> Stage:
+    """The stage called `name`; an unknown name is refused with the nearest valid one."""
+    for stage in STAGES:
+        if stage.name == name:
+            return stage
+    near = difflib.get_close_matches(name, NAMES, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    raise ConfigError(f"unknown stage {name!r}{hint}; stages are {', '.join(NAMES)}")

@@ -1,0 +1,116 @@
+"""Choices and ranges declared with a parameter field (`evoesap.params.param`, `Literal`): the same declaration
+refuses a bad value on construction, shows in `--help` and in the components' docs."""
+
+import dataclasses
+import typing
+
+import pytest
+from click.testing import CliRunner
+
+from evoesap import params as parameters
+from evoesap.cli import command, main
+from evoesap.components.interface import params_description
+from evoesap.errors import ConfigError
+from evoesap.registry import STAGES
+from evoesap.scoring.criteria import CRITERIA
+
+BOUNDED = [
+    (stage.name, field.name, op, limit)
+    for stage in STAGES
+    for field in dataclasses.fields(stage.params_class())
+    for op, limit in parameters.bounds_of(field).items()
+]
+
+
+def _outside(op: str, limit: float, kind: set) -> float:
+    step = 1 if int in kind and float not in kind else 1e-9
+    return {"ge": limit - step, "gt": limit, "le": limit + step, "lt": limit}[op]
+
+
+@pytest.mark.parametrize(("stage", "name", "op", "limit"), BOUNDED)
+def test_a_value_outside_the_declared_range_is_refused_naming_the_field(stage, name, op, limit):
+    cls = next(s for s in STAGES if s.name == stage).params_class()
+    kind = parameters.kinds(typing.get_type_hints(cls)[name])
+    bad = _outside(op, limit, kind)
+    with pytest.raises(ConfigError, match=rf"^{name} must be .*, got {bad!r}$"):
+        cls(**{name: bad})
+    with pytest.raises(ConfigError, match=rf"{name} must be"):  # the YAML / KFP path: the same declaration
+        parameters.make(cls, {name: bad}, stage)
+
+
+def test_the_declared_bounds_cover_the_checks_they_replaced():
+    assert {(s, n) for s, n, _, _ in BOUNDED} >= {
+        ("search", "sparsity"), ("search", "heldout_fraction"), ("search", "elites"), ("search", "generations"),
+        ("search", "max_transfer"), ("search", "max_steps"), ("search", "workers"), ("search", "gpus_per_worker"),
+        ("search", "prefix_cache_bytes"), ("prune", "sparsity"), ("prune", "granularity"),
+        ("calibrate", "samples"), ("calibrate", "batch_size"), ("calibrate", "max_length"),
+    }  # fmt: skip
+
+
+def test_a_value_outside_the_declared_choices_is_refused():
+    search = next(s for s in STAGES if s.name == "search").params_class()
+    with pytest.raises(ConfigError, match="^criterion 'rep' is not one of frequency, seer, ean, reap$"):
+        search(criterion="rep")
+    with pytest.raises(ConfigError, match="metric 'tv' is not one of esap, sap, kl, nll"):
+        parameters.make(search, {"metric": "tv"}, "search")
+    assert search(criterion="seer", metric="kl", sparsity=0.5).criterion == "seer"
+
+
+def test_the_declared_choices_are_the_library_s_own_names():
+    from evoesap.scoring.importance import COLUMNS
+    from evoesap.scoring.metrics import METRICS
+
+    hints = typing.get_type_hints(next(s for s in STAGES if s.name == "search").params_class())
+    assert parameters.choices_of(hints["metric"]) == tuple(METRICS)
+    assert parameters.choices_of(hints["criterion"]) == CRITERIA
+    assert set(CRITERIA) < set(COLUMNS)
+
+
+def test_unset_passes_the_range_and_means_the_stage_s_default():
+    defaults = {"calibrate": 1024, "cache-logits": 64, "quantize": 256}
+    for stage in STAGES:
+        cls = stage.params_class()
+        if "samples" not in {f.name for f in dataclasses.fields(cls)}:
+            continue
+        assert cls(samples=None).sample_count == defaults.pop(stage.name)
+        field = next(f for f in dataclasses.fields(cls) if f.name == "samples")
+        assert parameters.effective_default(cls, field) == cls.DEFAULT_SAMPLES
+    assert defaults == {}
+
+
+def test_help_shows_choices_ranges_and_the_stage_s_defaults():
+    runner = CliRunner()
+    text = " ".join(runner.invoke(command(), ["search", "--help"], terminal_width=200).output.split())
+    assert "--criterion [frequency|seer|ean|reap]" in text
+    assert "--metric [esap|sap|kl|nll]" in text
+    assert "Global share of routed experts removed. [default: 0.25; 0<x<1]" in text
+    assert "[default: 4; x>=1]" in text
+    for stage, count in (("calibrate", 1024), ("cache-logits", 64), ("quantize", 256)):
+        text = " ".join(runner.invoke(command(), [stage, "--help"], terminal_width=200).output.split())
+        assert f"[default: ({count}); x>=1]" in text, stage
+
+
+def test_a_value_out_of_range_on_the_command_line_is_a_usage_error(capsys):
+    args = ["search", "--model", "m", "--scores", "s", "--cache", "c", "--out", "o"]
+    assert main([*args, "--sparsity", "1.5"]) == 2
+    assert "1.5 is not in the range 0<x<1" in capsys.readouterr().err
+    assert main([*args, "--criterion", "rep"]) == 2
+    assert "'rep' is not one of 'frequency', 'seer', 'ean', 'reap'" in capsys.readouterr().err
+
+
+def test_the_components_docs_show_choices_ranges_and_the_stage_s_defaults():
+    assert "criterion (str, default 'reap'): Importance criterion" in params_description("search")
+    assert "[one of frequency, seer, ean, reap]" in params_description("search")
+    assert "sparsity (float, default 0.25): Global share of routed experts removed. [> 0 and < 1]" in params_description("search")
+    assert "[>= 1; unset here: 1024]" in params_description("calibrate")
+    assert "[>= 1; unset here: 256]" in params_description("quantize")
+
+
+def test_publish_parameters_get_the_checks_every_stage_shares(monkeypatch):
+    publish = next(s for s in STAGES if s.name == "publish").params_class()
+    with pytest.raises(ConfigError, match="^digits must be >= 1 and <= 8, got 9$"):
+        publish(digits=9)
+    checked = []
+    monkeypatch.setattr("evoesap.machine.bounds.check_params", checked.append)
+    made = publish(digits=4)
+    assert checked == [made]  # machine.bounds.check_params ran on it, as on every stage's parameters
