@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 from evoesap.errors import ArtifactError
 
 _FORK = multiprocessing.get_context("fork")

@@ -354,7 +354,7 @@ def test_a_users_file_named_like_the_search_checkpoint_is_refused_before_work_an
 
 
 def test_a_users_file_that_appears_where_the_search_checkpoint_goes_is_never_overwritten(tiny_artifacts, tmp_path, monkeypatch):
-    from evoesap import search
+    from evoesap.method import search
 
     out = tmp_path / "s"
     mine = tmp_path / "s.checkpoint.json"

@@ -13,7 +13,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 from evoesap.errors import ArtifactError
 
 

@@ -39,7 +39,7 @@ def components_cmd(
     """
     from evoesap.components import DEFAULT_IMAGE, write_component_yamls
     from evoesap.pipeline.files import SPEC_MARKER, claim_output_dir, claim_output_file
-    from evoesap.stages import STAGES
+    from evoesap.registry import STAGES
 
     claim_output_dir(out, "--out")
     for stage in STAGES:  # before any work: a user's own <stage>.yaml there is never overwritten

@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 import transformers
 
-from evoesap import artifacts
+from evoesap.store import artifacts
 from evoesap import data as _data
 from evoesap.demo import domains as _domains
 from evoesap.demo import tokenizer as _tokenizer

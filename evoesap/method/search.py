@@ -71,7 +71,7 @@ ScoreBatch = Callable[[Sequence[Allocation], "int | None", int], Sequence[float]
 # on_generation(generation, best, best_fitness, mean_fitness_of_population, evaluations_so_far)
 OnGeneration = Callable[[int, Allocation, float, float, int], None]
 
-_FORMAT = "evoesap.search/1"
+_FORMAT = "evoesap.search/1"  # a format name, not a module path: checkpoints written before stay readable
 _HEAD = json.dumps({"format": _FORMAT})[:-1].encode("utf-8")  # how every checkpoint file starts
 _REDRAWS = 32
 
