@@ -30,3 +30,30 @@ def test_history_pattern_catches_what_it_must() -> None:
         assert HISTORY.search(bad), bad
     for good in ["the issue's cause", "a bus stop", "stop the search after 45 generations", "issued 3 requests"]:
         assert not HISTORY.search(good), good
+
+
+def _github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("name", ["README.md", "CHANGELOG.md", "benchmarks/RESULTS.md"])
+def test_relative_links_resolve(name: str) -> None:
+    """Every relative link of the front pages points at a file of the repository (and an anchor at a heading)."""
+    path = ROOT / name
+    text = path.read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links or name != "README.md"
+    broken = []
+    for link in links:
+        if re.match(r"^[a-z]+:", link):
+            continue
+        target, _, anchor = link.partition("#")
+        file = (path.parent / target).resolve() if target else path
+        if not file.exists():
+            broken.append(link)
+        elif anchor and file.suffix == ".md":
+            headings = re.findall(r"^#+ (.+?)(?: \{#([\w-]+)\})?$", file.read_text(encoding="utf-8"), flags=re.MULTILINE)
+            if anchor not in {explicit or _github_slug(title) for title, explicit in headings}:
+                broken.append(link)
+    assert not broken, f"{name}: broken links {broken}"
