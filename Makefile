@@ -51,12 +51,12 @@ quantize-venv: $(QUANTIZE_STAMP)
 test: $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP)  # the serving and quantize tests run vLLM and llm-compressor from their own venvs
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m mkdocs build --strict --quiet --site-dir site  # the docs site: a broken link or a missing page fails
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir site  # the docs site: a broken link or a missing page fails
 	$(PY) -m pytest -q -n 2 --durations=25  # two workers; the demo world trains beside them (tests/conftest.py)
 
 # The docs site (mkdocs.yml) into site/; the reference pages are generated from the code at every build.
 docs: $(STAMP)
-	$(PY) -m mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 demo: $(STAMP) $(QUANTIZE_STAMP)  # the demo quantizes each searched model (w4a16-gptq) with llm-compressor
 	EVOESAP_QUANTIZE_PYTHON=$(abspath $(QUANTIZE_PY)) $(PY) -m evoesap pipeline demo --out runs/demo

@@ -74,6 +74,7 @@ def test_a_field_that_declares_choices_and_a_range_shows_them(reference, monkeyp
 
 def test_the_cli_reference_has_every_stage_verb(reference):
     page = reference.cli_page()
+    assert f"in {len(stages.STAGES)} stages: {', '.join(stages.NAMES)}." in " ".join(page.split())  # `evoesap --help`
     for stage in stages.STAGES:
         assert f"## `evoesap {stage.name}`" in page
         assert f"Usage: evoesap {stage.name} [OPTIONS]" in page
