@@ -12,7 +12,7 @@ QUANTIZE_VENV ?= .venv-quantize
 QUANTIZE_PY := $(QUANTIZE_VENV)/bin/python
 QUANTIZE_STAMP := $(QUANTIZE_VENV)/.installed
 
-.PHONY: install vllm-venv quantize-venv test docs demo report-screenshot bench chaos lock sbom image components clean
+.PHONY: install vllm-venv quantize-venv test docs docs-screenshots demo report-screenshot bench chaos lock sbom image components clean
 
 WORLD := .cache/demo-world
 
@@ -57,6 +57,11 @@ test: $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP)  # the serving and quantize tests
 # The docs site (mkdocs.yml) into site/; the reference pages are generated from the code at every build.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+# docs/images/site-*.png: the site's first page and a generated reference page in headless Chromium
+docs-screenshots: docs
+	command -v chromium >/dev/null 2>&1 || (apt-get update && apt-get install -y chromium)
+	$(PY) docs/site_screenshot.py --site site --out docs/images
 
 demo: $(STAMP) $(QUANTIZE_STAMP)  # the demo quantizes each searched model (w4a16-gptq) with llm-compressor
 	EVOESAP_QUANTIZE_PYTHON=$(abspath $(QUANTIZE_PY)) $(PY) -m evoesap pipeline demo --out runs/demo

@@ -68,8 +68,14 @@ def test_a_field_that_declares_choices_and_a_range_shows_them(reference, monkeyp
     monkeypatch.setattr(stages, "STAGES", (fake,))
     page = reference.parameters_page()
     assert "| parameter | type | default | choices | range | keyed | meaning |" in page
-    assert "| `mode` | `str` | `'full'` | `full`, `topk` |  | yes | Cache mode. |" in page
-    assert "| `top_k` | `int` | `64` |  | `[1, 4096]` | yes | Entries kept. |" in page
+    assert "| `mode` | str | `'full'` | `full`, `topk` |  | yes | Cache mode. |" in page
+    assert "| `top_k` | int | `64` |  | `[1, 4096]` | yes | Entries kept. |" in page
+
+
+def test_columns_for_choices_and_range_only_when_a_field_declares_them(reference):
+    declared = {key for stage in stages.STAGES for f in dataclasses.fields(stage.params_class()) for key in f.metadata}
+    header = next(line for line in reference.parameters_page().splitlines() if line.startswith("| parameter |"))
+    assert ("| choices |" in header) == ("choices" in declared) and ("| range |" in header) == ("range" in declared)
 
 
 def test_the_cli_reference_has_every_stage_verb(reference):

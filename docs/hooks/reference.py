@@ -143,7 +143,8 @@ def parameters_page() -> str:
     from evoesap import stages
 
     rows = parameter_rows()
-    shown = list(SHOWN_METADATA) + sorted({k for row in rows for k in row.extra} - set(SHOWN_METADATA))
+    declared = {k for row in rows for k in row.extra}  # a column only for what some field declares
+    shown = [k for k in SHOWN_METADATA if k in declared] + sorted(declared - set(SHOWN_METADATA))
     out = [
         "# Parameters",
         "",
@@ -162,7 +163,7 @@ def parameters_page() -> str:
         table = [
             [
                 f"`{row.name}`",
-                _code(row.type),
+                _cell(row.type),  # plain text: a `|` in a code span would show its escape
                 _code(repr(row.default)) if row.default != "(required)" else "(required)",
                 *[_extra_text(row.extra[k]) if k in row.extra else "" for k in shown],
                 "yes" if row.keyed else "no",
@@ -257,7 +258,7 @@ def pipeline_yaml_page() -> str:
         default = "(required)" if info.default is PydanticUndefined else repr(info.default)
         limits = ", ".join(str(m) for m in info.metadata)
         rows.append(
-            [f"`{name}`", _code(_type_name(info.annotation)), _code(default), _cell(limits), _cell(comments.get(name, ""))]
+            [f"`{name}`", _cell(_type_name(info.annotation)), _code(default), _cell(limits), _cell(comments.get(name, ""))]
         )
     sections = [
         [f"`{s.section}`", f"[{s.name} parameters](parameters.md#{s.name})"]
@@ -337,7 +338,7 @@ def _fields_table(cls: type) -> str:
     comments = _field_comments(cls)
     hints = typing.get_type_hints(cls)
     rows = [
-        [f"`{f.name}`", _code(_type_name(hints.get(f.name, f.type))), _cell(comments.get(f.name, ""))]
+        [f"`{f.name}`", _cell(_type_name(hints.get(f.name, f.type))), _cell(comments.get(f.name, ""))]
         for f in dataclasses.fields(cls)
     ]
     return _table(["field", "type", "meaning"], rows)
