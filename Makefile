@@ -51,7 +51,7 @@ quantize-venv: $(QUANTIZE_STAMP)
 test: $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP)  # the serving and quantize tests run vLLM and llm-compressor from their own venvs
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir site  # the docs site: a broken link or a missing page fails
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site  # a broken link fails (never --quiet: it hides the warnings strict counts)
 	$(PY) -m pytest -q -n 2 --durations=25  # two workers; the demo world trains beside them (tests/conftest.py)
 
 # The docs site (mkdocs.yml) into site/; the reference pages are generated from the code at every build.
