@@ -87,10 +87,9 @@ def test_the_cli_reference_has_every_stage_verb(reference):
 
 
 def test_the_families_page_has_every_family(reference):
-    from evoesap.moe.families import FAMILIES
-
+    families = reference._defined("FAMILIES", kind="constant")  # wherever the package keeps its family table
     page = reference.families_page()
-    assert all(f"| `{name}` |" in page for name in FAMILIES)
+    assert len(families) >= 8 and all(f"| `{name}` |" in page for name in families)
 
 
 def test_the_api_pages_follow_the_package_tree(reference):
