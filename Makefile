@@ -12,7 +12,7 @@ QUANTIZE_VENV ?= .venv-quantize
 QUANTIZE_PY := $(QUANTIZE_VENV)/bin/python
 QUANTIZE_STAMP := $(QUANTIZE_VENV)/.installed
 
-.PHONY: install vllm-venv quantize-venv test demo report-screenshot bench chaos lock sbom image components clean
+.PHONY: install vllm-venv quantize-venv test docs docs-screenshots demo report-screenshot bench chaos lock sbom image components clean
 
 WORLD := .cache/demo-world
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0  # first: a local CPU wheel; see README
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -51,7 +51,17 @@ quantize-venv: $(QUANTIZE_STAMP)
 test: $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP)  # the serving and quantize tests run vLLM and llm-compressor from their own venvs
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site  # a broken link fails (never --quiet: it hides the warnings strict counts)
 	$(PY) -m pytest -q -n 2 --durations=25  # two workers; the demo world trains beside them (tests/conftest.py)
+
+# The docs site (mkdocs.yml) into site/; the reference pages are generated from the code at every build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+# docs/images/site-*.png: the site's first page and a generated reference page in headless Chromium
+docs-screenshots: docs
+	command -v chromium >/dev/null 2>&1 || (apt-get update && apt-get install -y chromium)
+	$(PY) docs/site_screenshot.py --site site --out docs/images
 
 demo: $(STAMP) $(QUANTIZE_STAMP)  # the demo quantizes each searched model (w4a16-gptq) with llm-compressor
 	EVOESAP_QUANTIZE_PYTHON=$(abspath $(QUANTIZE_PY)) $(PY) -m evoesap pipeline demo --out runs/demo
@@ -70,7 +80,7 @@ bench: $(STAMP)
 		--calibration $(WORLD)/data/code/calibration.jsonl $(WORLD)/data/copy/calibration.jsonl $(WORLD)/data/facts/calibration.jsonl $(WORLD)/data/math/calibration.jsonl \
 		--sweep --racing-min-positions 64  # the demo's 64 mixed search samples hold ~1,080 scored positions
 
-# Issue 29's long chaos run: 100 random faults on the quick demo world's pipeline (benchmarks/RESULTS.md, "Chaos")
+# The long chaos run: 100 random faults on the quick demo world's pipeline (benchmarks/RESULTS.md, "Chaos")
 CHAOS_FAULTS ?= 100
 chaos: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/chaos.py --faults $(CHAOS_FAULTS) --seed 0 --json .cache/chaos-outcomes.json
@@ -89,7 +99,7 @@ image: $(STAMP)
 	bash images/build.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(QUANTIZE_VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(QUANTIZE_VENV) .pytest_cache .hypothesis build site *.egg-info
 
 components: $(STAMP)
 	$(PY) -m evoesap pipeline components --out components

@@ -2,6 +2,8 @@
 
     python docs/draw_dag.py [--config examples/demo.yaml] [--out docs/dag.svg]
 
+The picture shows every optional step: the configuration's quantize section and `publish_models: true`, so
+every stage of the registry (`evoesap.stages.STAGES`) is a node (tests/test_docs_reference.py checks it).
 Nodes are the stage tasks (nested sub-pipeline and loop flattened) with their output artifacts and
 classes, edges the artifacts they pass; tasks inside the criterion x sparsity loop are shaded.
 """
@@ -66,6 +68,20 @@ def _graph(spec: dict) -> nx.DiGraph:
     return graph
 
 
+def stages_drawn(spec: dict) -> set[str]:
+    """The stages the picture of `spec` shows (its tasks' first label lines, the model reference apart)."""
+    graph = _graph(spec)
+    return {graph.nodes[node]["label"].split("\n")[0] for node in graph} - {"model-reference"}
+
+
+def compiled_spec(config_path: Path) -> dict:
+    """The compiled KFP spec of the configuration at `config_path`, with every optional step on."""
+    config = yaml.safe_load(config_path.read_text())
+    config["publish_models"] = True
+    with tempfile.TemporaryDirectory() as tmp:
+        return yaml.safe_load(compile_pipeline(load_config(config), Path(tmp) / "spec.yaml").read_text())
+
+
 def draw(spec: dict, out: Path) -> Path:
     graph = _graph(spec)
     for layer, nodes in enumerate(nx.topological_generations(graph)):
@@ -92,9 +108,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=ROOT / "examples" / "demo.yaml")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "dag.svg")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = yaml.safe_load(compile_pipeline(load_config(args.config), Path(tmp) / "spec.yaml").read_text())
-    print(draw(spec, args.out))
+    print(draw(compiled_spec(args.config), args.out))
 
 
 if __name__ == "__main__":

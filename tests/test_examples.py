@@ -74,11 +74,14 @@ def test_example_configuration_is_documented_and_compiles(path, tmp_path):
     assert spec["pipelineInfo"]["name"] == yaml.safe_load(text)["name"]
 
 
-def test_readme_configuration_block_compiles(tmp_path):
-    readme = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```yaml\n(.*?)```", readme, flags=re.S)
+DOC_PAGES = [ROOT / "README.md", ROOT / "docs" / "guides" / "configure.md", ROOT / "docs" / "getting-started" / "first-model.md"]
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=lambda p: p.name)
+def test_documented_configuration_blocks_compile(page, tmp_path):
+    blocks = re.findall(r"```yaml\n(.*?)```", page.read_text(), flags=re.S)
     configs = [yaml.safe_load(b) for b in blocks if "storage_root" in b]
-    assert configs, "README.md lost its pipeline configuration example"
+    assert configs, f"{page.name} lost its pipeline configuration example"
     for config in configs:
         compile_pipeline(load_config(config), tmp_path / "readme.yaml")
 

@@ -8,10 +8,11 @@ from typing import Any
 import typer
 
 from evoesap.progress import set_quiet
+from evoesap.stages import NAMES
 
 app = typer.Typer(
     name="evoesap",
-    help="Non-uniform expert pruning for MoE LLMs: calibrate, cache-logits, search, prune, evaluate, report.",
+    help=f"Non-uniform expert pruning for MoE LLMs in {len(NAMES)} stages: {', '.join(NAMES)}.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,

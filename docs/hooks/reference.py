@@ -1,0 +1,492 @@
+"""MkDocs hook: the reference pages, generated from the code at every build so they cannot drift from it.
+
+Stages and their inputs come from the stage registry (`evoesap.stages.STAGES`), every parameter from its
+dataclass field (`evoesap.params.param`: type, default, help, and `choices` / `range` when the field's metadata
+declares them), the CLI from the click command the `evoesap` entry point runs, the pipeline YAML from its
+pydantic model, the component interfaces from `components/*.yaml`, the artifact records from their dataclasses
+and the families from `evoesap.moe.families.FAMILIES`. The API pages are one per module of the package tree,
+found on disk at build time, so a module that moves moves its page.
+
+`tests/test_docs_reference.py` checks that these pages list every stage and parameter of the registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import re
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Iterator
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# The metadata keys of a parameter field that are shown as their own column, when a field declares them.
+SHOWN_METADATA = ("choices", "range")
+_PLAIN_METADATA = ("help", "keyed")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _cell(value: Any) -> str:
+    """A value as one Markdown table cell (pipes escaped, no newlines)."""
+    text = str(value).replace("|", "\\|").replace("\n", " ")
+    return text
+
+
+def _code(value: Any) -> str:
+    return f"`{_cell(value)}`" if str(value) else ""
+
+
+def _type_name(annotation: Any) -> str:
+    plain = isinstance(annotation, type) and typing.get_origin(annotation) is None
+    text = annotation.__name__ if plain else str(annotation)
+    return re.sub(r"\b(typing|evoesap(\.\w+)*)\.", "", text).replace("NoneType", "None")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _module_defining(pattern: str, package: str = "evoesap") -> str | None:
+    """The dotted name of the first module under `package` whose source matches `pattern` (a regex): finds a
+    definition wherever a reorganisation of the package has put it, without importing every module."""
+    base = ROOT / package.replace(".", "/")
+    regex = re.compile(pattern, re.MULTILINE)
+    for path in sorted(base.rglob("*.py")):
+        if regex.search(path.read_text(encoding="utf-8")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    return None
+
+
+def _defined(name: str, kind: str = "class") -> Any | None:
+    """The object called `name` defined by `class name` or `name =` somewhere in the package, or None."""
+    pattern = rf"^class {name}\b" if kind == "class" else rf"^{name}\b[^=\n]*="
+    module = _module_defining(pattern)
+    return getattr(importlib.import_module(module), name) if module else None
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """The trailing `# comment` of each annotated field in the source of a class and its bases (the records and
+    the pipeline settings document their fields that way)."""
+    found: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        for line in source.splitlines():
+            match = re.match(r"^    (\w+): [^#]+?#\s*(.+)$", line)
+            if match and not re.match(r"(type:|noqa)", match.group(2)):
+                found[match.group(1)] = match.group(2).strip()
+    return found
+
+
+# ---------------------------------------------------------------- parameters and stages
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterRow:
+    """One parameter of one stage, as the reference shows it."""
+
+    stage: str
+    name: str
+    type: str
+    default: Any
+    help: str
+    keyed: bool
+    extra: dict[str, Any]  # choices, range and any other metadata the field declares
+
+
+def parameter_rows() -> list[ParameterRow]:
+    """Every parameter of every stage of the registry, in registry and field order."""
+    from evoesap import stages
+
+    rows = []
+    for stage in stages.STAGES:
+        cls = stage.params_class()
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            default = field.default
+            if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
+                default = field.default_factory()
+            extra = {k: v for k, v in field.metadata.items() if k not in _PLAIN_METADATA}
+            rows.append(
+                ParameterRow(
+                    stage=stage.name,
+                    name=field.name,
+                    type=_type_name(hints.get(field.name, field.type)),
+                    default="(required)" if default is dataclasses.MISSING else default,
+                    help=str(field.metadata.get("help", "")),
+                    keyed=bool(field.metadata.get("keyed", True)),
+                    extra=extra,
+                )
+            )
+    return rows
+
+
+def _extra_text(value: Any) -> str:
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return ", ".join(f"`{v}`" for v in value)
+    return _code(value)
+
+
+def parameters_page() -> str:
+    from evoesap import stages
+
+    rows = parameter_rows()
+    declared = {k for row in rows for k in row.extra}  # a column only for what some field declares
+    shown = [k for k in SHOWN_METADATA if k in declared] + sorted(declared - set(SHOWN_METADATA))
+    out = [
+        "# Parameters",
+        "",
+        "Every parameter of every stage, read from its declaration (the stage's parameter dataclass). The same name "
+        "is the Python keyword, the YAML key in the stage's section of the pipeline configuration, the key of the "
+        "KFP component's `params` input, and the CLI option with `-` for `_` (`max_length` is `--max-length`). "
+        "*Keyed* parameters decide the artifact (they are in its reuse key and its manifest); the others only how "
+        "the stage runs.",
+        "",
+    ]
+    for stage in stages.STAGES:
+        out += [f"## {stage.name} {{#{stage.name}}}", "", f"YAML section `{stage.section}`; CLI `evoesap {stage.name}`.", ""]
+        if stage.grid:
+            out += [f"Set per point of the criterion x sparsity grid, not in the section: {', '.join(stage.grid)}.", ""]
+        header = ["parameter", "type", "default", *shown, "keyed", "meaning"]
+        table = [
+            [
+                f"`{row.name}`",
+                _cell(row.type),  # plain text: a `|` in a code span would show its escape
+                _code(repr(row.default)) if row.default != "(required)" else "(required)",
+                *[_extra_text(row.extra[k]) if k in row.extra else "" for k in shown],
+                "yes" if row.keyed else "no",
+                _cell(row.help),
+            ]
+            for row in rows
+            if row.stage == stage.name
+        ]
+        out += [_table(header, table), ""]
+    return "\n".join(out)
+
+
+def stages_page() -> str:
+    from evoesap import stages
+
+    out = [
+        "# Stages",
+        "",
+        f"The pipeline has {len(stages.STAGES)} stages: {', '.join(f'`{s.name}`' for s in stages.STAGES)}. Each is a "
+        "CLI verb, a section of the pipeline configuration, a KFP component and a Python function "
+        "`run_<stage>(inputs..., params, out_uri)`; all of them are derived from this one list.",
+        "",
+        _table(
+            ["stage", "what it does", "output", "loads the model"],
+            [
+                [f"[`{s.name}`](#{s.name})", _cell(s.summary), _cell(s.output), "yes" if s.loads_model else "no"]
+                for s in stages.STAGES
+            ],
+        ),
+        "",
+    ]
+    for s in stages.STAGES:
+        out += [f"## {s.name} {{#{s.name}}}", "", _cell(s.summary), ""]
+        inputs = [
+            [f"`--{i.name.replace('_', '-')}`", "yes" if i.required else "no", "yes" if i.many else "no", _cell(i.help)]
+            for i in s.inputs
+        ]
+        out += [_table(["input", "required", "repeats", "what"], inputs), ""]
+        out += [f"Writes {s.output} to `--out`. Runs in `{s.run}`; parameters: [{s.name}](parameters.md#{s.name}).", ""]
+        if s.grid:
+            out += [f"Per grid point: {', '.join(f'`{g}`' for g in s.grid)}.", ""]
+        if s.fits_with:
+            out += [f"When its memory plan is refused, change: {_cell(s.fits_with)}.", ""]
+        out += ["```bash", s.example, "```", ""]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _commands(cmd: Any, name: str, parent: Any = None) -> Iterator[tuple[Any, Any]]:
+    """Every command under `cmd` with the context that names its whole path (`evoesap pipeline run`)."""
+    if hasattr(cmd, "rich_markup_mode"):
+        cmd.rich_markup_mode = None  # typer's plain help text (its rich help prints to the terminal instead)
+    ctx = cmd.context_class(cmd, info_name=name, parent=parent, terminal_width=100, max_content_width=100)
+    yield ctx, cmd
+    for sub in sorted(getattr(cmd, "commands", {})):
+        yield from _commands(cmd.commands[sub], sub, ctx)
+
+
+def cli_page() -> str:
+    from evoesap.cli import command
+
+    out = [
+        "# Command line",
+        "",
+        "The `--help` of every `evoesap` command, as the installed command prints it. Exit codes: 0 on success, "
+        "2 on usage errors, 1 on other errors (one line; `--debug` for a traceback).",
+        "",
+    ]
+    for ctx, cmd in _commands(command(), "evoesap"):
+        anchor = ctx.command_path.replace(" ", "-")
+        out += [f"## `{ctx.command_path}` {{#{anchor}}}", "", "```text", cmd.get_help(ctx).rstrip(), "```", ""]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- pipeline YAML
+
+
+def pipeline_yaml_page() -> str:
+    from pydantic_core import PydanticUndefined
+
+    from evoesap import stages
+    from evoesap.pipeline.config import PipelineConfig
+
+    stage_sections = {s.section for s in stages.STAGES}
+    comments = _field_comments(PipelineConfig)
+    rows = []
+    for name, info in PipelineConfig.model_fields.items():
+        if name in stage_sections:
+            continue
+        default = "(required)" if info.default is PydanticUndefined else repr(info.default)
+        limits = ", ".join(str(m) for m in info.metadata)
+        rows.append(
+            [f"`{name}`", _cell(_type_name(info.annotation)), _code(default), _cell(limits), _cell(comments.get(name, ""))]
+        )
+    sections = [
+        [f"`{s.section}`", f"[{s.name} parameters](parameters.md#{s.name})"]
+        for s in stages.STAGES
+        if s.section in PipelineConfig.model_fields
+    ]
+    out = [
+        "# Pipeline configuration (YAML)",
+        "",
+        "The schema of the one YAML file `evoesap pipeline run|compile|submit` and `evoesap plan` read, from its "
+        "pydantic model (`PipelineConfig`). Unknown keys and bad values are refused before anything runs, naming the "
+        "key. How to write one: [Configure a pipeline run](../guides/configure.md).",
+        "",
+        "## Run settings",
+        "",
+        _table(["key", "type", "default", "constraints", "meaning"], rows),
+        "",
+        "## Stage sections",
+        "",
+        "One section per stage of the registry; each takes exactly that stage's parameters.",
+        "",
+        _table(["section", "keys"], sections),
+        "",
+    ]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- components
+
+
+def components_page() -> str:
+    import yaml
+
+    from evoesap import stages
+
+    out = [
+        "# KFP components",
+        "",
+        "The inputs and outputs of each stage's component (`components/<stage>.yaml`, generated from the Python "
+        "definitions by `make components`). Load one with `kfp.components.load_component_from_file`; see "
+        "[Embed EvoESAP in your pipeline](../guides/embed.md).",
+        "",
+    ]
+    for stage in stages.STAGES:
+        path = ROOT / "components" / f"{stage.section}.yaml"
+        if not path.exists():
+            continue
+        spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+        (component,) = spec["components"].values()
+        rows = []
+        inputs = component.get("inputDefinitions", {})
+        for kind, key in (("artifact", "artifacts"), ("parameter", "parameters")):
+            for name, item in sorted(inputs.get(key, {}).items()):
+                type_ = item.get("artifactType", {}).get("schemaTitle") or item.get("parameterType", "")
+                optional = "yes" if item.get("isOptional") else "no"
+                rows.append([f"`{name}`", kind, _code(type_), optional, _cell(item.get("description", ""))])
+        outputs = component.get("outputDefinitions", {})
+        out_rows = [
+            [
+                f"`{name}`",
+                _code(item.get("artifactType", {}).get("schemaTitle") or item.get("parameterType", "")),
+                _cell(item.get("description", "")),
+            ]
+            for key in ("artifacts", "parameters")
+            for name, item in sorted(outputs.get(key, {}).items())
+        ]
+        out += [f"## {stage.name} {{#{stage.name}}}", "", f"`components/{path.name}`", ""]
+        out += ["Inputs:", "", _table(["input", "kind", "type", "optional", "description"], rows), ""]
+        out += ["Outputs:", "", _table(["output", "type", "description"], out_rows), ""]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- artifacts
+
+
+def _fields_table(cls: type) -> str:
+    comments = _field_comments(cls)
+    hints = typing.get_type_hints(cls)
+    rows = [
+        [f"`{f.name}`", _cell(_type_name(hints.get(f.name, f.type))), _cell(comments.get(f.name, ""))]
+        for f in dataclasses.fields(cls)
+    ]
+    return _table(["field", "type", "meaning"], rows)
+
+
+def artifacts_page() -> str:
+    from evoesap import stages
+
+    out = [
+        "# Artifact formats",
+        "",
+        "Every stage writes one artifact: a directory at `<storage_root>/<stage>/<key>` (or `--out`) holding its "
+        "payload and a `manifest.json`. What each payload file holds is described in "
+        "[What you get](../getting-started/what-you-get.md).",
+        "",
+        _table(["stage", "artifact"], [[f"`{s.name}`", _cell(s.output)] for s in stages.STAGES]),
+        "",
+    ]
+    manifest = _defined("Manifest")
+    if manifest is not None and dataclasses.is_dataclass(manifest):
+        out += ["## manifest.json", "", _cell((manifest.__doc__ or "").strip().split("\n\n")[0]), "", _fields_table(manifest), ""]
+    records = [
+        (_defined(f"{name}_FILE", kind="constant"), _defined(cls))
+        for name, cls in (
+            ("ALLOCATION", "AllocationRecord"),
+            ("PRUNING", "PruningRecord"),
+            ("METRICS", "MetricsRecord"),
+            ("QUANTIZATION", "QuantizationRecord"),
+        )
+    ]
+    nested: dict[str, type] = {}
+    for file_name, cls in records:
+        if cls is None:
+            continue
+        out += [f"## {file_name or cls.__name__}", "", _cell((cls.__doc__ or "").strip()), "", _fields_table(cls), ""]
+        for hint in typing.get_type_hints(cls).values():
+            for arg in (hint, *typing.get_args(hint), *[a for h in typing.get_args(hint) for a in typing.get_args(h)]):
+                if dataclasses.is_dataclass(arg) and isinstance(arg, type):
+                    nested[arg.__name__] = arg
+    for name, cls in sorted(nested.items()):
+        out += [f"### {name}", "", _cell((cls.__doc__ or "").strip().split("\n\n")[0]), "", _fields_table(cls), ""]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- families
+
+
+def families_page() -> str:
+    families = _defined("FAMILIES", kind="constant") or {}
+    rows = []
+    for name, family in families.items():
+        rows.append(
+            [
+                f"`{name}`",
+                _code(family.routing),
+                _code(family.num_experts_field),
+                _code(family.top_k_field),
+                ", ".join(f"`{s}`" for s in family.shared_experts) or "none",
+                _code(", ".join(family.group_fields)) if family.group_fields else "no",
+                ", ".join(f"`{s}`" for s in family.dense_layer_fields) or "none",
+            ]
+        )
+    return "\n".join(
+        [
+            "# Supported families",
+            "",
+            f"{len(rows)} transformers MoE families (`model_type` in config.json), from the family table the MoE code "
+            "reads. A model of another type is refused. How masking and removal work for them: "
+            "[Masking equals removal](../concepts/masking.md).",
+            "",
+            _table(
+                [
+                    "model_type",
+                    "routing",
+                    "expert count field",
+                    "top-k field",
+                    "shared experts",
+                    "group-limited routing",
+                    "dense-layer fields",
+                ],
+                rows,
+            ),
+            "",
+        ]
+    )
+
+
+# ---------------------------------------------------------------- API
+
+
+API_PACKAGES = ("evoesap", "components", "pipeline")  # components/ and pipeline/ install as evoesap.components, evoesap.pipeline
+
+
+def api_modules() -> list[str]:
+    """The public modules of the package tree, as found on disk now: one API page each."""
+    found = []
+    for package in API_PACKAGES:
+        base = ROOT / package
+        for path in sorted(base.rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if any(p.startswith("_") and p != "__init__" for p in parts) or "templates" in parts:
+                continue
+            found.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return found
+
+
+def api_pages() -> dict[str, str]:
+    modules = api_modules()
+    pages = {f"reference/api/{m}.md": f"# `{m}`\n\n::: {m}\n" for m in modules}
+    index = [
+        "# Python API",
+        "",
+        "One page per module, from the package tree and the modules' docstrings. `components` and `pipeline` are "
+        "top-level folders of the repository that install as `evoesap.components` and `evoesap.pipeline`.",
+        "",
+    ]
+    index += [f"- [`{m}`]({m}.md)" for m in modules]
+    pages["reference/api/index.md"] = "\n".join(index) + "\n"
+    return pages
+
+
+def changelog_page() -> str:
+    """The repository's CHANGELOG.md, its links made relative to the docs."""
+    return (ROOT / "CHANGELOG.md").read_text(encoding="utf-8").replace("](docs/", "](")
+
+
+def reference_pages() -> dict[str, str]:
+    """Every generated page: docs path -> Markdown."""
+    pages = {
+        "changelog.md": changelog_page(),
+        "reference/stages.md": stages_page(),
+        "reference/parameters.md": parameters_page(),
+        "reference/cli.md": cli_page(),
+        "reference/pipeline-yaml.md": pipeline_yaml_page(),
+        "reference/components.md": components_page(),
+        "reference/artifacts.md": artifacts_page(),
+        "reference/families.md": families_page(),
+    }
+    pages.update(api_pages())
+    return pages
+
+
+# ---------------------------------------------------------------- the MkDocs hook
+
+
+def on_files(files: Any, config: Any) -> Any:
+    from mkdocs.structure.files import File
+
+    for path, content in reference_pages().items():
+        files.append(File.generated(config, path, content=content))
+    return files

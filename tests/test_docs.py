@@ -1,0 +1,59 @@
+"""The documentation speaks of the project, not of how it was developed, and its links resolve."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Development-history words: an issue or step number, "this stop", a working session.
+HISTORY = re.compile(r"\b(issue|stop)s? \d+\b|\bthis stop\b|\bsession", re.IGNORECASE)
+
+
+def _prose_files() -> list[Path]:
+    files = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "RESULTS.md"]
+    return files + sorted((ROOT / "docs").rglob("*.md"))
+
+
+@pytest.mark.parametrize("path", _prose_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_name_no_issue_number_or_development_step(path: Path) -> None:
+    hits = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if HISTORY.search(line)
+    ]
+    assert not hits, "development history in the docs (say what is, not when it was done):\n" + "\n".join(hits)
+
+
+def test_history_pattern_catches_what_it_must() -> None:
+    for bad in ["## Chaos runs (issue 29)", "measured in stop 25", "Issues 4, 5", "this stop's run", "the previous session"]:
+        assert HISTORY.search(bad), bad
+    for good in ["the issue's cause", "a bus stop", "stop the search after 45 generations", "issued 3 requests"]:
+        assert not HISTORY.search(good), good
+
+
+def _github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("name", ["README.md", "CHANGELOG.md", "benchmarks/RESULTS.md"])
+def test_relative_links_resolve(name: str) -> None:
+    """Every relative link of the front pages points at a file of the repository (and an anchor at a heading)."""
+    path = ROOT / name
+    text = path.read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links or name != "README.md"
+    broken = []
+    for link in links:
+        if re.match(r"^[a-z]+:", link):
+            continue
+        target, _, anchor = link.partition("#")
+        file = (path.parent / target).resolve() if target else path
+        if not file.exists():
+            broken.append(link)
+        elif anchor and file.suffix == ".md":
+            headings = re.findall(r"^#+ (.+?)(?: \{#([\w-]+)\})?$", file.read_text(encoding="utf-8"), flags=re.MULTILINE)
+            if anchor not in {explicit or _github_slug(title) for title, explicit in headings}:
+                broken.append(link)
+    assert not broken, f"{name}: broken links {broken}"
