@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from evoesap import stages
+from evoesap import registry as stages
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,6 +1,6 @@
 """MkDocs hook: the reference pages, generated from the code at every build so they cannot drift from it.
 
-Stages and their inputs come from the stage registry (`evoesap.stages.STAGES`), every parameter from its
+Stages and their inputs come from the stage registry (`evoesap.registry.STAGES`), every parameter from its
 dataclass field (`evoesap.params.param`: type, default, help, and `choices` / `range` when the field's metadata
 declares them), the CLI from the click command the `evoesap` entry point runs, the pipeline YAML from its
 pydantic model, the component interfaces from `components/*.yaml`, the artifact records from their dataclasses
@@ -108,7 +108,7 @@ class ParameterRow:
 
 def parameter_rows() -> list[ParameterRow]:
     """Every parameter of every stage of the registry, in registry and field order."""
-    from evoesap import stages
+    from evoesap import registry as stages
 
     rows = []
     for stage in stages.STAGES:
@@ -140,7 +140,7 @@ def _extra_text(value: Any) -> str:
 
 
 def parameters_page() -> str:
-    from evoesap import stages
+    from evoesap import registry as stages
 
     rows = parameter_rows()
     declared = {k for row in rows for k in row.extra}  # a column only for what some field declares
@@ -177,7 +177,7 @@ def parameters_page() -> str:
 
 
 def stages_page() -> str:
-    from evoesap import stages
+    from evoesap import registry as stages
 
     out = [
         "# Stages",
@@ -246,7 +246,7 @@ def cli_page() -> str:
 def pipeline_yaml_page() -> str:
     from pydantic_core import PydanticUndefined
 
-    from evoesap import stages
+    from evoesap import registry as stages
     from evoesap.pipeline.config import PipelineConfig
 
     stage_sections = {s.section for s in stages.STAGES}
@@ -292,7 +292,7 @@ def pipeline_yaml_page() -> str:
 def components_page() -> str:
     import yaml
 
-    from evoesap import stages
+    from evoesap import registry as stages
 
     out = [
         "# KFP components",
@@ -345,7 +345,7 @@ def _fields_table(cls: type) -> str:
 
 
 def artifacts_page() -> str:
-    from evoesap import stages
+    from evoesap import registry as stages
 
     out = [
         "# Artifact formats",

@@ -8,7 +8,7 @@ from typing import Any
 import typer
 
 from evoesap.progress import set_quiet
-from evoesap.stages import NAMES
+from evoesap.registry import NAMES
 
 app = typer.Typer(
     name="evoesap",
