@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, List, Mapping, NamedTuple
 
 from kfp import compiler, dsl
-from kfp.dsl import HTML, Input, Markdown, Model
+from kfp.dsl import HTML, Input, Markdown, Metrics, Model
 
 from evoesap.components import StageComponents, make_components
 from evoesap.components.reference import make_reference
@@ -126,6 +126,25 @@ def _search_trainjob(config: PipelineConfig, args: dict[str, Any]) -> Any:
 Outputs = NamedTuple("Outputs", report=Markdown, report_html=HTML, pruned_models=List[Model])
 
 
+def outputs_type(config: PipelineConfig) -> type:
+    """What the (sub-)pipeline hands on, typed for KFP: the report, the searched pruned models and their metrics (one
+    per criterion x sparsity), the full model's metrics; the quantized models and their metrics when the quantize
+    section names a recipe; the published checkpoints (`released_models`) with publish_models. A pipeline output
+    must come from a task, so the optional ones exist only when their step does."""
+    fields = [*Outputs.__annotations__.items(), ("pruned_metrics", List[Metrics]), ("full_metrics", Metrics)]
+    if config.stage_params("quantize").get("recipe"):
+        fields += [("quantized_models", List[Model]), ("quantized_metrics", List[Metrics])]
+    if config.publish_models:
+        fields.append(("released_models", List[Model]))
+    return NamedTuple("Outputs", fields)
+
+
+def _returning(func: Callable, returns: type) -> Callable:
+    """`func` as KFP reads it, its return annotation `returns` (`outputs_type`)."""
+    func.__signature__ = inspect.signature(func).replace(return_annotation=returns)
+    return func
+
+
 def _defaults(config: PipelineConfig, gpus_at_run_time: Iterable[str] = ()) -> dict[str, Any]:
     """The pipeline parameters' defaults: the configuration's values. `gpus_at_run_time`: the stages whose GPU count
     is a sub-pipeline input."""
@@ -185,7 +204,7 @@ def build_subpipeline(
         publish_params: dict = d["publish_params"],
         heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
         **settings: Any,  # the settings inputs (`runtime`), by parameter name
-    ) -> Outputs:
+    ) -> Any:  # outputs_type(config)
         def stage(name: str, task: Any, label: str | None = None) -> Any:
             inputs = {setting: settings[parameter.name] for setting, parameter in runtime.get(name, {}).items()}
             return _configure(task, name, config, label, inputs)
@@ -252,7 +271,7 @@ def build_subpipeline(
                 release = {"quantized": quantized.outputs["quantized"],
                            "quantized_evaluation": evals["quantized"].outputs["evaluation"]}  # fmt: skip
             if config.publish_models:
-                stage("publish", comps.publish(pruned=pruned["searched"].outputs["pruned"], storage_root=storage_root,
+                released = stage("publish", comps.publish(pruned=pruned["searched"].outputs["pruned"], storage_root=storage_root,
                                                evaluation=evals["searched"].outputs["evaluation"],
                                                full_evaluation=full.outputs["evaluation"],
                                                search=searched.outputs["allocation"], params=publish_params, **release),
@@ -269,16 +288,25 @@ def build_subpipeline(
                 **({"quantized": dsl.Collected(evals["quantized"].outputs["evaluation"])} if quantize_on else {}),
             ),
         )
-        return Outputs(
+        handed = dict(
             report=report.outputs["markdown"],
             report_html=report.outputs["page"],
             # the prune outputs themselves: no importer in the loop (a cluster's importer takes object-store URIs
             # only, and kubeflow/pipelines#10860: importers inside a ParallelFor); the checkpoint is at metadata["uri"]
             pruned_models=dsl.Collected(pruned["searched"].outputs["pruned"]),
+            pruned_metrics=dsl.Collected(evals["searched"].outputs["metrics"]),
+            full_metrics=full.outputs["metrics"],
         )
+        if quantize_on:
+            handed["quantized_models"] = dsl.Collected(release["quantized"])
+            handed["quantized_metrics"] = dsl.Collected(evals["quantized"].outputs["metrics"])
+        if config.publish_models:
+            handed["released_models"] = dsl.Collected(released.outputs["published"])
+        return outputs(**handed)
 
+    outputs = outputs_type(config)
     extra = [parameter for by_setting in runtime.values() for parameter in by_setting.values()]
-    func = _signed(evoesap_stages, () if config.heldout_data else ("heldout_data",), extra)
+    func = _returning(_signed(evoesap_stages, () if config.heldout_data else ("heldout_data",), extra), outputs)
     description = "EvoESAP stages: calibrate ... report, for a given full model"
     return dsl.pipeline(name=f"{config.name}-stages", description=description)(func)
 
@@ -308,7 +336,7 @@ def build_pipeline(config: PipelineConfig) -> Callable:
         report_params: dict = d["report_params"],
         publish_params: dict = d["publish_params"],
         heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
-    ) -> Outputs:
+    ) -> Any:  # outputs_type(config)
         named = cluster.apply(reference(model=model), config.resources.get("all") or cluster.StageSettings(), config.retries)
         named.set_display_name("model").set_caching_options(enable_caching=False)
         run = stages(
@@ -326,11 +354,10 @@ def build_pipeline(config: PipelineConfig) -> Callable:
             report_params=report_params,
             publish_params=publish_params,
         ).set_caching_options(enable_caching=False)
-        return Outputs(
-            report=run.outputs["report"], report_html=run.outputs["report_html"], pruned_models=run.outputs["pruned_models"]
-        )
+        return outputs(**{name: run.outputs[name] for name in outputs._fields})
 
-    func = evoesap_pipeline if config.heldout_data else _signed(evoesap_pipeline, ("heldout_data",))
+    outputs = outputs_type(config)
+    func = _returning(evoesap_pipeline if config.heldout_data else _signed(evoesap_pipeline, ("heldout_data",)), outputs)
     return dsl.pipeline(name=config.name, description="EvoESAP: ESAP-guided non-uniform expert pruning")(func)
 
 
