@@ -191,7 +191,6 @@ def test_team_pipeline_publishes_the_pruned_models_it_was_handed(team_run):
     (evaluation,) = [p for p in evaluated if artifacts.read_manifest(str(p)).inputs["model"]["uri"] == uri]
     scores = task_scores(str(evaluation))  # the pruned model's own evaluation, found in storage
     assert published == {"uri": uri, "expert_counts": kept, "scores": scores} and scores
-    assert dict(first["full_metrics"].metadata) != scores  # the full model's, handed on beside them
     assert f"experts per layer {kept}" in Path(release.path).read_text()
     trained = artifacts.read_manifest(uri).inputs["model"]["uri"]
     assert trained != team_run["base"] and Path(trained).is_dir()  # pruned from the train step's output

@@ -343,3 +343,33 @@ def test_every_feasible_sparsity_compiles_and_an_unreadable_model_is_left_to_the
     compile_pipeline(_config(model=str(model), sparsities=[0.25]), tmp_path / "a.yaml")  # 3 allocations: searchable
     compile_pipeline(_config(model="/models/on-the-cluster-only", sparsities=[0.5]), tmp_path / "b.yaml")
     assert "not checked against /models/on-the-cluster-only" in caplog.text
+
+
+def test_compile_set_bakes_checked_parameter_defaults_and_a_bad_one_writes_nothing(tmp_path, capsys):
+    """`pipeline compile --set` takes submit's pairs: the compiled defaults carry them (a stage field on top of the
+    configured ones); a value the stage refuses stops before anything is written at --output."""
+    from evoesap.cli import main
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(_config().model_dump(mode="json", exclude_none=True)))
+    out = tmp_path / "spec.yaml"
+    sets = ["--set", "search_params.generations=7", "--set", "storage_root=s3://other/runs"]
+    assert main(["pipeline", "compile", str(config), "-o", str(out), *sets]) == 0
+    text = out.read_text()
+    assert text.startswith("# PIPELINE DEFINITION\n") and "# --set search_params.generations=7\n" in text
+    spec, *_ = yaml.safe_load_all(text)
+    parameters = spec["root"]["inputDefinitions"]["parameters"]
+    plain = tmp_path / "plain.yaml"
+    assert main(["pipeline", "compile", str(config), "-o", str(plain)]) == 0
+    compiled = next(yaml.safe_load_all(plain.read_text()))["root"]["inputDefinitions"]["parameters"]
+    assert parameters["search_params"]["defaultValue"] == {**compiled["search_params"]["defaultValue"], "generations": 7}
+    assert {k: v for k, v in parameters.items() if k not in ("search_params", "storage_root")} == {
+        k: v for k, v in compiled.items() if k not in ("search_params", "storage_root")
+    }
+    assert parameters["storage_root"]["defaultValue"] == "s3://other/runs"
+    assert main(["pipeline", "compile", str(config), "-o", str(out), "--set", "search_params.generations=7"]) == 0  # its own file
+    capsys.readouterr()
+    fresh = tmp_path / "fresh.yaml"
+    assert main(["pipeline", "compile", str(config), "-o", str(fresh), "--set", "search_params.generations=-1"]) != 0
+    assert "generations" in capsys.readouterr().err and not fresh.exists()
+    assert not list(tmp_path.glob(".fresh.yaml.partial-*"))
