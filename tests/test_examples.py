@@ -234,6 +234,7 @@ def _tree_digest(path: Path) -> dict[str, str]:
     return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_a_release_run_with_the_same_model_at_a_new_uri_reuses_every_stage(tmp_path):
     """Two runs of the team pipeline without kfp.local's cache, as two scheduled release runs: the train step runs
     again and writes a byte-identical model at a new URI; EvoESAP's second run makes nothing again (its log
