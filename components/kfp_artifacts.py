@@ -7,6 +7,9 @@ weights, logits and manifest are at the artifact's own `uri` / `path` for any co
 the stage's headline numbers (`evoesap.records.facts`) in its metadata. Where KFP's launcher would refuse a changed
 URI (an object-store storage root under a cluster's object-store pipeline root), the artifact stays at
 KFP's URI and holds a view: the manifest and the small files, `metadata["uri"]` naming the full artifact.
+With `EVOESAP_COPY_MODELS=1` in a task's environment (opt-in: `resources.<stage>.env`), a `Model` output
+holds the whole checkpoint there instead, so a stock consumer that reads only `model.path` finds the weights;
+the cost is a second copy of the weights per model, written by the pod and uploaded by KFP's launcher.
 See docs/ARCHITECTURE.md, "KFP artifacts and the storage root".
 """
 
@@ -27,6 +30,7 @@ log = logging.getLogger(__name__)
 # directory of the pipeline root (`Config.KeyFromURI`), or the task fails; a URI of any other kind (a path on
 # a shared volume) it records as given and uploads nothing.
 _LAUNCHER_SCHEMES = ("gs://", "s3://", "minio://", "oci://")
+COPY_MODELS = "EVOESAP_COPY_MODELS"  # "1": a Model output under an object-store pipeline root holds the whole checkpoint
 
 
 def referenced(artifact: Any) -> str | None:
@@ -76,14 +80,38 @@ def publish(artifact: Any, uri: str) -> None:
     if own is not None:
         artifact.uri = own
         return
+    if os.environ.get(COPY_MODELS, "") not in ("", "0") and getattr(artifact, "schema_title", "") == "system.Model":
+        log.info("%s: copying the whole checkpoint %s to KFP's URI %s (%s)", artifact.name, uri, artifact.uri, COPY_MODELS)
+        export_all(uri, Path(artifact.path))
+        return
     log.warning(
         "%s stays at KFP's URI %s with the manifest and small files only: KFP's launcher keeps an object-store "
-        "output only under the run's own directory; the full artifact is at metadata['uri'] %s",
+        "output only under the run's own directory; the full artifact is at metadata['uri'] %s (set %s=1 on the "
+        "task for a Model holding the whole checkpoint)",
         artifact.name,
         artifact.uri,
         artifact.metadata["uri"],
+        COPY_MODELS,
     )
     facts.export_small_files(uri, Path(artifact.path))
+
+
+def export_all(uri: str, dest: Path) -> None:
+    """Copy the manifest and every payload file of the finished artifact at `uri` into `dest`, streamed, each
+    checked against the sha256 its manifest records (a consumer of `dest` gets exactly the stored artifact)."""
+    from evoesap.store import artifacts
+    from evoesap.errors import ArtifactError
+    from evoesap.store.identity import stream_sha256
+
+    manifest = artifacts.read_manifest(uri)
+    fs, root = artifacts.split(uri)
+    local = artifacts.split(str(dest))[0]
+    for name in [artifacts.MANIFEST, *sorted(manifest.files)]:
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(f"{root.rstrip('/')}/{name}", str(target))
+        if name in manifest.files and stream_sha256(local, str(target)) != manifest.files[name]:
+            raise ArtifactError(f"{name} of {uri} changed while it was copied to {dest}: run the task again")
 
 
 def publish_metrics(metrics: Any, uri: str) -> None:

@@ -1,11 +1,12 @@
-"""A team's release pipeline with EvoESAP as one of its steps: train -> EvoESAP -> publish.
+"""A team's release pipeline with EvoESAP as one of its steps: train -> EvoESAP -> release notes.
 
 `train` stands for the team's own training step: it fine-tunes a checkpoint for a few steps on chat
 samples and emits an `Output[dsl.Model]`. EvoESAP takes that model as its input artifact (the whole DAG
 as a sub-pipeline, `build_subpipeline`) and hands back the searched pruned model of every
-criterion x sparsity point as `dsl.Model` artifacts whose URI is the stored checkpoint. `publish`
-receives them and writes release notes from each checkpoint's own record at `model.path` (expert
-counts, parameter bytes) and its URI, checked against the checkpoint's config.
+criterion x sparsity point as `dsl.Model` artifacts whose URI is the stored checkpoint (and their metrics).
+`release_notes` (named apart from EvoESAP's own `publish` step) receives them and writes release notes from
+each checkpoint's own record at `model.path` (expert counts, parameter bytes), its scores and its URI, checked
+against the checkpoint's config.
 
 Run it on this machine (kfp.local), on the demo world:
 
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Callable, List, NamedTuple
 
 from kfp import compiler, dsl
-from kfp.dsl import Input, Markdown, Model, Output
+from kfp.dsl import Input, Markdown, Metrics, Model, Output
 
 from evoesap.pipeline.config import PipelineConfig, load_config
 from evoesap.pipeline.dag import build_subpipeline
@@ -64,11 +65,14 @@ def train(base_model: str, data: str, steps: int, learning_rate: float, model: O
     model.metadata.update({"base_model": base_model, "steps": steps, "final_loss": float(loss)})
 
 
-def publish(pruned_models: Input[List[Model]], report: Input[Markdown], release: Output[Markdown]):
+def release_notes(
+    pruned_models: Input[List[Model]], pruned_metrics: Input[List[Metrics]], report: Input[Markdown], release: Output[Markdown]
+):
     """Release notes for the pruned models, from the checkpoints handed over.
 
     Args:
         pruned_models: EvoESAP's searched pruned models, one per criterion x sparsity.
+        pruned_metrics: Their evaluations' scalars (one per task), in the same order.
         report: EvoESAP's report.
 
     Returns:
@@ -81,7 +85,7 @@ def publish(pruned_models: Input[List[Model]], report: Input[Markdown], release:
 
     lines = ["# Release", ""]
     models = []
-    for pruned in pruned_models:
+    for pruned, scores in zip(pruned_models, pruned_metrics):
         # model.path holds the checkpoint's record and config.json: the whole checkpoint under kfp.local or a shared
         # pipeline root; under an object-store pipeline root a view of its small files, the weights at metadata["uri"]
         meta = facts(pruned.path)
@@ -93,9 +97,9 @@ def publish(pruned_models: Input[List[Model]], report: Input[Markdown], release:
             raise ValueError(f"{checkpoint}: recorded expert counts {counts} disagree with its config {stored}")
         lines.append(
             f"- {meta['criterion']} at {meta['sparsity']:.0%}: experts per layer {counts}, "
-            f"{meta['parameter_bytes'] / 2**20:.2f} MiB of parameters, checkpoint {checkpoint}"
+            f"{meta['parameter_bytes'] / 2**20:.2f} MiB of parameters, scores {dict(scores.metadata)}, checkpoint {checkpoint}"
         )
-        models.append({"uri": checkpoint, "expert_counts": counts})
+        models.append({"uri": checkpoint, "expert_counts": counts, "scores": dict(scores.metadata)})
     lines += ["", f"Report: {report.metadata['uri']}"]
     with open(release.path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -106,13 +110,13 @@ Release = NamedTuple("Release", release=Markdown, pruned_models=List[Model])
 
 
 def build_team_pipeline(config: PipelineConfig) -> Callable:
-    """train -> EvoESAP (the configuration's DAG, as a sub-pipeline) -> publish; the team's steps run in the
+    """train -> EvoESAP (the configuration's DAG, as a sub-pipeline) -> release notes; the team's steps run in the
     configuration's image too (torch and evoesap are there), so a compiled spec names only its registry."""
     evoesap = build_subpipeline(config)
     step = dsl.component(base_image=config.default_image, install_kfp_package=False)
-    train_step, publish_step = step(train), step(publish)
+    train_step, notes_step = step(train), step(release_notes)
 
-    @dsl.pipeline(name=f"{config.name}-team-release", description="train -> EvoESAP -> publish")
+    @dsl.pipeline(name=f"{config.name}-team-release", description="train -> EvoESAP -> release notes")
     def team_release(
         train_data: str,
         base_model: str = config.model,
@@ -124,14 +128,18 @@ def build_team_pipeline(config: PipelineConfig) -> Callable:
         # Pass at least one parameter with the model: kfp.local 2.17 binds a sub-pipeline's artifact
         # inputs only then (a cluster binds them either way).
         pruned = evoesap(model=trained.outputs["model"], storage_root=storage_root)
-        notes = publish_step(pruned_models=pruned.outputs["pruned_models"], report=pruned.outputs["report"])
+        notes = notes_step(
+            pruned_models=pruned.outputs["pruned_models"],
+            pruned_metrics=pruned.outputs["pruned_metrics"],
+            report=pruned.outputs["report"],
+        )
         return Release(release=notes.outputs["release"], pruned_models=pruned.outputs["pruned_models"])
 
     return team_release
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="train -> EvoESAP -> publish, locally (kfp.local) or compiled")
+    parser = argparse.ArgumentParser(description="train -> EvoESAP -> release notes, locally (kfp.local) or compiled")
     parser.add_argument("config", type=Path, help="EvoESAP pipeline configuration (e.g. examples/demo.yaml)")
     parser.add_argument("--train-data", required=True, help="JSONL chat samples for the train step")
     parser.add_argument("--compile", type=Path, help="Write the compiled pipeline here instead of running it")

@@ -117,6 +117,8 @@ class StageSettings(_Strict):
     node_affinity: list[Affinity] = []  # beyond `node_selector`: In/NotIn/Exists... terms, required or preferred
     # search with workers > 1 (a Kubeflow Trainer TrainJob, pipeline.trainjob): the ClusterTrainingRuntime it runs under
     training_runtime: str | None = None  # None: torch-distributed
+    trainer_version: Literal["2.0", "2.1", "2.2"] = "2.2"  # the cluster's Kubeflow Trainer: 2.0, 2.1, or 2.2 and later
+    suspend: bool = False  # create the TrainJob suspended, for a queue (Kueue) to admit
 
     @field_validator("memory", "memory_request")
     @classmethod

@@ -104,9 +104,14 @@ class _Settings(BaseModel):
                 f"{', '.join(stages.MODEL_STAGES)})"
             )
         for stage, settings in self.resources.items():
-            if stage not in ("search", "all") and settings.training_runtime:
+            job_fields = [
+                f
+                for f in ("training_runtime", "trainer_version", "suspend")
+                if getattr(settings, f) != type(settings).model_fields[f].default
+            ]
+            if stage not in ("search", "all") and job_fields:
                 raise ValueError(
-                    f"resources.{stage}.training_runtime: only the search runs as a multi-worker job; "
+                    f"resources.{stage}.{job_fields[0]}: only the search runs as a multi-worker job; "
                     "set it under resources.search"
                 )
             if stage not in (*stages.MODEL_STAGES, "all") and settings.accelerator_count:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, List, Mapping, NamedTuple
 
 from kfp import compiler, dsl
-from kfp.dsl import HTML, Input, Markdown, Model
+from kfp.dsl import HTML, Input, Markdown, Metrics, Model
 
 from evoesap.components import StageComponents, make_components
 from evoesap.components.reference import make_reference
@@ -127,6 +127,25 @@ def _search_trainjob(config: PipelineConfig, args: dict[str, Any]) -> Any:
 Outputs = NamedTuple("Outputs", report=Markdown, report_html=HTML, pruned_models=List[Model])
 
 
+def outputs_type(config: PipelineConfig) -> type:
+    """What the (sub-)pipeline hands on, typed for KFP: the report, the searched pruned models and their metrics (one
+    per criterion x sparsity), the full model's metrics; the quantized models and their metrics when the quantize
+    section names a recipe; the published checkpoints (`released_models`) with publish_models. A pipeline output
+    must come from a task, so the optional ones exist only when their step does."""
+    fields = [*Outputs.__annotations__.items(), ("pruned_metrics", List[Metrics]), ("full_metrics", Metrics)]
+    if config.stage_params("quantize").get("recipe"):
+        fields += [("quantized_models", List[Model]), ("quantized_metrics", List[Metrics])]
+    if config.publish_models:
+        fields.append(("released_models", List[Model]))
+    return NamedTuple("Outputs", fields)
+
+
+def _returning(func: Callable, returns: type) -> Callable:
+    """`func` as KFP reads it, its return annotation `returns` (`outputs_type`)."""
+    func.__signature__ = inspect.signature(func).replace(return_annotation=returns)
+    return func
+
+
 def _defaults(config: PipelineConfig, gpus_at_run_time: Iterable[str] = ()) -> dict[str, Any]:
     """The pipeline parameters' defaults: the configuration's values. `gpus_at_run_time`: the stages whose GPU count
     is a sub-pipeline input."""
@@ -194,7 +213,7 @@ def build_subpipeline(
         grid: list = d["grid"],
         heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
         **settings: Any,  # each stage's `<section>_params`, then the settings inputs (`runtime`), by parameter name
-    ) -> Outputs:
+    ) -> Any:  # outputs_type(config)
         def stage(name: str, task: Any, label: str | None = None) -> Any:
             inputs = {setting: settings[parameter.name] for setting, parameter in runtime.get(name, {}).items()}
             return _configure(task, name, config, label, inputs)
@@ -204,16 +223,25 @@ def build_subpipeline(
         with dsl.ParallelFor(grid, name="criterion-x-sparsity", parallelism=config.parallelism) as point:
             searched, pruned, evals = dag.point(point, calibration_data)
         report = dag.report(full, searched, evals)
-        return Outputs(
+        handed = dict(
             report=report.outputs["markdown"],
             report_html=report.outputs["page"],
             # the prune outputs themselves: no importer in the loop (a cluster's importer takes object-store URIs
             # only, and kubeflow/pipelines#10860: importers inside a ParallelFor); the checkpoint is at metadata["uri"]
             pruned_models=dsl.Collected(pruned["searched"].outputs["pruned"]),
+            pruned_metrics=dsl.Collected(evals["searched"].outputs["metrics"]),
+            full_metrics=full.outputs["metrics"],
         )
+        if dag.quantize_on:
+            handed["quantized_models"] = dsl.Collected(dag.release["quantized"])
+            handed["quantized_metrics"] = dsl.Collected(evals["quantized"].outputs["metrics"])
+        if config.publish_models:
+            handed["released_models"] = dsl.Collected(dag.released.outputs["published"])
+        return outputs(**handed)
 
+    outputs = outputs_type(config)
     extra = [*_params_parameters(config, d), *(parameter for by_setting in runtime.values() for parameter in by_setting.values())]
-    func = _signed(evoesap_stages, () if config.heldout_data else ("heldout_data",), extra)
+    func = _returning(_signed(evoesap_stages, () if config.heldout_data else ("heldout_data",), extra), outputs)
     description = "EvoESAP stages: calibrate ... report, for a given full model"
     return dsl.pipeline(name=f"{config.name}-stages", description=description)(func)
 
@@ -233,7 +261,8 @@ class _Dag:
             storage_root,
             params,
         )
-        self.scores = self.cache = self.full = None
+        self.scores = self.cache = self.full = self.released = None  # released: the publish task, with publish_models
+        self.release: dict[str, Any] = {}  # what publish releases instead of the pruned checkpoint (quantize on)
         self.heldout: dict[str, Any] = {}  # the held-out teacher cache, as the search's input
         self.teacher: dict[str, Any] = {}  # the same cache, as the evaluations' input
         # With quantize on, publish releases the quantized checkpoint, not the pruned one: it is the model the quantize
@@ -292,9 +321,9 @@ class _Dag:
                                                      params=p["evaluate"], **self.teacher), f"evaluate {method}")
             for method, task in pruned.items()
         }  # fmt: skip
-        release = self._quantize(pruned["searched"], evals, calibration_data) if self.quantize_on else {}
+        self.release = self._quantize(pruned["searched"], evals, calibration_data) if self.quantize_on else {}
         if self.config.publish_models:
-            self._publish(pruned["searched"], evals["searched"], searched, release)
+            self.released = self._publish(pruned["searched"], evals["searched"], searched, self.release)
         return searched, pruned, evals
 
     def _quantize(self, pruned: Any, evals: dict[str, Any], calibration_data: Any) -> dict[str, Any]:
@@ -309,8 +338,8 @@ class _Dag:
                                    "evaluate quantized")  # fmt: skip
         return {"quantized": quantized.outputs["quantized"], "quantized_evaluation": evals["quantized"].outputs["evaluation"]}
 
-    def _publish(self, pruned: Any, evaluated: Any, searched: Any, release: dict[str, Any]) -> None:
-        self.stage("publish", self.comps.publish(pruned=pruned.outputs["pruned"], storage_root=self.root,
+    def _publish(self, pruned: Any, evaluated: Any, searched: Any, release: dict[str, Any]) -> Any:
+        return self.stage("publish", self.comps.publish(pruned=pruned.outputs["pruned"], storage_root=self.root,
                                                  evaluation=evaluated.outputs["evaluation"],
                                                  full_evaluation=self.full.outputs["evaluation"],
                                                  search=searched.outputs["allocation"], params=self.params["publish"],
@@ -352,7 +381,7 @@ def build_pipeline(config: PipelineConfig) -> Callable:
         grid: list = d["grid"],
         heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
         **params: dict,  # each stage's `<section>_params`
-    ) -> Outputs:
+    ) -> Any:  # outputs_type(config)
         named = cluster.apply(reference(model=model), config.resources.get("all") or cluster.StageSettings(), config.retries)
         named.set_display_name("model").set_caching_options(enable_caching=False)
         run = stages(
@@ -364,11 +393,12 @@ def build_pipeline(config: PipelineConfig) -> Callable:
             grid=grid,
             **params,
         ).set_caching_options(enable_caching=False)
-        return Outputs(
-            report=run.outputs["report"], report_html=run.outputs["report_html"], pruned_models=run.outputs["pruned_models"]
-        )
+        return outputs(**{name: run.outputs[name] for name in outputs._fields})
 
-    func = _signed(evoesap_pipeline, () if config.heldout_data else ("heldout_data",), _params_parameters(config, d))
+    outputs = outputs_type(config)
+    func = _returning(
+        _signed(evoesap_pipeline, () if config.heldout_data else ("heldout_data",), _params_parameters(config, d)), outputs
+    )
     return dsl.pipeline(name=config.name, description="EvoESAP: ESAP-guided non-uniform expert pruning")(func)
 
 

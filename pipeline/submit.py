@@ -182,6 +182,21 @@ def resolve_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any]) -> 
     return arguments
 
 
+def bake_defaults(path: Path, overrides: Mapping[str, Any]) -> None:
+    """Rewrite the compiled spec at `path` with `--set` values (checked as a run's are, `resolve_overrides`) as its
+    parameters' defaults; its header comment names what was set (kfp's list of inputs would be stale)."""
+    text = path.read_text()
+    spec, *platform = yaml.safe_load_all(text)
+    arguments = resolve_overrides(spec, overrides)
+    parameters = spec["root"]["inputDefinitions"]["parameters"]
+    for name, value in arguments.items():
+        parameters[name]["defaultValue"] = value
+    comments = [line for line in text.splitlines(keepends=True) if line.startswith("#")]
+    kept = [line for line in comments[: next((i for i, c in enumerate(comments) if c.startswith("# Inputs:")), len(comments))]]
+    baked = "".join(f"# --set {key}={json.dumps(value)}\n" for key, value in overrides.items())
+    path.write_text("".join(kept) + baked + yaml.safe_dump_all([spec, *platform], sort_keys=False))
+
+
 def _token() -> str | None:
     """The token the precheck sends when none is given: the service-account file the kfp client would use."""
     path = os.environ.get("KF_PIPELINES_SA_TOKEN_PATH")

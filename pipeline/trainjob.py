@@ -13,9 +13,15 @@ KFP output artifact is filled from the same artifact a single-process run publis
 Topology: one worker per group of `search.gpus_per_worker` GPUs (default one). `resources.search` describes one
 node (pod): with `accelerator_count` G each node runs G / gpus_per_worker workers (numProcPerNode, numNodes the
 rest of workers); without accelerators each node runs one worker.
-The job's body uses only the fields every v1alpha1 release has (runtimeRef, trainer: image, command, args, env,
-numNodes, numProcPerNode, resourcesPerNode); pod placement (node selectors, tolerations, volumes, /dev/shm) is the
-runtime's template, the platform team's place for it.
+The job's body: runtimeRef and trainer (image, command, args, env, numNodes, numProcPerNode, resourcesPerNode), which
+every v1alpha1 release has, plus the worker pods' labels, annotations, node selector, tolerations and volumes
+(PVCs, /dev/shm) through the field the cluster's Trainer release offers (`resources.search.trainer_version`):
+`podSpecOverrides` in 2.0 (no pod metadata there: labels and annotations go to `spec.labels`/`spec.annotations`,
+which reach the JobSet and Jobs), `podTemplateOverrides` in 2.1, `runtimePatches` from 2.2 on; each targets the
+runtime's replicated job `node` and its container `node`. `suspend` creates the job suspended for a queue
+(Kueue) to admit; `timeout` bounds the workers (`activeDeadlineSeconds`, 2.2 on; before, the launcher deletes
+the job when its own timeout stops it). Progress and the end are read from the conditions Trainer v2 sets
+(Suspended, Complete, Failed) and its `jobsStatus` counts. Node affinity and scratch volumes are refused.
 """
 
 from __future__ import annotations
@@ -41,8 +47,11 @@ GROUP, VERSION, PLURAL, KIND = "trainer.kubeflow.org", "v1alpha1", "trainjobs", 
 DEFAULT_RUNTIME = "torch-distributed"
 ENTRY = "evoesap.stages.search_workers"
 POLL_SECONDS = 15.0
-# settings that place a pod; a TrainJob's pods are placed by its runtime's template, so they are refused for workers
-PLACEMENT = ("node_selector", "tolerations", "node_affinity", "volumes", "shm_size", "scratch")
+# pod placement a TrainJob's body sends (`pod_patch`), and what it cannot carry, so refused for workers
+PLACEMENT = ("node_selector", "tolerations", "volumes", "shm_size")
+REFUSED = ("node_affinity", "scratch")
+TARGET = "node"  # the replicated job and the container of a torch runtime that run torchrun (torch-distributed's)
+PATCH_MANAGER = "evoesap.io/search"  # the owner of the runtimePatches entry (2.2 on)
 # what the worker pods ask for; the launcher pod asks for none of it
 COMPUTE = ("cpu", "memory", "cpu_request", "memory_request", "accelerator_type", "accelerator_count")
 _NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -50,12 +59,12 @@ _NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
 def check_workers(settings: StageSettings, workers: int, gpus_per_worker: int = 1) -> None:
     """Refuse, when the configuration loads, a multi-worker search whose settings its TrainJob cannot carry."""
-    placed = [name for name in PLACEMENT if getattr(settings, name)]
+    placed = [name for name in REFUSED if getattr(settings, name)]
     if placed:
         raise ConfigError(
-            f"resources.search: {', '.join(placed)} cannot reach the pods of a multi-worker search (workers: {workers}), "
-            f"which the Kubeflow Trainer runtime places: set them in the ClusterTrainingRuntime "
-            f"{settings.training_runtime or DEFAULT_RUNTIME!r} (resources.search.training_runtime), or run with workers: 1"
+            f"resources.search: {', '.join(placed)} cannot reach the pods of a multi-worker search (workers: {workers}) "
+            f"through a TrainJob: set them in the ClusterTrainingRuntime {settings.training_runtime or DEFAULT_RUNTIME!r} "
+            "(resources.search.training_runtime), or run with workers: 1"
         )
     if settings.accelerator_count and settings.accelerator_count % gpus_per_worker:
         raise ConfigError(
@@ -72,7 +81,7 @@ def check_workers(settings: StageSettings, workers: int, gpus_per_worker: int = 
 
 def launcher_settings(settings: StageSettings) -> StageSettings:
     """The launcher task's own pod: storage secrets, env, labels, retries and timeout, no compute and no placement."""
-    dropped = {*COMPUTE, *PLACEMENT, "training_runtime"}
+    dropped = {*COMPUTE, *PLACEMENT, *REFUSED, "training_runtime", "trainer_version", "suspend"}
     return StageSettings(**{k: v for k, v in settings.model_dump(exclude_unset=True).items() if k not in dropped})
 
 
@@ -106,7 +115,55 @@ def job_template(settings: StageSettings, image: str, gpus_per_worker: int = 1) 
         "env": env,
         "labels": dict(settings.labels),
         "annotations": dict(settings.annotations),
+        "trainer_version": settings.trainer_version,
+        "pod": _pod_fields(settings),
+        "suspend": settings.suspend,
+        **({"deadline": settings.timeout} if settings.timeout else {}),  # a KFP input holds no None
         "poll_seconds": POLL_SECONDS,
+    }
+
+
+def _pod_fields(settings: StageSettings) -> dict[str, Any]:
+    """The worker pods' placement in Kubernetes' own form: nodeSelector, tolerations, volumes and their mounts."""
+    from .cluster import SHM_MOUNT
+
+    volumes = [{"name": f"pvc-{i}", "persistentVolumeClaim": {"claimName": v.pvc}} for i, v in enumerate(settings.volumes)]
+    mounts = [
+        {"name": f"pvc-{i}", "mountPath": v.mount_path, **({"subPath": v.sub_path} if v.sub_path else {})}
+        for i, v in enumerate(settings.volumes)
+    ]
+    if settings.shm_size:
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}})
+        mounts.append({"name": "shm", "mountPath": SHM_MOUNT})
+    tolerations = [{_CAMEL.get(k, k): v for k, v in t.model_dump(exclude_none=True).items()} for t in settings.tolerations]
+    fields = {"nodeSelector": dict(settings.node_selector), "tolerations": tolerations, "volumes": volumes}
+    return {k: v for k, v in fields.items() if v} | ({"volumeMounts": mounts} if mounts else {})
+
+
+_CAMEL = {"toleration_seconds": "tolerationSeconds"}
+
+
+def pod_patch(template: Mapping[str, Any]) -> dict[str, Any]:
+    """The TrainJob spec fields that carry the worker pods' metadata and placement, for the template's Trainer release
+    (see the module docstring); empty when there is nothing to send."""
+    pod = dict(template.get("pod") or {})
+    mounts = pod.pop("volumeMounts", None)
+    spec = {**pod, **({"containers": [{"name": TARGET, "volumeMounts": mounts}]} if mounts else {})}
+    metadata = {k: dict(template[k]) for k in ("labels", "annotations") if template.get(k)}
+    version = template.get("trainer_version", "2.2")
+    if version == "2.0":
+        out: dict[str, Any] = {k: v for k, v in metadata.items()}  # spec.labels/annotations: the JobSet and its Jobs
+        if spec:
+            out["podSpecOverrides"] = [{"targetJobs": [{"name": TARGET}], **spec}]
+        return out
+    if not spec and not metadata:
+        return {}
+    pod_template = {**({"metadata": metadata} if metadata else {}), **({"spec": spec} if spec else {})}
+    if version == "2.1":
+        return {"podTemplateOverrides": [{"targetJobs": [{"name": TARGET}], **pod_template}]}
+    job = {"name": TARGET, "template": {"spec": {"template": pod_template}}}
+    return {
+        "runtimePatches": [{"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [job]}}}}]
     }
 
 
@@ -140,15 +197,16 @@ def trainjob(template: Mapping[str, Any], name: str, spec: Mapping[str, Any], wo
     }
     if template["annotations"]:
         metadata["annotations"] = dict(template["annotations"])
-    return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": KIND,
-        "metadata": metadata,
-        "spec": {
-            "runtimeRef": {"name": template["runtime"], "apiGroup": GROUP, "kind": "ClusterTrainingRuntime"},
-            "trainer": trainer,
-        },
+    spec: dict[str, Any] = {
+        "runtimeRef": {"name": template["runtime"], "apiGroup": GROUP, "kind": "ClusterTrainingRuntime"},
+        "trainer": trainer,
+        **pod_patch(template),
     }
+    if template.get("suspend"):
+        spec["suspend"] = True
+    if template.get("deadline") and template.get("trainer_version", "2.2") not in ("2.0", "2.1"):
+        spec["activeDeadlineSeconds"] = int(template["deadline"])
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": metadata, "spec": spec}
 
 
 def run_search_job(
@@ -242,7 +300,7 @@ class _TrainJob:
             ended = _condition(job, ("Complete", "Failed"))
             if ended is not None:
                 return ended
-            state = (_condition(job, ("Suspended", "Created")) or {}).get("reason") or "pending"
+            state = _progress(job)
             if state != seen:
                 log.info("%s: %s", self.where, state)
                 seen = state
@@ -307,6 +365,19 @@ class _TrainJob:
                 f"pods in {self.namespace} ({detail})"
             )
         return EvoESAPError(f"the Kubernetes API could not {verb} {self.where} (HTTP {exc.status}): {detail}")
+
+
+def _progress(job: Mapping[str, Any] | None) -> str:
+    """What a running job is doing, as Trainer v2 reports it: suspended (waiting for admission), else its Jobs' pod
+    counts (`status.jobsStatus`), else pending."""
+    suspended = _condition(job, ("Suspended",))
+    if suspended is not None:
+        return f"suspended ({suspended.get('reason') or 'Suspended'}): waiting for admission"
+    jobs = ((job or {}).get("status") or {}).get("jobsStatus") or []
+    if not jobs:
+        return "pending"
+    counts = {k: sum(int(j.get(k) or 0) for j in jobs) for k in ("ready", "active", "succeeded", "failed")}
+    return "running: " + ", ".join(f"{n} {k}" for k, n in counts.items() if n) if any(counts.values()) else "pending"
 
 
 def _condition(job: Mapping[str, Any] | None, types: tuple[str, ...]) -> dict[str, Any] | None:

@@ -16,6 +16,8 @@ def pytest_configure(config):
     from evoesap.machine import runtime
 
     runtime.use_cpu_threads(parameters=0)
+    # the weights' digests (`evoesap.store.digest_cache`) of this session's stage processes, never the user's own cache
+    os.environ.setdefault("EVOESAP_DIGEST_CACHE", str(REPO / ".cache" / "digests.sqlite"))
 
 
 def needs_world(item: pytest.Item) -> bool:

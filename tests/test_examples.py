@@ -11,7 +11,7 @@ import yaml
 import evoesap
 from evoesap.store import artifacts
 from evoesap import moe
-from evoesap.records.facts import facts
+from evoesap.records.facts import facts, task_scores
 from evoesap.errors import ConfigError
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
@@ -144,11 +144,12 @@ def test_team_pipeline_compiles_with_evoesap_as_a_sub_pipeline(tmp_path):
     )
     spec = yaml.safe_load((tmp_path / "team.yaml").read_text())
     root = spec["root"]["dag"]["tasks"]
-    assert set(root) == {"train", "evoesap-demo-stages", "publish"}
+    assert set(root) == {"train", "evoesap-demo-stages", "release-notes"}
     model = root["evoesap-demo-stages"]["inputs"]["artifacts"]["model"]["taskOutputArtifact"]
     assert model == {"outputArtifactKey": "model", "producerTask": "train"}
-    handed = root["publish"]["inputs"]["artifacts"]["pruned_models"]["taskOutputArtifact"]
-    assert handed == {"outputArtifactKey": "pruned_models", "producerTask": "evoesap-demo-stages"}
+    for name in ("pruned_models", "pruned_metrics"):
+        handed = root["release-notes"]["inputs"]["artifacts"][name]["taskOutputArtifact"]
+        assert handed == {"outputArtifactKey": name, "producerTask": "evoesap-demo-stages"}
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +191,10 @@ def test_team_pipeline_publishes_the_pruned_models_it_was_handed(team_run):
     kept = list(moe.inspect(moe.load_pruned(uri)).num_experts)  # the checkpoint itself, loaded independently
     release = first["release"]
     (published,) = release.metadata["models"]
-    assert published == {"uri": uri, "expert_counts": kept}
+    evaluated = [p for p in (team_run["root"] / "artifacts" / "evaluate").iterdir() if (p / "manifest.json").is_file()]
+    (evaluation,) = [p for p in evaluated if artifacts.read_manifest(str(p)).inputs["model"]["uri"] == uri]
+    scores = task_scores(str(evaluation))  # the pruned model's own evaluation, found in storage
+    assert published == {"uri": uri, "expert_counts": kept, "scores": scores} and scores
     assert f"experts per layer {kept}" in Path(release.path).read_text()
     trained = artifacts.read_manifest(uri).inputs["model"]["uri"]
     assert trained != team_run["base"] and Path(trained).is_dir()  # pruned from the train step's output
@@ -226,3 +230,128 @@ def test_deleted_checkpoint_and_report_are_made_again_not_reported_from_a_cache(
 def _only(team_run, stage: str) -> str:
     (name,) = [p.name for p in (team_run["root"] / "artifacts" / stage).iterdir() if (p / "manifest.json").exists()]
     return name
+
+
+def _tree_digest(path: Path) -> dict[str, str]:
+    import hashlib
+
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_release_run_with_the_same_model_at_a_new_uri_reuses_every_stage(tmp_path):
+    """Two runs of the team pipeline without kfp.local's cache, as two scheduled release runs: the train step runs
+    again and writes a byte-identical model at a new URI; EvoESAP's second run makes nothing again (its log
+    says it reused calibrate, both teacher caches, the search, the prunes and evaluations)."""
+    files = make_tiny_inputs(tmp_path / "inputs")
+    config = load_config(
+        {
+            "name": "team",
+            "model": files["model"],
+            "calibration_data": files["calibration"],
+            "search_data": files["search"],
+            "heldout_data": files["heldout"],
+            "criteria": ["reap"],
+            "sparsities": [0.5],
+            "storage_root": str(tmp_path / "artifacts"),
+            "pipeline_root": str(tmp_path / "kfp"),
+            "calibrate": {"samples": 8, "max_length": 128},
+            "cache_logits": {"samples": 8, "max_length": 128, "dtype": "float32"},
+            "search": {"population": 4, "elites": 2, "generations": 1, "batch_size": 8},
+            "evaluate": {"tasks": [files["tasks"]], "limit": 2, "batch_size": 4},
+        }
+    )
+    team = _team_module()
+    runs = []
+    for n in (1, 2):
+        log = tmp_path / f"run-{n}.log"
+        outputs = run_local(config, log, build=team.build_team_pipeline, arguments={"train_data": files["calibration"]})
+        (model,) = outputs["pruned_models"]
+        trained = artifacts.read_manifest(model.uri).inputs["model"]["uri"]
+        runs.append({"log": log.read_text(), "model": model.uri, "trained": Path(trained)})
+    first, second = runs
+    assert first["model"] == second["model"]  # the same content address
+    stored = artifacts.read_manifest(second["model"]).inputs["model"]["uri"]
+    assert stored == str(first["trained"])  # reused: its record still names the model it was made from
+    trained_again = sorted((tmp_path / "kfp").glob("*/train/model"))
+    assert len(trained_again) == 2 and trained_again[0] != trained_again[1]  # the train step ran twice, two URIs
+    assert _tree_digest(trained_again[0]) == _tree_digest(trained_again[1])  # byte-identical
+    reused = re.findall(r"(\S+): reusing the finished artifact at", second["log"])
+    assert sorted(reused) == sorted(["calibrate", "cache-logits", "cache-logits", "search", "prune", "prune", "evaluate",
+                                     "evaluate", "evaluate", "report"]), reused  # fmt: skip
+    assert not re.findall(r"(\S+): reusing the finished artifact at", first["log"])
+
+
+def image_layout(dockerfile: Path) -> dict[str, set[str]]:
+    """What an image holds, read from its Dockerfile: the venvs it creates, and every directory it creates or copies
+    into (venvs, WORKDIRs, COPY destinations), plus the absolute paths its ENV names."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    venvs = set(re.findall(r"python3? -m venv (/\S+)", text))
+    dirs, workdir = set(venvs), "/"
+    for instruction, argument in re.findall(r"^(WORKDIR|COPY) (.*)$", text, flags=re.M):
+        if instruction == "WORKDIR":
+            workdir = argument.strip()
+            dirs.add(workdir)
+        else:
+            dest = argument.split()[-1]
+            dirs.add(str(Path(workdir) / dest))
+    env = set(re.findall(r"\b[A-Z_]+=(/[^\s:$]+)", " ".join(re.findall(r"^ENV (.*)$", text, flags=re.M))))
+    return {"venvs": venvs, "dirs": dirs, "env": env}
+
+
+def _image_path_problem(path: str, layout: dict[str, set[str]]) -> str | None:
+    python = re.match(r"(.*)/bin/python[\d.]*$", path)
+    if python:
+        return None if python.group(1) in layout["venvs"] else f"{path}: the image has no venv at {python.group(1)}"
+    inside = any(path == d or path.startswith(d.rstrip("/") + "/") for d in layout["dirs"] | layout["env"])
+    return None if inside else f"{path}: the image neither creates nor copies anything there"
+
+
+def test_the_images_layout_is_read_from_their_dockerfiles():
+    for name in ("Dockerfile", "Dockerfile.cuda"):
+        layout = image_layout(ROOT / "images" / name)
+        assert {"/opt/venv", "/opt/vllm", "/opt/quantize"} <= layout["venvs"], layout
+        assert "/opt/quantize/bin/python" in layout["env"] and "/opt/evoesap" in layout["dirs"]
+        assert _image_path_problem("/opt/venv-quantize/bin/python", layout) is not None  # the path an example once named
+        assert _image_path_problem("/opt/quantize/bin/python", layout) is None
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_every_image_path_an_example_names_exists_in_the_image_its_stage_runs(path):
+    """Absolute paths in a stage's environment (an interpreter, a directory) must be in the image that stage runs:
+    images/Dockerfile.cuda for a `stage-cuda` image, images/Dockerfile otherwise."""
+    config = load_config(path)
+    layouts = {name: image_layout(ROOT / "images" / name) for name in ("Dockerfile", "Dockerfile.cuda")}
+    checked = 0
+    for stage, settings in config.resources.items():
+        image = config.stage_image(stage) if stage != "all" else config.default_image
+        layout = layouts["Dockerfile.cuda" if "/stage-cuda:" in image else "Dockerfile"]
+        for variable, value in (settings.env or {}).items():
+            if str(value).startswith("/"):
+                checked += 1
+                assert _image_path_problem(str(value), layout) is None, f"resources.{stage}.env.{variable}"
+    if path.stem == "olmoe-1b-7b-instruct":
+        assert checked, "the example's quantize interpreter was not checked"
+
+
+def test_local_runs_run_each_step_in_this_environment_not_a_fresh_venv(monkeypatch, tmp_path):
+    """KFP's SubprocessRunner() defaults to use_venv=True: each step in a new venv without EvoESAP, where the first
+    step fails ("No module named 'kfp.dsl'"). run_local, the helper the README shows for team pipelines, turns it off."""
+    from kfp import local
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def init(runner, **kwargs):
+        seen["runner"] = runner
+        raise Stop
+
+    monkeypatch.setattr(local, "init", init)
+    demo = {k: v for k, v in yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text()).items() if k != "quantize"}
+    config = load_config({**demo, "model": "org/name"})
+    with pytest.raises(Stop):
+        run_local(config, build=_team_module().build_team_pipeline, arguments={"train_data": "x"})
+    assert isinstance(seen["runner"], local.SubprocessRunner) and seen["runner"].use_venv is False
+    assert local.SubprocessRunner().use_venv is True  # KFP's own default, the reason for the above

@@ -57,19 +57,53 @@ def test_a_hub_name_is_identified_by_its_resolved_revision(monkeypatch):
     )
 
 
-def test_a_checkpoint_is_identified_without_reading_its_weights(tiny_artifacts, tmp_path, monkeypatch):
-    model = tmp_path / "model"
+def test_a_checkpoint_moved_elsewhere_keeps_its_identity_and_its_weights_are_hashed_once(tiny_artifacts, tmp_path, monkeypatch):
+    """The weights count as large here: hashed through the digest cache, once per file version, across processes
+    (the in-process cache cleared); a byte-identical copy at a new path keys the same; a change in place does not."""
+    from evoesap.store import digest_cache
+
+    monkeypatch.setenv("EVOESAP_DIGEST_CACHE", str(tmp_path / "digests.sqlite"))
+    monkeypatch.setattr(identity, "SMALL_FILE_BYTES", 1 << 10)
+    model = tmp_path / "run-1" / "model"
     shutil.copytree(tiny_artifacts["model"], model)
-    monkeypatch.setattr(identity, "SMALL_FILE_BYTES", 1 << 10)  # the tiny weights count as large here
     read = []
-    real_sha = identity._sha256
-    monkeypatch.setattr(identity, "_sha256", lambda fs, path: read.append(Path(path).name) or real_sha(fs, path))
+    real = identity.stream_sha256
+    monkeypatch.setattr(identity, "stream_sha256", lambda fs, path: read.append(Path(path).name) or real(fs, path))
     record, digest = identity.identify(str(model))
-    assert "model.safetensors" not in read and "config.json" in read
-    weights = record["files"]["model.safetensors"]
-    assert set(weights) == {"size", "mtime"} and weights["size"] == (model / "model.safetensors").stat().st_size
-    (model / "config.json").write_text((model / "config.json").read_text() + " ")
-    assert identity.identify(str(model))[1] != digest
+    weights = model / "model.safetensors"
+    assert record["files"]["model.safetensors"] == {
+        "size": weights.stat().st_size,
+        "sha256": hashlib.sha256(weights.read_bytes()).hexdigest(),
+    }
+    assert read.count("model.safetensors") == 1
+    identity._local_sha256.cache_clear()  # another process: the digest comes from the table
+    assert identity.identify(str(model))[1] == digest and read.count("model.safetensors") == 1
+    assert digest_cache.location() == tmp_path / "digests.sqlite"
+
+    moved = tmp_path / "run-2" / "model"  # what a team's Output[Model] is in the next KFP run: other path, same bytes
+    shutil.copytree(model, moved)
+    assert identity.identify(str(moved))[1] == digest
+    key = lambda path: artifacts.cache_key("calibrate", {}, artifacts.describe_inputs({"model": str(path)}))  # noqa: E731
+    assert key(moved) == key(model)
+    assert artifacts.describe_inputs({"model": str(moved)})["model"]["uri"] == str(moved)  # the manifest keeps where
+
+    tensors = weights.read_bytes()
+    flipped = tensors[:-1] + bytes([tensors[-1] ^ 1])  # same size, one bit of the last tensor
+    weights.write_bytes(flipped)
+    identity._local_sha256.cache_clear()
+    assert identity.identify(str(model))[1] != digest and key(model) != key(moved)
+    (model / "config.json").write_text((moved / "config.json").read_text() + " ")
+    assert identity.identify(str(model))[1] != identity.identify(str(moved))[1]
+
+
+def test_without_a_writable_digest_cache_the_weights_are_still_identified(tiny_artifacts, tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("EVOESAP_DIGEST_CACHE", str(blocked / "digests.sqlite"))  # its parent is a file
+    monkeypatch.setattr(identity, "SMALL_FILE_BYTES", 1 << 10)
+    record, _ = identity.identify(tiny_artifacts["model"])
+    weights = Path(tiny_artifacts["model"]) / "model.safetensors"
+    assert record["files"]["model.safetensors"]["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
 
 
 # ------------------------------------------------------------------------------------- hub revisions

@@ -57,6 +57,52 @@ def test_an_object_store_artifact_is_the_output_locally_and_a_view_under_an_obje
     assert fs.cat_file(f"{bucket}/evoesap/cache-logits/k/model.safetensors") == WEIGHTS["model.safetensors"]
 
 
+def test_opted_in_a_model_under_an_object_store_pipeline_root_holds_the_whole_checkpoint_at_model_path(
+    tmp_path, s3, tiny_artifacts, monkeypatch
+):
+    """A consumer that reads only `model.path` finds a view there by default (no weights); with
+    EVOESAP_COPY_MODELS=1 the whole stored checkpoint, byte for byte, which loads as the same model."""
+    import torch
+
+    from evoesap import moe
+    from evoesap.components.kfp_artifacts import COPY_MODELS
+
+    _, fs, bucket = s3
+    checkpoint = Path(tiny_artifacts["pruned"])  # a searched prune artifact, stored in the object store
+    fs.put(str(checkpoint), f"{bucket}/evoesap/prune/k", recursive=True)
+    uri = f"s3://{bucket}/evoesap/prune/k"
+    stored = {str(p.relative_to(checkpoint)): p.read_bytes() for p in checkpoint.rglob("*") if p.is_file()}
+
+    def cluster_output(name: str) -> dsl.Model:
+        model = dsl.Model(name="pruned", uri=f"s3://{bucket}/pipeline-root/p/{name}/prune/pruned")
+        model.set_path(str(tmp_path / name / "pruned"))  # the pod's local directory, which the launcher uploads
+        return model
+
+    from evoesap.records import facts
+
+    monkeypatch.setattr(facts.export_small_files, "__defaults__", (1024,))  # the tiny weights count as large here
+    view = cluster_output("run-1")
+    publish(view, uri)
+    assert "model.safetensors" not in {p.name for p in Path(view.path).iterdir()}  # what a consumer would miss
+    with pytest.raises(Exception):
+        moe.load_pruned(view.path)
+
+    monkeypatch.setenv(COPY_MODELS, "1")
+    whole = cluster_output("run-2")
+    publish(whole, uri)
+    assert whole.uri == f"s3://{bucket}/pipeline-root/p/run-2/prune/pruned" and whole.metadata["uri"] == uri
+    copied = Path(whole.path)
+    assert {str(p.relative_to(copied)): p.read_bytes() for p in copied.rglob("*") if p.is_file()} == stored
+    ids = torch.tensor([[5, 6, 7, 8]])
+    logits = moe.load_pruned(whole.path, dtype=torch.float32)(input_ids=ids).logits
+    assert torch.equal(logits, moe.load_pruned(str(checkpoint), dtype=torch.float32)(input_ids=ids).logits)
+
+    other = dsl.Dataset(name="cache", uri=f"s3://{bucket}/pipeline-root/p/run-2/cache-logits/cache")
+    other.set_path(str(tmp_path / "run-2" / "cache"))
+    publish(other, uri)  # the opt-in is for models: any other artifact stays a view
+    assert "model.safetensors" not in {p.name for p in Path(other.path).iterdir()}
+
+
 # ------------------------------------------------------------------ a kfp.local pipeline and a consumer that knows nothing of EvoESAP
 
 

@@ -125,7 +125,53 @@ def test_every_stage_takes_and_makes_artifacts_of_the_right_class(spec):
         assert _classes(component["inputDefinitions"]) == inputs, stage
         assert _classes(component["outputDefinitions"]) == outputs, stage
     assert seen == set(_ARTIFACTS)
-    assert _classes(spec["root"]["outputDefinitions"]) == ["HTML", "Markdown", "Model[]"]  # report, pruned models
+    # report (Markdown, HTML), the pruned models and their metrics, the full model's metrics
+    assert _classes(spec["root"]["outputDefinitions"]) == ["HTML", "Markdown", "Metrics", "Metrics[]", "Model[]"]
+
+
+def _producers(spec: dict, component: str, name: str) -> list[str]:
+    """The component names (numbering dropped) of the task outputs that the DAG output `name` of `component` selects,
+    followed through ParallelFor loops."""
+    selectors = spec["components"][component]["dag"]["outputs"]["artifacts"][name]["artifactSelectors"]
+    found = []
+    for selector in selectors:
+        task = spec["components"][component]["dag"]["tasks"][selector["producerSubtask"]]
+        inner = task["componentRef"]["name"]
+        if "dag" in spec["components"][inner]:
+            found += _producers(spec, inner, selector["outputArtifactKey"])
+        else:
+            found.append(f"{_stage(task)}.{selector['outputArtifactKey']}")
+    return found
+
+
+def test_the_sub_pipeline_hands_on_quantized_models_releases_and_metrics_typed(tmp_path):
+    config = _config(quantize={"recipe": "w4a16-gptq"}, publish_models=True, criteria=["reap"], sparsities=[0.5])
+    spec = yaml.safe_load(compile_pipeline(config, tmp_path / "pipeline.yaml").read_text())
+    outputs = spec["components"]["comp-evoesap-stages"]["outputDefinitions"]["artifacts"]
+    kinds = {name: _classes({"artifacts": {name: value}})[0] for name, value in outputs.items()}
+    assert kinds == {
+        "report": "Markdown",
+        "report_html": "HTML",
+        "pruned_models": "Model[]",
+        "pruned_metrics": "Metrics[]",
+        "full_metrics": "Metrics",
+        "quantized_models": "Model[]",
+        "quantized_metrics": "Metrics[]",
+        "released_models": "Model[]",
+    }
+    assert _classes(spec["root"]["outputDefinitions"]) == sorted(kinds.values())  # the standalone pipeline hands on all
+    expected = {
+        "pruned_models": ["prune.pruned"],
+        "pruned_metrics": ["evaluate.metrics"],
+        "full_metrics": ["evaluate.metrics"],
+        "quantized_models": ["quantize.quantized"],
+        "quantized_metrics": ["evaluate.metrics"],
+        "released_models": ["publish.published"],
+    }
+    assert {name: _producers(spec, "comp-evoesap-stages", name) for name in expected} == expected
+    tasks = spec["components"]["comp-evoesap-stages"]["dag"]["tasks"]
+    full = spec["components"]["comp-evoesap-stages"]["dag"]["outputs"]["artifacts"]["full_metrics"]["artifactSelectors"]
+    assert "model" in tasks[full[0]["producerSubtask"]]["inputs"]["artifacts"]  # the full model's evaluation
 
 
 def test_the_sub_pipeline_hands_on_the_searched_prune_outputs_with_no_importer_in_the_loop(spec):
@@ -297,3 +343,33 @@ def test_every_feasible_sparsity_compiles_and_an_unreadable_model_is_left_to_the
     compile_pipeline(_config(model=str(model), sparsities=[0.25]), tmp_path / "a.yaml")  # 3 allocations: searchable
     compile_pipeline(_config(model="/models/on-the-cluster-only", sparsities=[0.5]), tmp_path / "b.yaml")
     assert "not checked against /models/on-the-cluster-only" in caplog.text
+
+
+def test_compile_set_bakes_checked_parameter_defaults_and_a_bad_one_writes_nothing(tmp_path, capsys):
+    """`pipeline compile --set` takes submit's pairs: the compiled defaults carry them (a stage field on top of the
+    configured ones); a value the stage refuses stops before anything is written at --output."""
+    from evoesap.cli import main
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(_config().model_dump(mode="json", exclude_none=True)))
+    out = tmp_path / "spec.yaml"
+    sets = ["--set", "search_params.generations=7", "--set", "storage_root=s3://other/runs"]
+    assert main(["pipeline", "compile", str(config), "-o", str(out), *sets]) == 0
+    text = out.read_text()
+    assert text.startswith("# PIPELINE DEFINITION\n") and "# --set search_params.generations=7\n" in text
+    spec, *_ = yaml.safe_load_all(text)
+    parameters = spec["root"]["inputDefinitions"]["parameters"]
+    plain = tmp_path / "plain.yaml"
+    assert main(["pipeline", "compile", str(config), "-o", str(plain)]) == 0
+    compiled = next(yaml.safe_load_all(plain.read_text()))["root"]["inputDefinitions"]["parameters"]
+    assert parameters["search_params"]["defaultValue"] == {**compiled["search_params"]["defaultValue"], "generations": 7}
+    assert {k: v for k, v in parameters.items() if k not in ("search_params", "storage_root")} == {
+        k: v for k, v in compiled.items() if k not in ("search_params", "storage_root")
+    }
+    assert parameters["storage_root"]["defaultValue"] == "s3://other/runs"
+    assert main(["pipeline", "compile", str(config), "-o", str(out), "--set", "search_params.generations=7"]) == 0  # its own file
+    capsys.readouterr()
+    fresh = tmp_path / "fresh.yaml"
+    assert main(["pipeline", "compile", str(config), "-o", str(fresh), "--set", "search_params.generations=-1"]) != 0
+    assert "generations" in capsys.readouterr().err and not fresh.exists()
+    assert not list(tmp_path.glob(".fresh.yaml.partial-*"))

@@ -95,7 +95,7 @@ def _lineage_manifests(uris: list[str]) -> dict[str, str]:
 def test_card_metadata_is_the_hubs_and_every_number_comes_from_an_artifact(world, tmp_path):
     from huggingface_hub import ModelCard
 
-    text = _publish(world, tmp_path / "published")
+    text = _publish(world, tmp_path / "published", PublishParams(show_locations=True))
     meta, body = _split_card(text)
     assert ModelCard(text).data.to_dict() == meta  # huggingface_hub reads the same header
     assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
@@ -149,6 +149,51 @@ def test_card_metadata_is_the_hubs_and_every_number_comes_from_an_artifact(world
     assert "](density.png)" in body
 
 
+def test_a_public_card_names_no_internal_location_and_gives_the_hub_its_evaluation_results(world, tmp_path):
+    """By default the card names no path or bucket URI (the lineage tables keep each one's last part); its header
+    holds `model-index`: the published model's primary score per task, as the Hub's evaluation widget reads it."""
+    from huggingface_hub import ModelCard
+
+    text = _publish(world, tmp_path / "published")
+    roots = {str(Path(world[k]).parent) for k in ("model", "pruned", "evaluated_full", "calibration")}
+    assert not [root for root in roots if root in text], "an internal path is in the public card"
+    meta, body = _split_card(text)
+    shown = sorted(row[0] for row in _table(body, "Artifact"))
+    behind = _lineage_manifests([world[k] for k in ("pruned", "evaluated", "evaluated_full", "search_out", "report")])
+    assert shown == sorted("…/" + Path(uri).name for uri in behind)
+    primary = [r for r in records.read(world["evaluated"], records.MetricsRecord).to_json()["records"] if r["primary"]]
+    (index,) = meta["model-index"]
+    results = [(r["dataset"]["name"], r["metrics"][0]["type"], r["metrics"][0]["value"]) for r in index["results"]]
+    assert results == [(r["task"], r["metric"], r["value"]) for r in primary]
+    card_data = ModelCard(text).data
+    assert [(e.dataset_name, e.metric_type, e.metric_value) for e in card_data.eval_results] == results
+    assert "base_model_relation" not in meta  # pruning is none of the Hub's four relations
+    assert "datasets" not in meta  # the tiny world's data are local files, not Hub datasets
+
+
+def test_withheld_cuts_uris_and_paths_to_their_last_part_and_keeps_hub_names():
+    assert card.withheld("s3://bucket/team/evoesap/prune/abc") == "…/abc"
+    assert card.withheld("tasks=/home/me/tasks, x=1") == "tasks=…/tasks, x=1"
+    assert card.withheld("allenai/OLMoE-1B-7B-0125-Instruct") == "allenai/OLMoE-1B-7B-0125-Instruct"
+    assert card.withheld("file:///data/cal.jsonl") == "…/cal.jsonl"
+
+
+def test_a_base_model_whose_config_contradicts_the_checkpoint_s_is_refused_in_one_line(world, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    config = json.loads((Path(world["model"]) / "config.json").read_text())
+    served = tmp_path / "hub-config.json"
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name, **kw: str(served))
+    served.write_text(json.dumps({**config, "hidden_size": config["hidden_size"] * 2}))
+    with pytest.raises(ConfigError, match=r"base_model 'org/other' contradicts the config .*hidden_size") as refused:
+        run_publish(world["pruned"], [world["evaluated"]], PublishParams(base_model="org/other"), str(tmp_path / "a"))
+    assert "\n" not in str(refused.value) and not (tmp_path / "a").exists()
+    served.write_text(json.dumps(config))  # the base it was trained from: accepted, named on the card
+    run_publish(world["pruned"], [world["evaluated"]], PublishParams(base_model="org/base", license="mit"), str(tmp_path / "b"))
+    meta, _ = _split_card((tmp_path / "b" / "README.md").read_text())
+    assert meta["base_model"] == "org/base" and meta["license"] == "mit"
+
+
 def test_evaluation_table_puts_each_models_value_and_stderr_in_its_column():
     def metrics(value: float, stderr: float | None) -> list[records.TaskMetric]:
         return [records.TaskMetric("gsm8k", "math", "exact_match", "strict", value, stderr, samples=1319, primary=True)]
@@ -165,7 +210,9 @@ def test_a_quantized_checkpoint_is_published_with_its_recipe_bytes_and_lineage_t
     q = tiny_quantized
     evaluations = [q["evaluated_quantized"], q["evaluated"], q["evaluated_full"]]
     out = tmp_path / "published"
-    run_publish(q["pruned"], evaluations, PublishParams(), str(out), search=q["search_out"], quantized=q["quantized"])
+    run_publish(
+        q["pruned"], evaluations, PublishParams(show_locations=True), str(out), search=q["search_out"], quantized=q["quantized"]
+    )
     text = (out / "README.md").read_text()
     meta, body = _split_card(text)
     assert ModelCard(text).data.to_dict() == meta

@@ -272,3 +272,15 @@ def test_a_quantize_stage_starting_beside_a_running_worker_leaves_its_files_alon
     assert quantize_env.run_worker("python", {"recipe": {"name": "fp8-dynamic"}}, threads=1) == {"done": True}
     assert quantize_env.run_worker("python", {"recipe": {"name": "fp8-dynamic"}}) == {"done": True}
     assert threads == ["1", None]  # one thread for a tiny model on the CPU, else torch's own count
+
+
+def test_a_quantized_release_opens_in_plain_transformers_but_does_not_save_again(tiny_quantized, tmp_path):
+    """What the README says of a quantized release in plain transformers: it opens (its modeling file, with
+    trust_remote_code) and runs, but save_pretrained fails inside transformers (reverting its weight conversion
+    over the compressed-tensors weights), so a release is copied as files, never re-saved from a loaded model.
+    Should transformers fix it, this fails and the README's qualification goes."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_quantized["quantized"], trust_remote_code=True)
+    logits = model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits  # [1, 4, V]
+    assert torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match="Undefined Operation"):
+        model.save_pretrained(tmp_path / "saved")

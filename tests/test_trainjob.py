@@ -127,8 +127,13 @@ def test_one_worker_keeps_the_plain_search_task(tmp_path):
 @pytest.mark.parametrize(
     ("search", "resources", "message"),
     [
-        ({"workers": 2}, {"search": {"node_selector": {"pool": "gpu"}}}, "node_selector cannot reach the pods of a multi-worker"),
-        ({"workers": 2}, {"all": {"shm_size": "8Gi"}}, "shm_size .*ClusterTrainingRuntime 'torch-distributed'"),
+        (
+            {"workers": 2},
+            {"search": {"node_affinity": [{"match_expressions": [{"key": "pool", "operator": "Exists"}]}]}},
+            "node_affinity cannot reach the pods of a multi-worker",
+        ),
+        ({"workers": 2}, {"all": {"scratch": {"size": "8Gi"}}}, "scratch .*ClusterTrainingRuntime 'torch-distributed'"),
+        ({"workers": 1}, {"prune": {"suspend": True}}, "resources.prune.suspend: only the search runs as a multi-worker"),
         ({"workers": 3}, {"search": GPU_NODES}, "workers 3 is not a multiple of the 2 workers per node"),
         (
             {"workers": 2, "gpus_per_worker": 4, "device_map": "auto"},
@@ -186,13 +191,14 @@ class KubeAPI(JsonHandler):
         if isinstance(state, int):
             self._reply({"kind": "Status", "message": "etcdserver: request timed out", "code": state}, state)
             return
-        conditions = [{"type": "Created", "status": "True", "reason": "JobSetCreated"}]
+        conditions = []  # Trainer v2's condition types: Suspended, Complete, Failed (no Created)
         if state == "Complete" and KubeAPI.on_complete is not None:
             KubeAPI.on_complete(KubeAPI.existing)
             KubeAPI.on_complete = None
         if state in ("Complete", "Failed"):
             conditions.append({"type": state, "status": "True", **(self.failure if state == "Failed" else {})})
-        self._reply({**KubeAPI.existing, "status": {"conditions": conditions}})
+        jobs = [{"name": "node", "active": 2, "ready": 2, "succeeded": 0, "failed": 0}] if state == "" else []
+        self._reply({**KubeAPI.existing, "status": {"conditions": conditions, "jobsStatus": jobs}})
 
     def do_DELETE(self):  # noqa: N802
         self.requests.append(("DELETE", self.path, self._body()))

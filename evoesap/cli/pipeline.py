@@ -16,14 +16,28 @@ app.add_typer(pipeline_app, name="pipeline")
 def compile_cmd(
     config: Path = typer.Argument(..., help="Pipeline YAML configuration."),
     output: Path = typer.Option(Path("pipeline.yaml"), "--output", "-o", help="Where to write the KFP spec."),
+    overrides: list[str] = typer.Option(
+        [], "--set", help="Compile a pipeline parameter's default, key=value (repeatable; as submit's --set)."
+    ),
 ) -> None:
-    """Compile the DAG to a KFP pipeline spec.  Example: evoesap pipeline compile demo.yaml -o pipeline.yaml"""
+    """Compile the DAG to a KFP pipeline spec.  Example: evoesap pipeline compile demo.yaml -o pipeline.yaml --set search_params.generations=100"""
+    import os
+    import tempfile
+
     from evoesap.pipeline.config import load_config
     from evoesap.pipeline.dag import compile_pipeline
     from evoesap.pipeline.files import SPEC_MARKER, claim_output_file
+    from evoesap.pipeline.submit import bake_defaults, parse_overrides
 
     claim_output_file(output, "--output", SPEC_MARKER, inputs=(config,))
-    typer.echo(str(compile_pipeline(load_config(config), output)))
+    values = parse_overrides(overrides)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.partial-") as tmp:
+        staged = compile_pipeline(load_config(config), Path(tmp) / output.name)
+        if values:
+            bake_defaults(staged, values)  # a bad --set stops here: nothing is written at --output
+        os.replace(staged, output)
+    typer.echo(str(output))
 
 
 @pipeline_app.command("components")

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import yaml
 
-from evoesap.store import lineage
+from evoesap.store import identity, lineage
 from evoesap.reporting import render
 from evoesap.reporting import report as rp
 from evoesap.store.lineage import Lineage
@@ -51,21 +52,59 @@ class Evidence:
 
 
 def metadata(evidence: Evidence) -> dict[str, Any]:
-    """The card's YAML header: the keys the Hub reads (base model, license, library, pipeline, tags)."""
-    from huggingface_hub import ModelCardData
+    """The card's YAML header: the keys the Hub reads (base model and relation, license, datasets, library, pipeline,
+    tags, and `model-index`: the published model's primary score per task, which the Hub shows as its evaluation
+    results). The Hub knows four relations (adapter, merge, quantized, finetune): a quantized release says
+    `quantized`; pruning is none of them, so a pruned-only release names its base without a relation."""
+    from huggingface_hub import EvalResult, ModelCardData
 
     family = evidence.published_eval.experts.family
     tags = ["evoesap", "expert-pruning", "mixture-of-experts", family, evidence.pruning.criterion]
     if evidence.quantization is not None:
         tags += ["compressed-tensors", evidence.quantization.recipe]
+    results = [
+        EvalResult(
+            task_type="text-generation",
+            dataset_type=row.task,
+            dataset_name=row.task,
+            metric_type=row.metric,
+            metric_value=row.value,
+        )
+        for row in evidence.published_eval.records
+        if row.primary
+    ]
     data = ModelCardData(
+        model_name=_name(evidence) if results else None,
         base_model=evidence.base_model,
+        base_model_relation="quantized" if evidence.quantization is not None and evidence.base_model else None,
+        datasets=datasets(evidence.lineage) or None,
+        eval_results=results or None,
         library_name="transformers",
         pipeline_tag="text-generation",
         tags=list(dict.fromkeys(tags)),
         **dict(evidence.license),
     )
     return data.to_dict()
+
+
+def datasets(walked: Lineage) -> list[str]:
+    """The Hub datasets the model was calibrated, searched or quantized on (data sources named org/name)."""
+    named = (identity.hub_model(s.uri) for s in walked.sources if s.name != "model" and not identity.is_uri(s.uri))
+    return sorted({ref[0] for ref in named if ref is not None})
+
+
+_LOCATION = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s,;|`)]+|(?<![\w.])/[^\s,;|`)]+")
+
+
+def withheld(text: str) -> str:
+    """`text` with every URI and absolute path cut to its last part, for a card meant for the public."""
+    return _LOCATION.sub(lambda m: "…/" + m.group(0).rstrip("/").rsplit("/", 1)[-1], text)
+
+
+def _public(table: Table) -> Table:
+    return dataclasses.replace(
+        table, rows=tuple(tuple(dataclasses.replace(c, text=withheld(c.text)) for c in row) for row in table.rows)
+    )
 
 
 def write_density(pruning: PruningRecord, path: Path) -> None:
@@ -210,8 +249,9 @@ def _name(evidence: Evidence) -> str:
     return title + (f", quantized ({evidence.quantization.recipe})" if evidence.quantization else "")
 
 
-def render_card(evidence: Evidence, digits: int = 3) -> str:
-    """README.md: the Hub's YAML metadata header, then the card's Markdown."""
+def render_card(evidence: Evidence, digits: int = 3, show_locations: bool = False) -> str:
+    """README.md: the Hub's YAML metadata header, then the card's Markdown. Without `show_locations` the lineage
+    tables name no path or bucket URI (each cut to its last part: `withheld`); hub names stay."""
     from evoesap.registry import NAMES
 
     pruning, experts = evidence.pruning, evidence.published_eval.experts
@@ -255,5 +295,7 @@ def render_card(evidence: Evidence, digits: int = 3) -> str:
         "software": rp.software_table(lineage.software(evidence.lineage.nodes)),
         "artifacts": rp.artifacts_table(evidence.lineage.nodes, {}),
     }
+    if not show_locations:
+        context.update({k: _public(context[k]) for k in ("sources", "configuration", "artifacts")})
     header = yaml.safe_dump(metadata(evidence), sort_keys=False, allow_unicode=True)
     return f"---\n{header}---\n\n" + render.model_card(context)

@@ -49,7 +49,10 @@ class PublishParams(StageParams):
         "License of the base model when its card names none (a license on the base "
         "model's card is carried and cannot be changed).",
     )
-    digits: int = param(3, "Decimals in the evaluation table.", ge=1, le=8)
+    digits: int = param(3, "Decimals in the evaluation table.")
+    show_locations: bool = param(
+        False, "Write the inputs' and artifacts' paths and URIs into the card (internal locations; off for a public card)."
+    )
 
     def __post_init__(self) -> None:
         for name in ("repo", "base_model"):
@@ -179,6 +182,8 @@ def _base(entry: Mapping[str, Any], params: PublishParams) -> tuple[str | None, 
             f"base_model {params.base_model!r} contradicts the model the checkpoint was pruned from "
             f"({named}): leave base_model unset"
         )
+    if params.base_model and not named:
+        _check_base_config(params.base_model, entry)
     carried = {k: str(v) for k, v in _base_card(entry).items() if k in card.LICENSE_KEYS and v}
     if params.license and carried.get("license") not in (None, params.license):
         raise ConfigError(
@@ -190,6 +195,31 @@ def _base(entry: Mapping[str, Any], params: PublishParams) -> tuple[str | None, 
     if not carried:
         log.warning("the base model's card names no license and none was given (--license): the card says so")
     return named or params.base_model, carried
+
+
+# config.json fields a checkpoint shares with the model it was trained or pruned from (expert counts change in pruning)
+_SHAPE = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads")
+
+
+def _check_base_config(base_model: str, entry: Mapping[str, Any]) -> None:
+    """Refuse a `base_model` whose config.json contradicts the shape of the model the checkpoint was pruned from (a
+    team's own model, by path or URI); when either config cannot be read, warn and go on."""
+    try:
+        from huggingface_hub import hf_hub_download
+
+        ours = json.loads(artifacts.read_bytes(artifacts.join(entry["uri"], "config.json")))
+        theirs = json.loads(Path(hf_hub_download(base_model, "config.json")).read_text())
+    except Exception as exc:  # noqa: BLE001 - the check needs both configs; without one it is skipped, said once
+        log.warning(
+            "base_model %s was not checked against the pruned model's config (%s: %s)", base_model, type(exc).__name__, exc
+        )
+        return
+    differ = [f"{k} {ours.get(k)!r} vs {theirs.get(k)!r}" for k in _SHAPE if k in ours and k in theirs and ours[k] != theirs[k]]
+    if differ:
+        raise ConfigError(
+            f"base_model {base_model!r} contradicts the config of the model the checkpoint was pruned from "
+            f"({'; '.join(differ)}): give the hub name it was trained from, or leave base_model unset"
+        )
 
 
 def _copy_payload(uri: str, manifest: artifacts.Manifest, dest: Path, skip: tuple[str, ...] = ()) -> None:
@@ -242,7 +272,9 @@ def run_publish(
     }
     to_seen, secret = _check_targets(params, out_uri, inputs, planned)
     evidence = _evidence(inputs, matched, checkpoint, checkpoint_manifest, report_manifest, params)
-    text = card.render_card(evidence, params.digits)  # rendered before the copy: a broken record stops here
+    text = card.render_card(
+        evidence, params.digits, params.show_locations
+    )  # rendered before the copy: a broken record stops here
     push = _pusher(params, to_seen, secret, evidence)
     with artifacts.stage_output(out_uri, "publish", keyed(params), inputs, seen, before_publish=push) as staging:
         _copy_payload(checkpoint, checkpoint_manifest, staging, skip=(CARD_FILE,))  # the base model's card, which ours replaces

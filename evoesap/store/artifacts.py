@@ -273,9 +273,11 @@ def describe_inputs(inputs: Mapping[str, str | None]) -> dict[str, dict[str, Any
 
 
 def cache_key(stage: str, params: Mapping[str, Any], inputs: Mapping[str, Mapping[str, Any]]) -> str:
-    """Hash of what determines a stage's output: its name, parameters and inputs' identities."""
+    """Hash of what determines a stage's output: its name, parameters and inputs' identities (content, not the
+    URI they were read from: a byte-identical model that KFP put at a new URI reuses; the manifest keeps the URI)."""
+    identities = {name: {k: v for k, v in dict(described).items() if k != "uri"} for name, described in inputs.items()}
     payload = json.dumps(
-        {"stage": stage, "params": dict(params), "inputs": {k: dict(v) for k, v in inputs.items()}},
+        {"stage": stage, "params": dict(params), "inputs": identities},
         sort_keys=True,
         default=str,
     )

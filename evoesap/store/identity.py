@@ -5,16 +5,17 @@ One function, `identify(uri)`, gives a JSON-able record and its digest for any i
 - one of our artifacts (a directory with manifest.json): the sha256 of its manifest, which lists the
   sha256 of every payload file;
 - a local file: its size and sha256;
-- a local directory (a checkpoint the user made): the sha256 of every small file (config.json, the
-  tokenizer files, the safetensors index) and the size and modification time of each large one (the
-  weights: a 60 GB checkpoint is never read to identify it);
+- a local directory (a checkpoint the user made): the size and sha256 of every file, the large ones (the
+  weights) hashed once per file version and remembered across processes (`evoesap.store.digest_cache`), so a
+  byte-identical checkpoint at a new path (a team's `Output[Model]` in each KFP run) has the same identity;
 - an object-store file or directory (s3://, gs://, ...): per file its size and the store's own content
   identity (ETag, version id or generation); files without one are hashed when small;
 - a hub name (`org/name`, or `org/name@revision` pinned to a branch, tag or commit): the commit it
   resolves to now.
 
 Both the reuse key (`artifacts.cache_key`) and the manifest record these, so an input changed in place at
-the same URI makes the stage run again. A name that is neither an existing path nor of the form
+the same URI makes the stage run again; the key holds the identity alone, never the URI, so the same content
+at another URI reuses. A name that is neither an existing path nor of the form
 `org/name` is refused here, so a mistyped path never goes to the hub.
 
 `locate` is where every loader (from_pretrained, the shard reader, lm-eval's vLLM) learns what to ask the hub
@@ -35,10 +36,11 @@ from typing import Any, Callable
 import fsspec
 from fsspec.core import url_to_fs
 
+from evoesap.store import digest_cache
 from evoesap.errors import ConfigError, DataError
 
 MANIFEST = "manifest.json"
-SMALL_FILE_BYTES = 16 << 20  # files up to this size are hashed; larger ones (weights) are identified by metadata
+SMALL_FILE_BYTES = 16 << 20  # local files above this are hashed through the digest cache; remote ones: store metadata
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _REVISION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/+-]*$")  # a branch, tag, commit or refs/pr/N
 _STORE_KEYS = ("ETag", "etag", "VersionId", "version_id", "generation", "md5Hash", "crc32c")
@@ -195,14 +197,16 @@ def _record(uri: str, repo_type: str) -> dict[str, Any]:
 
 
 def _file(fs: Any, path: str, local: bool, always_hash: bool = False) -> dict[str, Any]:
-    """Size plus the sha256 (small files, or `always_hash`), else the store's identity or the mtime."""
+    """Size plus the sha256 (local files, small remote ones, or `always_hash`), else the store's identity or the mtime."""
     if local:
         refuse_special(path)  # never hashed: it could block or never end
     info = fs.info(path)
     size = int(info.get("size") or 0)
     entry: dict[str, Any] = {"size": size}
     store = {k: str(info[k]) for k in _STORE_KEYS if info.get(k) is not None} if not local else {}
-    if always_hash and (local or not store):
+    if local and size > SMALL_FILE_BYTES:
+        entry["sha256"] = digest_cache.sha256(path, _sha256_local_file)
+    elif always_hash and (local or not store):
         entry["sha256"] = _sha256(fs, path)
     elif store:
         entry.update(store)
@@ -225,6 +229,10 @@ def _local_sha256(path: str, size: int, mtime_ns: int, inode: int) -> str:
     """Hashed once per process and file version: a stage identifies its inputs several times."""
     del size, mtime_ns, inode  # part of the cache key only
     return stream_sha256(fsspec.filesystem("file"), path)
+
+
+def _sha256_local_file(path: str) -> str:
+    return _sha256(fsspec.filesystem("file"), path)
 
 
 def stream_sha256(fs: Any, path: str) -> str:

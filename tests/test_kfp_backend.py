@@ -1,0 +1,112 @@
+"""The compiled specs against the lowest KFP backend the README names: every task's Kubernetes settings hold only
+fields the backend's own proto of that version knows (its Argo compiler parses them strictly: an unknown field
+refuses the run at creation). The field tables are vendored from kubeflow/pipelines (tests/data/kfp, with their
+tag and commit)."""
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from evoesap.pipeline.config import load_config
+from evoesap.pipeline.dag import compile_pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = json.loads((ROOT / "tests" / "data" / "kfp" / "kubernetes_executor_config_fields.json").read_text())
+README = (ROOT / "README.md").read_text()
+
+
+def _floor() -> str:
+    """The lowest backend version the README's Kubeflow section names."""
+    found = re.search(r"Kubeflow Pipelines backend (\d+\.\d+\.\d+) or later", README)
+    assert found, "README.md no longer names the lowest Kubeflow Pipelines backend"
+    return found.group(1)
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def unknown_fields(value: Any, message: str, version: str, where: str = "") -> list[str]:
+    """Where `value` (protojson: lowerCamel or proto names) holds a field that `message` of `version` lacks."""
+    table = FIELDS[version][message]
+    names = {**{_camel(f): kind for f, kind in table.items()}, **table}
+    if not isinstance(value, dict):
+        return [f"{where or message}: not an object"]
+    problems = []
+    for key, item in value.items():
+        kind, at = names.get(key), f"{where}.{key}" if where else key
+        if kind is None:
+            problems.append(at)
+            continue
+        repeated, inner = kind.endswith("[]"), kind.removesuffix("[]")
+        if repeated and not isinstance(item, list):
+            problems.append(f"{at}: not a list")
+            continue
+        if inner in FIELDS[version]:
+            for i, element in enumerate(item if repeated else [item]):
+                problems += unknown_fields(element, inner, version, f"{at}[{i}]" if repeated else at)
+    return problems
+
+
+def _executor_configs(spec_path: Path) -> dict[str, Any]:
+    _, *platform = yaml.safe_load_all(spec_path.read_text())
+    if not platform:
+        return {}
+    return platform[0]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+
+
+def _configs() -> list[tuple[str, dict]]:
+    """Every example configuration; those with a publish section also with publish on (its token is a secret, as in
+    the README's cluster examples); and the README's own configuration blocks."""
+    out = []
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        out.append((path.stem, data))
+        if "publish" in data.get("resources", {}) and not data.get("publish_models"):
+            one_point = {"criteria": data["criteria"][:1], "sparsities": data["sparsities"][:1]}  # one repo, one model
+            out.append((f"{path.stem}+publish", {**data, **one_point, "publish_models": True}))
+    blocks = re.findall(r"```yaml\n(.*?)```", README, flags=re.S)
+    out += [(f"README-{i}", yaml.safe_load(b)) for i, b in enumerate(blocks) if "storage_root" in b]
+    return out
+
+
+CONFIGS = _configs()
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict[str, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("specs")
+    return {name: _executor_configs(compile_pipeline(load_config(data), root / f"{name}.yaml")) for name, data in CONFIGS}
+
+
+@pytest.mark.parametrize("name", [name for name, _ in CONFIGS])
+def test_every_compiled_kubernetes_setting_is_known_to_the_lowest_backend_the_readme_names(name, compiled):
+    floor = _floor()
+    assert floor in FIELDS, f"vendor the {floor} field table into tests/data/kfp (the README names that backend)"
+    for executor, config in compiled[name].items():
+        assert unknown_fields(config, "kfp_kubernetes.KubernetesExecutorConfig", floor) == [], executor
+
+
+def test_a_secret_is_what_a_2_14_backend_refuses_so_the_floor_is_2_15(compiled):
+    """kfp-kubernetes 2.17 writes secretAsEnv.optional, which 2.14's proto lacks: the floor must be above 2.14."""
+    top = "kfp_kubernetes.KubernetesExecutorConfig"
+    found = {
+        name: [p for config in executors.values() for p in unknown_fields(config, top, "2.14.0")]
+        for name, executors in compiled.items()
+    }
+    refused = {name: problems for name, problems in found.items() if problems}
+    assert refused, "no configuration with secrets was compiled"
+    assert {re.sub(r"\[\d+\]", "[i]", p) for problems in refused.values() for p in problems} == {"secretAsEnv[i].optional"}
+    assert "olmoe-1b-7b-instruct+publish" in refused
+    assert tuple(int(x) for x in _floor().split(".")) >= (2, 15, 0)
+
+
+def test_the_check_refuses_an_unknown_field_anywhere():
+    config = {"secretAsEnv": [{"keyToEnv": [{"secretKey": "t", "envVar": "T", "extra": 1}], "secretName": "s"}]}
+    assert unknown_fields(config, "kfp_kubernetes.KubernetesExecutorConfig", "2.15.0") == ["secretAsEnv[0].keyToEnv[0].extra"]
+    assert unknown_fields({"podMetadata": {"labels": {"a": "b"}}}, "kfp_kubernetes.KubernetesExecutorConfig", "2.15.0") == []

@@ -1,0 +1,121 @@
+"""TrainJob bodies against the TrainJob CRD schema of each supported Kubeflow Trainer release (vendored from
+kubeflow/trainer into tests/data/trainer, each file naming its tag, commit and path): every field the launcher sends
+is one that release's API server keeps (an unknown field would be pruned, silently, or refused under strict field
+validation), and the worker pods' metadata and placement take the path that release offers."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from evoesap.pipeline.cluster import StageSettings
+from evoesap.pipeline.trainjob import _progress, job_template, trainjob
+
+DATA = Path(__file__).resolve().parent / "data" / "trainer"
+RELEASES = {"v2.0.0": "2.0", "v2.1.0": "2.1", "v2.2.0": "2.2", "v2.3.0": "2.2", "head": "2.2"}  # file -> trainer_version
+PLACED = dict(
+    cpu="16",
+    memory="120Gi",
+    accelerator_type="nvidia.com/gpu",
+    accelerator_count=2,
+    env={"NCCL_DEBUG": "WARN"},
+    secrets=[{"name": "s3-credentials", "env": {"access_key": "AWS_ACCESS_KEY_ID"}}],
+    labels={"team": "ml", "kueue.x-k8s.io/queue-name": "gpus"},
+    annotations={"cost-centre": "42"},
+    node_selector={"pool": "h100"},
+    tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule", "toleration_seconds": 60}],
+    volumes=[{"pvc": "model-cache", "mount_path": "/cache", "sub_path": "hf"}],
+    shm_size="16Gi",
+    suspend=True,
+    timeout=7200,
+)
+
+
+def _closed(schema: Any) -> Any:
+    """The CRD schema as the API server applies it to a body: an object's unlisted fields are not kept."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+def _validator(release: str) -> jsonschema.Draft7Validator:
+    vendored = json.loads((DATA / f"trainjob-{release}.json").read_text())
+    assert vendored["_provenance"]["path"] == "manifests/base/crds/trainer.kubeflow.org_trainjobs.yaml"
+    return jsonschema.Draft7Validator(_closed(vendored["schema"]))
+
+
+def _body(version: str, **settings: Any) -> dict[str, Any]:
+    template = job_template(StageSettings(**{**PLACED, **settings, "trainer_version": version}), "registry.example.org/e/s:1")
+    return trainjob(template, "evoesap-search-0123456789ab", {"out": "s3://b/search/k"}, 4)
+
+
+def _errors(release: str, body: dict[str, Any]) -> list[str]:
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in _validator(release).iter_errors(body)]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_body_for_each_release_holds_only_fields_its_trainjob_schema_keeps(release):
+    assert _errors(release, _body(RELEASES[release])) == []
+    assert _errors(release, _body(RELEASES[release], suspend=False, timeout=None, labels={}, annotations={})) == []
+
+
+@pytest.mark.parametrize(("release", "other"), [("v2.0.0", "2.1"), ("v2.1.0", "2.2"), ("v2.1.0", "2.0"), ("head", "2.1")])
+def test_another_release_s_body_would_lose_the_pod_placement(release, other):
+    """The check can fail: the placement field of one release is unknown to another."""
+    assert _errors(release, _body(other))
+
+
+def _pod_template(body: dict[str, Any], version: str) -> dict[str, Any]:
+    spec = body["spec"]
+    if version == "2.0":
+        (override,) = spec["podSpecOverrides"]
+        return {"metadata": {"labels": spec.get("labels"), "annotations": spec.get("annotations")}, "spec": override}
+    if version == "2.1":
+        (override,) = spec["podTemplateOverrides"]
+        assert override["targetJobs"] == [{"name": "node"}]
+        return override
+    (patch,) = spec["runtimePatches"]
+    (job,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert job["name"] == "node"
+    return job["template"]["spec"]["template"]
+
+
+@pytest.mark.parametrize("version", ["2.0", "2.1", "2.2"])
+def test_worker_pods_get_their_labels_placement_and_volumes_and_the_job_its_queue_and_deadline(version):
+    body = _body(version)
+    pod = _pod_template(body, version)
+    assert pod["metadata"]["labels"] == PLACED["labels"] and pod["metadata"]["annotations"] == PLACED["annotations"]
+    assert body["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpus"  # where Kueue reads it: the TrainJob
+    spec = pod["spec"]
+    assert spec["nodeSelector"] == {"pool": "h100"}
+    assert spec["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule", "tolerationSeconds": 60}
+    ]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["pvc-0"]["persistentVolumeClaim"] == {"claimName": "model-cache"}
+    assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    (container,) = spec["containers"]
+    assert container["name"] == "node"
+    assert {m["mountPath"]: m.get("subPath") for m in container["volumeMounts"]} == {"/cache": "hf", "/dev/shm": None}
+    assert body["spec"]["suspend"] is True
+    assert body["spec"].get("activeDeadlineSeconds") == (7200 if version == "2.2" else None)  # 2.2 added the field
+
+
+def test_progress_is_read_from_trainer_v2_s_conditions_and_job_counts():
+    assert _progress({"status": {}}) == "pending"
+    suspended = {"status": {"conditions": [{"type": "Suspended", "status": "True", "reason": "Suspended"}]}}
+    assert _progress(suspended) == "suspended (Suspended): waiting for admission"
+    running = {
+        "status": {
+            "conditions": [{"type": "Suspended", "status": "False", "reason": "Resumed"}],
+            "jobsStatus": [{"name": "node", "active": 4, "ready": 3, "succeeded": 0, "failed": 0}],
+        }
+    }
+    assert _progress(running) == "running: 3 ready, 4 active"
