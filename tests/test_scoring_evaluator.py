@@ -212,3 +212,24 @@ def test_cli_caches_then_scores_an_allocation(tmp_path, capsys) -> None:
         == 1
     )
     assert "mode" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("metric", ["esap", "nll"])
+@pytest.mark.parametrize("prefix", [0, 1 << 24])
+def test_floor_returns_the_exact_fitness_or_a_bound_below_it(world, metric, prefix) -> None:
+    model, samples, full, _ = world
+    make = lambda: CandidateEvaluator(model, full, metric=metric, batch_size=2, prefix_cache_bytes=prefix)  # noqa: E731
+    plain = make()
+    exact = plain.score(PRUNED)
+    reachable = make()
+    assert reachable.score(PRUNED, floor=exact - 1e-3) == exact  # reachable: every batch runs, the same value
+    assert reachable.forwards == plain.forwards == len(samples)
+    best = 1.0 if metric == "esap" else 0.0  # the metric's best per-sample fitness: bounds unscored samples
+    for floor in (best + 0.5, exact + 1e-6):
+        stopped = make()
+        bound = stopped.score(PRUNED, floor=floor)
+        assert exact <= bound < floor
+        if floor > best:  # nothing can reach it: one batch of two samples, then the bound
+            assert stopped.forwards == 2 and stopped.work < plain.work
+        assert abs(stopped.score(PRUNED) - exact) < 1e-6  # finishing later gives the value
+        assert stopped.forwards == len(samples)  # the samples already scored are not run again
