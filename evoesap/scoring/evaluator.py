@@ -139,6 +139,9 @@ class CandidateEvaluator:
             self._uniforms = torch.rand(cache.meta.num_positions, generator=gen).to(self.device)  # [P] float32
         # allocation -> (lower [S], upper [S]) float32 on the host, NaN where not computed yet
         self._memo: dict[AllocationKey, tuple[torch.Tensor, torch.Tensor]] = {}
+        # per sample: shortfall from the metric's best summed over the allocations scored on every sample [S] float64
+        self._shortfall_sum = torch.zeros(cache.num_samples, dtype=torch.float64)
+        self._complete = 0
         self.forwards = 0  # samples run through the model, for cost accounting
         self.work = 0  # active multiply-accumulates actually run (`LayerRunner.half_costs`; padding not counted)
 
@@ -184,6 +187,8 @@ class CandidateEvaluator:
     def clear(self) -> None:
         """Forget memoised scores and cached states (for example after the model's weights changed)."""
         self._memo.clear()
+        self._shortfall_sum.zero_()
+        self._complete = 0
         if self.prefix is not None:
             self.prefix.clear()
 
@@ -203,9 +208,16 @@ class CandidateEvaluator:
             self._memo[key] = (nan.clone(), nan.clone())
         lower, upper = self._memo[key]
         missing = [i for i in index.tolist() if torch.isnan(lower[i])]
-        if missing:
-            self._run(key, missing, None if floor is None else lambda: self._upper(lower[index]) < floor)
+        if missing and floor is None:
+            self._run(key, missing)
+        elif missing:  # the samples where scored allocations fall shortest of the best first: the bound drops fastest
+            self._run(key, missing, lambda: self._upper(lower[index]) < floor, self._shortfall.tolist())
         return lower, upper
+
+    @property
+    def _shortfall(self) -> torch.Tensor:
+        """Mean shortfall per sample over the allocations scored in full so far -> [S] float64 (zeros before any)."""
+        return self._shortfall_sum / max(1, self._complete)
 
     def _upper(self, lower: torch.Tensor) -> float:
         """Fitness bound from per-sample values ([n] float32, NaN where not scored: counted at the metric's best)."""
@@ -238,14 +250,25 @@ class CandidateEvaluator:
             raise ConfigError(f"sample indices must be in 0..{self.cache.num_samples - 1}, got {list(samples)}")
         return index
 
-    def _run(self, key: AllocationKey, samples: list[int], stop: Callable[[], bool] | None = None) -> None:
+    def _run(
+        self,
+        key: AllocationKey,
+        samples: list[int],
+        stop: Callable[[], bool] | None = None,
+        weights: Sequence[float] | None = None,
+    ) -> None:
         """Masked forward over `samples`, batch by batch into `key`'s memo; `stop` is asked before every batch
-        after the first, and a true answer leaves the remaining samples unscored."""
+        after the first, and a true answer leaves the remaining samples unscored. `weights` (per cache sample)
+        orders the batches, heaviest first; the batches themselves are the same whatever their order."""
         from evoesap.moe import masked
 
         pruned = dict(key)
         sets: Sets = tuple(tuple(pruned.get(a, ())) for a in range(len(self._starts)))
         lower, upper = self._memo[key]  # [S] float32 on the host
+        complete = not bool(torch.isnan(lower).any())
+        batches = list(iter_batches([self._lengths[s] for s in samples], self.batch_size))
+        if weights is not None:
+            batches.sort(key=lambda batch: -sum(weights[samples[b]] for b in batch))
         starts = {s: self.prefix.start(sets, s) if self.prefix is not None else (-1, None) for s in samples}
         stopped = False
         was_training = self.model.training
@@ -253,7 +276,7 @@ class CandidateEvaluator:
             self.model.eval()
         try:
             with torch.inference_mode(), masked(self.model, pruned):
-                for number, batch in enumerate(iter_batches([self._lengths[s] for s in samples], self.batch_size)):
+                for number, batch in enumerate(batches):
                     if number and stop is not None and stop():
                         stopped = True
                         break
@@ -263,6 +286,9 @@ class CandidateEvaluator:
         finally:
             if was_training:
                 self.model.train()
+        if not complete and not bool(torch.isnan(lower).any()):
+            self._shortfall_sum += self.metric.sign * self.metric.best - self.metric.sign * lower.double()
+            self._complete += 1
         if self.prefix is not None:  # an allocation stopped early ranks by its bound, below every elite's fitness
             done = lower[~torch.isnan(lower)]
             self.prefix.commit(sets, self._upper(lower) if stopped else self.metric.sign * float(done.double().mean()))
