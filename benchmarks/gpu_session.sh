@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU session for search speed: OLMoE-1B-7B and Qwen3-30B-A3B shapes (random weights, real
+# One prepared GPU run for search speed: OLMoE-1B-7B and Qwen3-30B-A3B shapes (random weights, real
 # dimensions), each with the batched reference scorer, exact, prefix, a truncated default search with racing
 # timed without and then with the elite floor (its extrapolation to 50 generations is the whole default
 # search), and one candidate's time by part (profile_candidate.py). It installs nothing from the network:
@@ -10,7 +10,7 @@
 #   benchmarks/gpu_session.sh [OUT_DIR]              # on one H100 or H200
 #   benchmarks/gpu_session.sh --dry-run [OUT_DIR]    # the same code path at test size on the CPU (CI)
 #
-# Output: the tables on stdout, and OUT_DIR/session.log and OUT_DIR/profile.jsonl when OUT_DIR is given.
+# Output: the tables on stdout, and OUT_DIR/run.log and OUT_DIR/profile.jsonl when OUT_DIR is given.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dry=0
@@ -32,7 +32,7 @@ fi
 [[ -n "$out" ]] && mkdir -p "$out"
 
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" DRY="$dry" OUT_DIR="$out" BUDGET_S="${BUDGET_S:-540}" \
-    "$python" - <<'EOF' 2>&1 | { if [[ -n "$out" ]]; then tee "$out/session.log"; else cat; fi; }
+    "$python" - <<'EOF' 2>&1 | { if [[ -n "$out" ]]; then tee "$out/run.log"; else cat; fi; }
 import os, sys, time
 
 sys.path.insert(0, "benchmarks")
@@ -70,5 +70,5 @@ for shape, (search_args, profile_args) in steps.items():
             continue
         print(f"\n## {shape} {name} (at {elapsed:.0f} s)", flush=True)
         run()
-print(f"\nsession: {time.perf_counter() - start:.0f} s{' (dry run)' if dry else ''}")
+print(f"\ntotal: {time.perf_counter() - start:.0f} s{' (dry run)' if dry else ''}")
 EOF
