@@ -229,7 +229,12 @@ def test_floor_returns_the_exact_fitness_or_a_bound_below_it(world, metric, pref
         stopped = make()
         bound = stopped.score(PRUNED, floor=floor)
         assert exact <= bound < floor
-        if floor > best:  # nothing can reach it: one batch of two samples, then the bound
-            assert stopped.forwards == 2 and stopped.work < plain.work
+        if floor > best:  # nothing can reach it: the bound of no sample scored, nothing run
+            assert bound == best and stopped.forwards == 0
         assert abs(stopped.score(PRUNED) - exact) < 1e-6  # finishing later gives the value
         assert stopped.forwards == len(samples)  # the samples already scored are not run again
+    partial = make()  # two samples known already (a racing level) settle a floor above their bound at once
+    known = partial.score(PRUNED, samples=[0, 1]) * 2
+    settled = (known + (len(samples) - 2) * best) / len(samples)
+    assert partial.score(PRUNED, floor=settled + 1e-9) == pytest.approx(settled, abs=1e-12)
+    assert partial.forwards == 2 and settled >= exact

@@ -258,7 +258,7 @@ class CandidateEvaluator:
         weights: Sequence[float] | None = None,
     ) -> None:
         """Masked forward over `samples`, batch by batch into `key`'s memo; `stop` is asked before every batch
-        after the first, and a true answer leaves the remaining samples unscored. `weights` (per cache sample)
+        (samples scored earlier, by a racing level, may settle it at once), and a true answer leaves the rest unscored. `weights` (per cache sample)
         orders the batches, heaviest first; the batches themselves are the same whatever their order."""
         from evoesap.moe import masked
 
@@ -276,8 +276,8 @@ class CandidateEvaluator:
             self.model.eval()
         try:
             with torch.inference_mode(), masked(self.model, pruned):
-                for number, batch in enumerate(batches):
-                    if number and stop is not None and stop():
+                for batch in batches:
+                    if stop is not None and stop():
                         stopped = True
                         break
                     order, lo, up = self._forward([samples[b] for b in batch], sets, starts)
