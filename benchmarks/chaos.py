@@ -506,6 +506,8 @@ class Harness:
         self.ws, self.kinds, self.log = ws, kinds, log
         self.rng = np.random.default_rng(seed)
         self.s3 = S3() if any(k in S3_KINDS for k in kinds) else None
+        # the search's workers are fresh interpreters: they import this checkout's evoesap too
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         ws.s3 = self.s3 is not None
         self.reference: dict[str, dict[str, dict[str, str]]] = {}
         self.duration: dict[str, float] = {}
