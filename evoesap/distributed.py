@@ -300,7 +300,7 @@ def _failure(exc: Any, params: Any, checkpoint: str) -> errors.EvoESAPError:
     message = _message(failure)
     kind, _, detail = message.partition(": ")
     cls = getattr(errors, kind, None)
-    if failure.exitcode > 0 and isinstance(cls, type) and issubclass(cls, errors.EvoESAPError):
+    if failure.exitcode > 0 and isinstance(cls, type) and issubclass(cls, errors.EvoESAPError) and cls is not errors.Interrupted:
         return cls(f"search worker {rank} of {params.workers}: {detail.splitlines()[0] if detail else message}")
     return errors.EvoESAPError(f"{_event(exc, params)}, which stopped the search{_progress(params, checkpoint)}")
 
