@@ -126,7 +126,6 @@ QUANTIZATION = {
     "num_experts_per_layer": {"0": 6, "1": 8, "10": 4},
     "checkpoint_bytes_before": 5000000,
     "checkpoint_bytes_after": 1500000,
-    "seconds": {"load": 0.5, "oneshot": 12.25, "save": 0.125},
     "versions": {"llmcompressor": "0.14.0", "torch": "2.9.1"},
 }
 WRITTEN = [

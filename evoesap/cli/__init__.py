@@ -11,7 +11,7 @@ import typer
 
 from evoesap.cli.app import app, state
 from evoesap.cli.stages import stage_commands
-from evoesap.errors import EvoESAPError
+from evoesap.errors import EvoESAPError, Interrupted
 
 
 def command() -> click.Group:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
         kind = "error" if isinstance(exc, EvoESAPError) else f"internal error ({type(exc).__name__})"
         print(redact(f"{kind}: {exc}"), file=sys.stderr)
-        return 1
+        return exc.exit_code if isinstance(exc, Interrupted) else 1
     if returned == INTERRUPTED:  # typer turns Ctrl-C into this exit code when click does not exit itself
         print("interrupted: stopped before finishing; nothing was published (re-run to start again)", file=sys.stderr)
         return INTERRUPTED
