@@ -140,6 +140,16 @@ def check_gpu_count(needed: int, setting: str) -> None:
         )
 
 
+def check_cpu_count(needed: int, setting: str) -> None:
+    """Refuse a setting that starts more processes, each with a model replica, than this process has CPU cores."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if needed > count:
+        raise ConfigError(
+            f"{setting} = {needed} processes on the CPU, but this machine gives this process {count} cores: lower it "
+            f"to at most {count} (or run on GPUs)"
+        )
+
+
 def check_checkpoint(uri: str) -> None:
     """Refuse a local checkpoint directory that cannot load: config.json missing, not JSON or not a valid
     transformers config; safetensors weights missing, unreadable or shorter than their headers say
@@ -228,7 +238,15 @@ def load_model(
         budget = kwargs.get("max_memory")
         if budget and "cpu" not in budget and model_dtype == "auto" and Path(str(source)).is_dir():
             check_budget(checkpoint_bytes(str(source)), budget, max_memory)  # as stored: a floor of the loaded size
-        model = moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype], **kwargs).eval()
+        try:
+            model = moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype], **kwargs).eval()
+        except (OSError, ValueError) as exc:  # checked before any work: it changed since (deleted, half copied)
+            check_checkpoint(str(source))  # says what is missing or broken now, where it can
+            why = " ".join(str(exc).split())[:300]
+            raise ModelError(
+                f"{artifacts.redact(uri)} could not be loaded ({type(exc).__name__}: {why}): give a complete "
+                "checkpoint (was it changed or deleted during this run?)"
+            ) from None
     check_placement(getattr(model, "hf_device_map", None), offload, max_memory)
     if getattr(model, "ct_decompress_hook", None) is not None:
         # a compressed-tensors checkpoint decompresses on the whole model's first forward (a pre-hook); evoesap's
@@ -268,6 +286,11 @@ def placement_kwargs(
         if gpu not in free:
             raise ResourceError(f"GPU {gpu} is not visible here ({visible_gpus()} GPUs): give this process fewer GPUs")
         budget[gpu] = min(free[gpu], cap) if cap is not None else free[gpu]
+    if not budget and not offload:  # accelerate would put every layer on the disk
+        raise ResourceError(
+            f"max_memory {max_memory} caps what each GPU holds, but this machine shows no GPU: leave device_map and "
+            "max_memory unset to load the model in host memory, or run where GPUs are visible"
+        )
     if offload:
         budget["cpu"] = free["cpu"]
     return {"device_map": device_map, "max_memory": budget}
@@ -288,7 +311,13 @@ def stored_bytes(model: str) -> int | None:
     from evoesap.identity import hub_model, locate
 
     if hub_model(model) is None:
-        return checkpoint_bytes(model)
+        found = checkpoint_bytes(model)
+        if not found:  # it loaded from safetensors a moment ago
+            raise ModelError(
+                f"{artifacts.redact(model)} holds no safetensors weights now: it was deleted or changed during this run; "
+                "re-run when it is in place"
+            )
+        return found
     import huggingface_hub
 
     name, pinned = locate(model)

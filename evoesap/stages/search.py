@@ -396,6 +396,8 @@ def run_search(
     bounds.check_stage(params, model)
     if not distributed.joined() and runtime.resolve_device(params.device).startswith("cuda"):  # the groups side by side
         runtime.check_gpu_count(params.workers * params.gpus_per_worker, "workers x gpus_per_worker")
+    elif not distributed.joined():
+        runtime.check_cpu_count(params.workers, "workers")
     for uri in (cache, heldout_cache):  # inputs must be finished artifacts before anything loads
         if uri:
             artifacts.read_manifest(uri, "cache-logits")
