@@ -79,8 +79,9 @@ def check_target(repo: str, files: Iterable[str], *, endpoint: str | None, secre
     break the checkpoint); a repository that does not exist yet is fine (the push creates it)."""
     from huggingface_hub.errors import RepositoryNotFoundError
 
+    api = _api(endpoint, secret)
     try:
-        present = set(_api(endpoint, secret).list_repo_files(repo))
+        present = set(api.list_repo_files(repo))
     except RepositoryNotFoundError:
         return
     except Exception as exc:  # noqa: BLE001 - a refused token, an unreachable endpoint: one line, before work

@@ -128,6 +128,8 @@ def check_device(name: str) -> None:
             raise ConfigError(f"device {name!r}: this machine has {count} GPU(s), cuda:0..cuda:{count - 1}: give one of them")
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"device {name!r}: MPS is not available on this machine: give --device cpu (or auto)")
+    elif device.type not in ("cpu", "mps"):  # torch names more (xla, meta, hpu...); the stages run on these
+        raise ConfigError(f"device {name!r} is not supported: give auto, cpu, cuda or cuda:N")
 
 
 def check_gpu_count(needed: int, setting: str) -> None:

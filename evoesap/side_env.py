@@ -19,13 +19,15 @@ def side_python(variable: str, modules: tuple[str, ...], needed_by: str, holding
     python = os.environ.get(variable)
     if not python:
         raise ConfigError(f"{needed_by} needs {variable}: the python of an environment with {holding}")
-    if not os.access(python, os.X_OK):
+    if not os.path.isfile(python) or not os.access(python, os.X_OK):
         raise ConfigError(f"{variable}={python} is not an executable python; point it at the environment with {holding}")
     check = f"import importlib.util as u, sys; sys.exit(', '.join(m for m in {modules!r} if u.find_spec(m) is None) or None)"
     done = ask(python, check, variable, holding)
     if done.returncode != 0:
-        missing = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise ConfigError(f"{variable}={python} lacks {missing}; {fix}")
+        said = done.stderr.strip().splitlines()
+        if not said:  # not a python (`false`, a wrapper that exits): it printed nothing
+            raise ConfigError(f"{variable}={python} is not a python (it exited {done.returncode}, saying nothing); {fix}")
+        raise ConfigError(f"{variable}={python} lacks {said[-1]}; {fix}")
     return python
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -136,7 +137,7 @@ def test_a_hub_endpoint_that_never_answers_fails_in_one_line(tiny_artifacts, sil
     from huggingface_hub.utils import _http
 
     monkeypatch.setenv("HUB_T", TOKEN)
-    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "0.3")
+    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "1")
     monkeypatch.setattr(_http.time, "sleep", lambda seconds: None)  # huggingface_hub's back-off between its retries
     out = tmp_path / "published"
     result: list[int] = []
@@ -149,7 +150,7 @@ def test_a_hub_endpoint_that_never_answers_fails_in_one_line(tiny_artifacts, sil
     finally:
         huggingface_hub.set_client_factory(_http.default_client_factory)
     line = one_line(capsys)
-    assert line.startswith("error: reading the Hub repository team/x failed") and "no answer within 0.3 s" in line
+    assert line.startswith("error: reading the Hub repository team/x failed") and "no answer within 1 s" in line
     assert "HF_HUB_DOWNLOAD_TIMEOUT" in line and not out.exists()
 
 
@@ -258,8 +259,9 @@ def test_evaluate_while_its_model_directory_is_deleted_fails_in_one_line(tiny_ar
     original = getattr(target, name)
 
     def deleting(*args, **kwargs):
-        if when == "before loading":
-            shutil.rmtree(model)
+        if when == "before loading":  # checked and verified, then its weights vanish
+            for weights in model.glob("*.safetensors"):
+                weights.unlink()
             return original(*args, **kwargs)
         loaded = original(*args, **kwargs)
         shutil.rmtree(model)
@@ -303,3 +305,73 @@ def test_a_failed_pipeline_run_names_the_task_and_its_own_error_in_one_line(tiny
         f"logs are in {log}"
     )
     assert "\x1b" not in capsys.readouterr().err
+
+
+def test_the_quick_demo_profile_offers_only_points_it_can_search_and_quantize(tmp_path):
+    from evoesap.demo.world import DemoWorld
+    from evoesap.pipeline.dag import compile_pipeline
+    from evoesap.pipeline.demo import demo_config
+    from evoesap.stages.quantize import RECIPES, check_widths
+    from tiny_world import quick_world_config
+
+    model = quick_world_config(tmp_path / "quick")
+    root = tmp_path / "world"
+    world = DemoWorld(root=root, model_dir=model, data_dir=root / "data", tasks_dir=root / "tasks", generative_tasks=(),
+                      multiple_choice_tasks=(), tag="", seed=0, profile="quick", key="", info={})  # fmt: skip
+    config = demo_config(world, tmp_path / "demo")
+    compile_pipeline(config, tmp_path / "spec.yaml")  # every criterion x sparsity is checked against config.json here
+    recipe = RECIPES[config.stage_params("quantize")["recipe"]]
+    check_widths(json.loads((model / "config.json").read_text()), recipe, str(model))  # as the quantize stage does
+
+
+@pytest.mark.parametrize(
+    "python,message",
+    [("/tmp", "is not an executable python"), ("/bin/false", "is not a python (it exited 1, saying nothing)")],
+)
+def test_a_side_python_that_is_a_directory_or_not_a_python_is_refused_in_one_line(monkeypatch, python, message):
+    from evoesap.quantize_env import PYTHON_ENV, quantize_python
+
+    monkeypatch.setenv(PYTHON_ENV, python)
+    with pytest.raises(ConfigError, match=f"{PYTHON_ENV}={python} {re.escape(message)}"):
+        quantize_python()
+
+
+@pytest.mark.parametrize("device", ["xla", "meta", "hpu"])
+def test_a_device_torch_names_but_the_stages_do_not_run_on_is_refused(device):
+    with pytest.raises(ConfigError, match=f"device '{device}' is not supported"):
+        runtime.check_device(device)
+
+
+@pytest.mark.parametrize("endpoint", ["file:///etc/passwd", "notaurl", "http://u:p@", "ftp://hub.example.org"])
+def test_a_hub_endpoint_that_is_not_an_http_url_is_refused_without_its_credentials(endpoint):
+    from evoesap.stages.publish import PublishParams
+
+    with pytest.raises(ConfigError, match="is not an http\\(s\\):// URL of a Hub") as raised:
+        PublishParams(repo="team/x", endpoint=endpoint)
+    assert "u:p@" not in str(raised.value)
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "nan"])
+def test_a_hub_timeout_that_is_not_a_positive_number_is_refused_before_any_request(value, monkeypatch):
+    from evoesap import hub
+
+    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", value)
+    with pytest.raises(ConfigError, match=f"HF_HUB_DOWNLOAD_TIMEOUT='{value}' is not a positive number of seconds"):
+        hub.check_target("team/x", [], endpoint="http://127.0.0.1:9", secret=TOKEN)
+
+
+def test_gpus_per_worker_on_the_cpu_is_refused_before_anything_is_sized(tiny_artifacts, tmp_path, capsys):
+    w = tiny_artifacts
+    code = main(["-q", "search", "--model", w["model"], "--scores", w["scores"], "--cache", w["cache"], "--out",
+                 str(tmp_path / "s"), "--criterion", "reap", "--sparsity", "0.5", "--device", "cpu", "--device-map",
+                 "auto", "--gpus-per-worker", "1000000000"])  # fmt: skip
+    line = one_line(capsys)  # it built a list of 10^9 GPU numbers (all host memory) before
+    assert code == 1 and line.startswith("error: gpus_per_worker=1000000000 spreads each worker's replica over GPUs")
+
+
+def test_an_output_the_file_system_refuses_is_one_line_not_an_internal_error(tiny_artifacts, capsys):
+    w = tiny_artifacts
+    code = main(["-q", "prune", "--model", w["model"], "--scores", w["scores"], "--out", "/proc/evoesap-x",
+                 "--criterion", "reap", "--sparsity", "0.5"])  # fmt: skip
+    line = one_line(capsys)
+    assert code == 1 and line.startswith("error: /proc/") and "give a place this user can read and write" in line

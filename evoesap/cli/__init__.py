@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
             return exc.exit_code
         if state["debug"]:
             raise
+        if isinstance(exc, OSError) and exc.filename and exc.strerror:  # the file system refused: the place, not us
+            print(scrub(f"error: {exc.filename}: {exc.strerror}: give a place this user can read and write"), file=sys.stderr)
+            return 1
         kind = "error" if isinstance(exc, EvoESAPError) else f"internal error ({type(exc).__name__})"
         print(scrub(f"{kind}: {exc}"), file=sys.stderr)
         return 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import urllib.parse
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -57,6 +58,10 @@ class PublishParams:
             raise ConfigError(f"token_env {self.token_env!r} is not an environment variable name")
         if self.to is not None:
             artifacts.split(self.to)  # credentials inside the URI are refused here
+        if self.endpoint is not None:
+            parts = urllib.parse.urlsplit(self.endpoint)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ConfigError(f"endpoint {artifacts.redact(self.endpoint)!r} is not an http(s):// URL of a Hub")
         if not 1 <= self.digits <= 8:
             raise ConfigError(f"digits must be within 1..8, got {self.digits}")
 
