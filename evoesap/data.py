@@ -44,6 +44,7 @@ _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 MAX_LINE_BYTES = 16 << 20  # one JSONL line as stored
 MAX_SAMPLE_CHARS = 4 << 20  # the text, or the chat's contents together
 MAX_TURNS = 1024  # messages in one chat (rendering is quadratic in them)
+_CHUNK_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,26 +210,38 @@ def _text(raw: bytes, source: str) -> str:
 
 
 def _jsonl_rows(f: Any, source: str) -> list[Any]:
-    """The records of a JSONL file, read one line at a time, each at most `MAX_LINE_BYTES` (read in bounded chunks:
-    a longer line is refused by its number, never held whole)."""
-    rows, offset, number = [], 0, 0
-    while line := f.readline(MAX_LINE_BYTES + 1):
-        number += 1
-        if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
-            raise DataError(
-                f"{source} line {number} is longer than {MAX_LINE_BYTES >> 20} MiB, the most one sample may take: "
-                "split or drop it"
-            )
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise DataError(
-                f"{source} line {number} (byte {offset + exc.start}) is not UTF-8 text: re-encode the file as UTF-8"
-            ) from None
-        offset += len(line)
-        if text.strip():
-            rows.append(_json_line(text, number, source))
-    return rows
+    """The records of a JSONL file, read in chunks, each line at most `MAX_LINE_BYTES`: a longer line is refused by
+    its number, never held whole."""
+    rows: list[Any] = []
+    number, offset, pending = 0, 0, b""
+    while True:
+        chunk = f.read(_CHUNK_BYTES)
+        *lines, pending = (pending + chunk).split(b"\n") if chunk else [pending, b""]
+        for line in lines:
+            number += 1
+            _check_line(len(line), source, number)
+            if line.strip():
+                rows.append(_json_line(_line_text(line, source, number, offset), number, source))
+            offset += len(line) + 1
+        _check_line(len(pending), source, number + 1)
+        if not chunk:
+            return rows
+
+
+def _check_line(size: int, source: str, number: int) -> None:
+    if size > MAX_LINE_BYTES:
+        raise DataError(
+            f"{source} line {number} is longer than {MAX_LINE_BYTES >> 20} MiB, the most one sample may take: split or drop it"
+        )
+
+
+def _line_text(line: bytes, source: str, number: int, offset: int) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"{source} line {number} (byte {offset + exc.start}) is not UTF-8 text: re-encode the file as UTF-8"
+        ) from None
 
 
 def _json_line(line: str, number: int, source: str) -> Any:
