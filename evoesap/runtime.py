@@ -142,13 +142,17 @@ def check_gpu_count(needed: int, setting: str) -> None:
         )
 
 
+CPU_OVERSUBSCRIPTION = 4  # processes per core beyond which more only wait on each other (and each holds a replica)
+
+
 def check_cpu_count(needed: int, setting: str) -> None:
-    """Refuse a setting that starts more processes, each with a model replica, than this process has CPU cores."""
-    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if needed > count:
+    """Refuse a setting that starts more processes, each with a model replica, than this process's CPU cores can
+    serve (`CPU_OVERSUBSCRIPTION` a core)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if needed > CPU_OVERSUBSCRIPTION * cores:
         raise ConfigError(
-            f"{setting} = {needed} processes on the CPU, but this machine gives this process {count} cores: lower it "
-            f"to at most {count} (or run on GPUs)"
+            f"{setting} = {needed} processes on the CPU, but this machine gives this process {cores} cores: lower it "
+            f"to at most {CPU_OVERSUBSCRIPTION * cores} (or run on GPUs)"
         )
 
 

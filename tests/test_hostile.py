@@ -182,7 +182,7 @@ def test_search_workers_beyond_the_cpu_cores_are_refused_before_any_work(tiny_ar
                  "--criterion", "reap", "--sparsity", "0.5", "--device", "cpu", "--workers", "1000000000"])  # fmt: skip
     line = one_line(capsys)
     assert code == 1 and line.startswith("error: workers = 1000000000 processes on the CPU"), line
-    assert f"at most {len(os.sched_getaffinity(0))}" in line and not out.exists()
+    assert f"at most {runtime.CPU_OVERSUBSCRIPTION * len(os.sched_getaffinity(0))}" in line and not out.exists()
 
 
 def test_a_jsonl_line_over_the_bound_is_refused_by_its_number_without_holding_the_file(tmp_path):
