@@ -50,7 +50,7 @@ class PublishParams(StageParams):
         "License of the base model when its card names none (a license on the base "
         "model's card is carried and cannot be changed).",
     )
-    digits: int = param(3, "Decimals in the evaluation table.")
+    digits: int = param(3, "Decimals in the evaluation table.", ge=1, le=8)
     show_locations: bool = param(
         False, "Write the inputs' and artifacts' paths and URIs into the card (internal locations; off for a public card)."
     )
