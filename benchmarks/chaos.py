@@ -17,7 +17,7 @@ The quantize stage runs llm-compressor in its own environment: EVOESAP_QUANTIZE_
 checkout's .venv-quantize (`make quantize-venv`).
 
     python benchmarks/chaos.py --faults 100 --seed 0             # the quick demo world
-    python benchmarks/chaos.py --faults 12 --seed 1 --world tiny  # the CI variant's world (tests/test_chaos.py)
+    python benchmarks/chaos.py --faults 12 --seed 1 --world tiny  # the CI variant's world (tests/system/test_chaos.py)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Test hooks in the processes of a multi-worker search (tests/test_distributed_search.py puts this directory on
+"""Test hooks in the processes of a multi-worker search (tests/orchestration/test_distributed_search.py puts this directory on
 PYTHONPATH): each worker connects to the test's Unix socket EVOESAP_TEST_SOCKET, says its rank and pid, then
 reports the moments a test waits for and, where EVOESAP_TEST_HOOKS asks, holds there until the test closes
 the connection. Events, not sleeps: the test knows exactly where each worker is when it strikes.

@@ -222,7 +222,7 @@ def test_a_sample_of_absurd_turns_or_length_is_refused_before_tokenising(tmp_pat
 def test_compile_output_under_a_file_is_refused_in_one_line(tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("a user's file\n")
-    config = Path(__file__).parents[1] / "examples" / "demo.yaml"
+    config = Path(__file__).parents[2] / "examples" / "demo.yaml"
     assert main(["pipeline", "compile", str(config), "-o", str(afile / "x")]) == 1
     line = one_line(capsys)
     assert line.startswith("error: --output") and f"lies under {afile}, which is a file" in line

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_session.sh"
 
 
 def dry_run(tmp_path: Path, budget: str) -> subprocess.CompletedProcess:

@@ -27,7 +27,7 @@ from evoesap.stages.calibrate import CalibrateParams, run_calibrate
 from evoesap.stages.search import SearchParams, run_search
 from tiny_world import make_tiny_inputs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(criterion="reap", sparsity=0.5, population=6, elites=2, generations=2, batch_size=8)
 RACING = dict(racing=True, racing_schedule="0.25,0.5:0.5", racing_min_samples=2, racing_min_positions=8)
 MODES = {"exact": {}, "racing": RACING}
@@ -115,7 +115,7 @@ def test_workers_without_prefix_reuse_give_the_one_process_artifact_bit_for_bit(
 @pytest.mark.parametrize("workers, mode", [(3, "exact"), (2, "racing")])
 def test_workers_with_prefix_reuse_find_the_one_process_search(world, tmp_path, workers, mode):
     """Workers' prefix caches hold other states than the one process's: the same candidates, elites and
-    result, fitness equal up to prefix reuse's float rounding (1e-6, as tests/test_scoring_prefix.py)."""
+    result, fitness equal up to prefix reuse's float rounding (1e-6, as tests/unit/test_scoring_prefix.py)."""
     params = SearchParams(**SMALL, **MODES[mode])
     reference = _one_process(world, mode, params)
     run = _cli(world, str(tmp_path / "out"), SearchParams(**{**vars(params), "workers": workers}))

@@ -18,7 +18,7 @@ from evoesap.store import artifacts
 from evoesap import records
 from evoesap.errors import ArtifactError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECORDS = (records.AllocationRecord, records.PruningRecord, records.MetricsRecord, records.QuantizationRecord)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def _load():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_candidate.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_candidate.py"
     spec = importlib.util.spec_from_file_location("profile_candidate", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
