@@ -28,7 +28,22 @@ def needs_world(item: pytest.Item) -> bool:
 GROUPS = ("unit", "stages", "orchestration", "system")  # the folders under tests/, each a marker (`pytest -m unit`)
 # a test module may reuse another's helpers (test_serving imports test_moe's): importable from every folder
 sys.path[:0] = [str(Path(__file__).parent / group) for group in GROUPS]
-SIDE_ENV_FIXTURES = {"quantize_python", "vllm_python"}  # the tools' own venvs (tests/venv_support.py)
+SIDE_ENV_MODULES = {"test_quantize", "test_serving", "test_serving_demo"}  # every test runs a tool's own venv
+SIDE_ENV_CALLS = ("quantize_python()", "vllm_python()", "venv_python(")  # a test that asks for one (venv_support.py)
+
+
+def uses_side_env(item: pytest.Item) -> bool:
+    """Whether the test runs vLLM or llm-compressor from their own venvs: by its module, its quantized-model
+    fixture, or a call for one of those pythons in its body."""
+    import inspect
+
+    if item.module.__name__ in SIDE_ENV_MODULES or "tiny_quantized" in getattr(item, "fixturenames", ()):
+        return True
+    try:
+        source = inspect.getsource(item.function)
+    except (OSError, TypeError):
+        return False
+    return any(call in source for call in SIDE_ENV_CALLS)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,7 +54,7 @@ def pytest_collection_modifyitems(config, items):
         group = Path(str(item.fspath)).parent.name
         if group in GROUPS:
             item.add_marker(group)
-        if SIDE_ENV_FIXTURES & set(getattr(item, "fixturenames", ())):
+        if isinstance(item, pytest.Function) and uses_side_env(item):
             item.add_marker("side_env")
     items.sort(key=needs_world)  # stable: each part keeps its order
 
