@@ -107,13 +107,23 @@ def _problems(out: str, payloads: list[str], results: list[tuple[str, str]], par
 
 @contextlib.contextmanager
 def _moto() -> Any:
-    from moto.server import ThreadedMotoServer
+    """moto's S3 on loopback, one request at a time. moto checks a conditional put's condition and then stores the
+    object as two steps, so two of its request threads can both create the same key; S3 itself does the two as one
+    (a conditional write is atomic there). Serialising the requests gives the store the semantics of S3."""
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+
+    app, lock = DomainDispatcherApplication(create_backend_app), threading.Lock()
+
+    def one_at_a_time(environ: Any, start_response: Any) -> list[bytes]:
+        with lock:
+            return list(app(environ, start_response))
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    server = make_server("127.0.0.1", port, one_at_a_time, True, request_handler=MotoRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         os.environ[key] = "race"
     os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
@@ -124,7 +134,7 @@ def _moto() -> Any:
     try:
         yield "s3://race"
     finally:
-        server.stop()
+        server.shutdown()
 
 
 def main() -> None:
@@ -132,6 +142,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200, help="rounds of each kind")
     parser.add_argument("--publishers", type=int, default=6)
     parser.add_argument("--stores", nargs="+", default=["local", "s3"], choices=["local", "s3"])
+    parser.add_argument("--kinds", nargs="+", default=["identical", "mixed"], choices=["identical", "mixed"])
+    parser.add_argument("--concurrency", nargs="+", default=["threads", "processes"], choices=["threads", "processes"])
     args = parser.parse_args()
     import logging
 
@@ -141,8 +153,8 @@ def main() -> None:
     started = time.monotonic()
     with _moto() as bucket, tempfile.TemporaryDirectory(prefix="publish-race-") as tmp:
         for store in args.stores:
-            for processes in (False, True):
-                for kind in ("identical", "mixed"):
+            for processes in [c == "processes" for c in args.concurrency]:
+                for kind in args.kinds:
                     name = f"{store} {'processes' if processes else 'threads'} {kind}"
                     for r in range(args.rounds):
                         parent = Path(tmp) / f"{store}-{processes}-{kind}-{r}"
