@@ -57,11 +57,18 @@ def _quantize(uri: str) -> dict[str, Any]:
     return {**labels, **{k: doc[k] for k in keys}}
 
 
+def _gate(uri: str) -> dict[str, Any]:
+    """The verdict, its one line and each check, so a KFP user reads the decision off the artifact's metadata."""
+    record = records.read(uri, records.GateRecord)
+    return {"passed": record.passed, "verdict": record.line(), "checks": [c.to_json() for c in record.checks]}
+
+
 _BY_STAGE: dict[str, Callable[[str], dict[str, Any]]] = {
     "search": _search,
     "prune": _prune,
     "evaluate": _evaluate,
     "quantize": _quantize,
+    "gate": _gate,
 }
 
 

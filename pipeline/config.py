@@ -43,6 +43,7 @@ class _Settings(BaseModel):
     calibration_data: str  # data for the importance criteria
     search_data: str  # data for the teacher cache and the ESAP fitness
     heldout_data: str | None = None  # other samples of the search domain: the search's held-out check, held-out ESAP in evaluate
+    previous_metrics: str | None = None  # the previous release's metrics (evaluate artifact or metrics.json): the gate's max_previous_drop
     criteria: list[Literal["frequency", "seer", "ean", "reap"]] = ["reap"]
     sparsities: list[float] = [0.25]
     storage_root: str = "./runs/artifacts"  # where every artifact goes: a path, s3://, gs://
@@ -209,6 +210,19 @@ def _check_stage_sections(config: PipelineConfig) -> None:
         )
 
 
+def _check_gate(config: PipelineConfig) -> None:
+    """The gate's thresholds need what they compare: held-out ESAP needs heldout_data, a drop against the previous
+    release needs previous_metrics (and previous_metrics needs that threshold)."""
+    gate = config.parsed_params("gate")
+    if gate.min_heldout_esap is not None and not config.heldout_data:
+        raise ConfigError("gate.min_heldout_esap needs held-out ESAP: set heldout_data (other samples of the search domain)")
+    if (gate.max_previous_drop is None) != (config.previous_metrics is None):
+        raise ConfigError(
+            "gate.max_previous_drop and previous_metrics go together: set both (the previous release's metrics and the "
+            "drop allowed against them) or neither"
+        )
+
+
 def _keys_at(root: Any, loc: tuple) -> list[str]:
     """The keys the mapping at `loc` under the type `root` takes (a model's fields; none for a free mapping)."""
     kind = root
@@ -278,4 +292,5 @@ def load_config(source: str | Path | dict[str, Any]) -> PipelineConfig:
         raise ConfigError(f"invalid {where}: {_problems(exc, PipelineConfig)}") from exc
     config.pinned_model  # noqa: B018 - a revision for a path or URI is refused here, before anything runs
     _check_stage_sections(config)
+    _check_gate(config)
     return config

@@ -10,6 +10,7 @@ binds; `build_pipeline` names the model (a path, URI or hub name) by a reference
 """
 
 # No `from __future__ import annotations`: kfp reads the pipeline function's real annotations.
+import contextlib
 import functools
 import inspect
 import os
@@ -18,10 +19,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, List, Mapping, NamedTuple
 
 from kfp import compiler, dsl
-from kfp.dsl import HTML, Input, Markdown, Model
+from kfp.dsl import HTML, Artifact, Input, Markdown, Model
 
 from evoesap.components import StageComponents, make_components
 from evoesap.components.reference import make_reference
+from evoesap.components.verdict import make_verdict_check
 from evoesap.components.trainjob import make_search_trainjob
 from evoesap.pipeline.feasibility import check_grid
 from evoesap.errors import ConfigError
@@ -124,6 +126,59 @@ def _search_trainjob(config: PipelineConfig, args: dict[str, Any]) -> Any:
 
 
 Outputs = NamedTuple("Outputs", report=Markdown, report_html=HTML, pruned_models=List[Model])
+# With a gate: also each point's verdict (gate.json; metadata `passed` and `verdict`, its one line) for the caller.
+GatedOutputs = NamedTuple(
+    "GatedOutputs", report=Markdown, report_html=HTML, pruned_models=List[Model], verdicts=List[Artifact]
+)
+
+
+def gated(config: PipelineConfig) -> bool:
+    """Whether the configuration's `gate` section sets a threshold (then the DAG gates publish and reports verdicts)."""
+    return config.parsed_params("gate").active
+
+
+def _gate(stage: Callable, comps: Any, config: PipelineConfig, candidate: Any, full: Any, storage_root: Any) -> Any:
+    """The gate task judging `candidate` (the evaluate task of the model publish would release) against the full
+    model's evaluation and the previous release's metrics; None when the configuration sets no threshold. Its
+    thresholds are compiled in, as quantize's recipe is: they decide the DAG's shape (publish under a condition)."""
+    if not gated(config):
+        return None
+    task = comps.gate(
+        evaluation=candidate.outputs["evaluation"],
+        full_evaluation=full.outputs["evaluation"],
+        storage_root=storage_root,
+        previous=config.previous_metrics or "",
+        params=config.stage_params("gate"),
+    )
+    return stage("gate", task, "gate")
+
+
+def _when_passed(verdict: Any) -> Any:
+    """The condition publish runs under: the verdict passed (`dsl.If` on the gate's output, which kfp.local and a
+    cluster both evaluate); no condition without a gate."""
+    return contextlib.nullcontext() if verdict is None else dsl.If(verdict.outputs["Output"] == "pass", name="gate-passed")
+
+
+def _verdict_input(verdict: Any) -> dict[str, Any]:
+    """publish's `gate` input: the verdict again, so the published artifact's lineage names the gate it passed and
+    publish run by hand (or by an orchestrator without conditions) refuses a failing one itself."""
+    return {} if verdict is None else {"gate": verdict.outputs["verdict"]}
+
+
+def _end_on_failed_gate(config: PipelineConfig, verdict: Any, report: Any) -> None:
+    """With `stop_on_fail`, a last task after the report that fails the run with the failing verdicts' one line."""
+    if not config.parsed_params("gate").stop_on_fail:
+        return
+    task = make_verdict_check(config.stage_image("gate"))(verdicts=dsl.Collected(verdict.outputs["verdict"]))
+    task.after(report)
+    _configure(task, "gate", config, "release gate")
+
+
+def _gated(func: Callable, config: PipelineConfig) -> Callable:
+    """`func` announcing the verdicts output (`GatedOutputs`) when the configuration gates publish."""
+    if gated(config):
+        func.__signature__ = inspect.signature(func).replace(return_annotation=GatedOutputs)
+    return func
 
 
 def _defaults(config: PipelineConfig, gpus_at_run_time: Iterable[str] = ()) -> dict[str, Any]:
@@ -251,12 +306,15 @@ def build_subpipeline(
                                            "evaluate quantized")  # fmt: skip
                 release = {"quantized": quantized.outputs["quantized"],
                            "quantized_evaluation": evals["quantized"].outputs["evaluation"]}  # fmt: skip
+            verdict = _gate(stage, comps, config, evals["quantized" if quantize_on else "searched"], full, storage_root)
             if config.publish_models:
-                stage("publish", comps.publish(pruned=pruned["searched"].outputs["pruned"], storage_root=storage_root,
-                                               evaluation=evals["searched"].outputs["evaluation"],
-                                               full_evaluation=full.outputs["evaluation"],
-                                               search=searched.outputs["allocation"], params=publish_params, **release),
-                      "publish quantized" if quantize_on else "publish searched")  # fmt: skip
+                with _when_passed(verdict):
+                    stage("publish", comps.publish(pruned=pruned["searched"].outputs["pruned"], storage_root=storage_root,
+                                                   evaluation=evals["searched"].outputs["evaluation"],
+                                                   full_evaluation=full.outputs["evaluation"],
+                                                   search=searched.outputs["allocation"], params=publish_params,
+                                                   **release, **_verdict_input(verdict)),
+                          "publish quantized" if quantize_on else "publish searched")  # fmt: skip
         report = stage(
             "report",
             comps.report(
@@ -267,18 +325,23 @@ def build_subpipeline(
                 storage_root=storage_root,
                 params=report_params,
                 **({"quantized": dsl.Collected(evals["quantized"].outputs["evaluation"])} if quantize_on else {}),
+                **({"gates": dsl.Collected(verdict.outputs["verdict"])} if verdict is not None else {}),
             ),
         )
-        return Outputs(
+        outputs = dict(
             report=report.outputs["markdown"],
             report_html=report.outputs["page"],
             # the prune outputs themselves: no importer in the loop (a cluster's importer takes object-store URIs
             # only, and kubeflow/pipelines#10860: importers inside a ParallelFor); the checkpoint is at metadata["uri"]
             pruned_models=dsl.Collected(pruned["searched"].outputs["pruned"]),
         )
+        if verdict is None:
+            return Outputs(**outputs)
+        _end_on_failed_gate(config, verdict, report)
+        return GatedOutputs(**outputs, verdicts=dsl.Collected(verdict.outputs["verdict"]))
 
     extra = [parameter for by_setting in runtime.values() for parameter in by_setting.values()]
-    func = _signed(evoesap_stages, () if config.heldout_data else ("heldout_data",), extra)
+    func = _gated(_signed(evoesap_stages, () if config.heldout_data else ("heldout_data",), extra), config)
     description = "EvoESAP stages: calibrate ... report, for a given full model"
     return dsl.pipeline(name=f"{config.name}-stages", description=description)(func)
 
@@ -326,11 +389,12 @@ def build_pipeline(config: PipelineConfig) -> Callable:
             report_params=report_params,
             publish_params=publish_params,
         ).set_caching_options(enable_caching=False)
-        return Outputs(
+        outputs = dict(
             report=run.outputs["report"], report_html=run.outputs["report_html"], pruned_models=run.outputs["pruned_models"]
         )
+        return GatedOutputs(**outputs, verdicts=run.outputs["verdicts"]) if gated(config) else Outputs(**outputs)
 
-    func = evoesap_pipeline if config.heldout_data else _signed(evoesap_pipeline, ("heldout_data",))
+    func = _gated(evoesap_pipeline if config.heldout_data else _signed(evoesap_pipeline, ("heldout_data",)), config)
     return dsl.pipeline(name=config.name, description="EvoESAP: ESAP-guided non-uniform expert pruning")(func)
 
 

@@ -14,12 +14,15 @@ from evoesap import artifacts
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.records.documents import (
     ALLOCATION_FILE,
+    GATE_FILE,
     METRICS_FILE,
     PRUNING_FILE,
     QUANTIZATION_FILE,
     AllocationRecord,
     Candidate,
     Experts,
+    GateCheck,
+    GateRecord,
     HeldoutCheck,
     HeldoutEsap,
     Labels,
@@ -34,6 +37,7 @@ from evoesap.records.typed import Record
 
 __all__ = [
     "ALLOCATION_FILE",
+    "GATE_FILE",
     "HISTORY_FILE",
     "METRICS_FILE",
     "PRUNING_FILE",
@@ -41,6 +45,8 @@ __all__ = [
     "AllocationRecord",
     "Candidate",
     "Experts",
+    "GateCheck",
+    "GateRecord",
     "HeldoutCheck",
     "HeldoutEsap",
     "Labels",

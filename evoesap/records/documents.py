@@ -191,3 +191,43 @@ class QuantizationRecord(Record):
     checkpoint_bytes_after: int  # bytes of the quantized safetensors files
     seconds: dict[str, float]  # wall time per phase of the worker (load, oneshot, save)
     versions: dict[str, str]  # versions of the tools that quantized
+
+
+GATE_FILE = "gate.json"  # gate: the release verdict, check by check
+
+
+@dataclasses.dataclass(frozen=True)
+class GateCheck(Record):
+    """One threshold of the release gate and what the candidate showed against it."""
+
+    name: str  # what was checked: heldout_esap, task <name> vs full, task <name> vs previous, ...
+    value: float | None  # the candidate's value; None: the candidate has no such value (the check fails)
+    reference: float | None  # what it is compared with (the full model's or the previous release's value); None: none
+    limit: float  # the least value allowed: the threshold itself, or the reference less the allowed drop
+    passed: bool  # value >= limit
+
+    def line(self) -> str:
+        """The check in words, with its numbers."""
+        value = "missing" if self.value is None else f"{self.value:.4f}"
+        against = "" if self.reference is None else f" (reference {self.reference:.4f})"
+        return f"{self.name} {value} {'>=' if self.passed else '<'} {self.limit:.4f}{against}"
+
+
+@dataclasses.dataclass(frozen=True)
+class GateRecord(Record):
+    """gate.json: whether the evaluated candidate may be published, and every check that decided it."""
+
+    FILE = GATE_FILE
+    STAGE = "gate"
+
+    passed: bool  # every check passed
+    candidate: str  # the evaluated candidate's model URI (redacted)
+    checks: tuple[GateCheck, ...]  # every threshold the gate applied, in order
+    previous: str | None = None  # the previous release's metrics the gate compared with (redacted); None: none
+
+    def line(self) -> str:
+        """The verdict in one line: the failing checks with their numbers, or that every check passed."""
+        failed = [c.line() for c in self.checks if not c.passed]
+        if failed:
+            return f"release gate failed for {self.candidate}: " + "; ".join(failed)
+        return f"release gate passed for {self.candidate} ({len(self.checks)} checks)"

@@ -215,18 +215,22 @@ def run_publish(
     search: str | None = None,
     report: str | None = None,
     quantized: str | None = None,
+    gate: str | None = None,
 ) -> artifacts.Manifest:
     """Write the model card beside the pruned checkpoint (its quantized checkpoint, when `quantized` is given), push the
-    artifact to `to` and `repo`, then publish it."""
+    artifact to `to` and `repo`, then publish it. With `gate`, only when that verdict passed the published model."""
     inputs = {
         "pruned": pruned,
         **{f"evaluations.{i}": u for i, u in enumerate(evaluations)},
         "search": search,
         "report": report,
         "quantized": quantized,
+        "gate": gate,
     }
     seen = artifacts.preflight(out_uri, "publish", inputs)
     matched = _match_evaluations(pruned, evaluations, quantized)
+    if gate is not None:
+        _check_gate(gate, matched.published_eval)
     if search is not None:
         _check_search(search, matched.pruned, pruned)
     if report is not None:
@@ -293,6 +297,21 @@ def run_publish(
         f", pushed to the Hub repository {params.repo}" if params.repo else "",
     )
     return artifacts.read_manifest(out_uri)
+
+
+def _check_gate(gate: str, published_eval: str) -> None:
+    """Refuse, before any work, a verdict that failed or that judged another evaluation than the published model's."""
+    from evoesap.gate import GateFailed
+
+    judged = artifacts.read_manifest(gate, "gate").inputs["evaluation"]
+    if judged.get("manifest_sha256") != artifacts.manifest_sha256(published_eval):
+        raise ConfigError(
+            f"--gate {artifacts.redact(gate)} judged {judged.get('uri')}, not the published model's evaluation "
+            f"{artifacts.redact(published_eval)}: give the gate of this evaluation"
+        )
+    verdict = records.read(gate, records.GateRecord)
+    if not verdict.passed:
+        raise GateFailed(f"{verdict.line()}; nothing published")
 
 
 def _check_to(to: str | None, out_uri: str, inputs: Mapping[str, str | None]) -> str | None:

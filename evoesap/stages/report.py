@@ -112,16 +112,24 @@ def _allocation(uri: str, search_params: Mapping[str, Any]) -> records.Allocatio
     return dataclasses.replace(record, warnings=(warning,))
 
 
-def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches: Sequence[str] = ()) -> artifacts.Manifest:
-    """Write report.md (and a self-contained report.html): summary, benchmark and memory tables, plots, lineage."""
+def run_report(
+    runs: list[str], params: ReportParams, out_uri: str, *, searches: Sequence[str] = (), gates: Sequence[str] = ()
+) -> artifacts.Manifest:
+    """Write report.md (and a self-contained report.html): the gate's verdicts first, then summary, benchmark and
+    memory tables, plots, lineage."""
     from evoesap import lineage, render
     from evoesap.stages import NAMES
 
     if not runs:
         raise ConfigError("give at least one evaluate run (--runs)")
-    inputs = {**{f"runs.{i}": u for i, u in enumerate(runs)}, **{f"searches.{i}": u for i, u in enumerate(searches)}}
+    inputs = {
+        **{f"runs.{i}": u for i, u in enumerate(runs)},
+        **{f"searches.{i}": u for i, u in enumerate(searches)},
+        **{f"gates.{i}": u for i, u in enumerate(gates)},
+    }
     seen = artifacts.preflight(out_uri, "report", inputs)
     metrics = [records.read(uri, records.MetricsRecord) for uri in runs]
+    verdicts = [records.read(uri, records.GateRecord) for uri in gates]
     histories = [_history(uri) for uri in searches]
     found = [_allocation(uri, h[2]) for uri, h in zip(searches, histories)]
     traced = lineage.walk(inputs)
@@ -146,6 +154,7 @@ def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches:
         gives |= {artifacts.redact(u): f"Summary and plots: {label}" for u, (label, _, _) in zip(searches, histories)}
         context = {
             "title": params.title,
+            "verdicts": [(v.passed, v.line()) for v in verdicts],
             "notes": _notes(metrics),
             "headline": rp.headline(settings),
             "summary": rp.summary_table(settings, params.digits),
