@@ -43,7 +43,7 @@ class _Settings(BaseModel):
     calibration_data: str  # data for the importance criteria
     search_data: str  # data for the teacher cache and the ESAP fitness
     heldout_data: str | None = None  # other samples of the search domain: the search's held-out check, held-out ESAP in evaluate
-    previous_metrics: str | None = None  # the previous release's metrics (evaluate artifact or metrics.json): the gate's max_previous_drop
+    previous_metrics: str | None = None  # previous release: evaluate artifact or metrics.json (gate.max_previous_drop)
     criteria: list[Literal["frequency", "seer", "ean", "reap"]] = ["reap"]
     sparsities: list[float] = [0.25]
     storage_root: str = "./runs/artifacts"  # where every artifact goes: a path, s3://, gs://

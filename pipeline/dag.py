@@ -127,9 +127,7 @@ def _search_trainjob(config: PipelineConfig, args: dict[str, Any]) -> Any:
 
 Outputs = NamedTuple("Outputs", report=Markdown, report_html=HTML, pruned_models=List[Model])
 # With a gate: also each point's verdict (gate.json; metadata `passed` and `verdict`, its one line) for the caller.
-GatedOutputs = NamedTuple(
-    "GatedOutputs", report=Markdown, report_html=HTML, pruned_models=List[Model], verdicts=List[Artifact]
-)
+GatedOutputs = NamedTuple("GatedOutputs", report=Markdown, report_html=HTML, pruned_models=List[Model], verdicts=List[Artifact])
 
 
 def gated(config: PipelineConfig) -> bool:
