@@ -32,6 +32,22 @@ from .cluster import StageSettings, merged
 CRITERIA = ("frequency", "seer", "ean", "reap")
 
 
+class Target(BaseModel):
+    """`target:` what the sparsity must achieve, instead of naming it (`evoesap.target`): the largest sparsity on the
+    granularity grid whose searched allocation keeps held-out ESAP at or above `heldout_esap`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    heldout_esap: float  # the least held-out ESAP (the search's held-out value) the chosen sparsity must keep, in (0, 1)
+
+    @field_validator("heldout_esap")
+    @classmethod
+    def _reachable(cls, value: float) -> float:
+        from evoesap.target import check_threshold
+
+        return check_threshold(value)
+
+
 class _Settings(BaseModel):
     """Everything one pipeline run needs but the stage sections, which `PipelineConfig` adds from the registry."""
 
@@ -46,6 +62,7 @@ class _Settings(BaseModel):
     previous_metrics: str | None = None  # previous release: evaluate artifact or metrics.json (gate.max_previous_drop)
     criteria: list[Literal["frequency", "seer", "ean", "reap"]] = ["reap"]
     sparsities: list[float] = [0.25]
+    target: Target | None = None  # a held-out quality to meet: the sparsity is searched for (evoesap.target), not given
     storage_root: str = "./runs/artifacts"  # where every artifact goes: a path, s3://, gs://
     pipeline_root: str | None = None  # kfp.local's own scratch directory (local runs only)
     registry: str | None = None  # where the stage images are (host[:port]/path); every image must lie there
@@ -63,6 +80,17 @@ class _Settings(BaseModel):
         if bad or not values:
             raise ValueError(f"every sparsity must lie in (0, 1), got {bad or values}")
         return values
+
+    @model_validator(mode="after")
+    def _target_or_sparsities(self) -> "PipelineConfig":
+        if self.target is not None and "sparsities" in self.model_fields_set:
+            raise ValueError(
+                f"target and sparsities {self.sparsities} both choose the sparsity: keep target (the sparsity is then "
+                "found on the granularity grid) or sparsities, not both"
+            )
+        if self.target is not None and not self.heldout_data:
+            raise ValueError("target.heldout_esap is measured on held-out samples: set heldout_data")
+        return self
 
     @field_validator("storage_root")
     @classmethod

@@ -167,3 +167,65 @@ def test_previous_metrics_are_read_from_a_metrics_json_file(built, tmp_path):
     assert record.passed and record.previous == str(previous)  # the same metrics as the previous release: no drop
     with pytest.raises(ConfigError, match="give its metrics"):
         run_gate(built["evaluated"], built["evaluated_full"], params, str(tmp_path / "gate2"))
+
+
+def _pipeline_config(**overrides):
+    from evoesap.pipeline.config import load_config
+
+    values = dict(
+        model="/models/full",
+        calibration_data="/data/code.jsonl",
+        search_data="/data/math.jsonl",
+        heldout_data="/data/heldout.jsonl",
+        storage_root="s3://bucket/runs",
+        publish_models=True,
+    )
+    return load_config({**values, **overrides})
+
+
+@pytest.mark.parametrize(
+    "overrides, problem",
+    [
+        ({"heldout_data": None, "gate": {"min_heldout_esap": 0.9}}, "gate.min_heldout_esap needs held-out ESAP"),
+        ({"gate": {"max_previous_drop": 0.01}}, "gate.max_previous_drop and previous_metrics go together"),
+        ({"previous_metrics": "/releases/v1/metrics.json"}, "gate.max_previous_drop and previous_metrics go together"),
+        ({"gate": {"max_task_dorp": 0.01}}, "unknown parameter.*max_task_dorp.*valid: max_previous_drop, max_task_drop"),
+    ],
+)
+def test_a_gate_without_what_it_compares_is_refused_at_load(overrides, problem):
+    with pytest.raises(ConfigError, match=problem):
+        _pipeline_config(**overrides)
+
+
+def test_compiled_dag_publishes_only_under_a_passing_verdict_and_hands_the_verdicts_on(tmp_path):
+    import yaml
+
+    from evoesap.pipeline.dag import compile_pipeline
+
+    spec = yaml.safe_load(compile_pipeline(_pipeline_config(gate={"max_task_drop": 0.02}), tmp_path / "p.yaml").read_text())
+    components = spec["components"]
+    conditions = {
+        name: task["triggerPolicy"]["condition"]
+        for c in components.values()
+        for name, task in c.get("dag", {}).get("tasks", {}).items()
+        if "triggerPolicy" in task
+    }
+    (condition,) = conditions.values()
+    assert "gate" in condition and "'pass'" in condition  # the branch that holds publish runs on a passing verdict
+    (branch,) = [c for name, c in components.items() if name.startswith("comp-condition")]
+    assert [t["componentRef"]["name"] for t in branch["dag"]["tasks"].values()] == ["comp-publish"]
+    stages = components["comp-tiny-stages" if "comp-tiny-stages" in components else "comp-evoesap-stages"]
+    assert "verdicts" in stages["outputDefinitions"]["artifacts"]  # a caller of the sub-pipeline reads the verdicts
+    assert "verdicts" in spec["root"]["outputDefinitions"]["artifacts"]
+    tasks = stages["dag"]["tasks"]
+    assert set(tasks["check-verdicts"]["dependentTasks"]) >= {"report"}  # the run ends only once the report exists
+
+
+def test_without_thresholds_the_dag_has_no_gate(tmp_path):
+    import yaml
+
+    from evoesap.pipeline.dag import compile_pipeline
+
+    text = compile_pipeline(_pipeline_config(), tmp_path / "p.yaml").read_text()
+    spec = yaml.safe_load(text)
+    assert "comp-gate" not in spec["components"] and "verdicts" not in spec["root"]["outputDefinitions"]["artifacts"]

@@ -71,6 +71,23 @@ def run_cmd(
     typer.echo(report_uri(outputs))
 
 
+@pipeline_app.command("target")
+def target_cmd(config: Path = typer.Argument(..., help="Pipeline YAML configuration with a target: section.")) -> None:
+    """Find, per criterion, the largest sparsity on the grid whose searched allocation meets the configuration's target
+    (bisection; each probe a reusable search artifact), and record the decision.  Example: evoesap pipeline target
+    target.yaml"""
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.target import cost_line, run_target
+
+    loaded = load_config(config)
+    if loaded.target is None:
+        raise typer.BadParameter(f"{config} has no target: section; add e.g. target: {{heldout_esap: 0.97}}")
+    typer.echo(cost_line(loaded))
+    for uri, record in run_target(loaded):
+        typer.echo(f"{record.criterion}: {record.line()}")
+        typer.echo(uri)
+
+
 @pipeline_app.command("submit")
 def submit_cmd(
     config: Path = typer.Argument(..., help="Pipeline YAML configuration."),

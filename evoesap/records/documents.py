@@ -30,6 +30,7 @@ class HeldoutCheck(Record):
     difference: float | None  # mean of searched - uniform per sample; None without samples
     stderr: float | None  # standard error of that mean; None below two samples
     beats_uniform: bool  # the difference exceeds two standard errors
+    searched_stderr: float | None = None  # standard error of the searched mean; None below two samples or not recorded
 
     def warning(self, metric: str, fallback: bool) -> str:
         """The warning for a check the searched allocation failed: headline, numbers, what to do. The search
@@ -231,3 +232,51 @@ class GateRecord(Record):
         if failed:
             return f"release gate failed for {self.candidate}: " + "; ".join(failed)
         return f"release gate passed for {self.candidate} ({len(self.checks)} checks)"
+
+
+TARGET_FILE = "target.json"  # target: the sparsity chosen for a quality target, with every probe
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe(Record):
+    """One search the bracketing made, and what it showed."""
+
+    sparsity: float  # the grid point searched
+    budget: int  # experts removed
+    search: str  # the search artifact (redacted URI), reusable like any other
+    removal_counts: tuple[int, ...]  # the searched allocation
+    fitness: float | None  # its fitness on the search set
+    heldout: float | None  # its held-out value (the search's held-out check); None: no held-out samples
+    stderr: float | None  # standard error of that held-out mean
+    meets: bool  # heldout >= the target
+    warm_start: tuple[int, ...] | None = None  # the seed it was warm-started from; None: the first probe
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetRecord(Record):
+    """target.json: the decision (which sparsity meets the target) and its evidence, probe by probe."""
+
+    FILE = TARGET_FILE
+    STAGE = "target"
+
+    criterion: str  # whose pruning order the probes searched
+    metric: str  # the held-out quantity the target bounds (held-out ESAP: the search's held-out value)
+    threshold: float  # the least value a chosen sparsity must reach
+    grid: tuple[float, ...]  # every searchable sparsity, ascending
+    max_probes: int  # the most probes bisection could need, stated in advance
+    probes: tuple[Probe, ...]  # in the order they ran
+    chosen: float | None  # the largest grid sparsity found to meet the threshold; None: none does
+    chosen_search: str | None  # its search artifact
+
+    def line(self) -> str:
+        if self.chosen is None:
+            lowest = self.probes[0] if self.probes else None
+            seen = f" (at {lowest.sparsity:.4f}: {lowest.heldout})" if lowest else ""
+            return (
+                f"no sparsity on the grid meets {self.metric} >= {self.threshold}{seen}: lower the target or improve the "
+                "search (more samples, generations)"
+            )
+        return (
+            f"sparsity {self.chosen:.4f} is the largest on the grid of {len(self.grid)} meeting {self.metric} >= "
+            f"{self.threshold}, found in {len(self.probes)} searches (at most {self.max_probes})"
+        )

@@ -1,0 +1,127 @@
+"""The quality target: the grid, bisection against a brute-force sweep, warm starts, refusals before any work."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from evoesap import allocation as alloc
+from evoesap import records
+from evoesap.errors import ConfigError
+from evoesap.target import bracket, find, grid, max_probes, warm_start
+
+N, K = (8, 8, 6, 8), (2, 2, 2, 1)  # experts and the fewest each layer keeps
+
+
+@pytest.mark.parametrize("granularity", [1, 2, 3])
+def test_grid_is_every_searchable_budget_once(granularity):
+    points = grid(N, K, granularity)
+    budgets = [alloc.budget(s, N, K, granularity) for s in points]
+    expected = [
+        b
+        for b in range(1, sum(n - k for n, k in zip(N, K)) + 1)
+        if b % granularity == 0 and alloc.FeasibleSet(N, K, b, granularity).size >= 2
+    ]
+    assert budgets == expected and points == sorted(points)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 80), st.data())
+def test_bisection_finds_what_a_sweep_finds_within_its_stated_probes(size, data):
+    first_failing = data.draw(st.integers(0, size))  # a monotone answer: indices below it meet, the rest do not
+    chosen, probed = bracket(size, lambda i: i < first_failing)
+    sweep = [i for i in range(size) if i < first_failing]
+    assert chosen == (sweep[-1] if sweep else None)
+    assert len(probed) == len(set(probed)) <= max_probes(size) == math.ceil(math.log2(size)) + 1
+    if size >= 4:
+        assert len(probed) < size  # fewer searches than the sweep
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=4, max_size=4), st.data())
+def test_a_warm_start_is_feasible_for_the_new_budget(counts, data):
+    neighbour = [min(c, n - k) for c, n, k in zip(counts, N, K)]
+    budget = data.draw(st.integers(1, sum(n - k for n, k in zip(N, K))))
+    seed = warm_start(neighbour, N, K, budget, 1)
+    assert alloc.is_feasible(seed, N, K, budget, 1)
+
+
+def _fake_search(quality):
+    """A search whose searched allocation is the proportional one and whose held-out value is `quality(sparsity)`."""
+    calls = []
+
+    def search(sparsity, seed):
+        budget = alloc.budget(sparsity, N, K, 1)
+        if seed is not None:
+            assert alloc.is_feasible(seed, N, K, budget, 1)
+        calls.append((sparsity, seed))
+        counts = alloc.uniform(N, K, budget, 1)
+        check = records.HeldoutCheck(
+            samples=8, searched=quality(sparsity), uniform=0.0, difference=0.0, stderr=0.01, beats_uniform=True,
+            searched_stderr=0.002,
+        )  # fmt: skip
+        record = records.AllocationRecord(
+            criterion="reap", sparsity=sparsity, removal_counts=counts, pruned={}, fitness=quality(sparsity), heldout=check
+        )
+        return f"/store/search/{budget}", record
+
+    return search, calls
+
+
+@pytest.mark.parametrize("threshold", [0.99, 0.9, 0.75, 0.5, 0.2])
+def test_find_chooses_the_largest_sparsity_a_sweep_says_meets_the_target(threshold):
+    points = grid(N, K, 1)
+    search, calls = _fake_search(lambda s: 1 - s)  # quality falls as sparsity rises
+    record = find(threshold, points, search, N, K, 1, "reap")
+    meeting = [s for s in points if 1 - s >= threshold]
+    assert record.chosen == (meeting[-1] if meeting else None)
+    assert len(record.probes) == len(calls) <= record.max_probes < len(points)
+    assert record.probes[0].warm_start is None and all(p.warm_start is not None for p in record.probes[1:])
+    assert all(p.meets == (p.heldout >= threshold) and p.stderr == 0.002 for p in record.probes)
+    assert records.TargetRecord.from_json(record.to_json(), "target.json") == record
+    if record.chosen is None:
+        assert "no sparsity on the grid meets" in record.line()
+
+
+@pytest.mark.parametrize("value", [0.0, 1.0, 1.5, -0.2, True])
+def test_a_target_no_pruning_can_meet_or_that_asks_nothing_is_refused(value):
+    from evoesap.target import check_threshold
+
+    with pytest.raises(ConfigError, match="target.heldout_esap"):
+        check_threshold(value)
+
+
+BASE = dict(model="/m", calibration_data="/c", search_data="/s", heldout_data="/h")
+
+
+@pytest.mark.parametrize(
+    "extra, problem",
+    [
+        ({"target": {"heldout_esap": 1.2}}, "unreachable"),
+        ({"target": {"heldout_esap": -0.1}}, "unreachable"),
+        ({"target": {"heldout_esap": 0.9}, "sparsities": [0.5]}, "target and sparsities"),
+        ({"target": {"heldout_esap": 0.9}, "heldout_data": None}, "set heldout_data"),
+        ({"target": {"kl": 0.1}}, "valid: heldout_esap"),
+    ],
+)
+def test_bad_targets_are_refused_at_load_in_one_line(extra, problem):
+    from evoesap.pipeline.config import load_config
+
+    with pytest.raises(ConfigError, match=problem) as refused:
+        load_config({**BASE, **extra})
+    assert "\n" not in str(refused.value)
+
+
+def test_plan_states_the_most_searches_in_advance(tmp_path):
+    from tiny_world import quick_world_config
+
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.target import cost_line
+
+    model = quick_world_config(tmp_path / "model")  # 2 MoE layers of 4 experts, top-2
+    config = load_config({**BASE, "model": str(model), "target": {"heldout_esap": 0.97}})
+    points = grid((4, 4), (2, 2), 1)  # budgets 1..3 (4 leaves a single allocation)
+    assert len(points) == 3
+    line = cost_line(config)
+    assert f"over {len(points)} grid sparsities" in line and f"at most {max_probes(3)} searches per criterion" in line
