@@ -34,18 +34,35 @@ CRITERIA = ("frequency", "seer", "ean", "reap")
 
 class Target(BaseModel):
     """`target:` what the sparsity must achieve, instead of naming it (`evoesap.target`): the largest sparsity on the
-    granularity grid whose searched allocation keeps held-out ESAP at or above `heldout_esap`."""
+    granularity grid whose searched allocation keeps held-out ESAP at or above `heldout_esap`, or the least sparsity
+    whose checkpoint fits in `bytes` (computed from the model's shapes, then searched like a given sparsity)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    heldout_esap: float  # the least held-out ESAP (the search's held-out value) the chosen sparsity must keep, in (0, 1)
+    heldout_esap: float | None = None  # the least held-out ESAP (the search's held-out value) to keep, in (0, 1)
+    bytes: str | None = None  # the most the pruned checkpoint may weigh, e.g. 24GiB (weights in the search's dtype)
 
     @field_validator("heldout_esap")
     @classmethod
-    def _reachable(cls, value: float) -> float:
+    def _reachable(cls, value: float | None) -> float | None:
         from evoesap.target import check_threshold
 
-        return check_threshold(value)
+        return None if value is None else check_threshold(value)
+
+    @field_validator("bytes")
+    @classmethod
+    def _a_size(cls, value: str | None) -> str | None:
+        from evoesap.sizes import parse_bytes
+
+        if value is not None and parse_bytes(value) <= 0:
+            raise ValueError(f"bytes must be a positive size such as 24GiB, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "Target":
+        if (self.heldout_esap is None) == (self.bytes is None):
+            raise ValueError("give one target: heldout_esap (a quality to keep) or bytes (a size to fit)")
+        return self
 
 
 class _Settings(BaseModel):
@@ -88,7 +105,7 @@ class _Settings(BaseModel):
                 f"target and sparsities {self.sparsities} both choose the sparsity: keep target (the sparsity is then "
                 "found on the granularity grid) or sparsities, not both"
             )
-        if self.target is not None and not self.heldout_data:
+        if self.target is not None and self.target.heldout_esap is not None and not self.heldout_data:
             raise ValueError("target.heldout_esap is measured on held-out samples: set heldout_data")
         return self
 
@@ -166,8 +183,13 @@ class _Settings(BaseModel):
         return pin(self.model, self.revision)
 
     def grid(self) -> list[dict[str, Any]]:
-        """The fan-out: one point per criterion x sparsity."""
-        return [{"criterion": c, "sparsity": s} for c in self.criteria for s in self.sparsities]
+        """The fan-out: one point per criterion x sparsity (with a `bytes` target, the sparsity that fits it)."""
+        sparsities = self.sparsities
+        if self.target is not None and self.target.bytes is not None:
+            from .target import memory_sparsity
+
+            sparsities = [memory_sparsity(self)]
+        return [{"criterion": c, "sparsity": s} for c in self.criteria for s in sparsities]
 
     def stage_params(self, stage: str) -> dict[str, Any]:
         """The stage's section as written (the fan-out's parameters are not in it)."""

@@ -172,6 +172,16 @@ def _end_on_failed_gate(config: PipelineConfig, verdict: Any, report: Any) -> No
     _configure(task, "gate", config, "release gate")
 
 
+def _refuse_quality_target(config: PipelineConfig) -> None:
+    """A held-out ESAP target chooses its sparsity by searching (`evoesap pipeline target`); the DAG's fan-out is fixed
+    when it compiles, so it takes that choice as `sparsities` (a `bytes` target is computed at compile: see `grid`)."""
+    if config.target is not None and config.target.heldout_esap is not None:
+        raise ConfigError(
+            "target.heldout_esap is found by `evoesap pipeline target CONFIG` (bisection over searches); run it, then "
+            "run the pipeline with sparsities: [<the sparsity it chose>] in place of target"
+        )
+
+
 def _gated(func: Callable, config: PipelineConfig) -> Callable:
     """`func` announcing the verdicts output (`GatedOutputs`) when the configuration gates publish."""
     if gated(config):
@@ -217,6 +227,7 @@ def build_subpipeline(
     """
     if overrides:
         config = with_resources(config, overrides)
+    _refuse_quality_target(config)
     runtime = settings_parameters(config, settings_inputs)
     check_grid(config.pinned_model, config.grid(), config.stage_params("search"), config.stage_params("prune"))
     bound = {image: make_components(image) for image in {config.stage_image(stage.name) for stage in STAGES}}

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -71,3 +72,36 @@ def run_target(config: PipelineConfig) -> list[tuple[str, records.Record]]:
         log.info("%s: %s", criterion, record.line())
         found.append((out, record))
     return found
+
+
+def memory_sparsity(config: PipelineConfig) -> float:
+    """The least grid sparsity whose checkpoint fits the configuration's `target.bytes` (`fitting_sparsity`)."""
+    search = config.parsed_params("search", {"criterion": config.criteria[0], "sparsity": 0.5})
+    return fitting_sparsity(config.pinned_model, config.target.bytes, search.granularity, search.model_dtype)
+
+
+@functools.cache
+def fitting_sparsity(model: str, size: str, granularity: int, model_dtype: str) -> float:
+    """The least grid sparsity whose checkpoint fits in `size`, from config.json and the weights' headers alone
+    (`footprint.model_shape`, weights in `model_dtype`): each removed expert frees a mean routed expert's bytes (exact
+    where every layer's experts weigh the same, as in the supported families, so the searched allocation fits as
+    uniform does). Refused in one line when nothing needs pruning or even the most pruning cannot fit."""
+    from evoesap import moe, runtime
+    from evoesap.footprint import model_shape
+    from evoesap.sizes import parse_bytes
+
+    wanted = parse_bytes(size)
+    shape = model_shape(model, model_dtype)
+    space = moe.pruning_space(runtime.inspect_checkpoint(model), granularity)
+    points = target.grid(space.num_experts, space.min_kept, space.granularity)
+    per_expert = shape.expert_bytes / sum(space.num_experts)
+    if shape.bytes <= wanted:
+        raise ConfigError(f"target.bytes {size} is at least the full model's {shape.bytes:,} bytes: nothing needs pruning")
+    left = [shape.bytes - round(s * sum(space.num_experts)) * per_expert for s in points]
+    fits = [s for s, b in zip(points, left) if b <= wanted]
+    if not fits:
+        raise ConfigError(
+            f"target.bytes {size} ({wanted:,} bytes) is below the model's floor of {int(left[-1]):,} bytes (sparsity "
+            f"{points[-1]:.4f}, every layer at its fewest experts): raise it, or quantize"
+        )
+    return fits[0]

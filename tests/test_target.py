@@ -125,3 +125,53 @@ def test_plan_states_the_most_searches_in_advance(tmp_path):
     assert len(points) == 3
     line = cost_line(config)
     assert f"over {len(points)} grid sparsities" in line and f"at most {max_probes(3)} searches per criterion" in line
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from tiny_world import make_tiny_inputs
+
+    return make_tiny_inputs(tmp_path_factory.mktemp("tiny"))["model"]
+
+
+def _pruned_bytes(model_dir: str, sparsity: float) -> int:
+    """Weight bytes of the model with a uniform allocation of that sparsity removed, measured on the loaded model."""
+    import transformers
+
+    from evoesap import moe
+    from evoesap.moe.memory import bytes_report
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    spec = moe.inspect(model)
+    n, k = spec.num_experts, spec.top_k
+    counts = alloc.uniform(n, k, alloc.budget(sparsity, n, k, 1), 1)
+    return bytes_report(model, {layer: tuple(range(c)) for layer, c in enumerate(counts)}).pruned
+
+
+def test_a_memory_target_picks_the_least_grid_sparsity_whose_checkpoint_fits(tiny_model):
+    from evoesap.pipeline.config import load_config
+
+    points = grid((8, 8, 8, 8), (2, 2, 2, 2), 1)
+    middle = _pruned_bytes(tiny_model, points[len(points) // 2])
+    config = load_config({**BASE, "model": tiny_model, "target": {"bytes": str(middle)}})
+    ((point),) = config.grid()
+    chosen = point["sparsity"]
+    assert chosen == points[len(points) // 2]  # the least that fits: one grid step less does not
+    assert _pruned_bytes(tiny_model, chosen) <= middle < _pruned_bytes(tiny_model, points[points.index(chosen) - 1])
+
+
+@pytest.mark.parametrize("size, problem", [("1K", "below the model's floor"), ("100GiB", "nothing needs pruning")])
+def test_a_memory_target_out_of_reach_is_refused_in_one_line(tiny_model, size, problem):
+    from evoesap.pipeline.config import load_config
+
+    with pytest.raises(ConfigError, match=problem) as refused:  # at load: before any stage runs
+        load_config({**BASE, "model": tiny_model, "target": {"bytes": size}})
+    assert "\n" not in str(refused.value)
+
+
+def test_a_quality_target_is_refused_by_the_dag_with_the_command_that_finds_it(tiny_model):
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.dag import build_pipeline
+
+    with pytest.raises(ConfigError, match="evoesap pipeline target"):
+        build_pipeline(load_config({**BASE, "model": tiny_model, "target": {"heldout_esap": 0.9}}))
