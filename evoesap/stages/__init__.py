@@ -193,6 +193,9 @@ STAGES: tuple[Stage, ...] = (
             StageInput("runs", "Evaluate artifacts (repeat the option): full, uniform, searched runs.", many=True),
             StageInput("searches", "Search artifacts whose history.parquet gives the search curves.", required=False, many=True),
             StageInput("gates", "Gate artifacts whose verdicts head the report.", required=False, many=True),
+            StageInput(
+                "targets", "Target artifacts (evoesap pipeline target): marked on the frontier plot.", required=False, many=True
+            ),
         ),
         "the report artifact",
         "Tables like the paper's Table 2, memory savings, per-layer density plots and search curves.",

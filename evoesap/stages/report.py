@@ -13,6 +13,7 @@ import pandas as pd
 
 from evoesap import artifacts, records
 from evoesap import report as rp
+from evoesap.frontier import figure as frontier_figure
 from evoesap.errors import ArtifactError, ConfigError, DataError
 from evoesap.params import StageParams, keyed, param
 from evoesap.importance import read_scores
@@ -113,7 +114,13 @@ def _allocation(uri: str, search_params: Mapping[str, Any]) -> records.Allocatio
 
 
 def run_report(
-    runs: list[str], params: ReportParams, out_uri: str, *, searches: Sequence[str] = (), gates: Sequence[str] = ()
+    runs: list[str],
+    params: ReportParams,
+    out_uri: str,
+    *,
+    searches: Sequence[str] = (),
+    gates: Sequence[str] = (),
+    targets: Sequence[str] = (),
 ) -> artifacts.Manifest:
     """Write report.md (and a self-contained report.html): the gate's verdicts first, then summary, benchmark and
     memory tables, plots, lineage."""
@@ -126,10 +133,12 @@ def run_report(
         **{f"runs.{i}": u for i, u in enumerate(runs)},
         **{f"searches.{i}": u for i, u in enumerate(searches)},
         **{f"gates.{i}": u for i, u in enumerate(gates)},
+        **{f"targets.{i}": u for i, u in enumerate(targets)},
     }
     seen = artifacts.preflight(out_uri, "report", inputs)
     metrics = [records.read(uri, records.MetricsRecord) for uri in runs]
     verdicts = [records.read(uri, records.GateRecord) for uri in gates]
+    chosen = [records.read(uri, records.TargetRecord) for uri in targets]
     histories = [_history(uri) for uri in searches]
     found = [_allocation(uri, h[2]) for uri, h in zip(searches, histories)]
     traced = lineage.walk(inputs)
@@ -138,6 +147,10 @@ def run_report(
         rows = rp.build_rows(metrics, [artifacts.redact(u) for u in runs], cols)
         settings = rp.settings(metrics, found)
         images: list[tuple[str, str]] = []
+        frontier = frontier_figure(metrics, verdicts, chosen)
+        if frontier is not None:
+            _save(frontier, staging / "frontier.png")
+            images.append(("Quality against memory: held-out ESAP and checkpoint bytes", "frontier.png"))
         try:
             allocations = run_allocations(metrics, [h[2] for h in histories])
         except (ArtifactError, DataError, KeyError) as exc:  # a search without usable scores still gets its curve
