@@ -7,13 +7,18 @@ the report); a task the reference has and the candidate lacks fails its check ra
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 from evoesap import records
 from evoesap.errors import EvoESAPError
 
-if TYPE_CHECKING:
-    from evoesap.stages.gate import GateParams
+
+class Thresholds(Protocol):
+    """The gate's thresholds (`evoesap.stages.gate.GateParams`); None: not checked."""
+
+    min_heldout_esap: float | None
+    max_task_drop: float | None
+    max_previous_drop: float | None
 
 
 class GateFailed(EvoESAPError):
@@ -45,7 +50,7 @@ def _esap(metrics: records.MetricsRecord) -> float | None:
 
 
 def verdict(
-    params: GateParams,
+    params: Thresholds,
     candidate: records.MetricsRecord,
     full: records.MetricsRecord,
     previous: records.MetricsRecord | None = None,

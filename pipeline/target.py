@@ -10,13 +10,13 @@ from typing import Any
 
 from evoesap import artifacts, records, target
 from evoesap.errors import ConfigError
-from evoesap.pipeline.config import PipelineConfig
 from evoesap.steps import run_step
 
+# `config` below is a `pipeline.config.PipelineConfig` (which reads `memory_sparsity` from here: not imported back)
 log = logging.getLogger(__name__)
 
 
-def target_grid(config: PipelineConfig, model: str | None = None) -> tuple[Any, list[float]]:
+def target_grid(config: Any, model: str | None = None) -> tuple[Any, list[float]]:
     """(the model's pruning space at the search's granularity, the searchable sparsities), from config.json alone;
     `model`: a folder with the config.json to read instead of the configuration's model."""
     from evoesap import moe, runtime
@@ -29,7 +29,7 @@ def target_grid(config: PipelineConfig, model: str | None = None) -> tuple[Any, 
     return space, points
 
 
-def cost_line(config: PipelineConfig, model: str | None = None) -> str:
+def cost_line(config: Any, model: str | None = None) -> str:
     """What a `target:` run will cost, said before it starts: the grid and the most searches per criterion."""
     _, points = target_grid(config, model)
     most = target.max_probes(len(points))
@@ -40,7 +40,7 @@ def cost_line(config: PipelineConfig, model: str | None = None) -> str:
     )
 
 
-def run_target(config: PipelineConfig) -> list[tuple[str, records.Record]]:
+def run_target(config: Any) -> list[tuple[str, records.Record]]:
     """Find each criterion's sparsity for the configuration's target; return (target artifact URI, TargetRecord)."""
     if config.target is None:
         raise ConfigError("the configuration has no target: add target: {heldout_esap: 0.97}")
@@ -74,7 +74,7 @@ def run_target(config: PipelineConfig) -> list[tuple[str, records.Record]]:
     return found
 
 
-def memory_sparsity(config: PipelineConfig) -> float:
+def memory_sparsity(config: Any) -> float:
     """The least grid sparsity whose checkpoint fits the configuration's `target.bytes` (`fitting_sparsity`)."""
     search = config.parsed_params("search", {"criterion": config.criteria[0], "sparsity": 0.5})
     return fitting_sparsity(config.pinned_model, config.target.bytes, search.granularity, search.model_dtype)
