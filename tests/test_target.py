@@ -175,3 +175,41 @@ def test_a_quality_target_is_refused_by_the_dag_with_the_command_that_finds_it(t
 
     with pytest.raises(ConfigError, match="evoesap pipeline target"):
         build_pipeline(load_config({**BASE, "model": tiny_model, "target": {"heldout_esap": 0.9}}))
+
+
+@pytest.mark.slow
+def test_target_run_records_its_probes_as_reusable_search_artifacts(tmp_path):
+    from tiny_world import make_tiny_inputs
+
+    from evoesap import artifacts
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.target import run_target
+
+    files = make_tiny_inputs(tmp_path / "tiny")  # 4 MoE layers of 8 experts, top-2
+    storage = tmp_path / "store"
+    config = load_config(
+        {
+            "model": files["model"],
+            "calibration_data": files["calibration"],
+            "search_data": files["search"],
+            "heldout_data": files["heldout"],
+            "storage_root": str(storage),
+            "calibrate": {"samples": 8, "max_length": 128},
+            "cache_logits": {"samples": 6, "max_length": 128, "dtype": "float32"},
+            "search": {"population": 4, "elites": 1, "generations": 1, "batch_size": 8, "granularity": 4},
+            "target": {"heldout_esap": 0.5},  # met everywhere: bisection climbs to the top of the grid
+        }
+    )
+    ((uri, record),) = run_target(config)
+    assert record.chosen == record.grid[-1] and len(record.probes) <= record.max_probes
+    searches = sorted(p.name for p in (storage / "search").iterdir() if (p / "manifest.json").exists())
+    assert len(searches) == len(record.probes)
+    manifest = artifacts.read_manifest(uri, "target")
+    probes = [manifest.inputs[f"probes.{i}"]["manifest_sha256"] for i in range(len(record.probes))]
+    assert probes == [artifacts.manifest_sha256(str(storage / "search" / p.search.rsplit("/", 1)[-1])) for p in record.probes]
+    for probe in record.probes[1:]:  # warm-started, the seed recorded in the search's own parameters
+        params = artifacts.read_manifest(str(storage / "search" / probe.search.rsplit("/", 1)[-1])).params
+        assert params["warm_start"] == ",".join(map(str, probe.warm_start))
+    again = run_target(config)  # every probe reused: no new search artifact
+    assert again[0][1] == record
+    assert sorted(p.name for p in (storage / "search").iterdir() if (p / "manifest.json").exists()) == searches
