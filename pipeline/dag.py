@@ -3,7 +3,9 @@
 calibrate and cache-logits run once; for each criterion x sparsity a search, a searched and a uniform
 prune, and their evaluations fan out (ParallelFor); when the `quantize` section names a recipe, the searched
 checkpoint's quantize step and its evaluation; with `publish_models` the publish (model card, push) of the searched
-model, or of its quantized checkpoint when quantize is on. The full model is evaluated once; the report collects
+model, or of its quantized checkpoint when quantize is on; when the `gate` section sets a threshold, the gate's verdict
+on that model decides whether publish runs, heads the report and is an output (`verdicts`), and a failing one ends the
+run after the report. The full model is evaluated once; the report collects
 everything; each searched prune output is handed on (`pruned_models`). `build_subpipeline` is that DAG for a
 full model given as an artifact (a step of another pipeline), with pod settings the outer pipeline overrides or
 binds; `build_pipeline` names the model (a path, URI or hub name) by a reference step and runs it.
