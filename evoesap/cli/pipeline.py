@@ -68,6 +68,8 @@ def run_cmd(
     outputs = run_local(load_config(config), log_path=log, runner=runner)
     for model in outputs["pruned_models"]:
         typer.echo(f"pruned model: {model.metadata['uri']}")
+    for verdict in outputs.get("verdicts", []):  # with a gate; a failing one has ended the run (GateFailed) unless told not to
+        typer.echo(verdict.metadata["verdict"])
     typer.echo(report_uri(outputs))
 
 
