@@ -214,7 +214,7 @@ def test_compiled_dag_publishes_only_under_a_passing_verdict_and_hands_the_verdi
     assert "gate" in condition and "'pass'" in condition  # the branch that holds publish runs on a passing verdict
     (branch,) = [c for name, c in components.items() if name.startswith("comp-condition")]
     assert [t["componentRef"]["name"] for t in branch["dag"]["tasks"].values()] == ["comp-publish"]
-    stages = components["comp-tiny-stages" if "comp-tiny-stages" in components else "comp-evoesap-stages"]
+    stages = components["comp-evoesap-stages"]
     assert "verdicts" in stages["outputDefinitions"]["artifacts"]  # a caller of the sub-pipeline reads the verdicts
     assert "verdicts" in spec["root"]["outputDefinitions"]["artifacts"]
     tasks = stages["dag"]["tasks"]
