@@ -107,6 +107,9 @@ class _Settings(BaseModel):
             )
         if self.target is not None and self.target.heldout_esap is not None and not self.heldout_data:
             raise ValueError("target.heldout_esap is measured on held-out samples: set heldout_data")
+        metric = getattr(self, "search", {}).get("metric", "esap")
+        if self.target is not None and self.target.heldout_esap is not None and metric != "esap":
+            raise ValueError(f"target.heldout_esap is the search's held-out ESAP: search.metric is {metric!r}; use esap")
         return self
 
     @field_validator("storage_root")

@@ -102,7 +102,9 @@ BASE = dict(model="/m", calibration_data="/c", search_data="/s", heldout_data="/
         ({"target": {"heldout_esap": -0.1}}, "unreachable"),
         ({"target": {"heldout_esap": 0.9}, "sparsities": [0.5]}, "target and sparsities"),
         ({"target": {"heldout_esap": 0.9}, "heldout_data": None}, "set heldout_data"),
-        ({"target": {"kl": 0.1}}, "valid: heldout_esap"),
+        ({"target": {"kl": 0.1}}, "valid: bytes, heldout_esap"),
+        ({"target": {"heldout_esap": 0.9, "bytes": "1GiB"}}, "give one target"),
+        ({"target": {"heldout_esap": 0.9}, "search": {"metric": "kl"}}, "search.metric is 'kl'"),
     ],
 )
 def test_bad_targets_are_refused_at_load_in_one_line(extra, problem):

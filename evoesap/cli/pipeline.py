@@ -85,9 +85,12 @@ def target_cmd(config: Path = typer.Argument(..., help="Pipeline YAML configurat
     if loaded.target is None:
         raise typer.BadParameter(f"{config} has no target: section; add e.g. target: {{heldout_esap: 0.97}}")
     typer.echo(cost_line(loaded))
-    for uri, record in run_target(loaded):
+    found = run_target(loaded)
+    for uri, record in found:
         typer.echo(f"{record.criterion}: {record.line()}")
         typer.echo(uri)
+    if any(record.chosen is None for _, record in found):  # the decision is recorded; the release cannot go on
+        raise typer.Exit(1)
 
 
 @pipeline_app.command("submit")
