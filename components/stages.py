@@ -201,6 +201,34 @@ def evaluate(
     publish_metrics(metrics, uri)
 
 
+def gate(
+    evaluation: Input[Dataset],
+    full_evaluation: Input[Dataset],
+    storage_root: str,
+    verdict: Output[Artifact],
+    previous: str = "",
+    params: dict = {},
+) -> str:
+    """Decide whether the release candidate may be published: its held-out ESAP and task drops against thresholds.
+
+    Args:
+        evaluation: The evaluate stage's evaluation of the release candidate (the model publish would release).
+        full_evaluation: The evaluate stage's evaluation of the full model it was pruned from.
+        storage_root: (see module)
+        previous: The previous release's metrics (an evaluate artifact or a metrics.json URI); empty: none.
+
+    Returns:
+        verdict: gate.json, every check with its numbers; metadata: passed, verdict (one line), checks.
+        Output: "pass" or "fail", for the pipeline's condition on publish.
+    """
+    from evoesap.components.kfp_artifacts import publish, source
+    from evoesap.steps import run_step
+
+    inputs = {"evaluation": source(evaluation), "full_evaluation": source(full_evaluation), "previous": previous or None}
+    publish(verdict, run_step("gate", storage_root, inputs, params))
+    return "pass" if verdict.metadata["passed"] else "fail"
+
+
 def report(
     full: Input[Dataset],
     searched: Input[List[Dataset]],
@@ -210,6 +238,7 @@ def report(
     markdown: Output[Markdown],
     page: Output[HTML],
     quantized: Optional[Input[List[Dataset]]] = None,
+    gates: Optional[Input[List[Artifact]]] = None,
     params: dict = {},
 ):
     """The benchmark table, memory figures and plots of a set of evaluations and searches.
@@ -221,6 +250,7 @@ def report(
         searches: The search stage's allocations (search curves and densities).
         storage_root: (see module)
         quantized: Evaluations of the quantized searched models: a row each beside the models they were quantized from.
+        gates: The gate stage's verdicts: they head the report.
 
     Returns:
         markdown: The report in Markdown (rendered in the KFP UI).
@@ -230,7 +260,11 @@ def report(
     from evoesap.steps import run_step
 
     runs = [full, *uniform, *searched, *(quantized or [])]
-    inputs = {"runs": [source(a) for a in runs], "searches": [source(a) for a in searches]}
+    inputs = {
+        "runs": [source(a) for a in runs],
+        "searches": [source(a) for a in searches],
+        "gates": [source(a) for a in gates or []],
+    }
     publish_report(markdown, page, run_step("report", storage_root, inputs, params))
 
 
@@ -244,6 +278,7 @@ def publish(
     report: Optional[Input[Markdown]] = None,
     quantized: Optional[Input[Model]] = None,
     quantized_evaluation: Optional[Input[Dataset]] = None,
+    gate: Optional[Input[Artifact]] = None,
     params: dict = {},
 ):
     """Write the model card beside a pruned (or its quantized) checkpoint and push both to params `to` (a URI) and `repo` (the Hub).
@@ -257,6 +292,7 @@ def publish(
         report: The report covering the published model's evaluation: copied beside the checkpoint.
         quantized: The quantize stage's checkpoint of `pruned`: published instead of it (the card states its recipe and bytes).
         quantized_evaluation: The evaluation of `quantized` (required with it).
+        gate: The gate stage's verdict on the published model's evaluation: publish refuses unless it passed.
 
     Returns:
         published: The checkpoint with its model card (README.md) and density plot; metadata: its storage URI.
@@ -272,6 +308,7 @@ def publish(
         "search": source(search),
         "report": source(report),
         "quantized": source(quantized),
+        "gate": source(gate),
     }
     describe(published, run_step("publish", storage_root, inputs, params))
 

@@ -199,6 +199,27 @@ STAGES: tuple[Stage, ...] = (
         fits_with="evaluate.batch_size or evaluate.max_length, or device_map: auto over more GPUs",
     ),
     Stage(
+        "gate",
+        "evoesap.stages.gate:run_gate",
+        "evoesap.stages.gate:GateParams",
+        (
+            StageInput("evaluation", "Evaluate artifact of the release candidate (the model publish would release)."),
+            StageInput("full_evaluation", "Evaluate artifact of the full model it was pruned from."),
+            StageInput(
+                "previous",
+                "The previous release's metrics: an evaluate artifact or a metrics.json path or URI.",
+                required=False,
+            ),
+        ),
+        "the verdict artifact (gate.json)",
+        (StageOutput("verdict", "Artifact"),),
+        "Decide whether a candidate may be published: held-out ESAP and task drops against thresholds.",
+        "evoesap gate --evaluation runs/eval --full-evaluation runs/eval-full --min-heldout-esap 0.9 "
+        "--max-task-drop 0.02 --out runs/gate",
+        loads_model=False,
+        facts="evoesap.records.facts:gate_facts",
+    ),
+    Stage(
         "report",
         "evoesap.stages.report:run_report",
         "evoesap.stages.report:ReportParams",
@@ -210,6 +231,14 @@ STAGES: tuple[Stage, ...] = (
                 kfp=("full", "searched", "uniform", "quantized"),
             ),
             StageInput("searches", "Search artifacts whose history.parquet gives the search curves.", required=False, many=True),
+            StageInput("gates", "Gate artifacts whose verdicts head the report.", required=False, many=True),
+            StageInput(
+                "targets",
+                "Target artifacts (evoesap pipeline target): marked on the frontier plot.",
+                required=False,
+                many=True,
+                kfp=(),
+            ),
         ),
         "the report artifact",
         (StageOutput("markdown", "Markdown"), StageOutput("page", "HTML")),
@@ -239,6 +268,11 @@ STAGES: tuple[Stage, ...] = (
                 "quantized",
                 "Quantize artifact of the pruned checkpoint: published instead of it, the card stating its recipe and "
                 "bytes (its evaluation is then the one required).",
+                required=False,
+            ),
+            StageInput(
+                "gate",
+                "Gate artifact (verdict) of the published model's evaluation: publish refuses unless it passed.",
                 required=False,
             ),
         ),

@@ -31,6 +31,39 @@ from evoesap.scoring.criteria import CRITERIA, Criterion
 from .cluster import StageSettings, merged
 
 
+class Target(BaseModel):
+    """`target:` what the sparsity must achieve, instead of naming it (`evoesap.planning.target`): the largest sparsity on the
+    granularity grid whose searched allocation keeps held-out ESAP at or above `heldout_esap`, or the least sparsity
+    whose checkpoint fits in `bytes` (computed from the model's shapes, then searched like a given sparsity)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    heldout_esap: float | None = None  # the least held-out ESAP (the search's held-out value) to keep, in (0, 1)
+    bytes: str | None = None  # the most the pruned checkpoint may weigh, e.g. 24GiB (weights in the search's dtype)
+
+    @field_validator("heldout_esap")
+    @classmethod
+    def _reachable(cls, value: float | None) -> float | None:
+        from evoesap.planning.target import check_threshold
+
+        return None if value is None else check_threshold(value)
+
+    @field_validator("bytes")
+    @classmethod
+    def _a_size(cls, value: str | None) -> str | None:
+        from evoesap.machine.sizes import parse_bytes
+
+        if value is not None and parse_bytes(value) <= 0:
+            raise ValueError(f"bytes must be a positive size such as 24GiB, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "Target":
+        if (self.heldout_esap is None) == (self.bytes is None):
+            raise ValueError("give one target: heldout_esap (a quality to keep) or bytes (a size to fit)")
+        return self
+
+
 class _Settings(BaseModel):
     """Everything one pipeline run needs but the stage sections, which `PipelineConfig` adds from the registry."""
 
@@ -42,8 +75,10 @@ class _Settings(BaseModel):
     calibration_data: str  # data for the importance criteria
     search_data: str  # data for the teacher cache and the ESAP fitness
     heldout_data: str | None = None  # other samples of the search domain: the search's held-out check, held-out ESAP in evaluate
+    previous_metrics: str | None = None  # previous release: evaluate artifact or metrics.json (gate.max_previous_drop)
     criteria: list[Criterion] = ["reap"]
     sparsities: list[float] = [0.25]
+    target: Target | None = None  # a held-out quality to meet: the sparsity is searched for (evoesap.planning.target), not given
     storage_root: str = "./runs/artifacts"  # where every artifact goes: a path, s3://, gs://
     pipeline_root: str | None = None  # kfp.local's own scratch directory (local runs only)
     registry: str | None = None  # where the stage images are (host[:port]/path); every image must lie there
@@ -61,6 +96,20 @@ class _Settings(BaseModel):
         if bad or not values:
             raise ValueError(f"every sparsity must lie in (0, 1), got {bad or values}")
         return values
+
+    @model_validator(mode="after")
+    def _target_or_sparsities(self) -> "PipelineConfig":
+        if self.target is not None and "sparsities" in self.model_fields_set:
+            raise ValueError(
+                f"target and sparsities {self.sparsities} both choose the sparsity: keep target (the sparsity is then "
+                "found on the granularity grid) or sparsities, not both"
+            )
+        if self.target is not None and self.target.heldout_esap is not None and not self.heldout_data:
+            raise ValueError("target.heldout_esap is measured on held-out samples: set heldout_data")
+        metric = getattr(self, "search", {}).get("metric", "esap")
+        if self.target is not None and self.target.heldout_esap is not None and metric != "esap":
+            raise ValueError(f"target.heldout_esap is the search's held-out ESAP: search.metric is {metric!r}; use esap")
+        return self
 
     @field_validator("storage_root")
     @classmethod
@@ -141,8 +190,13 @@ class _Settings(BaseModel):
         return pin(self.model, self.revision)
 
     def grid(self) -> list[dict[str, Any]]:
-        """The fan-out: one point per criterion x sparsity."""
-        return [{"criterion": c, "sparsity": s} for c in self.criteria for s in self.sparsities]
+        """The fan-out: one point per criterion x sparsity (with a `bytes` target, the sparsity that fits it)."""
+        sparsities = self.sparsities
+        if self.target is not None and self.target.bytes is not None:
+            from .target import memory_sparsity
+
+            sparsities = [memory_sparsity(self)]
+        return [{"criterion": c, "sparsity": s} for c in self.criteria for s in sparsities]
 
     def stage_params(self, stage: str) -> dict[str, Any]:
         """The stage's section as written (the fan-out's parameters are not in it)."""
@@ -218,6 +272,19 @@ def _check_stage_sections(config: PipelineConfig) -> None:
         )
 
 
+def _check_gate(config: PipelineConfig) -> None:
+    """The gate's thresholds need what they compare: held-out ESAP needs heldout_data, a drop against the previous
+    release needs previous_metrics (and previous_metrics needs that threshold)."""
+    gate = config.parsed_params("gate")
+    if gate.min_heldout_esap is not None and not config.heldout_data:
+        raise ConfigError("gate.min_heldout_esap needs held-out ESAP: set heldout_data (other samples of the search domain)")
+    if (gate.max_previous_drop is None) != (config.previous_metrics is None):
+        raise ConfigError(
+            "gate.max_previous_drop and previous_metrics go together: set both (the previous release's metrics and the "
+            "drop allowed against them) or neither"
+        )
+
+
 def _keys_at(root: Any, loc: tuple) -> list[str]:
     """The keys the mapping at `loc` under the type `root` takes (a model's fields; none for a free mapping)."""
     kind = root
@@ -287,4 +354,5 @@ def load_config(source: str | Path | dict[str, Any]) -> PipelineConfig:
         raise ConfigError(f"invalid {where}: {_problems(exc, PipelineConfig)}") from exc
     config.pinned_model  # noqa: B018 - a revision for a path or URI is refused here, before anything runs
     _check_stage_sections(config)
+    _check_gate(config)
     return config

@@ -3,13 +3,16 @@
 calibrate and cache-logits run once; for each criterion x sparsity a search, a searched and a uniform
 prune, and their evaluations fan out (ParallelFor); when the `quantize` section names a recipe, the searched
 checkpoint's quantize step and its evaluation; with `publish_models` the publish (model card, push) of the searched
-model, or of its quantized checkpoint when quantize is on. The full model is evaluated once; the report collects
+model, or of its quantized checkpoint when quantize is on; when the `gate` section sets a threshold, the gate's verdict
+on that model decides whether publish runs, heads the report and is an output (`verdicts`), and a failing one ends the
+run after the report. The full model is evaluated once; the report collects
 everything; each searched prune output is handed on (`pruned_models`). `build_subpipeline` is that DAG for a
 full model given as an artifact (a step of another pipeline), with pod settings the outer pipeline overrides or
 binds; `build_pipeline` names the model (a path, URI or hub name) by a reference step and runs it.
 """
 
 # No `from __future__ import annotations`: kfp reads the pipeline function's real annotations.
+import contextlib
 import functools
 import inspect
 import os
@@ -18,10 +21,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, List, Mapping, NamedTuple
 
 from kfp import compiler, dsl
-from kfp.dsl import HTML, Input, Markdown, Metrics, Model
+from kfp.dsl import HTML, Artifact, Input, Markdown, Metrics, Model
 
 from evoesap.components import StageComponents, make_components
 from evoesap.components.reference import make_reference
+from evoesap.components.verdict import make_verdict_check
 from evoesap.components.trainjob import make_search_trainjob
 from evoesap.pipeline.feasibility import check_grid
 from evoesap.errors import ConfigError
@@ -127,16 +131,71 @@ def _search_trainjob(config: PipelineConfig, args: dict[str, Any]) -> Any:
 Outputs = NamedTuple("Outputs", report=Markdown, report_html=HTML, pruned_models=List[Model])
 
 
+def gated(config: PipelineConfig) -> bool:
+    """Whether the configuration's `gate` section sets a threshold (then the DAG gates publish and reports verdicts)."""
+    return config.parsed_params("gate").active
+
+
+def _gate(stage: Callable, comps: Any, config: PipelineConfig, candidate: Any, full: Any, storage_root: Any, params: Any) -> Any:
+    """The gate task judging `candidate` (the evaluate task of the model publish would release) against the full
+    model's evaluation and the previous release's metrics; None when the configuration sets no threshold (whether
+    it does decides the DAG's shape: publish under a condition). `params`: its `gate_params` input."""
+    if not gated(config):
+        return None
+    task = comps.gate(
+        evaluation=candidate.outputs["evaluation"],
+        full_evaluation=full.outputs["evaluation"],
+        storage_root=storage_root,
+        previous=config.previous_metrics or "",
+        params=params,
+    )
+    return stage("gate", task, "gate")
+
+
+def _when_passed(verdict: Any) -> Any:
+    """The condition publish runs under: the verdict passed (`dsl.If` on the gate's output, which kfp.local and a
+    cluster both evaluate); no condition without a gate."""
+    return contextlib.nullcontext() if verdict is None else dsl.If(verdict.outputs["Output"] == "pass", name="gate-passed")
+
+
+def _verdict_input(verdict: Any) -> dict[str, Any]:
+    """publish's `gate` input: the verdict again, so the published artifact's lineage names the gate it passed and
+    publish run by hand (or by an orchestrator without conditions) refuses a failing one itself."""
+    return {} if verdict is None else {"gate": verdict.outputs["verdict"]}
+
+
+def _end_on_failed_gate(config: PipelineConfig, verdict: Any, report: Any) -> None:
+    """With `stop_on_fail`, a last task after the report that fails the run with the failing verdicts' one line."""
+    if not config.parsed_params("gate").stop_on_fail:
+        return
+    task = make_verdict_check(config.stage_image("gate"))(verdicts=dsl.Collected(verdict.outputs["verdict"]))
+    task.after(report)
+    _configure(task, "gate", config, "release gate")
+
+
+def _refuse_quality_target(config: PipelineConfig) -> None:
+    """A held-out ESAP target chooses its sparsity by searching (`evoesap pipeline target`); the DAG's fan-out is fixed
+    when it compiles, so it takes that choice as `sparsities` (a `bytes` target is computed at compile: see `grid`)."""
+    if config.target is not None and config.target.heldout_esap is not None:
+        raise ConfigError(
+            "target.heldout_esap is found by `evoesap pipeline target CONFIG` (bisection over searches); run it, then "
+            "run the pipeline with sparsities: [<the sparsity it chose>] in place of target"
+        )
+
+
 def outputs_type(config: PipelineConfig) -> type:
     """What the (sub-)pipeline hands on, typed for KFP: the report, the searched pruned models and their metrics (one
     per criterion x sparsity), the full model's metrics; the quantized models and their metrics when the quantize
-    section names a recipe; the published checkpoints (`released_models`) with publish_models. A pipeline output
-    must come from a task, so the optional ones exist only when their step does."""
+    section names a recipe; the published checkpoints (`released_models`) with publish_models; each point's verdict
+    (`verdicts`: gate.json, metadata `passed` and `verdict`, its one line) with a gate. A pipeline output must come
+    from a task, so the optional ones exist only when their step does."""
     fields = [*Outputs.__annotations__.items(), ("pruned_metrics", List[Metrics]), ("full_metrics", Metrics)]
     if config.stage_params("quantize").get("recipe"):
         fields += [("quantized_models", List[Model]), ("quantized_metrics", List[Metrics])]
     if config.publish_models:
         fields.append(("released_models", List[Model]))
+    if gated(config):
+        fields.append(("verdicts", List[Artifact]))
     return NamedTuple("Outputs", fields)
 
 
@@ -172,15 +231,15 @@ def params_input(stage: str) -> str:
 
 def _params_parameters(config: PipelineConfig, defaults: Mapping[str, Any]) -> list[inspect.Parameter]:
     """One `<section>_params: dict` pipeline input per stage of the registry, its default the configured section;
-    quantize's only when the DAG has a quantize task (its section names a recipe), since an input no task reads
+    quantize's and the gate's only when the DAG has that task (a recipe, a threshold), since an input no task reads
     would take a `--set` silently."""
-    quantize_on = bool(config.stage_params("quantize").get("recipe"))
+    absent = {"quantize": not config.stage_params("quantize").get("recipe"), "gate": not gated(config)}
     return [
         inspect.Parameter(
             params_input(s.name), inspect.Parameter.KEYWORD_ONLY, default=defaults[params_input(s.name)], annotation=dict
         )
         for s in STAGES
-        if s.name != "quantize" or quantize_on
+        if not absent.get(s.name, False)
     ]
 
 
@@ -199,6 +258,7 @@ def build_subpipeline(
     """
     if overrides:
         config = with_resources(config, overrides)
+    _refuse_quality_target(config)
     runtime = settings_parameters(config, settings_inputs)
     check_grid(config.pinned_model, config.grid(), config.stage_params("search"), config.stage_params("prune"))
     bound = {image: make_components(image) for image in {config.stage_image(stage.name) for stage in STAGES}}
@@ -237,6 +297,9 @@ def build_subpipeline(
             handed["quantized_metrics"] = dsl.Collected(evals["quantized"].outputs["metrics"])
         if config.publish_models:
             handed["released_models"] = dsl.Collected(dag.released.outputs["published"])
+        if dag.verdict is not None:
+            _end_on_failed_gate(config, dag.verdict, report)
+            handed["verdicts"] = dsl.Collected(dag.verdict.outputs["verdict"])
         return outputs(**handed)
 
     outputs = outputs_type(config)
@@ -262,6 +325,7 @@ class _Dag:
             params,
         )
         self.scores = self.cache = self.full = self.released = None  # released: the publish task, with publish_models
+        self.verdict = None  # the gate task, when the configuration sets a threshold
         self.release: dict[str, Any] = {}  # what publish releases instead of the pruned checkpoint (quantize on)
         self.heldout: dict[str, Any] = {}  # the held-out teacher cache, as the search's input
         self.teacher: dict[str, Any] = {}  # the same cache, as the evaluations' input
@@ -322,8 +386,11 @@ class _Dag:
             for method, task in pruned.items()
         }  # fmt: skip
         self.release = self._quantize(pruned["searched"], evals, calibration_data) if self.quantize_on else {}
+        candidate = evals["quantized" if self.quantize_on else "searched"]  # the model publish would release
+        self.verdict = _gate(stage, comps, self.config, candidate, self.full, root, p["gate"])
         if self.config.publish_models:
-            self.released = self._publish(pruned["searched"], evals["searched"], searched, self.release)
+            with _when_passed(self.verdict):
+                self.released = self._publish(pruned["searched"], evals["searched"], searched, self.release)
         return searched, pruned, evals
 
     def _quantize(self, pruned: Any, evals: dict[str, Any], calibration_data: Any) -> dict[str, Any]:
@@ -343,7 +410,7 @@ class _Dag:
                                                  evaluation=evaluated.outputs["evaluation"],
                                                  full_evaluation=self.full.outputs["evaluation"],
                                                  search=searched.outputs["allocation"], params=self.params["publish"],
-                                                 **release),
+                                                 **release, **_verdict_input(self.verdict)),
                    "publish quantized" if self.quantize_on else "publish searched")  # fmt: skip
 
     def report(self, full: Any, searched: Any, evals: dict[str, Any]) -> Any:
@@ -358,6 +425,7 @@ class _Dag:
                 storage_root=self.root,
                 params=self.params["report"],
                 **({"quantized": dsl.Collected(evals["quantized"].outputs["evaluation"])} if self.quantize_on else {}),
+                **({"gates": dsl.Collected(self.verdict.outputs["verdict"])} if self.verdict is not None else {}),
             ),
         )
 

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import re
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
 from evoesap.store import artifacts
 from evoesap.errors import ConfigError, EvoESAPError
+from evoesap.release.gate import GateFailed
 from evoesap.pipeline.config import PipelineConfig
 from evoesap.pipeline.dag import build_pipeline
 from evoesap.pipeline.files import LOG_HEADER, claim_output_file
@@ -173,11 +176,42 @@ def run_local(
         raise ConfigError(f"unknown runner {runner!r}; choose one of {', '.join(RUNNERS)}")
     local.init(runner=chosen, pipeline_root=pipeline_root, enable_caching=kfp_caching)
     log.info("running pipeline %s locally; artifacts under %s", config.name, artifacts.redact(config.storage_root))
+    started = time.time()
     with _quiet_kfp(log_path) as echo, warnings.catch_warnings():
         # kfp.local warns that cluster-only settings (display names, the stage image) do not apply here
         warnings.filterwarnings("ignore", module=r"kfp\.local\..*")
         try:
-            task = build(config)(**(arguments or {}))
+            with _gate_said_why(pipeline_root, started):  # a refused release says the gate's line, not kfp's
+                task = build(config)(**(arguments or {}))
         except RuntimeError as exc:
             raise _failure(config.name, exc, echo, log_path) from None
     return dict(task.outputs)
+
+
+def failed_verdicts(pipeline_root: str | Path, since: float = 0.0) -> list[str]:
+    """The one line of each failing gate verdict that kfp.local recorded under `pipeline_root` (the gate tasks'
+    executor_output.json) in runs started at `since` or later."""
+    lines = []
+    for run in sorted(Path(pipeline_root).glob("*/")):
+        if run.stat().st_mtime < since:
+            continue
+        for output in sorted(run.rglob("executor_output.json")):
+            for found in json.loads(output.read_text()).get("artifacts", {}).values():
+                for artifact in found.get("artifacts", []):
+                    meta = artifact.get("metadata", {})
+                    if meta.get("stage") == "gate" and meta.get("passed") is False:
+                        lines.append(meta["verdict"])
+    return lines
+
+
+@contextlib.contextmanager
+def _gate_said_why(pipeline_root: str, since: float) -> Iterator[None]:
+    """A run that kfp.local failed because the release gate refused the model fails with the verdict's one line (the
+    failing checks and their numbers), not with kfp's "inner task failed"."""
+    try:
+        yield
+    except RuntimeError:
+        lines = failed_verdicts(pipeline_root, since)
+        if lines:
+            raise GateFailed(" | ".join(lines)) from None
+        raise

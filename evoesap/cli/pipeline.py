@@ -87,7 +87,29 @@ def run_cmd(
     outputs = run_local(load_config(config), log_path=log, runner=runner)
     for model in outputs["pruned_models"]:
         typer.echo(f"pruned model: {model.metadata['uri']}")
+    for verdict in outputs.get("verdicts", []):  # with a gate; a failing one has ended the run (GateFailed) unless told not to
+        typer.echo(verdict.metadata["verdict"])
     typer.echo(report_uri(outputs))
+
+
+@pipeline_app.command("target")
+def target_cmd(config: Path = typer.Argument(..., help="Pipeline YAML configuration with a target: section.")) -> None:
+    """Find, per criterion, the largest sparsity on the grid whose searched allocation meets the configuration's target
+    (bisection; each probe a reusable search artifact), and record the decision.  Example: evoesap pipeline target
+    target.yaml"""
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.target import cost_line, run_target
+
+    loaded = load_config(config)
+    if loaded.target is None:
+        raise typer.BadParameter(f"{config} has no target: section; add e.g. target: {{heldout_esap: 0.97}}")
+    typer.echo(cost_line(loaded))
+    found = run_target(loaded)
+    for uri, record in found:
+        typer.echo(f"{record.criterion}: {record.line()}")
+        typer.echo(uri)
+    if any(record.chosen is None for _, record in found):  # the decision is recorded; the release cannot go on
+        raise typer.Exit(1)
 
 
 @pipeline_app.command("submit")

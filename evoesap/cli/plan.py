@@ -54,6 +54,10 @@ def plan_cmd(
         raise typer.BadParameter(f"{model_config} holds no config.json: give the folder the model's config.json is in")
     shape, data, params, plans = plan.pipeline_plan(cfg, machine, model=str(model_config) if model_config else None)
     typer.echo(plan.format_table(shape, plans, data, params))
+    if cfg.target is not None:
+        from evoesap.pipeline.target import cost_line
+
+        typer.echo("\n" + cost_line(cfg, str(model_config) if model_config else None))
     refused = [p.stage for p in plans if p.refusal]
     if refused:
         from evoesap.errors import ResourceError

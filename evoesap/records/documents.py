@@ -30,6 +30,7 @@ class HeldoutCheck(Record):
     difference: float | None  # mean of searched - uniform per sample; None without samples
     stderr: float | None  # standard error of that mean; None below two samples
     beats_uniform: bool  # the difference exceeds two standard errors
+    searched_stderr: float | None = None  # standard error of the searched mean; None below two samples or not recorded
 
     def warning(self, metric: str, fallback: bool) -> str:
         """The warning for a check the searched allocation failed: headline, numbers, what to do. The search
@@ -190,3 +191,91 @@ class QuantizationRecord(Record):
     checkpoint_bytes_before: int  # bytes of the input's safetensors files
     checkpoint_bytes_after: int  # bytes of the quantized safetensors files
     versions: dict[str, str]  # versions of the tools that quantized
+
+
+GATE_FILE = "gate.json"  # gate: the release verdict, check by check
+
+
+@dataclasses.dataclass(frozen=True)
+class GateCheck(Record):
+    """One threshold of the release gate and what the candidate showed against it."""
+
+    name: str  # what was checked: heldout_esap, task <name> vs full, task <name> vs previous, ...
+    value: float | None  # the candidate's value; None: the candidate has no such value (the check fails)
+    reference: float | None  # what it is compared with (the full model's or the previous release's value); None: none
+    limit: float  # the least value allowed: the threshold itself, or the reference less the allowed drop
+    passed: bool  # value >= limit
+
+    def line(self) -> str:
+        """The check in words, with its numbers."""
+        value = "missing" if self.value is None else f"{self.value:.4f}"
+        against = "" if self.reference is None else f" (reference {self.reference:.4f})"
+        return f"{self.name} {value} {'>=' if self.passed else '<'} {self.limit:.4f}{against}"
+
+
+@dataclasses.dataclass(frozen=True)
+class GateRecord(Record):
+    """gate.json: whether the evaluated candidate may be published, and every check that decided it."""
+
+    FILE = GATE_FILE
+    STAGE = "gate"
+
+    passed: bool  # every check passed
+    candidate: str  # the evaluated candidate's model URI (redacted)
+    checks: tuple[GateCheck, ...]  # every threshold the gate applied, in order
+    previous: str | None = None  # the previous release's metrics the gate compared with (redacted); None: none
+
+    def line(self) -> str:
+        """The verdict in one line: the failing checks with their numbers, or that every check passed."""
+        failed = [c.line() for c in self.checks if not c.passed]
+        if failed:
+            return f"release gate failed for {self.candidate}: " + "; ".join(failed)
+        return f"release gate passed for {self.candidate} ({len(self.checks)} checks)"
+
+
+TARGET_FILE = "target.json"  # target: the sparsity chosen for a quality target, with every probe
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe(Record):
+    """One search the bracketing made, and what it showed."""
+
+    sparsity: float  # the grid point searched
+    budget: int  # experts removed
+    search: str  # the search artifact (redacted URI), reusable like any other
+    removal_counts: tuple[int, ...]  # the searched allocation
+    fitness: float | None  # its fitness on the search set
+    heldout: float | None  # its held-out value (the search's held-out check); None: no held-out samples
+    stderr: float | None  # standard error of that held-out mean
+    meets: bool  # heldout >= the target
+    warm_start: tuple[int, ...] | None = None  # the seed it was warm-started from; None: the first probe
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetRecord(Record):
+    """target.json: the decision (which sparsity meets the target) and its evidence, probe by probe."""
+
+    FILE = TARGET_FILE
+    STAGE = "target"
+
+    criterion: str  # whose pruning order the probes searched
+    metric: str  # the held-out quantity the target bounds (held-out ESAP: the search's held-out value)
+    threshold: float  # the least value a chosen sparsity must reach
+    grid: tuple[float, ...]  # every searchable sparsity, ascending
+    max_probes: int  # the most probes bisection could need, stated in advance
+    probes: tuple[Probe, ...]  # in the order they ran
+    chosen: float | None  # the largest grid sparsity found to meet the threshold; None: none does
+    chosen_search: str | None  # its search artifact
+
+    def line(self) -> str:
+        if self.chosen is None:
+            lowest = self.probes[0] if self.probes else None
+            seen = f" (at {lowest.sparsity:.4f}: {lowest.heldout})" if lowest else ""
+            return (
+                f"no sparsity on the grid meets {self.metric} >= {self.threshold}{seen}: lower the target or improve the "
+                "search (more samples, generations)"
+            )
+        return (
+            f"sparsity {self.chosen:.4f} is the largest on the grid of {len(self.grid)} meeting {self.metric} >= "
+            f"{self.threshold}, found in {len(self.probes)} searches (at most {self.max_probes})"
+        )

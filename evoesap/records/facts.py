@@ -58,6 +58,12 @@ def quantize_facts(uri: str) -> dict[str, Any]:
     return {**labels, **{k: doc[k] for k in keys}}
 
 
+def gate_facts(uri: str) -> dict[str, Any]:
+    """The verdict, its one line and each check, so a KFP user reads the decision off the artifact's metadata."""
+    record = records.read(uri, records.GateRecord)
+    return {"passed": record.passed, "verdict": record.line(), "checks": [c.to_json() for c in record.checks]}
+
+
 def facts(uri: str) -> dict[str, Any]:
     """The artifact's location, stage and manifest hash, plus the stage's own headline numbers (its registry
     entry's `facts`)."""

@@ -252,18 +252,20 @@ def run_publish(
     search: str | None = None,
     report: str | None = None,
     quantized: str | None = None,
+    gate: str | None = None,
 ) -> artifacts.Manifest:
     """Write the model card beside the pruned checkpoint (its quantized checkpoint, when `quantized` is given), push the
-    artifact to `to` and `repo`, then publish it."""
+    artifact to `to` and `repo`, then publish it. With `gate`, only when that verdict passed the published model."""
     inputs = {
         "pruned": pruned,
         **{f"evaluations.{i}": u for i, u in enumerate(evaluations)},
         "search": search,
         "report": report,
         "quantized": quantized,
+        "gate": gate,
     }
     seen = artifacts.preflight(out_uri, "publish", inputs)
-    matched = _check_inputs(pruned, evaluations, search, report, quantized)
+    matched = _check_inputs(pruned, evaluations, search, report, quantized, gate)
     report_manifest = artifacts.read_manifest(report, "report") if report else None
     checkpoint, checkpoint_manifest = (
         (quantized, matched.quantized) if quantized and matched.quantized else (pruned, matched.pruned)
@@ -297,11 +299,18 @@ def run_publish(
 
 
 def _check_inputs(
-    pruned: str, evaluations: Sequence[str], search: str | None, report: str | None, quantized: str | None
+    pruned: str,
+    evaluations: Sequence[str],
+    search: str | None,
+    report: str | None,
+    quantized: str | None,
+    gate: str | None = None,
 ) -> _Inputs:
     """The inputs read and checked against each other: the evaluations (and quantize artifact) are of the pruned
-    checkpoint, the search made it, the report covers the published model's evaluation."""
+    checkpoint, the gate passed the published model, the search made it, the report covers its evaluation."""
     matched = _match_evaluations(pruned, evaluations, quantized)
+    if gate is not None:
+        _check_gate(gate, matched.published_eval)
     if search is not None:
         _check_search(search, matched.pruned, pruned)
     if report is not None:
@@ -369,6 +378,21 @@ def _pusher(
             )
 
     return push
+
+
+def _check_gate(gate: str, published_eval: str) -> None:
+    """Refuse, before any work, a verdict that failed or that judged another evaluation than the published model's."""
+    from evoesap.release.gate import GateFailed
+
+    judged = artifacts.read_manifest(gate, "gate").inputs["evaluation"]
+    if judged.get("manifest_sha256") != artifacts.manifest_sha256(published_eval):
+        raise ConfigError(
+            f"--gate {artifacts.redact(gate)} judged {judged.get('uri')}, not the published model's evaluation "
+            f"{artifacts.redact(published_eval)}: give the gate of this evaluation"
+        )
+    verdict = records.read(gate, records.GateRecord)
+    if not verdict.passed:
+        raise GateFailed(f"{verdict.line()}; nothing published")
 
 
 def _check_to(to: str | None, out_uri: str, inputs: Mapping[str, str | None]) -> str | None:

@@ -15,6 +15,7 @@ import pandas as pd
 from evoesap.store import artifacts
 from evoesap import records
 from evoesap.reporting import report as rp
+from evoesap.reporting.frontier import figure as frontier_figure
 from evoesap.errors import ArtifactError, ConfigError, DataError
 from evoesap.params import StageParams, keyed, param
 from evoesap.scoring.importance import read_scores
@@ -109,17 +110,33 @@ def _allocation(uri: str, search_params: Mapping[str, Any]) -> records.Allocatio
     return dataclasses.replace(record, warnings=(warning,))
 
 
-def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches: Sequence[str] = ()) -> artifacts.Manifest:
-    """Write report.md (and a self-contained report.html): summary, benchmark and memory tables, plots, lineage."""
-    from evoesap.store import lineage
-    from evoesap.reporting import render
+def run_report(
+    runs: list[str],
+    params: ReportParams,
+    out_uri: str,
+    *,
+    searches: Sequence[str] = (),
+    gates: Sequence[str] = (),
+    targets: Sequence[str] = (),
+) -> artifacts.Manifest:
+    """Write report.md (and a self-contained report.html): the gate's verdicts first, then summary, benchmark and
+    memory tables, plots, lineage."""
     from evoesap.registry import NAMES
+    from evoesap.reporting import render
+    from evoesap.store import lineage
 
     if not runs:
         raise ConfigError("give at least one evaluate run (--runs)")
-    inputs = {**{f"runs.{i}": u for i, u in enumerate(runs)}, **{f"searches.{i}": u for i, u in enumerate(searches)}}
+    inputs = {
+        **{f"runs.{i}": u for i, u in enumerate(runs)},
+        **{f"searches.{i}": u for i, u in enumerate(searches)},
+        **{f"gates.{i}": u for i, u in enumerate(gates)},
+        **{f"targets.{i}": u for i, u in enumerate(targets)},
+    }
     seen = artifacts.preflight(out_uri, "report", inputs)
     metrics = [records.read(uri, records.MetricsRecord) for uri in runs]
+    verdicts = [records.read(uri, records.GateRecord) for uri in gates]
+    chosen = [records.read(uri, records.TargetRecord) for uri in targets]
     histories = [_history(uri) for uri in searches]
     found = [_allocation(uri, h[2]) for uri, h in zip(searches, histories)]
     traced = lineage.walk(inputs)
@@ -128,6 +145,10 @@ def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches:
         rows = rp.build_rows(metrics, [artifacts.redact(u) for u in runs], cols)
         settings = rp.settings(metrics, found)
         images: list[tuple[str, str]] = []
+        frontier = frontier_figure(metrics, verdicts, chosen)
+        if frontier is not None:
+            _save(frontier, staging / "frontier.png")
+            images.append(("Quality against memory: held-out ESAP and checkpoint bytes", "frontier.png"))
         try:
             allocations = run_allocations(metrics, [h[2] for h in histories])
         except (ArtifactError, DataError, KeyError) as exc:  # a search without usable scores still gets its curve
@@ -144,6 +165,7 @@ def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches:
         gives |= {artifacts.redact(u): f"Summary and plots: {label}" for u, (label, _, _) in zip(searches, histories)}
         context = {
             "title": params.title,
+            "verdicts": [(v.passed, v.line()) for v in verdicts],
             "notes": _notes(metrics),
             "headline": rp.headline(settings),
             "summary": rp.summary_table(settings, params.digits),

@@ -64,6 +64,11 @@ class SearchParams(PlacementParams):
         lt=1,
     )
     fallback_to_uniform: bool = param(False, "Return uniform when the searched allocation does not generalise.")
+    warm_start: str | None = param(
+        None,
+        "Removal counts per MoE layer (comma-separated) seeding generation 0 right after uniform, e.g. a neighbouring "
+        "sparsity's allocation rescaled to this budget (evoesap.planning.target does so).",
+    )
     resume: bool = param(False, "Continue an interrupted search from its checkpoint beside the output.")
     batch_size: int = param(8, "Sequences per forward.")
     racing: bool = param(
@@ -114,6 +119,8 @@ class SearchParams(PlacementParams):
             )
         if self.racing:
             self.schedule()
+        if self.warm_start is not None:
+            self.warm_start_counts()
         super().__post_init__()
 
     @property
@@ -123,6 +130,15 @@ class SearchParams(PlacementParams):
 
         gpus = distributed.worker_gpus(self.gpus_per_worker) if self.gpus_per_worker > 1 else None
         return {**super().placement, "gpus": gpus}
+
+    def warm_start_counts(self) -> tuple[int, ...]:
+        """`warm_start` as integers (its feasibility for the budget is the search's to check)."""
+        try:
+            return tuple(int(v) for v in str(self.warm_start).split(","))
+        except ValueError:
+            raise ConfigError(
+                f"warm_start must be comma-separated integers, one per MoE layer, got {self.warm_start!r}"
+            ) from None
 
     def schedule(self) -> Racing | None:
         """The racing schedule, or None without racing."""
@@ -151,6 +167,7 @@ def generalisation(searched: np.ndarray, uniform: np.ndarray) -> records.Heldout
         difference=mean if n else None,
         stderr=stderr if n > 1 else None,
         beats_uniform=bool(beats),
+        searched_stderr=float(searched.std(ddof=1) / math.sqrt(n)) if n > 1 else None,
     )
 
 
@@ -435,6 +452,7 @@ def run_search(
                 max_steps=params.max_steps,
                 granularity=scoring.granularity,
                 seed=params.seed,
+                init=[params.warm_start_counts()] if params.warm_start else None,
                 checkpoint=_checkpoint_uri(out_uri),
                 resume=params.resume,
                 on_generation=on_generation,

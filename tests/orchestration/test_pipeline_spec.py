@@ -103,7 +103,8 @@ _ARTIFACTS = {  # stage -> (input artifact classes, output artifact classes)
     "search": (["Dataset", "Dataset", "Dataset", "Model"], ["Artifact"]),
     "prune": (["Artifact", "Dataset", "Model"], ["Model"]),
     "evaluate": (["Dataset", "Model"], ["Dataset", "Metrics"]),
-    "report": (["Artifact[]", "Dataset", "Dataset[]", "Dataset[]", "Dataset[]"], ["HTML", "Markdown"]),  # + quantized (optional)
+    # + quantized and gates (optional)
+    "report": (["Artifact[]", "Artifact[]", "Dataset", "Dataset[]", "Dataset[]", "Dataset[]"], ["HTML", "Markdown"]),
 }
 
 

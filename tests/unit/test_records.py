@@ -19,7 +19,14 @@ from evoesap import records
 from evoesap.errors import ArtifactError
 
 ROOT = Path(__file__).resolve().parents[2]
-RECORDS = (records.AllocationRecord, records.PruningRecord, records.MetricsRecord, records.QuantizationRecord)
+RECORDS = (
+    records.AllocationRecord,
+    records.PruningRecord,
+    records.MetricsRecord,
+    records.QuantizationRecord,
+    records.GateRecord,
+    records.TargetRecord,
+)
 
 
 def strategy(kind: Any) -> st.SearchStrategy:
@@ -69,7 +76,15 @@ ALLOCATION = {
     "searched": {"removal_counts": [3, 1] + [2] * 9, "fitness": 0.9001},
     "uniform": {"removal_counts": [2] * 11, "fitness": 0.912345678901},
     "fallback_applied": True,
-    "heldout": {"samples": 16, "searched": 0.8, "uniform": 0.81, "difference": -0.01, "stderr": None, "beats_uniform": False},
+    "heldout": {
+        "samples": 16,
+        "searched": 0.8,
+        "uniform": 0.81,
+        "difference": -0.01,
+        "stderr": None,
+        "beats_uniform": False,
+        "searched_stderr": 0.004,
+    },
     "warnings": ["searched allocation does not beat uniform on held-out samples: ..."],
     "evaluations": 130,
     "search_samples": 48,
@@ -131,6 +146,7 @@ QUANTIZATION = {
 WRITTEN = [
     (records.AllocationRecord, ALLOCATION),
     (records.AllocationRecord, {**ALLOCATION, "heldout": None, "warnings": [], "fallback_applied": False}),
+    (records.AllocationRecord, {**ALLOCATION, "heldout": {**ALLOCATION["heldout"], "searched_stderr": None}}),
     (records.PruningRecord, PRUNING),
     (records.MetricsRecord, METRICS),
     (records.MetricsRecord, {**METRICS, "labels": {"criterion": None, "sparsity": None, "method": "full"}, "limit": 0.5}),

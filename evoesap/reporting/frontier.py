@@ -1,0 +1,70 @@
+"""The quality-memory frontier: held-out ESAP against checkpoint bytes for the searched and uniform models of every
+evaluated sparsity, the full model at the top right, the target and the chosen sparsity marked, and each release
+candidate coloured by the gate's verdict. The picture a release manager decides from."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+from evoesap.records import GateRecord, MetricsRecord, TargetRecord
+
+METHODS = ("searched", "uniform")
+
+
+def _bytes(metrics: MetricsRecord) -> int:
+    """The checkpoint's stored bytes, else its parameter bytes (evaluations made before stored bytes were recorded)."""
+    return metrics.memory.checkpoint_bytes or metrics.memory.parameter_bytes
+
+
+def points(runs: Sequence[MetricsRecord]) -> dict[str, list[tuple[int, float, float]]]:
+    """method -> (bytes, held-out ESAP, sparsity) of each unquantized pruned run that has held-out ESAP, by bytes."""
+    found: dict[str, list[tuple[int, float, float]]] = {}
+    for m in runs:
+        method = m.labels.method
+        if method in METHODS and m.heldout_esap is not None and m.labels.sparsity is not None and m.quantization is None:
+            found.setdefault(method, []).append((_bytes(m), m.heldout_esap.esap, float(m.labels.sparsity)))
+    return {method: sorted(found[method]) for method in METHODS if method in found}
+
+
+def figure(
+    runs: Sequence[MetricsRecord], verdicts: Sequence[GateRecord] = (), targets: Sequence[TargetRecord] = ()
+) -> Figure | None:
+    """The frontier, or None when no pruned run has held-out ESAP (nothing to draw)."""
+    series = points(runs)
+    if not series:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for method, values in series.items():
+        xs, ys = [v[0] for v in values], [v[1] for v in values]
+        ax.plot(xs, ys, marker="o", linestyle="-" if method == "searched" else "--", label=method)
+        for x, y, sparsity in values:
+            ax.annotate(f"{sparsity:.0%}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize="x-small")
+    full = [m for m in runs if m.labels.method == "full" and m.heldout_esap is not None]
+    if full:
+        ax.scatter([_bytes(full[0])], [full[0].heldout_esap.esap], marker="*", s=120, color="black", label="full")
+    by_model = {m.model: m for m in runs}
+    for verdict in verdicts:
+        judged = by_model.get(verdict.candidate)
+        if judged is not None and judged.heldout_esap is not None:
+            colour, word = ("tab:green", "gate passed") if verdict.passed else ("tab:red", "gate failed")
+            ax.scatter([_bytes(judged)], [judged.heldout_esap.esap], s=220, facecolors="none", edgecolors=colour,
+                       linewidths=2, label=word)  # fmt: skip
+        for check in verdict.checks:
+            if check.name == "held-out ESAP":
+                ax.axhline(check.limit, color="tab:red", linestyle=":", linewidth=1, label="gate: least held-out ESAP")
+    for target in targets:
+        ax.axhline(target.threshold, color="tab:purple", linestyle="-.", linewidth=1, label=f"target ({target.criterion})")
+        chosen = [v for v in series.get("searched", []) if target.chosen is not None and abs(v[2] - target.chosen) < 1e-9]
+        if chosen:
+            ax.scatter([chosen[0][0]], [chosen[0][1]], marker="D", s=90, color="tab:purple", label="chosen sparsity")
+    ax.set_xlabel("Checkpoint bytes")
+    ax.set_ylabel("Held-out ESAP")
+    ax.set_title("Quality against memory")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))  # one legend entry per label
+    ax.legend(unique.values(), unique.keys(), fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,111 @@
+"""A configuration's `target:` run here: calibrate and the teacher caches once, then per criterion the bracketing of
+`evoesap.planning.target`, each probe a search artifact under `storage_root`, the decision published as a `target` artifact
+(target.json) whose manifest lists every probe among its inputs, so the lineage reaches each one."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from evoesap import records
+from evoesap.planning import target
+from evoesap.store import artifacts
+from evoesap.errors import ConfigError
+from evoesap.steps import run_step
+
+# `config` below is a `pipeline.config.PipelineConfig` (which reads `memory_sparsity` from here: not imported back)
+log = logging.getLogger(__name__)
+
+
+def target_grid(config: Any, model: str | None = None) -> tuple[Any, list[float]]:
+    """(the model's pruning space at the search's granularity, the searchable sparsities), from config.json alone;
+    `model`: a folder with the config.json to read instead of the configuration's model."""
+    from evoesap import moe
+    from evoesap.machine import runtime
+
+    spec = runtime.inspect_checkpoint(model or config.pinned_model)
+    space = moe.pruning_space(spec, config.parsed_params("search").granularity)
+    points = target.grid(space.num_experts, space.min_kept, space.granularity)
+    if not points:
+        raise ConfigError(f"{artifacts.redact(config.model)} has no searchable sparsity at granularity {space.granularity}")
+    return space, points
+
+
+def cost_line(config: Any, model: str | None = None) -> str:
+    """What a `target:` run will cost, said before it starts: the grid and the most searches per criterion."""
+    _, points = target_grid(config, model)
+    most = target.max_probes(len(points))
+    return (
+        f"target held-out ESAP >= {config.target.heldout_esap}: bisection over {len(points)} grid sparsities "
+        f"({points[0]:.4f}..{points[-1]:.4f}), at most {most} searches per criterion, {most * len(config.criteria)} "
+        f"in all (a sweep: {len(points) * len(config.criteria)})"
+    )
+
+
+def run_target(config: Any) -> list[tuple[str, records.Record]]:
+    """Find each criterion's sparsity for the configuration's target; return (target artifact URI, TargetRecord)."""
+    if config.target is None:
+        raise ConfigError("the configuration has no target: add target: {heldout_esap: 0.97}")
+    space, points = target_grid(config)  # before any work: a model with nothing to search is refused here
+    root, model = config.storage_root, config.pinned_model
+    scores = run_step("calibrate", root, {"model": model, "data": config.calibration_data}, config.stage_params("calibrate"))
+    cache_params = config.stage_params("cache-logits")
+    cache = run_step("cache-logits", root, {"model": model, "data": config.search_data}, cache_params)
+    heldout = run_step("cache-logits", root, {"model": model, "data": config.heldout_data}, cache_params)
+    inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout}
+    section = config.stage_params("search")
+    found = []
+    for criterion in config.criteria:
+        search, made = target.search_step(root, inputs, section, criterion), []
+
+        def step(sparsity: float, seed: tuple[int, ...] | None) -> tuple[str, Any]:
+            made.append(search(sparsity, seed))
+            return made[-1]
+
+        record = target.find(
+            config.target.heldout_esap, points, step, space.num_experts, space.min_kept, space.granularity, criterion
+        )
+        params = {"criterion": criterion, "threshold": record.threshold, "search": section}
+        key = artifacts.cache_key("target", params, artifacts.describe_inputs(inputs))
+        out = artifacts.join(root, "target", key[:24])
+        probes = {f"probes.{i}": uri for i, (uri, _) in enumerate(made)}
+        with artifacts.stage_output(out, "target", params, {**inputs, **probes}) as staging:
+            records.write(staging, record)
+        log.info("%s: %s", criterion, record.line())
+        found.append((out, record))
+    return found
+
+
+def memory_sparsity(config: Any) -> float:
+    """The least grid sparsity whose checkpoint fits the configuration's `target.bytes` (`fitting_sparsity`)."""
+    search = config.parsed_params("search", {"criterion": config.criteria[0], "sparsity": 0.5})
+    return fitting_sparsity(config.pinned_model, config.target.bytes, search.granularity, search.model_dtype)
+
+
+@functools.cache
+def fitting_sparsity(model: str, size: str, granularity: int, model_dtype: str) -> float:
+    """The least grid sparsity whose checkpoint fits in `size`, from config.json and the weights' headers alone
+    (`footprint.model_shape`, weights in `model_dtype`): each removed expert frees a mean routed expert's bytes (exact
+    where every layer's experts weigh the same, as in the supported families, so the searched allocation fits as
+    uniform does). Refused in one line when nothing needs pruning or even the most pruning cannot fit."""
+    from evoesap import moe
+    from evoesap.machine import runtime
+    from evoesap.planning.footprint import model_shape
+    from evoesap.machine.sizes import parse_bytes
+
+    wanted = parse_bytes(size)
+    shape = model_shape(model, model_dtype)
+    space = moe.pruning_space(runtime.inspect_checkpoint(model), granularity)
+    points = target.grid(space.num_experts, space.min_kept, space.granularity)
+    per_expert = shape.expert_bytes / sum(space.num_experts)
+    if shape.bytes <= wanted:
+        raise ConfigError(f"target.bytes {size} is at least the full model's {shape.bytes:,} bytes: nothing needs pruning")
+    left = [shape.bytes - round(s * sum(space.num_experts)) * per_expert for s in points]
+    fits = [s for s, b in zip(points, left) if b <= wanted]
+    if not fits:
+        raise ConfigError(
+            f"target.bytes {size} ({wanted:,} bytes) is below the model's floor of {int(left[-1]):,} bytes (sparsity "
+            f"{points[-1]:.4f}, every layer at its fewest experts): raise it, or quantize"
+        )
+    return fits[0]

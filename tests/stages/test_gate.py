@@ -1,0 +1,232 @@
+"""The release gate: the verdict's checks against independent arithmetic, the stage's artifact, and publish refusing a
+failing verdict (and publishing under a passing one)."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from evoesap.store import artifacts
+from evoesap import records
+from evoesap.errors import ConfigError
+from evoesap.release.gate import GateFailed, raise_on_failed, verdict
+from evoesap.stages.gate import GateParams, run_gate
+
+TASKS = ("arith", "recall", "logic")
+
+
+def _metrics(values: dict[str, float], esap: float | None = None, method: str = "searched") -> records.MetricsRecord:
+    return records.MetricsRecord(
+        schema=1,
+        model=f"/models/{method}",
+        records=tuple(
+            records.TaskMetric(task=t, domain="demo", metric="acc", filter="none", value=v, primary=True)
+            for t, v in values.items()
+        ),
+        memory=records.Memory(parameters=10, parameter_bytes=20, bf16_bytes=20),
+        experts=records.Experts(family="olmoe", num_experts=(4,), top_k=(2,), decoder_index=(0,)),
+        labels=records.Labels(method=method),
+        heldout_esap=None if esap is None else records.HeldoutEsap(esap=esap, esap_upper=esap, samples=8),
+    )
+
+
+def test_a_task_drop_beyond_the_threshold_fails_and_names_its_numbers():
+    full = _metrics({"arith": 0.80, "recall": 0.60}, method="full")
+    candidate = _metrics({"arith": 0.75, "recall": 0.60})
+    record = verdict(GateParams(max_task_drop=0.02), candidate, full)
+    assert not record.passed
+    (failed,) = [c for c in record.checks if not c.passed]
+    assert failed.name.startswith("arith acc vs full model")
+    assert failed.value == 0.75 and failed.reference == 0.80 and failed.limit == pytest.approx(0.78)
+    line = record.line()
+    assert "\n" not in line and "arith" in line and "0.7500" in line and "0.7800" in line and "recall" not in line
+    assert verdict(GateParams(max_task_drop=0.06), candidate, full).passed
+
+
+def test_missing_values_fail_their_checks_rather_than_pass():
+    full = _metrics({"arith": 0.8, "recall": 0.6}, method="full")
+    candidate = _metrics({"arith": 0.8})  # recall not evaluated, no held-out ESAP
+    record = verdict(GateParams(min_heldout_esap=0.5, max_task_drop=0.1), candidate, full)
+    assert [c.passed for c in record.checks] == [False, True, False]
+    assert "held-out ESAP missing" in record.line() and "recall acc vs full model" in record.line()
+
+
+def test_previous_release_checks_tasks_and_heldout_esap():
+    full = _metrics({"arith": 0.9}, method="full")
+    previous = _metrics({"arith": 0.80}, esap=0.95)
+    candidate = _metrics({"arith": 0.81}, esap=0.90)
+    record = verdict(GateParams(max_previous_drop=0.02), candidate, full, previous, "/releases/v1/metrics.json")
+    assert [c.passed for c in record.checks] == [True, False]  # task kept up; ESAP fell 0.05 > 0.02
+    assert record.previous == "/releases/v1/metrics.json"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(0, 1), min_size=len(TASKS), max_size=len(TASKS)),
+    st.lists(st.floats(0, 1), min_size=len(TASKS), max_size=len(TASKS)),
+    st.floats(0, 0.5),
+    st.floats(0.01, 1),
+    st.floats(0, 1),
+)
+def test_verdict_passes_exactly_when_every_threshold_holds(full_values, values, drop, least_esap, esap):
+    full = _metrics(dict(zip(TASKS, full_values)), method="full")
+    candidate = _metrics(dict(zip(TASKS, values)), esap=esap)
+    record = verdict(GateParams(min_heldout_esap=least_esap, max_task_drop=drop), candidate, full)
+    expected = esap >= least_esap and all(v >= f - drop for v, f in zip(values, full_values))
+    assert record.passed == expected
+    assert len(record.checks) == 1 + len(TASKS)
+    assert records.GateRecord.from_json(json.loads(json.dumps(record.to_json())), "gate.json") == record
+
+
+@pytest.mark.parametrize(
+    "values, problem",
+    [
+        ({"min_heldout_esap": 0.0}, "min_heldout_esap must lie in (0, 1]"),
+        ({"min_heldout_esap": 1.5}, "min_heldout_esap must lie in (0, 1]"),
+        ({"max_task_drop": -0.1}, "max_task_drop must be 0 or more"),
+    ],
+)
+def test_bad_thresholds_are_refused_in_one_line(values, problem):
+    with pytest.raises(ConfigError, match=problem.replace("(", r"\(").replace(")", r"\)").replace("]", r"\]")):
+        GateParams(**values)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The tiny world's artifacts plus an evaluation of the full model."""
+    from tiny_artifacts import build, evaluate_params
+
+    from evoesap.stages.evaluate import run_evaluate
+
+    root = tmp_path_factory.mktemp("gate")
+    out = build(root)
+    out["evaluated_full"] = str(root / "evaluated_full")
+    run_evaluate(out["model"], evaluate_params(out["tasks"], method="full"), out["evaluated_full"])
+    return out
+
+
+def _scores(uri: str) -> dict[str, float]:
+    return {r.task: r.value for r in records.read(uri, records.MetricsRecord).primary()}
+
+
+def test_gate_stage_writes_the_verdict_and_publish_follows_it(built, tmp_path):
+    from evoesap.stages.publish import PublishParams, run_publish
+
+    searched, full = _scores(built["evaluated"]), _scores(built["evaluated_full"])
+    worst = max(full[t] - searched.get(t, 0.0) for t in full)
+    # a threshold the candidate misses by construction (a negative drop allowance is refused, so ask for more than
+    # the full model's score: allowed drop 0 plus a candidate below full), else one it meets by construction
+    failing = GateParams(max_task_drop=max(worst, 0.0) / 2) if worst > 0 else None
+    passing = GateParams(max_task_drop=max(worst, 0.0) + 0.01)
+    evaluations = [built["evaluated"], built["evaluated_full"]]
+
+    run_gate(built["evaluated"], built["evaluated_full"], passing, str(tmp_path / "pass"))
+    record = records.read(str(tmp_path / "pass"), records.GateRecord)
+    assert record.passed and len(record.checks) == len(full)
+    run_publish(built["pruned"], evaluations, PublishParams(), str(tmp_path / "published"), gate=str(tmp_path / "pass"))
+    manifest = artifacts.read_manifest(str(tmp_path / "published"), "publish")
+    assert manifest.inputs["gate"]["manifest_sha256"] == artifacts.manifest_sha256(str(tmp_path / "pass"))
+
+    if failing is None:  # the tiny model scored the same pruned as full: make the candidate miss ESAP instead
+        failing = GateParams(min_heldout_esap=1.0)
+    run_gate(built["evaluated"], built["evaluated_full"], failing, str(tmp_path / "fail"))
+    assert not records.read(str(tmp_path / "fail"), records.GateRecord).passed
+    with pytest.raises(GateFailed) as refused:
+        run_publish(built["pruned"], evaluations, PublishParams(), str(tmp_path / "refused"), gate=str(tmp_path / "fail"))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("release gate failed for") and "nothing published" in message
+    assert not Path(tmp_path / "refused").exists()
+    with pytest.raises(GateFailed, match="release gate failed"):
+        raise_on_failed([str(tmp_path / "pass"), str(tmp_path / "fail")])
+    raise_on_failed([str(tmp_path / "pass")])
+
+
+def test_publish_refuses_a_verdict_on_another_evaluation(built, tmp_path):
+    from evoesap.stages.publish import PublishParams, run_publish
+
+    # the gate judged the full model's evaluation, not the published one's
+    run_gate(built["evaluated_full"], built["evaluated_full"], GateParams(max_task_drop=0.0), str(tmp_path / "other"))
+    with pytest.raises(ConfigError, match="not the published model's evaluation"):
+        run_publish(
+            built["pruned"],
+            [built["evaluated"], built["evaluated_full"]],
+            PublishParams(),
+            str(tmp_path / "published"),
+            gate=str(tmp_path / "other"),
+        )
+
+
+def test_previous_metrics_are_read_from_a_metrics_json_file(built, tmp_path):
+    previous = tmp_path / "release" / "metrics.json"
+    previous.parent.mkdir()
+    previous.write_text(Path(built["evaluated"], "metrics.json").read_text())
+    params = GateParams(max_previous_drop=0.0)
+    run_gate(built["evaluated"], built["evaluated_full"], params, str(tmp_path / "gate"), previous=str(previous))
+    record = records.read(str(tmp_path / "gate"), records.GateRecord)
+    assert record.passed and record.previous == str(previous)  # the same metrics as the previous release: no drop
+    with pytest.raises(ConfigError, match="give its metrics"):
+        run_gate(built["evaluated"], built["evaluated_full"], params, str(tmp_path / "gate2"))
+
+
+def _pipeline_config(**overrides):
+    from evoesap.pipeline.config import load_config
+
+    values = dict(
+        model="/models/full",
+        calibration_data="/data/code.jsonl",
+        search_data="/data/math.jsonl",
+        heldout_data="/data/heldout.jsonl",
+        storage_root="s3://bucket/runs",
+        publish_models=True,
+    )
+    return load_config({**values, **overrides})
+
+
+@pytest.mark.parametrize(
+    "overrides, problem",
+    [
+        ({"heldout_data": None, "gate": {"min_heldout_esap": 0.9}}, "gate.min_heldout_esap needs held-out ESAP"),
+        ({"gate": {"max_previous_drop": 0.01}}, "gate.max_previous_drop and previous_metrics go together"),
+        ({"previous_metrics": "/releases/v1/metrics.json"}, "gate.max_previous_drop and previous_metrics go together"),
+        ({"gate": {"max_task_dorp": 0.01}}, "unknown parameter.*max_task_dorp.*valid: max_previous_drop, max_task_drop"),
+    ],
+)
+def test_a_gate_without_what_it_compares_is_refused_at_load(overrides, problem):
+    with pytest.raises(ConfigError, match=problem):
+        _pipeline_config(**overrides)
+
+
+def test_compiled_dag_publishes_only_under_a_passing_verdict_and_hands_the_verdicts_on(tmp_path):
+    import yaml
+
+    from evoesap.pipeline.dag import compile_pipeline
+
+    spec = yaml.safe_load(compile_pipeline(_pipeline_config(gate={"max_task_drop": 0.02}), tmp_path / "p.yaml").read_text())
+    components = spec["components"]
+    conditions = {
+        name: task["triggerPolicy"]["condition"]
+        for c in components.values()
+        for name, task in c.get("dag", {}).get("tasks", {}).items()
+        if "triggerPolicy" in task
+    }
+    (condition,) = conditions.values()
+    assert "gate" in condition and "'pass'" in condition  # the branch that holds publish runs on a passing verdict
+    (branch,) = [c for name, c in components.items() if name.startswith("comp-condition")]
+    assert [t["componentRef"]["name"] for t in branch["dag"]["tasks"].values()] == ["comp-publish"]
+    stages = components["comp-evoesap-stages"]
+    assert "verdicts" in stages["outputDefinitions"]["artifacts"]  # a caller of the sub-pipeline reads the verdicts
+    assert "verdicts" in spec["root"]["outputDefinitions"]["artifacts"]
+    tasks = stages["dag"]["tasks"]
+    assert set(tasks["check-verdicts"]["dependentTasks"]) >= {"report"}  # the run ends only once the report exists
+
+
+def test_without_thresholds_the_dag_has_no_gate(tmp_path):
+    import yaml
+
+    from evoesap.pipeline.dag import compile_pipeline
+
+    text = compile_pipeline(_pipeline_config(), tmp_path / "p.yaml").read_text()
+    spec = yaml.safe_load(text)
+    assert "comp-gate" not in spec["components"] and "verdicts" not in spec["root"]["outputDefinitions"]["artifacts"]

@@ -1,0 +1,217 @@
+"""The quality target: the grid, bisection against a brute-force sweep, warm starts, refusals before any work."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from evoesap.method import allocation as alloc
+from evoesap import records
+from evoesap.errors import ConfigError
+from evoesap.planning.target import bracket, find, grid, max_probes, warm_start
+
+N, K = (8, 8, 6, 8), (2, 2, 2, 1)  # experts and the fewest each layer keeps
+
+
+@pytest.mark.parametrize("granularity", [1, 2, 3])
+def test_grid_is_every_searchable_budget_once(granularity):
+    points = grid(N, K, granularity)
+    budgets = [alloc.budget(s, N, K, granularity) for s in points]
+    expected = [
+        b
+        for b in range(1, sum(n - k for n, k in zip(N, K)) + 1)
+        if b % granularity == 0 and alloc.FeasibleSet(N, K, b, granularity).size >= 2
+    ]
+    assert budgets == expected and points == sorted(points)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 80), st.data())
+def test_bisection_finds_what_a_sweep_finds_within_its_stated_probes(size, data):
+    first_failing = data.draw(st.integers(0, size))  # a monotone answer: indices below it meet, the rest do not
+    chosen, probed = bracket(size, lambda i: i < first_failing)
+    sweep = [i for i in range(size) if i < first_failing]
+    assert chosen == (sweep[-1] if sweep else None)
+    assert len(probed) == len(set(probed)) <= max_probes(size) == math.ceil(math.log2(size)) + 1
+    if size >= 4:
+        assert len(probed) < size  # fewer searches than the sweep
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=4, max_size=4), st.data())
+def test_a_warm_start_is_feasible_for_the_new_budget(counts, data):
+    neighbour = [min(c, n - k) for c, n, k in zip(counts, N, K)]
+    budget = data.draw(st.integers(1, sum(n - k for n, k in zip(N, K))))
+    seed = warm_start(neighbour, N, K, budget, 1)
+    assert alloc.is_feasible(seed, N, K, budget, 1)
+
+
+def _fake_search(quality):
+    """A search whose searched allocation is the proportional one and whose held-out value is `quality(sparsity)`."""
+    calls = []
+
+    def search(sparsity, seed):
+        budget = alloc.budget(sparsity, N, K, 1)
+        if seed is not None:
+            assert alloc.is_feasible(seed, N, K, budget, 1)
+        calls.append((sparsity, seed))
+        counts = alloc.uniform(N, K, budget, 1)
+        check = records.HeldoutCheck(
+            samples=8, searched=quality(sparsity), uniform=0.0, difference=0.0, stderr=0.01, beats_uniform=True,
+            searched_stderr=0.002,
+        )  # fmt: skip
+        record = records.AllocationRecord(
+            criterion="reap", sparsity=sparsity, removal_counts=counts, pruned={}, fitness=quality(sparsity), heldout=check
+        )
+        return f"/store/search/{budget}", record
+
+    return search, calls
+
+
+@pytest.mark.parametrize("threshold", [0.99, 0.9, 0.75, 0.5, 0.2])
+def test_find_chooses_the_largest_sparsity_a_sweep_says_meets_the_target(threshold):
+    points = grid(N, K, 1)
+    search, calls = _fake_search(lambda s: 1 - s)  # quality falls as sparsity rises
+    record = find(threshold, points, search, N, K, 1, "reap")
+    meeting = [s for s in points if 1 - s >= threshold]
+    assert record.chosen == (meeting[-1] if meeting else None)
+    assert len(record.probes) == len(calls) <= record.max_probes < len(points)
+    assert record.probes[0].warm_start is None and all(p.warm_start is not None for p in record.probes[1:])
+    assert all(p.meets == (p.heldout >= threshold) and p.stderr == 0.002 for p in record.probes)
+    assert records.TargetRecord.from_json(record.to_json(), "target.json") == record
+    if record.chosen is None:
+        assert "no sparsity on the grid meets" in record.line()
+
+
+@pytest.mark.parametrize("value", [0.0, 1.0, 1.5, -0.2, True])
+def test_a_target_no_pruning_can_meet_or_that_asks_nothing_is_refused(value):
+    from evoesap.planning.target import check_threshold
+
+    with pytest.raises(ConfigError, match="target.heldout_esap"):
+        check_threshold(value)
+
+
+BASE = dict(model="/m", calibration_data="/c", search_data="/s", heldout_data="/h")
+
+
+@pytest.mark.parametrize(
+    "extra, problem",
+    [
+        ({"target": {"heldout_esap": 1.2}}, "unreachable"),
+        ({"target": {"heldout_esap": -0.1}}, "unreachable"),
+        ({"target": {"heldout_esap": 0.9}, "sparsities": [0.5]}, "target and sparsities"),
+        ({"target": {"heldout_esap": 0.9}, "heldout_data": None}, "set heldout_data"),
+        ({"target": {"kl": 0.1}}, "valid: bytes, heldout_esap"),
+        ({"target": {"heldout_esap": 0.9, "bytes": "1GiB"}}, "give one target"),
+        ({"target": {"heldout_esap": 0.9}, "search": {"metric": "kl"}}, "search.metric is 'kl'"),
+    ],
+)
+def test_bad_targets_are_refused_at_load_in_one_line(extra, problem):
+    from evoesap.pipeline.config import load_config
+
+    with pytest.raises(ConfigError, match=problem) as refused:
+        load_config({**BASE, **extra})
+    assert "\n" not in str(refused.value)
+
+
+def test_plan_states_the_most_searches_in_advance(tmp_path):
+    from tiny_world import quick_world_config
+
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.target import cost_line
+
+    model = quick_world_config(tmp_path / "model")  # 2 MoE layers of 4 experts, top-2
+    config = load_config({**BASE, "model": str(model), "target": {"heldout_esap": 0.97}})
+    points = grid((4, 4), (2, 2), 1)  # budgets 1..3 (4 leaves a single allocation)
+    assert len(points) == 3
+    line = cost_line(config)
+    assert f"over {len(points)} grid sparsities" in line and f"at most {max_probes(3)} searches per criterion" in line
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from tiny_world import make_tiny_inputs
+
+    return make_tiny_inputs(tmp_path_factory.mktemp("tiny"))["model"]
+
+
+def _pruned_bytes(model_dir: str, sparsity: float) -> int:
+    """Weight bytes of the model with a uniform allocation of that sparsity removed, measured on the loaded model."""
+    import transformers
+
+    from evoesap import moe
+    from evoesap.moe.memory import bytes_report
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    spec = moe.inspect(model)
+    n, k = spec.num_experts, spec.top_k
+    counts = alloc.uniform(n, k, alloc.budget(sparsity, n, k, 1), 1)
+    return bytes_report(model, {layer: tuple(range(c)) for layer, c in enumerate(counts)}).pruned
+
+
+def test_a_memory_target_picks_the_least_grid_sparsity_whose_checkpoint_fits(tiny_model):
+    from evoesap.pipeline.config import load_config
+
+    points = grid((8, 8, 8, 8), (2, 2, 2, 2), 1)
+    middle = _pruned_bytes(tiny_model, points[len(points) // 2])
+    config = load_config({**BASE, "model": tiny_model, "target": {"bytes": str(middle)}})
+    ((point),) = config.grid()
+    chosen = point["sparsity"]
+    assert chosen == points[len(points) // 2]  # the least that fits: one grid step less does not
+    assert _pruned_bytes(tiny_model, chosen) <= middle < _pruned_bytes(tiny_model, points[points.index(chosen) - 1])
+
+
+@pytest.mark.parametrize("size, problem", [("1K", "below the model's floor"), ("100GiB", "nothing needs pruning")])
+def test_a_memory_target_out_of_reach_is_refused_in_one_line(tiny_model, size, problem):
+    from evoesap.pipeline.config import load_config
+
+    with pytest.raises(ConfigError, match=problem) as refused:  # at load: before any stage runs
+        load_config({**BASE, "model": tiny_model, "target": {"bytes": size}})
+    assert "\n" not in str(refused.value)
+
+
+def test_a_quality_target_is_refused_by_the_dag_with_the_command_that_finds_it(tiny_model):
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.dag import build_pipeline
+
+    with pytest.raises(ConfigError, match="evoesap pipeline target"):
+        build_pipeline(load_config({**BASE, "model": tiny_model, "target": {"heldout_esap": 0.9}}))
+
+
+@pytest.mark.slow
+def test_target_run_records_its_probes_as_reusable_search_artifacts(tmp_path):
+    from tiny_world import make_tiny_inputs
+
+    from evoesap.store import artifacts
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.target import run_target
+
+    files = make_tiny_inputs(tmp_path / "tiny")  # 4 MoE layers of 8 experts, top-2
+    storage = tmp_path / "store"
+    config = load_config(
+        {
+            "model": files["model"],
+            "calibration_data": files["calibration"],
+            "search_data": files["search"],
+            "heldout_data": files["heldout"],
+            "storage_root": str(storage),
+            "calibrate": {"samples": 8, "max_length": 128},
+            "cache_logits": {"samples": 6, "max_length": 128, "dtype": "float32"},
+            "search": {"population": 4, "elites": 1, "generations": 1, "batch_size": 8, "granularity": 4},
+            "target": {"heldout_esap": 0.5},  # met everywhere: bisection climbs to the top of the grid
+        }
+    )
+    ((uri, record),) = run_target(config)
+    assert record.chosen == record.grid[-1] and len(record.probes) <= record.max_probes
+    searches = sorted(p.name for p in (storage / "search").iterdir() if (p / "manifest.json").exists())
+    assert len(searches) == len(record.probes)
+    manifest = artifacts.read_manifest(uri, "target")
+    probes = [manifest.inputs[f"probes.{i}"]["manifest_sha256"] for i in range(len(record.probes))]
+    assert probes == [artifacts.manifest_sha256(str(storage / "search" / p.search.rsplit("/", 1)[-1])) for p in record.probes]
+    for probe in record.probes[1:]:  # warm-started, the seed recorded in the search's own parameters
+        params = artifacts.read_manifest(str(storage / "search" / probe.search.rsplit("/", 1)[-1])).params
+        assert params["warm_start"] == ",".join(map(str, probe.warm_start))
+    again = run_target(config)  # every probe reused: no new search artifact
+    assert again[0][1] == record
+    assert sorted(p.name for p in (storage / "search").iterdir() if (p / "manifest.json").exists()) == searches
