@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from evoesap import records
 from evoesap.planning import target
@@ -57,7 +57,7 @@ def run_target(config: Any) -> list[tuple[str, records.Record]]:
     section = config.stage_params("search")
     found = []
     for criterion in config.criteria:
-        search, made = target.search_step(root, inputs, section, criterion), []
+        search, made = _search_step(root, inputs, section, criterion), []
 
         def step(sparsity: float, seed: tuple[int, ...] | None) -> tuple[str, Any]:
             made.append(search(sparsity, seed))
@@ -109,3 +109,17 @@ def fitting_sparsity(model: str, size: str, granularity: int, model_dtype: str) 
             f"{points[-1]:.4f}, every layer at its fewest experts): raise it, or quantize"
         )
     return fits[0]
+
+
+def _search_step(
+    storage_root: str, inputs: Mapping[str, str | None], section: Mapping[str, Any], criterion: str
+) -> Callable[[float, tuple[int, ...] | None], tuple[str, Any]]:
+    """`find`'s `search`: the search stage at its content-addressed URI under `storage_root` (`steps.run_step`), the
+    seed passed as its `warm_start`."""
+
+    def search(sparsity: float, seed: tuple[int, ...] | None) -> tuple[str, Any]:
+        warm = {"warm_start": ",".join(str(v) for v in seed)} if seed is not None else {}
+        uri = run_step("search", storage_root, inputs, {**section, **warm, "criterion": criterion, "sparsity": sparsity})
+        return uri, records.read(uri, records.AllocationRecord)
+
+    return search

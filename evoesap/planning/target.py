@@ -12,7 +12,7 @@ the decision is recorded with every probe's evidence (`TargetRecord`).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from evoesap.method import allocation as alloc
 from evoesap.errors import ConfigError
@@ -124,19 +124,3 @@ def find(
         chosen=None if chosen is None else points[chosen],
         chosen_search=None if chosen is None else probes[chosen].search,
     )
-
-
-def search_step(
-    storage_root: str, inputs: Mapping[str, str | None], section: Mapping[str, Any], criterion: str
-) -> Callable[[float, tuple[int, ...] | None], tuple[str, Any]]:
-    """`find`'s `search`: the search stage at its content-addressed URI under `storage_root` (`steps.run_step`), the
-    seed passed as its `warm_start`."""
-    from evoesap import records
-    from evoesap.steps import run_step
-
-    def search(sparsity: float, seed: tuple[int, ...] | None) -> tuple[str, Any]:
-        warm = {"warm_start": ",".join(str(v) for v in seed)} if seed is not None else {}
-        uri = run_step("search", storage_root, inputs, {**section, **warm, "criterion": criterion, "sparsity": sparsity})
-        return uri, records.read(uri, records.AllocationRecord)
-
-    return search
