@@ -48,7 +48,7 @@ def _publish(out: str, payload: str, barrier: Any) -> tuple[str, str]:
     except ArtifactError as exc:
         text = str(exc)
         if "changed while this run worked" in text and "kept at " in text:
-            return "refused", text.rsplit("kept at ", 1)[1]
+            return "refused", text  # the message names where its artifact is kept
         return "error", text
 
 
@@ -90,14 +90,14 @@ def _problems(out: str, payloads: list[str], results: list[tuple[str, str]], par
         if outcome == "published" and payload != there:
             problems.append(f"a {payload!r} run says it published, but {there!r} is there")
         elif outcome == "refused":
-            kept = Path(detail)
+            kept = Path(detail.rsplit("kept at ", 1)[1])
             if (kept / "x.txt").read_text() != payload * 1000:
                 problems.append(f"a refused {payload!r} run's artifact is not intact at {kept}")
             shutil.rmtree(kept, ignore_errors=True)
         elif outcome == "error":
             problems.append(f"a {payload!r} run failed: {detail}")
     if len(set(payloads)) == 1 and any(outcome != "published" for outcome, _ in results):
-        problems.append(f"an identical run was refused: {[o for o, _ in results]}")
+        problems.append(f"an identical run was refused: {[d if o != 'published' else o for o, d in results]}")
     if parent is not None:
         debris = sorted(p.name for p in parent.iterdir() if p.name != Path(out).name)
         if debris:
