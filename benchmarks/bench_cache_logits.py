@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from evoesap import moe
-from evoesap.machine import runtime
 from evoesap.data import TokenizedSample
+from evoesap.machine import runtime
 from evoesap.scoring import forward, teacher
 
 

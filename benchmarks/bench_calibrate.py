@@ -14,16 +14,16 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from transformers.activations import ACT2FN
 
-from evoesap.scoring import importance
 from evoesap import moe
-from evoesap.machine import runtime
 from evoesap.data import TokenizedSample, batches
+from evoesap.machine import runtime
+from evoesap.scoring import importance
 
 
 def _forward(model: torch.nn.Module, tokenized: list[TokenizedSample], batch_size: int, device: torch.device) -> None:

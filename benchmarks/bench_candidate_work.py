@@ -33,14 +33,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_search import build_shape, load_world  # noqa: E402
 
-from evoesap.method import allocation as alloc  # noqa: E402
 from evoesap import moe  # noqa: E402
-from evoesap.method import racing, search
 from evoesap.machine import runtime
-from evoesap.scoring.importance import observe, pruning_order  # noqa: E402
+from evoesap.method import allocation as alloc  # noqa: E402
+from evoesap.method import racing, search
 from evoesap.moe.tiny import tiny_model  # noqa: E402
 from evoesap.scoring import teacher  # noqa: E402
 from evoesap.scoring.evaluator import CandidateEvaluator  # noqa: E402
+from evoesap.scoring.importance import observe, pruning_order  # noqa: E402
 
 
 @dataclasses.dataclass

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from evoesap import moe
-from evoesap.machine import runtime
 from evoesap.data import TokenizedSample, load_samples, scored_mask, tokenize_samples
+from evoesap.machine import runtime
 from evoesap.scoring import forward, teacher
 from evoesap.scoring.evaluator import CandidateEvaluator
 

@@ -251,9 +251,9 @@ def repredict(rows: list[dict], workdir: Path) -> list[dict]:
 
 
 def run_size(gigabytes: float, workdir: Path) -> list[dict]:
+    from evoesap.demo.domains import generate_splits, write_jsonl
     from evoesap.planning import footprint
     from evoesap.scoring import teacher
-    from evoesap.demo.domains import generate_splits, write_jsonl
 
     root = Path(tempfile.mkdtemp(dir=workdir))
     layers = layers_for(gigabytes)
@@ -296,10 +296,10 @@ def cache_load_row(workdir: Path) -> dict:
     """Peak anonymous memory of loading a 307 MB full cache, over the cache's bytes (import baseline subtracted)."""
     import numpy as np
 
-    from evoesap.planning import footprint
     from evoesap import moe
-    from evoesap.scoring import teacher
     from evoesap.data import TokenizedSample
+    from evoesap.planning import footprint
+    from evoesap.scoring import teacher
 
     model = moe.tiny_model("olmoe", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1)
     rng = np.random.default_rng(0)

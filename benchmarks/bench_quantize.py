@@ -27,11 +27,12 @@ FAMILIES = {"olmoe": {}, "qwen3_moe": {"moe_intermediate_size": 128, "head_dim":
 
 
 def main() -> None:
+    from test_moe import nonuniform_sets
+
     from evoesap import moe, records
     from evoesap.demo.domains import generate_splits, write_jsonl
     from evoesap.demo.tokenizer import build_tokenizer
     from evoesap.stages.quantize import QuantizeParams, run_quantize
-    from test_moe import nonuniform_sets
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipes", nargs="+", default=["fp8-dynamic", "w4a16-gptq"])

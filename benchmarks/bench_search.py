@@ -30,6 +30,7 @@ Examples (the demo world; add --pad-vocab 50304 for OLMoE's vocabulary size; a r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import platform
@@ -42,22 +43,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from evoesap.method import allocation as alloc
 from evoesap import moe
-from evoesap.method import racing, search
-from evoesap.machine import runtime
 from evoesap.data import TokenizedSample, load_samples, scored_mask, tokenize_samples
-from evoesap.scoring.importance import observe, pruning_order
+from evoesap.machine import runtime
+from evoesap.method import allocation as alloc
+from evoesap.method import racing, search
 from evoesap.scoring import forward, teacher
 from evoesap.scoring.evaluator import CandidateEvaluator
+from evoesap.scoring.importance import observe, pruning_order
 
 
 def peak_rss_reset() -> None:
     """Reset the process's peak RSS (Linux); silently nothing elsewhere."""
-    try:
+    with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
 
 
 def peak_rss_mib() -> float:
@@ -84,9 +83,8 @@ SHAPE_WIDTH = dict(
 
 def build_shape(args: argparse.Namespace) -> tuple[torch.nn.Module, list[TokenizedSample], list[TokenizedSample]]:
     """A seeded random-weight model of a real MoE's depth, experts, top-k and vocabulary, and random samples."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from gpu_search import SHAPES as REAL
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, values = REAL[SHAPES[args.shape]]
     config = AutoConfig.for_model(model_type, **{**values, **SHAPE_WIDTH})

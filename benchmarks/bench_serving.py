@@ -27,9 +27,9 @@ def build(root: Path, args: argparse.Namespace) -> tuple[Path, Path, list[int]]:
     """Full and non-uniformly pruned checkpoints: layer l loses a share of experts rising with l."""
     import numpy as np
 
-    from evoesap.method import allocation
     from evoesap import moe
     from evoesap.demo.tokenizer import build_tokenizer
+    from evoesap.method import allocation
 
     tok = build_tokenizer()
     model = moe.tiny_model(

@@ -41,8 +41,8 @@ def per_artifact(root: Path, repeat: int) -> list[tuple[str, str, int, float, fl
         art = manifest.parent
         m = artifacts.read_manifest(str(art))
         size = sum((art / rel).stat().st_size for rel in m.files)
-        t_read = _best(lambda: _read_all(art, m.files), repeat)
-        t_verify = _best(lambda: artifacts.verify(str(art), m.stage), repeat)
+        t_read = _best(lambda art=art, m=m: _read_all(art, m.files), repeat)
+        t_verify = _best(lambda art=art, m=m: artifacts.verify(str(art), m.stage), repeat)
         rows.append((m.stage, art.relative_to(root).as_posix(), size, t_read, t_verify))
     return rows
 

@@ -38,8 +38,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -138,8 +139,8 @@ def run_pipeline(files: dict[str, str], params: dict[str, Any], root: str, to: s
 
 def child(spec_path: str) -> int:
     """Run the pipeline as a stage process would: exit 0, or 1 with one `error:` line (the CLI's rule)."""
-    from evoesap.store.artifacts import redact
     from evoesap.errors import EvoESAPError
+    from evoesap.store.artifacts import redact
 
     spec = json.loads(Path(spec_path).read_text())
     try:
@@ -294,7 +295,7 @@ def pushed_copy_differs(published: str, to: str) -> str:
     return f"pushed copy holds more: {sorted(extra)[:3]}" if extra else ""
 
 
-def user_files(ws: "Workspace") -> dict[str, bytes]:
+def user_files(ws: Workspace) -> dict[str, bytes]:
     """The user's files by content: those beside the storage root (inside its parent), those next to that
     parent, and the pipeline's inputs (model, data, tasks)."""
     places = [ws.runs, ws.top / "user", ws.top / "world"]
@@ -760,8 +761,7 @@ def draw_kinds(rng: random.Random, kinds: tuple[str, ...], n: int) -> Iterator[s
     while n > 0:
         batch = list(kinds)
         rng.shuffle(batch)
-        for kind in batch[:n]:
-            yield kind
+        yield from batch[:n]
         n -= len(batch)
 
 

@@ -36,11 +36,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from evoesap.method import allocation as alloc
 from evoesap import moe, records
 from evoesap.machine import runtime
-from evoesap.scoring.importance import CRITERIA, pruning_order, read_scores
+from evoesap.method import allocation as alloc
 from evoesap.scoring.evaluator import CandidateEvaluator
+from evoesap.scoring.importance import CRITERIA, pruning_order, read_scores
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate
 from evoesap.stages.search import SearchParams, generalisation, run_search

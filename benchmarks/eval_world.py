@@ -15,9 +15,9 @@ import math
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from evoesap.machine import runtime
 from evoesap.demo import load_demo_world, run_tasks, weights_hash
 from evoesap.demo.domains import read_jsonl
+from evoesap.machine import runtime
 
 
 def greedy_misses(model, tok, rows: list[dict], batch_size: int = 32, max_new_tokens: int = 64) -> list[dict]:

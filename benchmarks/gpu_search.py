@@ -33,14 +33,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from evoesap.method import allocation as alloc
 from evoesap import moe
+from evoesap.method import allocation as alloc
 from evoesap.method import racing, search
 from evoesap.scoring.evaluator import CandidateEvaluator
 from evoesap.scoring.teacher import CacheMeta, TeacherCache

@@ -38,8 +38,9 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,8 +49,8 @@ from torch.autograd.profiler import record_function
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_search import SHAPES, TINY, children, random_cache, sync  # noqa: E402
 
-from evoesap.method import allocation as alloc  # noqa: E402
 from evoesap import moe  # noqa: E402
+from evoesap.method import allocation as alloc  # noqa: E402
 from evoesap.moe.families import family_of  # noqa: E402
 from evoesap.scoring.evaluator import CandidateEvaluator  # noqa: E402
 

@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from evoesap.store import artifacts
 from evoesap.errors import ArtifactError
+from evoesap.store import artifacts
 
 _FORK = multiprocessing.get_context("fork")
 

@@ -51,9 +51,10 @@ def main() -> int:
     parser.add_argument("--storage", type=Path, default=None, help="storage root (default: a new temporary folder)")
     args = parser.parse_args()
 
-    from evoesap import records
     from evoesap.pipeline.config import load_config
     from evoesap.pipeline.target import run_target, target_grid
+
+    from evoesap import records
     from evoesap.steps import run_step
 
     storage = args.storage or Path(tempfile.mkdtemp(prefix="target-vs-sweep-"))

@@ -99,8 +99,8 @@ def publish(artifact: Any, uri: str) -> None:
 def export_all(uri: str, dest: Path) -> None:
     """Copy the manifest and every payload file of the finished artifact at `uri` into `dest`, streamed, each
     checked against the sha256 its manifest records (a consumer of `dest` gets exactly the stored artifact)."""
-    from evoesap.store import artifacts
     from evoesap.errors import ArtifactError
+    from evoesap.store import artifacts
     from evoesap.store.identity import stream_sha256
 
     manifest = artifacts.read_manifest(uri)

@@ -65,6 +65,7 @@ def calibrate(model: Input[Model], data: str, storage_root: str, scores: Output[
         scores: Per-expert importance scores of every criterion (scores.parquet).
     """
     from evoesap.components.kfp_artifacts import publish, source
+
     from evoesap.steps import run_step
 
     publish(scores, run_step("calibrate", storage_root, {"model": source(model), "data": data}, params))
@@ -82,6 +83,7 @@ def cache_logits(model: Input[Model], data: str, storage_root: str, cache: Outpu
         cache: The teacher cache (token ids, answer masks and log-probabilities).
     """
     from evoesap.components.kfp_artifacts import publish, source
+
     from evoesap.steps import run_step
 
     publish(cache, run_step("cache-logits", storage_root, {"model": source(model), "data": data}, params))
@@ -113,6 +115,7 @@ def search(
         allocation: The chosen allocation (allocation.json, search history); metadata: fitness, held-out check, cost.
     """
     from evoesap.components.kfp_artifacts import publish, source
+
     from evoesap.steps import run_step
 
     inputs = {"model": source(model), "scores": source(scores), "cache": source(cache), "heldout_cache": source(heldout_cache)}
@@ -143,6 +146,7 @@ def prune(
         pruned: The pruned checkpoint; metadata: method, criterion, sparsity, expert_counts, parameter_bytes.
     """
     from evoesap.components.kfp_artifacts import publish, source
+
     from evoesap.steps import run_step
 
     inputs = {"model": source(model), "scores": source(scores), "allocation": source(allocation)}
@@ -167,6 +171,7 @@ def quantize(
         quantized: The compressed-tensors checkpoint (same architecture name and expert counts); metadata: recipe, bytes.
     """
     from evoesap.components.kfp_artifacts import publish, source
+
     from evoesap.steps import run_step
 
     publish(quantized, run_step("quantize", storage_root, {"model": source(model), "data": data or None}, params))
@@ -192,6 +197,7 @@ def evaluate(
         evaluation: The full metrics.json (every metric, stderr, memory, expert counts, held-out ESAP).
     """
     from evoesap.components.kfp_artifacts import publish, publish_metrics, source
+
     from evoesap.steps import run_step
 
     labels = {k: model.metadata[k] for k in ("method", "criterion", "sparsity") if k in model.metadata}
@@ -222,6 +228,7 @@ def gate(
         Output: "pass" or "fail", for the pipeline's condition on publish.
     """
     from evoesap.components.kfp_artifacts import publish, source
+
     from evoesap.steps import run_step
 
     inputs = {"evaluation": source(evaluation), "full_evaluation": source(full_evaluation), "previous": previous or None}
@@ -257,6 +264,7 @@ def report(
         page: The report as one HTML page with its plots inlined (rendered in the KFP UI).
     """
     from evoesap.components.kfp_artifacts import publish_report, source
+
     from evoesap.steps import run_step
 
     runs = [full, *uniform, *searched, *(quantized or [])]
@@ -299,6 +307,7 @@ def publish(
     """
     from evoesap.components.kfp_artifacts import publish as describe
     from evoesap.components.kfp_artifacts import source
+
     from evoesap.steps import run_step
 
     evaluations = [source(e) for e in (quantized_evaluation, evaluation, full_evaluation) if e is not None]

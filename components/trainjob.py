@@ -51,6 +51,7 @@ def shared(artifact: Any) -> Optional[str]:
     (`kfp_artifacts.referenced`); anything else, the artifact's own URI (at its hub `revision`), never the copy
     KFP made inside this launcher's pod."""
     from evoesap.components.kfp_artifacts import referenced
+
     from evoesap.store.identity import pin
 
     if artifact is None:

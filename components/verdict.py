@@ -19,6 +19,7 @@ def check_verdicts(verdicts: Input[List[Artifact]]):
         verdicts: The gate stage's verdicts (gate.json), one per criterion x sparsity point.
     """
     from evoesap.components.kfp_artifacts import source
+
     from evoesap.release.gate import raise_on_failed
 
     raise_on_failed([source(v) for v in verdicts])

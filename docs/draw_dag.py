@@ -21,7 +21,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import networkx as nx  # noqa: E402
 import yaml  # noqa: E402
-
 from evoesap.pipeline.config import load_config  # noqa: E402
 from evoesap.pipeline.dag import compile_pipeline  # noqa: E402
 

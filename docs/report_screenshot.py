@@ -19,8 +19,8 @@ from pathlib import Path
 
 from PIL import Image, ImageChops
 
-from evoesap.store import artifacts
 from evoesap.stages.report import HTML_FILE, ReportParams, run_report
+from evoesap.store import artifacts
 
 WIDTH = 1400  # a laptop screen; KFP's artifact viewer is narrower, and the page scales down to it
 TALL = 16000  # window height, more than any demo page; what the page leaves blank is cropped

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, ClassVar, Mapping
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from evoesap.errors import ConfigError
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from evoesap.errors import ConfigError
 

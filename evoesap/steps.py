@@ -10,11 +10,12 @@ is found finished and skipped.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from evoesap.store import artifacts
-from evoesap import registry as stages
 from evoesap import params as parameters
+from evoesap import registry as stages
+from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
 

@@ -18,14 +18,14 @@ or compile it for a cluster with `--compile team.yaml`.
 
 # No `from __future__ import annotations`: kfp reads the real type annotations.
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, List, NamedTuple
-
-from kfp import compiler, dsl
-from kfp.dsl import Input, Markdown, Metrics, Model, Output
+from typing import NamedTuple
 
 from evoesap.pipeline.config import PipelineConfig, load_config
 from evoesap.pipeline.dag import build_subpipeline
+from kfp import compiler, dsl
+from kfp.dsl import Input, Markdown, Metrics, Model, Output
 
 
 def train(base_model: str, data: str, steps: int, learning_rate: float, model: Output[Model]):
@@ -66,7 +66,7 @@ def train(base_model: str, data: str, steps: int, learning_rate: float, model: O
 
 
 def release_notes(
-    pruned_models: Input[List[Model]], pruned_metrics: Input[List[Metrics]], report: Input[Markdown], release: Output[Markdown]
+    pruned_models: Input[list[Model]], pruned_metrics: Input[list[Metrics]], report: Input[Markdown], release: Output[Markdown]
 ):
     """Release notes for the pruned models, from the checkpoints handed over.
 
@@ -91,7 +91,8 @@ def release_notes(
         meta = facts(pruned.path)
         checkpoint = pruned.metadata.get("uri") or pruned.uri  # where the weights are stored
         counts = list(meta["expert_counts"])
-        config = json.load(open(os.path.join(pruned.path, "config.json")))  # the checkpoint's own config
+        with open(os.path.join(pruned.path, "config.json")) as f:
+            config = json.load(f)  # the checkpoint's own config
         stored = config.get("evoesap_num_experts_per_layer")
         if stored is not None and sorted(stored.values()) != sorted(counts):
             raise ValueError(f"{checkpoint}: recorded expert counts {counts} disagree with its config {stored}")
@@ -106,7 +107,9 @@ def release_notes(
     release.metadata["models"] = models
 
 
-Release = NamedTuple("Release", release=Markdown, pruned_models=List[Model])
+class Release(NamedTuple):
+    release: Markdown
+    pruned_models: list[Model]
 
 
 def build_team_pipeline(config: PipelineConfig) -> Callable:

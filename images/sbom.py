@@ -19,10 +19,11 @@ import json
 import os
 import re
 import sys
-import tomllib
 import uuid
 from pathlib import Path
 from urllib.parse import quote
+
+import tomllib
 
 HERE = Path(__file__).resolve().parent
 # flavour -> (environment, its lock, torch's local version label); the images install torch before each lock

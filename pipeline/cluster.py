@@ -135,7 +135,7 @@ class StageSettings(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _accelerator_pair(self) -> "StageSettings":
+    def _accelerator_pair(self) -> StageSettings:
         if self.accelerator_count and not self.accelerator_type:
             raise ValueError("accelerator_count is set but accelerator_type is not (e.g. nvidia.com/gpu)")
         return self

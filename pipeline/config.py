@@ -24,7 +24,8 @@ from pydantic import (
     model_validator,
 )
 
-from evoesap import __version__, registry as stages
+from evoesap import __version__
+from evoesap import registry as stages
 from evoesap.errors import ConfigError
 from evoesap.scoring.criteria import CRITERIA, Criterion
 
@@ -58,7 +59,7 @@ class Target(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _one_target(self) -> "Target":
+    def _one_target(self) -> Target:
         if (self.heldout_esap is None) == (self.bytes is None):
             raise ValueError("give one target: heldout_esap (a quality to keep) or bytes (a size to fit)")
         return self
@@ -98,7 +99,7 @@ class _Settings(BaseModel):
         return values
 
     @model_validator(mode="after")
-    def _target_or_sparsities(self) -> "PipelineConfig":
+    def _target_or_sparsities(self) -> PipelineConfig:
         if self.target is not None and "sparsities" in self.model_fields_set:
             raise ValueError(
                 f"target and sparsities {self.sparsities} both choose the sparsity: keep target (the sparsity is then "
@@ -129,7 +130,7 @@ class _Settings(BaseModel):
         return values
 
     @model_validator(mode="after")
-    def _accelerators_where_a_model_runs(self) -> "PipelineConfig":
+    def _accelerators_where_a_model_runs(self) -> PipelineConfig:
         from evoesap.components import qualified
 
         images = {"image": self.image, **{f"resources.{k}.image": v.image for k, v in self.resources.items()}}
@@ -171,7 +172,7 @@ class _Settings(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _storage_outside_the_model(self) -> "PipelineConfig":
+    def _storage_outside_the_model(self) -> PipelineConfig:
         if "://" in self.storage_root or "://" in self.model or not Path(self.model).is_dir():
             return self
         model, root = Path(self.model).resolve(), Path(self.storage_root).resolve()

@@ -20,21 +20,21 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable, List, Mapping, NamedTuple
 
+from evoesap.components import StageComponents, make_components
+from evoesap.components.reference import make_reference
+from evoesap.components.trainjob import make_search_trainjob
+from evoesap.components.verdict import make_verdict_check
+from evoesap.pipeline import cluster, trainjob
+from evoesap.pipeline.config import PipelineConfig, with_resources
+from evoesap.pipeline.feasibility import check_grid
+from evoesap.pipeline.files import SPEC_MARKER, claim_output_file
 from kfp import compiler, dsl
 from kfp.dsl import HTML, Artifact, Input, Markdown, Metrics, Model
 
-from evoesap.components import StageComponents, make_components
-from evoesap.components.reference import make_reference
-from evoesap.components.verdict import make_verdict_check
-from evoesap.components.trainjob import make_search_trainjob
-from evoesap.pipeline.feasibility import check_grid
 from evoesap.errors import ConfigError
 from evoesap.params import PlacementParams
 from evoesap.registry import MODEL_STAGES, NAMES, STAGES
 from evoesap.registry import get as get_stage
-from evoesap.pipeline import cluster, trainjob
-from evoesap.pipeline.config import PipelineConfig, with_resources
-from evoesap.pipeline.files import SPEC_MARKER, claim_output_file
 
 
 def _configure(
@@ -128,7 +128,10 @@ def _search_trainjob(config: PipelineConfig, args: dict[str, Any]) -> Any:
     return cluster.apply(task, trainjob.launcher_settings(settings), config.retries)
 
 
-Outputs = NamedTuple("Outputs", report=Markdown, report_html=HTML, pruned_models=List[Model])
+class Outputs(NamedTuple):
+    report: Markdown
+    report_html: HTML
+    pruned_models: List[Model]
 
 
 def gated(config: PipelineConfig) -> bool:

@@ -13,10 +13,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from evoesap.store import artifacts
-from evoesap.demo.world import MIX
 from evoesap.pipeline.config import PipelineConfig, load_config
 from evoesap.pipeline.run import report_uri, run_local
+
+from evoesap.demo.world import MIX
+from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
 

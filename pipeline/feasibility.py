@@ -15,11 +15,11 @@ def check_grid(model: str, grid: list[dict[str, Any]], search_params: dict[str, 
     """Refuse, in one line, a sparsity of the criterion x sparsity fan-out that the model cannot search or
     prune: read from its config.json, as the stages read it, before a run could fail hours in. A model whose
     config cannot be read here (a path only the cluster mounts, a hub model offline) is left to the stages."""
-    from evoesap.method import allocation, search
     from evoesap import moe
     from evoesap.machine import runtime
-    from evoesap.store.artifacts import redact
+    from evoesap.method import allocation, search
     from evoesap.steps import make_params
+    from evoesap.store.artifacts import redact
 
     try:
         spec = runtime.inspect_checkpoint(model)

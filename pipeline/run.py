@@ -12,15 +12,17 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, TextIO
 
-from evoesap.store import artifacts
-from evoesap.errors import ConfigError, EvoESAPError
-from evoesap.release.gate import GateFailed
 from evoesap.pipeline.config import PipelineConfig
 from evoesap.pipeline.dag import build_pipeline
 from evoesap.pipeline.files import LOG_HEADER, claim_output_file
+
+from evoesap.errors import ConfigError, EvoESAPError
+from evoesap.release.gate import GateFailed
+from evoesap.store import artifacts
 from evoesap.store.identity import is_uri
 
 log = logging.getLogger(__name__)

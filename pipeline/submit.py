@@ -23,15 +23,16 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import yaml
 
-from evoesap.store.artifacts import redact
 from evoesap.errors import ConfigError
 from evoesap.registry import NAMES
 from evoesap.steps import make_params
+from evoesap.store.artifacts import redact
 
 from .config import PipelineConfig, load_config
 from .feasibility import check_grid

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from evoesap import records
-from evoesap.planning import target
-from evoesap.store import artifacts
 from evoesap.errors import ConfigError
+from evoesap.planning import target
 from evoesap.steps import run_step
+from evoesap.store import artifacts
 
 # `config` below is a `pipeline.config.PipelineConfig` (which reads `memory_sparsity` from here: not imported back)
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def run_target(config: Any) -> list[tuple[str, records.Record]]:
     for criterion in config.criteria:
         search, made = _search_step(root, inputs, section, criterion), []
 
-        def step(sparsity: float, seed: tuple[int, ...] | None) -> tuple[str, Any]:
+        def step(sparsity: float, seed: tuple[int, ...] | None, search=search, made=made) -> tuple[str, Any]:
             made.append(search(sparsity, seed))
             return made[-1]
 
@@ -91,8 +92,8 @@ def fitting_sparsity(model: str, size: str, granularity: int, model_dtype: str) 
     uniform does). Refused in one line when nothing needs pruning or even the most pruning cannot fit."""
     from evoesap import moe
     from evoesap.machine import runtime
-    from evoesap.planning.footprint import model_shape
     from evoesap.machine.sizes import parse_bytes
+    from evoesap.planning.footprint import model_shape
 
     wanted = parse_bytes(size)
     shape = model_shape(model, model_dtype)

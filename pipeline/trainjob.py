@@ -33,8 +33,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from evoesap.errors import ConfigError, EvoESAPError
 from evoesap.params import keyed
@@ -218,9 +219,9 @@ def run_search_job(
     namespace: str | None = None,
 ) -> str:
     """Run the search stage as a TrainJob (see the module docstring); return its artifact's URI."""
-    from evoesap.store import artifacts
     from evoesap.method import distributed
     from evoesap.steps import make_params, output_uri
+    from evoesap.store import artifacts
 
     parsed = make_params("search", params)
     out = output_uri("search", storage_root, inputs, parsed)

@@ -9,7 +9,7 @@ from evoesap import moe
 FAMILIES = sorted(moe.FAMILIES)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cached_model(family: str, **overrides) -> torch.nn.Module:
     """One tiny model per family and overrides; tests deepcopy it before changing anything."""
     return moe.tiny_model(family, **overrides)

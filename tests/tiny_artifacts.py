@@ -2,13 +2,14 @@
 
 from pathlib import Path
 
+from tiny_world import make_tiny_inputs
+
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate
 from evoesap.stages.evaluate import EvaluateParams, run_evaluate
 from evoesap.stages.prune import PruneParams, run_prune
 from evoesap.stages.report import ReportParams, run_report
 from evoesap.stages.search import SearchParams, run_search
-from tiny_world import make_tiny_inputs
 
 CALIBRATE = CalibrateParams(samples=8, max_length=128)
 CACHE = CacheLogitsParams(samples=6, max_length=128, dtype="float32")
@@ -41,8 +42,9 @@ def quantized_build(built: dict[str, str], root: Path) -> dict[str, str]:
     and report_quantized (the full, pruned and quantized evaluations)."""
     import os
 
-    from evoesap.stages.quantize import QuantizeParams, run_quantize
     from test_quantize import quantize_python
+
+    from evoesap.stages.quantize import QuantizeParams, run_quantize
 
     out = {**built, **{name: str(root / name) for name in ("evaluated_full", "quantized", "evaluated_quantized")}}
     out["report_quantized"] = str(root / "report_quantized")

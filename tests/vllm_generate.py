@@ -48,7 +48,8 @@ def generate(job: dict) -> dict:
 
 
 def main() -> None:
-    jobs = json.loads(open(sys.argv[1]).read())
+    with open(sys.argv[1]) as f:
+        jobs = json.load(f)
     results = [generate(job) for job in jobs]
     with open(sys.argv[2], "w") as out:
         json.dump(results, out)

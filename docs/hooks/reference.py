@@ -18,8 +18,9 @@ import inspect
 import re
 import sys
 import typing
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -244,10 +245,10 @@ def cli_page() -> str:
 
 
 def pipeline_yaml_page() -> str:
+    from evoesap.pipeline.config import PipelineConfig
     from pydantic_core import PydanticUndefined
 
     from evoesap import registry as stages
-    from evoesap.pipeline.config import PipelineConfig
 
     stage_sections = {s.section for s in stages.STAGES}
     comments = _field_comments(PipelineConfig)

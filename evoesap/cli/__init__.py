@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pkgutil
 import sys
@@ -62,13 +63,9 @@ INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by
 def _click_exceptions() -> list:
     """click's exception modules: the package (the stage verbs are click commands) and the copy typer bundles
     (its own group raises from that one, e.g. for an unknown verb)."""
-    import importlib
-
     modules = [click.exceptions]
-    try:
+    with contextlib.suppress(ImportError):  # a typer that uses the click package itself has none
         modules.append(importlib.import_module("typer._click.exceptions"))
-    except ImportError:  # a typer that uses the click package itself
-        pass
     return modules
 
 

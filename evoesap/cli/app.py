@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import typer
 
@@ -61,10 +63,8 @@ def _scrubbing(factory: Callable[..., logging.LogRecord]) -> Callable[..., loggi
 
     def make(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = factory(*args, **kwargs)
-        try:
+        with contextlib.suppress(Exception):  # a malformed record is left to logging's own error handling
             record.msg, record.args = scrub(record.getMessage()), None
-        except Exception:  # noqa: BLE001 - a malformed record is left to logging's own error handling
-            pass
         return record
 
     make.scrubs = True  # type: ignore[attr-defined]

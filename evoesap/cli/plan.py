@@ -32,10 +32,9 @@ def plan_cmd(
     Exits 1 when a stage would not fit, naming the setting to change.
     Example: evoesap plan examples/mixtral-8x7b.yaml --model-config examples/models/mixtral-8x7b --gpus 2 --gpu-memory 80GB
     """
-    from evoesap.pipeline.config import load_config
-
-    from evoesap.planning import footprint, plan
     from evoesap.machine import sizes
+    from evoesap.pipeline.config import load_config
+    from evoesap.planning import footprint, plan
 
     cfg = load_config(config)
     here = footprint.local_machine(cfg.search.get("device", "auto"))

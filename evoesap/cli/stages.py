@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -95,8 +96,8 @@ def _param_option(cls: type, field: dataclasses.Field, hint: Any) -> click.Optio
 
 def _runner(stage: Stage) -> Callable[..., None]:
     def run(**options: Any) -> None:
-        from evoesap.store.identity import pin
         from evoesap.steps import make_params, run_stage
+        from evoesap.store.identity import pin
 
         out, revision = options.pop("out"), options.pop("revision", None)
         inputs: dict[str, Any] = {}

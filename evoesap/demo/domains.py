@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import string
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 

@@ -8,8 +8,8 @@ generative task stops on the end-of-turn token, which is also the tokenizer's eo
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import yaml
 from transformers import PreTrainedTokenizerBase

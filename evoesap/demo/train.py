@@ -10,7 +10,7 @@ import logging
 import math
 import os
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -18,22 +18,22 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import transformers
 
-from evoesap.store import artifacts
 from evoesap import data as _data
 from evoesap.demo import domains as _domains
 from evoesap.demo import tokenizer as _tokenizer
 from evoesap.demo import train as _train
-from evoesap.demo.profiles import get_profile
 from evoesap.demo.domains import DOMAINS, SPLITS, generate_splits, read_jsonl, write_jsonl
+from evoesap.demo.profiles import get_profile
 from evoesap.demo.tasks import TAG, task_name, write_tasks
 from evoesap.errors import ArtifactError, ConfigError
+from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
 

@@ -12,14 +12,15 @@ import difflib
 import logging
 import math
 import os
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from evoesap import records as rec
-from evoesap.evaluation import vllm_eval
 from evoesap.errors import ConfigError, DataError
+from evoesap.evaluation import vllm_eval
 from evoesap.store.identity import locate
 
 log = logging.getLogger(__name__)

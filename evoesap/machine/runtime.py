@@ -8,15 +8,16 @@ import gc
 import json
 import logging
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
-from evoesap.store import artifacts
 from evoesap.errors import ArtifactError, ConfigError, ModelError, ResourceError
-from evoesap.store.identity import is_uri
 from evoesap.offload import module_device
+from evoesap.store import artifacts
+from evoesap.store.identity import is_uri
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +39,8 @@ def bound_allocator_retention() -> None:
     buffers transformers frees while it restacks a checkpoint's experts return to the OS instead of
     staying in the heap: 224 MiB less resident after loading a 1 GB OLMoE-shaped model on the CPU
     (benchmarks/RESULTS.md). Nothing happens where the C library is not glibc."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-    except (OSError, AttributeError):
-        pass
 
 
 # CPU threads. A model below this many parameters runs its CPU work on one intra-op thread: its ops are too

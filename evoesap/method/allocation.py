@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import Sequence
 
 from evoesap.errors import ConfigError
 

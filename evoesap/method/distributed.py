@@ -37,7 +37,8 @@ import signal
 import sys
 import threading
 import uuid
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from evoesap import errors
 from evoesap.method import search

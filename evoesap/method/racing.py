@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -113,7 +113,7 @@ class Racing:
         return min(len(positions), bisect.bisect_left(list(itertools.accumulate(positions)), self.min_positions) + 1)
 
     @classmethod
-    def parse(cls, text: str, min_samples: int = 4, min_positions: int = 256) -> "Racing":
+    def parse(cls, text: str, min_samples: int = 4, min_positions: int = 256) -> Racing:
         """From "0.0625,0.25:0.25" (fractions, then the advance share after a colon) and the minimums."""
         shares, _, advance = text.partition(":")
         try:

@@ -58,15 +58,16 @@ import logging
 import math
 import posixpath
 import uuid
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from evoesap.method import allocation
-from evoesap.store import artifacts
-from evoesap.method.allocation import Allocation
 from evoesap.errors import ArtifactError, ConfigError, DataError
+from evoesap.method import allocation
+from evoesap.method.allocation import Allocation
 from evoesap.method.racing import Racing
+from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
 

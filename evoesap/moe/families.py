@@ -9,8 +9,9 @@ config builds that family's model in tests/unit/test_moe.py).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from evoesap.errors import ModelError
 

@@ -9,14 +9,14 @@ tensor per pruned layer.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from evoesap.offload import module_device, stored
 from evoesap.moe.routing import ROUTES, route_params
 from evoesap.moe.spec import LayerSpec, MoEBlock, Pruned, check_pruned, inspect, model_family, moe_blocks
+from evoesap.offload import module_device, stored
 
 
 @contextlib.contextmanager

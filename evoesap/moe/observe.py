@@ -9,7 +9,7 @@ rows to the callback and returns their gate-weighted sum, so the layer's output 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn

@@ -9,7 +9,7 @@ the routing of the model with those experts physically removed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

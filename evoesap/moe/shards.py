@@ -12,7 +12,8 @@ import dataclasses
 import json
 import math
 import struct
-from typing import IO, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import IO
 
 import torch
 

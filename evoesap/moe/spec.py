@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import math
 import operator
-from typing import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from torch import nn
 

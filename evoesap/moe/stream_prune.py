@@ -23,14 +23,13 @@ import fsspec
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from evoesap.store import artifacts
 from evoesap.errors import ArtifactError, ConfigError
-from evoesap.store.identity import locate
 from evoesap.moe import shards
 from evoesap.moe.families import PER_LAYER_KEY
 from evoesap.moe.spec import Pruned, check_pruned, expert_tensors, inspect, model_family, moe_blocks
 from evoesap.moe.surgery import name_nonuniform, set_counts
-from evoesap.store.identity import is_uri
+from evoesap.store import artifacts
+from evoesap.store.identity import is_uri, locate
 
 log = logging.getLogger(__name__)
 

@@ -12,22 +12,22 @@ import contextlib
 import json
 import logging
 import tempfile
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from evoesap.store import artifacts
-from evoesap.store.identity import locate
 from evoesap.errors import ArtifactError, ConfigError, ModelError
-from evoesap.moe.families import NONUNIFORM_ARCHITECTURE_PREFIX, PER_LAYER_KEY, Family, family_of
 from evoesap.moe import per_layer_modeling
+from evoesap.moe.families import NONUNIFORM_ARCHITECTURE_PREFIX, PER_LAYER_KEY, Family, family_of
 from evoesap.moe.remote_code import drop_auto_map, layout, write_modeling_file
 from evoesap.moe.spec import MoEBlock, Pruned, check_pruned, inspect, model_family, moe_blocks
-from evoesap.store.identity import is_uri
+from evoesap.store import artifacts
+from evoesap.store.identity import is_uri, locate
 
 log = logging.getLogger(__name__)
 

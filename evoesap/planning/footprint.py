@@ -23,7 +23,6 @@ import logging
 import math
 from typing import Any
 
-
 log = logging.getLogger(__name__)
 GiB = 1 << 30
 RUNTIME_BYTES = 320 << 20  # anonymous memory of a stage process before its model or cache (bench_memory: 315 MiB)
@@ -97,8 +96,8 @@ def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
     from transformers import AutoModelForCausalLM
 
     from evoesap import moe
-    from evoesap.moe import shards, stream_prune
     from evoesap.machine.runtime import MODEL_DTYPES
+    from evoesap.moe import shards, stream_prune
 
     fs, root = stream_prune.checkpoint_files(uri, patterns=("*.json",))  # a hub model: no weights fetched
     config = stream_prune.read_config(fs, root)

@@ -77,10 +77,10 @@ def check_stage(stage: str, inputs: dict[str, Any], params: Any) -> StagePlan | 
     """Refuse (ResourceError) a stage that would not fit this machine, before it loads anything; its plan.
     A stage without a peak formula, or whose inputs cannot be read yet, gets no plan (the stage itself
     says what is wrong with an input)."""
-    from evoesap.store import artifacts
-    from evoesap.machine import bounds
     from evoesap import registry as stages
     from evoesap.errors import EvoESAPError, ResourceError
+    from evoesap.machine import bounds
+    from evoesap.store import artifacts
 
     if stages.get(stage).peak is None:
         return None

@@ -12,10 +12,11 @@ the decision is recorded with every probe's evidence (`TargetRecord`).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from evoesap.method import allocation as alloc
 from evoesap.errors import ConfigError
+from evoesap.method import allocation as alloc
 from evoesap.records import Probe, TargetRecord
 
 

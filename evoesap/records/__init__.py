@@ -9,9 +9,8 @@ import json
 from pathlib import Path
 from typing import Any, TypeVar
 
-from evoesap.method import allocation as alloc
-from evoesap.store import artifacts
 from evoesap.errors import ArtifactError, ConfigError
+from evoesap.method import allocation as alloc
 from evoesap.records.documents import (
     ALLOCATION_FILE,
     GATE_FILE,
@@ -37,6 +36,7 @@ from evoesap.records.documents import (
     TaskMetric,
 )
 from evoesap.records.typed import Record
+from evoesap.store import artifacts
 
 __all__ = [
     "ALLOCATION_FILE",

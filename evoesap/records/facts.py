@@ -10,8 +10,8 @@ import html
 from pathlib import Path
 from typing import Any
 
-from evoesap.store import artifacts
 from evoesap import records, registry
+from evoesap.store import artifacts
 
 EXPORT_MAX_BYTES = 1 << 20  # files up to this size are copied into an orchestrator's artifact; weights never
 

@@ -8,8 +8,8 @@ import functools
 import types
 from typing import Any, ClassVar, TypeVar, Union, get_args, get_origin, get_type_hints
 
-from evoesap.store import artifacts
 from evoesap.errors import ArtifactError
+from evoesap.store import artifacts
 
 R = TypeVar("R", bound="Record")
 

@@ -7,7 +7,8 @@ the report); a task the reference has and the candidate lacks fails its check ra
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from evoesap import records
 from evoesap.errors import EvoESAPError

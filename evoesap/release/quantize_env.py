@@ -16,9 +16,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from evoesap.store import artifacts
 from evoesap.errors import ConfigError, EvoESAPError
 from evoesap.machine.side_env import ask, side_python
+from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
 

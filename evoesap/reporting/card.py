@@ -10,17 +10,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import yaml
 
-from evoesap.store import identity, lineage
+from evoesap.records import AllocationRecord, Experts, MetricsRecord, PruningRecord, QuantizationRecord, TaskMetric
 from evoesap.reporting import render
 from evoesap.reporting import report as rp
-from evoesap.store.lineage import Lineage
-from evoesap.records import AllocationRecord, Experts, MetricsRecord, PruningRecord, QuantizationRecord, TaskMetric
 from evoesap.reporting.report import Cell, Table
+from evoesap.store import identity, lineage
+from evoesap.store.lineage import Lineage
 
 DENSITY_FILE = "density.png"
 LICENSE_KEYS = ("license", "license_name", "license_link")  # what a derivative carries from its base's card

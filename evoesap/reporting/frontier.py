@@ -4,7 +4,7 @@ candidate coloured by the gate's verdict. The picture a release manager decides 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure

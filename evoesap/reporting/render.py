@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import base64
 import re
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jinja2
 import markupsafe

@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
-from evoesap.store import artifacts
 from evoesap import records
 from evoesap.errors import ConfigError
 from evoesap.scoring import metrics
 from evoesap.scoring.forward import LayerRunner, head_logits, iter_batches, model_device, pad_right
 from evoesap.scoring.prefix import PrefixCache, Sets
 from evoesap.scoring.teacher import TeacherCache, load_cache
+from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ readers of the teacher cache, which use the helpers here, do not pay their secon
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 

@@ -20,14 +20,14 @@ import pandas as pd
 import pyarrow as pa
 import torch
 
-from evoesap.scoring.criteria import CRITERIA
-from evoesap.store import artifacts
 from evoesap import moe
 from evoesap.data import TokenizedSample, batches
 from evoesap.errors import ConfigError, DataError
-from evoesap.progress import progress
 from evoesap.offload import module_device
+from evoesap.progress import progress
+from evoesap.scoring.criteria import CRITERIA
 from evoesap.scoring.forward import model_device
+from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
 

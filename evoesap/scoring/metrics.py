@@ -12,6 +12,7 @@ KL(p||q) and the NLL are negated, so a search maximises every metric the same wa
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 
 from evoesap.errors import ConfigError

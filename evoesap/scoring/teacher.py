@@ -26,26 +26,27 @@ matters (tests, the live-vs-cache check).
 from __future__ import annotations
 
 import collections
-import contextlib
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from evoesap.store import artifacts
 from evoesap.errors import ArtifactError, ConfigError, DataError
-from evoesap.progress import progress
 from evoesap.offload import state_tensors
+from evoesap.progress import progress
 from evoesap.scoring.forward import final_hidden, head_logits, model_device, pad_right
+from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +94,7 @@ def model_hash(model: torch.nn.Module) -> str:
 def tokenizer_hash(tokenizer: Any) -> str:
     """sha256 of the tokenizer's full definition (vocabulary, merges, added tokens)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        text = backend.to_str()
-    else:
-        text = json.dumps(sorted(tokenizer.get_vocab().items()))
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     return artifacts.sha256_bytes(text.encode("utf-8"))
 
 
@@ -128,7 +126,7 @@ class CacheMeta:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "CacheMeta":
+    def from_json(cls, text: str) -> CacheMeta:
         data = json.loads(text)
         if data.get("format") != CACHE_FORMAT:
             raise ArtifactError(
@@ -465,7 +463,7 @@ class TeacherCache:
         """Bytes of the [P, W] teacher columns: what the cache costs wherever it sits."""
         return sum(t.numel() * t.element_size() for t in (self.logprobs, self.topk_ids, self.topk_logprobs) if t is not None)
 
-    def to(self, device: torch.device | str, heavy: bool = True) -> "TeacherCache":
+    def to(self, device: torch.device | str, heavy: bool = True) -> TeacherCache:
         """The teacher columns moved to `device` once (not per candidate); with `heavy=False` the [P, W]
         columns stay where they are (the host) and `column_rows` streams them batch by batch."""
         names = ["positions", "targets", "tail_mass"] + (["logprobs", "topk_ids", "topk_logprobs"] if heavy else [])

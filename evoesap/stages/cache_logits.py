@@ -6,10 +6,10 @@ import dataclasses
 import logging
 from typing import ClassVar
 
-from evoesap.store import artifacts
-from evoesap.machine import bounds, runtime
 from evoesap.errors import ConfigError
+from evoesap.machine import bounds, runtime
 from evoesap.params import PlacementParams, SampleParams, keyed, param
+from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +43,8 @@ class CacheLogitsParams(PlacementParams, SampleParams):
 
 def run_cache_logits(model: str, data: str, params: CacheLogitsParams, out_uri: str) -> artifacts.Manifest:
     """Cache the teacher (`model`, a checkpoint URI or hub name) on `data` samples and publish it at `out_uri`."""
-    from evoesap.planning import footprint
     from evoesap.data import check_vocab
+    from evoesap.planning import footprint
     from evoesap.scoring import teacher
 
     inputs = {"model": model, "data": data}

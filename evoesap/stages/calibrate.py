@@ -6,9 +6,9 @@ import dataclasses
 import logging
 from typing import ClassVar
 
-from evoesap.store import artifacts
 from evoesap.machine import bounds, runtime
 from evoesap.params import PlacementParams, SampleParams, keyed, param
+from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
 

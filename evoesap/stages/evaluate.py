@@ -7,15 +7,15 @@ import dataclasses
 import json
 import logging
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
-from evoesap.store import artifacts
-from evoesap.machine import bounds, runtime
 from evoesap import records
-from evoesap.evaluation import vllm_eval
-from evoesap.evaluation import lmeval
 from evoesap.errors import ConfigError, DataError
+from evoesap.evaluation import lmeval, vllm_eval
+from evoesap.machine import bounds, runtime
 from evoesap.params import PlacementParams, keyed, param
+from evoesap.store import artifacts
 from evoesap.store.identity import is_hub_name, is_uri
 
 log = logging.getLogger(__name__)

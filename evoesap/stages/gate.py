@@ -11,11 +11,11 @@ import dataclasses
 import json
 import logging
 
-from evoesap.store import artifacts
 from evoesap import records
 from evoesap.errors import ArtifactError, ConfigError
-from evoesap.release.gate import verdict
 from evoesap.params import StageParams, keyed, param
+from evoesap.release.gate import verdict
+from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from evoesap.method import allocation as alloc
-from evoesap.store import artifacts
-from evoesap.machine import bounds, runtime
 from evoesap import records
+from evoesap.machine import bounds, runtime
+from evoesap.method import allocation as alloc
+from evoesap.moe.spec import MoESpec
 from evoesap.params import StageParams, keyed, param
 from evoesap.scoring.criteria import Criterion
-from evoesap.moe.spec import MoESpec
+from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
 

@@ -17,15 +17,16 @@ import dataclasses
 import json
 import logging
 import urllib.parse
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
-from evoesap.store import artifacts, identity, lineage
-from evoesap.reporting import card
-from evoesap.release import hub
 from evoesap import records
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.params import StageParams, keyed, param
+from evoesap.release import hub
+from evoesap.reporting import card
+from evoesap.store import artifacts, identity, lineage
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ import difflib
 import logging
 from typing import Any, ClassVar
 
-from evoesap.store import artifacts
-from evoesap.machine import bounds, runtime
-from evoesap.release import quantize_env
 from evoesap import records
 from evoesap.errors import ConfigError, ModelError
+from evoesap.machine import bounds, runtime
 from evoesap.moe.families import PER_LAYER_KEY, family_of
 from evoesap.params import DeviceParams, SampleParams, keyed, param
+from evoesap.release import quantize_env
+from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
 

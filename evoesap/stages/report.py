@@ -6,19 +6,20 @@ import dataclasses
 import io
 import logging
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from evoesap.store import artifacts
 from evoesap import records
-from evoesap.reporting import report as rp
-from evoesap.reporting.frontier import figure as frontier_figure
 from evoesap.errors import ArtifactError, ConfigError, DataError
 from evoesap.params import StageParams, keyed, param
+from evoesap.reporting import report as rp
+from evoesap.reporting.frontier import figure as frontier_figure
 from evoesap.scoring.importance import read_scores
+from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
 

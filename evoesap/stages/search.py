@@ -30,15 +30,15 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from evoesap.method import allocation as alloc
-from evoesap.store import artifacts
-from evoesap.machine import bounds, runtime
 from evoesap import records
 from evoesap.errors import ConfigError
-from evoesap.params import PlacementParams, check_declared, keyed, param
-from evoesap.scoring.criteria import Criterion
-from evoesap.progress import progress
+from evoesap.machine import bounds, runtime
+from evoesap.method import allocation as alloc
 from evoesap.method.racing import Racing
+from evoesap.params import PlacementParams, check_declared, keyed, param
+from evoesap.progress import progress
+from evoesap.scoring.criteria import Criterion
+from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
 
@@ -283,8 +283,8 @@ def prepare_scoring(
     """Load the model and the teacher cache(s) and build the search's evaluator; `judge=False` (a worker)
     skips the held-out evaluator."""
     from evoesap import moe
-    from evoesap.scoring.importance import model_orders, read_scores
     from evoesap.scoring.evaluator import CandidateEvaluator
+    from evoesap.scoring.importance import model_orders, read_scores
     from evoesap.scoring.teacher import load_cache
 
     spec = runtime.inspect_checkpoint(model)

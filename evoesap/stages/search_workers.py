@@ -12,11 +12,12 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from evoesap.method import distributed
 from evoesap import errors
+from evoesap.method import distributed
 
 log = logging.getLogger(__name__)
 TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath

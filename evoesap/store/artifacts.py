@@ -30,16 +30,17 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, NoReturn
+from typing import Any, NoReturn
 
 import fsspec
 from fsspec.core import url_to_fs
 
 from evoesap import __version__
+from evoesap.errors import ArtifactError, ConfigError
 from evoesap.store import identity
 from evoesap.store.identity import redact  # artifacts.redact: the one redaction, used everywhere
-from evoesap.errors import ArtifactError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class Manifest:
         return seal(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
+    def from_json(cls, text: str) -> Manifest:
         """Parse and check the shape and the checksum; raises ValueError naming the first problem."""
         data = json.loads(text)
         if not isinstance(data, dict):

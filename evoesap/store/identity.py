@@ -30,14 +30,15 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import fsspec
 from fsspec.core import url_to_fs
 
-from evoesap.store import digest_cache
 from evoesap.errors import ConfigError, DataError
+from evoesap.store import digest_cache
 
 MANIFEST = "manifest.json"
 SMALL_FILE_BYTES = 16 << 20  # local files above this are hashed through the digest cache; remote ones: store metadata

@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from evoesap.store import artifacts
 from evoesap.errors import ArtifactError
+from evoesap.store import artifacts
 from evoesap.store.identity import summary
 
 log = logging.getLogger(__name__)

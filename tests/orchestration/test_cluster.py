@@ -7,12 +7,12 @@ import re
 
 import pytest
 import yaml
-
 from evoesap.components import DEFAULT_IMAGE
-from evoesap.errors import ConfigError
 from evoesap.pipeline.cluster import StageSettings, merged
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import build_subpipeline, compile_pipeline
+
+from evoesap.errors import ConfigError
 
 BASE = dict(
     model="/models/full",
@@ -386,15 +386,14 @@ def echo(text: str) -> str:
 
 def test_a_task_whose_settings_are_pipeline_inputs_runs_under_kfp_local(tmp_path):
     """kfp.local has no pods: the settings inputs (placeholders the compiler adds to the task) must not break a run."""
-    from kfp import dsl, local
-
     from evoesap.pipeline.cluster import apply
+    from kfp import dsl, local
 
     step = dsl.component(base_image="python:3.11", install_kfp_package=False)(echo)
     gpu = StageSettings(accelerator_type="nvidia.com/gpu", tolerations=[{"key": "gpu", "operator": "Exists"}])
 
     @dsl.pipeline
-    def inner(text: str, memory: str = "1G", image: str = DEFAULT_IMAGE, gpus: str = "1", pool: dict = {"a": "b"}) -> str:
+    def inner(text: str, memory: str = "1G", image: str = DEFAULT_IMAGE, gpus: str = "1", pool: dict = {"a": "b"}) -> str:  # noqa: B006 - a KFP default
         task = step(text=text)
         apply(task, gpu, 0, {"memory": memory, "image": image, "accelerator_count": gpus, "node_selector": pool})
         return task.output

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from evoesap.components import DEFAULT_IMAGE, write_component_yamls
+from evoesap.components.interface import param_docs
 from kfp import compiler, dsl
 from kfp.components import load_component_from_file
 
-from evoesap.components import DEFAULT_IMAGE, write_component_yamls
-from evoesap.components.interface import param_docs
 from evoesap.steps import params_class
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,10 +84,11 @@ def test_a_yaml_component_is_a_step_of_a_team_pipeline(tmp_path):
 
 def test_overwritten_weights_at_the_same_uri_are_calibrated_again(tmp_path):
     """A nightly re-prune of a model overwritten in place must not get last week's scores."""
-    from evoesap.store import artifacts
-    from evoesap import moe
     from evoesap.components import make_components
     from tiny_world import make_tiny_inputs
+
+    from evoesap import moe
+    from evoesap.store import artifacts
 
     files = make_tiny_inputs(tmp_path / "inputs")
     calibrate = make_components().calibrate.python_func
@@ -115,6 +116,7 @@ def test_overwritten_weights_at_the_same_uri_are_calibrated_again(tmp_path):
 
 def test_a_hub_model_artifact_is_read_at_the_revision_in_its_metadata(tmp_path):
     from evoesap.components.kfp_artifacts import source
+
     from evoesap.errors import ConfigError
 
     assert source(dsl.Model(name="model", uri="org/moe", metadata={"revision": "v1.0"})) == "org/moe@v1.0"

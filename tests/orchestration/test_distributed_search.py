@@ -19,13 +19,13 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_world import make_tiny_inputs
 
-from evoesap.store import artifacts
 from evoesap.method.distributed import assign, common_prefix, root_failure
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate
 from evoesap.stages.search import SearchParams, run_search
-from tiny_world import make_tiny_inputs
+from evoesap.store import artifacts
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(criterion="reap", sparsity=0.5, population=6, elites=2, generations=2, batch_size=8)

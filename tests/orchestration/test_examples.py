@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-import evoesap
-from evoesap.store import artifacts
-from evoesap import moe
-from evoesap.records.facts import facts, task_scores
-from evoesap.errors import ConfigError
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
 from evoesap.pipeline.run import run_local
 from tiny_world import make_tiny_inputs
+
+import evoesap
+from evoesap import moe
+from evoesap.errors import ConfigError
+from evoesap.records.facts import facts, task_scores
+from evoesap.store import artifacts
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "examples").glob("*.yaml"))
@@ -46,8 +46,8 @@ def test_the_examples_cover_the_demo_and_the_papers_models():
 def test_the_scale_out_examples_plan_offline_from_their_shipped_config(name, fits, capsys, monkeypatch):
     """`evoesap plan` prints the per-GPU table of each scale-out example without asking the hub; DeepSeek-V3 in
     bfloat16 is larger than two nodes of eight 80 GB GPUs, and the plan says so."""
-    from evoesap.store import identity
     from evoesap.cli import main
+    from evoesap.store import identity
 
     def offline(*args, **kwargs):
         raise AssertionError("the plan asked the hub")

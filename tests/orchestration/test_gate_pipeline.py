@@ -4,12 +4,12 @@ the report shows it; a passing one publishes, and the verdicts are an output of 
 from pathlib import Path
 
 import pytest
-
-from evoesap.store import artifacts
-from evoesap.release.gate import GateFailed
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.run import run_local
 from tiny_world import make_tiny_inputs
+
+from evoesap.release.gate import GateFailed
+from evoesap.store import artifacts
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import yaml
-
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
 

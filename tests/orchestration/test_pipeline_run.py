@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from evoesap.store import artifacts
-from evoesap.steps import run_step
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.run import report_uri, run_local
 from tiny_world import make_tiny_inputs
+
+from evoesap.steps import run_step
+from evoesap.store import artifacts
 
 pytestmark = pytest.mark.slow
 
@@ -107,12 +107,11 @@ def _same_task(evaluation: dict, metrics: dict, pipeline_root: Path) -> bool:
     """Whether one task's executor_output.json records both artifacts."""
     for path in pipeline_root.rglob("executor_output.json"):
         outputs = json.loads(path.read_text()).get("artifacts", {})
-        if {"evaluation", "metrics"} <= set(outputs):
-            if (
-                outputs["evaluation"]["artifacts"][0]["uri"] == evaluation["uri"]
-                and outputs["metrics"]["artifacts"][0]["uri"] == metrics["uri"]
-            ):
-                return True
+        if {"evaluation", "metrics"} <= set(outputs) and (
+            outputs["evaluation"]["artifacts"][0]["uri"] == evaluation["uri"]
+            and outputs["metrics"]["artifacts"][0]["uri"] == metrics["uri"]
+        ):
+            return True
     return False
 
 

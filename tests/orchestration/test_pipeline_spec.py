@@ -2,21 +2,20 @@
 
 import json
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
-from kfp import dsl
-
-import evoesap
 from evoesap.components import DEFAULT_IMAGE
 from evoesap.components.kfp_artifacts import source
-from evoesap.errors import ConfigError
 from evoesap.pipeline.config import PipelineConfig, load_config
 from evoesap.pipeline.dag import compile_pipeline
-
+from kfp import dsl
 from tiny_world import quick_world_config
+
+import evoesap
+from evoesap.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 

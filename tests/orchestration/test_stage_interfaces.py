@@ -8,12 +8,12 @@ from pathlib import Path
 import click
 import pytest
 import yaml
+from evoesap.pipeline import config as config_module
+from evoesap.pipeline import dag
 
 from evoesap import registry
 from evoesap.cli import main
 from evoesap.cli.stages import stage_commands
-from evoesap.pipeline import config as config_module
-from evoesap.pipeline import dag
 from evoesap.params import StageParams, param
 from evoesap.registry import STAGES, Stage, StageInput, StageOutput
 

@@ -10,18 +10,18 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import yaml
+from evoesap.pipeline.config import PipelineConfig
+from evoesap.pipeline.submit import Submission, follow, parse_overrides, submit
+from recording_http import JsonHandler, serving
+from tiny_world import quick_world_config
 
 from evoesap.cli import main
 from evoesap.errors import ConfigError
-from evoesap.pipeline.config import PipelineConfig
-from evoesap.pipeline.submit import Submission, follow, parse_overrides, submit
-
-from tiny_world import quick_world_config
-from recording_http import JsonHandler, serving
 
 CONFIG = dict(
     model="/models/full",

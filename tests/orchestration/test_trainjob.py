@@ -7,24 +7,25 @@ import dataclasses
 import json
 import re
 import urllib.parse
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import yaml
-
-from evoesap.store import artifacts
-from evoesap.errors import ConfigError, EvoESAPError
+from evoesap.pipeline import trainjob
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
-from evoesap.pipeline import trainjob
 from evoesap.pipeline.trainjob import job_template, run_search_job
+from recording_http import JsonHandler, serving
+from tiny_world import make_tiny_inputs
+
+from evoesap.errors import ConfigError, EvoESAPError
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate
 from evoesap.stages.search import SearchParams, run_search
 from evoesap.steps import output_uri, run_step
-from tiny_world import make_tiny_inputs
-from recording_http import JsonHandler, serving
+from evoesap.store import artifacts
 
 BASE = dict(
     model="/models/full",
@@ -367,9 +368,8 @@ def test_a_retried_launcher_follows_the_job_its_earlier_attempt_started(kube, wo
 
 
 def test_the_component_reads_the_job_s_inputs_where_every_pod_can_and_fills_its_artifact(kube, world, tmp_path):
-    from kfp import dsl
-
     from evoesap.components.trainjob import search_trainjob
+    from kfp import dsl
 
     model = dsl.Model(uri=world["model"], metadata={"revision": ""})
     ours = {

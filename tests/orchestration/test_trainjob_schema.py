@@ -9,7 +9,6 @@ from typing import Any
 
 import jsonschema
 import pytest
-
 from evoesap.pipeline.cluster import StageSettings
 from evoesap.pipeline.trainjob import _progress, job_template, trainjob
 

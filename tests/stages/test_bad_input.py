@@ -12,14 +12,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from tiny_artifacts import CACHE, CALIBRATE, PRUNE
 
-from evoesap.store import artifacts, identity
-from evoesap.machine import runtime
 from evoesap.cli import main
 from evoesap.errors import ArtifactError, ConfigError, DataError, ModelError
+from evoesap.machine import runtime
 from evoesap.stages.cache_logits import run_cache_logits
 from evoesap.stages.prune import run_prune
-from tiny_artifacts import CACHE, CALIBRATE, PRUNE
+from evoesap.store import artifacts, identity
 
 
 def snapshot(path: Path) -> dict[str, bytes]:

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from evoesap.store import artifacts
 from evoesap import records
-from evoesap.evaluation import lmeval
 from evoesap.demo.tokenizer import build_tokenizer
 from evoesap.errors import ConfigError
+from evoesap.evaluation import lmeval
 from evoesap.stages.evaluate import EvaluateParams, run_evaluate
+from evoesap.store import artifacts
 
 ROWS = [
     {"q": "1+1", "a": "2", "choices": ["2", "3"], "label": 0},
@@ -207,9 +207,8 @@ def test_heldout_esap_of_a_pruned_checkpoint_equals_masking_the_full_model(tmp_p
 
 
 def test_evaluate_cli_reports_a_missing_task_directory_as_one_error(tmp_path, capsys):
-    from evoesap.cli import main
-
     from evoesap import moe
+    from evoesap.cli import main
 
     moe.tiny_model("olmoe").save_pretrained(tmp_path / "model")  # a checkpoint that passes its own checks
     code = main(

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evoesap.store import artifacts
 from evoesap import records
 from evoesap.errors import ConfigError
 from evoesap.release.gate import GateFailed, raise_on_failed, verdict
 from evoesap.stages.gate import GateParams, run_gate
+from evoesap.store import artifacts
 
 TASKS = ("arith", "recall", "logic")
 
@@ -200,7 +200,6 @@ def test_a_gate_without_what_it_compares_is_refused_at_load(overrides, problem):
 
 def test_compiled_dag_publishes_only_under_a_passing_verdict_and_hands_the_verdicts_on(tmp_path):
     import yaml
-
     from evoesap.pipeline.dag import compile_pipeline
 
     spec = yaml.safe_load(compile_pipeline(_pipeline_config(gate={"max_task_drop": 0.02}), tmp_path / "p.yaml").read_text())
@@ -224,7 +223,6 @@ def test_compiled_dag_publishes_only_under_a_passing_verdict_and_hands_the_verdi
 
 def test_without_thresholds_the_dag_has_no_gate(tmp_path):
     import yaml
-
     from evoesap.pipeline.dag import compile_pipeline
 
     text = compile_pipeline(_pipeline_config(), tmp_path / "p.yaml").read_text()

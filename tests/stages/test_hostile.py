@@ -5,6 +5,7 @@ printed or recorded."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_publish import TOKEN, HubRecorder
 
 from evoesap import data
-from evoesap.machine import runtime, side_env
 from evoesap.cli import main
 from evoesap.errors import ConfigError, DataError, EvoESAPError, ResourceError
+from evoesap.machine import runtime, side_env
 from evoesap.stages.evaluate import EvaluateParams
-from test_publish import TOKEN, HubRecorder
 
 SECRET = "pa55w0rd-do-not-print"
 
@@ -118,10 +119,8 @@ def silent_endpoint():
     def accept() -> None:
         server.settimeout(0.1)
         while not stop.is_set():
-            try:
+            with contextlib.suppress(OSError):
                 held.append(server.accept()[0])
-            except OSError:
-                pass
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
@@ -278,10 +277,9 @@ def test_evaluate_while_its_model_directory_is_deleted_fails_in_one_line(tiny_ar
 
 
 def test_a_failed_pipeline_run_names_the_task_and_its_own_error_in_one_line(tiny_artifacts, tmp_path, capsys):
-    from kfp import dsl
-
     from evoesap.pipeline.config import load_config
     from evoesap.pipeline.run import run_local
+    from kfp import dsl
 
     def check_input(value: str):
         raise ValueError(f"the input {value} is not usable")
@@ -309,11 +307,12 @@ def test_a_failed_pipeline_run_names_the_task_and_its_own_error_in_one_line(tiny
 
 
 def test_the_quick_demo_profile_offers_only_points_it_can_search_and_quantize(tmp_path):
-    from evoesap.demo.world import DemoWorld
     from evoesap.pipeline.dag import compile_pipeline
     from evoesap.pipeline.demo import demo_config
-    from evoesap.stages.quantize import RECIPES, check_widths
     from tiny_world import quick_world_config
+
+    from evoesap.demo.world import DemoWorld
+    from evoesap.stages.quantize import RECIPES, check_widths
 
     model = quick_world_config(tmp_path / "quick")
     root = tmp_path / "world"

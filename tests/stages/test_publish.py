@@ -10,22 +10,23 @@ import logging
 import re
 import shutil
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
+from tiny_artifacts import PRUNE, evaluate_params
 
-from evoesap.store import artifacts
-from evoesap.reporting import card
 from evoesap import records
 from evoesap.cli import main
 from evoesap.errors import ConfigError
+from evoesap.reporting import card
 from evoesap.stages.evaluate import run_evaluate
 from evoesap.stages.prune import run_prune
 from evoesap.stages.publish import PublishParams, run_publish
-from tiny_artifacts import PRUNE, evaluate_params
+from evoesap.store import artifacts
 
 TOKEN = "hf_secret_token_for_tests_0123456789"
 BASE = "allenai/OLMoE-1B-7B-0125-Instruct"
@@ -48,7 +49,7 @@ def world(tiny_artifacts, tmp_path_factory) -> dict[str, str]:
     return out
 
 
-def _publish(world: dict[str, str], out: Path, params: PublishParams = PublishParams(), **extra: Any) -> str:
+def _publish(world: dict[str, str], out: Path, params: PublishParams = PublishParams(), **extra: Any) -> str:  # noqa: B008 - frozen
     run_publish(
         world["pruned"],
         [world["evaluated"], world["evaluated_full"]],
@@ -500,10 +501,9 @@ def test_bad_inputs_are_refused_in_one_line_before_any_work(world, tmp_path, cap
 
 
 def test_the_pipeline_publishes_each_searched_model_only_when_switched_on(tmp_path):
-    from kfp import compiler
-
     from evoesap.pipeline.config import load_config
     from evoesap.pipeline.dag import build_pipeline
+    from kfp import compiler
 
     base = {"model": "m", "calibration_data": "c.jsonl", "search_data": "s.jsonl"}
     specs = {}

@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from test_moe import nonuniform_sets
 from transformers import AutoModelForCausalLM
+from venv_support import venv_python
 
-from evoesap.store import artifacts
 from evoesap import moe, records
 from evoesap.demo.domains import generate_splits, write_jsonl
 from evoesap.demo.tokenizer import build_tokenizer
 from evoesap.errors import ConfigError, EvoESAPError
 from evoesap.stages.quantize import QuantizeParams, run_quantize
-from test_moe import nonuniform_sets
-from venv_support import venv_python
+from evoesap.store import artifacts
 
 FAMILIES = {"olmoe": {}, "qwen3_moe": {"moe_intermediate_size": 128, "head_dim": 32}}
 SIZES = dict(hidden_size=128, intermediate_size=128)
@@ -64,7 +64,7 @@ def expected_bytes(checkpoint: str, bits: int) -> int:
     (embeddings, head, norms, routers) is unchanged; scales, headers and packing come on top."""
     total = 0
     with safe_open(str(Path(checkpoint) / "model.safetensors"), "pt") as f:
-        for name in f.keys():
+        for name in f:
             t = f.get_slice(name)
             numel = torch.Size(t.get_shape()).numel()
             quantized = name.endswith("_proj.weight") or ".experts." in name  # attention, dense MLPs, experts
@@ -234,12 +234,13 @@ def test_a_quantize_recipe_in_the_configuration_adds_the_step_after_prune_and_no
 
 @pytest.mark.slow
 def test_a_prune_artifact_is_verified_its_lineage_recorded_and_a_second_run_reused(tmp_path, monkeypatch):
+    from tiny_world import make_tiny_inputs
+
     from evoesap.errors import ArtifactError
     from evoesap.params import keyed
     from evoesap.stages.calibrate import CalibrateParams, run_calibrate
     from evoesap.stages.prune import PruneParams, run_prune
     from evoesap.steps import run_stage
-    from tiny_world import make_tiny_inputs
 
     files = make_tiny_inputs(tmp_path)  # hidden 64: fp8-dynamic (per channel) fits any width
     run_calibrate(files["model"], files["calibration"], CalibrateParams(samples=8, max_length=128), str(tmp_path / "cal"))

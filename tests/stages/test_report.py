@@ -4,8 +4,8 @@ report.html is one self-contained, fully rendered page with a summary on top and
 from __future__ import annotations
 
 import dataclasses
-import html
 import hashlib
+import html
 import json
 import re
 from html.parser import HTMLParser
@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from markdown_it import MarkdownIt
 
 from evoesap import __version__, records
-from evoesap.store import artifacts
 from evoesap.reporting import render
 from evoesap.reporting import report as rp
 from evoesap.stages.report import ReportParams, run_allocations, run_report
+from evoesap.store import artifacts
 
 N = [8, 8, 8, 8]  # experts per MoE layer of the full model
 ALLOCATIONS = {"uniform": [2, 2, 2, 2], "searched": [0, 2, 4, 2], "frequency": [4, 2, 2, 0]}
@@ -231,11 +231,11 @@ def test_report_cli_writes_the_report(tmp_path):
 
 def test_full_uniform_and_searched_tiny_models_through_lm_eval_into_the_report(tmp_path):
     """End to end on checkpoints: save full and pruned tiny OLMoEs, evaluate on local tasks, report, check every number."""
+    from test_evaluate import write_tasks
+
     from evoesap import moe
     from evoesap.demo.tokenizer import build_tokenizer
     from evoesap.stages.evaluate import EvaluateParams, run_evaluate
-
-    from test_evaluate import write_tasks
 
     tokenizer = build_tokenizer()
     tasks = str(write_tasks(tmp_path / "tasks"))
@@ -382,7 +382,7 @@ def check_numbers(page: Page, by_method: dict[str, dict], digits: int) -> None:
     """Every primary metric, memory figure and held-out ESAP of each metrics.json sits in the run's table row."""
     bench = page.table("Sparsity", "Method")
     memory = {row["Run"]: row for row in page.table("Run")}
-    for method, metrics in by_method.items():
+    for _method, metrics in by_method.items():
         label = run_row(metrics)
         rows = [r for r in bench if (r["Sparsity"], r["Criterion"], r["Method"]) == label]
         assert len(rows) == 1, (label, bench)

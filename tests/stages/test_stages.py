@@ -8,20 +8,20 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from tiny_world import make_tiny_inputs
 from transformers import AutoModelForCausalLM
 
-from evoesap.method import allocation as alloc
-from evoesap.store import artifacts
 from evoesap import moe
 from evoesap.errors import ArtifactError, ConfigError
-from evoesap.scoring.importance import pruning_order, read_scores
+from evoesap.method import allocation as alloc
 from evoesap.scoring.evaluator import CandidateEvaluator
+from evoesap.scoring.importance import pruning_order, read_scores
 from evoesap.stages import search as search_stage
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate
 from evoesap.stages.prune import PruneParams, run_prune
 from evoesap.stages.search import SearchParams, generalisation, run_search
-from tiny_world import make_tiny_inputs
+from evoesap.store import artifacts
 
 SMALL = dict(population=6, elites=2, generations=3, heldout_fraction=0.25, batch_size=8)
 

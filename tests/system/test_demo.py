@@ -313,9 +313,9 @@ def test_the_deployment_mix_takes_every_domain_in_turn_and_only_their_samples(de
 
 def test_the_demo_example_config_is_the_demo_make_runs(tmp_path):
     import yaml
+    from evoesap.pipeline.demo import demo_config
 
     from evoesap.demo.world import DemoWorld
-    from evoesap.pipeline.demo import demo_config
 
     root = Path("runs/demo/world")
     world = DemoWorld(

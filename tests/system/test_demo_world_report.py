@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from test_report import check_numbers, check_page, check_summary, check_table
 
-from evoesap.store import artifacts
 from evoesap import records
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
 from evoesap.stages.calibrate import CalibrateParams, run_calibrate
@@ -20,6 +19,7 @@ from evoesap.stages.evaluate import EvaluateParams, run_evaluate
 from evoesap.stages.prune import PruneParams, run_prune
 from evoesap.stages.report import ReportParams, run_allocations, run_report
 from evoesap.stages.search import SearchParams, run_search
+from evoesap.store import artifacts
 
 SPARSITY = 0.5
 LIMIT = 8  # examples per task: a smoke run; every table cell is still a real lm-eval number

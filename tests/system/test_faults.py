@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_artifacts import CACHE, CALIBRATE, SEARCH
 
-from evoesap.store import artifacts
 from evoesap import steps
 from evoesap.errors import ArtifactError, ConfigError
-from tiny_artifacts import CACHE, CALIBRATE, SEARCH
+from evoesap.store import artifacts
 
 _KILLER = """
 import json, os, signal, sys

@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 import torch
+from test_moe import nonuniform_sets
+from venv_support import venv_python
 
 from evoesap import moe, records
 from evoesap.demo.tokenizer import build_tokenizer
-from test_moe import nonuniform_sets
-from venv_support import venv_python
 
 REPO = Path(__file__).resolve().parents[2]
 GENERATE = Path(__file__).parents[1] / "vllm_generate.py"
@@ -243,9 +243,10 @@ def test_openai_compatible_server_serves_a_nonuniform_checkpoint_with_transforme
 
 
 def test_vllm_backend_without_its_python_fails_before_loading_anything(tmp_path, monkeypatch):
+    from test_evaluate import write_tasks
+
     from evoesap.errors import ConfigError
     from evoesap.stages.evaluate import EvaluateParams, run_evaluate
-    from test_evaluate import write_tasks
 
     params = EvaluateParams(tasks=(str(write_tasks(tmp_path / "tasks")),), backend="vllm")
     monkeypatch.delenv("EVOESAP_VLLM_PYTHON", raising=False)
@@ -258,10 +259,11 @@ def test_vllm_backend_without_its_python_fails_before_loading_anything(tmp_path,
 
 
 def test_backend_has_one_name_in_the_python_api_the_cli_and_the_pipeline_config(tmp_path, monkeypatch, capsys):
+    from test_evaluate import write_tasks
+
     from evoesap.cli import main
     from evoesap.errors import ConfigError
     from evoesap.steps import make_params
-    from test_evaluate import write_tasks
 
     assert make_params("evaluate", {"backend": "vllm"}).backend == "vllm"
     with pytest.raises(ConfigError, match="backend must be one of hf, vllm"):
@@ -285,8 +287,9 @@ def test_stage_images_install_the_plugin_and_name_its_python():
 
 @pytest.mark.slow
 def test_vllm_backend_scores_a_nonuniform_checkpoint_like_an_independent_computation_and_the_hf_backend(tmp_path, monkeypatch):
-    from evoesap.stages.evaluate import EvaluateParams, run_evaluate
     from test_evaluate import ROWS, independent_mc_accuracy, write_tasks
+
+    from evoesap.stages.evaluate import EvaluateParams, run_evaluate
 
     tok = build_tokenizer()
     model = servable_model("olmoe", len(tok))

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from test_serving import GENERATE, VLLM_ENV, run_vllm, transformers_greedy, vllm_python
 
-from evoesap.store import artifacts
 from evoesap import moe, records
 from evoesap.demo.domains import read_jsonl
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
@@ -24,6 +23,7 @@ from evoesap.stages.calibrate import CalibrateParams, run_calibrate
 from evoesap.stages.evaluate import EvaluateParams, run_evaluate
 from evoesap.stages.prune import PruneParams, run_prune
 from evoesap.stages.search import SearchParams, run_search
+from evoesap.store import artifacts
 
 SPARSITY = 0.5
 LIMIT = 16  # examples per task: |EM_vllm - EM_hf| may differ by one of these

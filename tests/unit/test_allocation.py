@@ -4,8 +4,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from evoesap.method import allocation
 from evoesap.errors import ConfigError
+from evoesap.method import allocation
 
 
 @st.composite

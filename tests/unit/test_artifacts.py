@@ -5,8 +5,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from evoesap.store import artifacts
 from evoesap.errors import ArtifactError
+from evoesap.store import artifacts
 
 
 def test_stage_output_publishes_payload_and_manifest_last(tmp_path):
@@ -20,10 +20,9 @@ def test_stage_output_publishes_payload_and_manifest_last(tmp_path):
 
 def test_failed_stage_leaves_no_artifact(tmp_path):
     out = tmp_path / "art"
-    with pytest.raises(RuntimeError):
-        with artifacts.stage_output(str(out), "demo", {}, {}) as staging:
-            (staging / "x.txt").write_text("half")
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), artifacts.stage_output(str(out), "demo", {}, {}) as staging:
+        (staging / "x.txt").write_text("half")
+        raise RuntimeError("boom")
     assert not out.exists()
     assert not list(tmp_path.iterdir())
 
@@ -32,9 +31,8 @@ def test_failed_rerun_keeps_previous_artifact(tmp_path):
     out = str(tmp_path / "art")
     with artifacts.stage_output(out, "demo", {"v": 1}, {}) as staging:
         (staging / "x.txt").write_text("v1")
-    with pytest.raises(RuntimeError):
-        with artifacts.stage_output(out, "demo", {"v": 2}, {}) as staging:
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError), artifacts.stage_output(out, "demo", {"v": 2}, {}) as staging:
+        raise RuntimeError("boom")
     assert (tmp_path / "art" / "x.txt").read_text() == "v1"
 
 

@@ -4,8 +4,8 @@ import base64
 import json
 import re
 
-from evoesap.store import artifacts
 from evoesap.records import facts
+from evoesap.store import artifacts
 
 
 def _artifact(path, stage, files):

@@ -11,13 +11,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from evoesap.method import allocation as alloc
-from evoesap.store import artifacts
-from evoesap import moe
-from evoesap.scoring.importance import CRITERIA, model_orders
 from moe_support import cached_model, tokens
 from tiny_world import make_tiny_inputs
+
+from evoesap import moe
+from evoesap.method import allocation as alloc
+from evoesap.scoring.importance import CRITERIA, model_orders
+from evoesap.store import artifacts
 
 GROUPED = moe.LayerSpec(
     ordinal=0,
@@ -125,7 +125,7 @@ def test_search_and_prune_stages_run_on_group_limited_routing(tmp_path):
     document = artifacts.read_json(artifacts.join(searched, "allocation.json"))
     assert document["granularity"] == 4 and document["min_kept"] == [8, 8, 8]
     assert all(count % 4 == 0 for count in document["removal_counts"])
-    for layer, ids in document["pruned"].items():
+    for _layer, ids in document["pruned"].items():
         assert sorted(e // 4 for e in ids) == sorted(list(range(4)) * (len(ids) // 4))
     for allocation in (searched, None):
         out = str(tmp_path / f"pruned-{allocation is None}")

@@ -10,9 +10,9 @@ import fsspec
 import pytest
 import torch
 
-from evoesap.store import artifacts, identity
 from evoesap.errors import ConfigError
 from evoesap.params import keyed
+from evoesap.store import artifacts, identity
 
 
 def test_a_local_file_is_identified_by_size_and_sha256(tmp_path):
@@ -236,8 +236,7 @@ def test_the_streamed_prune_reads_the_shards_of_the_pinned_commit(hub, tiny_arti
 
 
 def test_lm_eval_vllm_is_given_the_commit_of_a_pinned_hub_model(hub, tiny_artifacts, monkeypatch):
-    from evoesap.evaluation import lmeval
-    from evoesap.evaluation import vllm_eval
+    from evoesap.evaluation import lmeval, vllm_eval
 
     asked = []
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers.activations import ACT2FN
 
-from evoesap.scoring import importance
 from evoesap import moe
 from evoesap.data import TokenizedSample, batches
 from evoesap.errors import ConfigError
+from evoesap.scoring import importance
 
 FAMILIES = {
     "olmoe": {},

@@ -6,10 +6,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from evoesap.components.kfp_artifacts import artifact_uri, publish
 from kfp import dsl
 
 from evoesap.store import artifacts
-from evoesap.components.kfp_artifacts import artifact_uri, publish
 
 
 def _artifact(uri: str, stage: str, files: dict[str, bytes]) -> str:
@@ -63,9 +63,9 @@ def test_opted_in_a_model_under_an_object_store_pipeline_root_holds_the_whole_ch
     """A consumer that reads only `model.path` finds a view there by default (no weights); with
     EVOESAP_COPY_MODELS=1 the whole stored checkpoint, byte for byte, which loads as the same model."""
     import torch
+    from evoesap.components.kfp_artifacts import COPY_MODELS
 
     from evoesap import moe
-    from evoesap.components.kfp_artifacts import COPY_MODELS
 
     _, fs, bucket = s3
     checkpoint = Path(tiny_artifacts["pruned"])  # a searched prune artifact, stored in the object store
@@ -84,7 +84,7 @@ def test_opted_in_a_model_under_an_object_store_pipeline_root_holds_the_whole_ch
     view = cluster_output("run-1")
     publish(view, uri)
     assert "model.safetensors" not in {p.name for p in Path(view.path).iterdir()}  # what a consumer would miss
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - any failure: transformers' own, which varies by version
         moe.load_pruned(view.path)
 
     monkeypatch.setenv(COPY_MODELS, "1")
@@ -135,11 +135,11 @@ def _sha256_of_files(*roots: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_a_kfp_local_consumer_loads_the_pruned_model_from_model_path_stored_once(tmp_path):
+    from evoesap.components import make_components
     from kfp import local
+    from tiny_world import make_tiny_inputs
 
     from evoesap import moe
-    from evoesap.components import make_components
-    from tiny_world import make_tiny_inputs
 
     files = make_tiny_inputs(tmp_path / "inputs")
     vocab = json.loads((Path(files["model"]) / "config.json").read_text())["vocab_size"]
@@ -147,7 +147,7 @@ def test_a_kfp_local_consumer_loads_the_pruned_model_from_model_path_stored_once
     storage, pipeline_root = tmp_path / "storage", tmp_path / "kfp"
     comps = make_components()
     consumer = dsl.component(base_image="python:3.11", install_kfp_package=False)(consume)
-    Outputs = NamedTuple("Outputs", report=str, pruned=dsl.Model)
+    Outputs = NamedTuple("Outputs", report=str, pruned=dsl.Model)  # noqa: UP014 - as KFP pipelines declare it
 
     @dsl.pipeline
     def release(model_uri: str, data: str, storage_root: str) -> Outputs:

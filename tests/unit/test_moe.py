@@ -10,10 +10,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from moe_support import FAMILIES, cached_model, tokens
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from evoesap import moe
-from moe_support import FAMILIES, cached_model, tokens
 from evoesap.errors import ConfigError, ModelError
 
 TOL = 1e-5
@@ -238,9 +238,8 @@ def test_group_limited_routing_masks_like_even_removal(tmp_path):
 def test_group_limited_routing_that_removal_cannot_reproduce_is_refused(family, overrides, pruned, message):
     model = cached_model(family, **overrides)
     before = state(model)
-    with pytest.raises(ModelError, match=message):
-        with moe.masked(model, pruned):
-            pytest.fail("masked must refuse before entering")
+    with pytest.raises(ModelError, match=message), moe.masked(model, pruned):
+        pytest.fail("masked must refuse before entering")
     with pytest.raises(ModelError, match=message):
         moe.prune_experts(model, pruned)
     assert_same_state(before, model)
@@ -260,10 +259,9 @@ def test_masked_leaves_weights_and_outputs_bit_identical_also_after_an_exception
     with moe.masked(model, pruned):
         assert not torch.equal(logits(model, x), expected)
     assert torch.equal(logits(model, x), expected)
-    with pytest.raises(RuntimeError, match="body failed"):
-        with moe.masked(model, pruned):
-            logits(model, x)
-            raise RuntimeError("body failed")
+    with pytest.raises(RuntimeError, match="body failed"), moe.masked(model, pruned):
+        logits(model, x)
+        raise RuntimeError("body failed")
     assert torch.equal(logits(model, x), expected)
     assert_same_state(before, model)
 
@@ -297,9 +295,8 @@ def test_masking_many_candidates_in_a_row_needs_no_weight_copies():
 def test_bad_pruned_sets_are_refused_before_anything_changes(pruned, message, tmp_path):
     model = cached_model("olmoe")
     before, config = state(model), model.config.to_dict()
-    with pytest.raises(ConfigError, match=message):
-        with moe.masked(model, pruned):
-            pytest.fail("masked must refuse before entering")
+    with pytest.raises(ConfigError, match=message), moe.masked(model, pruned):
+        pytest.fail("masked must refuse before entering")
     with pytest.raises(ConfigError, match=message):
         moe.prune_experts(model, pruned)
     assert_same_state(before, model)

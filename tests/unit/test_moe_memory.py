@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 
 import pytest
+from moe_support import FAMILIES
 from safetensors import safe_open
 
 from evoesap import moe
-from moe_support import FAMILIES
 
 
 def one_expert_bytes(family: str, config) -> int:
@@ -41,7 +41,7 @@ def test_pruned_bytes_are_full_bytes_minus_the_removed_experts_exactly(family, t
 
     moe.save_pruned(pruned_model, None, str(tmp_path))  # the checkpoint stores exactly these bytes
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
-        stored = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+        stored = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f)
     assert stored == moe.parameter_bytes(pruned_model)
 
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from moe_support import FAMILIES, cached_model, tokens
 
 from evoesap import moe
-from moe_support import FAMILIES, cached_model, tokens
 
 
 class Recorder:
@@ -132,7 +131,6 @@ def test_observe_routing_under_masking_never_reports_a_masked_expert():
 
 def test_observe_routing_removes_its_hooks_after_an_exception():
     model = cached_model("qwen2_moe")
-    with pytest.raises(RuntimeError, match="stop"):
-        with moe.observe_routing(model, lambda *args: None):
-            raise RuntimeError("stop")
+    with pytest.raises(RuntimeError, match="stop"), moe.observe_routing(model, lambda *args: None):
+        raise RuntimeError("stop")
     assert all(not b.experts._forward_hooks and not b.experts._forward_pre_hooks for b in moe.moe_blocks(model))

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
-from evoesap.store import artifacts
-from evoesap import moe
-from evoesap.moe.remote_code import AUTO_CLASS, MODELING_FILE
 from moe_support import FAMILIES, cached_model, tokens
 from test_moe import UNGROUPED, nonuniform_sets
+from transformers import AutoModelForCausalLM
+
+from evoesap import moe
+from evoesap.moe.remote_code import AUTO_CLASS, MODELING_FILE
+from evoesap.store import artifacts
 
 TOL = 1e-6
 NEW_TOKENS = 6
@@ -178,9 +178,10 @@ def test_uniform_checkpoints_carry_no_modeling_file_and_pruning_back_to_uniform_
 
 
 def test_prune_stage_lists_the_modeling_file_in_its_manifest(tmp_path):
+    from tiny_world import make_tiny_inputs
+
     from evoesap.stages.calibrate import CalibrateParams, run_calibrate
     from evoesap.stages.prune import PruneParams, run_prune
-    from tiny_world import make_tiny_inputs
 
     files = make_tiny_inputs(tmp_path)  # OLMoE: 4 MoE layers of 8 experts, top-2; 25% is 8 experts
     scores, search, out = (str(tmp_path / name) for name in ("scores", "search", "pruned"))

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from moe_support import FAMILIES, cached_model, tokens
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_moe import UNGROUPED, logits, nonuniform_sets
 
 from evoesap import moe
 from evoesap.errors import ArtifactError, ConfigError
-from moe_support import FAMILIES, cached_model, tokens
-from test_moe import UNGROUPED, logits, nonuniform_sets
 
 
 def stored(directory: Path) -> dict[str, torch.Tensor]:
@@ -22,7 +22,7 @@ def stored(directory: Path) -> dict[str, torch.Tensor]:
     out = {}
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(file, "pt") as f:
-            out.update({key: f.get_tensor(key) for key in f.keys()})
+            out.update({key: f.get_tensor(key) for key in f})
     return out
 
 

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_scoring_teacher import random_samples, tiny
 from transformers import AutoModelForCausalLM
 
-from evoesap.scoring import importance
 from evoesap import moe
-from evoesap.scoring import teacher
+from evoesap.scoring import importance, teacher
 from evoesap.scoring.evaluator import CandidateEvaluator
-
-from test_scoring_teacher import random_samples, tiny
 
 # the embeddings, layer 0, the final norm and the head stay; layers 1-3 and the head are offloaded
 OFFLOADED = {

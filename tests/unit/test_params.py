@@ -6,10 +6,10 @@ import typing
 
 import pytest
 from click.testing import CliRunner
+from evoesap.components.interface import params_description
 
 from evoesap import params as parameters
 from evoesap.cli import command, main
-from evoesap.components.interface import params_description
 from evoesap.errors import ConfigError
 from evoesap.registry import STAGES
 from evoesap.scoring.criteria import CRITERIA

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from evoesap.planning import footprint, plan
 from evoesap import moe
-from evoesap.machine import sizes
 from evoesap.errors import ResourceError
+from evoesap.machine import sizes
+from evoesap.planning import footprint, plan
 
 DATA = Path(__file__).parents[1] / "data" / "plan"
 GB80 = 80 * 10**9
@@ -38,8 +38,8 @@ def test_pruned_checkpoint_bytes_come_from_its_files(tmp_path):
 
 
 def test_cache_bytes_match_a_loaded_cache(tmp_path):
-    from evoesap.scoring import teacher
     from evoesap.data import TokenizedSample
+    from evoesap.scoring import teacher
 
     model = moe.tiny_model("olmoe", vocab_size=300)
     samples = [TokenizedSample(i, list(range(3, 40)), [False] * 5 + [True] * 32) for i in range(3)]
@@ -119,10 +119,12 @@ def test_parse_bytes_reads_kubernetes_sizes():
 def _cache_logits_case(tmp_path):
     """A tiny model and data, a cache-logits setting, and a host that holds a top-K search but not a full one."""
     import dataclasses
+
+    from tiny_world import make_tiny_inputs
+
     from evoesap.machine import runtime
     from evoesap.stages.cache_logits import CacheLogitsParams
     from evoesap.stages.search import SearchParams
-    from tiny_world import make_tiny_inputs
 
     files = make_tiny_inputs(tmp_path)
     params = CacheLogitsParams(top_k=8, samples=12, max_length=128, batch_size=1, device="cpu")

@@ -13,8 +13,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from evoesap.store import artifacts
 from evoesap.errors import ArtifactError
+from evoesap.store import artifacts
 
 
 def publish(out: str, payload: str, params: dict | None = None, before_publish=None) -> artifacts.Manifest:

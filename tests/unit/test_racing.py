@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from evoesap.method import racing, search
-from evoesap.errors import ConfigError
-
 from test_search import concave
+
+from evoesap.errors import ConfigError
+from evoesap.method import racing, search
 
 N, K, BUDGET = [8] * 6, [2] * 6, 12
 WEIGHTS = np.random.default_rng(3).uniform(0.5, 2.0, size=6)
@@ -211,9 +210,10 @@ def test_the_worst_case_checks_the_fewest_positions_first():
 
 @pytest.fixture(scope="module")
 def stage_inputs(tmp_path_factory):
+    from tiny_world import make_tiny_inputs
+
     from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
     from evoesap.stages.calibrate import CalibrateParams, run_calibrate
-    from tiny_world import make_tiny_inputs
 
     root = tmp_path_factory.mktemp("racing-stage")
     files = make_tiny_inputs(root)
@@ -227,8 +227,8 @@ def stage_inputs(tmp_path_factory):
 def test_search_stage_records_cost_and_prefix_reuse_changes_only_the_cost(stage_inputs):
     """Same allocation and fitness (1e-6) with and without prefix reuse, less work with it; racing runs
     through the stage, and the manifest carries the cost in full-forward equivalents."""
-    from evoesap.store import artifacts
     from evoesap.stages.search import SearchParams, run_search
+    from evoesap.store import artifacts
 
     root, model = stage_inputs
     small = dict(criterion="reap", sparsity=0.5, population=6, elites=2, generations=3, batch_size=8)

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evoesap.store import artifacts
 from evoesap import records
 from evoesap.errors import ArtifactError
+from evoesap.store import artifacts
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = (

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from evoesap import moe
-from evoesap.machine import runtime
 from evoesap.errors import ConfigError, ResourceError
+from evoesap.machine import runtime
 
 
 class _Loaded(torch.nn.Module):

@@ -6,13 +6,12 @@ import contextlib
 
 import pytest
 import torch
+from test_scoring_teacher import VOCAB, random_samples, tiny
 
 from evoesap.data import TokenizedSample, scored_mask
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.scoring import teacher
 from evoesap.scoring.evaluator import CandidateEvaluator, read_pruned
-
-from test_scoring_teacher import VOCAB, random_samples, tiny
 
 PRUNED = {0: [0, 1, 2], 1: [5]}
 

@@ -6,12 +6,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_scoring_teacher import VOCAB, tiny
 
 from evoesap import moe
 from evoesap.scoring import forward
 from evoesap.scoring.forward import LayerRunner
-
-from test_scoring_teacher import VOCAB, tiny
 
 FAMILIES = ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "gpt_oss"]
 # windows shorter than the samples, so that sliding-attention layers mask differently from full ones

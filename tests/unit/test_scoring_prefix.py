@@ -5,17 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_scoring_forward import SLIDING
+from test_scoring_teacher import random_samples
 
-from evoesap.method import allocation as alloc
 from evoesap import moe
+from evoesap.method import allocation as alloc
 from evoesap.method import search
 from evoesap.scoring import teacher
 from evoesap.scoring.evaluator import CandidateEvaluator
 from evoesap.scoring.forward import LayerRunner
 from evoesap.scoring.prefix import PrefixCache, spread
-
-from test_scoring_forward import SLIDING
-from test_scoring_teacher import random_samples
 
 
 def _world(family: str, tmp_path, samples: int = 7):
@@ -143,7 +142,14 @@ def test_prefix_reuse_gives_identical_values_along_a_real_search(tmp_path):
     for name, nbytes in (("scratch", 0), ("reuse", 1 << 30)):
         evaluator = CandidateEvaluator(model, cache, batch_size=4, prefix_cache_bytes=nbytes)
         result = search.level_switch_search(
-            lambda r: evaluator.score(alloc.pruned_sets(r, orders)), n, k, budget, population=8, elites=2, generations=4, seed=1
+            lambda r, evaluator=evaluator: evaluator.score(alloc.pruned_sets(r, orders)),
+            n,
+            k,
+            budget,
+            population=8,
+            elites=2,
+            generations=4,
+            seed=1,
         )
         runs[name] = (result, evaluator.work)
     (a, work_a), (b, work_b) = runs["scratch"], runs["reuse"]
@@ -173,7 +179,7 @@ def test_prefix_reuse_is_exact_along_a_search_on_the_demo_world(demo_world, tmp_
         evaluator = CandidateEvaluator(model, cache, batch_size=8, prefix_cache_bytes=nbytes, verify=False)
         results.append(
             search.level_switch_search(
-                lambda r: evaluator.score(alloc.pruned_sets(r, orders)),
+                lambda r, evaluator=evaluator: evaluator.score(alloc.pruned_sets(r, orders)),
                 n,
                 k,
                 alloc.budget(0.5, n, k),
@@ -189,8 +195,8 @@ def test_prefix_reuse_is_exact_along_a_search_on_the_demo_world(demo_world, tmp_
 
 
 def test_an_unset_budget_holds_a_generation_of_states_within_half_the_free_memory(tmp_path, monkeypatch):
-    from evoesap.scoring import evaluator as evaluator_module
     from evoesap.machine import runtime
+    from evoesap.scoring import evaluator as evaluator_module
 
     model, cache = _world("olmoe", tmp_path)
     probe = CandidateEvaluator(model, cache, prefix_cache_bytes=1 << 30)

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-
-from evoesap.method import allocation, search
-from evoesap.errors import ArtifactError, ConfigError, DataError
-
 from test_allocation import assert_feasible, problems
+
+from evoesap.errors import ArtifactError, ConfigError, DataError
+from evoesap.method import allocation, search
 
 
 def concave(weights, n):

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evoesap.method import allocation as alloc
 from evoesap import records
 from evoesap.errors import ConfigError
+from evoesap.method import allocation as alloc
 from evoesap.planning.target import bracket, find, grid, max_probes, warm_start
 
 N, K = (8, 8, 6, 8), (2, 2, 2, 1)  # experts and the fewest each layer keeps
@@ -116,10 +116,9 @@ def test_bad_targets_are_refused_at_load_in_one_line(extra, problem):
 
 
 def test_plan_states_the_most_searches_in_advance(tmp_path):
-    from tiny_world import quick_world_config
-
     from evoesap.pipeline.config import load_config
     from evoesap.pipeline.target import cost_line
+    from tiny_world import quick_world_config
 
     model = quick_world_config(tmp_path / "model")  # 2 MoE layers of 4 experts, top-2
     config = load_config({**BASE, "model": str(model), "target": {"heldout_esap": 0.97}})
@@ -181,11 +180,11 @@ def test_a_quality_target_is_refused_by_the_dag_with_the_command_that_finds_it(t
 
 @pytest.mark.slow
 def test_target_run_records_its_probes_as_reusable_search_artifacts(tmp_path):
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.target import run_target
     from tiny_world import make_tiny_inputs
 
     from evoesap.store import artifacts
-    from evoesap.pipeline.config import load_config
-    from evoesap.pipeline.target import run_target
 
     files = make_tiny_inputs(tmp_path / "tiny")  # 4 MoE layers of 8 experts, top-2
     storage = tmp_path / "store"

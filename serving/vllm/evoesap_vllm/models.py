@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from evoesap_vllm.families import BY_NAME, PER_LAYER_KEY, ServedFamily
 
@@ -74,7 +75,7 @@ def _layers_built_with_counts(family: ServedFamily, config: Any, counts: Mapping
         module.make_layers = stock_make_layers
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def variant(name: str) -> type:
     """The per-layer-count subclass of the stock class behind architecture `name` (EvoESAP<Stock>)."""
     family = BY_NAME[name]
