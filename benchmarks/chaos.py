@@ -1,17 +1,23 @@
-"""Chaos run (issue 29): the pipeline's stages with one fault at a random moment, then re-run undisturbed.
+"""Chaos run: the pipeline's stages with one fault at a random moment, then re-run undisturbed.
 
 Each run starts from an empty storage root, runs the whole stage sequence of the DAG (one criterion x one
-sparsity: calibrate, both teacher caches, evaluate full, search, prune searched and uniform, their
-evaluations, report; `steps.run_step` under one storage root, as the KFP components call it) in a child
-process, and injects one fault at a random moment of it: kill -9 or SIGTERM of that process, an S3 outage
-(moto, stopped for a random interval), a full disk (the storage root a tmpfs of random size, in a private
-mount namespace), or a truncated or bit-flipped file of a finished artifact. Then the sequence runs again
-undisturbed. It must end with every artifact equal to an undisturbed run's (payload files and their sha256s;
+sparsity: calibrate, both teacher caches, evaluate full, search on two workers, prune searched and uniform,
+their evaluations, quantize the searched model and evaluate it, report, publish with a push to a second
+place; `steps.run_step` under one storage root, as the KFP components call it) in a child process, and
+injects one fault at a random moment of a stage drawn at random: kill -9 or SIGTERM of that process, an S3
+outage (moto, stopped for a random interval), a full disk (the storage root a tmpfs of random size, in a
+private mount namespace), a truncated or bit-flipped file of a finished artifact; or, aimed at one stage,
+kill -9 of one search worker, SIGTERM of the search's launcher while its workers run, an outage of the
+object store publish pushes to while it pushes. Then the sequence runs again undisturbed. It must end with
+every artifact (the pushed copy included) equal to an undisturbed run's (payload files and their sha256s;
 artifacts matched by lineage, since manifests carry times) or, for corrupted storage, one `error:` line
 naming the damaged artifact; user files beside and above the storage root must be unchanged.
 
+The quantize stage runs llm-compressor in its own environment: EVOESAP_QUANTIZE_PYTHON, else this
+checkout's .venv-quantize (`make quantize-venv`).
+
     python benchmarks/chaos.py --faults 100 --seed 0             # the quick demo world
-    python benchmarks/chaos.py --faults 12 --seed 1 --world tiny  # the CI variant's world (tests/test_chaos.py)
+    python benchmarks/chaos.py --faults 12 --seed 1 --world tiny  # the CI variant's world (tests/system/test_chaos.py)
 """
 
 from __future__ import annotations
@@ -42,8 +48,12 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]  # this checkout's evoesap; test
 
 from evoesap.registry import STAGES
 
-KINDS = ("kill9", "sigterm", "s3_outage", "disk_full", "corrupt")
+KINDS = ("kill9", "sigterm", "s3_outage", "disk_full", "corrupt", "kill9_worker", "sigterm_launcher", "push_outage")
+AIMED = {"kill9_worker": "search", "sigterm_launcher": "search", "push_outage": "publish"}  # kind -> its stage
+S3_KINDS = ("s3_outage", "push_outage")
 BUCKET = "chaos"
+RELEASE_BUCKET = "chaos-release"  # where publish pushes its copy (`to`), when the harness runs an S3 endpoint
+QUANTIZE_PYTHON = "EVOESAP_QUANTIZE_PYTHON"
 CRITERION = "reap"
 
 # Stage parameters per world: the demo's stages, shrunk so one pipeline takes seconds on 2 CPU cores.
@@ -52,12 +62,14 @@ PARAMS: dict[str, dict[str, Any]] = {
         "sparsity": 0.25,  # the quick world (2 layers x 4 experts) admits one allocation at 50%
         "calibrate": {"samples": 32, "max_length": 256, "batch_size": 16},
         "cache-logits": {"samples": 32, "max_length": 256, "batch_size": 16, "dtype": "float32"},
-        "search": {"population": 8, "elites": 2, "generations": 4, "batch_size": 16, "resume": True},
+        "search": {"population": 8, "elites": 2, "generations": 4, "batch_size": 16, "resume": True, "workers": 2},
         "prune": {},
         "evaluate": {"limit": 8, "batch_size": 8},
+        "quantize": {"recipe": "fp8-dynamic", "device": "cpu"},
         "report": {"title": "chaos"},
+        "publish": {},
     },
-    "tiny": {  # tests/tiny_artifacts.py's sizes
+    "tiny": {  # tests/tiny_artifacts.py's sizes; one search process and no quantize, which take a minute a run
         "sparsity": 0.5,
         "calibrate": {"samples": 8, "max_length": 128},
         "cache-logits": {"samples": 6, "max_length": 128, "dtype": "float32"},
@@ -65,6 +77,7 @@ PARAMS: dict[str, dict[str, Any]] = {
         "prune": {},
         "evaluate": {"limit": 2, "batch_size": 2, "device": "cpu", "max_length": 128},
         "report": {"title": "chaos"},
+        "publish": {},
     },
 }
 
@@ -72,9 +85,15 @@ PARAMS: dict[str, dict[str, Any]] = {
 # ----------------------------------------------------------------------------- the pipeline (child process)
 
 
-def run_pipeline(files: dict[str, str], params: dict[str, Any], root: str) -> str:
-    """The DAG's stages for one criterion x sparsity, in its order, under `root`; returns the report's URI."""
-    from evoesap.steps import run_step
+def run_pipeline(files: dict[str, str], params: dict[str, Any], root: str, to: str, marks: str) -> str:
+    """The DAG's stages for one criterion x sparsity, in its order, under `root` (publish pushing to `to`); returns
+    the publish artifact's URI. Each stage's start is appended to `marks` (its name and the monotonic clock)."""
+    from evoesap import steps
+
+    def run_step(stage: str, *args: Any) -> str:
+        with open(marks, "a") as f:
+            f.write(f"{stage} {time.monotonic()}\n")
+        return steps.run_step(stage, *args)
 
     model, point = files["model"], {"criterion": CRITERION, "sparsity": params["sparsity"]}
     evaluate = {**params["evaluate"], "tasks": [files["tasks"]]}
@@ -88,15 +107,33 @@ def run_pipeline(files: dict[str, str], params: dict[str, Any], root: str) -> st
         {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout},
         {**params["search"], **point},
     )
-    runs = {}
+    runs, pruned = {}, {}
     for method, allocation in (("uniform", None), ("searched", searched)):
-        pruned = run_step(
+        pruned[method] = run_step(
             "prune", root, {"model": model, "scores": scores, "allocation": allocation}, {**params["prune"], **point}
         )
         runs[method] = run_step(
-            "evaluate", root, {"model": pruned, "teacher_cache": heldout}, {**evaluate, "method": method, **point}
+            "evaluate", root, {"model": pruned[method], "teacher_cache": heldout}, {**evaluate, "method": method, **point}
         )
-    return run_step("report", root, {"runs": [full, runs["uniform"], runs["searched"]], "searches": [searched]}, params["report"])
+    quantized = None
+    if "quantize" in params:  # the world's pipeline quantizes the searched model and evaluates that too
+        quantized = run_step("quantize", root, {"model": pruned["searched"]}, params["quantize"])
+        runs["quantized"] = run_step(
+            "evaluate", root, {"model": quantized, "teacher_cache": heldout}, {**evaluate, "method": "searched", **point}
+        )
+    report = run_step("report", root, {"runs": [full, *runs.values()], "searches": [searched]}, params["report"])
+    return run_step(
+        "publish",
+        root,
+        {
+            "pruned": pruned["searched"],
+            "evaluations": [full, runs["searched"], *([runs["quantized"]] if quantized else [])],
+            "search": searched,
+            "report": report,
+            "quantized": quantized,
+        },
+        {**params["publish"], "to": to},
+    )
 
 
 def child(spec_path: str) -> int:
@@ -106,7 +143,7 @@ def child(spec_path: str) -> int:
 
     spec = json.loads(Path(spec_path).read_text())
     try:
-        Path(spec["result"]).write_text(run_pipeline(spec["files"], spec["params"], spec["root"]))
+        Path(spec["result"]).write_text(run_pipeline(spec["files"], spec["params"], spec["root"], spec["to"], spec["marks"]))
     except EvoESAPError as exc:
         print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 1
@@ -230,14 +267,31 @@ def _behind(top: str, manifests: dict[str, Any], by_hash: dict[str, str]) -> set
     return seen
 
 
-def leftovers(root: str, tmpdir: Path) -> list[str]:
-    """What interrupted runs left that the undisturbed re-run should have removed."""
-    fs, base = storage_fs(root)
-    names = [p for p in fs.find(base, withdirs=True) if "/." in p[len(base) :] or p.endswith("/publishing.json")]
+def leftovers(roots: list[str], tmpdir: Path) -> list[str]:
+    """What interrupted runs left (under the storage root and the place publish pushes to, and in TMPDIR) that the
+    undisturbed re-run should have removed."""
+    names = []
+    for root in roots:
+        fs, base = storage_fs(root)
+        if fs.exists(base):
+            names += [p for p in fs.find(base, withdirs=True) if "/." in p[len(base) :] or p.endswith("/publishing.json")]
     return sorted(
         {n.split(".partial-")[0] + ".partial" if ".partial-" in n else n for n in names}
-        | {p.name for p in tmpdir.glob("evoesap-*")}
+        | {p.name for pattern in ("evoesap-*", "torchelastic_*") for p in tmpdir.glob(pattern)}
     )
+
+
+def pushed_copy_differs(published: str, to: str) -> str:
+    """Where the copy publish pushed to `to` differs from the artifact it published (manifest and every file,
+    byte for byte); "" when identical."""
+    fs, base = storage_fs(published)
+    to_fs, to_base = storage_fs(to)
+    listed = sorted(json.loads(fs.cat_file(f"{base}/manifest.json"))["files"]) + ["manifest.json"]
+    for rel in listed:
+        if not to_fs.exists(f"{to_base}/{rel}") or to_fs.cat_file(f"{to_base}/{rel}") != fs.cat_file(f"{base}/{rel}"):
+            return f"pushed copy: {rel}"
+    extra = {p[len(to_base) + 1 :] for p in to_fs.find(to_base)} - set(listed)
+    return f"pushed copy holds more: {sorted(extra)[:3]}" if extra else ""
 
 
 def user_files(ws: "Workspace") -> dict[str, bytes]:
@@ -260,6 +314,8 @@ def user_files(ws: "Workspace") -> dict[str, bytes]:
 class Outcome:
     kind: str
     moment: float  # seconds after start (kill, outage, corruption), or the tmpfs size in bytes
+    stage: str  # the stage the fault was aimed at ("" for disk_full, which hits whichever stage fills the disk)
+    hit: str  # the stage running when it struck (disk_full: the last one started); "" when the run ended first
     first_rc: int
     rerun_rc: int
     result: str  # "identical", "clear error", or what went wrong
@@ -276,6 +332,7 @@ class Workspace:
     top: Path
     files: dict[str, str]
     params: dict[str, Any]
+    s3: bool = False  # an S3 endpoint runs: publish pushes to its bucket, else to a local folder
 
     @property
     def runs(self) -> Path:
@@ -289,13 +346,30 @@ class Workspace:
     def tmp(self) -> Path:
         return self.top / "tmp"
 
+    @property
+    def marks(self) -> Path:
+        return self.top / "marks.txt"  # each stage's start in the current pipeline run
+
     def root(self, kind: str) -> str:
         return f"s3://{BUCKET}/runs/artifacts" if kind == "s3_outage" else str(self.runs / "artifacts")
 
+    def to(self, kind: str) -> str:
+        """Where publish pushes its copy: an S3 bucket of its own when there is an endpoint, else a local folder."""
+        return f"s3://{RELEASE_BUCKET}/{storage(kind)}" if self.s3 else str(self.top / "release")
+
     def spec(self, kind: str) -> Path:
-        path = self.top / f"spec-{'s3' if kind == 's3_outage' else 'local'}.json"
+        path = self.top / f"spec-{storage(kind)}.json"
         path.write_text(
-            json.dumps({"files": self.files, "params": self.params, "root": self.root(kind), "result": str(self.result)})
+            json.dumps(
+                {
+                    "files": self.files,
+                    "params": self.params,
+                    "root": self.root(kind),
+                    "to": self.to(kind),
+                    "marks": str(self.marks),
+                    "result": str(self.result),
+                }
+            )
         )
         return path
 
@@ -325,11 +399,13 @@ class S3:
             "AWS_ACCESS_KEY_ID": "chaos",
             "AWS_SECRET_ACCESS_KEY": "chaos",
             "AWS_DEFAULT_REGION": "us-east-1",
+            "FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{self.port}",  # fsspec's configuration in the search workers
         }.items():
             os.environ[key] = value
         fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = f"http://127.0.0.1:{self.port}"
         self.fs = fsspec.filesystem("s3", skip_instance_cache=True)
         self.fs.mkdir(BUCKET)
+        self.fs.mkdir(RELEASE_BUCKET)
 
     def _serve(self) -> None:
         from moto.server import ThreadedMotoServer
@@ -346,10 +422,10 @@ class S3:
         """In a forked stage process: close its copy of the listening socket, so an outage refuses connections."""
         self.server._server.socket.close()
 
-    def wipe(self) -> None:
+    def wipe(self, bucket: str) -> None:
         self.fs.invalidate_cache()
-        if self.fs.find(BUCKET):
-            self.fs.rm(self.fs.find(BUCKET))
+        if self.fs.find(bucket):
+            self.fs.rm(self.fs.find(bucket))
         self.fs.invalidate_cache()
 
     def stop(self) -> None:
@@ -391,15 +467,51 @@ class Child:
 _REAPED: dict[int, int] = {}
 
 
+def storage(kind: str) -> str:
+    """The storage a fault kind runs on: the S3 root for an S3 outage, else the local one."""
+    return "s3" if kind == "s3_outage" else "local"
+
+
+def read_marks(path: Path) -> list[tuple[str, float]]:
+    """(stage, monotonic start) of each stage a pipeline run started, in order."""
+    text = path.read_text() if path.exists() else ""
+    return [(stage, float(at)) for stage, at in (line.split() for line in text.splitlines() if line.count(" ") == 1)]
+
+
+def stage_at(marks: list[tuple[str, float]], moment: float) -> str:
+    """The stage running at monotonic `moment` (the last one started before it)."""
+    started = [stage for stage, at in marks if at <= moment]
+    return started[-1] if started else ""
+
+
+def workers_of(pid: int) -> list[int]:
+    """The search workers process `pid` launched (its children with a torch.distributed RANK)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != pid:
+                continue
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if any(v.startswith(b"RANK=") for v in environ):
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
 class Harness:
     """Reference runs (one per storage kind), then fault runs drawn from one seeded generator."""
 
     def __init__(self, ws: Workspace, kinds: tuple[str, ...], seed: int, log: Callable[[str], None] = print) -> None:
         self.ws, self.kinds, self.log = ws, kinds, log
         self.rng = np.random.default_rng(seed)
-        self.s3 = S3() if "s3_outage" in kinds else None
+        self.s3 = S3() if any(k in S3_KINDS for k in kinds) else None
+        # the search's workers are fresh interpreters: they import this checkout's evoesap too
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        ws.s3 = self.s3 is not None
         self.reference: dict[str, dict[str, dict[str, str]]] = {}
         self.duration: dict[str, float] = {}
+        self.windows: dict[str, dict[str, tuple[float, float]]] = {}  # storage -> stage -> (start, length) seconds
         self.stored_bytes = 0
         for stage in STAGES:  # imported once here, so each forked stage process starts warm
             stage.function()
@@ -415,17 +527,21 @@ class Harness:
 
     def _clear(self, kind: str) -> None:
         shutil.rmtree(self.ws.runs / "artifacts", ignore_errors=True)
+        shutil.rmtree(self.ws.top / "release", ignore_errors=True)
         self.ws.result.unlink(missing_ok=True)
         shutil.rmtree(self.ws.tmp, ignore_errors=True)
         self.ws.tmp.mkdir(parents=True)
-        if kind == "s3_outage":
-            self.s3.wipe()
+        if self.s3:
+            self.s3.wipe(RELEASE_BUCKET)
+            if kind == "s3_outage":
+                self.s3.wipe(BUCKET)
 
     def _start(self, kind: str, disk: int | None = None) -> Child:
         """A stage process: forked from this one (its imports already done, as a warm node's would be), in
         its own session, with TMPDIR and stderr of its own; a fresh process's start time, so it cleans up
         after runs killed before it (`artifacts.clean_orphans`)."""
         spec, err = str(self.ws.spec(kind)), self.ws.top / "stderr.txt"
+        self.ws.marks.unlink(missing_ok=True)
         pid = os.fork()
         if pid:
             return Child(pid, err)
@@ -448,44 +564,58 @@ class Harness:
         finally:
             os._exit(code)
 
+    def _snapshot(self, kind: str) -> dict[str, dict[str, str]]:
+        """The artifacts behind the published one, and whether publish's pushed copy equals it."""
+        published = self.ws.result.read_text()
+        found = snapshot(self.ws.root(kind), published)
+        differs = pushed_copy_differs(published, self.ws.to(kind))
+        return {**found, "pushed copy": {"differs": differs} if differs else {}}
+
     def prepare(self) -> None:
-        """Undisturbed reference runs; their artifacts are what every fault run must end with."""
+        """Undisturbed reference runs; their artifacts are what every fault run must end with, their stages'
+        times where faults aimed at a stage strike."""
         self.ws.plant_user_files()
-        for storage in {"s3_outage" if k == "s3_outage" else "kill9" for k in self.kinds}:
-            self._clear(storage)
+        for kind in sorted({"s3_outage" if k == "s3_outage" else "kill9" for k in self.kinds}):
+            self._clear(kind)
             started = time.monotonic()
-            code, err = self._start(storage).finish()
+            code, err = self._start(kind).finish()
             if code != 0:
                 raise RuntimeError(f"the undisturbed reference run failed: {err.strip()[-2000:]}")
-            self.duration[storage] = time.monotonic() - started
-            self.reference[storage] = snapshot(self.ws.root(storage), self.ws.result.read_text())
-            if storage == "kill9":
+            ended = time.monotonic()
+            self.duration[storage(kind)] = ended - started
+            marks = read_marks(self.ws.marks) + [("", ended)]
+            windows: dict[str, tuple[float, float]] = {}
+            for (stage, at), (_, after) in zip(marks, marks[1:]):
+                windows.setdefault(stage, (at - started, after - at))  # a stage's first run (evaluate runs four)
+            self.windows[storage(kind)] = windows
+            self.reference[storage(kind)] = self._snapshot(kind)
+            if kind == "kill9":
                 self.stored_bytes = sum(p.stat().st_size for p in (self.ws.runs / "artifacts").rglob("*") if p.is_file())
+            times = ", ".join(f"{stage} {length:.1f}" for stage, (_, length) in windows.items())
             self.log(
-                f"reference ({'s3' if storage == 's3_outage' else 'local'}): {len(self.reference[storage])} "
-                f"artifacts in {self.duration[storage]:.1f} s"
+                f"reference ({storage(kind)}): {len(self.reference[storage(kind)]) - 1} artifacts in "
+                f"{self.duration[storage(kind)]:.1f} s ({times})"
             )
 
     def fault(self, kind: str) -> Outcome:
-        storage = "s3_outage" if kind == "s3_outage" else "kill9"
-        self._clear(storage)
+        place = storage(kind)
+        self._clear(kind)
         users = user_files(self.ws)
-        moment = float(self.rng.uniform(0.05, 1.0) * self.duration[storage])
-        corrupted = None
+        windows = self.windows[place]
+        stage = AIMED.get(kind) or ("" if kind == "disk_full" else str(self.rng.choice(sorted(windows))))
+        corrupted, hit = None, ""
         if kind == "disk_full":
-            moment = int(self.rng.integers(16 << 10, max(self.stored_bytes, 32 << 10)))
+            moment: float = int(self.rng.integers(16 << 10, max(self.stored_bytes, 32 << 10)))
             first, first_err = self._start(kind, disk=moment).finish()
+            hit = (read_marks(self.ws.marks)[-1:] or [("", 0.0)])[0][0]
         else:
-            proc = self._start(kind)
-            if kind in ("kill9", "sigterm"):
-                if not proc.wait(moment):
-                    os.kill(proc.pid, signal.SIGKILL if kind == "kill9" else signal.SIGTERM)
-            elif kind == "s3_outage":
-                if not proc.wait(moment):
-                    self.s3.outage(float(self.rng.uniform(0.5, 5.0)))
-            else:
-                proc.wait(moment)
+            start, length = windows[stage]
+            proc, began = self._start(kind), time.monotonic()
+            struck = self._strike(proc, kind, stage, start, float(self.rng.uniform(0.0, 1.0)) * length)
+            moment = round(struck - began, 2) if struck else -1.0
+            if struck and kind == "corrupt":
                 corrupted = self._corrupt()
+            hit = stage_at(read_marks(self.ws.marks), struck) if struck else ""
             first, first_err = proc.finish()
         rerun, err = self._start(kind).finish()
         failed = first_err.strip().splitlines()[-1:] if first > 0 else []
@@ -493,17 +623,19 @@ class Harness:
         outcome = Outcome(
             kind,
             round(moment, 2),
+            stage,
+            hit,
             first,
             rerun,
             "",
             user_bytes_lost=self._lost(users),
-            leftovers=tuple(leftovers(self.ws.root(kind), self.ws.tmp)),
+            leftovers=tuple(leftovers([self.ws.root(kind), self.ws.to(kind)], self.ws.tmp)),
             first_error=("internal: " if internal else "") + "".join(failed)[:300],
         )
         lines = err.strip().splitlines() or [""]
         if rerun == 0:
-            now = snapshot(self.ws.root(kind), self.ws.result.read_text())
-            differ = sorted(k for k in set(now) | set(self.reference[storage]) if now.get(k) != self.reference[storage].get(k))
+            now = self._snapshot(kind)
+            differ = sorted(k for k in set(now) | set(self.reference[place]) if now.get(k) != self.reference[place].get(k))
             outcome.result = "identical" if not differ else "different"
             outcome.detail = ", ".join(differ[:4])
         elif corrupted and "Traceback" not in err and lines[-1].startswith("error: ") and corrupted[0] in lines[-1]:
@@ -513,6 +645,30 @@ class Harness:
         if corrupted:
             outcome.detail = f"{corrupted[1]}; {outcome.detail}"
         return outcome
+
+    def _strike(self, proc: Child, kind: str, stage: str, start: float, delay: float) -> float | None:
+        """Inject `kind` `delay` seconds into `stage`: once the run starts it (the reference run's `start` seconds in,
+        for faults on the whole run), or for a search worker or the search's launcher, once that stage's workers
+        run. Returns the monotonic moment it struck; None when the run ended (or left the stage) first."""
+        if kind in AIMED:
+            while stage not in {s for s, _ in read_marks(self.ws.marks)}:
+                if proc.wait(0.05):
+                    return None
+        if proc.wait(delay if kind in AIMED else start + delay):
+            return None
+        if kind in ("kill9_worker", "sigterm_launcher"):
+            while not (workers := workers_of(proc.pid)):  # not started yet, or the search is over
+                if proc.wait(0.05) or read_marks(self.ws.marks)[-1][0] != stage:
+                    return None
+            victim = workers[int(self.rng.integers(len(workers)))] if kind == "kill9_worker" else proc.pid
+            os.kill(victim, signal.SIGKILL if kind == "kill9_worker" else signal.SIGTERM)
+        elif kind in ("kill9", "sigterm"):
+            os.kill(proc.pid, signal.SIGKILL if kind == "kill9" else signal.SIGTERM)
+        elif kind in S3_KINDS:
+            began = time.monotonic()
+            self.s3.outage(float(self.rng.uniform(0.5, 5.0)))
+            return began
+        return time.monotonic()
 
     def _corrupt(self) -> tuple[str, str] | None:
         """Truncate or flip one bit of a random file of a finished artifact (manifest included); returns
@@ -593,6 +749,12 @@ def world_files(world: str, top: Path) -> dict[str, str]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def kinds_for(world: str) -> tuple[str, ...]:
+    """The fault kinds a world's pipeline has a target for: a search worker and its launcher need workers."""
+    workers = PARAMS[world]["search"].get("workers", 1) > 1
+    return tuple(k for k in KINDS if workers or k not in ("kill9_worker", "sigterm_launcher"))
+
+
 def draw_kinds(rng: random.Random, kinds: tuple[str, ...], n: int) -> Iterator[str]:
     """Every kind in turn (so each appears), in an order shuffled per round."""
     while n > 0:
@@ -605,9 +767,14 @@ def draw_kinds(rng: random.Random, kinds: tuple[str, ...], n: int) -> Iterator[s
 
 def table(outcomes: list[Outcome], seconds: float) -> str:
     by_kind = collections.Counter(o.kind for o in outcomes)
+    by_hit = collections.Counter(o.hit for o in outcomes)
     rows = [
         ("runs", len(outcomes)),
         ("faults by kind", ", ".join(f"{k} {by_kind[k]}" for k in KINDS if by_kind[k])),
+        (
+            "faults by the stage running when they struck",
+            ", ".join(f"{s or 'none (run over first)'} {n}" for s, n in by_hit.most_common()),
+        ),
         ("identical outcomes", sum(o.result == "identical" for o in outcomes)),
         ("clear errors", sum(o.result == "clear error" for o in outcomes)),
         ("failures", sum(o.result not in ("identical", "clear error") for o in outcomes)),
@@ -642,7 +809,8 @@ def run_chaos(
             if record:
                 record.write_text(json.dumps([dataclasses.asdict(o) for o in outcomes], indent=1))
             log(
-                f"{i + 1:4d} {kind:9s} at {outcome.moment:>9} rc {outcome.first_rc:>3}/{outcome.rerun_rc}: {outcome.result}"
+                f"{i + 1:4d} {kind:16s} {outcome.stage or '-':12s} hit {outcome.hit or '-':12s} at {outcome.moment:>9} "
+                f"rc {outcome.first_rc:>3}/{outcome.rerun_rc}: {outcome.result}"
                 f"{' (' + outcome.detail[:200] + ')' if outcome.result != 'identical' or outcome.kind == 'corrupt' else ''}"
                 f"{' debris ' + ','.join(outcome.leftovers) if outcome.leftovers else ''}"
                 f"{' [faulted run: ' + outcome.first_error[:160] + ']' if outcome.first_error else ''}"
@@ -657,7 +825,7 @@ def main() -> int:
     parser.add_argument("--faults", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--world", choices=sorted(PARAMS), default="quick")
-    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds")
+    parser.add_argument("--kinds", help="comma-separated fault kinds (default: every kind the world has a target for)")
     parser.add_argument("--workdir", type=Path, default=REPO / ".cache" / "chaos")
     parser.add_argument("--json", type=Path, help="write every outcome here")
     parser.add_argument("--build-world", choices=sorted(PARAMS), help=argparse.SUPPRESS)
@@ -665,12 +833,18 @@ def main() -> int:
     if args.build_world:
         print(json.dumps(build_world(args.build_world, args.workdir)))
         return 0
-    kinds = tuple(k for k in args.kinds.split(",") if k)
-    unknown = sorted(set(kinds) - set(KINDS))
+    kinds = tuple(k for k in (args.kinds or ",".join(kinds_for(args.world))).split(",") if k)
+    unknown = sorted(set(kinds) - set(kinds_for(args.world)))
     if unknown:
-        parser.error(f"unknown fault kind(s) {', '.join(unknown)}; kinds are {', '.join(KINDS)}")
+        parser.error(
+            f"fault kind(s) {', '.join(unknown)} not for the {args.world} world; its kinds are {', '.join(kinds_for(args.world))}"
+        )
     if "disk_full" in kinds and not disk_full_available():
         parser.error("disk_full mounts a tmpfs in a private mount namespace, which needs root; drop it from --kinds")
+    quantize_python = os.environ.get(QUANTIZE_PYTHON) or str(REPO / ".venv-quantize" / "bin" / "python")
+    if "quantize" in PARAMS[args.world] and not os.access(quantize_python, os.X_OK):
+        parser.error(f"the pipeline quantizes: set {QUANTIZE_PYTHON} to llm-compressor's python (or `make quantize-venv`)")
+    os.environ[QUANTIZE_PYTHON] = quantize_python
     shutil.rmtree(args.workdir, ignore_errors=True)
     started = time.monotonic()
     outcomes = run_chaos(

@@ -25,6 +25,7 @@ Examples:
     python benchmarks/gpu_search.py --shapes olmoe --samples 16 --length 2048
     python benchmarks/gpu_search.py --tiny --device cpu --samples 4 --length 32
     python benchmarks/gpu_search.py --shapes olmoe --search-generations 3 --racing
+    python benchmarks/gpu_search.py --shapes olmoe --search-generations 2 --elite-floor   # floor off, then on
 """
 
 from __future__ import annotations
@@ -233,8 +234,8 @@ def time_shape(shape: str, args: argparse.Namespace, device: torch.device) -> li
         seconds = (time.perf_counter() - t0) / len(kids)
         ffe = (evaluator.work - before) / evaluator.full_forward_work() / len(kids)
         out.append(Timing(shape, name, seconds, len(kids), ffe))
-    if args.search_generations:
-        out.append(search_timing(shape, model, cache, n, k, orders, args, device))
+    for floor in ((False, True) if args.elite_floor else (False,)) if args.search_generations else ():
+        out.append(search_timing(shape, model, cache, n, k, orders, args, device, floor))
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -250,8 +251,10 @@ def search_timing(
     orders: list[list[int]],
     args: argparse.Namespace,
     device: torch.device,
+    floor: bool = False,
 ) -> Timing:
-    """A truncated default search (racing optional); `seconds` is per candidate, `note` the extrapolation."""
+    """A truncated default search (racing, elite floor optional); `seconds` is per candidate, `note` the
+    extrapolation and the best fitness (equal with and without the floor)."""
     evaluator = CandidateEvaluator(
         model,
         cache,
@@ -265,8 +268,8 @@ def search_timing(
     samples = list(range(cache.num_samples))
     positions = (cache.offsets[1:] - cache.offsets[:-1]).tolist()  # scored positions per sample
 
-    def fitness_of(r: tuple[int, ...]) -> float:
-        return evaluator.score(alloc.pruned_sets(r, orders))
+    def fitness_of(r: tuple[int, ...], bound: float | None = None) -> float:
+        return evaluator.score(alloc.pruned_sets(r, orders), floor=bound)
 
     def subset_fitness(r: tuple[int, ...], level: int, generation: int) -> float:
         assert schedule is not None
@@ -285,6 +288,7 @@ def search_timing(
         racing=schedule,
         subset_fitness=subset_fitness if schedule else None,
         on_generation=lambda *_: (sync(device), stamps.append(time.perf_counter())),
+        elite_floor=floor,
     )
     seconds = time.perf_counter() - t0
     raced_only = len(
@@ -294,8 +298,9 @@ def search_timing(
     ffe = evaluator.work / evaluator.full_forward_work() / candidates
     later = np.diff(stamps)  # seconds of each generation after the initial population
     estimate = stamps[0] - t0 + 50 * float(np.mean(later)) if len(later) else float("nan")
-    method = f"search {args.search_generations} gen" + (" racing" if args.racing else "")
+    method = f"search {args.search_generations} gen" + (" racing" if args.racing else "") + (" elite floor" if floor else "")
     note = f"gen 0 {stamps[0] - t0:.1f} s, then {float(np.mean(later)):.1f} s/gen; 50 generations ~{estimate / 60:.1f} min"
+    note += f"; best fitness {result.best_fitness:.6f}"
     if evaluator.prefix is not None:
         note += f"; prefix peak {evaluator.prefix.peak_bytes / 2**30:.2f} GiB"
     return Timing(shape, method, seconds / candidates, candidates, ffe, note)
@@ -321,6 +326,7 @@ def main(argv: Sequence[str] | None = None) -> list[Timing]:
     )
     parser.add_argument("--search-generations", type=int, default=0, help="then time a search of this many generations")
     parser.add_argument("--racing", action="store_true", help="the search races candidates (default schedule)")
+    parser.add_argument("--elite-floor", action="store_true", help="time the search without, then with the elite floor")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="test-size models (for a CPU smoke run)")
     args = parser.parse_args(argv)

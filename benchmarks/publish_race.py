@@ -12,7 +12,7 @@ must hold after every round, checked here:
 - nothing else is left beside the output (no lock, staging or replaced directory).
 
 Run: PYTHONPATH=$PWD .venv/bin/python benchmarks/publish_race.py --rounds 200
-The CI variant with the interleavings forced by hooks: tests/test_publish_race.py.
+The CI variant with the interleavings forced by hooks: tests/unit/test_publish_race.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     python docs/draw_dag.py [--config examples/demo.yaml] [--out docs/dag.svg]
 
 The picture shows every optional step: the configuration's quantize section and `publish_models: true`, so
-every stage of the registry (`evoesap.registry.STAGES`) is a node (tests/test_docs_reference.py checks it).
+every stage of the registry (`evoesap.registry.STAGES`) is a node (tests/system/test_docs_reference.py checks it).
 Nodes are the stage tasks (nested sub-pipeline and loop flattened) with their output artifacts and
 classes, edges the artifacts they pass; tasks inside the criterion x sparsity loop are shaded.
 """

@@ -39,6 +39,12 @@ log = logging.getLogger(__name__)
 
 _FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+# Bounds of one sample, checked before it is parsed or tokenised (every sample is cut to max_length tokens, and the
+# longest contexts are ~10^6 characters): a runaway export cannot fill host memory or render for minutes.
+MAX_LINE_BYTES = 16 << 20  # one JSONL line as stored
+MAX_SAMPLE_CHARS = 4 << 20  # the text, or the chat's contents together
+MAX_TURNS = 1024  # messages in one chat (rendering is quadratic in them)
+_CHUNK_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +167,7 @@ class _FileRows:
             refuse_special(source, fix="give a data file")
         try:
             with fsspec.open(source, "rb", compression="infer") as f:
-                raw = f.read()
+                raw, lines = (b"", _jsonl_rows(f, source)) if fmt == "jsonl" else (f.read(), [])
         except FileNotFoundError as exc:
             raise DataError(f"data file {source} does not exist") from exc
         except IsADirectoryError:
@@ -177,9 +183,7 @@ class _FileRows:
                 raise DataError(f"{source} is not a readable {fmt} file ({exc}): check or re-export it") from None
             self._rows = table.to_pylist()
         elif fmt == "jsonl":
-            self._rows = [
-                _json_line(line, i, source) for i, line in enumerate(_text(raw, source).splitlines(), 1) if line.strip()
-            ]
+            self._rows = lines
         else:
             try:
                 data = json.loads(_text(raw, source))
@@ -203,6 +207,41 @@ def _text(raw: bytes, source: str) -> str:
     except UnicodeDecodeError as exc:
         line = raw[: exc.start].count(b"\n") + 1
         raise DataError(f"{source} line {line} (byte {exc.start}) is not UTF-8 text: re-encode the file as UTF-8") from None
+
+
+def _jsonl_rows(f: Any, source: str) -> list[Any]:
+    """The records of a JSONL file, read in chunks, each line at most `MAX_LINE_BYTES`: a longer line is refused by
+    its number, never held whole."""
+    rows: list[Any] = []
+    number, offset, pending = 0, 0, b""
+    while True:
+        chunk = f.read(_CHUNK_BYTES)
+        *lines, pending = (pending + chunk).split(b"\n") if chunk else [pending, b""]
+        for line in lines:
+            number += 1
+            _check_line(len(line), source, number)
+            if line.strip():
+                rows.append(_json_line(_line_text(line, source, number, offset), number, source))
+            offset += len(line) + 1
+        _check_line(len(pending), source, number + 1)
+        if not chunk:
+            return rows
+
+
+def _check_line(size: int, source: str, number: int) -> None:
+    if size > MAX_LINE_BYTES:
+        raise DataError(
+            f"{source} line {number} is longer than {MAX_LINE_BYTES >> 20} MiB, the most one sample may take: split or drop it"
+        )
+
+
+def _line_text(line: bytes, source: str, number: int, offset: int) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"{source} line {number} (byte {offset + exc.start}) is not UTF-8 text: re-encode the file as UTF-8"
+        ) from None
 
 
 def _json_line(line: str, number: int, source: str) -> Any:
@@ -263,15 +302,25 @@ def _to_sample(index: int, row: Mapping[str, Any], fields: FieldMap, source: str
         text = row[fields.text]
         if not isinstance(text, str) or not text.strip():
             raise DataError(f"{where}: field {fields.text!r} is empty; every sample needs text")
+        _check_size(len(text), where)
         return Sample(id=index, text=text)
     if fields.mode == "pair":
         prompt, response = row[fields.prompt], row[fields.response]
         messages = (("user", _content(prompt, fields.prompt, where)), ("assistant", _content(response, fields.response, where)))
     else:
         messages = _messages(row[fields.messages], fields.messages, where)
+    _check_size(sum(len(content) for _, content in messages), where)
     if not any(role == "assistant" and content.strip() for role, content in messages):
         raise DataError(f"{where}: empty answer (no assistant turn with content); drop the row or fix the field mapping")
     return Sample(id=index, messages=messages)
+
+
+def _check_size(chars: int, where: str) -> None:
+    if chars > MAX_SAMPLE_CHARS:
+        raise DataError(
+            f"{where}: {chars} characters, more than the {MAX_SAMPLE_CHARS} a sample may have (it is cut to "
+            "max_length tokens anyway): shorten or drop it"
+        )
 
 
 def _content(value: Any, field: str, where: str) -> str:
@@ -290,6 +339,8 @@ def _messages(value: Any, field: str, where: str) -> tuple[tuple[str, str], ...]
             raise DataError(f"{where}: field {field!r} is a string but not a JSON list of messages") from exc
     if not isinstance(value, Sequence) or not value:
         raise DataError(f"{where}: field {field!r} must be a non-empty list of messages, got {value!r:.80}")
+    if len(value) > MAX_TURNS:
+        raise DataError(f"{where}: {len(value)} messages, more than the {MAX_TURNS} a chat may have: split or drop it")
     out = []
     for m in value:
         if isinstance(m, Mapping) and "role" in m and "content" in m:

@@ -23,3 +23,11 @@ class ArtifactError(EvoESAPError):
 
 class ResourceError(EvoESAPError):
     """A stage would need more memory or disk than the machine has (predicted before any work)."""
+
+
+class Interrupted(EvoESAPError):
+    """A signal stopped the run before it finished; the command exits 128 + its number, as a shell reports it."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum

@@ -101,8 +101,14 @@ def keyed(params: Any) -> dict[str, Any]:
     """The parameters that determine a stage's artifact: its reuse key and its manifest's record. A stage that runs
     a tool from an environment of its own (`evoesap.machine.side_env`) adds that tool's versions (its parameter class's
     `tool_versions()`), so a new version makes the artifact again."""
+    from evoesap.store.identity import redact
+
     values = dataclasses.asdict(params)
-    record = {f.name: values[f.name] for f in dataclasses.fields(params) if f.metadata.get(_KEYED, True)}
+    record = {
+        f.name: redact(values[f.name]) if isinstance(values[f.name], str) else values[f.name]  # no user:password@ kept
+        for f in dataclasses.fields(params)
+        if f.metadata.get(_KEYED, True)
+    }
     tools = getattr(params, "tool_versions", None)
     return {**record, TOOLS: tools()} if tools is not None else record
 
@@ -227,6 +233,9 @@ class SampleParams(StageParams):
         )
 
 
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's placement strategies
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceParams(StageParams):
     """Where and in which dtype a stage runs its model."""
@@ -239,6 +248,11 @@ class DeviceParams(StageParams):
         from evoesap.machine.runtime import check_model_dtype
 
         check_model_dtype(self.model_dtype)
+        if self.device_map is not None and self.device_map not in DEVICE_MAPS:
+            raise ConfigError(
+                f"device_map {self.device_map!r} is not one of {', '.join(DEVICE_MAPS)}: 'auto' spreads the model over "
+                "the GPUs (leave it unset to put the model on device)"
+            )
         super().__post_init__()  # the next parameter group's checks, StageParams' last
 
 

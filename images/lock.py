@@ -5,7 +5,7 @@ installed) and writes each distribution as `name==version --hash=sha256:...`, th
 --require-hashes` reads. torch is resolved (its dependencies are locked) but left out of the lines: each image
 and the Makefile install it first, its CPU or CUDA build at the Dockerfiles' TORCH_VERSION, and the lock after it
 with `--no-deps`. Run with `make lock` after changing pyproject.toml, serving/vllm or a Dockerfile's
-TORCH_VERSION / VLLM_VERSION / LLMCOMPRESSOR_VERSION; tests/test_images.py checks the locks still agree with them.
+TORCH_VERSION / VLLM_VERSION / LLMCOMPRESSOR_VERSION; tests/system/test_images.py checks the locks still agree with them.
 
     python images/lock.py                 # all locks
     python images/lock.py --only vllm     # one: stage, vllm, vllm-cuda or quantize
@@ -30,7 +30,7 @@ TORCH_RUNTIME = (
 
 
 def dockerfile_arg(name: str) -> str:
-    """An ARG default of images/Dockerfile (tests/test_images.py checks Dockerfile.cuda agrees)."""
+    """An ARG default of images/Dockerfile (tests/system/test_images.py checks Dockerfile.cuda agrees)."""
     match = re.search(rf"^ARG {name}=(\S+)$", (IMAGES / "Dockerfile").read_text(), re.M)
     if not match:
         sys.exit(f"lock: images/Dockerfile has no `ARG {name}=...` line: restore it")

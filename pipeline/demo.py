@@ -26,11 +26,18 @@ DEMO_EVALUATE = {"limit": 48, "batch_size": 16}
 # Each searched model quantized (4-bit GPTQ on the calibration samples; the demo world's widths are whole groups of
 # 128) and evaluated beside it: about 15 s more per point on a 2-core CPU (benchmarks/RESULTS.md, issue 28).
 DEMO_QUANTIZE = {"recipe": "w4a16-gptq", "samples": 64, "max_length": 256}
+# What each world profile runs. The quick world (2 layers of 4 experts, top-2, widths of 32) admits a single allocation
+# at 50% (nothing to search) and no group of 128 (GPTQ's): it runs 25% only, quantized per channel (fp8-dynamic).
+PROFILE_RUNS: dict[str, dict[str, Any]] = {
+    "default": {"sparsities": [0.25, 0.5], "quantize": DEMO_QUANTIZE},
+    "quick": {"sparsities": [0.25], "quantize": {"recipe": "fp8-dynamic"}},
+}
 
 
 def demo_config(world: Any, out: Path, runner: str = "subprocess", image: str | None = None) -> PipelineConfig:
     """The pipeline configuration for a built demo world, writing under `out` (with the docker runner,
     kfp's root is `out` itself, so the stage containers see the world and the artifacts)."""
+    runs = PROFILE_RUNS[world.profile]
     return load_config(
         {
             "name": "evoesap-demo",
@@ -39,7 +46,7 @@ def demo_config(world: Any, out: Path, runner: str = "subprocess", image: str | 
             "search_data": str(world.data_file(MIX, "search")),
             "heldout_data": str(world.data_file(MIX, "search_heldout")),
             "criteria": ["reap", "frequency"],
-            "sparsities": [0.25, 0.5],
+            "sparsities": runs["sparsities"],
             "storage_root": str(out / "artifacts"),
             "pipeline_root": str(out if runner == "docker" else out / "kfp"),
             **({"image": image} if image else {}),
@@ -47,7 +54,7 @@ def demo_config(world: Any, out: Path, runner: str = "subprocess", image: str | 
             "cache_logits": {"samples": 64, "max_length": 256, "batch_size": 16, "dtype": "float32"},
             "search": DEMO_SEARCH,
             "evaluate": {"tasks": [str(world.tasks_dir)], **DEMO_EVALUATE},
-            "quantize": DEMO_QUANTIZE,
+            "quantize": runs["quantize"],
             "report": {"title": "EvoESAP demo: OLMoE-tiny, calibrate on code, search on the deployment mix"},
         }
     )

@@ -15,6 +15,9 @@ def claim_output_file(path: Path, option: str, marker: str, inputs: tuple[Path, 
     """`path`, checked before any work: not a directory, not one of `inputs`, and either new or a file this
     command made before (it starts with `marker`). A user's file is never overwritten or appended to."""
     where = f"{option} {path}"
+    blocking = next((p for p in path.absolute().parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(f"{where} lies under {blocking}, which is a file, not a directory: choose another path")
     if path.is_dir():
         raise ConfigError(f"{where} is a directory: give a file path (for example {path / 'pipeline.yaml'})")
     for source in inputs:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
 from evoesap.store import artifacts
-from evoesap.errors import ConfigError
+from evoesap.errors import ConfigError, EvoESAPError
 from evoesap.pipeline.config import PipelineConfig
 from evoesap.pipeline.dag import build_pipeline
 from evoesap.pipeline.files import LOG_HEADER, claim_output_file
@@ -29,33 +29,48 @@ def _absolute(uri: str) -> str:
 
 _TASK_LINE = re.compile(r"(Executing task|finished with status|Pipeline .* finished)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_STARTED = re.compile(r"Executing task '([^']+)'")
+_RAISED = re.compile(r"^(?:[A-Za-z_][\w]*\.)*([A-Za-z_]\w*(?:Error|Exception|Interrupt)): (.+)$")  # a traceback's last line
+_FAILED = re.compile(r"Inner task failed: '([^']+)'")
 
 
 class _TaskEcho(io.TextIOBase):
-    """Everything to the log file; only task start/finish lines to the terminal."""
+    """kfp.local's output: with a log, everything to the log and only task start/finish lines to the terminal;
+    without, everything to the terminal. Either way it keeps each task's last raised error (`raised`)."""
 
-    def __init__(self, log: TextIO, terminal: TextIO) -> None:
+    def __init__(self, log: TextIO | None, terminal: TextIO) -> None:
         self.log, self.terminal, self._partial = log, terminal, ""
+        self.task: str | None = None
+        self.raised: dict[str, str] = {}
 
     def write(self, text: str) -> int:
-        self.log.write(text)
+        (self.log or self.terminal).write(text)
         self._partial += text
         *lines, self._partial = self._partial.split("\n")
         for line in lines:
-            if _TASK_LINE.search(line) and not line.startswith(" "):
-                self.terminal.write(_ANSI.sub("", line) + "\n")
+            plain = _ANSI.sub("", line)
+            if self.log is not None and _TASK_LINE.search(line) and not line.startswith(" "):
+                self.terminal.write(plain + "\n")
+            started, raised = _STARTED.search(plain), _RAISED.match(plain.strip())
+            if started:
+                self.task = started.group(1)
+            elif raised and self.task:
+                self.raised[self.task] = f"{raised.group(1)}: {raised.group(2)}"
         return len(text)
 
     def flush(self) -> None:
-        self.log.flush()
+        (self.log or self.terminal).flush()
         self.terminal.flush()
 
 
 @contextlib.contextmanager
-def _quiet_kfp(log_path: Path | None) -> Iterator[None]:
-    """Send kfp.local's streamed task logs to `log_path`, echoing one line per task start and finish."""
+def _quiet_kfp(log_path: Path | None) -> Iterator[_TaskEcho]:
+    """Send kfp.local's streamed task logs to `log_path`, echoing one line per task start and finish (all of
+    them to the terminal without a log); yields the echo, which knows each task's error."""
     if log_path is None:
-        yield
+        echo = _TaskEcho(None, sys.stdout)
+        with contextlib.redirect_stdout(echo):
+            yield echo
         return
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as log_file:
@@ -63,7 +78,18 @@ def _quiet_kfp(log_path: Path | None) -> Iterator[None]:
             log_file.write(LOG_HEADER)
         echo = _TaskEcho(log_file, sys.stderr)
         with contextlib.redirect_stdout(echo):
-            yield
+            yield echo
+
+
+def _failure(name: str, exc: RuntimeError, echo: _TaskEcho, log_path: Path | None) -> Exception:
+    """kfp.local's "Pipeline ... FAILURE" as one line: which task failed and the error it raised."""
+    failed = _FAILED.search(_ANSI.sub("", str(exc)))
+    if failed is None:
+        return exc
+    task = failed.group(1)
+    where = f"; the tasks' full logs are in {log_path}" if log_path else ""
+    cause = echo.raised.get(task, "no error line found in its log")
+    return EvoESAPError(f"pipeline {name!r} failed at task {task!r}: {cause}{where}")
 
 
 def _check_mounted(config: PipelineConfig, root: Path) -> None:
@@ -147,8 +173,11 @@ def run_local(
         raise ConfigError(f"unknown runner {runner!r}; choose one of {', '.join(RUNNERS)}")
     local.init(runner=chosen, pipeline_root=pipeline_root, enable_caching=kfp_caching)
     log.info("running pipeline %s locally; artifacts under %s", config.name, artifacts.redact(config.storage_root))
-    with _quiet_kfp(log_path), warnings.catch_warnings():
+    with _quiet_kfp(log_path) as echo, warnings.catch_warnings():
         # kfp.local warns that cluster-only settings (display names, the stage image) do not apply here
         warnings.filterwarnings("ignore", module=r"kfp\.local\..*")
-        task = build(config)(**(arguments or {}))
+        try:
+            task = build(config)(**(arguments or {}))
+        except RuntimeError as exc:
+            raise _failure(config.name, exc, echo, log_path) from None
     return dict(task.outputs)

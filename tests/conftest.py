@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,22 @@ def needs_world(item: pytest.Item) -> bool:
     return "demo_world" in getattr(item, "fixturenames", ())
 
 
+GROUPS = ("unit", "stages", "orchestration", "system")  # the folders under tests/, each a marker (`pytest -m unit`)
+# a test module may reuse another's helpers (test_serving imports test_moe's): importable from every folder
+sys.path[:0] = [str(Path(__file__).parent / group) for group in GROUPS]
+SIDE_ENV_FIXTURES = {"quantize_python", "vllm_python"}  # the tools' own venvs (tests/venv_support.py)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests that need the demo world run last: under pytest-xdist (`make test` runs two workers) the world
+    """Each test is marked with its folder's group, and `side_env` when it runs vLLM or llm-compressor from their own
+    venvs. Tests that need the demo world run last: under pytest-xdist (`make test` runs two workers) the world
     trains meanwhile in a process of its own (`pytest_sessionstart`), so no worker waits for it."""
+    for item in items:
+        group = Path(str(item.fspath)).parent.name
+        if group in GROUPS:
+            item.add_marker(group)
+        if SIDE_ENV_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker("side_env")
     items.sort(key=needs_world)  # stable: each part keeps its order
 
 

@@ -7,7 +7,7 @@ pydantic model, the component interfaces from `components/*.yaml`, the artifact 
 and the families from `evoesap.moe.families.FAMILIES`. The API pages are one per module of the package tree,
 found on disk at build time, so a module that moves moves its page.
 
-`tests/test_docs_reference.py` checks that these pages list every stage and parameter of the registry.
+`tests/system/test_docs_reference.py` checks that these pages list every stage and parameter of the registry.
 """
 
 from __future__ import annotations

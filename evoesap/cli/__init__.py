@@ -9,9 +9,9 @@ import sys
 import click
 import typer
 
-from evoesap.cli.app import app, state
+from evoesap.cli.app import app, scrub, state
 from evoesap.cli.stages import stage_commands
-from evoesap.errors import EvoESAPError
+from evoesap.errors import EvoESAPError, Interrupted
 
 
 def command() -> click.Group:
@@ -44,11 +44,12 @@ def main(argv: list[str] | None = None) -> int:
             return exc.exit_code
         if state["debug"]:
             raise
-        from evoesap.store.artifacts import redact
-
+        if isinstance(exc, OSError) and exc.filename and exc.strerror:  # the file system refused: the place, not us
+            print(scrub(f"error: {exc.filename}: {exc.strerror}: give a place this user can read and write"), file=sys.stderr)
+            return 1
         kind = "error" if isinstance(exc, EvoESAPError) else f"internal error ({type(exc).__name__})"
-        print(redact(f"{kind}: {exc}"), file=sys.stderr)
-        return 1
+        print(scrub(f"{kind}: {exc}"), file=sys.stderr)
+        return exc.exit_code if isinstance(exc, Interrupted) else 1
     if returned == INTERRUPTED:  # typer turns Ctrl-C into this exit code when click does not exit itself
         print("interrupted: stopped before finishing; nothing was published (re-run to start again)", file=sys.stderr)
         return INTERRUPTED

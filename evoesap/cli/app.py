@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+import os
+import re
+from typing import Any, Callable
 
 import typer
 
@@ -30,23 +32,48 @@ def _global(
     set_quiet(quiet)
     level = logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_redact_record)
+    for name in CHATTY_LIBRARIES:  # their debug logs print request headers and credentials
+        logging.getLogger(name).setLevel(max(level, logging.WARNING))
+    if not getattr(logging.getLogRecordFactory(), "scrubs", False):
+        logging.setLogRecordFactory(_scrubbing(logging.getLogRecordFactory()))
 
 
-def _redact_record(record: logging.LogRecord) -> bool:
-    """No user:password@ of any URI reaches the log (the message is formatted here, then redacted)."""
+CHATTY_LIBRARIES = ("botocore", "boto3", "aiobotocore", "s3fs", "fsspec", "urllib3", "httpx", "httpcore", "huggingface_hub")
+_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|ACCESS_KEY|API_KEY|CREDENTIAL|SESSION_KEY", re.IGNORECASE)
+_SECRET_MIN = 8  # shorter values would mask ordinary words
+
+
+def scrub(text: str) -> str:
+    """`text` without any user:password@ of a URI and without the value of any secret environment variable
+    (a token, a password, an access key): for everything the command prints or logs."""
     from evoesap.store.artifacts import redact
 
-    record.msg, record.args = redact(record.getMessage()), None
-    return True
+    text = redact(text)
+    for name, value in os.environ.items():
+        if len(value) >= _SECRET_MIN and _SECRET_NAME.search(name) and value in text:
+            text = text.replace(value, "***")
+    return text
+
+
+def _scrubbing(factory: Callable[..., logging.LogRecord]) -> Callable[..., logging.LogRecord]:
+    """A log record factory that scrubs each record as it is made, so no handler prints a secret: ours, or one a
+    library installed itself (huggingface_hub prints its retry warnings through its own)."""
+
+    def make(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = factory(*args, **kwargs)
+        try:
+            record.msg, record.args = scrub(record.getMessage()), None
+        except Exception:  # noqa: BLE001 - a malformed record is left to logging's own error handling
+            pass
+        return record
+
+    make.scrubs = True  # type: ignore[attr-defined]
+    return make
 
 
 def echo_uri(uri: str) -> None:
     """Print an artifact's URI (the command's result) without credentials."""
-    from evoesap.store.artifacts import redact
-
-    typer.echo(redact(uri))
+    typer.echo(scrub(uri))
 
 
 def revision_option() -> Any:

@@ -149,7 +149,9 @@ def submit_cmd(
 def demo_cmd(
     out: Path = typer.Option(Path("runs/demo"), "--out", help="Where the demo world and all artifacts go."),
     seed: int = typer.Option(0, "--seed", help="Seed of the demo world."),
-    profile: str = typer.Option("default", "--profile", help="Demo world profile: default or quick."),
+    profile: str = typer.Option(
+        "default", "--profile", help="Demo world profile: default, or quick (a smoke test: 25% only, fp8-dynamic)."
+    ),
     runner: str = typer.Option(
         "subprocess",
         "--runner",

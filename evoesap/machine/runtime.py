@@ -128,6 +128,8 @@ def check_device(name: str) -> None:
             raise ConfigError(f"device {name!r}: this machine has {count} GPU(s), cuda:0..cuda:{count - 1}: give one of them")
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"device {name!r}: MPS is not available on this machine: give --device cpu (or auto)")
+    elif device.type not in ("cpu", "mps"):  # torch names more (xla, meta, hpu...); the stages run on these
+        raise ConfigError(f"device {name!r} is not supported: give auto, cpu, cuda or cuda:N")
 
 
 def check_gpu_count(needed: int, setting: str) -> None:
@@ -137,6 +139,20 @@ def check_gpu_count(needed: int, setting: str) -> None:
         raise ConfigError(
             f"{setting} = {needed} GPUs, but this machine shows {count}: lower it to at most "
             f"{max(count, 1)} (or run where {needed} GPUs are visible)"
+        )
+
+
+CPU_OVERSUBSCRIPTION = 4  # processes per core beyond which more only wait on each other (and each holds a replica)
+
+
+def check_cpu_count(needed: int, setting: str) -> None:
+    """Refuse a setting that starts more processes, each with a model replica, than this process's CPU cores can
+    serve (`CPU_OVERSUBSCRIPTION` a core)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if needed > CPU_OVERSUBSCRIPTION * cores:
+        raise ConfigError(
+            f"{setting} = {needed} processes on the CPU, but this machine gives this process {cores} cores: lower it "
+            f"to at most {CPU_OVERSUBSCRIPTION * cores} (or run on GPUs)"
         )
 
 
@@ -228,7 +244,15 @@ def load_model(
         budget = kwargs.get("max_memory")
         if budget and "cpu" not in budget and model_dtype == "auto" and Path(str(source)).is_dir():
             check_budget(checkpoint_bytes(str(source)), budget, max_memory)  # as stored: a floor of the loaded size
-        model = moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype], **kwargs).eval()
+        try:
+            model = moe.load_pruned(str(source), dtype=MODEL_DTYPES[model_dtype], **kwargs).eval()
+        except (OSError, ValueError) as exc:  # checked before any work: it changed since (deleted, half copied)
+            check_checkpoint(str(source))  # says what is missing or broken now, where it can
+            why = " ".join(str(exc).split())[:300]
+            raise ModelError(
+                f"{artifacts.redact(uri)} could not be loaded ({type(exc).__name__}: {why}): give a complete "
+                "checkpoint (was it changed or deleted during this run?)"
+            ) from None
     check_placement(getattr(model, "hf_device_map", None), offload, max_memory)
     if getattr(model, "ct_decompress_hook", None) is not None:
         # a compressed-tensors checkpoint decompresses on the whole model's first forward (a pre-hook); evoesap's
@@ -268,6 +292,11 @@ def placement_kwargs(
         if gpu not in free:
             raise ResourceError(f"GPU {gpu} is not visible here ({visible_gpus()} GPUs): give this process fewer GPUs")
         budget[gpu] = min(free[gpu], cap) if cap is not None else free[gpu]
+    if not budget and not offload:  # accelerate would put every layer on the disk
+        raise ResourceError(
+            f"max_memory {max_memory} caps what each GPU holds, but this machine shows no GPU: leave device_map and "
+            "max_memory unset to load the model in host memory, or run where GPUs are visible"
+        )
     if offload:
         budget["cpu"] = free["cpu"]
     return {"device_map": device_map, "max_memory": budget}
@@ -288,7 +317,13 @@ def stored_bytes(model: str) -> int | None:
     from evoesap.store.identity import hub_model, locate
 
     if hub_model(model) is None:
-        return checkpoint_bytes(model)
+        found = checkpoint_bytes(model)
+        if not found:  # it loaded from safetensors a moment ago
+            raise ModelError(
+                f"{artifacts.redact(model)} holds no safetensors weights now: it was deleted or changed during this run; "
+                "re-run when it is in place"
+            )
+        return found
     import huggingface_hub
 
     name, pinned = locate(model)

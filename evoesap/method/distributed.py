@@ -18,7 +18,11 @@ that worker has less than an even share, else to the least-loaded worker.
 
 Failure: a worker that dies (even by kill -9) ends the job: the launcher stops the others and
 `launch` raises one error naming the worker, the cause and the generation the checkpoint holds; a
-re-run with `resume` continues from there. Collectives also time out after `TIMEOUT`.
+re-run with `resume` continues from there. Collectives also time out after `TIMEOUT`. A signal to the
+launcher (SIGTERM, Ctrl-C) is forwarded to the workers, which it waits for, then ends in one such error;
+a launcher killed outright takes its workers with it (`evoesap.stages.search_workers`), so none outlives
+it to publish beside a re-run. A failure after the coordinator published the artifact is not one: the
+artifact, verified, is returned with a warning.
 """
 
 from __future__ import annotations
@@ -31,13 +35,13 @@ import logging
 import os
 import signal
 import sys
-import tempfile
+import threading
 import uuid
-from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from evoesap.store import artifacts
 from evoesap import errors
+from evoesap.method import search
+from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
 
@@ -210,37 +214,65 @@ def _gather_totals(scoring: Any, device: Any) -> list[dict[str, int]]:
 
 def launch(entry: str, inputs: Mapping[str, Any], params: Any, out_uri: str, checkpoint: str) -> artifacts.Manifest:
     """Run `python -m <entry> SPEC` on `params.workers` processes (torch.distributed's elastic launcher, as
-    torchrun); return the manifest they publish, or raise one error naming the worker that failed and why
-    and how far `checkpoint` got."""
+    torchrun); return the manifest they publish, or raise one error naming the worker that failed (or the
+    signal that stopped the launcher) and why and how far `checkpoint` got."""
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    spec = worker_spec(inputs, params, out_uri)
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=params.workers,
-        run_id=f"evoesap-search-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # torchrun --standalone: a free local port
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
+    before = artifacts.occupant(out_uri, "search")
+    spec = {**worker_spec(inputs, params, out_uri), "launcher": os.getpid()}
     threads = str(threads_per_worker(params.workers))
     log.info("search on %d workers, %s CPU threads each", params.workers, threads)
-    with (
-        tempfile.TemporaryDirectory(prefix="evoesap-workers-") as tmp,
-        _quiet_launcher(),
-        _environment(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads),
-    ):
-        path = Path(tmp) / "search.json"
-        path.write_text(json.dumps(spec))
-        try:
+    try:
+        with (
+            _signals_stop_the_workers(SignalException),
+            artifacts.owned_tempdir("search") as tmp,  # a killed launcher's: removed by the next run
+            _quiet_launcher(),
+            _environment(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads),
+        ):
+            config = LaunchConfig(
+                min_nodes=1,
+                max_nodes=1,
+                nproc_per_node=params.workers,
+                run_id=f"evoesap-search-{uuid.uuid4().hex[:8]}",
+                rdzv_backend="c10d",
+                rdzv_endpoint="localhost:0",  # torchrun --standalone: a free local port
+                max_restarts=0,
+                monitor_interval=0.1,
+                start_method="spawn",
+                logs_specs=DefaultLogsSpecs(log_dir=str(tmp / "logs")),  # the workers' error files; else a TMPDIR leak
+            )
+            path = tmp / "search.json"
+            path.write_text(json.dumps(spec))
             elastic_launch(config, sys.executable)("-m", entry, str(path))
-        except ChildFailedError as exc:
+    except (ChildFailedError, SignalException) as exc:
+        published = _published(out_uri, inputs, params, before)
+        if published is None:
             raise _failure(exc, params, checkpoint) from None
+        log.warning(
+            "%s after the artifact was published at %s; it is complete (every file checked against its manifest)",
+            _event(exc, params),
+            artifacts.redact(out_uri),
+        )
+        search.remove_checkpoint(checkpoint)  # the coordinator removes it after the publish, unless stopped first
+        return published
     return artifacts.read_manifest(out_uri)
+
+
+def _published(out_uri: str, inputs: Mapping[str, Any], params: Any, before: str) -> artifacts.Manifest | None:
+    """The artifact this launch's coordinator published at `out_uri` (not what was there `before`), with every
+    file checked against its manifest and made from these parameters and inputs; None when there is none."""
+    from evoesap.params import keyed
+
+    try:
+        if artifacts.occupant(out_uri, "search") == before:
+            return None
+        manifest = artifacts.verify(out_uri, "search")
+        key = artifacts.cache_key("search", keyed(params), artifacts.describe_inputs(inputs))
+    except errors.EvoESAPError:
+        return None
+    return manifest if manifest.cache_key == key else None
 
 
 def worker_spec(inputs: Mapping[str, Any], params: Any, out_uri: str) -> dict[str, Any]:
@@ -258,23 +290,45 @@ def worker_spec(inputs: Mapping[str, Any], params: Any, out_uri: str) -> dict[st
 
 
 def _failure(exc: Any, params: Any, checkpoint: str) -> errors.EvoESAPError:
-    """One error for a failed worker: which, why, and how far the checkpoint got."""
+    """One error for a failed worker or a signal to the launcher: which, why, and how far the checkpoint got."""
+    if not hasattr(exc, "failures"):  # torch's SignalException: the launcher stopped the workers, which have ended
+        return errors.Interrupted(
+            f"{_event(exc, params)} and nothing was published{_progress(params, checkpoint) or '; re-run to start again'}",
+            int(exc.sigval),
+        )
     rank, failure = root_failure(exc.failures)
-    message = failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+    message = _message(failure)
     kind, _, detail = message.partition(": ")
     cls = getattr(errors, kind, None)
-    if failure.exitcode > 0 and isinstance(cls, type) and issubclass(cls, errors.EvoESAPError):
+    if failure.exitcode > 0 and isinstance(cls, type) and issubclass(cls, errors.EvoESAPError) and cls is not errors.Interrupted:
         return cls(f"search worker {rank} of {params.workers}: {detail.splitlines()[0] if detail else message}")
+    return errors.EvoESAPError(f"{_event(exc, params)}, which stopped the search{_progress(params, checkpoint)}")
+
+
+def _event(exc: Any, params: Any) -> str:
+    """What ended the launch, in a few words: the worker that failed and how, or the signal the launcher got."""
+    if not hasattr(exc, "failures"):
+        return f"search interrupted by {signal.Signals(exc.sigval).name}: its {params.workers} workers were stopped"
+    rank, failure = root_failure(exc.failures)
+    message = _message(failure)
     cause = (
         f"was killed by {failure.signal_name()}"
         if failure.exitcode < 0
         else (f"failed ({message.splitlines()[0] if message else f'exit code {failure.exitcode}'})")
     )
-    done = ""
-    if artifacts.exists(checkpoint):
-        generation = json.loads(artifacts.read_bytes(checkpoint).decode("utf-8"))["generation"]
-        done = f"; the checkpoint holds generation {generation} of {params.generations}: re-run with resume to continue"
-    return errors.EvoESAPError(f"search worker {rank} of {params.workers} {cause}, which stopped the search{done}")
+    return f"search worker {rank} of {params.workers} {cause}"
+
+
+def _message(failure: Any) -> str:
+    return failure.message.get("message", "") if isinstance(failure.message, dict) else str(failure.message)
+
+
+def _progress(params: Any, checkpoint: str) -> str:
+    """How far the checkpoint got, and how to continue from there ("" without one)."""
+    if not artifacts.exists(checkpoint):
+        return ""
+    generation = json.loads(artifacts.read_bytes(checkpoint).decode("utf-8"))["generation"]
+    return f"; the checkpoint holds generation {generation} of {params.generations}: re-run with resume to continue"
 
 
 def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
@@ -284,6 +338,31 @@ def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     sigterm = -int(signal.SIGTERM)
     rank = min(failures, key=lambda r: (failures[r].exitcode == sigterm, failures[r].timestamp, r))
     return rank, failures[rank]
+
+
+SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # those torch's launcher forwards to the workers
+
+
+@contextlib.contextmanager
+def _signals_stop_the_workers(exception: type[BaseException]) -> Iterator[None]:
+    """While the launcher runs: a signal raises `exception` (torch's `SignalException`, what its launcher raises
+    once it has forwarded the signal to the workers and waited for them), from the start, before the launcher
+    installs its own handlers; after, this process's handlers as they were (the launcher leaves its own)."""
+    if threading.current_thread() is not threading.main_thread():  # handlers belong to the main thread
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise exception(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    previous = {sig: signal.getsignal(sig) for sig in (getattr(signal, name) for name in SIGNALS)}
+    for sig in previous:
+        signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager

@@ -40,6 +40,13 @@ removal counts, see `evoesap.method.allocation`) to a float, higher is better.
   level, generation)` (level None: the full set), so that a caller can score a generation's candidates on
   several workers (`evoesap.method.distributed`). The search asks for the same allocations in the same order
   whether it is given `fitness` / `subset_fitness` (scored one by one) or `score_batch`.
+- Elite floor (opt-in, `elite_floor=True`): from generation 1 on, full-set scoring gets the fitness of the
+  weakest parent as `floor` (`fitness(allocation, floor)`, `score_batch(..., floor=floor)`); a scorer may stop
+  a candidate as soon as its fitness provably lies below it and return an upper bound below `floor`
+  (`CandidateEvaluator.score(..., floor=)`). The parents hold `elites` slots of the population at or above the
+  floor, and floors never fall, so such a candidate could never become an elite or the best, now or when
+  drawn again: the search takes the same course and returns the same best allocation and fitness. Only the
+  history's fitness of those candidates (and the generation means) show the bound instead of the value.
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ from evoesap.method.racing import Racing
 log = logging.getLogger(__name__)
 
 Fitness = Callable[[Allocation], float]
+# with elite_floor: fitness(allocation, floor or None), at or above floor exact, below it possibly an upper bound
+FlooredFitness = Callable[[Allocation, "float | None"], float]
 # subset_fitness(allocation, racing level, generation): fitness on that level's sample subset
 SubsetFitness = Callable[[Allocation, int, int], float]
 # score_batch(allocations, racing level or None for the full set, generation): their fitnesses, in order
@@ -138,7 +147,7 @@ def seed_patterns(num_experts: Sequence[int], top_k: Sequence[int], budget: int,
 
 
 def level_switch_search(
-    fitness: Fitness | None,
+    fitness: Fitness | FlooredFitness | None,
     num_experts: Sequence[int],
     top_k: Sequence[int],
     budget: int,
@@ -157,6 +166,7 @@ def level_switch_search(
     racing: Racing | None = None,
     subset_fitness: SubsetFitness | None = None,
     score_batch: ScoreBatch | None = None,
+    elite_floor: bool = False,
 ) -> SearchResult:
     """Search the allocation that maximises `fitness` under the budget (see the module docstring).
 
@@ -165,6 +175,8 @@ def level_switch_search(
     score_batch: scores a batch at once, in place of `fitness` and `subset_fitness` (give one or the other).
     on_generation: called after each generation (0 is the initial population, so `generations + 1`
     calls in all); on resume, once for the restored generation and then for each new one.
+    elite_floor: pass the weakest parent's fitness to full-set scoring, which may stop candidates that cannot
+    reach it (the module docstring; `fitness` and `score_batch` then take the floor).
     """
     params = _validate(
         num_experts, top_k, budget, population, elites, generations, max_transfer, max_steps, granularity, seed, init
@@ -174,7 +186,7 @@ def level_switch_search(
     if score_batch is None:
         if (racing is None) != (subset_fitness is None):
             raise ConfigError("racing needs both a Racing schedule and subset_fitness (or neither)")
-        score_batch = _one_by_one(fitness, subset_fitness)
+        score_batch = _one_by_one(fitness, subset_fitness, elite_floor)
     elif subset_fitness is not None:
         raise ConfigError("score_batch scores the racing levels too: drop subset_fitness")
     params = dataclasses.replace(params, racing=racing)
@@ -185,7 +197,7 @@ def level_switch_search(
     if resume and saved is None:
         log.info("no checkpoint at %s yet: starting the search afresh", artifacts.redact(str(checkpoint)))
 
-    run = _Run(params, space, score_batch, checkpoint, on_generation)
+    run = _Run(params, space, score_batch, checkpoint, on_generation, elite_floor)
     if saved is None:
         start, pop = 0, _initial_population(_seeds(params), space, params.population, run.rng)
         run.finish(0, pop)
@@ -202,9 +214,17 @@ class _Run:
     scoring of a generation (racing levels, then the full set), its record and its checkpoint."""
 
     def __init__(
-        self, params: _Params, space: Any, score_batch: ScoreBatch, checkpoint: str | None, on_generation: OnGeneration | None
+        self,
+        params: _Params,
+        space: Any,
+        score_batch: ScoreBatch,
+        checkpoint: str | None,
+        on_generation: OnGeneration | None,
+        elite_floor: bool = False,
     ) -> None:
         self.params, self.score_batch, self.checkpoint, self.on_generation = params, score_batch, checkpoint, on_generation
+        self.elite_floor = elite_floor
+        self.floor: float | None = None  # the weakest parent's fitness in this generation (elite_floor)
         self.caps = np.asarray(space.caps)  # [L] int, bounds in units of granularity
         self.sizes = np.arange(1, max(1, params.max_transfer // params.granularity) + 1)  # [D] transfer sizes in units
         self.rng = np.random.default_rng(params.seed)
@@ -215,7 +235,11 @@ class _Run:
         self.subset_calls = 0
 
     def scored(self, rs: list[Allocation], level: int | None, gen: int) -> list[float]:
-        values = [float(v) for v in self.score_batch(rs, level, gen)]
+        floored = self.elite_floor and level is None
+        values = [
+            float(v)
+            for v in (self.score_batch(rs, level, gen, floor=self.floor) if floored else self.score_batch(rs, level, gen))
+        ]
         if len(values) != len(rs):
             raise DataError(f"score_batch returned {len(values)} values for {len(rs)} allocations: fix the scorer")
         for r, v in zip(rs, values):
@@ -252,6 +276,8 @@ class _Run:
 
     def finish(self, gen: int, pop: list[Allocation]) -> None:
         """Score generation `gen`, record it, keep the best, checkpoint it and report it."""
+        if self.elite_floor and gen > 0:  # the population starts with the parents (`_next_population`)
+            self.floor = min(self.memo[r] for r in pop[: self.params.elites])
         stopped = self.race(gen, pop) if self.params.racing is not None else {}
         self.score_full_set([r for r in pop if r not in stopped], gen)
         fits = [-math.inf if r in stopped else self.memo[r] for r in pop]  # stopped early: never elite
@@ -304,12 +330,12 @@ class _Run:
         return SearchResult(self.best, self.best_fitness, tuple(self.history), len(self.memo), self.subset_calls)
 
 
-def _one_by_one(fitness: Fitness, subset_fitness: SubsetFitness | None) -> ScoreBatch:
-    """A batch scorer that calls `fitness` / `subset_fitness` for each allocation in turn."""
+def _one_by_one(fitness: Any, subset_fitness: SubsetFitness | None, floored: bool = False) -> ScoreBatch:
+    """A batch scorer that calls `fitness` / `subset_fitness` for each allocation in turn (`floored`: with the floor)."""
 
-    def score_batch(rs: Sequence[Allocation], level: int | None, gen: int) -> list[float]:
+    def score_batch(rs: Sequence[Allocation], level: int | None, gen: int, floor: float | None = None) -> list[float]:
         if level is None:
-            return [float(fitness(r)) for r in rs]
+            return [float(fitness(r, floor) if floored else fitness(r)) for r in rs]
         assert subset_fitness is not None
         return [float(subset_fitness(r, level, gen)) for r in rs]
 

@@ -3,7 +3,7 @@
 Each row says where a family keeps its expert count and top-k in the config, which module routes,
 how it routes, which tensors are indexed by expert, and what the tiny test model looks like. A new
 family is a new row here, never a new class. Verified against transformers 5.24 (each row's tiny
-config builds that family's model in tests/test_moe.py).
+config builds that family's model in tests/unit/test_moe.py).
 """
 
 from __future__ import annotations

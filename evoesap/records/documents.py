@@ -189,5 +189,4 @@ class QuantizationRecord(Record):
     num_experts_per_layer: dict[int, int] | None  # decoder layer -> experts, of a non-uniform checkpoint; None: uniform
     checkpoint_bytes_before: int  # bytes of the input's safetensors files
     checkpoint_bytes_after: int  # bytes of the quantized safetensors files
-    seconds: dict[str, float]  # wall time per phase of the worker (load, oneshot, save)
     versions: dict[str, str]  # versions of the tools that quantized

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from evoesap.errors import ArtifactError, ConfigError
+from evoesap.store.identity import redact
 
 log = logging.getLogger(__name__)
 
@@ -27,15 +28,50 @@ def token(variable: str) -> str:
     return value
 
 
-def _api(endpoint: str | None, secret: str) -> Any:
-    from huggingface_hub import HfApi
+TIMEOUT_ENV = "HF_HUB_DOWNLOAD_TIMEOUT"  # huggingface_hub's own name for how long a request may wait
+DEFAULT_TIMEOUT_S = 60.0  # an endpoint silent this long is down (an upload's chunks each answer far sooner)
 
+
+def timeout_s() -> float:
+    """Seconds a Hub request may wait for the endpoint: $HF_HUB_DOWNLOAD_TIMEOUT, else `DEFAULT_TIMEOUT_S`."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    try:
+        value = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"{TIMEOUT_ENV}={text!r} is not a positive number of seconds")
+    return value
+
+
+def _api(endpoint: str | None, secret: str) -> Any:
+    """huggingface_hub's API whose requests give up after `timeout_s()`: its client waits forever, and many of its
+    calls pass that explicitly, so each request's own timeout is bounded as it is sent."""
+    from huggingface_hub import HfApi, set_client_factory
+    from huggingface_hub.utils._http import default_client_factory
+
+    seconds = timeout_s()
+
+    def bound(request: Any) -> None:
+        limits = request.extensions.get("timeout") or {}
+        request.extensions["timeout"] = {k: seconds if v is None else min(v, seconds) for k, v in limits.items()} or {
+            k: seconds for k in ("connect", "read", "write", "pool")
+        }
+
+    def client() -> Any:
+        made = default_client_factory()
+        made.event_hooks = {**made.event_hooks, "request": [*made.event_hooks["request"], bound]}
+        return made
+
+    set_client_factory(client)  # closes a client made before (with another bound)
     return HfApi(endpoint=endpoint, token=secret)
 
 
 def _failure(what: str, repo: str, exc: Exception, secret: str) -> ArtifactError:
     detail = " ".join(str(exc).replace(secret, "***").split())[:300]
-    return ArtifactError(f"{what} the Hub repository {repo} failed ({type(exc).__name__}: {detail})")
+    if "Timeout" in type(exc).__name__:
+        detail = f"no answer within {timeout_s():g} s; set {TIMEOUT_ENV} to wait longer"
+    return ArtifactError(redact(f"{what} the Hub repository {repo} failed ({type(exc).__name__}: {detail})"))
 
 
 def check_target(repo: str, files: Iterable[str], *, endpoint: str | None, secret: str) -> None:
@@ -43,8 +79,9 @@ def check_target(repo: str, files: Iterable[str], *, endpoint: str | None, secre
     break the checkpoint); a repository that does not exist yet is fine (the push creates it)."""
     from huggingface_hub.errors import RepositoryNotFoundError
 
+    api = _api(endpoint, secret)
     try:
-        present = set(_api(endpoint, secret).list_repo_files(repo))
+        present = set(api.list_repo_files(repo))
     except RepositoryNotFoundError:
         return
     except Exception as exc:  # noqa: BLE001 - a refused token, an unreachable endpoint: one line, before work

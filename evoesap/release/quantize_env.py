@@ -18,7 +18,7 @@ from typing import Any
 
 from evoesap.store import artifacts
 from evoesap.errors import ConfigError, EvoESAPError
-from evoesap.machine.side_env import side_python
+from evoesap.machine.side_env import ask, side_python
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def tool_versions() -> dict[str, str]:
 def _versions(python: str) -> tuple[tuple[str, str], ...]:
     """Asked of `python` once per process: package metadata only, nothing imported (well under a second)."""
     script = f"import importlib.metadata as m, json; print(json.dumps({{n: m.version(n) for n in {KEYED_TOOLS!r}}}))"
-    done = subprocess.run([python, "-c", script], capture_output=True, text=True)
+    done = ask(python, script, PYTHON_ENV, "llm-compressor installed")
     try:
         versions = json.loads(done.stdout) if done.returncode == 0 else None
     except ValueError:

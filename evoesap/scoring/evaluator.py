@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -140,15 +140,28 @@ class CandidateEvaluator:
             self._uniforms = torch.rand(cache.meta.num_positions, generator=gen).to(self.device)  # [P] float32
         # allocation -> (lower [S], upper [S]) float32 on the host, NaN where not computed yet
         self._memo: dict[AllocationKey, tuple[torch.Tensor, torch.Tensor]] = {}
+        # per sample: shortfall from the metric's best summed over the allocations scored on every sample [S] float64
+        self._shortfall_sum = torch.zeros(cache.num_samples, dtype=torch.float64)
+        self._complete = 0
         self.forwards = 0  # samples run through the model, for cost accounting
         self.work = 0  # active multiply-accumulates actually run (`LayerRunner.half_costs`; padding not counted)
 
     # ---------------------------------------------------------------------------------------------
     # Public API
 
-    def score(self, pruned: Mapping[int, Iterable[int]], samples: Sequence[int] | None = None) -> float:
-        """Search fitness of `pruned` (MoE ordinal -> expert ids) over `samples` (cache indices; all by default)."""
-        lower, _ = self.sample_bounds(pruned, samples)
+    def score(
+        self, pruned: Mapping[int, Iterable[int]], samples: Sequence[int] | None = None, floor: float | None = None
+    ) -> float:
+        """Search fitness of `pruned` (MoE ordinal -> expert ids) over `samples` (cache indices; all by default).
+
+        With `floor`, batches of samples run only while the fitness could still reach `floor`, counting every
+        sample not scored yet at the metric's best value; once it cannot, the return is that upper bound, below
+        `floor`, and the rest is left unscored (a later call finishes it). A fitness at or above `floor` comes
+        back exactly as without one: the same batches run, only their order is checked in between."""
+        index = self._sample_index(samples)
+        lower = self._fill(allocation_key(pruned), index, floor)[0][index]
+        if floor is not None and bool(torch.isnan(lower).any()):
+            return self._upper(lower)
         return self.metric.sign * metrics.dataset_mean(lower)
 
     def bounds(self, pruned: Mapping[int, Iterable[int]], samples: Sequence[int] | None = None) -> tuple[float, float]:
@@ -165,15 +178,7 @@ class CandidateEvaluator:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sample (lower, upper) -> ([len(samples)], [len(samples)]) float32, memoised."""
         index = self._sample_index(samples)
-        key = allocation_key(pruned)
-        if key not in self._memo:
-            nan = torch.full((self.cache.num_samples,), float("nan"))
-            self._memo[key] = (nan.clone(), nan.clone())
-        lower, upper = self._memo[key]
-        missing = [i for i in index.tolist() if torch.isnan(lower[i])]
-        if missing:
-            new_lower, new_upper = self._run(key, missing)
-            lower[missing], upper[missing] = new_lower, new_upper
+        lower, upper = self._fill(allocation_key(pruned), index)
         return lower[index].clone(), upper[index].clone()
 
     @property
@@ -183,6 +188,8 @@ class CandidateEvaluator:
     def clear(self) -> None:
         """Forget memoised scores and cached states (for example after the model's weights changed)."""
         self._memo.clear()
+        self._shortfall_sum.zero_()
+        self._complete = 0
         if self.prefix is not None:
             self.prefix.clear()
 
@@ -193,6 +200,30 @@ class CandidateEvaluator:
 
     # ---------------------------------------------------------------------------------------------
     # Work
+
+    def _fill(self, key: AllocationKey, index: torch.Tensor, floor: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Score the samples of `index` that `key` lacks -> its memo (lower [S], upper [S]) float32, NaN where not
+        scored; with `floor`, stop once the fitness over `index` provably lies below it (`score`)."""
+        if key not in self._memo:
+            nan = torch.full((self.cache.num_samples,), float("nan"))
+            self._memo[key] = (nan.clone(), nan.clone())
+        lower, upper = self._memo[key]
+        missing = [i for i in index.tolist() if torch.isnan(lower[i])]
+        if missing and floor is None:
+            self._run(key, missing)
+        elif missing:  # the samples where scored allocations fall shortest of the best first: the bound drops fastest
+            self._run(key, missing, lambda: self._upper(lower[index]) < floor, self._shortfall.tolist())
+        return lower, upper
+
+    @property
+    def _shortfall(self) -> torch.Tensor:
+        """Mean shortfall per sample over the allocations scored in full so far -> [S] float64 (zeros before any)."""
+        return self._shortfall_sum / max(1, self._complete)
+
+    def _upper(self, lower: torch.Tensor) -> float:
+        """Fitness bound from per-sample values ([n] float32, NaN where not scored: counted at the metric's best)."""
+        signed = self.metric.sign * lower.double()
+        return float(torch.where(torch.isnan(signed), self.metric.sign * self.metric.best, signed).mean())
 
     def _cache_fits(self, cache: TeacherCache, budget: int | None) -> bool:
         """Whether the teacher columns go to the model's device (always, when that is the host)."""
@@ -220,35 +251,48 @@ class CandidateEvaluator:
             raise ConfigError(f"sample indices must be in 0..{self.cache.num_samples - 1}, got {list(samples)}")
         return index
 
-    def _run(self, key: AllocationKey, samples: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Masked forward over `samples` -> per-sample (lower, upper) on the host."""
+    def _run(
+        self,
+        key: AllocationKey,
+        samples: list[int],
+        stop: Callable[[], bool] | None = None,
+        weights: Sequence[float] | None = None,
+    ) -> None:
+        """Masked forward over `samples`, batch by batch into `key`'s memo; `stop` is asked before every batch
+        (samples scored earlier, by a racing level, may settle it at once), and a true answer leaves the rest unscored. `weights` (per cache sample)
+        orders the batches, heaviest first; the batches themselves are the same whatever their order."""
         from evoesap.moe import masked
 
         pruned = dict(key)
         sets: Sets = tuple(tuple(pruned.get(a, ())) for a in range(len(self._starts)))
-        lower = torch.empty(len(samples), device=self.device)  # [S'] float32
-        upper = torch.empty(len(samples), device=self.device)
-        slot = {s: j for j, s in enumerate(samples)}
+        lower, upper = self._memo[key]  # [S] float32 on the host
+        complete = not bool(torch.isnan(lower).any())
+        batches = list(iter_batches([self._lengths[s] for s in samples], self.batch_size))
+        if weights is not None:
+            batches.sort(key=lambda batch: -sum(weights[samples[b]] for b in batch))
         starts = {s: self.prefix.start(sets, s) if self.prefix is not None else (-1, None) for s in samples}
+        stopped = False
         was_training = self.model.training
         if was_training:
             self.model.eval()
         try:
             with torch.inference_mode(), masked(self.model, pruned):
-                for batch in iter_batches([self._lengths[s] for s in samples], self.batch_size):
+                for batch in batches:
+                    if stop is not None and stop():
+                        stopped = True
+                        break
                     order, lo, up = self._forward([samples[b] for b in batch], sets, starts)
-                    where = torch.tensor([slot[s] for s in order], device=self.device)
-                    lower[where], upper[where] = lo, up
+                    lower[order], upper[order] = lo.cpu(), up.cpu()  # one transfer per batch
                     self.forwards += len(order)
         finally:
             if was_training:
                 self.model.train()
-        lower, upper = lower.cpu(), upper.cpu()
-        if self.prefix is not None:
-            memo = self._memo[key][0].clone()
-            memo[samples] = lower
-            self.prefix.commit(sets, self.metric.sign * float(memo[~torch.isnan(memo)].double().mean()))
-        return lower, upper
+        if not complete and not bool(torch.isnan(lower).any()):
+            self._shortfall_sum += self.metric.sign * self.metric.best - self.metric.sign * lower.double()
+            self._complete += 1
+        if self.prefix is not None:  # an allocation stopped early ranks by its bound, below every elite's fitness
+            done = lower[~torch.isnan(lower)]
+            self.prefix.commit(sets, self._upper(lower) if stopped else self.metric.sign * float(done.double().mean()))
 
     def _forward(
         self, chunk: list[int], sets: Sets, starts: Mapping[int, tuple[int, torch.Tensor | None]]

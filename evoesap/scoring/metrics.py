@@ -131,13 +131,14 @@ class Metric:
     sign: float  # +1 for ESAP/SAP, -1 for KL/NLL so that the search always maximises
     needs_full_vocab: bool  # False when a top-K cache suffices (ESAP gives bounds, NLL needs only targets)
     doc: str
+    best: float  # the best raw value a sample can score (ESAP/SAP 1, KL/NLL 0): bounds a sample not scored yet
 
 
 METRICS: dict[str, Metric] = {
-    "esap": Metric("esap", 1.0, False, "sum_v min(p, q) = 1 - TV; a top-K cache gives its lower bound"),
-    "sap": Metric("sap", 1.0, True, "min(1, p(y)/q(y)) for y ~ q, fixed uniforms per position"),
-    "kl": Metric("kl", -1.0, True, "-KL(p || q)"),
-    "nll": Metric("nll", -1.0, False, "-NLL of the candidate on the answer tokens"),
+    "esap": Metric("esap", 1.0, False, "sum_v min(p, q) = 1 - TV; a top-K cache gives its lower bound", 1.0),
+    "sap": Metric("sap", 1.0, True, "min(1, p(y)/q(y)) for y ~ q, fixed uniforms per position", 1.0),
+    "kl": Metric("kl", -1.0, True, "-KL(p || q)", 0.0),
+    "nll": Metric("nll", -1.0, False, "-NLL of the candidate on the answer tokens", 0.0),
 }
 
 

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 from typing import Any, Iterator
 
 from evoesap.store import artifacts
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 
 LM_EVAL_FILE = "lm_eval_results.json"
 SCHEMA_VERSION = 1
+_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +53,13 @@ class EvaluateParams(PlacementParams):
     method: str | None = param(None, "Label for the report: full, uniform, searched, frequency, ...")
 
     def __post_init__(self) -> None:
+        for name in ("criterion", "method"):
+            value = getattr(self, name)
+            if value is not None and not _LABEL.fullmatch(value):
+                raise ConfigError(
+                    f"{name} label {value!r} may hold letters, digits and . _ + - only (at most 64, the first a "
+                    "letter or digit): it names the run's rows and files in the report"
+                )
         if self.limit is not None and self.limit <= 0:
             raise ConfigError(f"limit must be positive, got {self.limit}")
         if isinstance(self.batch_size, str) and not self.batch_size.startswith("auto"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -49,7 +50,7 @@ class PublishParams(StageParams):
         "License of the base model when its card names none (a license on the base "
         "model's card is carried and cannot be changed).",
     )
-    digits: int = param(3, "Decimals in the evaluation table.")
+    digits: int = param(3, "Decimals in the evaluation table.", ge=1, le=8)
     show_locations: bool = param(
         False, "Write the inputs' and artifacts' paths and URIs into the card (internal locations; off for a public card)."
     )
@@ -63,6 +64,10 @@ class PublishParams(StageParams):
             raise ConfigError(f"token_env {self.token_env!r} is not an environment variable name")
         if self.to is not None:
             artifacts.split(self.to)  # credentials inside the URI are refused here
+        if self.endpoint is not None:
+            parts = urllib.parse.urlsplit(self.endpoint)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ConfigError(f"endpoint {artifacts.redact(self.endpoint)!r} is not an http(s):// URL of a Hub")
         super().__post_init__()  # declared ranges, then the bounds every stage shares
 
 

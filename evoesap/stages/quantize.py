@@ -172,13 +172,16 @@ def run_quantize(model: str, params: QuantizeParams, out_uri: str, data: str | N
         "max_length": params.max_length,
         "batch_size": params.batch_size,
     }  # fmt: skip
-    with artifacts.stage_output(out_uri, "quantize", keyed(params), inputs, seen) as staging:
+    measured: dict[str, Any] = {}  # the worker's wall time per phase: in the manifest's run record, read when it is
+    # written after the block, not in the payload (two runs that make the same checkpoint differ in it)
+    with artifacts.stage_output(out_uri, "quantize", keyed(params), inputs, seen, run=measured) as staging:
         with artifacts.local_copy(model) as local:
             before = runtime.checkpoint_bytes(str(local))
             # on the CPU a tiny model runs one thread (runtime.cpu_threads): two spin-wait whenever a core is shared
             threads = runtime.cpu_threads(before // 4) if runtime.resolve_device(params.device) == "cpu" else None
             job = {**request, "model": str(local), "out": str(staging)}
             result = quantize_env.run_worker(python, job, device=params.device, threads=threads)
+            measured["seconds"] = result["seconds"]
         if request["per_layer"]:  # the architecture name, auto_map and opt-in modeling file of every non-uniform checkpoint
             surgery.name_nonuniform(staging, family, request["per_layer"]["stock"])
         after = runtime.checkpoint_bytes(str(staging))
@@ -194,7 +197,6 @@ def run_quantize(model: str, params: QuantizeParams, out_uri: str, data: str | N
             num_experts_per_layer=None if counts is None else {int(layer): n for layer, n in counts.items()},
             checkpoint_bytes_before=before,
             checkpoint_bytes_after=after,
-            seconds=result["seconds"],
             versions=result["versions"],
         )
         records.write(staging, summary)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -133,7 +134,7 @@ def run_report(runs: list[str], params: ReportParams, out_uri: str, *, searches:
             log.warning("frequency-heuristic allocation unavailable: %s", exc)
             allocations = run_allocations(metrics, [])
         for (sparsity, criterion), methods in allocations.items():
-            name = f"density_{criterion or 'run'}_{round(sparsity * 100)}.png"
+            name = f"density_{re.sub(r'[^A-Za-z0-9._+-]', '_', criterion or 'run')}_{round(sparsity * 100)}.png"
             _save(rp.density_figure(methods, f"{criterion} at {sparsity:.0%} sparsity"), staging / name)
             images.append((f"Expert density per layer: {criterion}, {sparsity:.0%}", name))
         if histories:

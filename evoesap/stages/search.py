@@ -373,6 +373,19 @@ def _allocation_record(
     )
 
 
+def _check_processes(params: SearchParams) -> None:
+    """Refuse more workers, or GPUs, than this machine has, before anything is sized or started."""
+    if runtime.resolve_device(params.device).startswith("cuda"):  # the groups side by side
+        runtime.check_gpu_count(params.workers * params.gpus_per_worker, "workers x gpus_per_worker")
+        return
+    runtime.check_cpu_count(params.workers, "workers")
+    if params.gpus_per_worker > 1:
+        raise ConfigError(
+            f"gpus_per_worker={params.gpus_per_worker} spreads each worker's replica over GPUs, but the search runs on "
+            f"the CPU (device {params.device!r}): leave it at 1"
+        )
+
+
 def run_search(
     model: str, scores: str, cache: str, params: SearchParams, out_uri: str, heldout_cache: str | None = None
 ) -> artifacts.Manifest:
@@ -391,9 +404,9 @@ def run_search(
             f"{artifacts.redact(_checkpoint_uri(out_uri))} is a file that is not a search checkpoint: the search keeps "
             "its checkpoint under that name beside --out; move the file or choose another --out (nothing was changed)"
         )
+    if not distributed.joined():
+        _check_processes(params)
     bounds.check_stage(params, model)
-    if not distributed.joined() and runtime.resolve_device(params.device).startswith("cuda"):  # the groups side by side
-        runtime.check_gpu_count(params.workers * params.gpus_per_worker, "workers x gpus_per_worker")
     for uri in (cache, heldout_cache):  # inputs must be finished artifacts before anything loads
         if uri:
             artifacts.read_manifest(uri, "cache-logits")

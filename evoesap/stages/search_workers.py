@@ -6,14 +6,17 @@ batches. SPEC is a JSON file, or the JSON itself (a job's pods share no file). K
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 from evoesap.method import distributed
+from evoesap import errors
 
 log = logging.getLogger(__name__)
 TERMINATION_LOG = "/dev/termination-log"  # Kubernetes' default terminationMessagePath
@@ -26,12 +29,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     (source,) = sys.argv[1:] if argv is None else argv
     spec = json.loads(source if source.lstrip().startswith("{") else Path(source).read_text())
     try:
+        _die_with(spec.get("launcher"))
         _run(spec)
     except BaseException as exc:  # noqa: BLE001 (recorded, then this process exits non-zero)
         ErrorHandler().record_exception(exc)
         _termination_message(exc)
         log.debug("worker failed", exc_info=True)
         sys.exit(1)
+
+
+def _die_with(launcher: int | None) -> None:
+    """Started by `evoesap.method.distributed.launch` (process `launcher`): end when it ends, even killed -9, when it
+    cannot stop its workers itself (they run in sessions of their own), so none outlives it to publish
+    beside a re-run. Linux only (elsewhere a killed launcher's workers end at their collectives' timeout)."""
+    if launcher is None or not sys.platform.startswith("linux"):
+        return
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != launcher:  # it ended before the line above
+        raise errors.EvoESAPError(f"the search launcher (process {launcher}) ended before this worker started")
+
+
+PR_SET_PDEATHSIG = 1
 
 
 def _termination_message(exc: BaseException) -> None:

@@ -18,7 +18,7 @@ from packaging.utils import canonicalize_name
 
 from evoesap.store import artifacts
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = {name: (ROOT / "images" / name).read_text() for name in ("Dockerfile", "Dockerfile.cuda")}
 LOCKS = ("requirements.lock", "requirements-vllm.lock", "requirements-vllm-cuda.lock", "requirements-quantize.lock")
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

@@ -101,6 +101,16 @@ def test_quantized_checkpoints_shrink_as_their_bits_say_and_keep_their_architect
         assert summary["calibration_samples"] == (0 if recipe == "fp8-dynamic" else CALIBRATION["samples"])
 
 
+def test_two_runs_make_the_same_payload_and_keep_their_timings_in_the_manifest(world, tmp_path):
+    """The artifact is a function of its inputs and parameters: what a run measures of itself (the worker's wall
+    time per phase) goes to the manifest's run record, so a re-run after a fault makes the same payload."""
+    outs = [str(tmp_path / name) for name in ("a", "b")]
+    made = [run_quantize(world["olmoe-uniform"], QuantizeParams(recipe="fp8-dynamic"), out) for out in outs]
+    assert made[0].files == made[1].files
+    assert all(set(m.run["seconds"]) == {"load", "oneshot", "save"} for m in made)
+    assert all(v >= 0 for m in made for v in m.run["seconds"].values())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", list(BITS))
 def test_quantized_nonuniform_model_loads_in_transformers_and_stays_close(world, tmp_path, recipe):

@@ -13,7 +13,7 @@ from evoesap.components import DEFAULT_IMAGE, write_component_yamls
 from evoesap.components.interface import param_docs
 from evoesap.steps import params_class
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("calibrate", "cache-logits", "search", "prune", "evaluate", "report")
 
 

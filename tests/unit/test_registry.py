@@ -127,7 +127,7 @@ def test_listing_the_verbs_imports_no_stage_code():
         "print(sorted(m for m in sys.modules if m.startswith('evoesap.stages.') or m == 'torch'))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1]
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[2]
     ).stdout
     assert out.strip() == "[]"
 
@@ -137,7 +137,7 @@ def _imports_of_the_package() -> dict[str, set[str]]:
     imports anywhere in its text, function-local imports included."""
     import ast
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     modules = {}
     for folder, package in (
         (root / "evoesap", "evoesap"),

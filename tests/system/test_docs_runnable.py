@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted((ROOT / "docs" / "getting-started").glob("*.md"))
 # A fenced shell block and the HTML comment right above it: <!-- runnable --> or <!-- not-runnable: why -->.
 BLOCK = re.compile(r"(?:<!-- (runnable|not-runnable: [^>]+) -->\n)?```(?:bash|sh|shell)\n(.*?)```", re.S)

@@ -17,7 +17,7 @@ from evoesap.pipeline import dag
 from evoesap.params import StageParams, param
 from evoesap.registry import STAGES, Stage, StageInput, StageOutput
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _component(stage: Stage) -> dict:

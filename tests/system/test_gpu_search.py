@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def _load():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_search.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_search.py"
     spec = importlib.util.spec_from_file_location("gpu_search", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve annotations through it

@@ -14,7 +14,7 @@ import yaml
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIELDS = json.loads((ROOT / "tests" / "data" / "kfp" / "kubernetes_executor_config_fields.json").read_text())
 KUBEFLOW_PAGE = ROOT / "docs" / "guides" / "kubeflow-submit.md"
 # The pages that may hold a pipeline configuration example: the README and every documentation page.

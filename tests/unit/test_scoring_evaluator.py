@@ -212,3 +212,29 @@ def test_cli_caches_then_scores_an_allocation(tmp_path, capsys) -> None:
         == 1
     )
     assert "mode" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("metric", ["esap", "nll"])
+@pytest.mark.parametrize("prefix", [0, 1 << 24])
+def test_floor_returns_the_exact_fitness_or_a_bound_below_it(world, metric, prefix) -> None:
+    model, samples, full, _ = world
+    make = lambda: CandidateEvaluator(model, full, metric=metric, batch_size=2, prefix_cache_bytes=prefix)  # noqa: E731
+    plain = make()
+    exact = plain.score(PRUNED)
+    reachable = make()
+    assert reachable.score(PRUNED, floor=exact - 1e-3) == exact  # reachable: every batch runs, the same value
+    assert reachable.forwards == plain.forwards == len(samples)
+    best = 1.0 if metric == "esap" else 0.0  # the metric's best per-sample fitness: bounds unscored samples
+    for floor in (best + 0.5, exact + 1e-6):
+        stopped = make()
+        bound = stopped.score(PRUNED, floor=floor)
+        assert exact <= bound < floor
+        if floor > best:  # nothing can reach it: the bound of no sample scored, nothing run
+            assert bound == best and stopped.forwards == 0
+        assert abs(stopped.score(PRUNED) - exact) < 1e-6  # finishing later gives the value
+        assert stopped.forwards == len(samples)  # the samples already scored are not run again
+    partial = make()  # two samples known already (a racing level) settle a floor above their bound at once
+    known = partial.score(PRUNED, samples=[0, 1]) * 2
+    settled = (known + (len(samples) - 2) * best) / len(samples)
+    assert partial.score(PRUNED, floor=settled + 1e-9) == pytest.approx(settled, abs=1e-12)
+    assert partial.forwards == 2 and settled >= exact

@@ -11,7 +11,7 @@ import pytest
 
 from evoesap import registry as stages
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(path: Path, name: str):

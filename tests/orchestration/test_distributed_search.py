@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,7 +27,7 @@ from evoesap.stages.calibrate import CalibrateParams, run_calibrate
 from evoesap.stages.search import SearchParams, run_search
 from tiny_world import make_tiny_inputs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(criterion="reap", sparsity=0.5, population=6, elites=2, generations=2, batch_size=8)
 RACING = dict(racing=True, racing_schedule="0.25,0.5:0.5", racing_min_samples=2, racing_min_positions=8)
 MODES = {"exact": {}, "racing": RACING}
@@ -50,8 +53,8 @@ def _one_process(world, name: str, params: SearchParams) -> str:
     return out
 
 
-def _cli(world, out: str, params: SearchParams, *extra: str) -> subprocess.Popen:
-    """`evoesap -q search ... --workers N` in a fresh process, one CPU thread per worker."""
+def _cli(world, out: str, params: SearchParams, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`evoesap -q search ... --workers N` in a fresh process, one CPU thread per worker (`env`: more variables)."""
     _, inputs = world
     args = [
         "--model",
@@ -77,7 +80,7 @@ def _cli(world, out: str, params: SearchParams, *extra: str) -> subprocess.Popen
     ):
         args += [f"--{key.replace('_', '-')}", str(getattr(params, key))]
     args += ["--racing"] * params.racing + ([] if params.prefix_reuse else ["--no-prefix-reuse"])
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "evoesap", "-q", "search", *args, *extra],
         env=env,
@@ -112,7 +115,7 @@ def test_workers_without_prefix_reuse_give_the_one_process_artifact_bit_for_bit(
 @pytest.mark.parametrize("workers, mode", [(3, "exact"), (2, "racing")])
 def test_workers_with_prefix_reuse_find_the_one_process_search(world, tmp_path, workers, mode):
     """Workers' prefix caches hold other states than the one process's: the same candidates, elites and
-    result, fitness equal up to prefix reuse's float rounding (1e-6, as tests/test_scoring_prefix.py)."""
+    result, fitness equal up to prefix reuse's float rounding (1e-6, as tests/unit/test_scoring_prefix.py)."""
     params = SearchParams(**SMALL, **MODES[mode])
     reference = _one_process(world, mode, params)
     run = _cli(world, str(tmp_path / "out"), SearchParams(**{**vars(params), "workers": workers}))
@@ -173,6 +176,135 @@ def test_a_killed_worker_ends_the_job_in_one_line_and_resume_finishes_to_the_sam
     (doc, history), (ref_doc, ref_history) = _documents(out), _documents(reference)
     assert doc == ref_doc  # the cost, which counts only the resumed run's work, is in the manifest
     pd.testing.assert_frame_equal(history, ref_history, check_exact=True)
+
+
+class Hooks:
+    """The test's end of tests/hooks/sitecustomize.py: a Unix socket each search worker connects to, saying its
+    rank and pid, then the moments it reaches (and, where asked, holding there until the connection closes)."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="evoesap-hooks-"))  # short: a socket path has 107 bytes at most
+        self.server = socket.socket(socket.AF_UNIX)
+        self.server.bind(str(self.folder / "s"))
+        self.server.listen(4)
+        self.server.settimeout(170)
+        self.links: dict[int, tuple[socket.socket, object, int]] = {}
+
+    def env(self, hooks: str, tmp: Path) -> dict[str, str]:
+        tmp.mkdir(exist_ok=True)
+        return {
+            "PYTHONPATH": f"{ROOT / 'tests' / 'hooks'}{os.pathsep}{ROOT}",
+            "EVOESAP_TEST_SOCKET": str(self.folder / "s"),
+            "EVOESAP_TEST_HOOKS": hooks,
+            "TMPDIR": str(tmp),
+        }
+
+    def accept(self, workers: int) -> None:
+        for _ in range(workers):
+            link, _ = self.server.accept()
+            link.settimeout(60)
+            reader = link.makefile("r")
+            _, rank, _, pid = reader.readline().split()
+            self.links[int(rank)] = (link, reader, int(pid))
+
+    def expect(self, rank: int, event: str) -> None:
+        assert self.links[rank][1].readline().strip() == event
+
+    def pid(self, rank: int) -> int:
+        return self.links[rank][2]
+
+    def ended(self, rank: int) -> bool:
+        """Whether worker `rank`'s process has ended (its connection closed) within the links' timeout."""
+        try:
+            return self.links[rank][1].read() == ""
+        except OSError:  # timed out: still running
+            return False
+
+    def close(self) -> None:
+        for link, reader, pid in self.links.values():
+            if Path(f"/proc/{pid}").exists():  # a worker that outlived its launcher (the defect a test catches)
+                os.kill(pid, signal.SIGKILL)
+            reader.close()
+            link.close()
+        self.server.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@pytest.fixture
+def hooks():
+    hooks = Hooks()
+    yield hooks
+    hooks.close()
+
+
+def _error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.strip() and "Loading weights" not in line]
+
+
+FAST = SearchParams(**{**SMALL, "population": 4, "elites": 1, "generations": 1}, prefix_reuse=False, workers=2)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_its_workers_ends_in_one_line_and_resume_finishes(world, tmp_path, hooks):
+    reference = _one_process(world, "fast", SearchParams(**{**vars(FAST), "workers": 1}))
+    out, tmp = str(tmp_path / "out"), tmp_path / "tmp"
+    run = _cli(world, out, FAST, env=hooks.env("pause-at-generation", tmp))
+    hooks.accept(2)
+    hooks.expect(0, "generation 1")  # both workers inside the search, generation 0 checkpointed
+    run.send_signal(signal.SIGTERM)
+    stdout, err = run.communicate(timeout=120)
+    assert (run.returncode, stdout) == (128 + signal.SIGTERM, ""), err
+    assert _error_lines(err) == [
+        "error: search interrupted by SIGTERM: its 2 workers were stopped and nothing was published; the checkpoint "
+        "holds generation 0 of 1: re-run with resume to continue"
+    ], err
+    assert hooks.ended(0) and hooks.ended(1)  # the launcher waited for them: gone before it exited
+    assert not Path(out).exists() and list(tmp.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out")) == []
+
+    again = _cli(world, out, FAST, "--resume")
+    _, err = again.communicate(timeout=170)
+    assert again.returncode == 0, err
+    (doc, history), (ref_doc, ref_history) = _documents(out), _documents(reference)
+    assert doc == ref_doc
+    pd.testing.assert_frame_equal(history, ref_history, check_exact=True)
+
+
+@pytest.mark.slow
+def test_a_launcher_killed_outright_takes_its_workers_with_it_and_the_next_run_cleans_up(world, tmp_path, hooks):
+    """kill -9 leaves the launcher no moment to stop its workers (they run in sessions of their own): they must
+    not go on searching, and publish, beside the run that follows."""
+    reference = _one_process(world, "fast", SearchParams(**{**vars(FAST), "workers": 1}))
+    out, tmp = str(tmp_path / "out"), tmp_path / "tmp"
+    run = _cli(world, out, FAST, env=hooks.env("pause-at-generation", tmp))
+    hooks.accept(2)
+    hooks.expect(0, "generation 1")
+    run.kill()
+    run.communicate(timeout=60)
+    assert hooks.ended(0) and hooks.ended(1), "a search worker outlived its launcher"
+    assert [p.name.startswith("evoesap-search-") for p in tmp.iterdir()] == [True]  # the launcher's, for the next run
+
+    again = _cli(world, out, FAST, "--resume", env={"TMPDIR": str(tmp)})
+    _, err = again.communicate(timeout=170)
+    assert again.returncode == 0, err
+    assert list(tmp.iterdir()) == []
+    assert _documents(out)[0] == _documents(reference)[0]
+
+
+@pytest.mark.slow
+def test_a_worker_killed_after_the_artifact_was_published_leaves_a_finished_run_with_a_warning(world, tmp_path, hooks):
+    out = str(tmp_path / "out")
+    run = _cli(world, out, FAST, env=hooks.env("hold-after-serve", tmp_path / "tmp"))
+    hooks.accept(2)
+    hooks.expect(0, "published")
+    hooks.expect(1, "served")  # rank 0 said stop; rank 1 holds before it exits
+    os.kill(hooks.pid(1), signal.SIGKILL)
+    stdout, err = run.communicate(timeout=120)
+    assert (run.returncode, stdout.strip()) == (0, out), err
+    lines = _error_lines(err)
+    assert len(lines) == 1 and "search worker 1 of 2 was killed by SIGKILL after the artifact was published" in lines[0], err
+    assert "complete" in lines[0]
+    artifacts.verify(out, "search")  # every payload file against its manifest
 
 
 def test_assignment_keeps_owners_follows_the_nearest_parent_and_balances():

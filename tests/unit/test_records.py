@@ -18,7 +18,7 @@ from evoesap.store import artifacts
 from evoesap import records
 from evoesap.errors import ArtifactError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECORDS = (records.AllocationRecord, records.PruningRecord, records.MetricsRecord, records.QuantizationRecord)
 
 
@@ -126,7 +126,6 @@ QUANTIZATION = {
     "num_experts_per_layer": {"0": 6, "1": 8, "10": 4},
     "checkpoint_bytes_before": 5000000,
     "checkpoint_bytes_after": 1500000,
-    "seconds": {"load": 0.5, "oneshot": 12.25, "save": 0.125},
     "versions": {"llmcompressor": "0.14.0", "torch": "2.9.1"},
 }
 WRITTEN = [

@@ -18,7 +18,7 @@ from evoesap.pipeline.dag import compile_pipeline
 
 from tiny_world import quick_world_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _config(**overrides) -> PipelineConfig:

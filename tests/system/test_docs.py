@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Development-history words: an issue or step number, "this stop", a working session.
 HISTORY = re.compile(r"\b(issue|stop)s? \d+\b|\bthis stop\b|\bsession", re.IGNORECASE)
 

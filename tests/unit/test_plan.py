@@ -12,7 +12,7 @@ from evoesap import moe
 from evoesap.machine import sizes
 from evoesap.errors import ResourceError
 
-DATA = Path(__file__).parent / "data" / "plan"
+DATA = Path(__file__).parents[1] / "data" / "plan"
 GB80 = 80 * 10**9
 
 

@@ -13,7 +13,7 @@ import pytest
 from evoesap.pipeline.cluster import StageSettings
 from evoesap.pipeline.trainjob import _progress, job_template, trainjob
 
-DATA = Path(__file__).resolve().parent / "data" / "trainer"
+DATA = Path(__file__).resolve().parents[1] / "data" / "trainer"
 RELEASES = {"v2.0.0": "2.0", "v2.1.0": "2.1", "v2.2.0": "2.2", "v2.3.0": "2.2", "head": "2.2"}  # file -> trainer_version
 PLACED = dict(
     cpu="16",

@@ -4,7 +4,7 @@ sub-packages run one way, and the check itself finds a cycle when there is one."
 import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script():

@@ -8,7 +8,7 @@ import textwrap
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 TEAM_SCRIPT = textwrap.dedent(
     """

@@ -18,7 +18,7 @@ from evoesap.pipeline.dag import compile_pipeline
 from evoesap.pipeline.run import run_local
 from tiny_world import make_tiny_inputs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "examples").glob("*.yaml"))
 
 

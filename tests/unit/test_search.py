@@ -325,3 +325,33 @@ def test_search_never_imports_torch():
     code = "import sys, evoesap.method.search, evoesap.method.allocation; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**16), st.floats(0.0, 1.0), st.booleans())
+def test_elite_floor_keeps_the_search_and_its_best(seed, slack, racing):
+    """A scorer that returns, below the floor, any upper bound that stays below it: the same best, the same
+    elites in every generation, the same evaluations, and only bounded candidates' history values differ."""
+    n, k = [8] * 5, [2] * 5
+    fitness = concave([1.0, 0.4, 2.0, 0.7, 1.3], n)
+    floors = []
+
+    def floored(r, floor):
+        value = fitness(r)
+        floors.append(floor)
+        if floor is not None and value < floor:
+            return value + slack * (floor - value) * 0.999  # an upper bound, still below the floor
+        return value
+
+    schedule = search.Racing() if racing else None
+    subset = (lambda r, level, gen: fitness(r) + 0.01 * level) if racing else None
+    common = dict(population=12, elites=3, generations=8, seed=seed, racing=schedule, subset_fitness=subset)
+    plain = search.level_switch_search(fitness, n, k, 14, **common)
+    bounded = search.level_switch_search(floored, n, k, 14, elite_floor=True, **common)
+    assert (bounded.best, bounded.best_fitness, bounded.evaluations) == (plain.best, plain.best_fitness, plain.evaluations)
+    elites = lambda result: [(h.generation, h.candidate, h.allocation) for h in result.history if h.elite]  # noqa: E731
+    assert elites(bounded) == elites(plain)
+    assert [h.allocation for h in bounded.history] == [h.allocation for h in plain.history]
+    assert floors[0] is None and any(f is not None for f in floors)  # generation 0 has no parents to compare with
+    for a, b in zip(plain.history, bounded.history):  # a bound is never below the value, never an elite's
+        assert b.fitness == a.fitness or (b.fitness > a.fitness and not b.elite and a.level is None)

@@ -695,7 +695,7 @@ def test_pipeline_compile_replaces_its_own_spec(tmp_path, capsys):
     from evoesap.pipeline.config import load_config
     from evoesap.pipeline.dag import compile_pipeline
 
-    config = load_config(Path(__file__).resolve().parents[1] / "examples" / "demo.yaml")
+    config = load_config(Path(__file__).resolve().parents[2] / "examples" / "demo.yaml")
     spec = tmp_path / "pipeline.yaml"
     first = compile_pipeline(config, spec).read_text()
     assert compile_pipeline(config, spec).read_text() == first
@@ -975,7 +975,7 @@ def test_pipeline_settings_that_cannot_work_are_refused_when_the_config_loads(ch
 
 
 def test_pipeline_compile_into_the_working_directory_is_refused(tmp_path, capsys, monkeypatch):
-    config = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
+    config = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
     monkeypatch.chdir(tmp_path)
     code, line = cli(capsys, "pipeline", "compile", str(config), "-o", ".")
     one_clear_line(code, line, "--output .", "is a directory")

@@ -332,7 +332,7 @@ def test_the_demo_example_config_is_the_demo_make_runs(tmp_path):
         info={},
     )
     made = demo_config(world, Path("runs/demo")).model_dump(exclude_none=True)
-    example = yaml.safe_load((Path(__file__).parents[1] / "examples" / "demo.yaml").read_text())
+    example = yaml.safe_load((Path(__file__).parents[2] / "examples" / "demo.yaml").read_text())
     assert {k: made[k] for k in example if k not in ("calibrate", "cache_logits", "search", "evaluate")} == {
         k: v for k, v in example.items() if k not in ("calibrate", "cache_logits", "search", "evaluate")
     }

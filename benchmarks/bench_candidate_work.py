@@ -1,0 +1,187 @@
+"""Work per candidate of the search, before and after the elite floor, in one run: FFE, seconds, same answer?
+
+For each world and seed, the same level-switch search runs twice on one evaluator setting: "before" with
+the elite floor off (today's search), "after" with it on (`level_switch_search(elite_floor=True)`, the
+evaluator stopping candidates that provably cannot reach the weakest parent). Both runs of a pair use a
+fresh evaluator, interleaved so that machine load hits both alike. Printed per pair: distinct candidates,
+FFE per candidate (work actually run / one plain forward over the search samples), seconds per candidate,
+the final allocations and fitnesses, and whether they agree (they must: the floor cannot change the course
+of the search).
+
+Worlds: `tiny` (the tiny OLMoE of `evoesap.moe.tiny`: 4 MoE layers of 8 experts top-2, vocabulary 256) and
+`olmoe` (bench_search's `--shape olmoe-1b-7b`: 16 MoE layers of 64 experts top-8, vocabulary 50304, width 64),
+both with random weights and bench_search's random search samples; `--model/--data` adds a demo world.
+Pruning orders come from the observer pass over calibration samples (REAP).
+
+    python benchmarks/bench_candidate_work.py                       # tiny and olmoe, 3 seeds
+    python benchmarks/bench_candidate_work.py --worlds tiny --seeds 0 1 2 3 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_search import build_shape, load_world  # noqa: E402
+
+from evoesap.method import allocation as alloc  # noqa: E402
+from evoesap import moe  # noqa: E402
+from evoesap.method import racing, search
+from evoesap.machine import runtime
+from evoesap.scoring.importance import observe, pruning_order  # noqa: E402
+from evoesap.moe.tiny import tiny_model  # noqa: E402
+from evoesap.scoring import teacher  # noqa: E402
+from evoesap.scoring.evaluator import CandidateEvaluator  # noqa: E402
+
+
+@dataclasses.dataclass
+class Run:
+    seconds: float
+    candidates: int
+    ffe: float  # full-forward equivalents in all
+    best: tuple[int, ...]
+    best_fitness: float
+
+
+def world(name: str, args: argparse.Namespace):
+    """(model, search samples, calibration samples) of a world."""
+    shape = argparse.Namespace(
+        shape="olmoe-1b-7b",
+        max_length=args.max_length,
+        samples=args.samples,
+        calibration_samples=args.calibration_samples,
+        model=args.model,
+        data=args.data,
+        calibration=None,
+        pad_vocab=0,
+    )
+    if name == "demo":
+        return load_world(shape)
+    model, tokenized, calibration = build_shape(shape)
+    if name == "tiny":  # the same random samples, drawn within the tiny vocabulary
+        model = tiny_model("olmoe", seed=0)
+        vocab = model.config.vocab_size
+        tokenized = [dataclasses.replace(s, input_ids=[3 + t % (vocab - 3) for t in s.input_ids]) for s in tokenized]
+        calibration = [dataclasses.replace(s, input_ids=[3 + t % (vocab - 3) for t in s.input_ids]) for s in calibration]
+    return model, tokenized, calibration
+
+
+def one_search(model, cache, orders, n, k, budget, args, seed: int, floor: bool, race: bool) -> Run:
+    evaluator = CandidateEvaluator(
+        model,
+        cache,
+        batch_size=args.batch_size,
+        prefix_cache_bytes=args.prefix_cache_bytes,
+        keep=args.elites,
+        verify=False,
+    )
+    ids = list(range(cache.num_samples))
+    positions = (cache.offsets[1:] - cache.offsets[:-1]).tolist()
+    schedule = racing.Racing.parse(args.racing_schedule, 2, 64) if race else None
+
+    def fitness(r, bound=None):
+        return evaluator.score(alloc.pruned_sets(r, orders), floor=bound)
+
+    def subset_fitness(r, level, generation):
+        return evaluator.score(alloc.pruned_sets(r, orders), schedule.subset(ids, positions, level, seed, generation))
+
+    t0 = time.perf_counter()
+    result = search.level_switch_search(
+        fitness,
+        n,
+        k,
+        budget,
+        population=args.population,
+        elites=args.elites,
+        generations=args.generations,
+        seed=seed,
+        elite_floor=floor,
+        racing=schedule,
+        subset_fitness=subset_fitness if race else None,
+    )
+    seconds = time.perf_counter() - t0
+    raced = {h.allocation for h in result.history if h.level is not None} - {
+        h.allocation for h in result.history if h.level is None
+    }
+    candidates = result.evaluations + len(raced)
+    return Run(seconds, candidates, evaluator.work / evaluator.full_forward_work(), result.best, result.best_fitness)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worlds", nargs="+", default=["tiny", "olmoe"], choices=["tiny", "olmoe", "demo"])
+    parser.add_argument("--model", help="with --worlds demo: the demo world's model directory")
+    parser.add_argument("--data", nargs="+", help="with --worlds demo: its search JSONL files")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--calibration-samples", type=int, default=16)
+    parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--criterion", default="reap")
+    parser.add_argument("--sparsity", type=float, default=0.5)
+    parser.add_argument("--population", type=int, default=32)
+    parser.add_argument("--elites", type=int, default=4)
+    parser.add_argument("--generations", type=int, default=6)
+    parser.add_argument("--prefix-cache-bytes", type=int, default=1 << 30, help="0: no prefix reuse")
+    parser.add_argument(
+        "--racing", action="store_true", help="also pairs with racing (schedule below, minimums 2 samples, 64 positions)"
+    )
+    parser.add_argument("--racing-schedule", default="0.25,0.5:0.25")
+    args = parser.parse_args()
+    print(f"machine: {platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        "| world | search | seed | candidates | FFE / cand. before | after | ratio | s / cand. before | after | ratio | same best | best fitness |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    totals: dict[str, list[float]] = {"ffe_before": [], "ffe_after": [], "s_before": [], "s_after": []}
+    agree = True
+    for name in args.worlds:
+        model, tokenized, calibration = world(name, args)
+        runtime.use_cpu_threads(runtime.parameter_count(model))
+        spec = moe.inspect(model)
+        n, k = spec.num_experts, spec.top_k
+        orders = pruning_order(observe(model, calibration, batch_size=args.batch_size), args.criterion)
+        budget = alloc.budget(args.sparsity, n, k)
+        with tempfile.TemporaryDirectory() as tmp:
+            teacher.write_cache(model, tokenized, Path(tmp), mode="full", dtype="float16", batch_size=args.batch_size)
+            cache = teacher.load_cache(tmp)
+            for race in (False, True) if args.racing else (False,):
+                for seed in args.seeds:
+                    before = one_search(model, cache, orders, n, k, budget, args, seed, False, race)
+                    after = one_search(model, cache, orders, n, k, budget, args, seed, True, race)
+                    same = (before.best, before.best_fitness) == (after.best, after.best_fitness)
+                    agree &= same
+                    fb, fa = before.ffe / before.candidates, after.ffe / after.candidates
+                    sb, sa = before.seconds / before.candidates, after.seconds / after.candidates
+                    for key, value in zip(totals, (fb, fa, sb, sa)):
+                        totals[key].append(value)
+                    print(
+                        f"| {name} | {'racing' if race else 'exact'}{'+prefix' if args.prefix_cache_bytes else ''} | {seed} | "
+                        f"{before.candidates} | {fb:.3f} | {fa:.3f} | {fa / fb:.2f} | {sb:.4f} | {sa:.4f} | {sa / sb:.2f} | "
+                        f"{'yes' if same else 'NO'} | {after.best_fitness:.6f} |",
+                        flush=True,
+                    )
+    mean = {key: sum(v) / len(v) for key, v in totals.items()}
+    print(
+        f"\nmean FFE per candidate {mean['ffe_before']:.3f} -> {mean['ffe_after']:.3f} "
+        f"({mean['ffe_after'] / mean['ffe_before']:.2f}x); seconds per candidate {mean['s_before']:.4f} -> "
+        f"{mean['s_after']:.4f} ({mean['s_after'] / mean['s_before']:.2f}x); final allocations agree: {agree}"
+    )
+    print(
+        f"settings: {args.criterion} {args.sparsity:.0%}, population {args.population}, elites {args.elites}, "
+        f"{args.generations} generations, {args.samples} samples x {args.max_length} tokens, batch {args.batch_size}"
+    )
+    print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
+
+
+if __name__ == "__main__":
+    main()
