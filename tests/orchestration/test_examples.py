@@ -1,4 +1,4 @@
-"""examples/: the configurations compile, and a team pipeline train -> EvoESAP -> publish runs with kfp.local."""
+"""examples/: the configurations compile, and a team pipeline train -> EvoESAP -> release_notes runs with kfp.local."""
 
 import importlib.util
 import re
@@ -150,6 +150,19 @@ def test_team_pipeline_compiles_with_evoesap_as_a_sub_pipeline(tmp_path):
     for name in ("pruned_models", "pruned_metrics"):
         handed = root["release-notes"]["inputs"]["artifacts"][name]["taskOutputArtifact"]
         assert handed == {"outputArtifactKey": name, "producerTask": "evoesap-demo-stages"}
+
+
+def test_the_embedding_guide_names_every_output_the_sub_pipeline_hands_on():
+    """docs/guides/embed.md lists what a team's pipeline receives; with quantize and publish on, every output is there."""
+    from evoesap.pipeline.dag import outputs_type
+
+    demo = yaml.safe_load((ROOT / "examples" / "demo.yaml").read_text())
+    config = load_config({**demo, "quantize": {"recipe": "w4a16-gptq"}, "publish_models": True})
+    names = set(outputs_type(config)._fields)
+    assert {"quantized_models", "released_models", "full_metrics"} <= names  # the optional ones are in the set
+    guide = (ROOT / "docs" / "guides" / "embed.md").read_text()
+    assert {name for name in names if f"`{name}`" not in guide} == set()
+    assert "use_venv=False" in guide  # the local runner a team's own pipeline needs
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +349,8 @@ def test_every_image_path_an_example_names_exists_in_the_image_its_stage_runs(pa
 
 def test_local_runs_run_each_step_in_this_environment_not_a_fresh_venv(monkeypatch, tmp_path):
     """KFP's SubprocessRunner() defaults to use_venv=True: each step in a new venv without EvoESAP, where the first
-    step fails ("No module named 'kfp.dsl'"). run_local, the helper the README shows for team pipelines, turns it off."""
+    step fails ("No module named 'kfp.dsl'"). run_local, the helper docs/guides/embed.md shows for team pipelines, turns
+    it off."""
     from kfp import local
 
     seen = {}

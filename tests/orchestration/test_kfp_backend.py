@@ -1,4 +1,4 @@
-"""The compiled specs against the lowest KFP backend the README names: every task's Kubernetes settings hold only
+"""The compiled specs against the lowest KFP backend the docs name: every task's Kubernetes settings hold only
 fields the backend's own proto of that version knows (its Argo compiler parses them strictly: an unknown field
 refuses the run at creation). The field tables are vendored from kubeflow/pipelines (tests/data/kfp, with their
 tag and commit)."""
@@ -15,13 +15,15 @@ from evoesap.pipeline.dag import compile_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = json.loads((ROOT / "tests" / "data" / "kfp" / "kubernetes_executor_config_fields.json").read_text())
-README = (ROOT / "README.md").read_text()
+KUBEFLOW_PAGE = ROOT / "docs" / "guides" / "kubeflow-submit.md"
+# The pages that may hold a pipeline configuration example: the README and every documentation page.
+DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def _floor() -> str:
-    """The lowest backend version the README's Kubeflow section names."""
-    found = re.search(r"Kubeflow Pipelines backend (\d+\.\d+\.\d+) or later", README)
-    assert found, "README.md no longer names the lowest Kubeflow Pipelines backend"
+    """The lowest backend version the Kubeflow guide names."""
+    found = re.search(r"Kubeflow Pipelines backend (\d+\.\d+\.\d+) or later", KUBEFLOW_PAGE.read_text())
+    assert found, f"{KUBEFLOW_PAGE.relative_to(ROOT)} no longer names the lowest Kubeflow Pipelines backend"
     return found.group(1)
 
 
@@ -61,7 +63,7 @@ def _executor_configs(spec_path: Path) -> dict[str, Any]:
 
 def _configs() -> list[tuple[str, dict]]:
     """Every example configuration; those with a publish section also with publish on (its token is a secret, as in
-    the README's cluster examples); and the README's own configuration blocks."""
+    the docs' cluster examples); and the configuration blocks of the README and the documentation pages."""
     out = []
     for path in sorted((ROOT / "examples").glob("*.yaml")):
         data = yaml.safe_load(path.read_text())
@@ -69,8 +71,10 @@ def _configs() -> list[tuple[str, dict]]:
         if "publish" in data.get("resources", {}) and not data.get("publish_models"):
             one_point = {"criteria": data["criteria"][:1], "sparsities": data["sparsities"][:1]}  # one repo, one model
             out.append((f"{path.stem}+publish", {**data, **one_point, "publish_models": True}))
-    blocks = re.findall(r"```yaml\n(.*?)```", README, flags=re.S)
-    out += [(f"README-{i}", yaml.safe_load(b)) for i, b in enumerate(blocks) if "storage_root" in b]
+    for page in DOC_PAGES:
+        blocks = re.findall(r"```yaml\n(.*?)```", page.read_text(), flags=re.S)
+        out += [(f"{page.relative_to(ROOT)}-{i}", yaml.safe_load(b)) for i, b in enumerate(blocks) if "storage_root" in b]
+    assert any(name.startswith("docs/guides/configure.md-") for name, _ in out), "configure.md lost its configuration example"
     return out
 
 
@@ -80,13 +84,16 @@ CONFIGS = _configs()
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict[str, dict[str, Any]]:
     root = tmp_path_factory.mktemp("specs")
-    return {name: _executor_configs(compile_pipeline(load_config(data), root / f"{name}.yaml")) for name, data in CONFIGS}
+    return {
+        name: _executor_configs(compile_pipeline(load_config(data), root / f"{name.replace('/', '_')}.yaml"))
+        for name, data in CONFIGS
+    }
 
 
 @pytest.mark.parametrize("name", [name for name, _ in CONFIGS])
-def test_every_compiled_kubernetes_setting_is_known_to_the_lowest_backend_the_readme_names(name, compiled):
+def test_every_compiled_kubernetes_setting_is_known_to_the_lowest_backend_the_docs_name(name, compiled):
     floor = _floor()
-    assert floor in FIELDS, f"vendor the {floor} field table into tests/data/kfp (the README names that backend)"
+    assert floor in FIELDS, f"vendor the {floor} field table into tests/data/kfp (the Kubeflow guide names that backend)"
     for executor, config in compiled[name].items():
         assert unknown_fields(config, "kfp_kubernetes.KubernetesExecutorConfig", floor) == [], executor
 

@@ -286,10 +286,10 @@ def test_a_quantize_stage_starting_beside_a_running_worker_leaves_its_files_alon
 
 
 def test_a_quantized_release_opens_in_plain_transformers_but_does_not_save_again(tiny_quantized, tmp_path):
-    """What the README says of a quantized release in plain transformers: it opens (its modeling file, with
+    """What docs/guides/serve-vllm.md says of a quantized release in plain transformers: it opens (its modeling file, with
     trust_remote_code) and runs, but save_pretrained fails inside transformers (reverting its weight conversion
     over the compressed-tensors weights), so a release is copied as files, never re-saved from a loaded model.
-    Should transformers fix it, this fails and the README's qualification goes."""
+    Should transformers fix it, this fails and the guide's qualification goes."""
     model = AutoModelForCausalLM.from_pretrained(tiny_quantized["quantized"], trust_remote_code=True)
     logits = model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits  # [1, 4, V]
     assert torch.isfinite(logits).all()
