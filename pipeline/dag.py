@@ -189,13 +189,13 @@ def _refuse_quality_target(config: PipelineConfig) -> None:
 def outputs_type(config: PipelineConfig) -> type:
     """What the (sub-)pipeline hands on, typed for KFP: the report, the searched pruned models and their metrics (one
     per criterion x sparsity), the full model's metrics; the quantized models and their metrics when the quantize
-    section names a recipe; the published checkpoints (`released_models`) with publish_models; each point's verdict
+    section names a recipe; the published checkpoints (`released_models`) with publish_models and no gate; each point's verdict
     (`verdicts`: gate.json, metadata `passed` and `verdict`, its one line) with a gate. A pipeline output must come
     from a task, so the optional ones exist only when their step does."""
     fields = [*Outputs.__annotations__.items(), ("pruned_metrics", List[Metrics]), ("full_metrics", Metrics)]
     if config.stage_params("quantize").get("recipe"):
         fields += [("quantized_models", List[Model]), ("quantized_metrics", List[Metrics])]
-    if config.publish_models:
+    if config.publish_models and not gated(config):  # a gated publish may not run: KFP has no output of it then
         fields.append(("released_models", List[Model]))
     if gated(config):
         fields.append(("verdicts", List[Artifact]))
@@ -298,7 +298,7 @@ def build_subpipeline(
         if dag.quantize_on:
             handed["quantized_models"] = dsl.Collected(dag.release["quantized"])
             handed["quantized_metrics"] = dsl.Collected(evals["quantized"].outputs["metrics"])
-        if config.publish_models:
+        if config.publish_models and dag.verdict is None:
             handed["released_models"] = dsl.Collected(dag.released.outputs["published"])
         if dag.verdict is not None:
             _end_on_failed_gate(config, dag.verdict, report)

@@ -16,8 +16,7 @@ loaders use the same functions without remote code.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn

@@ -22,7 +22,7 @@ def stored(directory: Path) -> dict[str, torch.Tensor]:
     out = {}
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(file, "pt") as f:
-            out.update({key: f.get_tensor(key) for key in f})
+            out.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118 - a safetensors handle is not iterable
     return out
 
 

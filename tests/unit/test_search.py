@@ -233,7 +233,7 @@ def test_checkpoint_is_complete_json_and_leaves_no_partial_files(tmp_path):
 
 def test_resume_refuses_a_file_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "search.json").write_text('{"something": "else"}')
-    with pytest.raises(ArtifactError, match="not a evoesap.method.search/1 checkpoint"):
+    with pytest.raises(ArtifactError, match="not a evoesap.search/1 checkpoint"):
         small_search(checkpoint=str(tmp_path / "search.json"), resume=True)
 
 
