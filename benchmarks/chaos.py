@@ -202,8 +202,9 @@ def snapshot(root: str, report: str | None = None) -> dict[str, dict[str, str]]:
 
     Artifacts are matched by lineage (stage, parameters, inputs; artifact inputs by their own lineage),
     since content-addressed locations and manifest hashes carry the manifests' times. For the same reason
-    a payload's bytes are hashed after each artifact location and manifest sha256 in them (a report's
-    lineage table, an evaluation's model URI) is replaced by its lineage label; nothing else is changed.
+    a payload's bytes are hashed after each artifact location (or its last part, as a public model card names it)
+    and manifest sha256 in them (a report's lineage table, an evaluation's model URI) is replaced by its lineage
+    label; nothing else is changed.
     """
     fs, base = storage_fs(root)
     manifests, hashes = {}, {}
@@ -232,7 +233,12 @@ def snapshot(root: str, report: str | None = None) -> dict[str, dict[str, str]]:
 
     scheme = root.split("://", 1)[0] + "://" if "://" in root else ""
     swaps = sorted(
-        ((s.encode(), f"<{label(d)}>".encode()) for d in manifests for s in (scheme + d, d, hashes[d], hashes[d][:12])),
+        # a public model card names an artifact by the last part of its location only (its content-addressed key)
+        (
+            (s.encode(), f"<{label(d)}>".encode())
+            for d in manifests
+            for s in (scheme + d, d, d.rsplit("/", 1)[-1], hashes[d], hashes[d][:12])
+        ),
         key=lambda pair: -len(pair[0]),
     )
     if report is not None:
