@@ -925,12 +925,16 @@ def _take_lease(
         try:
             other = json.loads(held)
         except ValueError:
-            other = {}
-        if not isinstance(other, dict) or other.get("key") != lease["key"]:
+            other = None
+        if isinstance(other, dict) and other.get("token") == lease["token"]:
+            return interrupted  # our own put, whose answer was lost and whose retry found it there
+        if isinstance(other, dict) and other.get("key") != lease["key"]:
             expected.refuse(staging, f"another {expected.stage} run is publishing there")
+        # an identical publish under way, or a lease read while its holder rewrote it (a store whose reads of an object
+        # being overwritten are not atomic, as moto's): wait and read again
         if time.monotonic() > deadline:
             raise ArtifactError(
-                f"an identical {expected.stage} run has been publishing {redact(uri)} for over {_LOCK_WAIT:.0f} s: "
+                f"another {expected.stage} run has been publishing {redact(uri)} for over {_LOCK_WAIT:.0f} s: "
                 f"if it was stopped, re-run `evoesap {expected.stage}` to finish it"
             )
         time.sleep(0.2)
