@@ -68,15 +68,17 @@ def _graph(spec: dict) -> nx.DiGraph:
 
 
 def stages_drawn(spec: dict) -> set[str]:
-    """The stages the picture of `spec` shows (its tasks' first label lines, the model reference apart)."""
+    """The stages the picture of `spec` shows (its tasks' first label lines; the model reference and the check that
+    ends a run whose gate failed are not stages)."""
     graph = _graph(spec)
-    return {graph.nodes[node]["label"].split("\n")[0] for node in graph} - {"model-reference"}
+    return {graph.nodes[node]["label"].split("\n")[0] for node in graph} - {"model-reference", "check-verdicts"}
 
 
 def compiled_spec(config_path: Path) -> dict:
     """The compiled KFP spec of the configuration at `config_path`, with every optional step on."""
     config = yaml.safe_load(config_path.read_text())
     config["publish_models"] = True
+    config.setdefault("gate", {}).setdefault("min_heldout_esap", 0.9)  # the release gate before publish
     with tempfile.TemporaryDirectory() as tmp:
         return yaml.safe_load(compile_pipeline(load_config(config), Path(tmp) / "spec.yaml").read_text())
 

@@ -62,7 +62,9 @@ def test_each_stage_s_facts_come_from_its_registry_entry(tmp_path, monkeypatch):
     uri = _artifact(tmp_path / "art", "report", {"report.md": b"# r"})
     common = {"uri", "stage", "manifest_sha256", "inputs", "evoesap_version"}
     assert set(facts.facts(uri)) == common
-    marked = tuple(dataclasses.replace(s, facts="tests.test_facts:_marker") if s.name == "report" else s for s in registry.STAGES)
+    marked = tuple(
+        dataclasses.replace(s, facts="tests.unit.test_facts:_marker") if s.name == "report" else s for s in registry.STAGES
+    )
     monkeypatch.setattr(registry, "STAGES", marked)
     assert facts.facts(uri)["marker"] == uri
 
