@@ -134,41 +134,16 @@ def test_listing_the_verbs_imports_no_stage_code():
 
 def _imports_of_the_package() -> dict[str, set[str]]:
     """evoesap's modules (components/ and pipeline/ under their installed names) -> the evoesap modules each
-    imports anywhere in its text, function-local imports included."""
-    import ast
+    imports anywhere in its text, function-local imports included: the package graph's own reading of the imports
+    (docs/package_graph.py)."""
+    import importlib.util
 
-    root = Path(__file__).resolve().parents[2]
-    modules = {}
-    for folder, package in (
-        (root / "evoesap", "evoesap"),
-        (root / "components", "evoesap.components"),
-        (root / "pipeline", "evoesap.pipeline"),
-    ):
-        for path in folder.rglob("*.py"):
-            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
-            modules[".".join([package, *parts])] = path
-
-    def known(name: str) -> str:
-        while name and name not in modules:
-            name = name.rpartition(".")[0]
-        return name
-
-    graph = {}
-    for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                found |= {known(a.name) for a in node.names if a.name.startswith("evoesap")}
-            elif isinstance(node, ast.ImportFrom):
-                base = package
-                for _ in range(max(node.level - 1, 0)):
-                    base = base.rpartition(".")[0]
-                module = (base + ("." + node.module if node.module else "")) if node.level else node.module or ""
-                if module.startswith("evoesap"):
-                    found |= {known(f"{module}.{a.name}") for a in node.names}
-        graph[name] = found - {name, ""}
-    return graph
+    spec = importlib.util.spec_from_file_location(
+        "package_graph", Path(__file__).resolve().parents[2] / "docs" / "package_graph.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.module_imports()
 
 
 def test_no_module_imports_itself_back_through_others():
