@@ -50,33 +50,14 @@ def build(root: Path, hidden: int | None, layers: int, experts: int) -> dict[str
 
 def timed_search(inputs: dict[str, str], out: Path, workers: int, generations: int, population: int) -> tuple[float, int]:
     """(wall seconds, candidates scored) of one `evoesap search` run."""
-    args = [
-        sys.executable,
-        "-m",
-        "evoesap",
-        "-q",
-        "search",
-        "--model",
-        inputs["model"],
-        "--scores",
-        inputs["scores"],
-        "--cache",
-        inputs["cache"],
-        "--out",
-        str(out),
-        "--criterion",
-        "reap",
-        "--sparsity",
-        "0.5",
-        "--population",
-        str(population),
-        "--elites",
-        "4",
-        "--generations",
-        str(generations),
-        "--workers",
-        str(workers),
-    ]
+    from tiny_world import search_command
+
+    from evoesap.stages.search import SearchParams
+
+    params = SearchParams(
+        criterion="reap", sparsity=0.5, population=population, elites=4, generations=generations, workers=workers
+    )
+    args = search_command(inputs, str(out), params)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
     done = subprocess.run(args, env=env, capture_output=True, text=True)

@@ -47,6 +47,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_search import SHAPE_WIDTH as NARROW  # noqa: E402  real depth, experts, top-k and vocabulary, CPU-sized width
 from gpu_search import SHAPES, TINY, children, random_cache, sync  # noqa: E402
 
 from evoesap import moe  # noqa: E402
@@ -74,15 +75,6 @@ COPY_OPS = {
 # Stated peaks: dense bf16 tensor-core FLOP/s and memory bytes/s (NVIDIA data sheets, SXM parts).
 PEAKS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12)}
 METRIC_FLOP_PER_LOGIT, METRIC_BYTES_PER_LOGIT = 8, 12
-NARROW = dict(  # bench_search.SHAPE_WIDTH: real depth, experts, top-k and vocabulary, CPU-sized width
-    hidden_size=64,
-    intermediate_size=128,
-    moe_intermediate_size=32,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    head_dim=16,
-    max_position_embeddings=4096,
-)
 
 
 @dataclasses.dataclass

@@ -1,6 +1,8 @@
 """A tiny random OLMoE with the demo tokenizer and demo data: stage and pipeline tests without training."""
 
+import sys
 from pathlib import Path
+from typing import Any
 
 from evoesap import moe
 from evoesap.demo.domains import generate_splits, write_jsonl
@@ -45,3 +47,26 @@ def quick_world_config(root: Path) -> Path:
         vocab_size=64,
     ).save_pretrained(root)
     return root
+
+
+# The search settings a command line states (the rest keep their defaults); racing and prefix reuse are flags.
+_SEARCH_OPTIONS = (
+    "criterion",
+    "sparsity",
+    "population",
+    "elites",
+    "generations",
+    "workers",
+    "racing_schedule",
+    "racing_min_samples",
+    "racing_min_positions",
+)
+
+
+def search_command(inputs: dict[str, str], out: str, params: Any) -> list[str]:
+    """`python -m evoesap -q search ...` over `inputs` (model, scores, cache) with `params` (a SearchParams)."""
+    args = [sys.executable, "-m", "evoesap", "-q", "search"]
+    args += ["--model", inputs["model"], "--scores", inputs["scores"], "--cache", inputs["cache"], "--out", str(out)]
+    for key in _SEARCH_OPTIONS:
+        args += [f"--{key.replace('_', '-')}", str(getattr(params, key))]
+    return args + ["--racing"] * params.racing + ([] if params.prefix_reuse else ["--no-prefix-reuse"])

@@ -11,17 +11,11 @@ from evoesap.components import DEFAULT_IMAGE
 from evoesap.pipeline.cluster import StageSettings, merged
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import build_subpipeline, compile_pipeline
+from remote_config import REMOTE_CONFIG
 
 from evoesap.errors import ConfigError
 
-BASE = dict(
-    model="/models/full",
-    calibration_data="/data/code.jsonl",
-    search_data="/data/math.jsonl",
-    storage_root="s3://bucket/runs",
-    criteria=["reap"],
-    sparsities=[0.5],
-)
+BASE = dict(REMOTE_CONFIG)
 RESOURCES = {
     "all": {
         "secrets": [

@@ -9,7 +9,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tiny_world import make_tiny_inputs
+from tiny_world import make_tiny_inputs, search_command
 
 from evoesap.method.distributed import assign, common_prefix, root_failure
 from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
@@ -56,33 +55,9 @@ def _one_process(world, name: str, params: SearchParams) -> str:
 def _cli(world, out: str, params: SearchParams, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`evoesap -q search ... --workers N` in a fresh process, one CPU thread per worker (`env`: more variables)."""
     _, inputs = world
-    args = [
-        "--model",
-        inputs["model"],
-        "--scores",
-        inputs["scores"],
-        "--cache",
-        inputs["cache"],
-        "--out",
-        out,
-        "--workers",
-        str(params.workers),
-    ]
-    for key in (
-        "criterion",
-        "sparsity",
-        "population",
-        "elites",
-        "generations",
-        "racing_schedule",
-        "racing_min_samples",
-        "racing_min_positions",
-    ):
-        args += [f"--{key.replace('_', '-')}", str(getattr(params, key))]
-    args += ["--racing"] * params.racing + ([] if params.prefix_reuse else ["--no-prefix-reuse"])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen(
-        [sys.executable, "-m", "evoesap", "-q", "search", *args, *extra],
+        [*search_command(inputs, out, params), *extra],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

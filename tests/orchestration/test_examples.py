@@ -1,6 +1,5 @@
 """examples/: the configurations compile, and a team pipeline train -> EvoESAP -> release_notes runs with kfp.local."""
 
-import importlib.util
 import re
 import shutil
 from pathlib import Path
@@ -10,6 +9,7 @@ import yaml
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
 from evoesap.pipeline.run import run_local
+from scripts import load_script
 from tiny_world import make_tiny_inputs
 
 import evoesap
@@ -23,10 +23,7 @@ CONFIGS = sorted((ROOT / "examples").glob("*.yaml"))
 
 
 def _team_module():
-    spec = importlib.util.spec_from_file_location("team_pipeline", ROOT / "examples" / "team_pipeline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/team_pipeline.py")
 
 
 def test_the_examples_cover_the_demo_and_the_papers_models():
@@ -165,12 +162,9 @@ def test_the_embedding_guide_names_every_output_the_sub_pipeline_hands_on():
     assert "use_venv=False" in guide  # the local runner a team's own pipeline needs
 
 
-@pytest.fixture(scope="module")
-def team_run(tmp_path_factory):
-    """The team pipeline on the tiny demo-world model, kfp.local's own task cache on as a team might run it."""
-    root = tmp_path_factory.mktemp("team")
-    files = make_tiny_inputs(root / "inputs")
-    config = load_config(
+def _team_config(files: dict, root: Path, **extra):
+    """The team pipeline's configuration at the tiny world's sizes, storage and KFP root under `root`."""
+    return load_config(
         {
             "name": "team",
             "model": files["model"],
@@ -184,8 +178,17 @@ def team_run(tmp_path_factory):
             "cache_logits": {"samples": 8, "max_length": 128, "dtype": "float32"},
             "search": {"population": 4, "elites": 2, "generations": 1, "batch_size": 8},
             "evaluate": {"tasks": [files["tasks"]], "limit": 2, "batch_size": 4},
+            **extra,
         }
     )
+
+
+@pytest.fixture(scope="module")
+def team_run(tmp_path_factory):
+    """The team pipeline on the tiny demo-world model, kfp.local's own task cache on as a team might run it."""
+    root = tmp_path_factory.mktemp("team")
+    files = make_tiny_inputs(root / "inputs")
+    config = _team_config(files, root)
     team = _team_module()
 
     def run():
@@ -257,23 +260,7 @@ def test_a_release_run_with_the_same_model_at_a_new_uri_reuses_every_stage(tmp_p
     again and writes a byte-identical model at a new URI; EvoESAP's second run makes nothing again (its log
     says it reused calibrate, both teacher caches, the search, the prunes and evaluations)."""
     files = make_tiny_inputs(tmp_path / "inputs")
-    config = load_config(
-        {
-            "name": "team",
-            "model": files["model"],
-            "calibration_data": files["calibration"],
-            "search_data": files["search"],
-            "heldout_data": files["heldout"],
-            "criteria": ["reap"],
-            "sparsities": [0.5],
-            "storage_root": str(tmp_path / "artifacts"),
-            "pipeline_root": str(tmp_path / "kfp"),
-            "calibrate": {"samples": 8, "max_length": 128},
-            "cache_logits": {"samples": 8, "max_length": 128, "dtype": "float32"},
-            "search": {"population": 4, "elites": 2, "generations": 1, "batch_size": 8},
-            "evaluate": {"tasks": [files["tasks"]], "limit": 2, "batch_size": 4},
-        }
-    )
+    config = _team_config(files, tmp_path, heldout_data=files["heldout"])
     team = _team_module()
     runs = []
     for n in (1, 2):

@@ -18,20 +18,13 @@ import yaml
 from evoesap.pipeline.config import PipelineConfig
 from evoesap.pipeline.submit import Submission, follow, parse_overrides, submit
 from recording_http import JsonHandler, serving
+from remote_config import REMOTE_CONFIG
 from tiny_world import quick_world_config
 
 from evoesap.cli import main
 from evoesap.errors import ConfigError
 
-CONFIG = dict(
-    model="/models/full",
-    calibration_data="/data/code.jsonl",
-    search_data="/data/math.jsonl",
-    criteria=["reap"],
-    sparsities=[0.5],
-    storage_root="s3://bucket/runs",
-    name="nightly-prune",
-)
+CONFIG = {**REMOTE_CONFIG, "name": "nightly-prune"}
 
 
 class Recorder(JsonHandler):

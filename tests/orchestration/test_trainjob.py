@@ -18,6 +18,7 @@ from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
 from evoesap.pipeline.trainjob import job_template, run_search_job
 from recording_http import JsonHandler, serving
+from remote_config import REMOTE_CONFIG
 from tiny_world import make_tiny_inputs
 
 from evoesap.errors import ConfigError, EvoESAPError
@@ -27,15 +28,7 @@ from evoesap.stages.search import SearchParams, run_search
 from evoesap.steps import output_uri, run_step
 from evoesap.store import artifacts
 
-BASE = dict(
-    model="/models/full",
-    calibration_data="/data/code.jsonl",
-    search_data="/data/math.jsonl",
-    storage_root="s3://bucket/runs",
-    criteria=["reap"],
-    sparsities=[0.5],
-    image="registry.example.org/evoesap/stage:1",
-)
+BASE = {**REMOTE_CONFIG, "image": "registry.example.org/evoesap/stage:1"}
 GPU_NODES = {
     "cpu": "16",
     "memory": "120Gi",

@@ -26,24 +26,22 @@ LIMIT = 8  # examples per task: a smoke run; every table cell is still a real lm
 DIGITS = 3
 
 
-@pytest.mark.slow
-def test_demo_full_uniform_and_searched_reap_50_report_equals_metrics_json(demo_world, tmp_path):
-    model = str(demo_world.model_dir)
-    scores = str(tmp_path / "scores")
+def search_demo_world(demo_world, root: Path) -> tuple[str, str, str]:
+    """(model, scores, search) of a small REAP-50% search on the demo world, as `make demo` makes its searches
+    (calibrate on code, cache and search on math) with smaller settings; the artifacts under `root`."""
+    model, scores, cache, search = str(demo_world.model_dir), str(root / "scores"), str(root / "cache"), str(root / "search")
     run_calibrate(
         model,
         str(demo_world.data_file("code", "calibration")),
         CalibrateParams(samples=32, max_length=256, batch_size=16, device="cpu"),
         scores,
     )
-    cache = str(tmp_path / "cache")
     run_cache_logits(
         model,
         str(demo_world.data_file("math", "search")),
         CacheLogitsParams(samples=32, max_length=256, batch_size=16, dtype="float32", device="cpu"),
         cache,
     )
-    search = str(tmp_path / "search")
     run_search(
         model,
         scores,
@@ -51,6 +49,12 @@ def test_demo_full_uniform_and_searched_reap_50_report_equals_metrics_json(demo_
         SearchParams(criterion="reap", sparsity=SPARSITY, population=8, elites=2, generations=3, batch_size=16, device="cpu"),
         search,
     )
+    return model, scores, search
+
+
+@pytest.mark.slow
+def test_demo_full_uniform_and_searched_reap_50_report_equals_metrics_json(demo_world, tmp_path):
+    model, scores, search = search_demo_world(demo_world, tmp_path)
     found = artifacts.read_json(artifacts.join(search, "allocation.json"))
 
     checkpoints = {"full": model}

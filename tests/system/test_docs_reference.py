@@ -2,29 +2,20 @@
 registry, every stage in the CLI reference and in the DAG picture."""
 
 import dataclasses
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
+from scripts import load_script
 
 from evoesap import registry as stages
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def reference():
-    return _load(ROOT / "docs" / "hooks" / "reference.py", "docs_reference_hook")
+    return load_script("docs/hooks/reference.py", "docs_reference_hook")
 
 
 def _sections(page: str) -> dict[str, str]:
@@ -104,5 +95,5 @@ def test_the_api_pages_follow_the_package_tree(reference):
 
 
 def test_the_dag_picture_shows_every_stage_of_the_registry():
-    draw_dag = _load(ROOT / "docs" / "draw_dag.py", "docs_draw_dag")
+    draw_dag = load_script("docs/draw_dag.py", "docs_draw_dag")
     assert draw_dag.stages_drawn(draw_dag.compiled_spec(ROOT / "examples" / "demo.yaml")) == set(stages.NAMES)

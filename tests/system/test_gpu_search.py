@@ -3,18 +3,11 @@ reuse does less work than a full forward per candidate."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from scripts import load_script
 
 
 def _load():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_search.py"
-    spec = importlib.util.spec_from_file_location("gpu_search", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through it
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/gpu_search.py")
 
 
 def test_gpu_search_runs_on_cpu_at_tiny_size(capsys):

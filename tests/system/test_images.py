@@ -15,6 +15,7 @@ import tomllib
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from scripts import load_script
 
 from evoesap.store import artifacts
 
@@ -205,13 +206,7 @@ def test_image_carries_the_oci_labels_with_the_build_args(name):
 
 
 def _load_module(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"images_{name}", ROOT / "images" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"images/{name}.py", f"images_{name}")
 
 
 def test_lock_writes_each_resolved_artifact_with_its_sha256_and_leaves_torch_out(tmp_path, monkeypatch):

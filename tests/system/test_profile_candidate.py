@@ -3,18 +3,11 @@ count match the shapes the evaluator runs (computed here independently from the 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from scripts import load_script
 
 
 def _load():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_candidate.py"
-    spec = importlib.util.spec_from_file_location("profile_candidate", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/profile_candidate.py")
 
 
 def test_profile_splits_one_candidate_by_part(capsys, tmp_path):

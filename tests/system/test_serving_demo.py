@@ -14,18 +14,15 @@ import json
 from pathlib import Path
 
 import pytest
+from test_demo_world_report import SPARSITY, search_demo_world
 from test_serving import GENERATE, VLLM_ENV, run_vllm, transformers_greedy, vllm_python
 
 from evoesap import moe, records
 from evoesap.demo.domains import read_jsonl
-from evoesap.stages.cache_logits import CacheLogitsParams, run_cache_logits
-from evoesap.stages.calibrate import CalibrateParams, run_calibrate
 from evoesap.stages.evaluate import EvaluateParams, run_evaluate
 from evoesap.stages.prune import PruneParams, run_prune
-from evoesap.stages.search import SearchParams, run_search
 from evoesap.store import artifacts
 
-SPARSITY = 0.5
 LIMIT = 16  # examples per task: |EM_vllm - EM_hf| may differ by one of these
 PROMPTS_PER_DOMAIN = 2
 MAX_TOKENS = 40  # characters: past the longest demo answer (math, ~35) and its end-of-turn token
@@ -35,26 +32,7 @@ MAX_TOKENS = 40  # characters: past the longest demo answer (math, ~35) and its 
 def searched(demo_world, tmp_path_factory) -> Path:
     """REAP-50% checkpoint at the allocation a small search found (the demo's own stages, smaller settings)."""
     root = tmp_path_factory.mktemp("demo-searched")
-    model, scores, cache, search = str(demo_world.model_dir), str(root / "scores"), str(root / "cache"), str(root / "search")
-    run_calibrate(
-        model,
-        str(demo_world.data_file("code", "calibration")),
-        CalibrateParams(samples=32, max_length=256, batch_size=16, device="cpu"),
-        scores,
-    )
-    run_cache_logits(
-        model,
-        str(demo_world.data_file("math", "search")),
-        CacheLogitsParams(samples=32, max_length=256, batch_size=16, dtype="float32", device="cpu"),
-        cache,
-    )
-    run_search(
-        model,
-        scores,
-        cache,
-        SearchParams(criterion="reap", sparsity=SPARSITY, population=8, elites=2, generations=3, batch_size=16, device="cpu"),
-        search,
-    )
+    model, scores, search = search_demo_world(demo_world, root)
     run_prune(model, scores, PruneParams(criterion="reap", sparsity=SPARSITY), str(root / "model"), allocation=search)
     return root / "model"
 

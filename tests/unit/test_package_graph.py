@@ -1,17 +1,15 @@
 """The package graph (docs/package_graph.py, drawn in docs/ARCHITECTURE.md): arrows between evoesap's
 sub-packages run one way, and the check itself finds a cycle when there is one."""
 
-import importlib.util
 from pathlib import Path
+
+from scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("package_graph", ROOT / "docs" / "package_graph.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("docs/package_graph.py")
 
 
 def test_the_package_graph_has_no_cycle():

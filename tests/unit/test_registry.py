@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 import pytest
+from scripts import load_script
 
 from evoesap import params as parameters
 from evoesap import registry as stages
@@ -136,14 +137,7 @@ def _imports_of_the_package() -> dict[str, set[str]]:
     """evoesap's modules (components/ and pipeline/ under their installed names) -> the evoesap modules each
     imports anywhere in its text, function-local imports included: the package graph's own reading of the imports
     (docs/package_graph.py)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "package_graph", Path(__file__).resolve().parents[2] / "docs" / "package_graph.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script.module_imports()
+    return load_script("docs/package_graph.py").module_imports()
 
 
 def test_no_module_imports_itself_back_through_others():
