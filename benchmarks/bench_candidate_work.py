@@ -25,21 +25,18 @@ import platform
 import shlex
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_search import build_shape, load_world  # noqa: E402
+from bench_search import build_shape, load_world, run_search  # noqa: E402
 
 from evoesap import moe  # noqa: E402
 from evoesap.machine import runtime
 from evoesap.method import allocation as alloc  # noqa: E402
-from evoesap.method import racing, search
 from evoesap.moe.tiny import tiny_model  # noqa: E402
 from evoesap.scoring import teacher  # noqa: E402
-from evoesap.scoring.evaluator import CandidateEvaluator  # noqa: E402
 from evoesap.scoring.importance import observe, pruning_order  # noqa: E402
 
 
@@ -76,44 +73,12 @@ def world(name: str, args: argparse.Namespace):
 
 
 def one_search(model, cache, orders, n, k, budget, args, seed: int, floor: bool, race: bool) -> Run:
-    evaluator = CandidateEvaluator(
-        model,
-        cache,
-        batch_size=args.batch_size,
-        prefix_cache_bytes=args.prefix_cache_bytes,
-        keep=args.elites,
-        verify=False,
-    )
+    """One search over every sample, prefix reuse as `--prefix-cache-bytes` says (bench_search's run)."""
     ids = list(range(cache.num_samples))
-    positions = (cache.offsets[1:] - cache.offsets[:-1]).tolist()
-    schedule = racing.Racing.parse(args.racing_schedule, 2, 64) if race else None
-
-    def fitness(r, bound=None):
-        return evaluator.score(alloc.pruned_sets(r, orders), floor=bound)
-
-    def subset_fitness(r, level, generation):
-        return evaluator.score(alloc.pruned_sets(r, orders), schedule.subset(ids, positions, level, seed, generation))
-
-    t0 = time.perf_counter()
-    result = search.level_switch_search(
-        fitness,
-        n,
-        k,
-        budget,
-        population=args.population,
-        elites=args.elites,
-        generations=args.generations,
-        seed=seed,
-        elite_floor=floor,
-        racing=schedule,
-        subset_fitness=subset_fitness if race else None,
+    row, result, _ = run_search(
+        model, cache, orders, n, k, budget, ids, args, prefix=True, race=race, seed=seed, elite_floor=floor
     )
-    seconds = time.perf_counter() - t0
-    raced = {h.allocation for h in result.history if h.level is not None} - {
-        h.allocation for h in result.history if h.level is None
-    }
-    candidates = result.evaluations + len(raced)
-    return Run(seconds, candidates, evaluator.work / evaluator.full_forward_work(), result.best, result.best_fitness)
+    return Run(row.seconds, row.candidates, row.ffe, result.best, result.best_fitness)
 
 
 def main() -> None:
@@ -136,6 +101,8 @@ def main() -> None:
         "--racing", action="store_true", help="also pairs with racing (schedule below, minimums 2 samples, 64 positions)"
     )
     parser.add_argument("--racing-schedule", default="0.25,0.5:0.25")
+    parser.add_argument("--racing-min-samples", type=int, default=2)
+    parser.add_argument("--racing-min-positions", type=int, default=64)
     args = parser.parse_args()
     print(f"machine: {platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(

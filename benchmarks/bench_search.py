@@ -174,7 +174,7 @@ METHODS = {"exact": (False, False), "prefix": (True, False), "racing": (False, T
 
 
 def run_search(
-    model, cache, orders, n, k, budget, search_ids, args, *, prefix: bool, race: bool, seed: int
+    model, cache, orders, n, k, budget, search_ids, args, *, prefix: bool, race: bool, seed: int, elite_floor: bool = False
 ) -> tuple[Row, search.SearchResult, CandidateEvaluator]:
     evaluator = CandidateEvaluator(
         model,
@@ -189,8 +189,8 @@ def run_search(
     if schedule is not None:
         schedule.check([positions[i] for i in search_ids])
 
-    def fitness(r):
-        return evaluator.score(alloc.pruned_sets(r, orders), samples=search_ids)
+    def fitness(r, floor=None):
+        return evaluator.score(alloc.pruned_sets(r, orders), samples=search_ids, floor=floor)
 
     def subset_fitness(r, level, generation):
         samples = schedule.subset(search_ids, [positions[i] for i in search_ids], level, seed, generation)
@@ -208,6 +208,7 @@ def run_search(
         elites=args.elites,
         generations=args.generations,
         seed=seed,
+        elite_floor=elite_floor,
         racing=schedule,
         subset_fitness=subset_fitness if race else None,
         on_generation=lambda *_: marks.append((time.perf_counter() - t0, evaluator.work / full)),
