@@ -25,14 +25,15 @@ class GateParams(StageParams):
     """The release gate's thresholds; a threshold left unset is not checked."""
 
     min_heldout_esap: float | None = param(
-        None, "Least held-out ESAP (its lower bound) the candidate must reach, in (0, 1]; needs heldout_data."
+        None, "Least held-out ESAP (its lower bound) the candidate must reach; needs heldout_data.", gt=0, le=1
     )
     max_task_drop: float | None = param(
-        None, "Most each task's primary metric may fall below the full model's (absolute: 0.02 is two points)."
+        None, "Most each task's primary metric may fall below the full model's (absolute: 0.02 is two points).", ge=0
     )
     max_previous_drop: float | None = param(
         None,
         "With previous_metrics: most each task's primary metric and held-out ESAP may fall below the previous release's.",
+        ge=0,
     )
     stop_on_fail: bool = param(
         True,
@@ -40,15 +41,6 @@ class GateParams(StageParams):
         "is skipped and the verdict is an output for the caller to act on.",
         keyed=False,
     )
-
-    def __post_init__(self) -> None:
-        if self.min_heldout_esap is not None and not 0 < self.min_heldout_esap <= 1:
-            raise ConfigError(f"min_heldout_esap must lie in (0, 1], got {self.min_heldout_esap}")
-        for name in ("max_task_drop", "max_previous_drop"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ConfigError(f"{name} must be 0 or more (an allowed drop), got {value}")
-        super().__post_init__()
 
     @property
     def active(self) -> bool:

@@ -83,9 +83,10 @@ def test_verdict_passes_exactly_when_every_threshold_holds(full_values, values, 
 @pytest.mark.parametrize(
     "values, problem",
     [
-        ({"min_heldout_esap": 0.0}, "min_heldout_esap must lie in (0, 1]"),
-        ({"min_heldout_esap": 1.5}, "min_heldout_esap must lie in (0, 1]"),
-        ({"max_task_drop": -0.1}, "max_task_drop must be 0 or more"),
+        ({"min_heldout_esap": 0.0}, "min_heldout_esap must be > 0 and <= 1, got 0.0"),
+        ({"min_heldout_esap": 1.5}, "min_heldout_esap must be > 0 and <= 1, got 1.5"),
+        ({"max_task_drop": -0.1}, "max_task_drop must be >= 0, got -0.1"),
+        ({"max_previous_drop": -1}, "max_previous_drop must be >= 0, got -1"),
     ],
 )
 def test_bad_thresholds_are_refused_in_one_line(values, problem):
