@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, List, Mapping, NamedTuple
 
 from evoesap.components import StageComponents, make_components
 from evoesap.components.reference import make_reference
+from evoesap.components.target import make_target_finder
 from evoesap.components.trainjob import make_search_trainjob
 from evoesap.components.verdict import make_verdict_check
 from evoesap.pipeline import cluster, trainjob
@@ -176,14 +177,34 @@ def _end_on_failed_gate(config: PipelineConfig, verdict: Any, report: Any) -> No
     _configure(task, "gate", config, "release gate")
 
 
-def _refuse_quality_target(config: PipelineConfig) -> None:
-    """A held-out ESAP target chooses its sparsity by searching (`evoesap pipeline target`); the DAG's fan-out is fixed
-    when it compiles, so it takes that choice as `sparsities` (a `bytes` target is computed at compile: see `grid`)."""
-    if config.target is not None and config.target.heldout_esap is not None:
-        raise ConfigError(
-            "target.heldout_esap is found by `evoesap pipeline target CONFIG` (bisection over searches); run it, then "
-            "run the pipeline with sparsities: [<the sparsity it chose>] in place of target"
-        )
+def quality_target(config: PipelineConfig) -> bool:
+    """Whether the sparsities are found at run time (`target: {heldout_esap: X}`): a task before the fan-out bisects
+    the grid and hands on its points (a `bytes` target is computed at compile: see `PipelineConfig.grid`)."""
+    return config.target is not None and config.target.heldout_esap is not None
+
+
+def _hidden(config: PipelineConfig) -> tuple[str, ...]:
+    """The pipeline inputs no task of this configuration reads: the compiled grid or the target's threshold (whichever
+    the fan-out does not take), and the held-out data when there is none."""
+    hidden = ("grid",) if quality_target(config) else ("target_heldout_esap",)
+    return hidden + (() if config.heldout_data else ("heldout_data",))
+
+
+def _found_grid(dag: "_Dag", heldout_esap: Any) -> Any:
+    """The fan-out of a quality target: the task that finds each criterion's sparsity (`components.target`), its
+    probes under the storage root; it runs the searches, so it takes the search stage's pod settings."""
+    finder = make_target_finder(dag.config.stage_image("search"))
+    task = finder(
+        model=dag.model,
+        scores=dag.scores.outputs["scores"],
+        cache=dag.cache.outputs["cache"],
+        heldout_cache=dag.heldout["heldout_cache"],
+        storage_root=dag.root,
+        criteria=list(dag.config.criteria),
+        heldout_esap=heldout_esap,
+        params=dag.params["search"],
+    )
+    return dag.stage("search", task, "target: find the sparsities").outputs["Output"]
 
 
 def outputs_type(config: PipelineConfig) -> type:
@@ -222,7 +243,8 @@ def _defaults(config: PipelineConfig, gpus_at_run_time: Iterable[str] = ()) -> d
         "search_data": config.search_data,
         "heldout_data": config.heldout_data or "",
         "storage_root": config.storage_root,
-        "grid": config.grid(),
+        "grid": [] if quality_target(config) else config.grid(),
+        "target_heldout_esap": config.target.heldout_esap if quality_target(config) else 0.0,
         **{params_input(stage.name): params(stage) for stage in STAGES},
     }
 
@@ -261,9 +283,9 @@ def build_subpipeline(
     """
     if overrides:
         config = with_resources(config, overrides)
-    _refuse_quality_target(config)
     runtime = settings_parameters(config, settings_inputs)
-    check_grid(config.pinned_model, config.grid(), config.stage_params("search"), config.stage_params("prune"))
+    if not quality_target(config):  # a target's points are grid sparsities by construction
+        check_grid(config.pinned_model, config.grid(), config.stage_params("search"), config.stage_params("prune"))
     bound = {image: make_components(image) for image in {config.stage_image(stage.name) for stage in STAGES}}
     comps = StageComponents(**{stage.section: getattr(bound[config.stage_image(stage.name)], stage.section) for stage in STAGES})
     d = _defaults(config, [stage for stage, names in runtime.items() if "accelerator_count" in names])
@@ -275,6 +297,7 @@ def build_subpipeline(
         storage_root: str = d["storage_root"],
         grid: list = d["grid"],
         heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
+        target_heldout_esap: float = d["target_heldout_esap"],  # hidden without a quality target, `grid` with one
         **settings: Any,  # each stage's `<section>_params`, then the settings inputs (`runtime`), by parameter name
     ) -> Any:  # outputs_type(config)
         def stage(name: str, task: Any, label: str | None = None) -> Any:
@@ -283,7 +306,8 @@ def build_subpipeline(
 
         dag = _Dag(config, comps, stage, model, storage_root, {name: settings.get(params_input(name)) for name in NAMES})
         full = dag.once(calibration_data, search_data, heldout_data)
-        with dsl.ParallelFor(grid, name="criterion-x-sparsity", parallelism=config.parallelism) as point:
+        points = _found_grid(dag, target_heldout_esap) if quality_target(config) else grid
+        with dsl.ParallelFor(points, name="criterion-x-sparsity", parallelism=config.parallelism) as point:
             searched, pruned, evals = dag.point(point, calibration_data)
         report = dag.report(full, searched, evals)
         handed = dict(
@@ -307,7 +331,7 @@ def build_subpipeline(
 
     outputs = outputs_type(config)
     extra = [*_params_parameters(config, d), *(parameter for by_setting in runtime.values() for parameter in by_setting.values())]
-    func = _returning(_signed(evoesap_stages, () if config.heldout_data else ("heldout_data",), extra), outputs)
+    func = _returning(_signed(evoesap_stages, _hidden(config), extra), outputs)
     description = "EvoESAP stages: calibrate ... report, for a given full model"
     return dsl.pipeline(name=f"{config.name}-stages", description=description)(func)
 
@@ -451,25 +475,24 @@ def build_pipeline(config: PipelineConfig) -> Callable:
         storage_root: str = d["storage_root"],
         grid: list = d["grid"],
         heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
+        target_heldout_esap: float = d["target_heldout_esap"],  # hidden without a quality target, `grid` with one
         **params: dict,  # each stage's `<section>_params`
     ) -> Any:  # outputs_type(config)
+        fanned = {"grid": grid, "heldout_data": heldout_data, "target_heldout_esap": target_heldout_esap}
         named = cluster.apply(reference(model=model), config.resources.get("all") or cluster.StageSettings(), config.retries)
         named.set_display_name("model").set_caching_options(enable_caching=False)
         run = stages(
             model=named.outputs["reference"],
             calibration_data=calibration_data,
             search_data=search_data,
-            **({"heldout_data": heldout_data} if config.heldout_data else {}),
             storage_root=storage_root,
-            grid=grid,
+            **{name: value for name, value in fanned.items() if name not in _hidden(config)},
             **params,
         ).set_caching_options(enable_caching=False)
         return outputs(**{name: run.outputs[name] for name in outputs._fields})
 
     outputs = outputs_type(config)
-    func = _returning(
-        _signed(evoesap_pipeline, () if config.heldout_data else ("heldout_data",), _params_parameters(config, d)), outputs
-    )
+    func = _returning(_signed(evoesap_pipeline, _hidden(config), _params_parameters(config, d)), outputs)
     return dsl.pipeline(name=config.name, description="EvoESAP: ESAP-guided non-uniform expert pruning")(func)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from evoesap import records
@@ -22,14 +22,19 @@ log = logging.getLogger(__name__)
 def target_grid(config: Any, model: str | None = None) -> tuple[Any, list[float]]:
     """(the model's pruning space at the search's granularity, the searchable sparsities), from config.json alone;
     `model`: a folder with the config.json to read instead of the configuration's model."""
+    return searchable(model or config.pinned_model, config.parsed_params("search").granularity)
+
+
+def searchable(model: str, granularity: int) -> tuple[Any, list[float]]:
+    """(the pruning space of `model` at `granularity`, its searchable sparsities), from its config.json alone;
+    refused in one line when there is none."""
     from evoesap import moe
     from evoesap.machine import runtime
 
-    spec = runtime.inspect_checkpoint(model or config.pinned_model)
-    space = moe.pruning_space(spec, config.parsed_params("search").granularity)
+    space = moe.pruning_space(runtime.inspect_checkpoint(model), granularity)
     points = target.grid(space.num_experts, space.min_kept, space.granularity)
     if not points:
-        raise ConfigError(f"{artifacts.redact(config.model)} has no searchable sparsity at granularity {space.granularity}")
+        raise ConfigError(f"{artifacts.redact(model)} has no searchable sparsity at granularity {space.granularity}")
     return space, points
 
 
@@ -48,28 +53,39 @@ def run_target(config: Any) -> list[tuple[str, records.Record]]:
     """Find each criterion's sparsity for the configuration's target; return (target artifact URI, TargetRecord)."""
     if config.target is None:
         raise ConfigError("the configuration has no target: add target: {heldout_esap: 0.97}")
-    space, points = target_grid(config)  # before any work: a model with nothing to search is refused here
+    target_grid(config)  # before any work: a model with nothing to search is refused here
     root, model = config.storage_root, config.pinned_model
     scores = run_step("calibrate", root, {"model": model, "data": config.calibration_data}, config.stage_params("calibrate"))
     cache_params = config.stage_params("cache-logits")
     cache = run_step("cache-logits", root, {"model": model, "data": config.search_data}, cache_params)
     heldout = run_step("cache-logits", root, {"model": model, "data": config.heldout_data}, cache_params)
     inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout}
-    section = config.stage_params("search")
+    return decide(inputs, root, config.criteria, config.target.heldout_esap, config.stage_params("search"))
+
+
+def decide(
+    inputs: Mapping[str, str], storage_root: str, criteria: Sequence[str], threshold: float, section: Mapping[str, Any]
+) -> list[tuple[str, records.Record]]:
+    """Per criterion, the bisection over searches of `inputs` (model, scores, cache, heldout_cache) with the search
+    `section`, each probe a search artifact under `storage_root`; the decision published as a target artifact.
+    Returns (its URI, its TargetRecord) per criterion."""
+    from evoesap.steps import make_params
+
+    # the granularity as the search stage reads its section (the sparsity is a placeholder: it sets no granularity)
+    granularity = make_params("search", {**section, "criterion": criteria[0], "sparsity": 0.5}).granularity
+    space, points = searchable(inputs["model"], granularity)
     found = []
-    for criterion in config.criteria:
-        search, made = _search_step(root, inputs, section, criterion), []
+    for criterion in criteria:
+        search, made = _search_step(storage_root, inputs, section, criterion), []
 
         def step(sparsity: float, seed: tuple[int, ...] | None, search=search, made=made) -> tuple[str, Any]:
             made.append(search(sparsity, seed))
             return made[-1]
 
-        record = target.find(
-            config.target.heldout_esap, points, step, space.num_experts, space.min_kept, space.granularity, criterion
-        )
-        params = {"criterion": criterion, "threshold": record.threshold, "search": section}
-        key = artifacts.cache_key("target", params, artifacts.describe_inputs(inputs))
-        out = artifacts.join(root, "target", key[:24])
+        record = target.find(threshold, points, step, space.num_experts, space.min_kept, space.granularity, criterion)
+        params = {"criterion": criterion, "threshold": record.threshold, "search": dict(section)}
+        key = artifacts.cache_key("target", params, artifacts.describe_inputs(dict(inputs)))
+        out = artifacts.join(storage_root, "target", key[:24])
         probes = {f"probes.{i}": uri for i, (uri, _) in enumerate(made)}
         with artifacts.stage_output(out, "target", params, {**inputs, **probes}) as staging:
             records.write(staging, record)

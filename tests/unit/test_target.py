@@ -170,12 +170,23 @@ def test_a_memory_target_out_of_reach_is_refused_in_one_line(tiny_model, size, p
     assert "\n" not in str(refused.value)
 
 
-def test_a_quality_target_is_refused_by_the_dag_with_the_command_that_finds_it(tiny_model):
-    from evoesap.pipeline.config import load_config
-    from evoesap.pipeline.dag import build_pipeline
+def test_a_quality_target_compiles_to_a_finder_task_whose_points_feed_the_fan_out(tiny_model, tmp_path):
+    """The DAG fans out over what the finder task returns, not over a compiled grid; the threshold is a pipeline
+    input a submit can override, and the grid input, which nothing would read, is gone."""
+    import yaml
 
-    with pytest.raises(ConfigError, match="evoesap pipeline target"):
-        build_pipeline(load_config({**BASE, "model": tiny_model, "target": {"heldout_esap": 0.9}}))
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.dag import compile_pipeline
+
+    config = load_config({**BASE, "model": tiny_model, "target": {"heldout_esap": 0.9}})
+    spec = yaml.safe_load(compile_pipeline(config, str(tmp_path / "p.yaml")).read_text())
+    inputs = spec["root"]["inputDefinitions"]["parameters"]
+    assert "grid" not in inputs and inputs["target_heldout_esap"]["defaultValue"] == 0.9
+    executors = spec["deploymentSpec"]["executors"]
+    assert any("def find_sparsities(" in " ".join(e["container"].get("command", [])) for e in executors.values())
+    stages = spec["components"]["comp-evoesap-stages"]["dag"]["tasks"]
+    (loop,) = [task["parameterIterator"] for task in stages.values() if "parameterIterator" in task]
+    assert loop["items"]["inputParameter"] == "pipelinechannel--find-sparsities-Output"
 
 
 @pytest.mark.slow

@@ -1,0 +1,67 @@
+"""The quality target in the DAG: the task that finds each criterion's sparsity before the fan-out.
+
+With `target: {heldout_esap: X}` the sparsities are not known when the pipeline compiles. This task bisects the
+granularity grid (`evoesap.pipeline.target.decide`: every probe an ordinary search artifact under the storage root,
+each decision a target artifact whose manifest lists its probes) and returns the fan-out, one point per criterion at
+its chosen sparsity. The point's own search then finds the chosen probe finished and reuses it.
+"""
+
+# No `from __future__ import annotations` here: kfp reads the real type annotations.
+from typing import Callable
+
+from kfp import dsl
+from kfp.dsl import Artifact, Dataset, Input, Model, Output
+
+
+def find_sparsities(
+    model: Input[Model],
+    scores: Input[Dataset],
+    cache: Input[Dataset],
+    heldout_cache: Input[Dataset],
+    storage_root: str,
+    criteria: list,
+    heldout_esap: float,
+    decisions: Output[Artifact],
+    params: dict = {},
+) -> list:
+    """Find, per criterion, the largest grid sparsity whose searched allocation keeps held-out ESAP >= heldout_esap.
+
+    Args:
+        model: The full model.
+        scores: The calibrate stage's scores.
+        cache: The teacher cache of the search samples.
+        heldout_cache: The teacher cache of the held-out samples: the probes' held-out check.
+        storage_root: Where the probes' search artifacts and the target artifacts are kept.
+        criteria: The criteria to find a sparsity for.
+        heldout_esap: The least held-out ESAP the chosen sparsity's search must keep.
+        params: The search stage's parameters (the configuration's `search` section).
+
+    Returns:
+        decisions: target.json of every criterion (probes, held-out values, the choice); metadata: chosen, targets.
+        Output: The fan-out: a {criterion, sparsity} point per criterion.
+    """
+    import json
+    from pathlib import Path
+
+    from evoesap.components.kfp_artifacts import source
+    from evoesap.pipeline.target import decide
+
+    from evoesap.errors import EvoESAPError
+    from evoesap.store import artifacts
+
+    inputs = {"model": source(model), "scores": source(scores), "cache": source(cache), "heldout_cache": source(heldout_cache)}
+    found = decide(inputs, storage_root, criteria, heldout_esap, params)
+    Path(decisions.path).write_text(json.dumps([record.to_json() for _, record in found], indent=1))
+    decisions.metadata.update(
+        chosen={record.criterion: record.chosen for _, record in found},
+        targets={record.criterion: artifacts.redact(uri) for uri, record in found},
+    )
+    missed = [f"{record.criterion}: {record.line()}" for _, record in found if record.chosen is None]
+    if missed:
+        raise EvoESAPError("; ".join(missed))
+    return [{"criterion": record.criterion, "sparsity": record.chosen} for _, record in found]
+
+
+def make_target_finder(image: str) -> Callable:
+    """`find_sparsities` in the stage image (nothing is installed at run time)."""
+    return dsl.component(base_image=image, install_kfp_package=False)(find_sparsities)
