@@ -37,10 +37,12 @@ window.addEventListener("load", () => {
   const img = document.querySelector('img[alt^="%s"]');
   if (!img) return;
   const head = img.closest("p")?.previousElementSibling;
-  const top = head && /^H[1-6]$/.test(head.tagName) ? head : img;
-  const a = top.getBoundingClientRect(), b = img.getBoundingClientRect();
-  document.body.dataset.box = [Math.min(a.left, b.left), a.top + window.scrollY, Math.max(a.width, b.width),
-                               b.bottom - a.top].map(Math.round).join(",");
+  const text = document.createRange();  // the heading's text, not its full-width block
+  text.selectNodeContents(head && /^H[1-6]$/.test(head.tagName) ? head : img);
+  const a = text.getBoundingClientRect(), b = img.getBoundingClientRect();
+  const left = Math.min(a.left, b.left), top = Math.min(a.top, b.top) + window.scrollY;
+  document.body.dataset.box = [left, top, Math.max(a.right, b.right) - left, b.bottom + window.scrollY - top]
+    .map(Math.round).join(",");
 });
 </script>"""
 
