@@ -4,10 +4,12 @@ choose the sparsity that a search at every grid point says is the largest meetin
 Both sides share calibration and the teacher caches (one storage root); the sweep searches every sparsity of the
 granularity grid, timing each search; then, per X, the target brackets the grid (`evoesap.pipeline.target.run_target`).
 Its probes are by default the sweep's own searches (reused: the same artifact), so its cost is given as the searches
-it needs and the seconds those searches took in the sweep; with --warm-start the warm-started target runs too (its
-probes are other searches, timed as they run). Printed: the sweep's held-out value per grid point, then per X the
-sparsity each side chooses, the probes, searches and seconds. X: the thresholds given, where `median` is the median of
-the sweep's held-out values (so the answer lies inside the grid); the median alone by default.
+it needs and the seconds those searches took in the sweep; with --warm-start the warm-started target runs too, timed
+as it runs (its probes are other searches, which a later X may reuse). Seconds are those of this run: give a new
+--storage for figures (over an old one, reused searches take no time). Printed: the sweep's held-out value per grid
+point, then per X the sparsity each side chooses, the probes, searches and seconds. X: the thresholds given, where
+`median` is the median of the sweep's held-out values (so the answer lies inside the grid); the median alone by
+default.
 
 Example (the demo world, built by `evoesap demo build --out /work/demo-world`):
     PYTHONPATH=$PWD .venv/bin/python benchmarks/target_vs_sweep.py --world /work/demo-world --granularity 2 \
