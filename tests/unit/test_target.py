@@ -217,6 +217,11 @@ def test_a_memory_target_picks_the_least_grid_sparsity_whose_checkpoint_fits(tin
     chosen = point["sparsity"]
     assert chosen == points[len(points) // 2]  # the least that fits: one grid step less does not
     assert _pruned_bytes(tiny_model, chosen) <= middle < _pruned_bytes(tiny_model, points[points.index(chosen) - 1])
+    from evoesap.pipeline.target import cost_line, run_target
+
+    for bracketing in (cost_line, run_target):  # nothing to bracket: refused in one line, not run with no threshold
+        with pytest.raises(ConfigError, match="no quality target"):
+            bracketing(config)
 
 
 @pytest.mark.parametrize("size, problem", [("1K", "below the model's floor"), ("100GiB", "nothing needs pruning")])
