@@ -7,9 +7,10 @@ value is noisy, so one grid point can miss where its neighbour above meets: bise
 miss, re-checks the point above the miss it ended on (`target.rechecks` times at most; each costs one probe, and one
 more bisection when that point meets). The cost stays stated in advance: `max_probes(len(grid), rechecks)`, where a
 sweep needs one search per point.
+
 Each probe is an ordinary search artifact (`steps.run_step`): by default the cold search at that sparsity, the very
-artifact a sweep or a `sparsities: [s]` run makes and reuses; warm-started probes (`find(..., warm=True)`) seed
-generation 0 with the nearest probe's allocation rescaled, better allocations near the boundary but other searches
+artifact a sweep or a `sparsities: [s]` run makes, reused both ways; warm-started probes (`find(..., warm=True)`) seed
+generation 0 with the nearest probe's allocation rescaled: better allocations near the boundary, but other searches
 than a sweep's. The decision is recorded with every probe's evidence (`TargetRecord`).
 """
 
