@@ -66,11 +66,11 @@ docs-screenshots: docs
 demo: $(STAMP) $(QUANTIZE_STAMP)  # the demo quantizes each searched model (w4a16-gptq) with llm-compressor
 	EVOESAP_QUANTIZE_PYTHON=$(abspath $(QUANTIZE_PY)) $(PY) -m evoesap pipeline demo --out runs/demo
 
-# docs/report.png: the demo's report.html as headless Chromium shows it 1400 px wide (runs the demo if missing)
+# docs/report.png: the demo's report.html as headless Chromium shows it 1400 px wide (runs the demo if missing); docs/images/report-frontier.png: its frontier figure
 report-screenshot: $(STAMP)
 	command -v chromium >/dev/null 2>&1 || (apt-get update && apt-get install -y chromium)
 	test -d runs/demo/artifacts/report || $(MAKE) demo
-	$(PY) docs/report_screenshot.py --demo runs/demo --out docs/report.png
+	$(PY) docs/report_screenshot.py --demo runs/demo --out docs/report.png --frontier docs/images/report-frontier.png
 
 bench: $(STAMP)
 	$(PY) -m evoesap demo build --out $(WORLD)

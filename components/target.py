@@ -20,11 +20,11 @@ def find_sparsities(
     heldout_cache: Input[Dataset],
     storage_root: str,
     criteria: list,
-    heldout_esap: float,
+    target: dict,
     decisions: Output[Artifact],
     params: dict = {},
 ) -> list:
-    """Find, per criterion, the largest grid sparsity whose searched allocation keeps held-out ESAP >= heldout_esap.
+    """Find, per criterion, the largest grid sparsity whose searched allocation keeps the target's held-out ESAP.
 
     Args:
         model: The full model.
@@ -33,7 +33,8 @@ def find_sparsities(
         heldout_cache: The teacher cache of the held-out samples: the probes' held-out check.
         storage_root: Where the probes' search artifacts and the target artifacts are kept.
         criteria: The criteria to find a sparsity for.
-        heldout_esap: The least held-out ESAP the chosen sparsity's search must keep.
+        target: The configuration's `target` section: heldout_esap (the least held-out ESAP the chosen sparsity's
+            search must keep), warm_start, rechecks.
         params: The search stage's parameters (the configuration's `search` section).
 
     Returns:
@@ -44,13 +45,14 @@ def find_sparsities(
     from pathlib import Path
 
     from evoesap.components.kfp_artifacts import source
+    from evoesap.pipeline.config import Target
     from evoesap.pipeline.target import decide
 
     from evoesap.errors import EvoESAPError
     from evoesap.store import artifacts
 
     inputs = {"model": source(model), "scores": source(scores), "cache": source(cache), "heldout_cache": source(heldout_cache)}
-    found = decide(inputs, storage_root, criteria, heldout_esap, params)
+    found = decide(inputs, storage_root, criteria, Target(**target), params)
     Path(decisions.path).write_text(json.dumps([record.to_json() for _, record in found], indent=1))
     decisions.metadata.update(
         chosen={record.criterion: record.chosen for _, record in found},

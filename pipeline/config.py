@@ -41,6 +41,11 @@ class Target(BaseModel):
 
     heldout_esap: float | None = None  # the least held-out ESAP (the search's held-out value) to keep, in (0, 1)
     bytes: str | None = None  # the most the pruned checkpoint may weigh, e.g. 24GiB (weights in the search's dtype)
+    # heldout_esap only: each probe after the first seeded from the nearest probe's allocation. Better allocations
+    # near the boundary, so the answer can exceed a cold sweep's; off, each probe is the search a sweep makes
+    warm_start: bool = False
+    rechecks: int = Field(default=1, ge=0)  # heldout_esap only: one-point dips the bracketing looks past (each: one
+    # probe, and one more bisection when the point above a miss meets; 0: plain bisection)
 
     @field_validator("heldout_esap")
     @classmethod
@@ -62,6 +67,9 @@ class Target(BaseModel):
     def _one_target(self) -> Target:
         if (self.heldout_esap is None) == (self.bytes is None):
             raise ValueError("give one target: heldout_esap (a quality to keep) or bytes (a size to fit)")
+        bracketing = sorted({"warm_start", "rechecks"} & self.model_fields_set)
+        if self.bytes is not None and bracketing:
+            raise ValueError(f"target.{bracketing[0]} tunes the search for heldout_esap; a bytes target is computed: drop it")
         return self
 
 

@@ -186,11 +186,11 @@ def quality_target(config: PipelineConfig) -> bool:
 def _hidden(config: PipelineConfig) -> tuple[str, ...]:
     """The pipeline inputs no task of this configuration reads: the compiled grid or the target's threshold (whichever
     the fan-out does not take), and the held-out data when there is none."""
-    hidden = ("grid",) if quality_target(config) else ("target_heldout_esap",)
+    hidden = ("grid",) if quality_target(config) else ("target_params",)
     return hidden + (() if config.heldout_data else ("heldout_data",))
 
 
-def _found_grid(dag: "_Dag", heldout_esap: Any) -> Any:
+def _found_grid(dag: "_Dag", target_params: Any) -> Any:
     """The fan-out of a quality target: the task that finds each criterion's sparsity (`components.target`), its
     probes under the storage root; it runs the searches, so it takes the search stage's pod settings."""
     finder = make_target_finder(dag.config.stage_image("search"))
@@ -201,7 +201,7 @@ def _found_grid(dag: "_Dag", heldout_esap: Any) -> Any:
         heldout_cache=dag.heldout["heldout_cache"],
         storage_root=dag.root,
         criteria=list(dag.config.criteria),
-        heldout_esap=heldout_esap,
+        target=target_params,
         params=dag.params["search"],
     )
     return dag.stage("search", task, "target: find the sparsities").outputs["Output"]
@@ -244,7 +244,7 @@ def _defaults(config: PipelineConfig, gpus_at_run_time: Iterable[str] = ()) -> d
         "heldout_data": config.heldout_data or "",
         "storage_root": config.storage_root,
         "grid": [] if quality_target(config) else config.grid(),
-        "target_heldout_esap": config.target.heldout_esap if quality_target(config) else 0.0,
+        "target_params": config.target.model_dump(exclude_none=True) if quality_target(config) else {},
         **{params_input(stage.name): params(stage) for stage in STAGES},
     }
 
@@ -297,7 +297,7 @@ def build_subpipeline(
         storage_root: str = d["storage_root"],
         grid: list = d["grid"],
         heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
-        target_heldout_esap: float = d["target_heldout_esap"],  # hidden without a quality target, `grid` with one
+        target_params: dict = d["target_params"],  # hidden without a quality target, `grid` with one
         **settings: Any,  # each stage's `<section>_params`, then the settings inputs (`runtime`), by parameter name
     ) -> Any:  # outputs_type(config)
         def stage(name: str, task: Any, label: str | None = None) -> Any:
@@ -306,7 +306,7 @@ def build_subpipeline(
 
         dag = _Dag(config, comps, stage, model, storage_root, {name: settings.get(params_input(name)) for name in NAMES})
         full = dag.once(calibration_data, search_data, heldout_data)
-        points = _found_grid(dag, target_heldout_esap) if quality_target(config) else grid
+        points = _found_grid(dag, target_params) if quality_target(config) else grid
         with dsl.ParallelFor(points, name="criterion-x-sparsity", parallelism=config.parallelism) as point:
             searched, pruned, evals = dag.point(point, calibration_data)
         report = dag.report(full, searched, evals)
@@ -475,10 +475,10 @@ def build_pipeline(config: PipelineConfig) -> Callable:
         storage_root: str = d["storage_root"],
         grid: list = d["grid"],
         heldout_data: str = d["heldout_data"],  # hidden (`_signed`) when the configuration has none
-        target_heldout_esap: float = d["target_heldout_esap"],  # hidden without a quality target, `grid` with one
+        target_params: dict = d["target_params"],  # hidden without a quality target, `grid` with one
         **params: dict,  # each stage's `<section>_params`
     ) -> Any:  # outputs_type(config)
-        fanned = {"grid": grid, "heldout_data": heldout_data, "target_heldout_esap": target_heldout_esap}
+        fanned = {"grid": grid, "heldout_data": heldout_data, "target_params": target_params}
         named = cluster.apply(reference(model=model), config.resources.get("all") or cluster.StageSettings(), config.retries)
         named.set_display_name("model").set_caching_options(enable_caching=False)
         run = stages(

@@ -1,6 +1,8 @@
 """A configuration's `target:` run here: calibrate and the teacher caches once, then per criterion the bracketing of
-`evoesap.planning.target`, each probe a search artifact under `storage_root`, the decision published as a `target` artifact
-(target.json) whose manifest lists every probe among its inputs, so the lineage reaches each one."""
+`evoesap.planning.target`, each probe a search artifact under `storage_root` (by default the cold search at that
+sparsity: the artifact a sweep or a `sparsities: [s]` run with the same settings makes, reused both ways), the decision
+published as a `target` artifact (target.json) whose manifest lists every probe among its inputs, so the lineage
+reaches each one."""
 
 from __future__ import annotations
 
@@ -38,21 +40,33 @@ def searchable(model: str, granularity: int) -> tuple[Any, list[float]]:
     return space, points
 
 
+def _quality_target(config: Any) -> Any:
+    """The configuration's `target:` section, refused in one line unless it is a quality target."""
+    if config.target is None or config.target.heldout_esap is None:
+        raise ConfigError(
+            "the configuration has no quality target: add target: {heldout_esap: 0.97} (a bytes target's sparsity "
+            "is computed when the configuration loads: run the pipeline)"
+        )
+    return config.target
+
+
 def cost_line(config: Any, model: str | None = None) -> str:
-    """What a `target:` run will cost, said before it starts: the grid and the most searches per criterion."""
+    """What a `target:` run will cost, said before it starts: the grid and the most searches per criterion (the
+    bracketing's worst case, re-checks included)."""
+    goal = _quality_target(config)
     _, points = target_grid(config, model)
-    most = target.max_probes(len(points))
+    most = target.max_probes(len(points), goal.rechecks)
+    probes = "warm-started" if goal.warm_start else "cold (a sweep's)"
     return (
-        f"target held-out ESAP >= {config.target.heldout_esap}: bisection over {len(points)} grid sparsities "
-        f"({points[0]:.4f}..{points[-1]:.4f}), at most {most} searches per criterion, {most * len(config.criteria)} "
-        f"in all (a sweep: {len(points) * len(config.criteria)})"
+        f"target held-out ESAP >= {goal.heldout_esap}: bisection over {len(points)} grid sparsities "
+        f"({points[0]:.4f}..{points[-1]:.4f}) looking past {goal.rechecks} one-point dip(s), {probes} searches, at most "
+        f"{most} per criterion, {most * len(config.criteria)} in all (a sweep: {len(points) * len(config.criteria)})"
     )
 
 
 def run_target(config: Any) -> list[tuple[str, records.Record]]:
     """Find each criterion's sparsity for the configuration's target; return (target artifact URI, TargetRecord)."""
-    if config.target is None:
-        raise ConfigError("the configuration has no target: add target: {heldout_esap: 0.97}")
+    goal = _quality_target(config)
     target_grid(config)  # before any work: a model with nothing to search is refused here
     root, model = config.storage_root, config.pinned_model
     scores = run_step("calibrate", root, {"model": model, "data": config.calibration_data}, config.stage_params("calibrate"))
@@ -60,15 +74,15 @@ def run_target(config: Any) -> list[tuple[str, records.Record]]:
     cache = run_step("cache-logits", root, {"model": model, "data": config.search_data}, cache_params)
     heldout = run_step("cache-logits", root, {"model": model, "data": config.heldout_data}, cache_params)
     inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout}
-    return decide(inputs, root, config.criteria, config.target.heldout_esap, config.stage_params("search"))
+    return decide(inputs, root, config.criteria, goal, config.stage_params("search"))
 
 
 def decide(
-    inputs: Mapping[str, str], storage_root: str, criteria: Sequence[str], threshold: float, section: Mapping[str, Any]
+    inputs: Mapping[str, str], storage_root: str, criteria: Sequence[str], goal: Any, section: Mapping[str, Any]
 ) -> list[tuple[str, records.Record]]:
-    """Per criterion, the bisection over searches of `inputs` (model, scores, cache, heldout_cache) with the search
-    `section`, each probe a search artifact under `storage_root`; the decision published as a target artifact.
-    Returns (its URI, its TargetRecord) per criterion."""
+    """Per criterion, the bracketing for the quality target `goal` (a configuration's `Target`) over searches of
+    `inputs` (model, scores, cache, heldout_cache) with the search `section`, each probe a search artifact under
+    `storage_root`; the decision published as a target artifact. Returns (its URI, its TargetRecord) per criterion."""
     from evoesap.steps import make_params
 
     # the granularity as the search stage reads its section (the sparsity is a placeholder: it sets no granularity)
@@ -82,8 +96,14 @@ def decide(
             made.append(search(sparsity, seed))
             return made[-1]
 
-        record = target.find(threshold, points, step, space.num_experts, space.min_kept, space.granularity, criterion)
-        params = {"criterion": criterion, "threshold": record.threshold, "search": dict(section)}
+        record = target.find(
+            goal.heldout_esap, points, step, space.num_experts, space.min_kept, space.granularity, criterion,
+            warm=goal.warm_start, rechecks=goal.rechecks,
+        )  # fmt: skip
+        params = {
+            "criterion": criterion, "threshold": record.threshold, "warm_start": goal.warm_start, "rechecks": goal.rechecks,
+            "search": dict(section),
+        }  # fmt: skip
         key = artifacts.cache_key("target", params, artifacts.describe_inputs(dict(inputs)))
         out = artifacts.join(storage_root, "target", key[:24])
         probes = {f"probes.{i}": uri for i, (uri, _) in enumerate(made)}
@@ -132,7 +152,7 @@ def _search_step(
     storage_root: str, inputs: Mapping[str, str | None], section: Mapping[str, Any], criterion: str
 ) -> Callable[[float, tuple[int, ...] | None], tuple[str, Any]]:
     """`find`'s `search`: the search stage at its content-addressed URI under `storage_root` (`steps.run_step`), the
-    seed passed as its `warm_start`."""
+    seed, if any, passed as its `warm_start` (without one, the parameters a sweep's search at that sparsity has)."""
 
     def search(sparsity: float, seed: tuple[int, ...] | None) -> tuple[str, Any]:
         warm = {"warm_start": ",".join(str(v) for v in seed)} if seed is not None else {}

@@ -2,16 +2,21 @@
 still meets a held-out threshold, found by bisection over the grid.
 
 The grid holds every budget the model can search (multiples of the granularity, each admitting two allocations or
-more), as sparsities that give back exactly that budget. Held-out quality falls as sparsity rises, so bisection
-needs at most `max_probes(len(grid))` searches where a sweep needs one per grid point. Each probe is an ordinary
-search artifact (`steps.run_step`: reused by any later run with the same inputs and parameters), warm-started from
-the nearest probe already made (its allocation rescaled to the new budget seeds generation 0 after uniform), and
-the decision is recorded with every probe's evidence (`TargetRecord`).
+more), as sparsities that give back exactly that budget. Held-out quality falls as sparsity rises, but a search's
+value is noisy, so one grid point can miss where its neighbour above meets: bisection, which never looks past a
+miss, re-checks the point above the miss it ended on (`target.rechecks` times at most; each costs one probe, and one
+more bisection when that point meets). The cost stays stated in advance: `max_probes(len(grid), rechecks)`, where a
+sweep needs one search per point.
+
+Each probe is an ordinary search artifact (`steps.run_step`): by default the cold search at that sparsity, the very
+artifact a sweep or a `sparsities: [s]` run makes, reused both ways; warm-started probes (`find(..., warm=True)`) seed
+generation 0 with the nearest probe's allocation rescaled: better allocations near the boundary, but other searches
+than a sweep's. The decision is recorded with every probe's evidence (`TargetRecord`).
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,22 +40,60 @@ def grid(num_experts: Sequence[int], min_kept: Sequence[int], granularity: int =
     return found
 
 
-def max_probes(grid_size: int) -> int:
-    """The most searches bisection over `grid_size` points makes: ceil(log2(grid_size)) + 1."""
-    return math.ceil(math.log2(grid_size)) + 1 if grid_size > 0 else 0
+def max_probes(grid_size: int, rechecks: int) -> int:
+    """The most searches `bracket` makes over `grid_size` points, whatever the answers: the depth of its decision
+    tree, computed exactly. A monotone answer costs at most ceil(log2(grid_size + 1)), plus one re-check."""
+    return _most(grid_size + 1, (), rechecks) if grid_size > 0 else 0
 
 
-def bracket(grid_size: int, meets: Callable[[int], bool]) -> tuple[int | None, list[int]]:
-    """(the largest grid index that `meets`, assuming a monotone answer: every index below one that meets also
-    meets; None when index 0 fails) and the indices probed, in order."""
-    lo, hi, probed = -1, grid_size, []  # lo meets (sparsity 0 always does), hi fails (past the grid)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        probed.append(mid)
-        if meets(mid):
-            lo = mid
-        else:
-            hi = mid
+@functools.cache
+def _most(gap: int, above: tuple[int, ...], left: int) -> int:
+    """The most probes `bracket` still makes from lo = 0 (meets), hi = `gap` (misses), `above` the next known misses
+    over hi (offsets from lo; the grid's end counts as one) and `left` re-checks. Only the first `left` of `above` can
+    ever become hi again, so the rest are dropped: that keeps the states few."""
+    if gap > 1:  # bisecting: the probe at gap // 2 meets (lo moves up) or misses (hi moves down)
+        mid = gap // 2
+        up = _most(gap - mid, tuple(a - mid for a in above), left)
+        down = _most(mid, ((gap,) + above)[:left], left)
+        return 1 + max(up, down)
+    if left == 0 or not above or above[0] == gap + 1:
+        return 0  # no re-check: none left, hi is the grid's end, or the point above hi is a known miss
+    shift = gap + 1  # the re-check meets: bisect on between it and the next known miss
+    return 1 + _most(above[0] - shift, tuple(a - shift for a in above[1:]), left - 1)
+
+
+def bracket(grid_size: int, meets: Callable[[int], bool], rechecks: int) -> tuple[int | None, list[int]]:
+    """(the largest grid index found to meet, None when none did; the indices probed, in order, each once).
+
+    Bisection between lo (meets; -1, sparsity 0, always does) and hi (misses; the grid's end at first) ends with
+    hi = lo + 1. Then the index above hi is probed, unless it is past the grid or known to miss: when it meets, the
+    miss at hi was a dip and bisection goes on between it and the least known miss above; at most `rechecks` times.
+    Exact on a monotone answer (every index below one that meets meets) and on one with up to `rechecks` isolated
+    one-point dips; at most `max_probes(grid_size, rechecks)` probes whatever the answers."""
+    known: dict[int, bool] = {}
+    probed: list[int] = []
+
+    def probe(index: int) -> bool:
+        known[index] = meets(index)
+        probed.append(index)
+        return known[index]
+
+    lo, hi, left = -1, grid_size, rechecks
+    while True:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if probe(mid):
+                lo = mid
+            else:
+                hi = mid
+        above = hi + 1
+        if left == 0 or above >= grid_size or known.get(above) is False:
+            break
+        left -= 1
+        if not probe(above):
+            break
+        lo = above
+        hi = min((i for i, ok in known.items() if not ok and i > lo), default=grid_size)
     return (lo if lo >= 0 else None), probed
 
 
@@ -82,9 +125,13 @@ def find(
     min_kept: Sequence[int],
     granularity: int,
     criterion: str,
+    *,
+    warm: bool,
+    rechecks: int,
 ) -> TargetRecord:
-    """Bisect `points` for the largest sparsity whose search meets `threshold`. `search(sparsity, seed)` runs (or
-    reuses) one search and returns (its URI, its `records.AllocationRecord`)."""
+    """Bracket `points` for the largest sparsity whose search meets `threshold`. `search(sparsity, seed)` runs (or
+    reuses) one search and returns (its URI, its `records.AllocationRecord`); the seed is None (the cold search a
+    sweep makes) unless `warm`, when every probe after the first is seeded from the nearest probe's allocation."""
     from evoesap.store import artifacts
 
     probes: dict[int, Probe] = {}
@@ -93,7 +140,7 @@ def find(
     def meets(index: int) -> bool:
         sparsity = points[index]
         budget = alloc.budget(sparsity, num_experts, min_kept, granularity)
-        near = min(probes, key=lambda i: abs(i - index), default=None)
+        near = min(probes, key=lambda i: abs(i - index), default=None) if warm else None
         seed = None if near is None else warm_start(probes[near].removal_counts, num_experts, min_kept, budget, granularity)
         uri, record = search(sparsity, seed)
         check = record.heldout
@@ -114,14 +161,16 @@ def find(
         order.append(probe)
         return probe.meets
 
-    chosen, _ = bracket(len(points), meets)
+    chosen, _ = bracket(len(points), meets, rechecks)
     return TargetRecord(
         criterion=criterion,
         metric="heldout_esap",
         threshold=threshold,
         grid=tuple(points),
-        max_probes=max_probes(len(points)),
+        max_probes=max_probes(len(points), rechecks),
         probes=tuple(order),
         chosen=None if chosen is None else points[chosen],
         chosen_search=None if chosen is None else probes[chosen].search,
+        warm_start=warm,
+        rechecks=rechecks,
     )

@@ -248,7 +248,7 @@ class Probe(Record):
     heldout: float | None  # its held-out value (the search's held-out check); None: no held-out samples
     stderr: float | None  # standard error of that held-out mean
     meets: bool  # heldout >= the target
-    warm_start: tuple[int, ...] | None = None  # the seed it was warm-started from; None: the first probe
+    warm_start: tuple[int, ...] | None = None  # the seed it was warm-started from; None: a cold search (or the first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,10 +262,13 @@ class TargetRecord(Record):
     metric: str  # the held-out quantity the target bounds (held-out ESAP: the search's held-out value)
     threshold: float  # the least value a chosen sparsity must reach
     grid: tuple[float, ...]  # every searchable sparsity, ascending
-    max_probes: int  # the most probes bisection could need, stated in advance
+    max_probes: int  # the most probes the bracketing could need (re-checks included), stated in advance
     probes: tuple[Probe, ...]  # in the order they ran
     chosen: float | None  # the largest grid sparsity found to meet the threshold; None: none does
     chosen_search: str | None  # its search artifact
+    warm_start: bool = True  # probes after the first warm-started (target.warm_start); False: each the cold search a
+    # sweep makes at that sparsity. Absent from records made before cold probes were the default: those were warm
+    rechecks: int = 0  # one-point dips the bracketing could look past (target.rechecks); absent from records made before
 
     def line(self) -> str:
         if self.chosen is None:
@@ -277,5 +280,6 @@ class TargetRecord(Record):
             )
         return (
             f"sparsity {self.chosen:.4f} is the largest on the grid of {len(self.grid)} meeting {self.metric} >= "
-            f"{self.threshold}, found in {len(self.probes)} searches (at most {self.max_probes})"
+            f"{self.threshold}, found in {len(self.probes)} {'warm-started' if self.warm_start else 'cold'} searches "
+            f"(at most {self.max_probes})"
         )

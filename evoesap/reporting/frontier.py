@@ -1,6 +1,7 @@
 """The quality-memory frontier: held-out ESAP against checkpoint bytes for the searched and uniform models of every
-evaluated sparsity, the full model at the top right, the target and the chosen sparsity marked, and each release
-candidate coloured by the gate's verdict. The picture a release manager decides from."""
+evaluated sparsity, one line per method and criterion (each criterion orders experts its own way, uniform's too),
+the full model at the top right, the target and the chosen sparsity marked, and each release candidate coloured by
+the gate's verdict. The picture a release manager decides from."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter
 
 from evoesap.records import GateRecord, MetricsRecord, TargetRecord
 
@@ -19,14 +21,20 @@ def _bytes(metrics: MetricsRecord) -> int:
     return metrics.memory.checkpoint_bytes or metrics.memory.parameter_bytes
 
 
-def points(runs: Sequence[MetricsRecord]) -> dict[str, list[tuple[int, float, float]]]:
-    """method -> (bytes, held-out ESAP, sparsity) of each unquantized pruned run that has held-out ESAP, by bytes."""
-    found: dict[str, list[tuple[int, float, float]]] = {}
+Series = tuple[str, str | None]  # (method, criterion)
+
+
+def points(runs: Sequence[MetricsRecord]) -> dict[Series, list[tuple[int, float, float]]]:
+    """(method, criterion) -> (bytes, held-out ESAP, sparsity) of each unquantized pruned run that has held-out ESAP,
+    by bytes; series by criterion, then searched before uniform."""
+    found: dict[Series, list[tuple[int, float, float]]] = {}
     for m in runs:
         method = m.labels.method
         if method in METHODS and m.heldout_esap is not None and m.labels.sparsity is not None and m.quantization is None:
-            found.setdefault(method, []).append((_bytes(m), m.heldout_esap.esap, float(m.labels.sparsity)))
-    return {method: sorted(found[method]) for method in METHODS if method in found}
+            point = (_bytes(m), m.heldout_esap.esap, float(m.labels.sparsity))
+            found.setdefault((method, m.labels.criterion), []).append(point)
+    order = sorted(found, key=lambda k: (k[1] or "", METHODS.index(k[0])))
+    return {key: sorted(found[key]) for key in order}
 
 
 def figure(
@@ -37,9 +45,12 @@ def figure(
     if not series:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
-    for method, values in series.items():
+    colours = {c: f"C{i}" for i, c in enumerate(dict.fromkeys(criterion for _, criterion in series))}
+    for (method, criterion), values in series.items():
         xs, ys = [v[0] for v in values], [v[1] for v in values]
-        ax.plot(xs, ys, marker="o", linestyle="-" if method == "searched" else "--", label=method)
+        style = "-" if method == "searched" else "--"
+        label = method if criterion is None else f"{method} ({criterion})"
+        ax.plot(xs, ys, marker="o", linestyle=style, color=colours[criterion], label=label)
         for x, y, sparsity in values:
             ax.annotate(f"{sparsity:.0%}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize="x-small")
     full = [m for m in runs if m.labels.method == "full" and m.heldout_esap is not None]
@@ -57,10 +68,12 @@ def figure(
                 ax.axhline(check.limit, color="tab:red", linestyle=":", linewidth=1, label="gate: least held-out ESAP")
     for target in targets:
         ax.axhline(target.threshold, color="tab:purple", linestyle="-.", linewidth=1, label=f"target ({target.criterion})")
-        chosen = [v for v in series.get("searched", []) if target.chosen is not None and abs(v[2] - target.chosen) < 1e-9]
+        searched = series.get(("searched", target.criterion), [])
+        chosen = [v for v in searched if target.chosen is not None and abs(v[2] - target.chosen) < 1e-9]
         if chosen:
             ax.scatter([chosen[0][0]], [chosen[0][1]], marker="D", s=90, color="tab:purple", label="chosen sparsity")
-    ax.set_xlabel("Checkpoint bytes")
+    ax.set_xlabel("Checkpoint size")
+    ax.xaxis.set_major_formatter(EngFormatter(unit="B"))  # 10 MB, not 1e7
     ax.set_ylabel("Held-out ESAP")
     ax.set_title("Quality against memory")
     handles, labels = ax.get_legend_handles_labels()

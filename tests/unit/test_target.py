@@ -26,16 +26,47 @@ def test_grid_is_every_searchable_budget_once(granularity):
     assert budgets == expected and points == sorted(points)
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.integers(1, 80), st.data())
-def test_bisection_finds_what_a_sweep_finds_within_its_stated_probes(size, data):
-    first_failing = data.draw(st.integers(0, size))  # a monotone answer: indices below it meet, the rest do not
-    chosen, probed = bracket(size, lambda i: i < first_failing)
-    sweep = [i for i in range(size) if i < first_failing]
-    assert chosen == (sweep[-1] if sweep else None)
-    assert len(probed) == len(set(probed)) <= max_probes(size) == math.ceil(math.log2(size)) + 1
-    if size >= 4:
-        assert len(probed) < size  # fewer searches than the sweep
+def _monotone_with_dips(first_failing, dips):
+    """An answer where indices below `first_failing` meet but the `dips` (each with a meeting index above it)."""
+    return lambda i: i < first_failing and i not in dips
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 80), st.integers(0, 3), st.data())
+def test_bracketing_finds_what_a_sweep_finds_through_isolated_dips(size, rechecks, data):
+    first_failing = data.draw(st.integers(0, size))  # indices below it meet, the rest do not ...
+    below = list(range(first_failing - 1))  # ... but for isolated one-point dips, each under a meeting index
+    dips = set()
+    for d in data.draw(st.lists(st.sampled_from(below), max_size=rechecks, unique=True)) if below else ():
+        if d - 1 not in dips and d + 1 not in dips:
+            dips.add(d)
+    meets = _monotone_with_dips(first_failing, dips)
+    chosen, probed = bracket(size, meets, rechecks)
+    sweep = [i for i in range(size) if meets(i)]
+    assert chosen == (sweep[-1] if sweep else None)  # the largest meeting index, dips or not
+    assert len(probed) == len(set(probed)) <= max_probes(size, rechecks)
+    if not dips:  # a monotone answer: bisection and at most one re-check
+        assert len(probed) <= math.ceil(math.log2(size + 1)) + min(rechecks, 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 300), st.integers(0, 3), st.data())
+def test_bracketing_any_answer_stays_within_its_stated_probes_and_returns_a_meeting_index(size, rechecks, data):
+    answers = data.draw(st.lists(st.booleans(), min_size=size, max_size=size))
+    chosen, probed = bracket(size, answers.__getitem__, rechecks)
+    assert len(probed) == len(set(probed)) <= max_probes(size, rechecks)
+    assert chosen is None or (answers[chosen] and chosen in probed)
+    above = 0 if chosen is None else chosen + 1  # what it stopped at: a probed miss, or the grid's end
+    assert above == size or (above in probed and not answers[above])
+
+
+@pytest.mark.parametrize("rechecks", [0, 1, 2])
+def test_the_stated_probes_are_the_true_worst_case(rechecks):
+    for size in range(1, 11):  # every answer of every grid up to 10 points: the bound is reached and never passed
+        most = max(len(bracket(size, lambda i, a=a: bool(a >> i & 1), rechecks)[1]) for a in range(2**size))
+        assert most == max_probes(size, rechecks), size
+    assert max_probes(27, 0) == math.ceil(math.log2(28))  # plain bisection
+    assert max_probes(27, rechecks) < 27  # fewer than a sweep of the demo world's grid
 
 
 @settings(max_examples=100, deadline=None)
@@ -69,19 +100,41 @@ def _fake_search(quality):
     return search, calls
 
 
+@pytest.mark.parametrize("warm", [False, True])
 @pytest.mark.parametrize("threshold", [0.99, 0.9, 0.75, 0.5, 0.2])
-def test_find_chooses_the_largest_sparsity_a_sweep_says_meets_the_target(threshold):
+def test_find_chooses_the_largest_sparsity_a_sweep_says_meets_the_target(threshold, warm):
     points = grid(N, K, 1)
     search, calls = _fake_search(lambda s: 1 - s)  # quality falls as sparsity rises
-    record = find(threshold, points, search, N, K, 1, "reap")
+    record = find(threshold, points, search, N, K, 1, "reap", warm=warm, rechecks=1)
     meeting = [s for s in points if 1 - s >= threshold]
     assert record.chosen == (meeting[-1] if meeting else None)
     assert len(record.probes) == len(calls) <= record.max_probes < len(points)
-    assert record.probes[0].warm_start is None and all(p.warm_start is not None for p in record.probes[1:])
+    if warm:  # seeded from the nearest probe
+        assert record.probes[0].warm_start is None and all(p.warm_start is not None for p in record.probes[1:])
+    else:  # each probe the cold search a sweep makes at that sparsity
+        assert all(seed is None for _, seed in calls) and all(p.warm_start is None for p in record.probes)
+    assert record.warm_start is warm and record.rechecks == 1
     assert all(p.meets == (p.heldout >= threshold) and p.stderr == 0.002 for p in record.probes)
     assert records.TargetRecord.from_json(record.to_json(), "target.json") == record
     if record.chosen is None:
         assert "no sparsity on the grid meets" in record.line()
+
+
+@pytest.mark.parametrize("threshold", [0.9, 0.75, 0.5])
+def test_find_looks_past_a_search_that_misses_below_the_answer(threshold):
+    points = grid(N, K, 1)
+    answer = max(i for i, s in enumerate(points) if 1 - s >= threshold)
+    _, path = bracket(len(points), lambda i: i <= answer, 0)
+    dip = max(i for i in path if i < answer)  # a point plain bisection probes on its way to the answer ...
+    quality = {s: threshold - 0.01 if i == dip else 1 - s for i, s in enumerate(points)}  # ... searched badly there
+    sweep = [s for s in points if quality[s] >= threshold]
+    assert sweep[-1] == points[answer]
+    plain, _ = _fake_search(quality.get)
+    assert find(threshold, points, plain, N, K, 1, "reap", warm=False, rechecks=0).chosen == points[dip - 1]
+    search, calls = _fake_search(quality.get)
+    record = find(threshold, points, search, N, K, 1, "reap", warm=False, rechecks=1)
+    assert record.chosen == sweep[-1] and len(calls) <= record.max_probes
+    assert [p.meets for p in record.probes if p.sparsity == points[dip]] == [False]  # the dip stays in the record
 
 
 @pytest.mark.parametrize("value", [0.0, 1.0, 1.5, -0.2, True])
@@ -105,6 +158,8 @@ BASE = dict(model="/m", calibration_data="/c", search_data="/s", heldout_data="/
         ({"target": {"kl": 0.1}}, "valid: bytes, heldout_esap"),
         ({"target": {"heldout_esap": 0.9, "bytes": "1GiB"}}, "give one target"),
         ({"target": {"heldout_esap": 0.9}, "search": {"metric": "kl"}}, "search.metric is 'kl'"),
+        ({"target": {"heldout_esap": 0.9, "rechecks": -1}}, "rechecks"),
+        ({"target": {"bytes": "1GiB", "warm_start": True}}, "target.warm_start tunes the search for heldout_esap"),
     ],
 )
 def test_bad_targets_are_refused_at_load_in_one_line(extra, problem):
@@ -125,7 +180,10 @@ def test_plan_states_the_most_searches_in_advance(tmp_path):
     points = grid((4, 4), (2, 2), 1)  # budgets 1..3 (4 leaves a single allocation)
     assert len(points) == 3
     line = cost_line(config)
-    assert f"over {len(points)} grid sparsities" in line and f"at most {max_probes(3)} searches per criterion" in line
+    assert f"over {len(points)} grid sparsities" in line and f"at most {max_probes(3, 1)} per criterion" in line
+    assert "cold (a sweep's) searches" in line
+    warm = load_config({**BASE, "model": str(model), "target": {"heldout_esap": 0.97, "warm_start": True, "rechecks": 0}})
+    assert f"at most {max_probes(3, 0)} per criterion" in cost_line(warm) and "warm-started" in cost_line(warm)
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +217,11 @@ def test_a_memory_target_picks_the_least_grid_sparsity_whose_checkpoint_fits(tin
     chosen = point["sparsity"]
     assert chosen == points[len(points) // 2]  # the least that fits: one grid step less does not
     assert _pruned_bytes(tiny_model, chosen) <= middle < _pruned_bytes(tiny_model, points[points.index(chosen) - 1])
+    from evoesap.pipeline.target import cost_line, run_target
+
+    for bracketing in (cost_line, run_target):  # nothing to bracket: refused in one line, not run with no threshold
+        with pytest.raises(ConfigError, match="no quality target"):
+            bracketing(config)
 
 
 @pytest.mark.parametrize("size, problem", [("1K", "below the model's floor"), ("100GiB", "nothing needs pruning")])
@@ -174,14 +237,14 @@ def test_a_quality_target_compiles_to_a_finder_task_whose_points_feed_the_fan_ou
     """The DAG fans out over what the finder task returns, not over a compiled grid; the threshold is a pipeline
     input a submit can override, and the grid input, which nothing would read, is gone."""
     import yaml
-
     from evoesap.pipeline.config import load_config
     from evoesap.pipeline.dag import compile_pipeline
 
     config = load_config({**BASE, "model": tiny_model, "target": {"heldout_esap": 0.9}})
     spec = yaml.safe_load(compile_pipeline(config, str(tmp_path / "p.yaml")).read_text())
     inputs = spec["root"]["inputDefinitions"]["parameters"]
-    assert "grid" not in inputs and inputs["target_heldout_esap"]["defaultValue"] == 0.9
+    assert "grid" not in inputs
+    assert inputs["target_params"]["defaultValue"] == {"heldout_esap": 0.9, "warm_start": False, "rechecks": 1}
     executors = spec["deploymentSpec"]["executors"]
     assert any("def find_sparsities(" in " ".join(e["container"].get("command", [])) for e in executors.values())
     stages = spec["components"]["comp-evoesap-stages"]["dag"]["tasks"]
@@ -190,38 +253,51 @@ def test_a_quality_target_compiles_to_a_finder_task_whose_points_feed_the_fan_ou
 
 
 @pytest.mark.slow
-def test_target_run_records_its_probes_as_reusable_search_artifacts(tmp_path):
+def test_target_probes_are_the_searches_a_sweep_makes_and_warm_starts_are_opt_in(tmp_path):
     from evoesap.pipeline.config import load_config
     from evoesap.pipeline.target import run_target
     from tiny_world import make_tiny_inputs
 
+    from evoesap.steps import run_step
     from evoesap.store import artifacts
 
     files = make_tiny_inputs(tmp_path / "tiny")  # 4 MoE layers of 8 experts, top-2
     storage = tmp_path / "store"
-    config = load_config(
-        {
-            "model": files["model"],
-            "calibration_data": files["calibration"],
-            "search_data": files["search"],
-            "heldout_data": files["heldout"],
-            "storage_root": str(storage),
-            "calibrate": {"samples": 8, "max_length": 128},
-            "cache_logits": {"samples": 6, "max_length": 128, "dtype": "float32"},
-            "search": {"population": 4, "elites": 1, "generations": 1, "batch_size": 8, "granularity": 4},
-            "target": {"heldout_esap": 0.5},  # met everywhere: bisection climbs to the top of the grid
-        }
-    )
+    settings_ = {
+        "model": files["model"],
+        "calibration_data": files["calibration"],
+        "search_data": files["search"],
+        "heldout_data": files["heldout"],
+        "storage_root": str(storage),
+        "calibrate": {"samples": 8, "max_length": 128},
+        "cache_logits": {"samples": 6, "max_length": 128, "dtype": "float32"},
+        "search": {"population": 4, "elites": 1, "generations": 1, "batch_size": 8, "granularity": 4},
+        "target": {"heldout_esap": 0.5},  # met everywhere: bisection climbs to the top of the grid
+    }
+
+    def searches():
+        return sorted(p.name for p in (storage / "search").iterdir() if (p / "manifest.json").exists())
+
+    config = load_config(settings_)
     ((uri, record),) = run_target(config)
-    assert record.chosen == record.grid[-1] and len(record.probes) <= record.max_probes
-    searches = sorted(p.name for p in (storage / "search").iterdir() if (p / "manifest.json").exists())
-    assert len(searches) == len(record.probes)
+    assert record.chosen == record.grid[-1] and len(record.probes) <= record.max_probes and not record.warm_start
+    assert len(searches()) == len(record.probes)
     manifest = artifacts.read_manifest(uri, "target")
     probes = [manifest.inputs[f"probes.{i}"]["manifest_sha256"] for i in range(len(record.probes))]
     assert probes == [artifacts.manifest_sha256(str(storage / "search" / p.search.rsplit("/", 1)[-1])) for p in record.probes]
-    for probe in record.probes[1:]:  # warm-started, the seed recorded in the search's own parameters
+    inputs = {k: manifest.inputs[k]["uri"] for k in ("model", "scores", "cache", "heldout_cache")}
+    for probe in record.probes:  # cold: the very artifact a sweep's search at that sparsity is
+        swept = run_step("search", str(storage), inputs, {**config.stage_params("search"), "criterion": "reap",
+                                                           "sparsity": probe.sparsity})  # fmt: skip
+        assert artifacts.redact(swept) == probe.search and probe.warm_start is None
+    assert len(searches()) == len(record.probes)  # every one reused
+    again = run_target(config)  # every probe reused: no new search artifact
+    assert again[0][1] == record and len(searches()) == len(record.probes)
+
+    warm = load_config({**settings_, "target": {"heldout_esap": 0.5, "warm_start": True}})
+    ((warm_uri, warmed),) = run_target(warm)
+    assert warmed.warm_start and warm_uri != uri and warmed.probes[0] == record.probes[0]  # the first: the cold one
+    for probe in warmed.probes[1:]:  # warm-started, the seed recorded in the search's own parameters
         params = artifacts.read_manifest(str(storage / "search" / probe.search.rsplit("/", 1)[-1])).params
         assert params["warm_start"] == ",".join(map(str, probe.warm_start))
-    again = run_target(config)  # every probe reused: no new search artifact
-    assert again[0][1] == record
-    assert sorted(p.name for p in (storage / "search").iterdir() if (p / "manifest.json").exists()) == searches
+    assert len(searches()) == len(record.probes) + len(warmed.probes) - 1
