@@ -64,21 +64,25 @@ def rerender(report: Path, out: Path) -> Path:
     return out / HTML_FILE
 
 
-def _chromium(page: Path, tmp: str, *args: str) -> str:
-    """Headless Chromium on `page` in a WIDTH x TALL window with `args`; its stdout."""
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        sys.exit("chromium is not installed: apt-get install -y chromium (make report-screenshot does it)")
+def chromium(page: Path, tmp: str, *args: str, height: int = TALL) -> str:
+    """Headless Chromium on `page` in a WIDTH x `height` window with `args` (its profile under `tmp`); its stdout."""
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if binary is None:
+        sys.exit("chromium is not installed: apt-get install -y chromium (make report-screenshot and docs-screenshots do it)")
     done = subprocess.run(
         [
-            chromium,
+            binary,
             "--headless",
             "--no-sandbox",
             "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
             "--hide-scrollbars",
             "--force-device-scale-factor=1",
             f"--user-data-dir={tmp}/profile",
-            f"--window-size={WIDTH},{TALL}",
+            f"--window-size={WIDTH},{height}",
             *args,
             page.resolve().as_uri(),
         ],
@@ -90,7 +94,8 @@ def _chromium(page: Path, tmp: str, *args: str) -> str:
     return done.stdout
 
 
-def _save_png(image: Image.Image, png: Path) -> None:
+def save_png(image: Image.Image, png: Path) -> None:
+    """`image` as a 256-colour PNG at `png`."""
     png.parent.mkdir(parents=True, exist_ok=True)
     image.quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(png, optimize=True)  # a third of the bytes, same look
 
@@ -100,7 +105,7 @@ def frontier_box(page: Path) -> tuple[int, int, int, int]:
     with tempfile.TemporaryDirectory(prefix="evoesap-box-") as tmp:
         probe = Path(tmp) / page.name
         probe.write_text(page.read_text(encoding="utf-8").replace("</body>", BOX_SCRIPT % FRONTIER + "</body>", 1))
-        dom = _chromium(probe, tmp, "--virtual-time-budget=10000", "--dump-dom")
+        dom = chromium(probe, tmp, "--virtual-time-budget=10000", "--dump-dom")
     found = re.search(r'data-box="(-?\d+),(-?\d+),(\d+),(\d+)"', dom)
     if found is None:
         sys.exit(f"{page} has no frontier figure (an image whose alt text starts {FRONTIER!r}): see evoesap/stages/report.py")
@@ -113,18 +118,18 @@ def screenshot(page: Path, png: Path, frontier: Path | None = None) -> None:
     capture into `frontier` when given."""
     with tempfile.TemporaryDirectory(prefix="evoesap-shot-") as tmp:
         raw = Path(tmp) / "raw.png"
-        _chromium(page, tmp, f"--screenshot={raw}")
+        chromium(page, tmp, f"--screenshot={raw}")
         image = Image.open(raw).convert("RGB")
     content = ImageChops.difference(image, Image.new("RGB", image.size, "white")).getbbox()
     if content is None:
         sys.exit(f"chromium rendered {page} blank")
     if content[3] >= TALL - 1:
         sys.exit(f"{page} is taller than {TALL} px: raise TALL in {__file__}")
-    _save_png(image.crop((0, 0, WIDTH, min(TALL, content[3] + MARGIN))), png)
+    save_png(image.crop((0, 0, WIDTH, min(TALL, content[3] + MARGIN))), png)
     if frontier is not None:
         left, top, right, bottom = frontier_box(page)
         pad = MARGIN // 2
-        _save_png(image.crop((max(0, left - pad), max(0, top - pad), min(WIDTH, right + pad), bottom + pad)), frontier)
+        save_png(image.crop((max(0, left - pad), max(0, top - pad), min(WIDTH, right + pad), bottom + pad)), frontier)
 
 
 def main() -> None:
