@@ -110,7 +110,10 @@ def test_a_new_registry_entry_is_a_cli_verb_a_yaml_section_a_component_and_a_pip
     assert main(["toy-stage", "--data", "d.jsonl", "--out", "o", "--width", "0"]) == 2  # its declared range, enforced
 
     model = config_module.config_model()
-    assert "toy_stage" in model.model_json_schema()["properties"]
+    section = model.model_json_schema()["properties"]["toy_stage"]
+    assert section["properties"] == {
+        "width": {"type": "integer", "minimum": 1, "default": 3, "description": "How wide the toy is. [>= 1]"}
+    }
     config = model(model="/m", calibration_data="/c.jsonl", search_data="/s.jsonl", storage_root="/r", toy_stage={"width": 5})
     assert config.parsed_params("toy-stage") == ToyParams(width=5)
     defaults = dag._defaults(config)

@@ -114,3 +114,33 @@ def test_publish_parameters_get_the_checks_every_stage_shares(monkeypatch):
     monkeypatch.setattr("evoesap.machine.bounds.check_params", checked.append)
     made = publish(digits=4)
     assert checked == [made]  # machine.bounds.check_params ran on it, as on every stage's parameters
+
+
+@pytest.mark.parametrize("stage", STAGES, ids=[s.name for s in STAGES])
+def test_a_section_s_json_schema_and_its_dataclass_agree_on_choices_ranges_and_keys(stage):
+    """The schema an editor checks a YAML section with refuses what the dataclass refuses, and accepts the defaults."""
+    import jsonschema
+
+    cls = stage.params_class()
+    schema = parameters.json_schema(cls, exclude=stage.grid)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    valid = jsonschema.Draft202012Validator(schema)
+    fields = [f for f in dataclasses.fields(cls) if f.name not in stage.grid]
+    assert list(schema["properties"]) == [f.name for f in fields]
+    defaults = {name: prop["default"] for name, prop in schema["properties"].items()}
+    assert (
+        valid.is_valid(defaults) and parameters.make(cls, defaults, stage.name) == cls()
+    )  # the schema's defaults: the dataclass's
+    assert not valid.is_valid({"no_such_key": 1})
+    hints = typing.get_type_hints(cls)
+    for field in fields:
+        kind = parameters.kinds(hints[field.name])
+        for op, limit in parameters.bounds_of(field).items():
+            bad = _outside(op, limit, kind)
+            assert not valid.is_valid({field.name: bad}), (field.name, bad)
+            with pytest.raises(ConfigError):
+                cls(**{field.name: bad})
+        if parameters.choices_of(hints[field.name]):
+            assert not valid.is_valid({field.name: "no-such-choice"}), field.name
+            with pytest.raises(ConfigError):
+                cls(**{field.name: "no-such-choice"})
