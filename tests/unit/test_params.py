@@ -66,6 +66,32 @@ def test_the_declared_choices_are_the_library_s_own_names():
     assert set(CRITERIA) < set(COLUMNS)
 
 
+def test_cache_modes_dtypes_and_evaluate_backends_are_declared_choices_of_the_library_s_own_names(capsys):
+    from evoesap.evaluation.lmeval import BACKENDS
+    from evoesap.scoring.teacher import DTYPES, MODES
+
+    cache, evaluate = (next(s for s in STAGES if s.name == n).params_class() for n in ("cache-logits", "evaluate"))
+    cache_hints, evaluate_hints = typing.get_type_hints(cache), typing.get_type_hints(evaluate)
+    assert parameters.choices_of(cache_hints["mode"]) == MODES == ("full", "topk")
+    assert parameters.choices_of(cache_hints["dtype"]) == tuple(DTYPES) == ("float16", "float32")
+    assert parameters.choices_of(evaluate_hints["backend"]) == BACKENDS == ("hf", "vllm")
+    runner = CliRunner()
+    cache_help = " ".join(runner.invoke(command(), ["cache-logits", "--help"], terminal_width=200).output.split())
+    assert "--mode [full|topk]" in cache_help and "--dtype [float16|float32]" in cache_help
+    evaluate_help = " ".join(runner.invoke(command(), ["evaluate", "--help"], terminal_width=200).output.split())
+    assert "--backend [hf|vllm]" in evaluate_help
+    assert "[one of full, topk]" in params_description("cache-logits") and "[one of hf, vllm]" in params_description("evaluate")
+    with pytest.raises(ConfigError, match="^dtype 'bfloat16' is not one of float16, float32$"):
+        cache(dtype="bfloat16")
+    with pytest.raises(ConfigError, match="backend 'tgi' is not one of hf, vllm"):
+        parameters.make(evaluate, {"backend": "tgi"}, "evaluate")
+    with pytest.raises(ConfigError, match="^top_k must be at least 1 for mode topk, got 0$"):  # the cross-field rule
+        cache(mode="topk", top_k=0)
+    assert cache(mode=None).mode is None  # unset: chosen by the machine (footprint.cache_mode)
+    args = ["cache-logits", "--model", "m", "--data", "d", "--out", "o"]
+    assert main([*args, "--mode", "top"]) == 2 and "'top' is not one of 'full', 'topk'" in capsys.readouterr().err
+
+
 def test_unset_passes_the_range_and_means_the_stage_s_default():
     defaults = {"calibrate": 1024, "cache-logits": 64, "quantize": 256}
     for stage in STAGES:
