@@ -21,7 +21,7 @@ import os
 import tempfile
 import typing
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 from kfp import dsl
 from kfp.dsl import HTML, Artifact, Dataset, Input, Markdown, Metrics, Model, Output
@@ -82,9 +82,16 @@ def _grid_type(stage: Stage, name: str) -> str:
     return plain[0].__name__
 
 
-def _arguments(stage: Stage) -> list[tuple[str, str, str, str | None]]:
-    """(name, annotation, description, default source or None) of each argument, in the order Python takes them:
-    the required inputs, the grid, storage_root, the outputs, the optional inputs, params."""
+class _Argument(NamedTuple):
+    name: str
+    annotation: str  # as the component's source writes it
+    text: str  # its description
+    default: str | None = None  # as the source writes it; None: required
+
+
+def _arguments(stage: Stage) -> list[_Argument]:
+    """The component's arguments in the order Python takes them: the required inputs, the grid, storage_root, the
+    outputs, the optional inputs, params."""
     cls = stage.params_class()
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -95,25 +102,24 @@ def _arguments(stage: Stage) -> list[tuple[str, str, str, str | None]]:
         for argument in item.kfp_arguments:
             text = f"{argument.help} {_MODEL_IN_KFP}" if item.model else argument.help
             if argument.required:
-                required.append((argument.name, _annotation(argument.kind, argument.many, True), text, None))
-            elif argument.kind == "str":
-                optional.append((argument.name, "str", f"{text} Empty: none.", '""'))
+                required.append(_Argument(argument.name, _annotation(argument.kind, argument.many, True), text))
+            elif argument.kind == "str":  # KFP's text inputs default to "", which the body reads as none
+                optional.append(_Argument(argument.name, "str", f"{text} Empty: none.", '""'))
             else:
-                optional.append((argument.name, _annotation(argument.kind, argument.many, False), text, "None"))
-    grid = [(name, _grid_type(stage, name), parameters.describe(cls, fields[name], hints[name]), None) for name in stage.grid]
-    storage = [("storage_root", "str", _STORAGE, None)]
-    outputs = [(o.name, _annotation(o.kind, False, True, "Output"), o.help, None) for o in stage.outputs]
-    return [*required, *grid, *storage, *outputs, *optional, ("params", "dict", "", "{}")]
+                optional.append(_Argument(argument.name, _annotation(argument.kind, argument.many, False), text, "None"))
+    grid = [_Argument(name, _grid_type(stage, name), parameters.describe(cls, fields[name], hints[name])) for name in stage.grid]
+    storage = [_Argument("storage_root", "str", _STORAGE)]
+    outputs = [_Argument(o.name, _annotation(o.kind, False, True, "Output"), o.help) for o in stage.outputs]
+    return [*required, *grid, *storage, *outputs, *optional, _Argument("params", "dict", "", "{}")]
 
 
-def _docstring(stage: Stage, arguments: list[tuple[str, str, str, str | None]]) -> str:
+def _docstring(stage: Stage, arguments: list[_Argument]) -> str:
     """The Google-style docstring kfp reads the component's descriptions from; `params` documented key by key."""
     from evoesap.components.interface import params_description
 
-    own = tuple(name for name, *_ in arguments)
     made = {o.name for o in stage.outputs}
-    args = {name: text for name, _, text, _ in arguments if name not in made and name != "params"}
-    args["params"] = params_description(stage.name, exclude=own)
+    args = {a.name: a.text for a in arguments if a.name not in made and a.name != "params"}
+    args["params"] = params_description(stage.name, exclude=tuple(a.name for a in arguments))
     returns = {o.name: o.help for o in stage.outputs}
     if stage.returns is not None:
         returns["Output"] = stage.returns.help
@@ -122,31 +128,34 @@ def _docstring(stage: Stage, arguments: list[tuple[str, str, str, str | None]]) 
     return "\n".join(lines)
 
 
-@functools.cache
 def component_function(stage: Stage) -> Callable:
     """The stage's component as a Python function: its typed signature and docstring from the registry entry, its
-    body the generic `run_component`. Its source is registered with `linecache`, so `inspect.getsource` (which kfp
-    embeds in the component) finds it."""
+    body the generic `run_component`. Its source is (again) registered with `linecache`, so `inspect.getsource`
+    (whose text kfp embeds in the component) finds it."""
+    function, source = _written(stage)
+    filename = function.__code__.co_filename
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    return function
+
+
+@functools.cache
+def _written(stage: Stage) -> tuple[Callable, str]:
+    """The function's source, and the function compiled from it."""
     arguments = _arguments(stage)
-    signature = ",\n".join(
-        f"    {name}: {annotation}" + (f" = {default}" if default is not None else "")
-        for name, annotation, _, default in arguments
-    )
+    signature = ",\n".join(f"    {a.name}: {a.annotation}" + (f" = {a.default}" if a.default else "") for a in arguments)
     returns = " -> str" if stage.returns is not None else ""
-    call = ", ".join(f"{name}={name}" for name, *_ in arguments)
+    call = ", ".join(f"{a.name}={a.name}" for a in arguments)
     source = (
         f"def {stage.section}(\n{signature},\n){returns}:\n"
         f"    {stage.summary!r}\n"
         "    from evoesap.components.runner import run_component\n\n"
         f"    return run_component({stage.name!r}, {call})\n"
     )
-    filename = f"<evoesap component {stage.name}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     namespace = {"__name__": __name__, "Input": Input, "Output": Output, "List": List, "Optional": Optional, **_ARTIFACTS}
-    exec(compile(source, filename, "exec"), namespace)  # our own source, written from the registry entry
+    exec(compile(source, f"<evoesap component {stage.name}>", "exec"), namespace)  # our own source, from the registry
     function = namespace[stage.section]
     function.__doc__ = _docstring(stage, arguments)
-    return function
+    return function, source
 
 
 # The components bound to one image, as attributes named like the YAML sections (`components.cache_logits`).
