@@ -2,9 +2,9 @@
 
 Each stage is `run_<stage>(inputs..., params, out_uri) -> Manifest` in its own module of `evoesap.stages`, with a
 frozen parameter dataclass whose fields carry their help (`evoesap.params`). The CLI verbs
-(`evoesap.cli.stages`), the pipeline YAML's sections (`evoesap.pipeline.config`), the KFP components'
-documentation (`evoesap.components`), the cluster settings and the planner all read `STAGES`; adding a
-stage is its module plus one entry below. Entries name their code as strings, so reading the registry
+(`evoesap.cli.stages`), the pipeline YAML's sections and their schema (`evoesap.pipeline.config`), the KFP
+components (their typed signature, documentation and generic body: `evoesap.components`), the cluster settings and
+the planner all read `STAGES`; adding a stage is its module plus one entry below. Entries name their code as strings, so reading the registry
 imports nothing heavy.
 """
 
