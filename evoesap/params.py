@@ -117,7 +117,9 @@ def json_schema(params_class: type, exclude: tuple[str, ...] = ()) -> dict[str, 
         types = [_JSON_TYPES[kind] for kind in _JSON_TYPES if kind in found]
         if tuple in found:
             types.append("string")  # a comma-separated list (`make`)
-        schema: dict[str, Any] = {"type": types[0] if len(types) == 1 else types}
+        schema: dict[str, Any] = {}
+        if found <= set(_JSON_TYPES):  # a type JSON has no name for is left open
+            schema["type"] = types[0] if len(types) == 1 else types
         if tuple in found:
             schema["items"] = {"type": "string"}
         choices = choices_of(hints[field.name])
