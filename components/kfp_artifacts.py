@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -120,11 +121,25 @@ def publish_metrics(metrics: Any, uri: str) -> None:
         metrics.log_metric(name, value)
 
 
-def publish_report(markdown: Any, page: Any, uri: str) -> None:
-    """The report as KFP Markdown and HTML artifacts, rendered by the KFP UI."""
+def publish_markdown(markdown: Any, uri: str) -> None:
+    """The report's Markdown on a KFP Markdown artifact, rendered by the KFP UI."""
     from evoesap.store import artifacts
 
-    for artifact in (markdown, page):
-        artifact.metadata.update(facts.facts(uri))
+    markdown.metadata.update(facts.facts(uri))
     Path(markdown.path).write_bytes(artifacts.read_bytes(artifacts.join(uri, "report.md")))
+
+
+def publish_page(page: Any, uri: str) -> None:
+    """The report as one HTML page with its plots inlined on a KFP HTML artifact, rendered by the KFP UI."""
+    page.metadata.update(facts.facts(uri))
     Path(page.path).write_text(facts.standalone_html(uri))
+
+
+LABELS = ("method", "criterion", "sparsity")  # what names an evaluation's run in the report
+
+
+def run_labels(arguments: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+    """The evaluate component's params with its report labels: those of the model it evaluates (a pruned or quantized
+    model's facts carry them) over the given ones; a model without them is the full model."""
+    model = arguments["model"]
+    return {"method": "full", **params, **{k: model.metadata[k] for k in LABELS if k in model.metadata}}

@@ -28,3 +28,11 @@ def check_verdicts(verdicts: Input[List[Artifact]]):
 def make_verdict_check(image: str) -> Callable:
     """`check_verdicts` in the stage image (nothing is installed at run time)."""
     return dsl.component(base_image=image, install_kfp_package=False)(check_verdicts)
+
+
+def outcome(uri: str) -> str:
+    """The gate component's return, read off its verdict at `uri`: "pass" or "fail", for the pipeline's condition on
+    publish."""
+    from evoesap import records
+
+    return "pass" if records.read(uri, records.GateRecord).passed else "fail"

@@ -54,12 +54,17 @@ def choices_of(field_type: Any) -> tuple[Any, ...]:
     return tuple(c for arg in typing.get_args(field_type) for c in choices_of(arg))
 
 
+def range_of(field: dataclasses.Field) -> str:
+    """The declared range of a number field in words (`> 0 and < 1`); "" when there is none."""
+    return " and ".join(f"{_OPERATORS[op]} {value:g}" for op, value in bounds_of(field).items())
+
+
 def constraint(field: dataclasses.Field, field_type: Any) -> str:
     """The declared choices or range in words (`one of esap, sap`, `> 0 and < 1`); "" when there are none."""
     choices = choices_of(field_type)
     if choices:
         return "one of " + ", ".join(map(str, choices))
-    return " and ".join(f"{_OPERATORS[op]} {value:g}" for op, value in bounds_of(field).items())
+    return range_of(field)
 
 
 def effective_default(params_class: type, field: dataclasses.Field) -> Any:
@@ -93,6 +98,38 @@ def check_declared(params: Any) -> None:
             ok = {"ge": value >= limit, "gt": value > limit, "le": value <= limit, "lt": value < limit}[op]
             if not ok:
                 raise ConfigError(f"{field.name} must be {constraint(field, hints[field.name])}, got {value!r}")
+
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", tuple: "array", type(None): "null"}
+_JSON_BOUNDS = {"ge": "minimum", "gt": "exclusiveMinimum", "le": "maximum", "lt": "exclusiveMaximum"}
+
+
+def json_schema(params_class: type, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The JSON schema of a stage's parameters as a configuration section writes them: each field's type, default,
+    description (`describe`), choices (`enum`) and range (`minimum`, `exclusiveMaximum`, ...), unknown keys refused;
+    for editors and the docs (the dataclass itself still validates). `exclude`: fields set elsewhere (the grid's)."""
+    hints = typing.get_type_hints(params_class)
+    properties = {}
+    for field in dataclasses.fields(params_class):
+        if field.name in exclude:
+            continue
+        found = kinds(hints[field.name])
+        types = [_JSON_TYPES[kind] for kind in _JSON_TYPES if kind in found]
+        if tuple in found:
+            types.append("string")  # a comma-separated list (`make`)
+        schema: dict[str, Any] = {}
+        if found <= set(_JSON_TYPES):  # a type JSON has no name for is left open
+            schema["type"] = types[0] if len(types) == 1 else types
+        if tuple in found:
+            schema["items"] = {"type": "string"}
+        choices = choices_of(hints[field.name])
+        if choices:
+            schema["enum"] = [*choices, *([None] if type(None) in found else [])]
+        schema.update({_JSON_BOUNDS[op]: limit for op, limit in bounds_of(field).items()})
+        default = list(field.default) if isinstance(field.default, tuple) else field.default
+        schema.update(default=default, description=describe(params_class, field, hints[field.name]))
+        properties[field.name] = schema
+    return {"type": "object", "properties": properties, "additionalProperties": False}
 
 
 TOOLS = "tools"  # the key of the outside tools' versions in a keyed parameter record

@@ -241,13 +241,25 @@ class _Settings(BaseModel):
         return merged(self.resources.get("all"), self.resources.get(stage))
 
 
+def _section(stage: stages.Stage) -> Any:
+    """A stage's section: a mapping the stage's parameter dataclass validates (`parsed_params`, so its messages are
+    the CLI's and the API's), whose JSON schema shows each parameter's type, default, choices and range
+    (`params.json_schema`, made when the schema is asked for: no stage code is imported before)."""
+    from evoesap.params import json_schema
+
+    def schema(found: dict[str, Any]) -> None:
+        found.update(json_schema(stage.params_class(), exclude=stage.grid), description=stage.summary)
+
+    return (dict[str, Any], Field({}, json_schema_extra=schema))
+
+
 def config_model() -> type[_Settings]:
     """The configuration's model: the settings plus one parameter section per stage of the registry."""
     return create_model(
         "PipelineConfig",
         __base__=_Settings,
         __doc__="Everything one pipeline run needs: inputs, grid, one parameter section per stage, storage and cluster settings.",
-        **{stage.section: (dict[str, Any], {}) for stage in stages.STAGES},
+        **{stage.section: _section(stage) for stage in stages.STAGES},
     )
 
 

@@ -1,9 +1,9 @@
 """MkDocs hook: the reference pages, generated from the code at every build so they cannot drift from it.
 
 Stages and their inputs come from the stage registry (`evoesap.registry.STAGES`), every parameter from its
-dataclass field (`evoesap.params.param`: type, default, help, and `choices` / `range` when the field's metadata
-declares them), the CLI from the click command the `evoesap` entry point runs, the pipeline YAML from its
-pydantic model, the component interfaces from `components/*.yaml`, the artifact records from their dataclasses
+dataclass field (`evoesap.params.param`: type, default, help, its choices (a `Literal` type) and its range (`ge`, `lt`,
+...) where it declares them), the CLI from the click command the `evoesap` entry point runs, the pipeline YAML from its
+pydantic model and its JSON schema, the component interfaces from `components/*.yaml`, the artifact records from their dataclasses
 and the families from `evoesap.moe.families.FAMILIES`. The API pages are one per module of the package tree,
 found on disk at build time, so a module that moves moves its page.
 
@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# The metadata keys of a parameter field that are shown as their own column, when a field declares them.
+# What a parameter field may declare that is shown as its own column, when some field declares it.
 SHOWN_METADATA = ("choices", "range")
-_PLAIN_METADATA = ("help", "keyed")
+_PLAIN_METADATA = ("help", "keyed", "bounds", "unset")  # shown in other columns (range; default) or not at all
 
 
 # ---------------------------------------------------------------- helpers
@@ -105,10 +105,12 @@ class ParameterRow:
     help: str
     keyed: bool
     extra: dict[str, Any]  # choices, range and any other metadata the field declares
+    unset: Any = None  # what the default None means for this stage (`params.effective_default`), where it means one
 
 
 def parameter_rows() -> list[ParameterRow]:
     """Every parameter of every stage of the registry, in registry and field order."""
+    from evoesap import params as parameters
     from evoesap import registry as stages
 
     rows = []
@@ -119,7 +121,11 @@ def parameter_rows() -> list[ParameterRow]:
             default = field.default
             if default is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
                 default = field.default_factory()
-            extra = {k: v for k, v in field.metadata.items() if k not in _PLAIN_METADATA}
+            hint = hints.get(field.name, field.type)
+            declared = {"choices": parameters.choices_of(hint), "range": parameters.range_of(field)}
+            extra = {k: v for k, v in declared.items() if v}
+            extra.update({k: v for k, v in field.metadata.items() if k not in _PLAIN_METADATA})
+            effective = parameters.effective_default(cls, field)
             rows.append(
                 ParameterRow(
                     stage=stage.name,
@@ -129,6 +135,7 @@ def parameter_rows() -> list[ParameterRow]:
                     help=str(field.metadata.get("help", "")),
                     keyed=bool(field.metadata.get("keyed", True)),
                     extra=extra,
+                    unset=effective if effective != default else None,
                 )
             )
     return rows
@@ -165,7 +172,8 @@ def parameters_page() -> str:
             [
                 f"`{row.name}`",
                 _cell(row.type),  # plain text: a `|` in a code span would show its escape
-                _code(repr(row.default)) if row.default != "(required)" else "(required)",
+                (_code(repr(row.default)) if row.default != "(required)" else "(required)")
+                + (f" (unset: {_code(repr(row.unset))})" if row.unset is not None else ""),
                 *[_extra_text(row.extra[k]) if k in row.extra else "" for k in shown],
                 "yes" if row.keyed else "no",
                 _cell(row.help),
@@ -244,6 +252,16 @@ def cli_page() -> str:
 # ---------------------------------------------------------------- pipeline YAML
 
 
+_SCHEMA_BOUNDS = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
+
+
+def _rule(prop: dict[str, Any]) -> str:
+    """A JSON schema property's choices or range in words (`one of esap, sap`, `>= 2`); "" when it has none."""
+    if "enum" in prop:
+        return "one of " + ", ".join(str(v) for v in prop["enum"] if v is not None)
+    return " and ".join(f"{op} {prop[key]:g}" for key, op in _SCHEMA_BOUNDS.items() if key in prop)
+
+
 def pipeline_yaml_page() -> str:
     from evoesap.pipeline.config import PipelineConfig
     from pydantic_core import PydanticUndefined
@@ -261,8 +279,13 @@ def pipeline_yaml_page() -> str:
         rows.append(
             [f"`{name}`", _cell(_type_name(info.annotation)), _code(default), _cell(limits), _cell(comments.get(name, ""))]
         )
+    schema = PipelineConfig.model_json_schema()["properties"]
     sections = [
-        [f"`{s.section}`", f"[{s.name} parameters](parameters.md#{s.name})"]
+        [
+            f"`{s.section}`",
+            f"[{s.name} parameters](parameters.md#{s.name})",
+            _cell("; ".join(f"`{k}` {rule}" for k, p in schema[s.section]["properties"].items() if (rule := _rule(p)))),
+        ]
         for s in stages.STAGES
         if s.section in PipelineConfig.model_fields
     ]
@@ -279,9 +302,11 @@ def pipeline_yaml_page() -> str:
         "",
         "## Stage sections",
         "",
-        "One section per stage of the registry; each takes exactly that stage's parameters.",
+        "One section per stage of the registry; each takes exactly that stage's parameters. The configuration's JSON "
+        "schema (`PipelineConfig.model_json_schema()`) describes each key with its type, default, choices and range, "
+        "shown here as it states them.",
         "",
-        _table(["section", "keys"], sections),
+        _table(["section", "keys", "choices and ranges (from the JSON schema)"], sections),
         "",
     ]
     return "\n".join(out)

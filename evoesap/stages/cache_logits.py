@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from evoesap.errors import ConfigError
 from evoesap.machine import bounds, runtime
-from evoesap.params import PlacementParams, SampleParams, keyed, param
+from evoesap.params import PlacementParams, SampleParams, check_declared, keyed, param
+from evoesap.scoring.teacher import DTYPES, MODES
 from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
@@ -21,23 +22,18 @@ class CacheLogitsParams(PlacementParams, SampleParams):
     DEFAULT_SAMPLES: ClassVar[int] = 64
 
     seed: int = param(42, "Seed of the sample selection: which samples are drawn.")
-    mode: str | None = param(
+    mode: Literal[MODES] | None = param(  # the teacher cache's own names (scoring.teacher)
         None,
         "full (whole-vocabulary log-probabilities) or topk (top-K + tail mass: ESAP bounds); unset: full where "
         "a search on this machine could hold it, else topk.",
     )
     top_k: int = param(64, "K for mode topk.")
-    dtype: str = param("float16", "Storage of log-probabilities: float16 (half the bytes) or float32 (exact).")
+    dtype: Literal[tuple(DTYPES)] = param("float16", "Storage of log-probabilities: float16 (half the bytes) or float32 (exact).")
 
     def __post_init__(self) -> None:
-        from evoesap.scoring.teacher import DTYPES, MODES
-
-        if self.mode is not None and self.mode not in MODES:
-            raise ConfigError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        check_declared(self)  # mode's choices first: the rule below reads it
         if self.mode == "topk" and self.top_k < 1:
             raise ConfigError(f"top_k must be at least 1 for mode topk, got {self.top_k}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         super().__post_init__()
 
 

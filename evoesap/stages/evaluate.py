@@ -8,13 +8,13 @@ import json
 import logging
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 from evoesap import records
 from evoesap.errors import ConfigError, DataError
 from evoesap.evaluation import lmeval, vllm_eval
 from evoesap.machine import bounds, runtime
-from evoesap.params import PlacementParams, keyed, param
+from evoesap.params import PlacementParams, check_declared, keyed, param
 from evoesap.store import artifacts
 from evoesap.store.identity import is_hub_name, is_uri
 
@@ -40,7 +40,9 @@ class EvaluateParams(PlacementParams):
     )
     think_end_token: str = param("</think>", "The answer follows this, when thinking is on.")
     max_length: int | None = param(None, "Context length for lm-eval; unset: the model config's.")
-    backend: str = param("hf", "lm-eval model: hf (transformers) or vllm (EVOESAP_VLLM_PYTHON's environment).")
+    backend: Literal[lmeval.BACKENDS] = param(
+        "hf", "lm-eval model: hf (transformers) or vllm (EVOESAP_VLLM_PYTHON's environment)."
+    )
     tensor_parallel: int = param(1, "vllm backend: GPUs each layer is split across (vLLM's tensor_parallel_size).")
     pipeline_parallel: int = param(
         1,
@@ -64,8 +66,7 @@ class EvaluateParams(PlacementParams):
             raise ConfigError(f"limit must be positive, got {self.limit}")
         if isinstance(self.batch_size, str) and not self.batch_size.startswith("auto"):
             raise ConfigError(f"batch_size must be a positive integer or 'auto', got {self.batch_size!r}")
-        if self.backend not in lmeval.BACKENDS:
-            raise ConfigError(f"backend must be one of {', '.join(lmeval.BACKENDS)}, got {self.backend!r}")
+        check_declared(self)  # backend's choices before the rules that read it
         if isinstance(self.batch_size, (int, float)) and self.batch_size < 1:
             raise ConfigError(f"batch_size must be a positive integer or 'auto', got {self.batch_size!r}")
         for name in ("tensor_parallel", "pipeline_parallel"):

@@ -3,12 +3,15 @@ registry, every stage in the CLI reference and in the DAG picture."""
 
 import dataclasses
 import re
+import typing
 from pathlib import Path
 
 import pytest
 from scripts import load_script
 
+from evoesap import params as parameters
 from evoesap import registry as stages
+from evoesap.params import param
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,22 +54,34 @@ def test_the_stages_page_lists_every_stage_with_every_input(reference):
 def test_a_field_that_declares_choices_and_a_range_shows_them(reference, monkeypatch):
     @dataclasses.dataclass(frozen=True)
     class Declared:
-        mode: str = dataclasses.field(default="full", metadata={"help": "Cache mode.", "choices": ("full", "topk")})
-        top_k: int = dataclasses.field(default=64, metadata={"help": "Entries kept.", "range": "[1, 4096]"})
+        DEFAULT_TOP_K: typing.ClassVar[int] = 64
+
+        mode: typing.Literal["full", "topk"] = param("full", "Cache mode.")
+        top_k: int | None = param(None, "Entries kept.", ge=1, le=4096, unset="DEFAULT_TOP_K")
 
     fake = dataclasses.replace(stages.STAGES[0], name="fake", params="x:y")
     monkeypatch.setattr(type(fake), "params_class", lambda self: Declared)
     monkeypatch.setattr(stages, "STAGES", (fake,))
     page = reference.parameters_page()
     assert "| parameter | type | default | choices | range | keyed | meaning |" in page
-    assert "| `mode` | str | `'full'` | `full`, `topk` |  | yes | Cache mode. |" in page
-    assert "| `top_k` | int | `64` |  | `[1, 4096]` | yes | Entries kept. |" in page
+    assert "| `mode` | Literal['full', 'topk'] | `'full'` | `full`, `topk` |  | yes | Cache mode. |" in page
+    assert "| `top_k` | int \\| None | `None` (unset: `64`) |  | `>= 1 and <= 4096` | yes | Entries kept. |" in page
 
 
 def test_columns_for_choices_and_range_only_when_a_field_declares_them(reference):
-    declared = {key for stage in stages.STAGES for f in dataclasses.fields(stage.params_class()) for key in f.metadata}
+    hints = {stage.name: typing.get_type_hints(stage.params_class()) for stage in stages.STAGES}
+    fields = [(stage.name, f) for stage in stages.STAGES for f in dataclasses.fields(stage.params_class())]
+    choices = any(parameters.choices_of(hints[name][f.name]) for name, f in fields)
+    ranges = any(parameters.bounds_of(f) for _, f in fields)
     header = next(line for line in reference.parameters_page().splitlines() if line.startswith("| parameter |"))
-    assert ("| choices |" in header) == ("choices" in declared) and ("| range |" in header) == ("range" in declared)
+    assert ("| choices |" in header) == choices and ("| range |" in header) == ranges
+
+
+def test_the_yaml_reference_shows_each_section_s_choices_and_ranges(reference):
+    page = reference.pipeline_yaml_page()
+    row = next(line for line in page.splitlines() if line.startswith("| `search` |"))
+    assert "`metric` one of esap, sap, kl, nll" in row and "`population` >= 2" in row
+    assert "`heldout_fraction` >= 0 and < 1" in row and "`criterion`" not in row  # the grid's: set at the top level
 
 
 def test_the_cli_reference_has_every_stage_verb(reference):

@@ -266,7 +266,7 @@ def test_backend_has_one_name_in_the_python_api_the_cli_and_the_pipeline_config(
     from evoesap.steps import make_params
 
     assert make_params("evaluate", {"backend": "vllm"}).backend == "vllm"
-    with pytest.raises(ConfigError, match="backend must be one of hf, vllm"):
+    with pytest.raises(ConfigError, match="backend 'tgi' is not one of hf, vllm"):
         make_params("evaluate", {"backend": "tgi"})
     monkeypatch.delenv("EVOESAP_VLLM_PYTHON", raising=False)
     tasks = str(write_tasks(tmp_path / "tasks"))

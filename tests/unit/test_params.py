@@ -66,6 +66,32 @@ def test_the_declared_choices_are_the_library_s_own_names():
     assert set(CRITERIA) < set(COLUMNS)
 
 
+def test_cache_modes_dtypes_and_evaluate_backends_are_declared_choices_of_the_library_s_own_names(capsys):
+    from evoesap.evaluation.lmeval import BACKENDS
+    from evoesap.scoring.teacher import DTYPES, MODES
+
+    cache, evaluate = (next(s for s in STAGES if s.name == n).params_class() for n in ("cache-logits", "evaluate"))
+    cache_hints, evaluate_hints = typing.get_type_hints(cache), typing.get_type_hints(evaluate)
+    assert parameters.choices_of(cache_hints["mode"]) == MODES == ("full", "topk")
+    assert parameters.choices_of(cache_hints["dtype"]) == tuple(DTYPES) == ("float16", "float32")
+    assert parameters.choices_of(evaluate_hints["backend"]) == BACKENDS == ("hf", "vllm")
+    runner = CliRunner()
+    cache_help = " ".join(runner.invoke(command(), ["cache-logits", "--help"], terminal_width=200).output.split())
+    assert "--mode [full|topk]" in cache_help and "--dtype [float16|float32]" in cache_help
+    evaluate_help = " ".join(runner.invoke(command(), ["evaluate", "--help"], terminal_width=200).output.split())
+    assert "--backend [hf|vllm]" in evaluate_help
+    assert "[one of full, topk]" in params_description("cache-logits") and "[one of hf, vllm]" in params_description("evaluate")
+    with pytest.raises(ConfigError, match="^dtype 'bfloat16' is not one of float16, float32$"):
+        cache(dtype="bfloat16")
+    with pytest.raises(ConfigError, match="backend 'tgi' is not one of hf, vllm"):
+        parameters.make(evaluate, {"backend": "tgi"}, "evaluate")
+    with pytest.raises(ConfigError, match="^top_k must be at least 1 for mode topk, got 0$"):  # the cross-field rule
+        cache(mode="topk", top_k=0)
+    assert cache(mode=None).mode is None  # unset: chosen by the machine (footprint.cache_mode)
+    args = ["cache-logits", "--model", "m", "--data", "d", "--out", "o"]
+    assert main([*args, "--mode", "top"]) == 2 and "'top' is not one of 'full', 'topk'" in capsys.readouterr().err
+
+
 def test_unset_passes_the_range_and_means_the_stage_s_default():
     defaults = {"calibrate": 1024, "cache-logits": 64, "quantize": 256}
     for stage in STAGES:
@@ -114,3 +140,33 @@ def test_publish_parameters_get_the_checks_every_stage_shares(monkeypatch):
     monkeypatch.setattr("evoesap.machine.bounds.check_params", checked.append)
     made = publish(digits=4)
     assert checked == [made]  # machine.bounds.check_params ran on it, as on every stage's parameters
+
+
+@pytest.mark.parametrize("stage", STAGES, ids=[s.name for s in STAGES])
+def test_a_section_s_json_schema_and_its_dataclass_agree_on_choices_ranges_and_keys(stage):
+    """The schema an editor checks a YAML section with refuses what the dataclass refuses, and accepts the defaults."""
+    import jsonschema
+
+    cls = stage.params_class()
+    schema = parameters.json_schema(cls, exclude=stage.grid)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    valid = jsonschema.Draft202012Validator(schema)
+    fields = [f for f in dataclasses.fields(cls) if f.name not in stage.grid]
+    assert list(schema["properties"]) == [f.name for f in fields]
+    defaults = {name: prop["default"] for name, prop in schema["properties"].items()}
+    assert (
+        valid.is_valid(defaults) and parameters.make(cls, defaults, stage.name) == cls()
+    )  # the schema's defaults: the dataclass's
+    assert not valid.is_valid({"no_such_key": 1})
+    hints = typing.get_type_hints(cls)
+    for field in fields:
+        kind = parameters.kinds(hints[field.name])
+        for op, limit in parameters.bounds_of(field).items():
+            bad = _outside(op, limit, kind)
+            assert not valid.is_valid({field.name: bad}), (field.name, bad)
+            with pytest.raises(ConfigError):
+                cls(**{field.name: bad})
+        if parameters.choices_of(hints[field.name]):
+            assert not valid.is_valid({field.name: "no-such-choice"}), field.name
+            with pytest.raises(ConfigError):
+                cls(**{field.name: "no-such-choice"})

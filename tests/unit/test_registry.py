@@ -70,6 +70,36 @@ def test_the_yaml_has_one_section_per_stage_and_resources_take_every_stage_name(
         load_config({**base, "search": {"populaton": 3}})
 
 
+def test_the_configuration_schema_shows_each_section_s_parameters_with_choices_and_ranges():
+    """An editor (or the docs) reading the configuration's JSON schema sees what a section takes; the dataclass still
+    validates, with its own messages."""
+    from evoesap.pipeline.config import PipelineConfig, load_config
+
+    from evoesap.scoring.metrics import METRICS
+
+    sections = PipelineConfig.model_json_schema()["properties"]
+    search = sections["search"]
+    assert search["additionalProperties"] is False and "criterion" not in search["properties"]  # the grid: top level
+    assert search["properties"]["metric"] == {
+        "type": "string",
+        "enum": list(METRICS),
+        "default": "esap",
+        "description": "Fitness (scoring.metrics.METRICS). [one of esap, sap, kl, nll]",
+    }
+    assert search["properties"]["population"] | {"description": ""} == {
+        "type": "integer", "minimum": 2, "default": 32, "description": "",
+    }  # fmt: skip
+    assert {k: search["properties"]["heldout_fraction"][k] for k in ("minimum", "exclusiveMaximum")} == {
+        "minimum": 0,
+        "exclusiveMaximum": 1,
+    }
+    samples = sections["calibrate"]["properties"]["samples"]
+    assert samples["type"] == ["integer", "null"] and samples["minimum"] == 1 and "unset here: 1024" in samples["description"]
+    base = {"model": "m", "calibration_data": "c.jsonl", "search_data": "s.jsonl"}
+    with pytest.raises(ConfigError, match="metric 'tv' is not one of esap, sap, kl, nll"):
+        load_config({**base, "search": {"metric": "tv"}})
+
+
 @pytest.mark.parametrize("name", STAGE_NAMES)
 def test_yaml_cli_and_python_build_the_same_parameters(name):
     """A value given in the YAML section, on the command line, or to the dataclass ends up the same."""
