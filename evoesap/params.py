@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from evoesap.errors import ConfigError
 
@@ -272,26 +272,19 @@ class SampleParams(StageParams):
 
 
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's placement strategies
+DeviceMap = Literal[DEVICE_MAPS]
+ModelDtype = Literal["auto", "bfloat16", "float16", "float32"]  # auto: the checkpoint's own (machine.runtime.MODEL_DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceParams(StageParams):
     """Where and in which dtype a stage runs its model."""
 
-    model_dtype: str = param("auto", "Model dtype: auto (the checkpoint's), bfloat16, float16 or float32.")
+    model_dtype: ModelDtype = param("auto", "Model dtype: auto is the checkpoint's own.")
     device: str = param("auto", "auto (cuda when available, else cpu), cpu, cuda, cuda:1, ...")
-    device_map: str | None = param(None, "'auto' spreads a model too large for one GPU over several.")
-
-    def __post_init__(self) -> None:
-        from evoesap.machine.runtime import check_model_dtype
-
-        check_model_dtype(self.model_dtype)
-        if self.device_map is not None and self.device_map not in DEVICE_MAPS:
-            raise ConfigError(
-                f"device_map {self.device_map!r} is not one of {', '.join(DEVICE_MAPS)}: 'auto' spreads the model over "
-                "the GPUs (leave it unset to put the model on device)"
-            )
-        super().__post_init__()  # the next parameter group's checks, StageParams' last
+    device_map: DeviceMap | None = param(
+        None, "How accelerate spreads a model too large for one GPU over several (auto); unset: the model on device."
+    )
 
 
 @dataclasses.dataclass(frozen=True)

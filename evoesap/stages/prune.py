@@ -15,7 +15,7 @@ from evoesap import records
 from evoesap.machine import bounds, runtime
 from evoesap.method import allocation as alloc
 from evoesap.moe.spec import MoESpec
-from evoesap.params import StageParams, keyed, param
+from evoesap.params import ModelDtype, StageParams, keyed, param
 from evoesap.scoring.criteria import Criterion
 from evoesap.store import artifacts
 
@@ -31,11 +31,7 @@ class PruneParams(StageParams):
     )
     sparsity: float = param(0.25, "Global share of routed experts removed (must match the allocation's).", gt=0, lt=1)
     granularity: int = param(1, "Every per-layer count is a multiple of this (expert parallelism).", ge=1)
-    model_dtype: str = param("auto", "Dtype the checkpoint is written in: auto (its own), float32, bfloat16, float16.")
-
-    def __post_init__(self) -> None:
-        runtime.check_model_dtype(self.model_dtype)
-        super().__post_init__()
+    model_dtype: ModelDtype = param("auto", "Dtype the checkpoint is written in: auto is its own.")
 
 
 def planned_pruning(

@@ -66,6 +66,21 @@ def test_the_declared_choices_are_the_library_s_own_names():
     assert set(CRITERIA) < set(COLUMNS)
 
 
+@pytest.mark.parametrize("stage", ["calibrate", "search", "prune", "evaluate"])
+def test_model_dtypes_and_device_maps_are_declared_choices_that_the_loader_knows(stage):
+    from evoesap.machine.runtime import MODEL_DTYPES
+
+    cls = next(s for s in STAGES if s.name == stage).params_class()
+    hints = typing.get_type_hints(cls)
+    assert parameters.choices_of(hints["model_dtype"]) == tuple(MODEL_DTYPES)
+    with pytest.raises(ConfigError, match="model_dtype 'fp8' is not one of auto, bfloat16, float16, float32$"):
+        parameters.make(cls, {"model_dtype": "fp8"}, stage)
+    if "device_map" in hints:
+        assert parameters.choices_of(hints["device_map"]) == parameters.DEVICE_MAPS
+        with pytest.raises(ConfigError, match="device_map 'cuda:0' is not one of auto, balanced"):
+            parameters.make(cls, {"device_map": "cuda:0"}, stage)
+
+
 def test_cache_modes_dtypes_and_evaluate_backends_are_declared_choices_of_the_library_s_own_names(capsys):
     from evoesap.evaluation.lmeval import BACKENDS
     from evoesap.scoring.teacher import DTYPES, MODES
