@@ -206,11 +206,13 @@ def test_cli_caches_then_scores_an_allocation(tmp_path, capsys) -> None:
     assert abs(float(capsys.readouterr().out.split()[0]) - 1.0) < 1e-4
     assert main(["esap", *common, "--cache", str(tmp_path / "cache"), "--allocation", str(tmp_path / "alloc.json")]) == 0
     assert float(capsys.readouterr().out.split()[0]) < 0.999
+    # a mode outside the declared choices is a usage error (exit 2) that lists them, before anything loads
     assert (
         main(["cache-logits", *common, "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "c2"), "--mode", "dense"])
-        == 1
+        == 2
     )
-    assert "mode" in capsys.readouterr().err
+    assert "'dense' is not one of 'full', 'topk'" in capsys.readouterr().err
+    assert not (tmp_path / "c2").exists()
 
 
 @pytest.mark.parametrize("metric", ["esap", "nll"])
