@@ -365,7 +365,7 @@ def _pusher(
 
     def push(staging: Path, manifest: artifacts.Manifest) -> None:
         if params.to is not None and to_seen is not None:
-            artifacts.publish_copy(staging, params.to, manifest, to_seen)
+            artifacts.publish_copy(staging, params.to, manifest, to_seen, "--to")
         if params.repo:
             hub.push(
                 staging,

@@ -414,12 +414,12 @@ def _occupant_now(out_uri: str, stage: str, lease: str | None) -> str:
         names.remove(PUBLISHING)
         own = {PUBLISHING}
         if names and MANIFEST not in names:  # what an interrupted publish left, which our lease took over
-            _refuse_unlisted(out_uri, stage, _ours_while_publishing(out_uri))
+            _refuse_unlisted(out_uri, stage, _ours_while_publishing(out_uri, stage))
             return _TAKEN_OVER
     if not names:
         return "empty"
     if PUBLISHING in names and _publishing_record(out_uri).get("stage") == stage:
-        _refuse_unlisted(out_uri, stage, _ours_while_publishing(out_uri))
+        _refuse_unlisted(out_uri, stage, _ours_while_publishing(out_uri, stage))
         return f"publishing:{sha256_bytes(_read_settled(join(out_uri, PUBLISHING)))}"
     if MANIFEST in names:
         manifest = _manifest_at(out_uri)
@@ -507,9 +507,14 @@ def _publishing_record(uri: str) -> dict[str, Any]:
     return record if isinstance(record, dict) else {}
 
 
-def _ours_while_publishing(uri: str) -> set[str]:
+def _ours_while_publishing(uri: str, stage: str) -> set[str]:
+    """The files a publish under way (or interrupted) may have at `uri`: those its lease names and, before it retired
+    it, those of the earlier artifact of `stage` it replaces (a lease taken over an artifact does not list them)."""
     files = _publishing_record(uri).get("files")
-    return {*(f for f in files if isinstance(f, str)), PUBLISHING, MANIFEST} if isinstance(files, list) else {PUBLISHING}
+    ours = {*(f for f in files if isinstance(f, str)), PUBLISHING, MANIFEST} if isinstance(files, list) else {PUBLISHING}
+    fs, path = split(join(uri, MANIFEST))
+    earlier = _manifest_at(uri) if fs.exists(path) else None
+    return ours | set(earlier.files) if earlier is not None and earlier.stage == stage else ours
 
 
 def _git_commit() -> str | None:
@@ -708,14 +713,14 @@ def _staging_place(out_uri: str, stage: str) -> tuple[Path, str]:
     return Path(tempfile.gettempdir()), f"evoesap-{stage}"
 
 
-def publish_copy(staging: Path, uri: str, manifest: Manifest, seen: str) -> None:
-    """Publish a byte-identical copy of a staged artifact (its manifest included) at a second location `uri`,
-    under the rules of a stage's own output: `seen` is what `preflight(uri, ...)` found there before the work,
-    the manifest goes last, and a failed copy is not a finished artifact there."""
+def publish_copy(staging: Path, uri: str, manifest: Manifest, seen: str, flag: str) -> None:
+    """Publish a byte-identical copy of a staged artifact (its manifest included) at a second location `uri` (given
+    by the option `flag`), under the rules of a stage's own output: `seen` is what `preflight(uri, ...)` found there
+    before the work, the manifest goes last, and a failed copy is not a finished artifact there."""
     parent, prefix = _staging_place(uri, manifest.stage)
     with _owned_dir(parent, prefix, published=True) as copy:
         shutil.copytree(staging, copy, dirs_exist_ok=True)
-        _publish(copy, uri, manifest, _Expected(uri, manifest.stage, seen, manifest.cache_key, parent))
+        _publish(copy, uri, manifest, _Expected(uri, manifest.stage, seen, manifest.cache_key, parent, flag))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -728,20 +733,24 @@ class _Expected:
     seen: str
     key: str
     aside: Path  # where a refused publish keeps its staged artifact
+    flag: str = "--out"  # the option that named the location, for the error
 
-    def check(self, staging: Path, lease: str | None = None) -> bool:
+    def check(self, staging: Path, lease: str | None = None, taken_over: bool = False) -> bool:
         """Whether to swap the staged artifact in (True), or leave the identical one another run published
         meanwhile (False); anything else there is refused with the staged artifact kept aside. Called with the
-        output's swap lock (local) or its lease (`lease`, remote) held, so no other publish moves it meanwhile."""
+        output's swap lock (local) or its lease (`lease`, remote) held, so no other publish moves it meanwhile.
+        `taken_over`: the lease is the one of the interrupted publish preflight saw, so what is there (its files, the
+        artifact it was replacing, or nothing but its lease) is what preflight saw, and is replaced."""
         try:
             now = occupant(self.out_uri, self.stage, lease)
         except Occupied as exc:
             self.refuse(staging, exc.what)
         except ConfigError as exc:  # the location became unreadable as an output in another way
             self.refuse(staging, str(exc))
-        if now == self.seen or {now, self.seen} <= _NOTHING or (now == _TAKEN_OVER and self.seen.startswith("publishing:")):
+        identical = now.startswith("artifact:") and getattr(_manifest_at(self.out_uri), "cache_key", None) == self.key
+        if now == self.seen or {now, self.seen} <= _NOTHING or (taken_over and not identical):
             return True
-        if now.startswith("artifact:") and getattr(_manifest_at(self.out_uri), "cache_key", None) == self.key:
+        if identical:
             log.info("an identical %s run published %s first: its artifact stays", self.stage, redact(self.out_uri))
             return False
         self.refuse(staging, f"another {self.stage} run published there")
@@ -750,7 +759,7 @@ class _Expected:
         kept = self.aside / f"evoesap-unpublished-{self.stage}-{uuid.uuid4().hex[:8]}"
         os.rename(staging, kept)
         raise ArtifactError(
-            f"--out {redact(self.out_uri)} changed while this run worked ({problem}): nothing there was replaced; "
+            f"{self.flag} {redact(self.out_uri)} changed while this run worked ({problem}): nothing there was replaced; "
             f"this run's {self.stage} artifact is kept at {kept}"
         )
 
@@ -854,19 +863,16 @@ def _publish_remote(fs: fsspec.AbstractFileSystem, staging: Path, uri: str, mani
     lease = {"stage": manifest.stage, "key": manifest.cache_key, "token": token, "files": sorted(manifest.files)}
     interrupted = _take_lease(fs, uri, lease, expected, staging)
     try:
-        replace = expected.check(staging, token)
+        replace = expected.check(staging, token, taken_over=interrupted is not None)
     except BaseException:
         fs.rm(f"{root}/{PUBLISHING}")
         raise
     if not replace:
         fs.rm(f"{root}/{PUBLISHING}")
         return
-    if interrupted is not None:
-        replaced = set(interrupted.get("files", []))
-    elif fs.exists(f"{root}/{MANIFEST}"):
-        replaced = set((_manifest_at(uri) or manifest).files)
-    else:
-        replaced = set()
+    replaced = set(interrupted.get("files", [])) if interrupted is not None else set()
+    if fs.exists(f"{root}/{MANIFEST}"):  # the artifact replaced (an interrupted publish may not have retired it yet)
+        replaced |= set((_manifest_at(uri) or manifest).files)
     replaced -= {PUBLISHING, MANIFEST}
     lease["files"] = sorted(replaced | set(manifest.files))
     fs.pipe_file(f"{root}/{PUBLISHING}", json.dumps(lease).encode("utf-8"))  # ours: widened to what it may remove

@@ -168,3 +168,61 @@ def test_a_published_artifact_gets_the_umask_not_0700(tmp_path):
     assert out.stat().st_mode & 0o777 == 0o755
     assert (out / "x.txt").stat().st_mode & 0o777 == 0o644
     assert (out / artifacts.MANIFEST).stat().st_mode & 0o777 == 0o644
+
+
+class Killed(Exception):
+    """The process ended at this instant (kill -9, SIGTERM). An Exception, not a BaseException, as fsspec's event loop
+    passes only those on; the publish turns it into its one-line error, with no write in between."""
+
+
+_WRITES = {"put_object", "delete_object", "delete_objects", "copy_object", "create_multipart_upload", "upload_part"}
+
+
+def interrupted_at(monkeypatch, write: int) -> list[str]:
+    """Make the S3 client end the run just before its `write`-th write (0: the first); returns the writes done."""
+    import s3fs
+
+    done: list[str] = []
+    real_call = s3fs.S3FileSystem._call_s3
+
+    async def call(self, method, *args, **kwargs):
+        if method in _WRITES:
+            if len(done) == write:
+                raise Killed
+            done.append(method)
+        return await real_call(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call)
+    return done
+
+
+@pytest.mark.parametrize("earlier", [None, "earlier"])
+def test_an_identical_remote_publish_finishes_one_killed_at_any_write(s3, monkeypatch, earlier):
+    """A publish ended at each of its writes in turn (the lease only, some files, the manifest without the lease's
+    release): the identical run made next finishes it, with one intact artifact and no lease left."""
+    _, fs, bucket = s3
+    writes = None
+    for write in range(100):
+        out = f"s3://{bucket}/killed-{earlier}-{write}"
+        if earlier:  # an earlier artifact with a file the new one has not: the re-run removes it
+            with artifacts.stage_output(out, "demo", {"payload": earlier}, {}) as staging:
+                (staging / "x.txt").write_text(earlier)
+                (staging / "only-earlier.txt").write_text(earlier)
+        with monkeypatch.context() as patch:
+            done = interrupted_at(patch, write)
+            try:
+                publish(out, "A")
+            except ArtifactError as exc:
+                assert "Killed" in str(exc), exc
+            else:
+                writes = len(done)
+                break
+        assert publish(out, "A") == artifacts.verify(out, "demo")
+        assert payload_of(out) == "A"
+        root = split_root(out)
+        assert sorted(fs.find(root)) == [f"{root}/{n}" for n in (artifacts.MANIFEST, "x.txt")]
+    assert writes is not None and write == writes >= 3  # every write of a whole publish was a place it ended
+
+
+def split_root(uri: str) -> str:
+    return artifacts.split(uri)[1].rstrip("/")
