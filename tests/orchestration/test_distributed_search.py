@@ -55,7 +55,7 @@ def _one_process(world, name: str, params: SearchParams) -> str:
 def _cli(world, out: str, params: SearchParams, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`evoesap -q search ... --workers N` in a fresh process, one CPU thread per worker (`env`: more variables)."""
     _, inputs = world
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
     return subprocess.Popen(
         [*search_command(inputs, out, params), *extra],
         env=env,
@@ -63,6 +63,21 @@ def _cli(world, out: str, params: SearchParams, *extra: str, env: dict[str, str]
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _finish(run: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """stdout and stderr of a launched search once it ended. One still running after `timeout` s is made to print
+    every thread's stack (faulthandler, on SIGABRT) into the failure, so that a hang shows where it waits."""
+    try:
+        return run.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        run.send_signal(signal.SIGABRT)
+        try:
+            stdout, err = run.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            stdout, err = run.communicate()
+        pytest.fail(f"the search did not end within {timeout} s (stdout {stdout[-300:]!r}); its stacks:\n{err[-8000:]}")
 
 
 def _documents(out: str) -> tuple[dict, pd.DataFrame]:
@@ -77,7 +92,7 @@ def test_workers_without_prefix_reuse_give_the_one_process_artifact_bit_for_bit(
     params = SearchParams(**SMALL, **MODES[mode], prefix_reuse=False)
     reference = _one_process(world, f"{mode}-scratch", params)
     run = _cli(world, str(tmp_path / "out"), SearchParams(**{**vars(params), "workers": workers}))
-    _, err = run.communicate(timeout=170)
+    _, err = _finish(run, 170)
     assert run.returncode == 0, err
     (doc, history), (ref_doc, ref_history) = _documents(str(tmp_path / "out")), _documents(reference)
     assert doc == ref_doc
@@ -94,7 +109,7 @@ def test_workers_with_prefix_reuse_find_the_one_process_search(world, tmp_path, 
     params = SearchParams(**SMALL, **MODES[mode])
     reference = _one_process(world, mode, params)
     run = _cli(world, str(tmp_path / "out"), SearchParams(**{**vars(params), "workers": workers}))
-    _, err = run.communicate(timeout=170)
+    _, err = _finish(run, 170)
     assert run.returncode == 0, err
     (doc, history), (ref_doc, ref_history) = _documents(str(tmp_path / "out")), _documents(reference)
     assert doc["removal_counts"] == ref_doc["removal_counts"]
@@ -138,7 +153,7 @@ def test_a_killed_worker_ends_the_job_in_one_line_and_resume_finishes_to_the_sam
     victim = [pid for pid in _children(run.pid) if _rank_of(pid) == 1]
     assert len(victim) == 1
     os.kill(victim[0], signal.SIGKILL)
-    stdout, err = run.communicate(timeout=60)
+    stdout, err = _finish(run, 60)
     lines = [line for line in err.splitlines() if line.strip() and "Loading weights" not in line]
     assert run.returncode == 1 and stdout == ""
     assert len(lines) == 1, err
@@ -146,7 +161,7 @@ def test_a_killed_worker_ends_the_job_in_one_line_and_resume_finishes_to_the_sam
     assert not Path(out, "allocation.json").exists()
 
     again = _cli(world, out, params, "--resume")
-    _, err = again.communicate(timeout=170)
+    _, err = _finish(again, 170)
     assert again.returncode == 0, err
     (doc, history), (ref_doc, ref_history) = _documents(out), _documents(reference)
     assert doc == ref_doc  # the cost, which counts only the resumed run's work, is in the manifest
@@ -227,7 +242,7 @@ def test_sigterm_to_the_launcher_stops_its_workers_ends_in_one_line_and_resume_f
     hooks.accept(2)
     hooks.expect(0, "generation 1")  # both workers inside the search, generation 0 checkpointed
     run.send_signal(signal.SIGTERM)
-    stdout, err = run.communicate(timeout=120)
+    stdout, err = _finish(run, 120)
     assert (run.returncode, stdout) == (128 + signal.SIGTERM, ""), err
     assert _error_lines(err) == [
         "error: search interrupted by SIGTERM: its 2 workers were stopped and nothing was published; the checkpoint "
@@ -238,7 +253,7 @@ def test_sigterm_to_the_launcher_stops_its_workers_ends_in_one_line_and_resume_f
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out")) == []
 
     again = _cli(world, out, FAST, "--resume")
-    _, err = again.communicate(timeout=170)
+    _, err = _finish(again, 170)
     assert again.returncode == 0, err
     (doc, history), (ref_doc, ref_history) = _documents(out), _documents(reference)
     assert doc == ref_doc
@@ -255,12 +270,12 @@ def test_a_launcher_killed_outright_takes_its_workers_with_it_and_the_next_run_c
     hooks.accept(2)
     hooks.expect(0, "generation 1")
     run.kill()
-    run.communicate(timeout=60)
+    _finish(run, 60)
     assert hooks.ended(0) and hooks.ended(1), "a search worker outlived its launcher"
     assert [p.name.startswith("evoesap-search-") for p in tmp.iterdir()] == [True]  # the launcher's, for the next run
 
     again = _cli(world, out, FAST, "--resume", env={"TMPDIR": str(tmp)})
-    _, err = again.communicate(timeout=170)
+    _, err = _finish(again, 170)
     assert again.returncode == 0, err
     assert list(tmp.iterdir()) == []
     assert _documents(out)[0] == _documents(reference)[0]
@@ -274,7 +289,7 @@ def test_a_worker_killed_after_the_artifact_was_published_leaves_a_finished_run_
     hooks.expect(0, "published")
     hooks.expect(1, "served")  # rank 0 said stop; rank 1 holds before it exits
     os.kill(hooks.pid(1), signal.SIGKILL)
-    stdout, err = run.communicate(timeout=120)
+    stdout, err = _finish(run, 120)
     assert (run.returncode, stdout.strip()) == (0, out), err
     lines = _error_lines(err)
     assert len(lines) == 1 and "search worker 1 of 2 was killed by SIGKILL after the artifact was published" in lines[0], err
