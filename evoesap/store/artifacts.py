@@ -674,6 +674,7 @@ def stage_output(
     started = _now()
     described = describe_inputs(inputs)
     key = cache_key(stage, params, described)
+    _refuse_foreign_upload(out_uri, stage, seen, key)
     parent, prefix = _staging_place(out_uri, stage)
     try:
         with _owned_dir(parent, prefix, published=True) as staging:
@@ -701,6 +702,19 @@ def stage_output(
                 "nothing was published"
             ) from None
         raise
+
+
+def _refuse_foreign_upload(out_uri: str, stage: str, seen: str, key: str) -> None:
+    """Refuse, before the work, an unfinished upload at `out_uri` of other parameters or inputs: whether its run was
+    stopped or is still uploading cannot be told from here, and taking over a live one would mix two artifacts. An
+    identical run's upload is taken over at publish (both write the same bytes)."""
+    if not seen.startswith("publishing:") or _publishing_record(out_uri).get("key") == key:
+        return
+    raise ConfigError(
+        f"--out {redact(out_uri)} holds an unfinished upload of another {stage} run (other parameters or inputs; "
+        f"{PUBLISHING} marks it): wait for that run, or, if none is publishing there, delete {redact(join(out_uri, PUBLISHING))} "
+        "and re-run; nothing was changed"
+    )
 
 
 def _staging_place(out_uri: str, stage: str) -> tuple[Path, str]:
@@ -865,10 +879,10 @@ def _publish_remote(fs: fsspec.AbstractFileSystem, staging: Path, uri: str, mani
     try:
         replace = expected.check(staging, token, taken_over=interrupted is not None)
     except BaseException:
-        fs.rm(f"{root}/{PUBLISHING}")
+        _release(fs, root, token)
         raise
     if not replace:
-        fs.rm(f"{root}/{PUBLISHING}")
+        _release(fs, root, token)
         return
     replaced = set(interrupted.get("files", [])) if interrupted is not None else set()
     if fs.exists(f"{root}/{MANIFEST}"):  # the artifact replaced (an interrupted publish may not have retired it yet)
@@ -885,7 +899,15 @@ def _publish_remote(fs: fsspec.AbstractFileSystem, staging: Path, uri: str, mani
         fs.put_file(str(staging / rel), f"{root}/{rel}")
     with fs.open(f"{root}/{MANIFEST}", "wb") as f:
         f.write(manifest.to_json().encode("utf-8"))
-    fs.rm(f"{root}/{PUBLISHING}")
+    _release(fs, root, token)
+
+
+def _release(fs: fsspec.AbstractFileSystem, root: str, token: str) -> None:
+    """Remove this publish's lease, only while it is still its own: an identical run that took it over holds it now."""
+    fs.invalidate_cache(root)
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        if json.loads(fs.cat_file(f"{root}/{PUBLISHING}")).get("token") == token:
+            fs.rm(f"{root}/{PUBLISHING}")
 
 
 _EXCLUSIVE_PUT = {"s3", "s3a", "memory"}  # stores whose fsspec pipe_file(mode="create") is one conditional put
@@ -924,6 +946,12 @@ def _take_lease(
             continue  # released in between: take it
         if expected.seen == f"publishing:{sha256_bytes(held)}":  # the interrupted publish preflight saw
             interrupted = json.loads(held)
+            if interrupted.get("key") != lease["key"]:  # stopped, or still uploading: only an identical run's is ours
+                expected.refuse(
+                    staging,
+                    f"it holds an unfinished upload of another {expected.stage} run; if none is publishing there, "
+                    f"delete its {PUBLISHING} and re-run",
+                )
             lease["files"] = sorted(set(lease["files"]) | set(interrupted.get("files", [])))
             with contextlib.suppress(FileNotFoundError):
                 fs.rm(split(path)[1])

@@ -13,7 +13,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from evoesap.errors import ArtifactError
+from evoesap.errors import ArtifactError, ConfigError
 from evoesap.store import artifacts
 
 
@@ -226,3 +226,67 @@ def test_an_identical_remote_publish_finishes_one_killed_at_any_write(s3, monkey
 
 def split_root(uri: str) -> str:
     return artifacts.split(uri)[1].rstrip("/")
+
+
+@pytest.mark.parametrize("write", [1, 3])
+def test_an_unfinished_upload_of_other_parameters_is_refused_before_work_and_left_as_it_is(s3, monkeypatch, write):
+    """Whether its run was stopped or is still uploading cannot be told: a run of other parameters does not take it
+    over (that would mix two artifacts if it is alive), it says what to do."""
+    _, fs, bucket = s3
+    out = f"s3://{bucket}/unfinished-{write}"
+    with monkeypatch.context() as patch:
+        interrupted_at(patch, write)
+        with pytest.raises(ArtifactError, match="Killed"):
+            publish(out, "A")
+    root = split_root(out)
+    left = {p: fs.cat_file(p) for p in fs.find(root)}
+    worked = []
+    refused = pytest.raises(ConfigError, match=r"holds an unfinished upload of another demo run .*delete .*publishing\.json")
+    with refused, artifacts.stage_output(out, "demo", {"payload": "B"}, {}) as staging:
+        worked.append(1)
+        (staging / "x.txt").write_text("B")
+    assert worked == [] and {p: fs.cat_file(p) for p in fs.find(root)} == left
+    fs.rm(f"{root}/{artifacts.PUBLISHING}")  # what the error says to do when no run is publishing there
+    publish(out, "B")
+    assert payload_of(out) == "B"
+
+
+def test_a_publish_leaves_the_lease_an_identical_run_took_over_from_it(s3, monkeypatch):
+    """The identical run that took the lease over publishes under it: the first run, ending, does not remove it."""
+    import s3fs
+
+    _, fs, bucket = s3
+    out = f"s3://{bucket}/taken"
+    root = split_root(out)
+    real_call = s3fs.S3FileSystem._call_s3
+    other = {}
+
+    async def call(self, method, *args, **kwargs):
+        if method == "put_object" and kwargs.get("Key", "").endswith("/x.txt") and not other:
+            record = (await self._cat_file(f"{root}/{artifacts.PUBLISHING}")).replace(b'"token": "', b'"token": "other-')
+            other["lease"] = record
+            await self._pipe_file(f"{root}/{artifacts.PUBLISHING}", record)  # the identical run's takeover
+        return await real_call(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", call)
+    with artifacts.stage_output(out, "demo", {"payload": "A"}, {}) as staging:
+        (staging / "x.txt").write_text("A")
+    assert fs.cat_file(f"{root}/{artifacts.PUBLISHING}") == other["lease"]
+
+
+def test_a_copy_pushed_onto_an_unfinished_upload_of_other_parameters_is_refused_and_kept(s3, monkeypatch, tmp_path):
+    """publish's --to: the same rule where the copy's lease meets the other upload's."""
+    _, fs, bucket = s3
+    to = f"s3://{bucket}/pushed"
+    with monkeypatch.context() as patch:
+        interrupted_at(patch, 1)
+        with pytest.raises(ArtifactError, match="Killed"):
+            publish(to, "A")
+    left = {p: fs.cat_file(p) for p in fs.find(split_root(to))}
+    local = tmp_path / "b"
+    manifest = publish(str(local), "B")
+    seen = artifacts.preflight(to, "demo", {})
+    with pytest.raises(ArtifactError, match=r"--to .* unfinished upload of another demo run.*kept at") as caught:
+        artifacts.publish_copy(local, to, manifest, seen, "--to")
+    assert {p: fs.cat_file(p) for p in fs.find(split_root(to))} == left
+    assert (Path(str(caught.value).rsplit("kept at ", 1)[1]) / "x.txt").read_text() == "B"
