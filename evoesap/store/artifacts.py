@@ -708,7 +708,10 @@ def _refuse_foreign_upload(out_uri: str, stage: str, seen: str, key: str) -> Non
     """Refuse, before the work, an unfinished upload at `out_uri` of other parameters or inputs: whether its run was
     stopped or is still uploading cannot be told from here, and taking over a live one would mix two artifacts. An
     identical run's upload is taken over at publish (both write the same bytes)."""
-    if not seen.startswith("publishing:") or _publishing_record(out_uri).get("key") == key:
+    if not seen.startswith("publishing:"):
+        return
+    record = _publishing_record(out_uri)
+    if not record or record.get("key") == key:  # finished meanwhile: the publish's own check judges what is there now
         return
     raise ConfigError(
         f"--out {redact(out_uri)} holds an unfinished upload of another {stage} run (other parameters or inputs; "
