@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -142,7 +143,8 @@ def s3(monkeypatch):
         monkeypatch.setenv(key, value)
     fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = endpoint
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    bucket = f"evoesap-{port}"  # the server's data lives in this process, shared by every test
+    # the server's data lives in this process, shared by every test: a bucket name of its own (a port is reused)
+    bucket = f"evoesap-{uuid.uuid4().hex[:16]}"
     fs.mkdir(bucket)
     try:
         yield server, fs, bucket
