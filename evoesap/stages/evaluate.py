@@ -118,6 +118,25 @@ def run_evaluate(
     tokenizer = moe.load_tokenizer(model)
     if tokenizer is None:
         raise DataError(f"{artifacts.redact(model)} has no tokenizer files: save the tokenizer with the model")
+    try:
+        _evaluate(model, params, out_uri, inputs, seen, plan, python, tokenizer, teacher_cache)
+    finally:  # loading leaves objects in reference cycles that map the weights: free them before the stage returns
+        runtime.release_memory()
+    return artifacts.read_manifest(out_uri)
+
+
+def _evaluate(
+    model: str,
+    params: EvaluateParams,
+    out_uri: str,
+    inputs: dict[str, str | None],
+    seen: str,
+    plan: Any,
+    python: str | None,
+    tokenizer: Any,
+    teacher_cache: str | None,
+) -> None:
+    """Load the model, run lm-eval (in a vLLM process when `python` is given) and publish metrics.json."""
     with artifacts.stage_output(out_uri, "evaluate", keyed(params), inputs, seen) as staging:
         log.info("loading %s", artifacts.redact(model))
         loaded = runtime.load_model(model, params.model_dtype, **params.placement)
@@ -157,7 +176,6 @@ def run_evaluate(
         )
         records.write(staging, metrics)
         (staging / LM_EVAL_FILE).write_text(json.dumps(raw, indent=2, sort_keys=True, default=str))
-    return artifacts.read_manifest(out_uri)
 
 
 def quantization(model: str, config: Any) -> records.Quantized | None:

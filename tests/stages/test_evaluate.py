@@ -311,3 +311,21 @@ def test_held_out_esap_runs_on_a_quantized_checkpoint_and_stays_near_the_pruned_
     }
     assert 0 < esap["quantized"] <= 1 and abs(esap["quantized"] - esap["pruned"]) < 0.05, esap  # fp8: close, not equal
     assert esap["quantized"] != esap["pruned"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings (Linux)")
+def test_the_evaluated_checkpoint_is_unmapped_when_the_stage_returns(tiny_quantized, tmp_path):
+    """Loading a quantized checkpoint leaves objects in reference cycles that map its weights: without a collection
+    when the stage ends, the mapping (memory, and disk space once the file is deleted) stays in a process that runs
+    more stages, as the chaos harness's stage process does."""
+    import gc
+
+    checkpoint = tiny_quantized["quantized"]
+    params = EvaluateParams(tasks=(str(write_tasks(tmp_path / "tasks")),), limit=2, batch_size=2, device="cpu")
+    gc.disable()  # only the stage's own collection may free them
+    try:
+        run_evaluate(checkpoint, params, str(tmp_path / "eval"))
+        mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()}
+    finally:
+        gc.enable()
+    assert [m for m in mapped if m.startswith(str(Path(checkpoint).resolve()))] == []
