@@ -168,13 +168,13 @@ def disk_full_child(spec_path: str, size: int) -> int:
     try:
         return child(spec_path)
     finally:
-        shutil.copytree(root, spill, symlinks=True)
         held = _held_under(root)
+        shutil.copytree(root, spill, symlinks=True)
+        subprocess.run(["umount", "--lazy", str(root)], check=True)  # lazy: a file still held (reported below) keeps it busy
+        shutil.copytree(spill, root, symlinks=True, dirs_exist_ok=True)
+        shutil.rmtree(spill)  # restored first, so the next fault run starts clean even after a finding
         if held:
             raise RuntimeError(f"the stage process still holds files under the storage root: {held[:5]}")
-        subprocess.run(["umount", str(root)], check=True)
-        shutil.copytree(spill, root, symlinks=True, dirs_exist_ok=True)
-        shutil.rmtree(spill)
 
 
 CLONE_NEWNS = 0x00020000
