@@ -764,7 +764,11 @@ class _Expected:
             self.refuse(staging, exc.what)
         except ConfigError as exc:  # the location became unreadable as an output in another way
             self.refuse(staging, str(exc))
-        identical = now.startswith("artifact:") and getattr(_manifest_at(self.out_uri), "cache_key", None) == self.key
+        identical = (
+            now != self.seen
+            and now.startswith("artifact:")
+            and getattr(_manifest_at(self.out_uri), "cache_key", None) == self.key
+        )  # the manifest is read only when what is there changed since preflight, as before
         if now == self.seen or {now, self.seen} <= _NOTHING or (taken_over and not identical):
             return True
         if identical:
