@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from evoesap import errors
 from evoesap.method import distributed
@@ -103,5 +103,21 @@ def _run(spec: dict[str, Any]) -> None:
         dist.destroy_process_group()
 
 
+def _end(code: int) -> NoReturn:
+    """End this worker process without the interpreter's finalization. Gloo's threads may still drop the last
+    collective's tensors, whose Python objects need the interpreter lock; a thread that asks for it while the
+    interpreter finalizes is ended in a way that aborts the process (`terminate called without an active exception`,
+    SIGABRT), and the launcher would report a finished worker as killed and stop the search. Nothing is left to
+    finalize: the artifact is published, the group destroyed, an error recorded; the logs and streams are flushed."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as stop:
+        _end(stop.code if isinstance(stop.code, int) else 1)
+    _end(0)

@@ -6,6 +6,8 @@ the connection. Events, not sleeps: the test knows exactly where each worker is 
     pause-at-generation  rank 0 says "generation 1" before scoring generation 1 (generation 0 checkpointed), holds
     hold-after-serve     rank 0 says "published" once run_search has returned; rank 1 says "served" once rank 0
                          said stop, and holds
+    abort-at-exit        every worker aborts (SIGABRT) if the interpreter's finalization runs, as one does when a
+                         gloo thread asks for the interpreter lock then
 """
 
 import os
@@ -24,6 +26,11 @@ if os.environ.get("EVOESAP_TEST_SOCKET") and "RANK" in os.environ:  # a search w
             pass
 
     from evoesap.method import distributed
+
+    if HOOKS == "abort-at-exit":
+        import atexit
+
+        atexit.register(os.abort)  # atexit handlers run at the start of the interpreter's finalization
 
     if HOOKS == "pause-at-generation" and RANK == 0:
         _score_batch = distributed.Coordinator.score_batch

@@ -297,6 +297,19 @@ def test_a_worker_killed_after_the_artifact_was_published_leaves_a_finished_run_
     artifacts.verify(out, "search")  # every payload file against its manifest
 
 
+@pytest.mark.slow
+def test_a_worker_ends_without_the_interpreters_finalization(world, tmp_path, hooks):
+    """A worker whose finalization would abort (a gloo thread releasing a collective's tensors then) still ends a
+    finished search cleanly: its process ends once its work is done, without finalizing."""
+    reference = _one_process(world, "fast", SearchParams(**{**vars(FAST), "workers": 1}))
+    out = str(tmp_path / "out")
+    run = _cli(world, out, FAST, env=hooks.env("abort-at-exit", tmp_path / "tmp"))
+    hooks.accept(2)
+    stdout, err = _finish(run, 170)
+    assert (run.returncode, stdout.strip(), _error_lines(err)) == (0, out, []), err
+    assert _documents(out)[0] == _documents(reference)[0]
+
+
 def test_assignment_keeps_owners_follows_the_nearest_parent_and_balances():
     owners = {(2, 2, 0): 1, (0, 2, 2): 0}
     anchors = [(2, 2, 0), (0, 2, 2)]  # fittest first
