@@ -25,6 +25,10 @@ class ResourceError(EvoESAPError):
     """A stage would need more memory or disk than the machine has (predicted before any work)."""
 
 
+class WorkerLost(EvoESAPError):
+    """A collective of a multi-worker search failed: another worker of the group ended or stopped answering."""
+
+
 class Interrupted(EvoESAPError):
     """A signal stopped the run before it finished; the command exits 128 + its number, as a shell reports it."""
 

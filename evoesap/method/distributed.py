@@ -175,8 +175,20 @@ def _broadcast(message: Any) -> Any:
     import torch.distributed as dist
 
     box = [message]
-    dist.broadcast_object_list(box, src=0)
+    with _collective():
+        dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+@contextlib.contextmanager
+def _collective() -> Iterator[None]:
+    """A failed collective is the consequence of another worker's end (or silence): raised as `WorkerLost`, so the
+    launcher names the worker that ended, not this one, when both fail within the same poll."""
+    try:
+        yield
+    except RuntimeError as exc:  # what gloo and nccl raise (torch's DistError included) when a member is gone
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise errors.WorkerLost(f"a collective of the search group failed ({detail[:300]})") from exc
 
 
 def _score_share(
@@ -192,7 +204,8 @@ def _score_share(
         if w == rank:
             mine[i] = scoring.score(r, level, generation)
     every = [torch.empty(len(batch), dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine.to(device))
+    with _collective():
+        dist.all_gather(every, mine.to(device))
     table = torch.stack(every).cpu()  # [workers, n]
     return [float(table[w, i]) for i, w in enumerate(ranks)]
 
@@ -205,7 +218,8 @@ def _gather_totals(scoring: Any, device: Any) -> list[dict[str, int]]:
     own = scoring.totals()
     mine = torch.tensor([own[k] for k in keys], dtype=torch.float64, device=device)  # [5] exact below 2**53
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
+    with _collective():
+        dist.all_gather(every, mine)
     return [dict(zip(keys, (int(v) for v in t.cpu().tolist()))) for t in every]
 
 
@@ -335,9 +349,16 @@ def _progress(params: Any, checkpoint: str) -> str:
 def root_failure(failures: Mapping[int, Any]) -> tuple[int, Any]:
     """The failure that stopped the job, not the ones it caused: once one worker fails the launcher
     SIGTERMs the rest, and its timestamps are whole seconds, so the earliest (torch's own choice) often
-    names a bystander. A failure other than SIGTERM comes first, then the earliest, then the lowest rank."""
+    names a bystander. A failure other than SIGTERM comes first, and of those one that is not a lost worker's
+    consequence (`WorkerLost`); then the earliest, then the lowest rank."""
     sigterm = -int(signal.SIGTERM)
-    rank = min(failures, key=lambda r: (failures[r].exitcode == sigterm, failures[r].timestamp, r))
+    lost = f"{errors.WorkerLost.__name__}:"
+
+    def order(r: int) -> tuple[bool, bool, int, int]:
+        failure = failures[r]
+        return (failure.exitcode == sigterm, _message(failure).startswith(lost), failure.timestamp, r)
+
+    rank = min(failures, key=order)
     return rank, failures[rank]
 
 

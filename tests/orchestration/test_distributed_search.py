@@ -331,15 +331,28 @@ def test_assignment_keeps_owners_follows_the_nearest_parent_and_balances():
     culprit_exit=st.sampled_from([-int(signal.SIGKILL), -int(signal.SIGSEGV), 1, 2]),
 )
 def test_the_failure_named_is_the_one_that_stopped_the_job_not_the_sigterms_it_caused(workers, data, culprit_exit):
-    # the launcher SIGTERMs every other worker after the first failure; its timestamps are whole seconds
+    # the launcher SIGTERMs every other worker after the first failure, and a worker in a collective fails with
+    # the group (WorkerLost), possibly in the launcher's same poll; its timestamps are whole seconds
     culprit = data.draw(st.integers(0, workers - 1))
     stamps = data.draw(st.lists(st.integers(0, 2), min_size=workers, max_size=workers))
     stamps[culprit] = min(stamps)  # the culprit died first, possibly in the same second as the rest
+    lost = data.draw(st.lists(st.booleans(), min_size=workers, max_size=workers))
+    culprit_message = "" if culprit_exit < 0 else "ModelError: the model broke"
+
+    def bystander(rank: int) -> SimpleNamespace:
+        if lost[rank]:
+            return SimpleNamespace(exitcode=1, timestamp=stamps[rank], message="WorkerLost: a collective ... failed")
+        return SimpleNamespace(exitcode=-int(signal.SIGTERM), timestamp=stamps[rank], message="")
+
     failures = {
-        rank: SimpleNamespace(exitcode=culprit_exit if rank == culprit else -int(signal.SIGTERM), timestamp=stamps[rank])
+        rank: SimpleNamespace(exitcode=culprit_exit, timestamp=stamps[rank], message=culprit_message)
+        if rank == culprit
+        else bystander(rank)
         for rank in range(workers)
     }
     assert root_failure(failures)[0] == culprit
-    only_sigterms = {rank: SimpleNamespace(exitcode=-int(signal.SIGTERM), timestamp=stamps[rank]) for rank in range(workers)}
+    only_sigterms = {
+        rank: SimpleNamespace(exitcode=-int(signal.SIGTERM), timestamp=stamps[rank], message="") for rank in range(workers)
+    }
     earliest = min(stamps)
     assert root_failure(only_sigterms)[0] == stamps.index(earliest)  # no other cause: the earliest, then rank
