@@ -88,10 +88,6 @@ class _Inputs:
         return self.quantized_eval or self.pruned_eval or ""
 
 
-def _identity(entry: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in entry.items() if k != "uri"}
-
-
 def _check_quantized(quantized_uri: str, pruned_uri: str) -> artifacts.Manifest:
     """The quantize artifact's manifest, refused unless it was made from the pruned checkpoint given."""
     quantized = artifacts.read_manifest(quantized_uri, "quantize")
@@ -112,11 +108,11 @@ def _match_evaluations(pruned_uri: str, evaluations: Sequence[str], quantized_ur
     shas = {artifacts.manifest_sha256(pruned_uri): "pruned"}
     if quantized_uri:
         shas[artifacts.manifest_sha256(quantized_uri)] = "quantized"
-    base = _identity(pruned.inputs["model"])
+    base = lineage.identity_of(pruned.inputs["model"])
     found: dict[str, str] = {}
     for uri in evaluations:
         entry = artifacts.read_manifest(uri, "evaluate").inputs["model"]
-        role = shas.get(entry.get("manifest_sha256") or "") or ("full" if _identity(entry) == base else None)
+        role = shas.get(entry.get("manifest_sha256") or "") or ("full" if lineage.identity_of(entry) == base else None)
         if role is None:
             also = f", its quantized checkpoint {artifacts.redact(quantized_uri)}" if quantized_uri else ""
             raise ConfigError(
@@ -392,6 +388,9 @@ def _check_gate(gate: str, published_eval: str) -> None:
             f"{artifacts.redact(published_eval)}: give the gate of this evaluation"
         )
     verdict = records.read(gate, records.GateRecord)
+    if not verdict.checks or verdict.reference is None:
+        why = "checked nothing" if not verdict.checks else "did not check the model the candidate was pruned from"
+        raise ConfigError(f"--gate {artifacts.redact(gate)} {why}, so it passes any model: re-run gate with thresholds")
     if not verdict.passed:
         raise GateFailed(f"{verdict.line()}; nothing published")
 
