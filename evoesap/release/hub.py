@@ -90,6 +90,12 @@ def _api(endpoint: str | None, secret: str, stop: Any = None) -> Any:
     return HfApi(endpoint=endpoint, token=secret)
 
 
+def _check_settings(endpoint: str | None) -> None:
+    """The endpoint and the timeouts refused in their own line, before any request (not as a failed call's cause)."""
+    network.refuse_credentials(endpoint, "endpoint")
+    timeout_s(), deadline_s()
+
+
 def _where(repo: str, endpoint: str | None) -> str:
     return f"the Hub repository {repo} at {network.redact(endpoint or os.environ.get('HF_ENDPOINT') or 'huggingface.co')}"
 
@@ -107,6 +113,8 @@ def check_target(repo: str, files: Iterable[str], *, endpoint: str | None, secre
     """Refuse, before any work, a repository holding files this push would not replace (a stale shard would
     break the checkpoint); a repository that does not exist yet is fine (the push creates it)."""
     from huggingface_hub.errors import RepositoryNotFoundError
+
+    _check_settings(endpoint)
 
     def read(stop: Any) -> set[str]:
         return set(_api(endpoint, secret, stop).list_repo_files(repo))
@@ -129,6 +137,7 @@ def push(staging: Path, repo: str, *, endpoint: str | None, secret: str, private
     """Create `repo` if needed and commit every file under `staging` to it in one commit; the commit's URL."""
     from huggingface_hub import CommitOperationAdd
 
+    _check_settings(endpoint)
     files = sorted(p for p in staging.rglob("*") if p.is_file())
 
     def send(stop: Any) -> Any:

@@ -376,9 +376,8 @@ EchoingKFP.refusal, EchoingKFP.prefix, EchoingKFP.content_type = 500, b"upstream
 
 def test_what_the_api_echoes_back_is_scrubbed_from_the_error_line(kfp_api):
     Recorder.status = 200
-    with serving(EchoingKFP) as url:
-        with pytest.raises(ConfigError) as raised:
-            submit(PipelineConfig(**CONFIG), Submission(host=url, token="kfp-t0ken-s3cr3t"))
+    with serving(EchoingKFP) as url, pytest.raises(ConfigError) as raised:
+        submit(PipelineConfig(**CONFIG), Submission(host=url, token="kfp-t0ken-s3cr3t"))
     line = str(raised.value)
     assert line.startswith(f"the Kubeflow Pipelines API at {url} refused the submission (HTTP 500: upstream error"), line
     assert "kfp-t0ken-s3cr3t" not in line and "dXNlcjpodW50ZXIy" not in line and "\n" not in line

@@ -30,7 +30,11 @@ SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY"  # an AWS secret key's shape
     ],
 )
 def test_a_url_with_credentials_is_refused_in_one_line_that_shows_none_and_names_the_ways_to_give_them(url):
-    for refuse in (lambda: network.refuse_credentials(url, "--data"), lambda: artifacts.split(url), lambda: identity.identify(url)):
+    for refuse in (
+        lambda: network.refuse_credentials(url, "--data"),
+        lambda: artifacts.split(url),
+        lambda: identity.identify(url),
+    ):
         with pytest.raises(ConfigError) as raised:
             refuse()
         line = str(raised.value)
