@@ -39,7 +39,7 @@ from fsspec.core import url_to_fs
 
 from evoesap import __version__
 from evoesap.errors import ArtifactError, ConfigError
-from evoesap.network import redact, refuse_credentials  # artifacts.redact: the one redaction, used everywhere
+from evoesap.network import redact, refuse_credentials, reply_line  # artifacts.redact: the one redaction, used everywhere
 from evoesap.store import identity
 
 log = logging.getLogger(__name__)
@@ -791,7 +791,7 @@ def _publish(staging: Path, out_uri: str, manifest: Manifest, expected: _Expecte
             raise
         except Exception as exc:  # noqa: BLE001 - an object store fails in many ways; each means "not published"
             raise ArtifactError(
-                f"publishing {redact(out_uri)} failed ({type(exc).__name__}: {redact(str(exc))[:200]}): it is not a "
+                f"publishing {redact(out_uri)} failed ({type(exc).__name__}: {reply_line(exc, limit=200)}): it is not a "
                 f"finished artifact; re-run `evoesap {manifest.stage}` to publish it"
             ) from exc
     log.info("published %s artifact at %s", manifest.stage, redact(out_uri))
