@@ -98,6 +98,17 @@ class _Settings(BaseModel):
     # Kubernetes settings per stage (pipeline.cluster.StageSettings); `all` applies to every stage
     resources: dict[Literal[("all", *stages.NAMES)], StageSettings] = {}  # type: ignore[valid-type]
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials_in_urls(cls, data: Any) -> Any:
+        """Every value is copied into the compiled spec that a cluster stores and shows: a URL with credentials
+        (model, data, storage_root, publish.to, previous_metrics, any stage parameter) is refused at its key."""
+        from evoesap.network import refuse_credentials
+
+        for key, value in config_strings(data):
+            refuse_credentials(value, key)
+        return data
+
     @field_validator("sparsities")
     @classmethod
     def _sparsities_in_range(cls, values: list[float]) -> list[float]:
@@ -253,6 +264,21 @@ def _section(stage: stages.Stage) -> Any:
     return (dict[str, Any], Field({}, json_schema_extra=schema))
 
 
+def config_strings(value: Any, key: str = "") -> list[tuple[str, str]]:
+    """(dotted key, string) of every string inside a configuration's nested mappings and lists, keys included."""
+    if isinstance(value, str):
+        return [(key or "<value>", value)]
+    if isinstance(value, Mapping):
+        found = []
+        for k, v in value.items():
+            where = f"{key}.{k}" if key else str(k)
+            found += [*config_strings(str(k), where), *config_strings(v, where)]
+        return found
+    if isinstance(value, list | tuple):
+        return [found for i, v in enumerate(value) for found in config_strings(v, f"{key}[{i}]")]
+    return []
+
+
 def config_model() -> type[_Settings]:
     """The configuration's model: the settings plus one parameter section per stage of the registry."""
     return create_model(
@@ -369,6 +395,10 @@ def load_config(source: str | Path | dict[str, Any]) -> PipelineConfig:
         where = str(path)
         if not isinstance(data, dict):
             raise ConfigError(f"{path} must hold a mapping of settings, got {type(data).__name__}")
+    from evoesap.network import refuse_credentials
+
+    for key, value in config_strings(data):  # as the model's own check does, without pydantic's prefix on the line
+        refuse_credentials(value, f"{where}: {key}")
     try:
         config = PipelineConfig(**data)
     except ValidationError as exc:

@@ -33,6 +33,7 @@ from kfp import compiler, dsl
 from kfp.dsl import HTML, Artifact, Input, Markdown, Metrics, Model
 
 from evoesap.errors import ConfigError
+from evoesap.network import refuse_credentials
 from evoesap.params import PlacementParams
 from evoesap.registry import MODEL_STAGES, NAMES, STAGES
 from evoesap.registry import get as get_stage
@@ -503,5 +504,7 @@ def compile_pipeline(config: PipelineConfig, out: str | Path) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.partial-") as tmp:
         staged = Path(tmp) / out.name
         compiler.Compiler().compile(build_pipeline(config), str(staged))
+        for line in staged.read_text().splitlines():  # a value that did not come through the configuration's check
+            refuse_credentials(line.strip(), "the compiled spec's line")
         os.replace(staged, out)  # a reader never sees half a spec
     return out

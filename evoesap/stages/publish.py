@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from evoesap import records
+from evoesap import network, records
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.params import StageParams, keyed, param
 from evoesap.release import hub
@@ -69,6 +69,7 @@ class PublishParams(StageParams):
             parts = urllib.parse.urlsplit(self.endpoint)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ConfigError(f"endpoint {artifacts.redact(self.endpoint)!r} is not an http(s):// URL of a Hub")
+            network.refuse_credentials(self.endpoint, "endpoint")
         super().__post_init__()  # declared ranges, then the bounds every stage shares
 
 
@@ -163,7 +164,8 @@ def _base_card(entry: Mapping[str, Any]) -> dict[str, Any]:
         if entry.get("kind") == "hub":
             from huggingface_hub import hf_hub_download
 
-            text = Path(hf_hub_download(entry["name"], CARD_FILE, revision=entry["revision"])).read_text()
+            fetch = lambda stop: hf_hub_download(entry["name"], CARD_FILE, revision=entry["revision"])  # noqa: E731
+            text = Path(hub.bounded(fetch, f"reading the card of the Hub model {entry['name']}")).read_text()
         else:
             recorded = entry.get("files", {}).get(CARD_FILE, {}).get("sha256")
             data = artifacts.read_bytes(artifacts.join(entry["uri"], CARD_FILE)) if recorded else b""
@@ -172,7 +174,11 @@ def _base_card(entry: Mapping[str, Any]) -> dict[str, Any]:
             text = data.decode("utf-8")
         return ModelCard(text).data.to_dict()
     except Exception as exc:  # noqa: BLE001 - the base's card is optional: say so, carry nothing
-        log.warning("the base model's card could not be read (%s: %s); its license is not carried", type(exc).__name__, exc)
+        log.warning(
+            "the base model's card could not be read (%s: %s); its license is not carried",
+            type(exc).__name__,
+            network.reply_line(exc),
+        )
         return {}
 
 
@@ -210,10 +216,14 @@ def _check_base_config(base_model: str, entry: Mapping[str, Any]) -> None:
         from huggingface_hub import hf_hub_download
 
         ours = json.loads(artifacts.read_bytes(artifacts.join(entry["uri"], "config.json")))
-        theirs = json.loads(Path(hf_hub_download(base_model, "config.json")).read_text())
+        fetch = lambda stop: hf_hub_download(base_model, "config.json")  # noqa: E731
+        theirs = json.loads(Path(hub.bounded(fetch, f"reading the config of the Hub model {base_model}")).read_text())
     except Exception as exc:  # noqa: BLE001 - the check needs both configs; without one it is skipped, said once
         log.warning(
-            "base_model %s was not checked against the pruned model's config (%s: %s)", base_model, type(exc).__name__, exc
+            "base_model %s was not checked against the pruned model's config (%s: %s)",
+            base_model,
+            type(exc).__name__,
+            network.reply_line(exc),
         )
         return
     differ = [f"{k} {ours.get(k)!r} vs {theirs.get(k)!r}" for k in _SHAPE if k in ours and k in theirs and ours[k] != theirs[k]]

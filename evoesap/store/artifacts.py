@@ -39,8 +39,8 @@ from fsspec.core import url_to_fs
 
 from evoesap import __version__
 from evoesap.errors import ArtifactError, ConfigError
+from evoesap.network import redact, refuse_credentials, reply_line  # artifacts.redact: the one redaction, used everywhere
 from evoesap.store import identity
-from evoesap.store.identity import redact  # artifacts.redact: the one redaction, used everywhere
 
 log = logging.getLogger(__name__)
 
@@ -49,20 +49,11 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9._=+-]+$")
 
 
 def split(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem and the path inside it for a local path or any fsspec URI. Credentials written into
-    an object-store URI are refused (they would end up in manifests and error messages)."""
-    scheme = str(uri).split("://", 1)[0] if identity.is_uri(str(uri)) else ""
-    if scheme in _OBJECT_STORES and _USERINFO.match(str(uri)):
-        raise ConfigError(
-            f"{redact(uri)}: credentials inside a {scheme}:// URI are not used; remove them and give them through "
-            "the environment (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or fsspec's configuration"
-        )
+    """The filesystem and the path inside it for a local path or any fsspec URI. Credentials written into a URI
+    are refused (they would end up in manifests, specs and error messages: `network.refuse_credentials`)."""
+    refuse_credentials(uri)
     fs, path = url_to_fs(str(uri))
     return fs, path
-
-
-_OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
-_USERINFO = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/@\s]*@")
 
 
 def is_local(uri: str) -> bool:
@@ -800,7 +791,7 @@ def _publish(staging: Path, out_uri: str, manifest: Manifest, expected: _Expecte
             raise
         except Exception as exc:  # noqa: BLE001 - an object store fails in many ways; each means "not published"
             raise ArtifactError(
-                f"publishing {redact(out_uri)} failed ({type(exc).__name__}: {redact(str(exc))[:200]}): it is not a "
+                f"publishing {redact(out_uri)} failed ({type(exc).__name__}: {reply_line(exc, limit=200)}): it is not a "
                 f"finished artifact; re-run `evoesap {manifest.stage}` to publish it"
             ) from exc
     log.info("published %s artifact at %s", manifest.stage, redact(out_uri))

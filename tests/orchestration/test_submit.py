@@ -332,3 +332,101 @@ def test_overrides_are_read_as_yaml_values():
     }
     with pytest.raises(ConfigError, match="not key=value"):
         parse_overrides(["generations"])
+
+
+# ---------------------------------------------------------------- hostile endpoints: credentials, echoes, drips, bytes
+
+
+def test_credentials_in_a_url_of_the_configuration_are_refused_and_never_reach_a_spec(tmp_path, capsys):
+    """An s3://key:secret@ storage root (or model) was compiled into the spec twice, in plain text, and uploaded."""
+    for key in ("storage_root", "model", "calibration_data"):
+        config = tmp_path / f"{key}.yaml"
+        config.write_text(json.dumps({**CONFIG, key: "s3://AKIAIOSFODNN7EXAMPLE:s3cr3tvalue@bucket/x"}))
+        out = tmp_path / f"{key}-spec.yaml"
+        assert main(["pipeline", "compile", str(config), "-o", str(out)]) == 1
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: {config}: {key} 's3://bucket/x' has credentials inside it"), line
+        assert "s3cr3tvalue" not in line and "kubeflow-secrets.md" in line and not out.exists()
+    with pytest.raises(ConfigError, match="publish.to 's3://b/x' has credentials"):
+        from evoesap.pipeline.config import load_config
+
+        load_config({**CONFIG, "publish": {"to": "s3://k:s3cr3tvalue@b/x"}})
+
+
+def test_credentials_in_the_host_or_a_set_value_are_refused_before_anything_is_sent(kfp_api):
+    with pytest.raises(ConfigError, match="--host 'http://127.0.0.1:[0-9]+' has credentials inside it") as raised:
+        submit(PipelineConfig(**CONFIG), Submission(host=kfp_api.replace("http://", "http://u:s3cr3tvalue@")))
+    assert "s3cr3tvalue" not in str(raised.value)
+    with pytest.raises(ConfigError, match="--set model 's3://b/m' has credentials inside it"):
+        submit(PipelineConfig(**CONFIG), Submission(host=kfp_api, overrides={"model": "s3://k:s3cr3tvalue@b/m"}))
+    assert not _posts() and not [r for r in Recorder.requests if "healthz" not in r[1]]
+
+
+class EchoingKFP(Recorder):
+    """The API, refusing every upload with a body that echoes the request's headers (its token among them)."""
+
+    def do_POST(self):  # noqa: N802
+        from recording_http import EchoHandler
+
+        EchoHandler._echo(self)
+
+
+EchoingKFP.refusal, EchoingKFP.prefix, EchoingKFP.content_type = 500, b"upstream error; you sent: ", "text/plain"
+
+
+def test_what_the_api_echoes_back_is_scrubbed_from_the_error_line(kfp_api):
+    Recorder.status = 200
+    with serving(EchoingKFP) as url, pytest.raises(ConfigError) as raised:
+        submit(PipelineConfig(**CONFIG), Submission(host=url, token="kfp-t0ken-s3cr3t"))
+    line = str(raised.value)
+    assert line.startswith(f"the Kubeflow Pipelines API at {url} refused the submission (HTTP 500: upstream error"), line
+    assert "kfp-t0ken-s3cr3t" not in line and "dXNlcjpodW50ZXIy" not in line and "\n" not in line
+    assert "Authorization: ***" in line
+
+
+class NotText(Recorder):
+    """The API's health check answers; everything else answers bytes that are not UTF-8 (another service, a proxy)."""
+
+    def do_GET(self):  # noqa: N802
+        if "healthz" in self.path:
+            return super().do_GET()
+        self._bytes(b"\xff\xfe\x00\x81 not text \xc3")
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._bytes(b"\xff\xfe\x00\x81 not text \xc3", NotText.post_status)
+
+    def _bytes(self, data: bytes, status: int = 200) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.mark.parametrize("status", [200, 500])
+def test_an_api_answering_bytes_that_are_not_utf8_is_one_clear_line_not_an_internal_error(tmp_path, capsys, status):
+    NotText.status, NotText.post_status = 200, status
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(json.dumps(CONFIG))
+    with serving(NotText) as url:
+        code = main(["pipeline", "submit", str(config), "--host", url])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and line.startswith(f"error: the Kubeflow Pipelines API at {url} "), line
+    assert "not UTF-8 text" in line or "\ufffd" in line, line
+
+
+def test_an_api_dripping_one_byte_at_a_time_ends_at_the_deadline_naming_the_host_and_the_knob(monkeypatch):
+    from recording_http import dripping
+
+    monkeypatch.setenv("EVOESAP_KFP_DEADLINE_S", "0.5")
+    with dripping() as url:
+        start = time.monotonic()
+        with pytest.raises(ConfigError) as raised:
+            submit(PipelineConfig(**CONFIG), Submission(host=url))
+        elapsed = time.monotonic() - start
+    assert elapsed < 3, elapsed
+    assert str(raised.value) == (
+        f"the health check at the Kubeflow Pipelines API {url} did not finish within 0.5 s (the server is stalled or "
+        "too slow): check it, or set EVOESAP_KFP_DEADLINE_S to allow longer"
+    )

@@ -522,3 +522,75 @@ def test_the_pipeline_publishes_each_searched_model_only_when_switched_on(tmp_pa
     }
     with pytest.raises(ConfigError, match="publish.repo is one place"):
         load_config({**base, "publish_models": True, "sparsities": [0.25, 0.5], "publish": {"repo": "org/name"}})
+
+
+@pytest.fixture
+def fresh_hub_client(monkeypatch):
+    """huggingface_hub's client factory restored after a test that bound it to a hostile endpoint."""
+    import huggingface_hub
+    from huggingface_hub.utils import _http
+
+    monkeypatch.setenv("EVOESAP_TEST_HUB_TOKEN", TOKEN)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    yield
+    huggingface_hub.set_client_factory(_http.default_client_factory)
+
+
+def test_what_a_hub_echoes_back_is_scrubbed_from_the_publish_error_line(world, tmp_path, capsys, fresh_hub_client):
+    """The line ended with the server's echo of `Authorization: Basic ...` (user:password in base64)."""
+    from recording_http import EchoHandler, serving
+
+    class Refusing(EchoHandler):
+        refusal = 400
+
+    out = tmp_path / "published"
+    with serving(Refusing) as url:
+        assert _cli(world, out, "--repo", "team/x", "--endpoint", url, "--token-env", "EVOESAP_TEST_HUB_TOKEN") == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: reading the Hub repository team/x failed") and "request refused" in line, line
+    assert "dXNlcjpodW50ZXIy" not in line and "hunter2" not in line and TOKEN not in line
+    assert "Authorization: ***" in line and not out.exists()
+
+
+def test_publish_to_a_hub_dripping_one_byte_at_a_time_ends_at_the_deadline(world, tmp_path, capsys, fresh_hub_client,
+                                                                           monkeypatch):  # fmt: skip
+    """`publish --repo` against an endpoint sending one byte a second never ended (a socket timeout bounds one read)."""
+    import time
+
+    from recording_http import dripping
+
+    monkeypatch.setenv("EVOESAP_HUB_DEADLINE_S", "0.5")
+    out = tmp_path / "published"
+    with dripping() as url:
+        start = time.monotonic()
+        assert _cli(world, out, "--repo", "team/x", "--endpoint", url, "--token-env", "EVOESAP_TEST_HUB_TOKEN") == 1
+        elapsed = time.monotonic() - start
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert elapsed < 10, elapsed
+    assert line == (
+        f"error: reading the Hub repository team/x at {url} did not finish within 0.5 s (the server is stalled or "
+        "too slow): check it, or set EVOESAP_HUB_DEADLINE_S to allow longer"
+    )
+    assert not out.exists()
+
+
+def test_a_push_to_a_dripping_hub_stops_at_its_deadline_and_sends_nothing_after(tmp_path, fresh_hub_client, monkeypatch):
+    import time
+
+    from recording_http import dripping
+
+    from evoesap.errors import ArtifactError
+    from evoesap.release import hub
+
+    monkeypatch.setenv("EVOESAP_HUB_DEADLINE_S", "0.5")
+    (tmp_path / "staging").mkdir()
+    (tmp_path / "staging" / "config.json").write_text("{}")
+    with dripping() as url:
+        start = time.monotonic()
+        with pytest.raises(ArtifactError) as raised:
+            hub.push(tmp_path / "staging", "team/x", endpoint=url, secret=TOKEN, private=True, message="m")
+        elapsed = time.monotonic() - start
+    line = str(raised.value)
+    assert 0.5 <= elapsed < 3, elapsed
+    assert line.startswith(f"pushing to the Hub repository team/x at {url} did not finish within 0.5") and TOKEN not in line
+    assert "EVOESAP_HUB_DEADLINE_S" in line and "re-run `evoesap publish`" in line
