@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import warnings
 from collections.abc import Iterator
@@ -78,6 +79,11 @@ def _default_config(config_class: type) -> Any | None:
 
 def coverage() -> list[Coverage]:
     """Every MoE model_type of the installed transformers, supported or with its reason, sorted by name."""
+    return list(_scan())
+
+
+@functools.cache  # a scan builds every config class once; the installed transformers does not change in a process
+def _scan() -> tuple[Coverage, ...]:
     from transformers import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -93,7 +99,7 @@ def coverage() -> list[Coverage]:
             )
     for model_type, family in FAMILIES.items():  # a row whose config no longer builds from its defaults still shows
         rows.setdefault(model_type, Coverage(model_type, SUPPORTED, family.num_experts_field, supported_notes(family)))
-    return [rows[name] for name in sorted(rows)]
+    return tuple(rows[name] for name in sorted(rows))
 
 
 def supported_notes(family: Family) -> str:

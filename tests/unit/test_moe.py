@@ -367,7 +367,9 @@ def test_pruning_back_to_uniform_drops_the_per_layer_counts():
 
 @st.composite
 def family_and_pruned(draw):
-    family = draw(st.sampled_from(["olmoe", "mixtral", "deepseek_v2", "ernie4_5_moe", "gpt_oss"]))
+    family = draw(
+        st.sampled_from(["olmoe", "mixtral", "deepseek_v2", "ernie4_5_moe", "gpt_oss", "phimoe", "minimax_m2", "afmoe"])
+    )
     spec = moe.inspect(cached_model(family))
     pruned = {}
     for layer in spec.layers:
