@@ -69,8 +69,9 @@ def _module_defining(pattern: str, package: str = "evoesap") -> str | None:
 
 
 def _defined(name: str, kind: str = "class") -> Any | None:
-    """The object called `name` defined by `class name` or `name =` somewhere in the package, or None."""
-    pattern = rf"^class {name}\b" if kind == "class" else rf"^{name}\b[^=\n]*="
+    """The object called `name` defined by `class name`, `def name` or `name =` somewhere in the package, or None."""
+    patterns = {"class": rf"^class {name}\b", "function": rf"^def {name}\b"}
+    pattern = patterns.get(kind, rf"^{name}\b[^=\n]*=")
     module = _module_defining(pattern)
     return getattr(importlib.import_module(module), name) if module else None
 
@@ -414,6 +415,8 @@ def artifacts_page() -> str:
 
 def families_page() -> str:
     families = _defined("FAMILIES", kind="constant") or {}
+    coverage_fn = _defined("coverage", kind="function")
+    notes_fn = _defined("supported_notes", kind="function")
     rows = []
     for name, family in families.items():
         rows.append(
@@ -425,15 +428,18 @@ def families_page() -> str:
                 ", ".join(f"`{s}`" for s in family.shared_experts) or "none",
                 _code(", ".join(family.group_fields)) if family.group_fields else "no",
                 ", ".join(f"`{s}`" for s in family.dense_layer_fields) or "none",
+                _cell(notes_fn(family)) if notes_fn else "",
             ]
         )
+    others = [row for row in (coverage_fn() if coverage_fn else []) if row.model_type not in families]
     return "\n".join(
         [
             "# Supported families",
             "",
             f"{len(rows)} transformers MoE families (`model_type` in config.json), from the family table the MoE code "
-            "reads. A model of another type is refused. How masking and removal work for them: "
-            "[Masking equals removal](../concepts/masking.md).",
+            "reads. A model of another type is refused before any weight is read, in one line naming the nearest "
+            "supported family. How masking and removal work for them: [Masking equals removal](../concepts/masking.md). "
+            "`evoesap families` prints the same list for the transformers installed where it runs.",
             "",
             _table(
                 [
@@ -444,8 +450,18 @@ def families_page() -> str:
                     "shared experts",
                     "group-limited routing",
                     "dense-layer fields",
+                    "notes",
                 ],
                 rows,
+            ),
+            "",
+            "## Other MoE model types of the installed transformers",
+            "",
+            "Every other `model_type` whose config declares an expert count, and why it is not supported.",
+            "",
+            _table(
+                ["model_type", "expert count field", "reason"],
+                [[f"`{r.model_type}`", _code(r.experts_field), _cell(r.reason)] for r in others],
             ),
             "",
         ]

@@ -20,6 +20,7 @@ SOFTMAX_TOPK = "softmax_topk"  # softmax over all experts, top-k, optional renor
 SIGMOID_GROUP_TOPK = "sigmoid_group_topk"  # sigmoid, biased group-limited top-k, unbiased weights
 SOFTMAX_BIAS_TOPK = "softmax_bias_topk"  # softmax, top-k on probs + bias, unbiased probs renormalised
 TOPK_SOFTMAX = "topk_softmax"  # top-k on raw logits, softmax over the k chosen
+SPARSEMIXER = "sparsemixer"  # Phi-3.5-MoE: top-2 by two thresholded argmax rounds, each softmax-weighted
 
 # The per-layer expert counts of a non-uniformly pruned checkpoint: {str(decoder index): count}.
 PER_LAYER_KEY = "evoesap_num_experts_per_layer"
@@ -42,17 +43,24 @@ class Family:
     block: str = "mlp"  # attribute of a decoder layer holding its MLP (an MoE block or a dense MLP)
     router: str = "gate"  # attribute of the MoE block holding the router module
     experts: str = "experts"  # attribute of the MoE block holding the fused experts module
-    # (path inside the router / experts module, expert axis) of every tensor indexed by expert
+    # (path inside the router / experts module / MoE block, expert axis) of every tensor indexed by expert
     router_tensors: tuple[tuple[str, int], ...] = (("weight", 0),)
     expert_tensors: tuple[tuple[str, int], ...] = _FUSED
-    selection_bias: str | None = None  # path inside the router of the bias added for selection only
+    block_tensors: tuple[tuple[str, int], ...] = ()  # held by the MoE block itself (MiniMax-M2's selection bias)
+    selection_bias: str | None = None  # path inside the MoE block of the bias added for selection only
     renormalize: bool | str = False  # renormalise the top-k weights: always, never, or a config flag
     scaling_field: str | None = None  # config field of the factor applied to routed weights
     norm_min_field: str | None = None  # config field clamping the renormalisation denominator
+    threshold_field: str | None = None  # sparsemixer: config field of half its relative selection gap
     group_fields: tuple[str, str] | None = None  # (n_group, topk_group) for group-limited top-k
     group_when: tuple[str, str] | None = None  # (config field, value) that switches groups on
-    shared_experts: tuple[str, ...] = ()  # MoE-block attributes holding always-on shared experts
+    shared_experts: tuple[str, ...] = ()  # paths inside a decoder layer of always-on shared experts (never pruned)
     dense_layer_fields: tuple[str, ...] = ()  # config fields that choose the dense (non-MoE) layers
+    mtp_field: str | None = None  # config field counting multi-token-prediction layers (see `MTP_NOTE`)
+    # whether a decoder layer is the pre-norm residual pair h + attn(norm(h)), h + block(norm(h)) that
+    # `evoesap.scoring.forward.LayerRunner` runs in halves; other layouts are refused there, never run wrongly
+    layerwise: bool = True
+    notes: str = ""  # what a user should know (parts left unpruned, ...), shown by `evoesap families`
     tiny: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # config of `tiny_model`
 
     def __post_init__(self) -> None:
@@ -83,7 +91,7 @@ _ROWS = (
         top_k_field="num_experts_per_tok",
         routing=SOFTMAX_TOPK,
         renormalize="norm_topk_prob",
-        shared_experts=("shared_expert",),
+        shared_experts=("mlp.shared_expert",),
         dense_layer_fields=("mlp_only_layers", "decoder_sparse_step"),
         tiny=dict(
             num_experts=8,
@@ -125,7 +133,7 @@ _ROWS = (
         scaling_field="routed_scaling_factor",
         group_fields=("n_group", "topk_group"),
         group_when=("topk_method", "group_limited_greedy"),
-        shared_experts=("shared_experts",),
+        shared_experts=("mlp.shared_experts",),
         dense_layer_fields=("first_k_dense_replace",),
         tiny=dict(
             n_routed_experts=8,
@@ -143,11 +151,11 @@ _ROWS = (
         top_k_field="num_experts_per_tok",
         routing=SIGMOID_GROUP_TOPK,
         router_tensors=(("weight", 0), ("e_score_correction_bias", 0)),
-        selection_bias="e_score_correction_bias",
+        selection_bias="gate.e_score_correction_bias",
         renormalize="norm_topk_prob",
         scaling_field="routed_scaling_factor",
         group_fields=("n_group", "topk_group"),
-        shared_experts=("shared_experts",),
+        shared_experts=("mlp.shared_experts",),
         dense_layer_fields=("first_k_dense_replace",),
         tiny=dict(
             n_routed_experts=16,
@@ -167,10 +175,10 @@ _ROWS = (
         top_k_field="moe_k",
         routing=SOFTMAX_BIAS_TOPK,
         router_tensors=(("weight", 0), ("moe_statics.e_score_correction_bias", 1)),
-        selection_bias="moe_statics.e_score_correction_bias",
+        selection_bias="gate.moe_statics.e_score_correction_bias",
         renormalize=True,
         norm_min_field="moe_norm_min",
-        shared_experts=("shared_experts",),
+        shared_experts=("mlp.shared_experts",),
         dense_layer_fields=("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval"),
         tiny=dict(
             moe_num_experts=8,
@@ -203,14 +211,227 @@ _ROWS = (
     ),
 )
 
+# DeepSeek-V3's router (sigmoid, selection bias, group-limited top-k, unbiased weights, renorm?, scale) and its
+# MoE block (gate, experts, shared_experts), as GLM-4.5, dots.llm1, EXAONE MoE and DeepSeek-V3.2 reuse them.
+_V3_ROUTER = dict(
+    routing=SIGMOID_GROUP_TOPK,
+    router_tensors=(("weight", 0), ("e_score_correction_bias", 0)),
+    selection_bias="gate.e_score_correction_bias",
+    renormalize="norm_topk_prob",
+    scaling_field="routed_scaling_factor",
+    group_fields=("n_group", "topk_group"),
+    shared_experts=("mlp.shared_experts",),
+)
+_V3_TINY = dict(num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1, routed_scaling_factor=2.5)
+# transformers builds no multi-token-prediction layer: the in-memory save never holds one, a streamed prune
+# copies its stored tensors unchanged (its experts unpruned).
+_MTP = "num_nextn_predict_layers"
+
+_ROWS += (
+    Family(
+        model_type="glm4_moe",
+        num_experts_field="n_routed_experts",
+        top_k_field="num_experts_per_tok",
+        dense_layer_fields=("first_k_dense_replace",),
+        mtp_field=_MTP,
+        **_V3_ROUTER,
+        tiny=dict(n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, head_dim=16, **_V3_TINY),
+    ),
+    Family(
+        model_type="glm4_moe_lite",
+        num_experts_field="n_routed_experts",
+        top_k_field="num_experts_per_tok",
+        dense_layer_fields=("mlp_layer_types",),
+        mtp_field=_MTP,
+        **_V3_ROUTER,
+        tiny=dict(
+            n_routed_experts=8,
+            n_shared_experts=1,
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+            **_V3_TINY,
+            **{**_DEEPSEEK_ATTENTION, "num_key_value_heads": 4},
+        ),
+    ),
+    Family(
+        model_type="minimax_m2",
+        num_experts_field="num_local_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SIGMOID_GROUP_TOPK,  # without groups: sigmoid, top-k on scores + bias, unbiased weights renormalised
+        block_tensors=(("e_score_correction_bias", 0),),
+        selection_bias="e_score_correction_bias",
+        renormalize=True,
+        tiny=dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16),
+    ),
+    Family(
+        model_type="phimoe",
+        num_experts_field="num_local_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SPARSEMIXER,
+        block="mlp",
+        router="router",
+        threshold_field="router_jitter_noise",
+        notes="sparsemixer routing as at inference (eval mode): always two experts per token",
+        tiny=dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, router_jitter_noise=0.1),
+    ),
+    Family(
+        model_type="hunyuan_v1_moe",
+        num_experts_field="num_experts",
+        top_k_field="moe_topk",
+        routing=SOFTMAX_TOPK,
+        router_tensors=(("wg.weight", 0),),
+        renormalize=True,
+        shared_experts=("mlp.shared_mlp",),
+        tiny=dict(num_experts=8, moe_topk=2, intermediate_size=32, head_dim=16),
+    ),
+    Family(
+        model_type="dots1",
+        num_experts_field="n_routed_experts",
+        top_k_field="num_experts_per_tok",
+        dense_layer_fields=("first_k_dense_replace",),
+        **_V3_ROUTER,
+        tiny=dict(n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, head_dim=16, **_V3_TINY),
+    ),
+    Family(
+        model_type="granitemoe",
+        num_experts_field="num_local_experts",
+        top_k_field="num_experts_per_tok",
+        routing=TOPK_SOFTMAX,
+        block="block_sparse_moe",
+        router="router",
+        layerwise=False,  # residual and embedding multipliers
+        tiny=dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    ),
+    Family(
+        model_type="granitemoeshared",
+        num_experts_field="num_local_experts",
+        top_k_field="num_experts_per_tok",
+        routing=TOPK_SOFTMAX,
+        block="block_sparse_moe",
+        router="router",
+        shared_experts=("shared_mlp",),
+        layerwise=False,  # residual and embedding multipliers, a shared MLP beside the MoE block
+        tiny=dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, shared_intermediate_size=64),
+    ),
+    Family(
+        model_type="flex_olmo",
+        num_experts_field="num_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SOFTMAX_TOPK,
+        renormalize="norm_topk_prob",
+        layerwise=False,  # norms after attention and after the MoE block, none before
+        tiny=dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    ),
+    Family(
+        model_type="exaone_moe",
+        num_experts_field="num_experts",
+        top_k_field="num_experts_per_tok",
+        dense_layer_fields=("mlp_layer_types", "first_k_dense_replace"),
+        mtp_field=_MTP,
+        **_V3_ROUTER,
+        tiny=dict(num_experts=8, num_shared_experts=1, first_k_dense_replace=1, head_dim=16, **_V3_TINY),
+    ),
+    Family(
+        model_type="afmoe",
+        num_experts_field="num_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SIGMOID_GROUP_TOPK,  # without groups: sigmoid, top-k on scores + bias, renormalised, times route_scale
+        router="router",
+        router_tensors=(("gate.weight", 0),),
+        block_tensors=(("expert_bias", 0),),
+        selection_bias="expert_bias",
+        renormalize=True,
+        scaling_field="route_scale",
+        shared_experts=("mlp.shared_experts",),
+        dense_layer_fields=("num_dense_layers",),
+        layerwise=False,  # norms before and after both attention and the MoE block
+        tiny=dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            num_shared_experts=1,
+            num_dense_layers=1,
+            route_scale=2.0,
+            head_dim=16,
+            sliding_window=8,
+        ),
+    ),
+)
+
 FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in _ROWS})
 
 
+_HYBRID = "hybrid layers (linear attention, state-space or convolution) beside attention; not in this table yet"
+_ITS_TEXT_MODEL = "multimodal: prune its language model's experts through the text model_type"
+# Known MoE model_types without a row: (why, nearest supported family, what differs from it). `evoesap families`
+# lists them (and any other MoE model_type of the installed transformers, with a generic reason); `family_of` refuses
+# them with this line before any weight is read.
+UNSUPPORTED: Mapping[str, tuple[str, str, str]] = MappingProxyType(
+    {
+        "deepseek_v32": ("DeepSeek sparse attention (indexer) not checked yet", "deepseek_v3", "same router and experts"),
+        "glm_moe_dsa": ("DeepSeek sparse attention (indexer) not checked yet", "glm4_moe", "same router and experts"),
+        "longcat_flash": (
+            "zero-computation (identity) experts share the router with the routed ones; not modelled",
+            "deepseek_v3",
+            "its router scores routed and zero-computation experts together",
+        ),
+        "dbrx": (
+            "expert weights flattened to [experts x width, hidden] (w1, v1, w2); that expert axis is not modelled",
+            "mixtral",
+            "softmax top-k routing is the same, the expert tensors are not",
+        ),
+        "jetmoe": (
+            "attention experts (mixture of attention heads) beside the MoE MLP; not modelled",
+            "mixtral",
+            "its attention is also routed",
+        ),
+        "cohere2_moe": (
+            "parallel attention and MLP in one residual step, routing chosen by expert_selection_fn; not modelled",
+            "granitemoe",
+            "top-k then softmax is the same, the decoder layer is not",
+        ),
+        **{
+            name: (_HYBRID, "qwen3_moe", "its linear-attention or state-space layers")
+            for name in (
+                "qwen3_next",
+                "qwen3_5_moe",
+                "qwen3_5_moe_text",
+                "minimax",
+                "jamba",
+                "granitemoehybrid",
+                "lfm2_moe",
+                "kimi_linear",
+                "nemotron_h",
+                "bailing_hybrid",
+            )
+        },
+        "llama4": (_ITS_TEXT_MODEL + " (llama4_text)", "qwen2_moe", "a multimodal checkpoint"),
+        "llama4_text": (
+            "MoE every interleave_moe_layer_step layers with top-k then sigmoid; not in this table yet",
+            "qwen2_moe",
+            "its routing is top-k then sigmoid",
+        ),
+    }
+)
+
+
 def family_of(model_type: str) -> Family:
-    """The table row of a transformers `model_type`; an unsupported one names the supported families."""
+    """The table row of a transformers `model_type`; an unsupported one is refused in one line that says why,
+    names the nearest supported family and what differs from it."""
     try:
         return FAMILIES[model_type]
     except KeyError:
+        pass
+    if model_type in UNSUPPORTED:
+        why, nearest, differs = UNSUPPORTED[model_type]
         raise ModelError(
-            f"model_type {model_type!r} is not a supported MoE family; supported: {', '.join(sorted(FAMILIES))}"
-        ) from None
+            f"model_type {model_type!r} is not supported: {why}; nearest supported family: {nearest} ({differs}). "
+            "`evoesap families` lists what is supported"
+        )
+    import difflib
+
+    close = difflib.get_close_matches(str(model_type), list(FAMILIES), n=1, cutoff=0.5)
+    hint = f"nearest by name: {close[0]}; " if close else ""
+    raise ModelError(
+        f"model_type {model_type!r} is not a supported MoE family ({hint}supported: {', '.join(sorted(FAMILIES))}); "
+        "`evoesap families` lists every MoE model_type of the installed transformers and why each is or is not supported"
+    )

@@ -44,7 +44,7 @@ def _masking_hook(model: nn.Module, block: MoEBlock, layer: LayerSpec, ids: tupl
     device = module_device(block.router)  # an offloaded router (device_map) computes where its hook says
     mask = torch.zeros(layer.num_experts, dtype=torch.float32, device=device)  # [E]
     mask[torch.tensor(ids, device=device)] = float("-inf")
-    bias = stored(block.router, family.selection_bias).reshape(-1) if family.selection_bias else None  # [E]
+    bias = stored(block.block, family.selection_bias).reshape(-1).to(device) if family.selection_bias else None  # [E]
 
     def hook(module: nn.Module, args: tuple, output: tuple) -> tuple:
         logits, weights, _ = output  # [T, E] raw, [T, k], [T, k]

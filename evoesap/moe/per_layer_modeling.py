@@ -39,8 +39,9 @@ def resize_experts(
     """Replace every expert-indexed tensor of an MoE block by `make(old, expert_axis)` and set the modules'
     expert counts to `num_experts`."""
     router, experts = getattr(block, facts["router"]), getattr(block, facts["experts"])
+    owners = ((router, facts["router_tensors"]), (experts, facts["expert_tensors"]), (block, facts.get("block_tensors", ())))
     with torch.no_grad():
-        for module, tensors in ((router, facts["router_tensors"]), (experts, facts["expert_tensors"])):
+        for module, tensors in owners:
             for path, axis in tensors:
                 parent, _, name = path.rpartition(".")
                 owner = module.get_submodule(parent)

@@ -32,6 +32,7 @@ def layout(family: Family) -> dict[str, Any]:
         "experts": family.experts,
         "router_tensors": [list(t) for t in family.router_tensors],
         "expert_tensors": [list(t) for t in family.expert_tensors],
+        "block_tensors": [list(t) for t in family.block_tensors],
     }
 
 

@@ -58,6 +58,7 @@ class MoEBlock:
     block: nn.Module  # the decoder layer's MoE MLP
     router: nn.Module
     experts: nn.Module
+    layer: nn.Module | None = None  # the decoder layer holding the block (and any shared MLP beside it)
 
 
 def model_family(model: nn.Module) -> Family:
@@ -75,7 +76,8 @@ def get_path(module: nn.Module, path: str) -> object:
 
 def expert_tensors(block: MoEBlock, family: Family) -> Iterator[tuple[nn.Module, str, int]]:
     """(owning module, attribute name, expert axis) of every tensor of `block` indexed by expert."""
-    for module, tensors in ((block.router, family.router_tensors), (block.experts, family.expert_tensors)):
+    owners = ((block.router, family.router_tensors), (block.experts, family.expert_tensors), (block.block, family.block_tensors))
+    for module, tensors in owners:
         for path, axis in tensors:
             *parents, name = path.split(".")
             yield module.get_submodule(".".join(parents)), name, axis
@@ -93,7 +95,7 @@ def moe_blocks(model: nn.Module) -> list[MoEBlock]:
         router = getattr(block, family.router, None)
         experts = getattr(block, family.experts, None)
         if router is not None and experts is not None:
-            blocks.append(MoEBlock(len(blocks), index, block, router, experts))
+            blocks.append(MoEBlock(len(blocks), index, block, router, experts, layer))
     if not blocks:
         raise ModelError(
             f"this {family.model_type} model has no MoE layers; check its config fields "
@@ -118,21 +120,34 @@ def inspect(model: nn.Module) -> MoESpec:
     family = model_family(model)
     config = model.config
     n_group, topk_group = _groups(family, config)
-    top_k = int(getattr(config, family.top_k_field))
     layers = tuple(
         LayerSpec(
             ordinal=b.ordinal,
             decoder_index=b.decoder_index,
             num_experts=int(b.experts.num_experts),
-            top_k=top_k,
+            top_k=top_k(family, config, b.decoder_index),
             routing=family.routing,
-            shared_experts=any(getattr(b.block, a, None) is not None for a in family.shared_experts),
+            shared_experts=any(_has_path(b.layer, path) for path in family.shared_experts),
             n_group=n_group,
             topk_group=topk_group,
         )
         for b in moe_blocks(model)
     )
     return MoESpec(family.model_type, layers)
+
+
+def top_k(family: Family, config: object, decoder_index: int) -> int:
+    """Experts each token reaches in one MoE layer: the config's top-k, or its entry for the layer where a family
+    (Hunyuan) may give one per decoder layer."""
+    value = getattr(config, family.top_k_field)
+    return int(value[decoder_index] if isinstance(value, (list, tuple)) else value)
+
+
+def _has_path(module: nn.Module | None, path: str) -> bool:
+    try:
+        return get_path(module, path) is not None
+    except AttributeError:
+        return False
 
 
 def _as_int(value: object, what: str) -> int:

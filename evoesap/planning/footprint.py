@@ -102,7 +102,7 @@ def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
     fs, root = stream_prune.checkpoint_files(uri, patterns=("*.json",))  # a hub model: no weights fetched
     config = stream_prune.read_config(fs, root)
     counts = getattr(config, moe.PER_LAYER_KEY, None)
-    family = moe.FAMILIES.get(config.model_type) or moe.families.family_of(config.model_type)
+    moe.families.family_of(config.model_type)  # an unsupported model is refused before the meta model is built
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)
     target = MODEL_DTYPES[model_dtype]
@@ -133,12 +133,22 @@ def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
         vocab=int(config.vocab_size),
         hidden=int(config.hidden_size),
         layers=int(config.num_hidden_layers),
-        top_k=int(getattr(config, family.top_k_field)),
-        expert_width=int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size),
+        top_k=max(spec.top_k),
+        expert_width=max(_expert_width(block.experts) for block in moe.moe_blocks(meta)),
         largest_tensor=max(sizes),
         itemsize=target.itemsize,
         dense_linear_bytes=dense * target.itemsize,
     )
+
+
+def _expert_width(experts: Any) -> int:
+    """An expert's intermediate size, as the experts module itself was built (whichever config field gave it)."""
+    width = getattr(experts, "intermediate_dim", None) or getattr(experts, "intermediate_size", None)
+    if width is None:
+        from evoesap.errors import ModelError
+
+        raise ModelError(f"{type(experts).__name__} names no intermediate_dim or intermediate_size: its expert width is unknown")
+    return int(width)
 
 
 def _has_weights(fs: Any, root: str) -> bool:

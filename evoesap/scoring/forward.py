@@ -111,7 +111,14 @@ class LayerRunner:
         from evoesap.moe.families import family_of
 
         self.model, self.base, self.config = model, base, base.config
-        self.block = family_of(self.config.model_type).block  # the feed-forward half's module (an MoE block or an MLP)
+        family = family_of(self.config.model_type)
+        if not family.layerwise:  # its layers have the parts' names, but not the maths the halves below compute
+            raise ModelError(
+                f"{family.model_type}'s decoder layer is not the pre-norm residual pair that ESAP scoring runs layer by "
+                "layer (h + attn(norm(h)), h + block(norm(h))): search and ESAP scoring do not support it yet; "
+                "calibrate, prune and evaluate do"
+            )
+        self.block = family.block  # the feed-forward half's module (an MoE block or an MLP)
         self.layers = list(base.layers[: self.config.num_hidden_layers])
         for index, layer in enumerate(self.layers):
             missing = [part for part in (*_HALVES, self.block) if not hasattr(layer, part)]

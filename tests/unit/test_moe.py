@@ -77,10 +77,21 @@ EXPECTED_LAYOUT = {  # family -> (decoder indices of MoE layers, shared experts 
     "deepseek_v3": ((1, 2, 3), True),
     "ernie4_5_moe": ((1, 2, 3), True),
     "gpt_oss": ((0, 1, 2, 3), False),
+    "glm4_moe": ((1, 2, 3), True),
+    "glm4_moe_lite": ((1, 2, 3), True),
+    "minimax_m2": ((0, 1, 2, 3), False),
+    "phimoe": ((0, 1, 2, 3), False),
+    "hunyuan_v1_moe": ((0, 1, 2, 3), True),
+    "dots1": ((1, 2, 3), True),
+    "granitemoe": ((0, 1, 2, 3), False),
+    "granitemoeshared": ((0, 1, 2, 3), True),
+    "flex_olmo": ((0, 1, 2, 3), False),
+    "exaone_moe": ((1, 2, 3), True),
+    "afmoe": ((1, 2, 3), True),
 }
 
 
-def test_table_covers_the_eight_families():
+def test_table_covers_every_supported_family():
     assert set(moe.FAMILIES) == set(EXPECTED_LAYOUT)
 
 
@@ -356,7 +367,9 @@ def test_pruning_back_to_uniform_drops_the_per_layer_counts():
 
 @st.composite
 def family_and_pruned(draw):
-    family = draw(st.sampled_from(["olmoe", "mixtral", "deepseek_v2", "ernie4_5_moe", "gpt_oss"]))
+    family = draw(
+        st.sampled_from(["olmoe", "mixtral", "deepseek_v2", "ernie4_5_moe", "gpt_oss", "phimoe", "minimax_m2", "afmoe"])
+    )
     spec = moe.inspect(cached_model(family))
     pruned = {}
     for layer in spec.layers:

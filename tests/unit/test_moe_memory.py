@@ -14,12 +14,20 @@ from evoesap import moe
 def one_expert_bytes(family: str, config) -> int:
     """Independent count for one routed expert: its router row, its gate/up/down weights, its biases."""
     hidden = config.hidden_size
-    inner = config.intermediate_size if family in ("olmoe", "mixtral", "gpt_oss") else config.moe_intermediate_size
-    extra = {  # per-expert biases: router / selection bias entry, GPT-OSS expert biases
-        "gpt_oss": 1 + 2 * inner + hidden,
-        "deepseek_v3": 1,
-        "ernie4_5_moe": 1,
-    }.get(family, 0)
+    plain = (
+        "olmoe",
+        "mixtral",
+        "gpt_oss",
+        "minimax_m2",
+        "phimoe",
+        "hunyuan_v1_moe",
+        "granitemoe",
+        "granitemoeshared",
+        "flex_olmo",
+    )
+    inner = config.intermediate_size if family in plain else config.moe_intermediate_size
+    selection_bias = ("deepseek_v3", "ernie4_5_moe", "glm4_moe", "glm4_moe_lite", "dots1", "exaone_moe", "minimax_m2", "afmoe")
+    extra = {"gpt_oss": 1 + 2 * inner + hidden}.get(family, int(family in selection_bias))  # router/selection/expert biases
     return 4 * (hidden + 3 * inner * hidden + extra)  # float32
 
 

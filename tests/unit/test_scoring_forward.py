@@ -9,10 +9,11 @@ from hypothesis import strategies as st
 from test_scoring_teacher import VOCAB, tiny
 
 from evoesap import moe
+from evoesap.errors import ModelError
 from evoesap.scoring import forward
 from evoesap.scoring.forward import LayerRunner
 
-FAMILIES = ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "gpt_oss"]
+FAMILIES = sorted(name for name, family in moe.FAMILIES.items() if family.layerwise)
 # windows shorter than the samples, so that sliding-attention layers mask differently from full ones
 SLIDING = {
     "gpt_oss": dict(sliding_window=4),
@@ -81,3 +82,9 @@ def test_head_at_scored_positions_equals_the_model_logits() -> None:
     with torch.no_grad():
         hidden = forward.final_hidden(model, ids, torch.ones_like(ids))
         torch.testing.assert_close(forward.head_logits(model, hidden[:, [3, 9]]), model(ids).logits[:, [3, 9]])
+
+
+@pytest.mark.parametrize("family", ["granitemoe", "flex_olmo", "afmoe"])
+def test_a_family_whose_layer_is_not_the_pre_norm_pair_is_refused_layer_by_layer_not_scored_wrongly(family):
+    with pytest.raises(ModelError, match=f"{family}'s decoder layer is not the pre-norm residual pair"):
+        LayerRunner(moe.tiny_model(family))
