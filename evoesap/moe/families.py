@@ -53,6 +53,12 @@ class Family:
     group_when: tuple[str, str] | None = None  # (config field, value) that switches groups on
     shared_experts: tuple[str, ...] = ()  # MoE-block attributes holding always-on shared experts
     dense_layer_fields: tuple[str, ...] = ()  # config fields that choose the dense (non-MoE) layers
+    # Decoder-layer attributes that may hold the token mixer (attention, linear attention, Mamba,
+    # convolution); each layer has exactly one of them. The scorer runs it as the layer's first half.
+    mixers: tuple[str, ...] = ("self_attn",)
+    # Whether every decoder layer is the pre-norm residual pair `h + mixer(norm(h))`, `h + block(norm(h))`
+    # that the scorer runs in halves (`evoesap.scoring.forward`); False refuses layer-wise scoring.
+    pre_norm_halves: bool = True
     tiny: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # config of `tiny_model`
 
     def __post_init__(self) -> None:
@@ -203,7 +209,39 @@ _ROWS = (
     ),
 )
 
-FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in _ROWS})
+# Hybrid families: linear attention (Gated DeltaNet, lightning), Mamba or short convolutions beside
+# attention; the MoE half of each layer is one of the layouts above.
+_LINEAR_ATTENTION = dict(  # Gated DeltaNet widths of the Qwen3-Next / Qwen3.5 tiny models
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    head_dim=16,
+)
+
+_HYBRID_ROWS = (
+    Family(
+        model_type="qwen3_next",
+        num_experts_field="num_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SOFTMAX_TOPK,
+        renormalize="norm_topk_prob",
+        shared_experts=("shared_expert",),  # gated by a sigmoid `shared_expert_gate`, never pruned
+        dense_layer_fields=("mlp_only_layers", "decoder_sparse_step"),
+        mixers=("self_attn", "linear_attn"),
+        tiny=dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            mlp_only_layers=[1],
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            **_LINEAR_ATTENTION,
+        ),
+    ),
+)
+
+FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in (*_ROWS, *_HYBRID_ROWS)})
 
 
 def family_of(model_type: str) -> Family:

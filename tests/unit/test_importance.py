@@ -20,6 +20,7 @@ FAMILIES = {
     "mixtral": {},
     "deepseek_v3": {},
     "gpt_oss": {},
+    "qwen3_next": {},
 }
 
 

@@ -77,6 +77,7 @@ EXPECTED_LAYOUT = {  # family -> (decoder indices of MoE layers, shared experts 
     "deepseek_v3": ((1, 2, 3), True),
     "ernie4_5_moe": ((1, 2, 3), True),
     "gpt_oss": ((0, 1, 2, 3), False),
+    "qwen3_next": ((0, 2, 3), True),
 }
 
 
