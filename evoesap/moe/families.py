@@ -239,6 +239,23 @@ _HYBRID_ROWS = (
             **_LINEAR_ATTENTION,
         ),
     ),
+    Family(  # the language model of Qwen3.5 MoE; every layer is MoE, top-k always renormalised
+        model_type="qwen3_5_moe_text",
+        num_experts_field="num_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SOFTMAX_TOPK,
+        renormalize=True,
+        shared_experts=("shared_expert",),
+        mixers=("self_attn", "linear_attn"),
+        tiny=dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            **_LINEAR_ATTENTION,
+        ),
+    ),
 )
 
 FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in (*_ROWS, *_HYBRID_ROWS)})

@@ -21,6 +21,7 @@ FAMILIES = {
     "deepseek_v3": {},
     "gpt_oss": {},
     "qwen3_next": {},
+    "qwen3_5_moe_text": {},
 }
 
 

@@ -78,6 +78,7 @@ EXPECTED_LAYOUT = {  # family -> (decoder indices of MoE layers, shared experts 
     "ernie4_5_moe": ((1, 2, 3), True),
     "gpt_oss": ((0, 1, 2, 3), False),
     "qwen3_next": ((0, 2, 3), True),
+    "qwen3_5_moe_text": ((0, 1, 2, 3), True),
 }
 
 
