@@ -256,6 +256,31 @@ _HYBRID_ROWS = (
             **_LINEAR_ATTENTION,
         ),
     ),
+    Family(  # Kimi-Linear: KDA linear attention beside MLA; DeepSeek-V3 routing, computed in float32
+        model_type="kimi_linear",
+        num_experts_field="num_experts",  # attribute_map aliases num_local_experts, num_experts_per_tok, ...
+        top_k_field="num_experts_per_token",
+        routing=SIGMOID_GROUP_TOPK,
+        router_tensors=(("weight", 0), ("e_score_correction_bias", 0)),
+        selection_bias="e_score_correction_bias",
+        renormalize="moe_renormalize",
+        scaling_field="routed_scaling_factor",
+        group_fields=("num_expert_group", "topk_group"),
+        shared_experts=("shared_experts",),
+        dense_layer_fields=("mlp_layer_types",),
+        tiny=dict(
+            num_experts=8,
+            num_experts_per_token=2,
+            moe_intermediate_size=32,
+            num_shared_experts=1,
+            routed_scaling_factor=2.5,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+            linear_head_dim=16,
+            linear_num_heads=4,
+            **_DEEPSEEK_ATTENTION,
+        ),
+    ),
 )
 
 FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in (*_ROWS, *_HYBRID_ROWS)})

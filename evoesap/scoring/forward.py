@@ -105,7 +105,7 @@ class BatchContext:
     """What every decoder layer of one padded batch receives besides the hidden states."""
 
     position_ids: torch.Tensor  # [1, T] long
-    position_embeddings: object  # rotary: (cos, sin), each [1, T, D], or one complex tensor (DeepSeek-V2)
+    position_embeddings: object  # rotary: (cos, sin), each [1, T, D], or one complex tensor (DeepSeek-V2); None without
     masks: tuple[object, ...]  # per decoder layer: the 4-D mask, a BlockMask or None (is_causal)
 
 
@@ -116,7 +116,7 @@ class LayerRunner:
         base = getattr(model, getattr(model, "base_model_prefix", ""), None)
         if not isinstance(base, torch.nn.Module):
             raise ModelError(f"{type(model).__name__} has no base model at .{model.base_model_prefix}")
-        for part in ("layers", "norm", "rotary_emb"):
+        for part in ("layers", "norm"):  # no rotary_emb: positions come from elsewhere or nowhere (Kimi-Linear)
             if not hasattr(base, part):
                 raise ModelError(f"{type(base).__name__} has no .{part}: layer-wise forwards need a decoder stack")
         from evoesap.moe.families import family_of
@@ -174,7 +174,8 @@ class LayerRunner:
             )
             for kind, mask in self._masks.items()
         }
-        rotary = self.base.rotary_emb(embeds, position_ids)
+        rotary_emb = getattr(self.base, "rotary_emb", None)
+        rotary = rotary_emb(embeds, position_ids) if rotary_emb is not None else None
         return BatchContext(position_ids, rotary, tuple(built[kind] for kind in self.kinds))
 
     def attend(self, index: int, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:

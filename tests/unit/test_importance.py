@@ -22,6 +22,7 @@ FAMILIES = {
     "gpt_oss": {},
     "qwen3_next": {},
     "qwen3_5_moe_text": {},
+    "kimi_linear": {},
 }
 
 

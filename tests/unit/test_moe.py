@@ -79,6 +79,7 @@ EXPECTED_LAYOUT = {  # family -> (decoder indices of MoE layers, shared experts 
     "gpt_oss": ((0, 1, 2, 3), False),
     "qwen3_next": ((0, 2, 3), True),
     "qwen3_5_moe_text": ((0, 1, 2, 3), True),
+    "kimi_linear": ((1, 2, 3), True),
 }
 
 

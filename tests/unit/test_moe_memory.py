@@ -19,6 +19,7 @@ def one_expert_bytes(family: str, config) -> int:
         "gpt_oss": 1 + 2 * inner + hidden,
         "deepseek_v3": 1,
         "ernie4_5_moe": 1,
+        "kimi_linear": 1,
     }.get(family, 0)
     return 4 * (hidden + 3 * inner * hidden + extra)  # float32
 

@@ -32,7 +32,7 @@ def _random_pruned(spec: moe.MoESpec, rng: np.random.Generator) -> dict[int, lis
     }
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "deepseek_v2", "gpt_oss", "qwen3_next", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "deepseek_v2", "gpt_oss", "qwen3_next", "qwen3_5_moe_text", "kimi_linear"])
 def test_prefix_reuse_gives_from_scratch_fitness_on_random_allocations(family, tmp_path):
     """Children share a random-length prefix with a random earlier allocation; every value equals scratch."""
     model, cache = _world(family, tmp_path)
