@@ -281,6 +281,57 @@ _HYBRID_ROWS = (
             **_DEEPSEEK_ATTENTION,
         ),
     ),
+    Family(  # MiniMax-Text-01: lightning (linear) attention beside softmax attention; Mixtral routing
+        model_type="minimax",
+        num_experts_field="num_local_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SOFTMAX_TOPK,
+        renormalize=True,
+        pre_norm_halves=False,  # post-norm layers with alpha/beta-weighted residuals
+        tiny=dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            head_dim=16,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        ),
+    ),
+    Family(  # Granite 4.0: Mamba-2 beside attention; a dense shared MLP beside the MoE block, outside it
+        model_type="granitemoehybrid",
+        num_experts_field="num_local_experts",
+        top_k_field="num_experts_per_tok",
+        routing=TOPK_SOFTMAX,  # top-k on float32 logits, softmax over the k chosen
+        block="block_sparse_moe",
+        router="router",
+        pre_norm_halves=False,  # residual multiplier, and the shared MLP added beside the block
+        tiny=dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            shared_intermediate_size=64,
+            mamba_n_heads=8,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        ),
+    ),
+    Family(  # Jamba: Mamba beside attention, MoE every expert_layer_period layers from expert_layer_offset
+        model_type="jamba",
+        num_experts_field="num_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SOFTMAX_TOPK,  # never renormalised
+        block="feed_forward",
+        router="router",
+        dense_layer_fields=("expert_layer_period", "expert_layer_offset"),
+        pre_norm_halves=False,  # its norms are named pre_ff_layernorm / final_layernorm
+        tiny=dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            attn_layer_period=2,
+            attn_layer_offset=0,
+        ),
+    ),
 )
 
 FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in (*_ROWS, *_HYBRID_ROWS)})

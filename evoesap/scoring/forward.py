@@ -116,18 +116,18 @@ class LayerRunner:
         base = getattr(model, getattr(model, "base_model_prefix", ""), None)
         if not isinstance(base, torch.nn.Module):
             raise ModelError(f"{type(model).__name__} has no base model at .{model.base_model_prefix}")
-        for part in ("layers", "norm"):  # no rotary_emb: positions come from elsewhere or nowhere (Kimi-Linear)
-            if not hasattr(base, part):
-                raise ModelError(f"{type(base).__name__} has no .{part}: layer-wise forwards need a decoder stack")
         from evoesap.moe.families import family_of
 
-        self.model, self.base, self.config = model, base, base.config
-        family = family_of(self.config.model_type)
+        family = family_of(base.config.model_type)
         if not family.pre_norm_halves:
             raise ModelError(
                 f"{family.model_type} decoder layers are not pre-norm residual pairs, so they cannot be scored layer by "
                 "layer; this family is supported for masking, pruning and loading only"
             )
+        for part in ("layers", "norm"):  # no rotary_emb: positions come from elsewhere or nowhere (Kimi-Linear)
+            if not hasattr(base, part):
+                raise ModelError(f"{type(base).__name__} has no .{part}: layer-wise forwards need a decoder stack")
+        self.model, self.base, self.config = model, base, base.config
         self.block = family.block  # the feed-forward half's module (an MoE block or an MLP)
         self.layers = list(base.layers[: self.config.num_hidden_layers])
         self.mixers: list[str] = []  # per decoder layer: the attribute holding its token mixer

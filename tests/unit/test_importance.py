@@ -23,6 +23,9 @@ FAMILIES = {
     "qwen3_next": {},
     "qwen3_5_moe_text": {},
     "kimi_linear": {},
+    "minimax": {},
+    "granitemoehybrid": {},
+    "jamba": {},
 }
 
 

@@ -80,6 +80,9 @@ EXPECTED_LAYOUT = {  # family -> (decoder indices of MoE layers, shared experts 
     "qwen3_next": ((0, 2, 3), True),
     "qwen3_5_moe_text": ((0, 1, 2, 3), True),
     "kimi_linear": ((1, 2, 3), True),
+    "minimax": ((0, 1, 2, 3), False),
+    "granitemoehybrid": ((0, 1, 2, 3), False),
+    "jamba": ((1, 3), False),
 }
 
 

@@ -14,7 +14,7 @@ from evoesap import moe
 def one_expert_bytes(family: str, config) -> int:
     """Independent count for one routed expert: its router row, its gate/up/down weights, its biases."""
     hidden = config.hidden_size
-    inner = config.intermediate_size if family in ("olmoe", "mixtral", "gpt_oss") else config.moe_intermediate_size
+    inner = config.intermediate_size if family in ("olmoe", "mixtral", "gpt_oss", "minimax", "granitemoehybrid", "jamba") else config.moe_intermediate_size
     extra = {  # per-expert biases: router / selection bias entry, GPT-OSS expert biases
         "gpt_oss": 1 + 2 * inner + hidden,
         "deepseek_v3": 1,

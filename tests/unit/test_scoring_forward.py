@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from test_scoring_teacher import VOCAB, tiny
 
 from evoesap import moe
+from evoesap.errors import ModelError
 from evoesap.scoring import forward
 from evoesap.scoring.forward import LayerRunner
 
@@ -57,6 +58,12 @@ def test_layer_loop_equals_the_models_forward_for_each_family(family):
     for row, s in enumerate(seqs):  # real tokens only: padded rows are never read
         torch.testing.assert_close(whole[row, : len(s)], expected[row, : len(s)], atol=0, rtol=0)
         torch.testing.assert_close(split[row, : len(s)], expected[row, : len(s)], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["minimax", "granitemoehybrid", "jamba"])
+def test_layers_that_are_not_pre_norm_halves_are_refused_rather_than_scored_wrongly(family):
+    with pytest.raises(ModelError, match=f"{family} decoder layers are not pre-norm residual pairs"):
+        LayerRunner(moe.tiny_model(family, seed=0))
 
 
 def test_half_costs_count_top_k_of_the_routed_experts():
