@@ -10,11 +10,17 @@ from safetensors import safe_open
 
 from evoesap import moe
 
+EXPERTS_AT_INTERMEDIATE_SIZE = ("minimax", "granitemoehybrid", "jamba")  # hybrids whose experts use intermediate_size
+
 
 def one_expert_bytes(family: str, config) -> int:
     """Independent count for one routed expert: its router row, its gate/up/down weights, its biases."""
     hidden = config.hidden_size
-    inner = config.intermediate_size if family in ("olmoe", "mixtral", "gpt_oss", "minimax", "granitemoehybrid", "jamba") else config.moe_intermediate_size
+    inner = (
+        config.intermediate_size
+        if family in ("olmoe", "mixtral", "gpt_oss", *EXPERTS_AT_INTERMEDIATE_SIZE)
+        else config.moe_intermediate_size
+    )
     extra = {  # per-expert biases: router / selection bias entry, GPT-OSS expert biases
         "gpt_oss": 1 + 2 * inner + hidden,
         "deepseek_v3": 1,

@@ -13,7 +13,9 @@ from evoesap.errors import ModelError
 from evoesap.scoring import forward
 from evoesap.scoring.forward import LayerRunner
 
-FAMILIES = ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text", "kimi_linear"]
+FAMILIES = ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "gpt_oss"]
+# hybrids whose linear-attention layers (Gated DeltaNet, KDA) the scorer runs as layer halves
+FAMILIES += ["qwen3_next", "qwen3_5_moe_text", "kimi_linear"]
 # windows shorter than the samples, so that sliding-attention layers mask differently from full ones
 SLIDING = {
     "gpt_oss": dict(sliding_window=4),
