@@ -159,7 +159,6 @@ def check_checkpoint(uri: str) -> None:
     """Refuse a local checkpoint directory that cannot load: config.json missing, not JSON or not a valid
     transformers config; safetensors weights missing, unreadable or shorter than their headers say
     (truncated). Only config.json and the shards' headers are read. Hub names and URIs are left to the loader."""
-    from transformers import AutoConfig
 
     from evoesap.moe import shards
     from evoesap.moe.stream_prune import INDEX_FILE, SINGLE_FILE
@@ -174,8 +173,10 @@ def check_checkpoint(uri: str) -> None:
         raise ModelError(f"{uri} has no config.json: give a transformers checkpoint directory") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ModelError(f"{uri}/config.json is not valid JSON ({exc}): {hint}") from None
+    from evoesap.moe.stream_prune import config_from_dict
+
     try:
-        AutoConfig.for_model(**config)
+        config_from_dict(config)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for one bad value
         why = " ".join(str(exc).split())  # one line, however transformers wraps its message
         raise ModelError(f"{uri}/config.json is not a valid transformers config ({type(exc).__name__}: {why}): {hint}") from None
@@ -393,8 +394,9 @@ def inspect_checkpoint(uri: str) -> Any:
     from evoesap.store.identity import locate
 
     if is_uri(uri):
-        data = artifacts.read_json(artifacts.join(uri, "config.json"))
-        config = AutoConfig.for_model(**data)
+        from evoesap.moe.stream_prune import config_from_dict
+
+        config = config_from_dict(artifacts.read_json(artifacts.join(uri, "config.json")))
     else:
         source, pinned = locate(uri)  # a missing path is never sent to the hub; a hub model at its commit
         config = AutoConfig.from_pretrained(source, trust_remote_code=False, **pinned)

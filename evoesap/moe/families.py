@@ -60,6 +60,9 @@ class Family:
     # whether a decoder layer is the pre-norm residual pair h + attn(norm(h)), h + block(norm(h)) that
     # `evoesap.scoring.forward.LayerRunner` runs in halves; other layouts are refused there, never run wrongly
     layerwise: bool = True
+    # decoder-layer attributes that may hold the token mixer (attention, linear attention, Mamba, convolution); each
+    # layer has exactly one of them, and the scorer runs it as the layer's first half
+    mixers: tuple[str, ...] = ("self_attn",)
     notes: str = ""  # what a user should know (parts left unpruned, ...), shown by `evoesap families`
     tiny: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # config of `tiny_model`
 
@@ -357,7 +360,132 @@ _ROWS += (
     ),
 )
 
-FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in _ROWS})
+# Hybrid families: linear attention (Gated DeltaNet, lightning), Mamba or short convolutions beside
+# attention; the MoE half of each layer is one of the layouts above.
+_LINEAR_ATTENTION = dict(  # Gated DeltaNet widths of the Qwen3-Next / Qwen3.5 tiny models
+    linear_num_value_heads=4,
+    linear_num_key_heads=2,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    head_dim=16,
+)
+
+_HYBRID_ROWS = (
+    Family(
+        model_type="qwen3_next",
+        num_experts_field="num_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SOFTMAX_TOPK,
+        renormalize="norm_topk_prob",
+        shared_experts=("mlp.shared_expert",),  # gated by a sigmoid `shared_expert_gate`, never pruned
+        dense_layer_fields=("mlp_only_layers", "decoder_sparse_step"),
+        mixers=("self_attn", "linear_attn"),
+        tiny=dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            mlp_only_layers=[1],
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+            **_LINEAR_ATTENTION,
+        ),
+    ),
+    Family(  # the language model of Qwen3.5 MoE; every layer is MoE, top-k always renormalised
+        model_type="qwen3_5_moe_text",
+        num_experts_field="num_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SOFTMAX_TOPK,
+        renormalize=True,
+        shared_experts=("mlp.shared_expert",),
+        mixers=("self_attn", "linear_attn"),
+        tiny=dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            **_LINEAR_ATTENTION,
+        ),
+    ),
+    Family(  # Kimi-Linear: KDA linear attention beside MLA; DeepSeek-V3 routing, computed in float32
+        model_type="kimi_linear",
+        num_experts_field="num_experts",  # attribute_map aliases num_local_experts, num_experts_per_tok, ...
+        top_k_field="num_experts_per_token",
+        routing=SIGMOID_GROUP_TOPK,
+        router_tensors=(("weight", 0), ("e_score_correction_bias", 0)),
+        selection_bias="gate.e_score_correction_bias",
+        renormalize="moe_renormalize",
+        scaling_field="routed_scaling_factor",
+        group_fields=("num_expert_group", "topk_group"),
+        shared_experts=("mlp.shared_experts",),
+        dense_layer_fields=("mlp_layer_types",),
+        tiny=dict(
+            num_experts=8,
+            num_experts_per_token=2,
+            moe_intermediate_size=32,
+            num_shared_experts=1,
+            routed_scaling_factor=2.5,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+            linear_head_dim=16,
+            linear_num_heads=4,
+            **_DEEPSEEK_ATTENTION,
+        ),
+    ),
+    Family(  # MiniMax-Text-01: lightning (linear) attention beside softmax attention; Mixtral routing
+        model_type="minimax",
+        num_experts_field="num_local_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SOFTMAX_TOPK,
+        renormalize=True,
+        layerwise=False,  # post-norm layers with alpha/beta-weighted residuals
+        tiny=dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            head_dim=16,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        ),
+    ),
+    Family(  # Granite 4.0: Mamba-2 beside attention; a dense shared MLP beside the MoE block, outside it
+        model_type="granitemoehybrid",
+        num_experts_field="num_local_experts",
+        top_k_field="num_experts_per_tok",
+        routing=TOPK_SOFTMAX,  # top-k on float32 logits, softmax over the k chosen
+        block="block_sparse_moe",
+        router="router",
+        layerwise=False,  # residual multiplier, and the shared MLP added beside the block
+        tiny=dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            shared_intermediate_size=64,
+            mamba_n_heads=8,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        ),
+    ),
+    Family(  # Jamba: Mamba beside attention, MoE every expert_layer_period layers from expert_layer_offset
+        model_type="jamba",
+        num_experts_field="num_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SOFTMAX_TOPK,  # never renormalised
+        block="feed_forward",
+        router="router",
+        dense_layer_fields=("expert_layer_period", "expert_layer_offset"),
+        layerwise=False,  # its norms are named pre_ff_layernorm / final_layernorm
+        tiny=dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            attn_layer_period=2,
+            attn_layer_offset=0,
+        ),
+    ),
+)
+
+FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in (*_ROWS, *_HYBRID_ROWS)})
 
 
 _HYBRID = "hybrid layers (linear attention, state-space or convolution) beside attention; not in this table yet"

@@ -21,7 +21,7 @@ from typing import Any
 
 import fsspec
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
 
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.moe import shards
@@ -78,7 +78,14 @@ def read_config(fs: fsspec.AbstractFileSystem, root: str) -> Any:
             data = json.load(f)
     except FileNotFoundError:
         raise ArtifactError(f"{root} has no config.json: give a transformers checkpoint directory") from None
-    return AutoConfig.for_model(**data)
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict[str, Any]) -> Any:
+    """The transformers config of a parsed config.json, decoded as `from_pretrained` decodes it: config.json
+    stores inf and nan as {"__float__": "Infinity"} (Granite 4.0's `time_step_limit`), which the config
+    classes refuse undecoded."""
+    return AutoConfig.for_model(**PreTrainedConfig._decode_special_floats(data))
 
 
 def shard_names(fs: fsspec.AbstractFileSystem, root: str) -> tuple[list[str], dict[str, Any] | None]:

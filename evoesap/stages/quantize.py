@@ -97,12 +97,14 @@ def check_widths(config: dict[str, Any], recipe: Recipe, where: str) -> None:
     the input widths of its Linear layers and the trailing dimensions of its fused experts, read from the config
     alone (a model on the meta device)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from evoesap.moe.stream_prune import config_from_dict
 
     if recipe.group_size is None:
         return
     with torch.device("meta"):
-        net = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+        net = AutoModelForCausalLM.from_config(config_from_dict(config))
     widths = {m.in_features for m in net.modules() if isinstance(m, torch.nn.Linear)}
     widths |= {d for name, p in net.named_parameters() if ".experts." in name and p.ndim == 3 for d in p.shape[1:]}
     bad = sorted(w for w in widths if w % recipe.group_size)

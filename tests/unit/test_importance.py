@@ -20,6 +20,12 @@ FAMILIES = {
     "mixtral": {},
     "deepseek_v3": {},
     "gpt_oss": {},
+    "qwen3_next": {},
+    "qwen3_5_moe_text": {},
+    "kimi_linear": {},
+    "minimax": {},
+    "granitemoehybrid": {},
+    "jamba": {},
 }
 
 

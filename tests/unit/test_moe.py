@@ -88,6 +88,12 @@ EXPECTED_LAYOUT = {  # family -> (decoder indices of MoE layers, shared experts 
     "flex_olmo": ((0, 1, 2, 3), False),
     "exaone_moe": ((1, 2, 3), True),
     "afmoe": ((1, 2, 3), True),
+    "qwen3_next": ((0, 2, 3), True),
+    "qwen3_5_moe_text": ((0, 1, 2, 3), True),
+    "kimi_linear": ((1, 2, 3), True),
+    "minimax": ((0, 1, 2, 3), False),
+    "granitemoehybrid": ((0, 1, 2, 3), False),
+    "jamba": ((1, 3), False),
 }
 
 

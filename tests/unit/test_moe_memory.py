@@ -10,6 +10,8 @@ from safetensors import safe_open
 
 from evoesap import moe
 
+EXPERTS_AT_INTERMEDIATE_SIZE = ("minimax", "granitemoehybrid", "jamba")  # hybrids whose experts use intermediate_size
+
 
 def one_expert_bytes(family: str, config) -> int:
     """Independent count for one routed expert: its router row, its gate/up/down weights, its biases."""
@@ -24,9 +26,20 @@ def one_expert_bytes(family: str, config) -> int:
         "granitemoe",
         "granitemoeshared",
         "flex_olmo",
+        *EXPERTS_AT_INTERMEDIATE_SIZE,
     )
     inner = config.intermediate_size if family in plain else config.moe_intermediate_size
-    selection_bias = ("deepseek_v3", "ernie4_5_moe", "glm4_moe", "glm4_moe_lite", "dots1", "exaone_moe", "minimax_m2", "afmoe")
+    selection_bias = (
+        "deepseek_v3",
+        "ernie4_5_moe",
+        "glm4_moe",
+        "glm4_moe_lite",
+        "dots1",
+        "exaone_moe",
+        "minimax_m2",
+        "afmoe",
+        "kimi_linear",
+    )
     extra = {"gpt_oss": 1 + 2 * inner + hidden}.get(family, int(family in selection_bias))  # router/selection/expert biases
     return 4 * (hidden + 3 * inner * hidden + extra)  # float32
 
