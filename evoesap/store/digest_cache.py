@@ -37,7 +37,7 @@ _SCHEMA = (
     "inode INTEGER, sha256 TEXT, PRIMARY KEY (path, size, mtime_ns, ctime_ns, inode))"
 )
 _SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _refused: set[str] = set()  # locations refused or failed in this process: not tried again
 
 
@@ -170,7 +170,7 @@ def sha256(path: str, compute: Callable[[str], str]) -> str:
         except sqlite3.Error as exc:
             _refuse(where, exc)
             return compute(real)
-        if rows and isinstance(rows[0][0], str) and _SHA256.match(rows[0][0]):
+        if rows and isinstance(rows[0][0], str) and _SHA256.fullmatch(rows[0][0]):
             return rows[0][0]
         digest = compute(real)
         if os.stat(real).st_mtime_ns == st.st_mtime_ns:  # not written while it was read

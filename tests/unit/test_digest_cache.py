@@ -155,7 +155,8 @@ def test_a_row_that_is_not_a_sha256_is_never_returned(weights, tmp_path, monkeyp
     monkeypatch.setenv("EVOESAP_DIGEST_CACHE", str(where))
     _hashed(weights, [])
     with sqlite3.connect(where) as connection:
-        connection.execute("UPDATE digests SET sha256 = 'not a digest'")
+        connection.execute("UPDATE digests SET sha256 = sha256 || char(10) WHERE rowid % 2 = 0")  # a digest and a newline
+        connection.execute("UPDATE digests SET sha256 = 'not a digest' WHERE rowid % 2 = 1")
     connection.close()
     calls: list[str] = []
     assert _hashed(weights, calls) == _expected(weights) and len(calls) == 3
