@@ -426,6 +426,57 @@ def test_a_public_card_keeps_values_holding_a_slash_that_name_no_location(world,
     assert card.withheld('tasks=["/home/me/tasks"], cache=(/data/x), at /srv/y') == 'tasks=["…/tasks"], cache=(…/x), at …/y'
 
 
+def test_a_chain_run_on_relative_paths_has_every_lineage_row_readable_from_another_directory(tmp_path, monkeypatch):
+    """Stages given relative paths record where their inputs are (absolute), so a report and a card made from another
+    working directory read every artifact and source behind them; the reuse key holds content only, so the same
+    inputs named by absolute paths reuse the artifacts."""
+    from tiny_artifacts import CALIBRATE
+    from tiny_world import make_tiny_inputs
+
+    from evoesap.params import keyed
+    from evoesap.stages.calibrate import run_calibrate
+    from evoesap.stages.prune import PruneParams
+    from evoesap.stages.report import ReportParams, run_report
+    from evoesap.store import lineage
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    make_tiny_inputs(work)
+    monkeypatch.chdir(work)
+    run_calibrate("model", "./calibration.jsonl", CALIBRATE, "scores")
+    prune = PruneParams(criterion="reap", sparsity=0.25)
+    run_prune("model", "scores/", prune, "pruned")
+    run_evaluate("pruned", evaluate_params("tasks", method="uniform", criterion="reap", sparsity=0.25), "evaluated")
+
+    manifest = artifacts.read_manifest("scores")
+    assert {k: e["uri"] for k, e in manifest.inputs.items()} == {
+        "model": str(work / "model"),
+        "data": str(work / "calibration.jsonl"),
+    }
+    assert artifacts.read_manifest("pruned").inputs["scores"]["uri"] == str(work / "scores")
+    absolute = {"model": str(work / "model"), "data": str(work / "calibration.jsonl")}
+    assert artifacts.cached(str(work / "scores"), "calibrate", keyed(CALIBRATE), absolute) is not None  # reused
+
+    monkeypatch.chdir(elsewhere)
+    report, published = elsewhere / "report", elsewhere / "published"
+    run_report([str(work / "evaluated")], ReportParams(), str(report))
+    run_publish(str(work / "pruned"), [str(work / "evaluated")], PublishParams(show_locations=True), str(published))
+
+    walked = lineage.walk({"pruned": str(work / "pruned"), "evaluations.0": str(work / "evaluated")}, "publish")
+    assert sorted(Path(n.uri).name for n in walked.nodes) == ["evaluated", "pruned", "scores"]
+    assert all(n.manifest is not None for n in walked.nodes)
+    assert sorted(s.uri for s in walked.sources) == sorted({str(work / "model"), str(work / "calibration.jsonl")})
+    assert all(Path(s.uri).exists() for s in walked.sources)
+    meta, body = _split_card((published / "README.md").read_text())
+    artifact_rows = _table(body, "Artifact")
+    assert sorted(Path(row[0]).name for row in artifact_rows) == ["evaluated", "pruned", "scores"]
+    assert not [row for row in artifact_rows if "unreadable" in row], artifact_rows
+    page = (report / "report.md").read_text()
+    rows = _table(page.split("### Artifacts", 1)[1], "Artifact")
+    assert sorted(Path(row[0]).name for row in rows) == ["evaluated", "pruned", "scores"]
+    assert not [row for row in rows if "unreadable" in row], rows
+
+
 @pytest.mark.parametrize("store", ["local", "memory"])
 def test_a_push_to_an_fsspec_target_round_trips_byte_identical_files(world, tmp_path, store):
     out = tmp_path / "published"
