@@ -61,6 +61,8 @@ class PublishParams(StageParams):
             value = getattr(self, name)
             if value is not None and (identity.hub_model(value) is None or "@" in value):
                 raise ConfigError(f"{name} {value!r} is not a Hub repository name: give org/name")
+        if self.license is not None:
+            card.check_license(self.license)
         if not self.token_env.isidentifier():
             raise ConfigError(f"token_env {self.token_env!r} is not an environment variable name")
         if self.to is not None:
@@ -193,6 +195,8 @@ def _base(entry: Mapping[str, Any], params: PublishParams) -> tuple[str | None, 
     if params.base_model and not named:
         _check_base_config(params.base_model, entry)
     carried = {k: str(v) for k, v in _base_card(entry).items() if k in card.LICENSE_KEYS and v}
+    if "license" in carried:
+        card.check_license(carried["license"], "the base model's card names license", "correct its README.md")
     if params.license and carried.get("license") not in (None, params.license):
         raise ConfigError(
             f"license {params.license!r} contradicts the base model's card ({carried['license']}): a "

@@ -246,10 +246,19 @@ def _repo_type(name: str) -> str:
     return "dataset" if name.split(".")[0].endswith("data") else "model"
 
 
+def resolved(uri: str) -> str:
+    """`uri` as it can be read from any working directory: a local path made absolute (from the working directory,
+    as the system reads it: symlinks and `..` kept), a URI or hub name as given."""
+    text = str(uri)
+    if identity.is_uri(text) or identity.is_hub_name(text):
+        return text
+    return str(Path(text).absolute())
+
+
 def describe_inputs(inputs: Mapping[str, str | None]) -> dict[str, dict[str, Any]]:
-    """Input URIs with their content identity (`evoesap.store.identity`): our artifacts by their manifest's
-    sha256, other files and checkpoints by content or store metadata, hub names by resolved revision.
-    A missing input is refused here, before any work."""
+    """Input locations (`resolved`: a manifest read from another directory still leads to them) with their content
+    identity (`evoesap.store.identity`): our artifacts by their manifest's sha256, other files and checkpoints by
+    content or store metadata, hub names by resolved revision. A missing input is refused here, before any work."""
     described: dict[str, dict[str, Any]] = {}
     for name, uri in sorted(inputs.items()):
         if uri is None:
@@ -260,7 +269,7 @@ def describe_inputs(inputs: Mapping[str, str | None]) -> dict[str, dict[str, Any
                 f"interrupted; re-run `evoesap {_publishing_record(uri).get('stage') or '<stage>'}` that makes it"
             )
         record, _ = identity.identify(uri, repo_type=_repo_type(name))
-        described[name] = {"uri": redact(uri), **record}
+        described[name] = {"uri": redact(resolved(uri)), **record}
     return described
 
 
