@@ -70,7 +70,7 @@ def join(uri: str, *names: str) -> str:
     """`uri/name/...`, refusing names that could escape the artifact root (`..`, `/`, empty)."""
     for name in names:
         for part in str(name).split("/"):
-            if part in ("", ".", "..") or not _SAFE_NAME.match(part):
+            if part in ("", ".", "..") or not _SAFE_NAME.fullmatch(part):
                 raise ArtifactError(
                     f"artifact name {name!r} is not allowed: use letters, digits and ._=+- "
                     "separated by '/', without '..' or empty parts"
@@ -143,7 +143,7 @@ class Manifest:
         for name, kind in (("stage", str), ("params", dict), ("inputs", dict), ("files", dict), ("cache_key", str)):
             if not isinstance(data.get(name), kind):
                 raise ValueError(f"field {name!r} is missing or not a {kind.__name__}")
-        bad = [k for k, v in data["files"].items() if not isinstance(v, str) or not _SHA256.match(v)]
+        bad = [k for k, v in data["files"].items() if not isinstance(v, str) or not _SHA256.fullmatch(v)]
         if bad:
             raise ValueError(f"files entry {bad[0]!r} has no sha256")
         names = {f.name for f in dataclasses.fields(cls)}

@@ -89,7 +89,7 @@ def hub_model(name: str) -> tuple[str, str | None] | None:
     if is_uri(text) or Path(text).exists():
         return None
     repo, pinned, revision = text.partition("@")
-    if not _HUB_NAME.match(repo) or Path(repo).exists() or pinned and not _REVISION.match(revision):
+    if not _HUB_NAME.fullmatch(repo) or Path(repo).exists() or pinned and not _REVISION.fullmatch(revision):
         return None
     return repo, revision or None
 
@@ -106,7 +106,7 @@ def pin(model: str, revision: str | None) -> str:
     """
     if not revision:
         return model
-    if not _REVISION.match(revision):
+    if not _REVISION.fullmatch(revision):
         raise ConfigError(f"revision {revision!r} is not a branch, tag or commit name: check the spelling")
     ref = hub_model(model)
     if ref is None:
