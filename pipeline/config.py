@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     TypeAdapter,
     ValidationError,
     create_model,
@@ -40,7 +41,9 @@ class Target(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     heldout_esap: float | None = None  # the least held-out ESAP (the search's held-out value) to keep, in (0, 1)
-    bytes: str | None = None  # the most the pruned checkpoint may weigh, e.g. 24GiB (weights in the search's dtype)
+    # the most the pruned checkpoint may weigh: a size such as 24GiB or 1.5GB, or a count of bytes (weights in the
+    # search's dtype)
+    bytes: StrictInt | str | None = None
     # heldout_esap only: each probe after the first seeded from the nearest probe's allocation. Better allocations
     # near the boundary, so the answer can exceed a cold sweep's; off, each probe is the search a sweep makes
     warm_start: bool = False
@@ -56,11 +59,11 @@ class Target(BaseModel):
 
     @field_validator("bytes")
     @classmethod
-    def _a_size(cls, value: str | None) -> str | None:
+    def _a_size(cls, value: int | str | None) -> int | str | None:
         from evoesap.machine.sizes import parse_bytes
 
         if value is not None and parse_bytes(value) <= 0:
-            raise ValueError(f"bytes must be a positive size such as 24GiB, got {value!r}")
+            raise ValueError(f"bytes must be a positive size such as 24GiB or a number of bytes, got {value!r}")
         return value
 
     @model_validator(mode="after")

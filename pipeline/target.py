@@ -128,7 +128,7 @@ def memory_sparsity(config: Any) -> float:
 
 
 @functools.cache
-def fitting_sparsity(model: str, size: str, granularity: int, model_dtype: str) -> float:
+def fitting_sparsity(model: str, size: str | int, granularity: int, model_dtype: str) -> float:
     """The least grid sparsity whose checkpoint fits in `size`, from config.json and the weights' headers alone
     (`footprint.model_shape`, weights in `model_dtype`): each removed expert frees a mean routed expert's bytes (exact
     where every layer's experts weigh the same, as in the supported families, so the searched allocation fits as
