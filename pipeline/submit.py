@@ -127,7 +127,8 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         try:
             value = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError as exc:
-            raise ConfigError(f"--set {pair!r}: the value is not valid YAML ({getattr(exc, 'problem', exc)})") from None
+            why = " ".join(str(getattr(exc, "problem", None) or exc).split())  # one line, however PyYAML wraps it
+            raise ConfigError(f"--set {pair!r}: the value is not valid YAML ({why})") from None
         except RecursionError:
             raise ConfigError(f"--set {key.strip()!r}: the value nests too deeply to read: flatten it") from None
         _check_json_value(check_key(key.strip()), value)
