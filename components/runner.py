@@ -19,6 +19,7 @@ def run_component(name: str, **arguments: Any) -> str | None:
     """Run stage `name` from its component's `arguments` and fill its outputs; what the stage declares it returns
     (the gate's "pass"/"fail"), else None."""
     from evoesap.components.kfp_artifacts import COPY_MODELS
+
     from evoesap.machine.env import flag
     from evoesap.steps import run_step
 

@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 import yaml
 from evoesap.pipeline.config import PipelineConfig
 from evoesap.pipeline.submit import Submission, follow, parse_overrides, submit
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from recording_http import JsonHandler, serving
 from remote_config import REMOTE_CONFIG
 from tiny_world import quick_world_config

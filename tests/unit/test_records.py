@@ -236,17 +236,17 @@ def test_a_record_holding_a_non_finite_number_is_refused_naming_the_field_and_no
     check = records.GateCheck(name="task recall vs full", value=0.5, reference=0.6, limit=bad, passed=False)
     record = records.GateRecord(passed=False, candidate="s3://b/m", checks=(check,))
     out = tmp_path / "gate"
-    with pytest.raises(ArtifactError, match=r"gate.json: checks\[0\]\.limit is not a finite number"):
-        with artifacts.stage_output(str(out), "gate", {}, {}) as staging:
-            records.write(staging, record)
+    refused = pytest.raises(ArtifactError, match=r"gate.json: checks\[0\]\.limit is not a finite number")
+    with refused, artifacts.stage_output(str(out), "gate", {}, {}) as staging:
+        records.write(staging, record)
     assert not out.exists()
 
 
 def test_a_manifest_holding_a_non_finite_number_is_refused_and_nothing_is_published(tmp_path):
     out = tmp_path / "search"
-    with pytest.raises(ArtifactError, match=r"manifest.json: run.seconds is not a finite number"):
-        with artifacts.stage_output(str(out), "search", {}, {}, run={"seconds": float("inf")}) as staging:
-            (staging / "a.txt").write_text("a")
+    refused = pytest.raises(ArtifactError, match=r"manifest.json: run.seconds is not a finite number")
+    with refused, artifacts.stage_output(str(out), "search", {}, {}, run={"seconds": float("inf")}) as staging:
+        (staging / "a.txt").write_text("a")
     assert not out.exists()
 
 
