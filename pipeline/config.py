@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     TypeAdapter,
     ValidationError,
     create_model,
@@ -40,7 +41,9 @@ class Target(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     heldout_esap: float | None = None  # the least held-out ESAP (the search's held-out value) to keep, in (0, 1)
-    bytes: str | None = None  # the most the pruned checkpoint may weigh, e.g. 24GiB (weights in the search's dtype)
+    # the most the pruned checkpoint may weigh: a size such as 24GiB or 1.5GB, or a count of bytes (weights in the
+    # search's dtype)
+    bytes: StrictInt | str | None = None
     # heldout_esap only: each probe after the first seeded from the nearest probe's allocation. Better allocations
     # near the boundary, so the answer can exceed a cold sweep's; off, each probe is the search a sweep makes
     warm_start: bool = False
@@ -56,11 +59,11 @@ class Target(BaseModel):
 
     @field_validator("bytes")
     @classmethod
-    def _a_size(cls, value: str | None) -> str | None:
+    def _a_size(cls, value: int | str | None) -> int | str | None:
         from evoesap.machine.sizes import parse_bytes
 
         if value is not None and parse_bytes(value) <= 0:
-            raise ValueError(f"bytes must be a positive size such as 24GiB, got {value!r}")
+            raise ValueError(f"bytes must be a positive size such as 24GiB or a number of bytes, got {value!r}")
         return value
 
     @model_validator(mode="after")
@@ -71,6 +74,23 @@ class Target(BaseModel):
         if self.bytes is not None and bracketing:
             raise ValueError(f"target.{bracketing[0]} tunes the search for heldout_esap; a bytes target is computed: drop it")
         return self
+
+
+def sparsities_in_range(values: list[float]) -> list[float]:
+    """The rule every sparsity of the fan-out meets, given as `sparsities` or as the `grid` parameter's points."""
+    bad = [s for s in values if not 0 < s < 1]  # NaN fails the comparison too
+    if bad or not values:
+        raise ValueError(f"every sparsity must lie in (0, 1), got {bad or values}")
+    return values
+
+
+class GridPoint(BaseModel):
+    """One point of the pipeline's `grid` parameter (the criterion x sparsity fan-out), as `grid()` writes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    criterion: Criterion
+    sparsity: float = Field(strict=True)  # a number, not the text of one
 
 
 class _Settings(BaseModel):
@@ -112,10 +132,7 @@ class _Settings(BaseModel):
     @field_validator("sparsities")
     @classmethod
     def _sparsities_in_range(cls, values: list[float]) -> list[float]:
-        bad = [s for s in values if not 0 < s < 1]
-        if bad or not values:
-            raise ValueError(f"every sparsity must lie in (0, 1), got {bad or values}")
-        return values
+        return sparsities_in_range(values)
 
     @model_validator(mode="after")
     def _target_or_sparsities(self) -> PipelineConfig:
@@ -392,6 +409,8 @@ def load_config(source: str | Path | dict[str, Any]) -> PipelineConfig:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        except RecursionError:
+            raise ConfigError(f"{path} nests too deeply to read (more than about a thousand levels)") from None
         where = str(path)
         if not isinstance(data, dict):
             raise ConfigError(f"{path} must hold a mapping of settings, got {type(data).__name__}")
@@ -407,3 +426,71 @@ def load_config(source: str | Path | dict[str, Any]) -> PipelineConfig:
     _check_stage_sections(config)
     _check_gate(config)
     return config
+
+
+def quality_target(value: Any, where: str = "target") -> Target:
+    """A quality target (`target: {heldout_esap: X}`) from plain values, as the configuration's `target:` section is
+    validated: the compiled `target_params` input, whether set at compile, at submit or in a run's parameters."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be a mapping such as {{heldout_esap: 0.97}}, got {value!r:.80}")
+    try:
+        target = Target(**value)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid {where}: {_problems(exc, Target)}") from None
+    if target.heldout_esap is None:
+        raise ConfigError(
+            f"{where} sets no heldout_esap: the pipeline was compiled for a quality target, and a bytes target's "
+            "sparsity is computed at compile time: set it in the configuration and compile again"
+        )
+    return target
+
+
+def grid_points(value: Any, where: str = "grid") -> list[GridPoint]:
+    """The `grid` parameter's points (the criterion x sparsity fan-out), each checked as `criteria` and `sparsities`
+    are: a known criterion, a sparsity in (0, 1); at least one, none twice."""
+    grid = create_model("Grid", __config__=ConfigDict(extra="forbid"), **{where: (list[GridPoint], ...)})
+    try:
+        points = getattr(grid(**{where: value}), where)
+    except ValidationError as exc:
+        raise ConfigError(
+            f"invalid {_problems(exc, grid)} (a list of points such as [{{criterion: reap, sparsity: 0.5}}])"
+        ) from None
+    if not points:
+        raise ConfigError(f"{where} is empty: give at least one point such as [{{criterion: reap, sparsity: 0.5}}]")
+    try:
+        sparsities_in_range([p.sparsity for p in points])
+    except ValueError as exc:
+        raise ConfigError(f"invalid {where}: {exc}") from None
+    seen = [(p.criterion, p.sparsity) for p in points]
+    twice = next((point for i, point in enumerate(seen) if point in seen[:i]), None)
+    if twice is not None:
+        raise ConfigError(f"{where} has criterion {twice[0]} at sparsity {twice[1]} twice: give each point once")
+    return points
+
+
+def with_arguments(config: PipelineConfig, arguments: Mapping[str, Any]) -> PipelineConfig:
+    """`config` with a run's pipeline parameter values (`--set` at compile or submit: `model`, the data, `grid`,
+    `target_params`, each `<section>_params`) in the places they were compiled from, validated as a configuration
+    file is: the same declarations and checks, refused in one line naming what was set."""
+    sections = {f"{stage.section}_params": stage.section for stage in stages.STAGES}
+    data = config.model_dump(exclude_unset=True)
+    for name, value in arguments.items():
+        if name == "grid":
+            points = grid_points(value)
+            data["criteria"] = list(dict.fromkeys(p.criterion for p in points))  # what the checks below count and read
+            data["sparsities"] = list(dict.fromkeys(p.sparsity for p in points))
+        elif name == "target_params":
+            data["target"] = quality_target(value, "target_params").model_dump(exclude_unset=True)
+        elif name == "model":  # a hub model's revision rides in it (`pinned_model`)
+            data.pop("revision", None)
+            data["model"] = value
+        elif name == "heldout_data":
+            data["heldout_data"] = value or None
+        elif name in sections:
+            data[sections[name]] = value
+        else:
+            data[name] = value
+    try:
+        return load_config(data)
+    except ConfigError as exc:
+        raise ConfigError(f"with {', '.join(sorted(arguments))} as set: {exc}") from None

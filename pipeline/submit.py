@@ -18,7 +18,9 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
+import re
 import tempfile
 import time
 import urllib.error
@@ -35,7 +37,7 @@ from evoesap.network import redact
 from evoesap.registry import NAMES
 from evoesap.steps import make_params
 
-from .config import PipelineConfig, config_strings, load_config
+from .config import PipelineConfig, config_strings, load_config, with_arguments
 from .feasibility import check_grid
 
 log = logging.getLogger(__name__)
@@ -104,18 +106,55 @@ class Submission:
         return " ".join(["0", *fields] if len(fields) == 5 else fields)
 
 
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")  # a parameter, or one field of a struct one
+
+
+def check_key(key: str) -> str:
+    """A `--set` key: a pipeline parameter's name, or `<stage>_params.field`; anything else refused in one line."""
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise ConfigError(
+            f"--set {key!r}: a key is a pipeline parameter or <parameter>.<field>, letters, digits and _ "
+            "(e.g. --set search_params.generations=100)"
+        )
+    return key
+
+
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`key=value` pairs (`key` may be `<stage>_params.field`); values read as YAML (`0.5`, `true`, `[a, b]`)."""
+    """`key=value` pairs (`key` may be `<stage>_params.field`); values read as YAML (`0.5`, `true`, `[a, b]`), each one
+    JSON can carry (a KFP parameter is JSON): no dates, sets or binary, no NaN or infinity."""
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {pair!r} is not key=value (e.g. --set search_params.generations=100)")
         try:
-            out[key.strip()] = yaml.safe_load(text) if text.strip() else ""
+            value = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError as exc:
-            raise ConfigError(f"--set {pair!r}: the value is not valid YAML ({exc.problem})") from None
+            why = " ".join(str(getattr(exc, "problem", None) or exc).split())  # one line, however PyYAML wraps it
+            raise ConfigError(f"--set {pair!r}: the value is not valid YAML ({why})") from None
+        except RecursionError:
+            raise ConfigError(f"--set {key.strip()!r}: the value nests too deeply to read: flatten it") from None
+        _check_json_value(check_key(key.strip()), value)
+        out[key.strip()] = value
     return out
+
+
+def _check_json_value(key: str, value: Any) -> None:
+    """Refuse a value a KFP parameter (JSON) cannot carry, naming the offending part."""
+    stack = [value]
+    while stack:  # no recursion: a deeply nested value is walked as easily as a flat one
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ConfigError(f"--set {key}: {item} is not a finite number")
+        if isinstance(item, dict):
+            bad = next((k for k in item if not isinstance(k, str)), None)
+            if bad is not None:
+                raise ConfigError(f"--set {key}: the key {bad!r} is not text: quote it")
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif not isinstance(item, (str, int, float, bool, type(None))):
+            raise ConfigError(f"--set {key}: {item!r:.60} reads as a {type(item).__name__}, which JSON has not: quote it")
 
 
 def check_endpoint(host: str, token: str | None = None, timeout: float = HEALTHZ_TIMEOUT) -> None:
@@ -174,18 +213,20 @@ def _bounded(fn: Callable[[Any], Any], host: str, what: str) -> Any:
         ) from None
 
 
-def resolve_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """The run's parameter values from `--set` pairs, checked against the compiled pipeline.
+def resolve_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any], config: PipelineConfig) -> dict[str, Any]:
+    """The run's parameter values from `--set` pairs, checked against the compiled pipeline and, in their places in
+    `config` (the configuration it was compiled from), as a configuration file is (`config.with_arguments`).
 
     `name=value` sets a pipeline parameter (type-checked); `<stage>_params.field=value` sets one field of a
-    stage's parameters on top of the compiled defaults, checked by that stage's own parameter class.
+    stage's parameters on top of the compiled defaults.
     """
     parameters = spec.get("root", {}).get("inputDefinitions", {}).get("parameters", {})
     for where, text in config_strings(dict(overrides)):  # a value goes into the run, the spec's defaults: no credentials
         network.refuse_credentials(text, f"--set {where}")
     arguments: dict[str, Any] = {}
     for key, value in overrides.items():
-        name, _, field = key.partition(".")
+        name, _, field = check_key(key).partition(".")
+        _check_json_value(key, value)
         if name not in parameters:
             raise ConfigError(f"--set {key}: the pipeline has no such parameter; it has {', '.join(sorted(parameters))}")
         kind = parameters[name].get("parameterType", "STRING")
@@ -203,6 +244,8 @@ def resolve_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any]) -> 
         stage = name.removesuffix("_params").replace("_", "-")
         if name.endswith("_params") and stage in NAMES:
             make_params(stage, value)  # unknown fields and bad values: the stage's own one-line error
+    if arguments:
+        with_arguments(config, arguments)  # the configuration's own checks, with these values in their places
 
     def value(name: str) -> Any:
         return arguments.get(name, parameters.get(name, {}).get("defaultValue"))
@@ -213,18 +256,19 @@ def resolve_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any]) -> 
     return arguments
 
 
-def bake_defaults(path: Path, overrides: Mapping[str, Any]) -> None:
-    """Rewrite the compiled spec at `path` with `--set` values (checked as a run's are, `resolve_overrides`) as its
-    parameters' defaults; its header comment names what was set (kfp's list of inputs would be stale)."""
+def bake_defaults(path: Path, overrides: Mapping[str, Any], config: PipelineConfig) -> None:
+    """Rewrite the spec at `path`, compiled from `config`, with `--set` values (checked as a run's are,
+    `resolve_overrides`) as its parameters' defaults; its header comment names what was set (kfp's list of inputs
+    would be stale)."""
     text = path.read_text()
     spec, *platform = yaml.safe_load_all(text)
-    arguments = resolve_overrides(spec, overrides)
+    arguments = resolve_overrides(spec, overrides, config)
     parameters = spec["root"]["inputDefinitions"]["parameters"]
     for name, value in arguments.items():
         parameters[name]["defaultValue"] = value
     comments = [line for line in text.splitlines(keepends=True) if line.startswith("#")]
     kept = [line for line in comments[: next((i for i, c in enumerate(comments) if c.startswith("# Inputs:")), len(comments))]]
-    baked = "".join(f"# --set {key}={json.dumps(value)}\n" for key, value in overrides.items())
+    baked = "".join(f"# --set {key}={json.dumps(value, allow_nan=False)}\n" for key, value in overrides.items())
     path.write_text("".join(kept) + baked + yaml.safe_dump_all([spec, *platform], sort_keys=False))
 
 
@@ -247,7 +291,7 @@ def submit(config: PipelineConfig | str | Path, submission: Submission, client_f
     name = config.name
     with tempfile.TemporaryDirectory() as tmp:
         package = compile_pipeline(config, Path(tmp) / "pipeline.yaml")
-        arguments = resolve_overrides(next(yaml.safe_load_all(package.read_text())), submission.overrides)
+        arguments = resolve_overrides(next(yaml.safe_load_all(package.read_text())), submission.overrides, config)
 
         def exchange(stop: Any) -> str:
             client = _client(submission, client_factory)

@@ -16,7 +16,7 @@ import torch
 
 from evoesap.errors import ArtifactError, ConfigError, ModelError, ResourceError
 from evoesap.offload import module_device
-from evoesap.store import artifacts
+from evoesap.store import artifacts, jsontext
 from evoesap.store.identity import is_uri
 
 log = logging.getLogger(__name__)
@@ -171,8 +171,9 @@ def check_checkpoint(uri: str) -> None:
         config = json.loads((root / "config.json").read_bytes())
     except FileNotFoundError:
         raise ModelError(f"{uri} has no config.json: give a transformers checkpoint directory") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ModelError(f"{uri}/config.json is not valid JSON ({exc}): {hint}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        why = "it nests too deeply to read" if isinstance(exc, RecursionError) else exc
+        raise ModelError(f"{uri}/config.json is not valid JSON ({why}): {hint}") from None
     from evoesap.moe.stream_prune import config_from_dict
 
     try:
@@ -182,8 +183,8 @@ def check_checkpoint(uri: str) -> None:
         raise ModelError(f"{uri}/config.json is not a valid transformers config ({type(exc).__name__}: {why}): {hint}") from None
     if (root / INDEX_FILE).is_file():
         try:
-            names = sorted(set(json.loads((root / INDEX_FILE).read_bytes())["weight_map"].values()))
-        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+            names = sorted(set(jsontext.loads((root / INDEX_FILE).read_bytes(), INDEX_FILE)["weight_map"].values()))
+        except (ArtifactError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ModelError(f"{uri}/{INDEX_FILE} is malformed ({type(exc).__name__}: {exc}): {hint}") from None
     elif (root / SINGLE_FILE).is_file():
         names = [SINGLE_FILE]

@@ -280,9 +280,10 @@ class TargetRecord(Record):
     rechecks: int = 0  # one-point dips the bracketing could look past (target.rechecks); absent from records made before
 
     def line(self) -> str:
-        if self.chosen is None:
-            lowest = self.probes[0] if self.probes else None
-            seen = f" (at {lowest.sparsity:.4f}: {lowest.heldout})" if lowest else ""
+        if self.chosen is None:  # the lowest probe missed too (bracketing stops only there)
+            lowest = min(self.probes, key=lambda p: p.sparsity, default=None)
+            value = "no held-out value" if lowest is None or lowest.heldout is None else f"{lowest.heldout:.4f}"
+            seen = f" (the lowest sparsity tried, {lowest.sparsity:.4f}, reached {value})" if lowest else ""
             return (
                 f"no sparsity on the grid meets {self.metric} >= {self.threshold}{seen}: lower the target or improve the "
                 "search (more samples, generations)"

@@ -414,6 +414,8 @@ def read_pruned(uri: str) -> dict[int, list[int]]:
         data = json.loads(artifacts.read_bytes(target).decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{artifacts.redact(target)} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{artifacts.redact(target)}: JSON nested too deeply to read") from None
     pruned = data.get("pruned") if isinstance(data, dict) else None
     if not isinstance(pruned, dict):
         raise ConfigError(

@@ -8,14 +8,13 @@ verdict and refuses a failing one (`evoesap.stages.publish`), and `stop_on_fail`
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 
 from evoesap import records
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.params import StageParams, keyed, param
 from evoesap.release.gate import SCORING_PARAMS, verdict
-from evoesap.store import artifacts, lineage
+from evoesap.store import artifacts, jsontext, lineage
 from evoesap.store.identity import summary
 
 log = logging.getLogger(__name__)
@@ -53,10 +52,8 @@ def read_metrics(uri: str) -> records.MetricsRecord:
     """The metrics of an evaluate artifact, or of a metrics.json file (a previous release's, wherever it is kept)."""
     if not uri.rstrip("/").endswith(".json"):
         return records.read(uri, records.MetricsRecord)
-    try:
-        document = json.loads(artifacts.read_bytes(uri))
-    except (ValueError, RecursionError) as exc:
-        raise ArtifactError(f"{artifacts.redact(uri)} is not JSON ({exc}): give the metrics.json of an evaluate run") from None
+    hint = "give the metrics.json of an evaluate run"
+    document = jsontext.loads(artifacts.read_bytes(uri), artifacts.redact(uri), ArtifactError, hint)
     return records.MetricsRecord.from_json(document, artifacts.redact(uri))
 
 

@@ -40,7 +40,7 @@ from fsspec.core import url_to_fs
 from evoesap import __version__
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.network import redact, refuse_credentials, reply_line  # artifacts.redact: the one redaction, used everywhere
-from evoesap.store import identity
+from evoesap.store import identity, jsontext
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,8 @@ def read_bytes(uri: str) -> bytes:
 
 
 def read_json(uri: str) -> Any:
-    return json.loads(read_bytes(uri).decode("utf-8"))
+    """The JSON document at `uri`; an ArtifactError naming it when it is not JSON (or nests too deeply to read)."""
+    return jsontext.loads(read_bytes(uri), redact(uri))
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -130,7 +131,10 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         """Parse and check the shape and the checksum; raises ValueError naming the first problem."""
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except RecursionError:
+            raise ValueError("its JSON nests too deeply to read (more than about a thousand levels)") from None
         if not isinstance(data, dict):
             raise ValueError(f"expected a JSON object, got {type(data).__name__}")
         checksum = data.pop(CHECKSUM, None)
@@ -156,7 +160,7 @@ CHECKSUM = "checksum"
 def seal(data: Mapping[str, Any]) -> str:
     """manifest.json's text for `data` (its fields), with the checksum `Manifest.from_json` verifies."""
     fields = {k: v for k, v in data.items() if k != CHECKSUM}
-    return json.dumps({**fields, CHECKSUM: _checksum(fields)}, indent=2, sort_keys=True)
+    return jsontext.dumps({**fields, CHECKSUM: _checksum(fields)}, MANIFEST, indent=2, sort_keys=True)
 
 
 def _checksum(fields: Mapping[str, Any]) -> str:

@@ -373,3 +373,11 @@ def test_compile_set_bakes_checked_parameter_defaults_and_a_bad_one_writes_nothi
     assert main(["pipeline", "compile", str(config), "-o", str(fresh), "--set", "search_params.generations=-1"]) != 0
     assert "generations" in capsys.readouterr().err and not fresh.exists()
     assert not list(tmp_path.glob(".fresh.yaml.partial-*"))
+
+
+def test_a_configuration_nested_too_deeply_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "pipeline.yaml"
+    path.write_text("model: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match="pipeline.yaml nests too deeply to read") as refused:
+        load_config(path)
+    assert "\n" not in str(refused.value)
