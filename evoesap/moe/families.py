@@ -520,14 +520,8 @@ UNSUPPORTED: Mapping[str, tuple[str, str, str]] = MappingProxyType(
         **{
             name: (_HYBRID, "qwen3_moe", "its linear-attention or state-space layers")
             for name in (
-                "qwen3_next",
                 "qwen3_5_moe",
-                "qwen3_5_moe_text",
-                "minimax",
-                "jamba",
-                "granitemoehybrid",
                 "lfm2_moe",
-                "kimi_linear",
                 "nemotron_h",
                 "bailing_hybrid",
             )
