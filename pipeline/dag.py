@@ -40,15 +40,23 @@ from evoesap.registry import get as get_stage
 
 
 def _configure(
-    task: Any, stage: str, config: PipelineConfig, label: str | None = None, inputs: dict[str, Any] | None = None
+    task: Any,
+    stage: str,
+    config: PipelineConfig,
+    label: str | None = None,
+    inputs: dict[str, Any] | None = None,
+    retries: int | None = None,
 ) -> Any:
     """Display name, caching and Kubernetes settings (`pipeline.cluster`) of one task; `inputs`: the settings
-    that the sub-pipeline's parameters give (`settings_parameters`)."""
+    that the sub-pipeline's parameters give (`settings_parameters`); `retries`: in place of the configured ones."""
     task.set_display_name(label or stage)
     # Never KFP's cache: it would return an output whose payload was deleted or changed in storage. Each
     # stage checks its own finished output instead (manifest, inputs' identity, payload sha256).
     task.set_caching_options(enable_caching=False)
-    return cluster.apply(task, config.settings(stage), config.retries, inputs)
+    settings = config.settings(stage)
+    if retries is not None:
+        settings = settings.model_copy(update={"retries": retries})
+    return cluster.apply(task, settings, config.retries, inputs)
 
 
 def _gpu_params(stage: str, config: PipelineConfig, gpus_at_run_time: bool = False) -> dict[str, Any]:
@@ -175,7 +183,7 @@ def _end_on_failed_gate(config: PipelineConfig, verdict: Any, report: Any) -> No
         return
     task = make_verdict_check(config.stage_image("gate"))(verdicts=dsl.Collected(verdict.outputs["verdict"]))
     task.after(report)
-    _configure(task, "gate", config, "release gate")
+    _configure(task, "gate", config, "release gate", retries=0)  # a refusal is deterministic: a retry only repeats it
 
 
 def quality_target(config: PipelineConfig) -> bool:

@@ -381,3 +381,13 @@ def test_a_configuration_nested_too_deeply_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="pipeline.yaml nests too deeply to read") as refused:
         load_config(path)
     assert "\n" not in str(refused.value)
+
+
+def test_the_task_that_ends_a_run_on_a_failed_gate_is_never_retried_while_the_stages_are(tmp_path):
+    config = _config(heldout_data="/data/heldout.jsonl", publish_models=True, gate={"min_heldout_esap": 0.9})
+    spec = yaml.safe_load(compile_pipeline(config, tmp_path / "pipeline.yaml").read_text())
+    tasks = _all_tasks(spec)
+    (check,) = [t for t in tasks.values() if t["taskInfo"]["name"] == "release gate"]
+    assert check.get("retryPolicy", {}).get("maxRetryCount", 0) == 0  # a refusal only repeats itself
+    gates = [t for t in tasks.values() if _stage(t) == "gate"]
+    assert gates and all(t["retryPolicy"]["maxRetryCount"] == 2 for t in gates)  # the gate stage keeps its retries
