@@ -7,9 +7,10 @@ locally, an upload marked by publishing.json remotely) with the manifest last, s
 manifest is never mistaken for a finished artifact. Concurrent publishes of one output take turns: the check
 of what is there and the swap happen under a lock (flock on `.NAME.lock` beside a local output; on an object
 store publishing.json itself, created only where absent), so an identical run's artifact is kept and a
-different one is refused, never silently replaced. Readers check the manifest's stage and the sha256 of
-every payload file (`verify`, `read_payload`). Staging directories are locked by their process, so the
-next run of a stage removes what a killed one left (`clean_orphans`).
+different one is refused, never silently replaced. A look at a local output (`occupant`) holds the same lock,
+so it never sees a swap half done; on an object store a look reads again what changed under it. Readers check
+the manifest's stage and the sha256 of every payload file (`verify`, `read_payload`). Staging directories are
+locked by their process, so the next run of a stage removes what a killed one left (`clean_orphans`).
 """
 
 from __future__ import annotations
