@@ -413,7 +413,15 @@ def _read_settled(uri: str) -> bytes:
     try:
         return read_bytes(uri)
     except (ArtifactError, FileNotFoundError):
+        if _dangling(uri):
+            return b""  # a link to nothing: there, unreadable, and not moving
         raise _Moving from None
+
+
+def _dangling(uri: str) -> bool:
+    """Whether a local `uri` is a symlink whose target is missing (it is listed, but reads as missing)."""
+    fs, path = split(uri)
+    return "file" in _protocols(fs) and os.path.islink(path) and not os.path.exists(path)
 
 
 def _manifest_at(out_uri: str) -> Manifest | None:
@@ -428,6 +436,8 @@ def _listed_manifest(out_uri: str) -> tuple[bytes, Manifest | None]:
     try:
         kind = fs.info(path)["type"]
     except FileNotFoundError:
+        if _dangling(join(out_uri, MANIFEST)):
+            return b"", None
         raise _Moving from None
     if kind != "file":
         return b"", None

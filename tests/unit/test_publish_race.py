@@ -458,3 +458,14 @@ def test_a_look_reads_again_what_a_writer_without_the_lock_changes_under_it(tmp_
     assert fired == [1], f"the look made no {step}"
     assert seen in (earlier, new, "absent") and (seen != "absent" or (mid and step == "kind of the output"))
     assert payload_of(str(out)) == "new"
+
+
+@pytest.mark.parametrize("name", [artifacts.MANIFEST, artifacts.PUBLISHING])
+def test_a_link_to_nothing_at_the_output_is_refused_at_once_not_read_again_as_a_publish_moving_it(tmp_path, monkeypatch, name):
+    """It is listed and reads as missing, as a file a publish just moved would, but it stays so: no look again."""
+    out = tmp_path / "art"
+    out.mkdir()
+    (out / name).symlink_to(tmp_path / "nowhere")
+    monkeypatch.setattr(time, "sleep", lambda seconds: pytest.fail("the look waited for a link to nothing to settle"))
+    with pytest.raises(ConfigError, match="malformed manifest" if name == artifacts.MANIFEST else r"not an evoesap artifact"):
+        artifacts.preflight(str(out), "demo", {})
