@@ -411,13 +411,7 @@ _HYBRID_ROWS = (
         model_type="kimi_linear",
         num_experts_field="num_experts",  # attribute_map aliases num_local_experts, num_experts_per_tok, ...
         top_k_field="num_experts_per_token",
-        routing=SIGMOID_GROUP_TOPK,
-        router_tensors=(("weight", 0), ("e_score_correction_bias", 0)),
-        selection_bias="gate.e_score_correction_bias",
-        renormalize="moe_renormalize",
-        scaling_field="routed_scaling_factor",
-        group_fields=("num_expert_group", "topk_group"),
-        shared_experts=("mlp.shared_experts",),
+        **{**_V3_ROUTER, "renormalize": "moe_renormalize", "group_fields": ("num_expert_group", "topk_group")},
         dense_layer_fields=("mlp_layer_types",),
         tiny=dict(
             num_experts=8,
