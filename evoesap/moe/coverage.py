@@ -111,7 +111,10 @@ def supported_notes(family: Family) -> str:
             "a streamed prune copies them as stored, an in-memory save leaves them out"
         )
     if not family.layerwise:
-        notes.append("search and ESAP scoring refuse it (decoder layer is not the pre-norm pair they run in halves)")
+        notes.append(
+            "search, ESAP scoring and held-out ESAP (evaluate with a teacher cache) refuse it, and a pipeline with it: "
+            "its decoder layer is not the pre-norm pair they run in halves"
+        )
     return "; ".join(n for n in notes if n)
 
 

@@ -100,6 +100,34 @@ def final_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
 # The stack half-layer by half-layer (a candidate's forward)
 
 
+def check_layerwise(model_type: str) -> None:
+    """Refuse (ModelError) a family whose decoder layers ESAP scoring cannot run in halves: the family table's
+    `layerwise`. Its layers have the parts' names, but not the maths `LayerRunner`'s halves compute."""
+    from evoesap.moe.families import family_of
+
+    if not family_of(model_type).layerwise:
+        raise ModelError(
+            f"{model_type}'s decoder layer is not the pre-norm residual pair that ESAP scoring runs layer by "
+            "layer (h + mixer(norm(h)), h + block(norm(h))): search, ESAP scoring and held-out ESAP (evaluate's "
+            "teacher_cache) do not support it yet; calibrate, prune and evaluate without a teacher cache do"
+        )
+
+
+def check_checkpoint_layerwise(model: str) -> None:
+    """`check_layerwise` from the config.json of `model` (path, URI or hub name) alone, before any weight loads;
+    a config that cannot be read here is left to the loader, which says what is wrong with it."""
+    from evoesap.moe import stream_prune
+
+    try:
+        config = stream_prune.read_config(*stream_prune.checkpoint_files(model, patterns=("config.json",)))
+    except Exception:  # noqa: BLE001 - offline hub, bad JSON, a config transformers refuses: the loader says which
+        return
+    from evoesap.moe.families import FAMILIES
+
+    if config.model_type in FAMILIES:  # an unsupported family is refused, with its reason, where the model loads
+        check_layerwise(config.model_type)
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchContext:
     """What every decoder layer of one padded batch receives besides the hidden states."""
@@ -119,12 +147,7 @@ class LayerRunner:
         from evoesap.moe.families import family_of
 
         family = family_of(base.config.model_type)
-        if not family.layerwise:  # its layers have the parts' names, but not the maths the halves below compute
-            raise ModelError(
-                f"{family.model_type}'s decoder layer is not the pre-norm residual pair that ESAP scoring runs layer by "
-                "layer (h + mixer(norm(h)), h + block(norm(h))): search and ESAP scoring do not support it yet; "
-                "calibrate, prune and evaluate do"
-            )
+        check_layerwise(family.model_type)
         for part in ("layers", "norm"):  # no rotary_emb: positions come from elsewhere or nowhere (Kimi-Linear)
             if not hasattr(base, part):
                 raise ModelError(f"{type(base).__name__} has no .{part}: layer-wise forwards need a decoder stack")

@@ -338,6 +338,33 @@ def test_an_infeasible_sparsity_is_refused_at_compile_in_one_line(tmp_path, caps
     assert not out.exists()
 
 
+def test_a_family_the_search_cannot_score_is_refused_at_compile_in_one_line(tmp_path, capsys):
+    """Every point of the fan-out is searched: a family whose layers ESAP scoring cannot run in halves is refused
+    from its config.json, not after calibration and teacher caching have run."""
+    from evoesap import moe
+    from evoesap.cli import main
+
+    model = tmp_path / "granite"
+    moe.tiny_model("granitemoe").config.save_pretrained(model)
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                **_config().model_dump(include={"calibration_data", "search_data", "storage_root"}),
+                "model": str(model),
+                "criteria": ["reap"],
+                "sparsities": [0.25],
+            }
+        )
+    )
+    out = tmp_path / "spec.yaml"
+    assert main(["pipeline", "compile", str(config), "-o", str(out)]) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert line.startswith("error: granitemoe's decoder layer is not the pre-norm residual pair"), line
+    assert "search, ESAP scoring and held-out ESAP" in line
+    assert not out.exists()
+
+
 def test_every_feasible_sparsity_compiles_and_an_unreadable_model_is_left_to_the_stages(tmp_path, caplog):
     model = quick_world_config(tmp_path / "quick")
     compile_pipeline(_config(model=str(model), sparsities=[0.25]), tmp_path / "a.yaml")  # 3 allocations: searchable

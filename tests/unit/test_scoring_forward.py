@@ -88,3 +88,15 @@ def test_head_at_scored_positions_equals_the_model_logits() -> None:
 def test_a_family_whose_layer_is_not_the_pre_norm_pair_is_refused_layer_by_layer_not_scored_wrongly(family):
     with pytest.raises(ModelError, match=f"{family}'s decoder layer is not the pre-norm residual pair"):
         LayerRunner(moe.tiny_model(family))
+
+
+def test_the_layerwise_check_reads_config_json_alone_and_leaves_an_unreadable_one_to_the_loader(tmp_path):
+    granite, olmoe, broken = tmp_path / "granite", tmp_path / "olmoe", tmp_path / "broken"
+    moe.tiny_model("granitemoe").config.save_pretrained(granite)  # config.json only: no weights to load
+    moe.tiny_model("olmoe").config.save_pretrained(olmoe)
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match="granitemoe's decoder layer is not the pre-norm residual pair"):
+        forward.check_checkpoint_layerwise(str(granite))
+    for readable_or_not in (olmoe, broken, tmp_path / "missing"):
+        forward.check_checkpoint_layerwise(str(readable_or_not))  # nothing to refuse here
