@@ -40,15 +40,25 @@ class Target(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    heldout_esap: float | None = None  # the least held-out ESAP (the search's held-out value) to keep, in (0, 1)
-    # the most the pruned checkpoint may weigh: a size such as 24GiB or 1.5GB, or a count of bytes (weights in the
-    # search's dtype)
-    bytes: StrictInt | str | None = None
-    # heldout_esap only: each probe after the first seeded from the nearest probe's allocation. Better allocations
-    # near the boundary, so the answer can exceed a cold sweep's; off, each probe is the search a sweep makes
-    warm_start: bool = False
-    rechecks: int = Field(default=1, ge=0)  # heldout_esap only: one-point dips the bracketing looks past (each: one
-    # probe, and one more bisection when the point above a miss meets; 0: plain bisection)
+    heldout_esap: float | None = Field(
+        None, description="The least held-out ESAP (the search's held-out value) to keep, in (0, 1)."
+    )
+    bytes: StrictInt | str | None = Field(
+        None,
+        description="The most the pruned checkpoint may weigh: a size such as 24GiB or 1.5GB, or a count of bytes "
+        "(weights in the search's dtype).",
+    )
+    warm_start: bool = Field(
+        False,
+        description="heldout_esap only: each probe after the first seeded from the nearest probe's allocation. Better "
+        "allocations near the boundary, so the answer can exceed a cold sweep's; off, each probe is the search a sweep makes.",
+    )
+    rechecks: int = Field(
+        default=1,
+        ge=0,
+        description="heldout_esap only: one-point dips the bracketing looks past (each: one probe, and one more "
+        "bisection when the point above a miss meets; 0: plain bisection).",
+    )
 
     @field_validator("heldout_esap")
     @classmethod
@@ -98,25 +108,39 @@ class _Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = "evoesap"
-    model: str  # local path, fsspec URI or hub name of the full model
-    revision: str | None = None  # hub models only: the branch, tag or commit of `model` (default: its default branch)
-    calibration_data: str  # data for the importance criteria
-    search_data: str  # data for the teacher cache and the ESAP fitness
-    heldout_data: str | None = None  # other samples of the search domain: the search's held-out check, held-out ESAP in evaluate
-    previous_metrics: str | None = None  # previous release: evaluate artifact or metrics.json (gate.max_previous_drop)
-    criteria: list[Criterion] = ["reap"]
-    sparsities: list[float] = [0.25]
-    target: Target | None = None  # a held-out quality to meet: the sparsity is searched for (evoesap.planning.target), not given
-    storage_root: str = "./runs/artifacts"  # where every artifact goes: a path, s3://, gs://
-    pipeline_root: str | None = None  # kfp.local's own scratch directory (local runs only)
-    registry: str | None = None  # where the stage images are (host[:port]/path); every image must lie there
-    image: str | None = None  # the stage image, fully qualified; default: <registry>/stage:<version>
-    retries: int = Field(2, ge=0, strict=True)  # per task, for transient failures
-    parallelism: int = Field(0, ge=0, strict=True)  # criterion x sparsity points run at once (KFP's ParallelFor); 0: all
-    publish_models: bool = False  # publish each searched pruned model with its model card (where: the publish section)
-    # Kubernetes settings per stage (pipeline.cluster.StageSettings); `all` applies to every stage
-    resources: dict[Literal[("all", *stages.NAMES)], StageSettings] = {}  # type: ignore[valid-type]
+    name: str = Field("evoesap", description="The run's name: the pipeline's name when compiled or submitted.")
+    model: str = Field(description="Local path, fsspec URI or hub name of the full model.")
+    revision: str | None = Field(
+        None, description="Hub models only: the branch, tag or commit of `model` (default: its default branch)."
+    )
+    calibration_data: str = Field(description="Data for the importance criteria.")
+    search_data: str = Field(description="Data for the teacher cache and the ESAP fitness.")
+    heldout_data: str | None = Field(
+        None, description="Other samples of the search domain: the search's held-out check, held-out ESAP in evaluate."
+    )
+    previous_metrics: str | None = Field(
+        None, description="The previous release: its evaluate artifact or metrics.json (for gate.max_previous_drop)."
+    )
+    criteria: list[Criterion] = Field(["reap"], description="The importance criteria: one branch of the grid each.")
+    sparsities: list[float] = Field([0.25], description="The sparsities, each in (0, 1): one branch of the grid each.")
+    target: Target | None = Field(
+        None,
+        description="A held-out quality or a size to meet: the sparsity is searched for (evoesap.planning.target), not given.",
+    )
+    storage_root: str = Field("./runs/artifacts", description="Where every artifact goes: a path, s3://, gs://.")
+    pipeline_root: str | None = Field(None, description="kfp.local's own scratch directory (local runs only).")
+    registry: str | None = Field(None, description="Where the stage images are (host[:port]/path); every image must lie there.")
+    image: str | None = Field(None, description="The stage image, fully qualified; default: <registry>/stage:<version>.")
+    retries: int = Field(2, ge=0, strict=True, description="Retries per task, for transient failures.")
+    parallelism: int = Field(
+        0, ge=0, strict=True, description="Criterion x sparsity points run at once (KFP's ParallelFor); 0: all."
+    )
+    publish_models: bool = Field(
+        False, description="Publish each searched pruned model with its model card (where: the publish section)."
+    )
+    resources: dict[Literal[("all", *stages.NAMES)], StageSettings] = Field(  # type: ignore[valid-type]
+        {}, description="Kubernetes settings per stage (pipeline.cluster.StageSettings); `all` applies to every stage."
+    )
 
     @model_validator(mode="before")
     @classmethod
