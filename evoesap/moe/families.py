@@ -21,6 +21,16 @@ SIGMOID_GROUP_TOPK = "sigmoid_group_topk"  # sigmoid, biased group-limited top-k
 SOFTMAX_BIAS_TOPK = "softmax_bias_topk"  # softmax, top-k on probs + bias, unbiased probs renormalised
 TOPK_SOFTMAX = "topk_softmax"  # top-k on raw logits, softmax over the k chosen
 SPARSEMIXER = "sparsemixer"  # Phi-3.5-MoE: top-2 by two thresholded argmax rounds, each softmax-weighted
+TOPK_SIGMOID = "topk_sigmoid"  # top-k on raw logits, sigmoid of each chosen logit (Llama 4)
+
+# What a router's forward returns, by name: the transformers 5 convention (raw logits [T, E], top-k weights [T, k],
+# top-k indices [T, k]), or Llama 4's (dense weights [T, E], 0 for experts not chosen; raw logits [T, E]).
+ROUTER_TOPK = ("logits", "weights", "index")
+ROUTER_DENSE = ("dense_weights", "logits")
+# What the experts module's forward takes: the routed tokens (hidden [T, H], top-k indices, top-k weights), or every
+# token for every expert, already multiplied by its dense weight (hidden [E*T, H], Llama 4).
+EXPERTS_ROUTED = "routed"
+EXPERTS_SCALED_DENSE = "scaled_dense"
 
 # The per-layer expert counts of a non-uniformly pruned checkpoint: {str(decoder index): count}.
 PER_LAYER_KEY = "evoesap_num_experts_per_layer"
@@ -43,6 +53,9 @@ class Family:
     block: str = "mlp"  # attribute of a decoder layer holding its MLP (an MoE block or a dense MLP)
     router: str = "gate"  # attribute of the MoE block holding the router module
     experts: str = "experts"  # attribute of the MoE block holding the fused experts module
+    layers: str = "base_model.layers"  # path from the causal-LM model to its decoder layers
+    router_outputs: tuple[str, ...] = ROUTER_TOPK  # what the router's forward returns (ROUTER_TOPK or ROUTER_DENSE)
+    experts_input: str = EXPERTS_ROUTED  # what the experts module's forward takes (EXPERTS_ROUTED or EXPERTS_SCALED_DENSE)
     # (path inside the router / experts module / MoE block, expert axis) of every tensor indexed by expert
     router_tensors: tuple[tuple[str, int], ...] = (("weight", 0),)
     expert_tensors: tuple[tuple[str, int], ...] = _FUSED
@@ -485,6 +498,37 @@ _HYBRID_ROWS = (
     ),
 )
 
+_HYBRID_ROWS += (
+    Family(  # Llama 4's language model: MoE every interleave_moe_layer_step layers, a shared expert in each MoE block
+        model_type="llama4_text",
+        num_experts_field="num_local_experts",
+        top_k_field="num_experts_per_tok",
+        routing=TOPK_SIGMOID,
+        block="feed_forward",
+        router="router",
+        expert_tensors=(("gate_up_proj", 0), ("down_proj", 0)),  # [E, H, 2I], [E, I, H]
+        layers="model.layers",  # Llama4ForCausalLM names its base model prefix language_model but holds it at .model
+        router_outputs=ROUTER_DENSE,
+        experts_input=EXPERTS_SCALED_DENSE,
+        shared_experts=("feed_forward.shared_expert",),
+        dense_layer_fields=("interleave_moe_layer_step", "moe_layers"),
+        layerwise=False,  # chunked attention, and its base model is not at its base_model_prefix
+        notes=(
+            "the gate multiplies each expert's input, not its output: g_i(x) is that sigmoid weight and f_i(x) the "
+            "expert's output on the unscaled token, so REAP's g*||f|| is not the norm of what the expert adds"
+        ),
+        tiny=dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            intermediate_size_mlp=128,
+            interleave_moe_layer_step=2,
+            head_dim=16,
+            attention_chunk_size=8,
+        ),
+    ),
+)
+
 FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in (*_ROWS, *_HYBRID_ROWS)})
 
 
@@ -519,25 +563,9 @@ UNSUPPORTED: Mapping[str, tuple[str, str, str]] = MappingProxyType(
         ),
         **{
             name: (_HYBRID, "qwen3_moe", "its linear-attention or state-space layers")
-            for name in (
-                "qwen3_next",
-                "qwen3_5_moe",
-                "qwen3_5_moe_text",
-                "minimax",
-                "jamba",
-                "granitemoehybrid",
-                "lfm2_moe",
-                "kimi_linear",
-                "nemotron_h",
-                "bailing_hybrid",
-            )
+            for name in ("lfm2_moe", "nemotron_h", "bailing_hybrid")
         },
         "llama4": (_ITS_TEXT_MODEL + " (llama4_text)", "qwen2_moe", "a multimodal checkpoint"),
-        "llama4_text": (
-            "MoE every interleave_moe_layer_step layers with top-k then sigmoid; not in this table yet",
-            "qwen2_moe",
-            "its routing is top-k then sigmoid",
-        ),
     }
 )
 

@@ -24,7 +24,9 @@ from torch import nn
 
 def moe_layers(model: nn.Module, facts: Mapping[str, Any]) -> dict[int, nn.Module]:
     """{decoder layer index: MoE block} of a model; dense layers (no router or experts) are left out."""
-    layers = model.base_model.layers
+    layers = model
+    for name in facts.get("layers", "base_model.layers").split("."):
+        layers = getattr(layers, name)
     blocks = {i: getattr(layer, facts["block"], None) for i, layer in enumerate(layers)}
     return {
         i: block

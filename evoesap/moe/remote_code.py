@@ -27,6 +27,7 @@ AUTO_CLASS = "AutoModelForCausalLM"
 def layout(family: Family) -> dict[str, Any]:
     """Where a family keeps its MoE modules and expert-indexed tensors, as `per_layer_modeling` reads it."""
     return {
+        "layers": family.layers,
         "block": family.block,
         "router": family.router,
         "experts": family.experts,

@@ -13,7 +13,15 @@ from collections.abc import Callable
 
 import torch
 
-from evoesap.moe.families import SIGMOID_GROUP_TOPK, SOFTMAX_BIAS_TOPK, SOFTMAX_TOPK, SPARSEMIXER, TOPK_SOFTMAX, Family
+from evoesap.moe.families import (
+    SIGMOID_GROUP_TOPK,
+    SOFTMAX_BIAS_TOPK,
+    SOFTMAX_TOPK,
+    SPARSEMIXER,
+    TOPK_SIGMOID,
+    TOPK_SOFTMAX,
+    Family,
+)
 
 # Group-limited routing scores a group by the sum of its best experts; DeepSeek-V3 takes two.
 GROUP_SCORE_TOP = 2
@@ -93,6 +101,12 @@ def _topk_softmax(logits: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor |
     return torch.softmax(values, dim=-1), index
 
 
+def _topk_sigmoid(logits: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None, p: RouteParams):
+    """Llama 4: top-k on the raw logits in their dtype, then the sigmoid of each chosen logit, in float32."""
+    values, index = torch.topk(logits + mask.to(logits.dtype), p.top_k, dim=1)  # [T, k]
+    return torch.sigmoid(values.float()), index
+
+
 def _sparsemixer(logits: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None, p: RouteParams):
     """Phi-3.5-MoE at inference: two rounds, each taking the best remaining expert and the softmax weight it
     gets among the experts within a relative gap of it; always two experts, whatever top-k says.
@@ -121,4 +135,5 @@ ROUTES: dict[str, Route] = {
     SIGMOID_GROUP_TOPK: _sigmoid_group_topk,
     SOFTMAX_BIAS_TOPK: _softmax_bias_topk,
     TOPK_SOFTMAX: _topk_softmax,
+    TOPK_SIGMOID: _topk_sigmoid,
 }

@@ -83,12 +83,20 @@ def expert_tensors(block: MoEBlock, family: Family) -> Iterator[tuple[nn.Module,
             yield module.get_submodule(".".join(parents)), name, axis
 
 
+def decoder_layers(model: nn.Module, family: Family) -> nn.ModuleList | None:
+    """The decoder layers of a causal-LM model, at its family's `layers` path (None where there are none)."""
+    try:
+        return get_path(model, family.layers)
+    except AttributeError:
+        return None
+
+
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
     """The MoE blocks of a model in model order; dense layers are skipped."""
     family = model_family(model)
-    layers = getattr(getattr(model, "base_model", model), "layers", None)
+    layers = decoder_layers(model, family)
     if layers is None:
-        raise ModelError(f"{type(model).__name__} has no decoder layers at base_model.layers")
+        raise ModelError(f"{type(model).__name__} has no decoder layers at {family.layers}")
     blocks: list[MoEBlock] = []
     for index, layer in enumerate(layers):
         block = getattr(layer, family.block, None)

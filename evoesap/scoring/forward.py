@@ -113,18 +113,18 @@ class LayerRunner:
     """Embeddings, decoder-layer halves and final norm of `model`'s base model, called separately."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-        if not isinstance(base, torch.nn.Module):
-            raise ModelError(f"{type(model).__name__} has no base model at .{model.base_model_prefix}")
         from evoesap.moe.families import family_of
 
-        family = family_of(base.config.model_type)
+        family = family_of(getattr(getattr(model, "config", None), "model_type", None))
         if not family.layerwise:  # its layers have the parts' names, but not the maths the halves below compute
             raise ModelError(
                 f"{family.model_type}'s decoder layer is not the pre-norm residual pair that ESAP scoring runs layer by "
                 "layer (h + mixer(norm(h)), h + block(norm(h))): search and ESAP scoring do not support it yet; "
                 "calibrate, prune and evaluate do"
             )
+        base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        if not isinstance(base, torch.nn.Module):
+            raise ModelError(f"{type(model).__name__} has no base model at .{model.base_model_prefix}")
         for part in ("layers", "norm"):  # no rotary_emb: positions come from elsewhere or nowhere (Kimi-Linear)
             if not hasattr(base, part):
                 raise ModelError(f"{type(base).__name__} has no .{part}: layer-wise forwards need a decoder stack")

@@ -26,6 +26,7 @@ FAMILIES = {
     "minimax": {},
     "granitemoehybrid": {},
     "jamba": {},
+    "llama4_text": {},
 }
 
 
@@ -61,6 +62,11 @@ def _all_expert_outputs(model: torch.nn.Module, experts: torch.nn.Module, x: tor
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         act = (up + 1) * gate * torch.sigmoid(gate * alpha)
         return torch.einsum("tei,eih->teh", act, down) + experts.down_proj_bias.double()
+    if model.config.model_type == "llama4_text":  # [E,H,2I] gate columns first, then up; [E,I,H]
+        h = torch.einsum("th,eho->teo", x, gate_up)
+        inter = h.shape[-1] // 2
+        act = ACT2FN[model.config.hidden_act](h[..., :inter]) * h[..., inter:]
+        return torch.einsum("tei,eih->teh", act, down)
     h = torch.einsum("th,eoh->teo", x, gate_up)  # [T, E, 2I]: gate rows first, then up
     inter = h.shape[-1] // 2
     act = ACT2FN[model.config.hidden_act](h[..., :inter]) * h[..., inter:]
@@ -75,6 +81,10 @@ def _reference(model: torch.nn.Module, tokenized: list[TokenizedSample], batch_s
     def hook(layer):
         def record(module, args, output):
             x = args[0].reshape(-1, args[0].shape[-1])  # [T, H]
+            if len(output) == 2:  # Llama 4: (dense weights, logits); the sigmoid of each top-k logit weights its input
+                values, index = output[1].topk(module.top_k, dim=-1)
+                seen.append((layer, x, torch.sigmoid(values.float()), index))
+                return
             seen.append((layer, x, output[1].detach(), output[2].detach()))
 
         return record

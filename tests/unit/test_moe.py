@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from moe_support import FAMILIES, cached_model, tokens
+from moe_support import FAMILIES, cached_model, experts_implementations, set_experts_implementation, tokens
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from evoesap import moe
@@ -39,12 +39,21 @@ def nonuniform_sets(spec: moe.MoESpec, seed: int) -> dict[int, list[int]]:
 
 
 def routed_experts(model: torch.nn.Module, x: torch.Tensor) -> dict[int, torch.Tensor]:
-    """The expert ids each MoE layer's experts module is asked for, seen by a forward pre-hook."""
+    """The expert ids each MoE layer's experts module is asked for, seen by a forward pre-hook; where the experts
+    take every token scaled by a dense weight (Llama 4), the experts whose scaled input is not zero."""
     seen: dict[int, torch.Tensor] = {}
+    dense = moe.FAMILIES[model.config.model_type].experts_input == "scaled_dense"
+
+    def hook(module, args, ordinal):
+        if not dense:
+            seen[ordinal] = args[1].clone()
+            return
+        rows = args[0].view(module.num_experts, -1, args[0].shape[-1])  # [E, T, H]
+        reached = rows.abs().amax(dim=-1).T > 0  # [T, E]
+        seen[ordinal] = torch.stack([row.nonzero().flatten() for row in reached])  # [T, k]
+
     handles = [
-        block.experts.register_forward_pre_hook(
-            lambda module, args, ordinal=block.ordinal: seen.__setitem__(ordinal, args[1].clone())
-        )
+        block.experts.register_forward_pre_hook(lambda module, args, ordinal=block.ordinal: hook(module, args, ordinal))
         for block in moe.moe_blocks(model)
     ]
     try:
@@ -94,6 +103,7 @@ EXPECTED_LAYOUT = {  # family -> (decoder indices of MoE layers, shared experts 
     "minimax": ((0, 1, 2, 3), False),
     "granitemoehybrid": ((0, 1, 2, 3), False),
     "jamba": ((1, 3), False),
+    "llama4_text": ((1, 3), True),
 }
 
 
@@ -168,9 +178,9 @@ def test_masked_equals_removed_saved_and_reloaded_for_each_family(family, tmp_pa
     assert type(reloaded) is type(model)
     assert moe.inspect(reloaded).num_experts == tuple(n - len(pruned[i]) for i, n in enumerate(spec.num_experts))
 
-    for implementation in ("eager", "grouped_mm", "batched_mm"):
-        model.set_experts_implementation(implementation)
-        reloaded.set_experts_implementation(implementation)
+    for implementation in experts_implementations(model):
+        set_experts_implementation(model, implementation)
+        set_experts_implementation(reloaded, implementation)
         with moe.masked(model, pruned):
             masked_logits = logits(model, x)
             masked_routes = routed_experts(model, x)
@@ -374,7 +384,9 @@ def test_pruning_back_to_uniform_drops_the_per_layer_counts():
 @st.composite
 def family_and_pruned(draw):
     family = draw(
-        st.sampled_from(["olmoe", "mixtral", "deepseek_v2", "ernie4_5_moe", "gpt_oss", "phimoe", "minimax_m2", "afmoe"])
+        st.sampled_from(
+            ["olmoe", "mixtral", "deepseek_v2", "ernie4_5_moe", "gpt_oss", "phimoe", "minimax_m2", "afmoe", "llama4_text"]
+        )
     )
     spec = moe.inspect(cached_model(family))
     pruned = {}

@@ -26,6 +26,7 @@ def one_expert_bytes(family: str, config) -> int:
         "granitemoe",
         "granitemoeshared",
         "flex_olmo",
+        "llama4_text",
         *EXPERTS_AT_INTERMEDIATE_SIZE,
     )
     inner = config.intermediate_size if family in plain else config.moe_intermediate_size
