@@ -62,6 +62,7 @@ class Family:
     block_tensors: tuple[tuple[str, int], ...] = ()  # held by the MoE block itself (MiniMax-M2's selection bias)
     selection_bias: str | None = None  # path inside the MoE block of the bias added for selection only
     renormalize: bool | str = False  # renormalise the top-k weights: always, never, or a config flag
+    renorm_epsilon: float = 1e-20  # sigmoid routing: added to the top-k sum it divides by (LFM2-MoE: 1e-6)
     scaling_field: str | None = None  # config field of the factor applied to routed weights
     norm_min_field: str | None = None  # config field clamping the renormalisation denominator
     threshold_field: str | None = None  # sparsemixer: config field of half its relative selection gap
@@ -499,6 +500,30 @@ _HYBRID_ROWS = (
 )
 
 _HYBRID_ROWS += (
+    Family(  # LFM2-MoE: gated short convolutions beside attention, first num_dense_layers dense
+        model_type="lfm2_moe",
+        num_experts_field="num_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SIGMOID_GROUP_TOPK,  # without groups: sigmoid, top-k on scores + expert_bias, unbiased weights
+        block="feed_forward",
+        block_tensors=(("expert_bias", 0),),  # a buffer of the MoE block, passed to the router as an argument
+        selection_bias="expert_bias",  # absent where use_expert_bias is off: then top-k on the scores alone
+        renormalize="norm_topk_prob",
+        renorm_epsilon=1e-6,
+        scaling_field="routed_scaling_factor",
+        dense_layer_fields=("num_dense_layers",),
+        mixers=("self_attn", "conv"),
+        layerwise=False,  # its norms are operator_norm / ffn_norm and its final norm is embedding_norm
+        tiny=dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            num_dense_layers=1,
+            routed_scaling_factor=1.5,
+            head_dim=16,
+            layer_types=["conv", "full_attention", "conv", "conv"],
+        ),
+    ),
     Family(  # Llama 4's language model: MoE every interleave_moe_layer_step layers, a shared expert in each MoE block
         model_type="llama4_text",
         num_experts_field="num_local_experts",
@@ -563,7 +588,7 @@ UNSUPPORTED: Mapping[str, tuple[str, str, str]] = MappingProxyType(
         ),
         **{
             name: (_HYBRID, "qwen3_moe", "its linear-attention or state-space layers")
-            for name in ("lfm2_moe", "nemotron_h", "bailing_hybrid")
+            for name in ("nemotron_h", "bailing_hybrid")
         },
         "llama4": (_ITS_TEXT_MODEL + " (llama4_text)", "qwen2_moe", "a multimodal checkpoint"),
     }

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from evoesap.moe.routing import ROUTES, route_params
-from evoesap.moe.spec import LayerSpec, MoEBlock, Pruned, check_pruned, inspect, model_family, moe_blocks
+from evoesap.moe.spec import LayerSpec, MoEBlock, Pruned, check_pruned, has_path, inspect, model_family, moe_blocks
 from evoesap.offload import module_device, stored
 
 
@@ -44,7 +44,8 @@ def _masking_hook(model: nn.Module, block: MoEBlock, layer: LayerSpec, ids: tupl
     device = module_device(block.router)  # an offloaded router (device_map) computes where its hook says
     mask = torch.zeros(layer.num_experts, dtype=torch.float32, device=device)  # [E]
     mask[torch.tensor(ids, device=device)] = float("-inf")
-    bias = stored(block.block, family.selection_bias).reshape(-1).to(device) if family.selection_bias else None  # [E]
+    present = family.selection_bias and has_path(block.block, family.selection_bias)  # LFM2-MoE may have none
+    bias = stored(block.block, family.selection_bias).reshape(-1).to(device) if present else None  # [E]
 
     names = family.router_outputs
 

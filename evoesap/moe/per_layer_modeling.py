@@ -47,7 +47,9 @@ def resize_experts(
             for path, axis in tensors:
                 parent, _, name = path.rpartition(".")
                 owner = module.get_submodule(parent)
-                old = getattr(owner, name)
+                old = getattr(owner, name, None)
+                if old is None and module is block:  # a config may switch a block's tensor off (LFM2-MoE's expert_bias)
+                    continue
                 new = make(old, axis)
                 if isinstance(old, nn.Parameter):
                     new = nn.Parameter(new, requires_grad=old.requires_grad)

@@ -40,6 +40,7 @@ class RouteParams:
     topk_group: int
     norm_min: float
     threshold: float = 0.0  # sparsemixer: experts further than this relative gap below the best are left out
+    epsilon: float = 1e-20  # sigmoid routing: added to the sum of the top-k weights before dividing by it
 
 
 def route_params(family: Family, config: object, top_k: int, n_group: int, topk_group: int) -> RouteParams:
@@ -49,7 +50,9 @@ def route_params(family: Family, config: object, top_k: int, n_group: int, topk_
     scale = getattr(config, family.scaling_field) if family.scaling_field else 1.0
     norm_min = getattr(config, family.norm_min_field) if family.norm_min_field else 0.0
     threshold = 2 * getattr(config, family.threshold_field) if family.threshold_field else 0.0
-    return RouteParams(top_k, renormalize, float(scale), n_group, topk_group, float(norm_min), float(threshold))
+    return RouteParams(
+        top_k, renormalize, float(scale), n_group, topk_group, float(norm_min), float(threshold), family.renorm_epsilon
+    )
 
 
 Route = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", RouteParams], tuple[torch.Tensor, torch.Tensor]]
@@ -68,7 +71,7 @@ def _softmax_topk(logits: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor |
 def _sigmoid_group_topk(logits: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor | None, p: RouteParams):
     """DeepSeek-V3: sigmoid; group-limited top-k on scores + bias; unbiased weights, renorm?, scale."""
     scores = torch.sigmoid(logits.float())  # [T, E] float32
-    choice = scores + bias + mask  # [T, E]
+    choice = scores + mask if bias is None else scores + bias + mask  # [T, E]; no bias: LFM2-MoE without expert_bias
     if p.n_group > 1:
         tokens, experts = choice.shape
         grouped = choice.view(tokens, p.n_group, experts // p.n_group)  # [T, G, E/G]
@@ -79,7 +82,7 @@ def _sigmoid_group_topk(logits: torch.Tensor, mask: torch.Tensor, bias: torch.Te
     index = torch.topk(choice, p.top_k, dim=-1, sorted=False).indices  # [T, k]
     weights = scores.gather(1, index)  # [T, k]
     if p.renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + p.epsilon)
     return weights * p.scale, index
 
 

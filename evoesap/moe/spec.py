@@ -79,6 +79,8 @@ def expert_tensors(block: MoEBlock, family: Family) -> Iterator[tuple[nn.Module,
     owners = ((block.router, family.router_tensors), (block.experts, family.expert_tensors), (block.block, family.block_tensors))
     for module, tensors in owners:
         for path, axis in tensors:
+            if module is block.block and not has_path(module, path):  # a config may switch a block's bias off (LFM2)
+                continue
             *parents, name = path.split(".")
             yield module.get_submodule(".".join(parents)), name, axis
 
@@ -135,7 +137,7 @@ def inspect(model: nn.Module) -> MoESpec:
             num_experts=int(b.experts.num_experts),
             top_k=top_k(family, config, b.decoder_index),
             routing=family.routing,
-            shared_experts=any(_has_path(b.layer, path) for path in family.shared_experts),
+            shared_experts=any(has_path(b.layer, path) for path in family.shared_experts),
             n_group=n_group,
             topk_group=topk_group,
         )
@@ -151,7 +153,8 @@ def top_k(family: Family, config: object, decoder_index: int) -> int:
     return int(value[decoder_index] if isinstance(value, (list, tuple)) else value)
 
 
-def _has_path(module: nn.Module | None, path: str) -> bool:
+def has_path(module: nn.Module | None, path: str) -> bool:
+    """Whether `module` holds something (not None) at dotted `path`."""
     try:
         return get_path(module, path) is not None
     except AttributeError:

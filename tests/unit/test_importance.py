@@ -27,6 +27,7 @@ FAMILIES = {
     "granitemoehybrid": {},
     "jamba": {},
     "llama4_text": {},
+    "lfm2_moe": {},
 }
 
 
@@ -69,7 +70,7 @@ def _all_expert_outputs(model: torch.nn.Module, experts: torch.nn.Module, x: tor
         return torch.einsum("tei,eih->teh", act, down)
     h = torch.einsum("th,eoh->teo", x, gate_up)  # [T, E, 2I]: gate rows first, then up
     inter = h.shape[-1] // 2
-    act = ACT2FN[model.config.hidden_act](h[..., :inter]) * h[..., inter:]
+    act = ACT2FN[getattr(model.config, "hidden_act", "silu")](h[..., :inter]) * h[..., inter:]  # LFM2-MoE: silu, no field
     return torch.einsum("tei,ehi->teh", act, down)
 
 

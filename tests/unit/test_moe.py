@@ -104,6 +104,7 @@ EXPECTED_LAYOUT = {  # family -> (decoder indices of MoE layers, shared experts 
     "granitemoehybrid": ((0, 1, 2, 3), False),
     "jamba": ((1, 3), False),
     "llama4_text": ((1, 3), True),
+    "lfm2_moe": ((1, 2, 3), False),
 }
 
 
@@ -237,6 +238,17 @@ def test_uniform_pruning_round_trips_through_stock_from_pretrained(family, tmp_p
     assert torch.equal(logits(stock, x), logits(pruned_model, x))
     with moe.masked(model, pruned):
         assert (logits(model, x) - logits(stock, x)).abs().max() <= TOL
+
+
+def test_lfm2_moe_without_its_selection_bias_masks_like_removal_and_round_trips(tmp_path):
+    model = cached_model("lfm2_moe", use_expert_bias=False)  # top-k on the sigmoid scores alone, no expert_bias
+    assert not hasattr(moe.moe_blocks(model)[0].block, "expert_bias")
+    pruned = {0: [0, 1, 2, 3, 4, 5], 1: [3], 2: []}
+    moe.save_pruned(moe.prune_experts(copy.deepcopy(model), pruned), None, str(tmp_path))
+    reloaded = moe.load_pruned(str(tmp_path))
+    x = tokens(2)
+    with moe.masked(model, pruned):
+        assert (logits(model, x) - logits(reloaded, x)).abs().max() <= TOL
 
 
 def test_group_limited_routing_masks_like_even_removal(tmp_path):
@@ -385,7 +397,18 @@ def test_pruning_back_to_uniform_drops_the_per_layer_counts():
 def family_and_pruned(draw):
     family = draw(
         st.sampled_from(
-            ["olmoe", "mixtral", "deepseek_v2", "ernie4_5_moe", "gpt_oss", "phimoe", "minimax_m2", "afmoe", "llama4_text"]
+            [
+                "olmoe",
+                "mixtral",
+                "deepseek_v2",
+                "ernie4_5_moe",
+                "gpt_oss",
+                "phimoe",
+                "minimax_m2",
+                "afmoe",
+                "llama4_text",
+                "lfm2_moe",
+            ]
         )
     )
     spec = moe.inspect(cached_model(family))
