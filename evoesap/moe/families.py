@@ -53,7 +53,11 @@ class Family:
     block: str = "mlp"  # attribute of a decoder layer holding its MLP (an MoE block or a dense MLP)
     router: str = "gate"  # attribute of the MoE block holding the router module
     experts: str = "experts"  # attribute of the MoE block holding the fused experts module
-    layers: str = "base_model.layers"  # path from the causal-LM model to its decoder layers
+    layers: str = "base_model.layers"  # path from the model (of `auto_class`) to its decoder layers
+    # a multimodal checkpoint: the config attribute holding its language model's config, where every config field
+    # above is read (and the expert count written); None where the config is the language model's own
+    text_config: str | None = None
+    auto_class: str = "AutoModelForCausalLM"  # the transformers auto class that builds and loads the whole checkpoint
     router_outputs: tuple[str, ...] = ROUTER_TOPK  # what the router's forward returns (ROUTER_TOPK or ROUTER_DENSE)
     experts_input: str = EXPERTS_ROUTED  # what the experts module's forward takes (EXPERTS_ROUTED or EXPERTS_SCALED_DENSE)
     # (path inside the router / experts module / MoE block, expert axis) of every tensor indexed by expert
@@ -82,6 +86,20 @@ class Family:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiny", MappingProxyType(dict(self.tiny)))
+
+    def expert_config(self, config: Any) -> Any:
+        """The config that holds this family's expert fields: `config` itself, or its language model's config."""
+        return getattr(config, self.text_config) if self.text_config else config
+
+    def model_class(self, config: Any) -> type:
+        """The stock transformers class that builds a checkpoint of this family from its (top-level) config."""
+        import transformers
+
+        auto = getattr(transformers, self.auto_class)
+        try:
+            return auto._model_mapping[type(config)]
+        except KeyError:
+            raise ModelError(f"{self.auto_class} has no class for {type(config).__name__} ({self.model_type})") from None
 
 
 _DEEPSEEK_ATTENTION = dict(
@@ -554,7 +572,36 @@ _HYBRID_ROWS += (
     ),
 )
 
-FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in (*_ROWS, *_HYBRID_ROWS)})
+# Multimodal checkpoints: the language model's experts are pruned, every other tensor is kept as it is stored, and
+# the result loads as the multimodal model through its own auto class.
+_QWEN3_5_TEXT = next(row for row in _HYBRID_ROWS if row.model_type == "qwen3_5_moe_text")
+_MULTIMODAL_ROWS = (
+    dataclasses.replace(  # Qwen3.5 MoE as published: a vision tower beside the qwen3_5_moe_text language model
+        _QWEN3_5_TEXT,
+        model_type="qwen3_5_moe",
+        layers="model.language_model.layers",
+        text_config="text_config",
+        auto_class="AutoModelForImageTextToText",
+        layerwise=False,  # ESAP scoring runs text-only causal LMs layer by layer; prune its text model's checkpoint
+        notes="multimodal: the language model's routed experts are pruned, the vision tower is kept unchanged",
+        tiny=dict(
+            text_config=dict(_QWEN3_5_TEXT.tiny),
+            vision_config=dict(
+                depth=1,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=64,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+            ),
+            tie_word_embeddings=False,
+        ),
+    ),
+)
+
+FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in (*_ROWS, *_HYBRID_ROWS, *_MULTIMODAL_ROWS)})
 
 
 _HYBRID = "hybrid layers (linear attention, state-space or convolution) beside attention; not in this table yet"

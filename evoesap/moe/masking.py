@@ -39,7 +39,7 @@ def masked(model: nn.Module, pruned: Pruned) -> Iterator[nn.Module]:
 
 def _masking_hook(model: nn.Module, block: MoEBlock, layer: LayerSpec, ids: tuple[int, ...]):
     family = model_family(model)
-    params = route_params(family, model.config, layer.top_k, layer.n_group, layer.topk_group)
+    params = route_params(family, family.expert_config(model.config), layer.top_k, layer.n_group, layer.topk_group)
     route = ROUTES[layer.routing]
     device = module_device(block.router)  # an offloaded router (device_map) computes where its hook says
     mask = torch.zeros(layer.num_experts, dtype=torch.float32, device=device)  # [E]

@@ -61,6 +61,16 @@ class MoEBlock:
     layer: nn.Module | None = None  # the decoder layer holding the block (and any shared MLP beside it)
 
 
+def meta_model(config: object) -> nn.Module:
+    """The model a checkpoint's config describes, on the meta device (no memory): the stock class of its family's
+    auto class, so a multimodal checkpoint builds whole. An unsupported model_type is refused first."""
+    import torch
+
+    cls = family_of(config.model_type).model_class(config)
+    with torch.device("meta"):
+        return cls(config)
+
+
 def model_family(model: nn.Module) -> Family:
     """The family row of a loaded model, from `model.config.model_type`."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -128,7 +138,7 @@ def _groups(family: Family, config: object) -> tuple[int, int]:
 def inspect(model: nn.Module) -> MoESpec:
     """The MoE layers of `model`; expert counts are read from the modules, so pruned models work."""
     family = model_family(model)
-    config = model.config
+    config = family.expert_config(model.config)
     n_group, topk_group = _groups(family, config)
     layers = tuple(
         LayerSpec(

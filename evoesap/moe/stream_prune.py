@@ -21,12 +21,12 @@ from typing import Any
 
 import fsspec
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig
+from transformers import AutoConfig, PreTrainedConfig
 
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.moe import shards
 from evoesap.moe.families import PER_LAYER_KEY
-from evoesap.moe.spec import Pruned, check_pruned, expert_tensors, inspect, model_family, moe_blocks
+from evoesap.moe.spec import Pruned, check_pruned, expert_tensors, inspect, meta_model, model_family, moe_blocks
 from evoesap.moe.surgery import name_nonuniform, set_counts
 from evoesap.store import artifacts
 from evoesap.store.identity import is_uri, locate
@@ -106,8 +106,7 @@ def prune_checkpoint(source: str, pruned: Pruned, out_dir: Path, dtype: torch.dt
     config = read_config(fs, root)
     if getattr(config, PER_LAYER_KEY, None):
         raise ConfigError(f"{artifacts.redact(source)} is already pruned: prune the full model")
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
+    meta = meta_model(config)
     spec = inspect(meta)
     sets = check_pruned(spec, pruned)
     indexed = _indexed_tensors(meta, sets)

@@ -28,6 +28,7 @@ FAMILIES = {
     "jamba": {},
     "llama4_text": {},
     "lfm2_moe": {},
+    "qwen3_5_moe": {},
 }
 
 
@@ -70,7 +71,8 @@ def _all_expert_outputs(model: torch.nn.Module, experts: torch.nn.Module, x: tor
         return torch.einsum("tei,eih->teh", act, down)
     h = torch.einsum("th,eoh->teo", x, gate_up)  # [T, E, 2I]: gate rows first, then up
     inter = h.shape[-1] // 2
-    act = ACT2FN[getattr(model.config, "hidden_act", "silu")](h[..., :inter]) * h[..., inter:]  # LFM2-MoE: silu, no field
+    activation = getattr(model.config.get_text_config(), "hidden_act", "silu")  # LFM2-MoE: silu, no field
+    act = ACT2FN[activation](h[..., :inter]) * h[..., inter:]
     return torch.einsum("tei,ehi->teh", act, down)
 
 
@@ -127,7 +129,7 @@ def _reference(model: torch.nn.Module, tokenized: list[TokenizedSample], batch_s
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_scores_match_all_experts_reference(family):
     model = moe.tiny_model(family, seed=0, **FAMILIES[family]).eval()
-    tokenized = _samples(model.config.vocab_size)
+    tokenized = _samples(model.config.get_text_config().vocab_size)
     got = importance.observe(model, tokenized, batch_size=3)
     want = _reference(model, tokenized, batch_size=3)
     assert list(got.columns) == list(importance.COLUMNS)
@@ -142,7 +144,7 @@ def test_scores_match_all_experts_reference(family):
 @pytest.mark.parametrize("family", ["olmoe", "gpt_oss"])
 def test_frequency_sums_to_tokens_times_top_k(family):
     model = moe.tiny_model(family, seed=1).eval()
-    tokenized = _samples(model.config.vocab_size, seed=2)
+    tokenized = _samples(model.config.get_text_config().vocab_size, seed=2)
     scores = importance.observe(model, tokenized, batch_size=4)
     real_tokens = sum(len(s.input_ids) for s in tokenized)  # padding excluded
     for layer, top_k in enumerate(moe.inspect(model).top_k):
@@ -156,7 +158,7 @@ def test_unreached_expert_has_zero_reap():
     router, _ = _moe_blocks(model)[0]
     with torch.no_grad():
         router.bias[3] = -1e4  # GPT-OSS takes top-k on the biased logits: expert 3 is never chosen
-    scores = importance.observe(model, _samples(model.config.vocab_size), batch_size=2)
+    scores = importance.observe(model, _samples(model.config.get_text_config().vocab_size), batch_size=2)
     row = scores[(scores["layer"] == 0) & (scores["expert"] == 3)].iloc[0]
     assert row["frequency"] == 0 and row["seer"] == 0 and row["ean"] == 0 and row["reap"] == 0
     assert scores["reap"].notna().all()

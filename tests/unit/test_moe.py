@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moe_support import FAMILIES, cached_model, experts_implementations, set_experts_implementation, tokens
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from evoesap import moe
@@ -105,6 +108,7 @@ EXPECTED_LAYOUT = {  # family -> (decoder indices of MoE layers, shared experts 
     "jamba": ((1, 3), False),
     "llama4_text": ((1, 3), True),
     "lfm2_moe": ((1, 2, 3), False),
+    "qwen3_5_moe": ((0, 1, 2, 3), True),
 }
 
 
@@ -230,14 +234,49 @@ def test_uniform_pruning_round_trips_through_stock_from_pretrained(family, tmp_p
     pruned_model = moe.prune_experts(copy.deepcopy(model), pruned)
     moe.save_pruned(pruned_model, None, str(tmp_path))
     config = json.loads((tmp_path / "config.json").read_text())
+    row = moe.FAMILIES[family]
     assert moe.PER_LAYER_KEY not in config
-    assert config[moe.FAMILIES[family].num_experts_field] == spec.layers[0].num_experts - len(pruned[0])
+    assert config.get(row.text_config, config)[row.num_experts_field] == spec.layers[0].num_experts - len(pruned[0])
 
-    stock = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    stock = getattr(transformers, row.auto_class).from_pretrained(str(tmp_path))  # a multimodal family: its own class
+    assert type(stock) is type(model)
     x = tokens(1)
     assert torch.equal(logits(stock, x), logits(pruned_model, x))
     with moe.masked(model, pruned):
         assert (logits(model, x) - logits(stock, x)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("family", [name for name, row in moe.FAMILIES.items() if row.text_config])
+def test_multimodal_pruning_keeps_every_tensor_outside_the_text_experts_and_loads_as_the_multimodal_model(family, tmp_path):
+    model = cached_model(family)
+    model.save_pretrained(tmp_path / "full", max_shard_size="50KB")
+    spec = moe.inspect(model)
+    pruned = nonuniform_sets(spec, seed=3)
+    moe.save_pruned(moe.prune_experts(copy.deepcopy(model), pruned), None, str(tmp_path / "surgery"))
+    moe.prune_checkpoint(str(tmp_path / "full"), pruned, tmp_path / "streamed")
+    full = stored(tmp_path / "full")
+    for name in ("surgery", "streamed"):
+        kept = stored(tmp_path / name)
+        experts = re.compile(r"language_model\.layers\.\d+\.mlp\.(experts\.|gate\.weight)")
+        assert {k for k in full if not experts.search(k)} == {k for k in kept if not experts.search(k)}
+        assert any("visual" in k for k in kept)
+        for key in (k for k in kept if not experts.search(k)):  # the vision tower and everything else: as stored
+            assert torch.equal(kept[key], full[key]), (name, key)
+        reloaded = moe.load_pruned(str(tmp_path / name))
+        assert type(reloaded) is type(model)
+        assert moe.inspect(reloaded).num_experts == tuple(n - len(pruned[i]) for i, n in enumerate(spec.num_experts))
+        auto_map = json.loads((tmp_path / name / "config.json").read_text())["auto_map"]
+        assert list(auto_map) == [moe.FAMILIES[family].auto_class]
+        with moe.masked(model, pruned):
+            assert (logits(model, tokens(4)) - logits(reloaded, tokens(4))).abs().max() <= TOL
+
+
+def stored(directory) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            out.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118 - a safetensors handle is not iterable
+    return out
 
 
 def test_lfm2_moe_without_its_selection_bias_masks_like_removal_and_round_trips(tmp_path):

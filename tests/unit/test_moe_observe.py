@@ -82,7 +82,7 @@ def test_observe_routing_reports_applied_routing_and_unweighted_expert_outputs(f
     with torch.no_grad():  # hooks gone: the model is as before
         assert torch.equal(model(x).logits, expected_logits)
     assert sorted(recorder.observed) == [b.ordinal for b in recorder.blocks]
-    hidden = model.config.hidden_size
+    hidden = model.config.get_text_config().hidden_size
     for block in recorder.blocks:
         index, weights, expert_out = recorder.observed[block.ordinal]
         router_index, router_weights = recorder.routed[block.ordinal]
