@@ -601,16 +601,92 @@ _MULTIMODAL_ROWS = (
     ),
 )
 
+_MULTIMODAL = dict(text_config="text_config", auto_class="AutoModelForImageTextToText")
+_MULTIMODAL_NOTES = "multimodal: the language model's routed experts are pruned, the vision tower is kept unchanged"
+_MULTIMODAL_ROWS += (
+    Family(  # GLM-4.5V / 4.6V: a vision tower beside a GLM-4.5 language model (DeepSeek-V3 routing, shared experts)
+        model_type="glm4v_moe",
+        num_experts_field="n_routed_experts",
+        top_k_field="num_experts_per_tok",
+        dense_layer_fields=("first_k_dense_replace",),
+        **{**_V3_ROUTER, **_MULTIMODAL},
+        layers="model.language_model.layers",
+        layerwise=False,  # ESAP scoring runs text-only causal LMs layer by layer
+        notes=_MULTIMODAL_NOTES,
+        tiny=dict(
+            text_config=dict(
+                n_routed_experts=8,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                head_dim=16,
+                # half the head rotates: 4 frequencies, split over (temporal, height, width) positions
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1]),
+                **_V3_TINY,
+            ),
+            vision_config=dict(
+                depth=1,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=64,
+                image_size=16,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+            ),
+            tie_word_embeddings=False,
+        ),
+    ),
+    Family(  # Qwen3-VL MoE: a vision tower beside a Qwen3-MoE language model (softmax top-k, always renormalised)
+        model_type="qwen3_vl_moe",
+        num_experts_field="num_local_experts",  # its text config stores this name; num_experts is an alias
+        top_k_field="num_experts_per_tok",
+        routing=SOFTMAX_TOPK,
+        renormalize=True,
+        dense_layer_fields=("mlp_only_layers", "decoder_sparse_step"),
+        layers="model.language_model.layers",
+        layerwise=False,  # ESAP scoring runs text-only causal LMs layer by layer
+        notes=_MULTIMODAL_NOTES,
+        **_MULTIMODAL,
+        tiny=dict(
+            text_config=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1], head_dim=16),
+            vision_config=dict(
+                depth=1,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=64,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                deepstack_visual_indexes=[0],
+            ),
+            tie_word_embeddings=False,
+        ),
+    ),
+)
+
 FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in (*_ROWS, *_HYBRID_ROWS, *_MULTIMODAL_ROWS)})
 
 
 _HYBRID = "hybrid layers (linear attention, state-space or convolution) beside attention; not in this table yet"
-_ITS_TEXT_MODEL = "multimodal: prune its language model's experts through the text model_type"
 # Known MoE model_types without a row: (why, nearest supported family, what differs from it). `evoesap families`
 # lists them (and any other MoE model_type of the installed transformers, with a generic reason); `family_of` refuses
 # them with this line before any weight is read.
 UNSUPPORTED: Mapping[str, tuple[str, str, str]] = MappingProxyType(
     {
+        "llama4": (
+            "Llama4ForConditionalGeneration's forward fails on text alone in transformers 5.24 (its causal-LM output has "
+            "no image_outputs), so masking cannot be checked against removal",
+            "llama4_text",
+            "the same language model, at .language_model; prune a text-only llama4_text checkpoint",
+        ),
+        "ernie4_5_vl_moe": (
+            "each MoE layer holds two MoE blocks, text_moe and vision_moe, each token routed to one by its modality; "
+            "not modelled",
+            "ernie4_5_moe",
+            "the text block routes like ERNIE-4.5; its vision block and the modality switch do not exist there",
+        ),
         "deepseek_v32": ("DeepSeek sparse attention (indexer) not checked yet", "deepseek_v3", "same router and experts"),
         "glm_moe_dsa": ("DeepSeek sparse attention (indexer) not checked yet", "glm4_moe", "same router and experts"),
         "longcat_flash": (
@@ -637,7 +713,6 @@ UNSUPPORTED: Mapping[str, tuple[str, str, str]] = MappingProxyType(
             name: (_HYBRID, "qwen3_moe", "its linear-attention or state-space layers")
             for name in ("nemotron_h", "bailing_hybrid")
         },
-        "llama4": (_ITS_TEXT_MODEL + " (llama4_text)", "qwen2_moe", "a multimodal checkpoint"),
     }
 )
 

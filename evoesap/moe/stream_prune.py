@@ -183,11 +183,13 @@ class _KeyMapper:
         self._fp32 = build_glob_alternation(list(plan))[0] if plan else None  # kept in float32 whatever `dtype` says
 
     def model_key(self, disk_key: str) -> tuple[str, bool]:
-        """(model key, whether the disk key is one expert's slice that transformers merges on load)."""
+        """(model key, whether the disk key is one expert's slice that transformers merges on load). A converted key
+        without an expert number is a fused tensor stored in another layout (Qwen3-VL MoE's transposed experts): it
+        keeps its expert axis first, and is sliced like the model's own."""
         from transformers.core_model_loading import rename_source_key
 
         key, converter = rename_source_key(disk_key, self._renamings, self._converters, self._prefix, self._state)
-        return key, converter is not None
+        return key, converter is not None and _EXPERT_ID.search(disk_key) is not None
 
     def target_dtype(self, model_key: str, stored: str) -> str:
         if self._dtype is None or stored not in shards.FLOATS:

@@ -29,6 +29,8 @@ FAMILIES = {
     "llama4_text": {},
     "lfm2_moe": {},
     "qwen3_5_moe": {},
+    "qwen3_vl_moe": {},
+    "glm4v_moe": {},
 }
 
 

@@ -41,6 +41,7 @@ def one_expert_bytes(family: str, config) -> int:
         "afmoe",
         "kimi_linear",
         "lfm2_moe",
+        "glm4v_moe",
     )
     extra = {"gpt_oss": 1 + 2 * inner + hidden}.get(family, int(family in selection_bias))  # router/selection/expert biases
     return 4 * (hidden + 3 * inner * hidden + extra)  # float32
