@@ -3,12 +3,14 @@ supported or with a reason; an unsupported one is refused in one line before any
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import CONFIG_MAPPING
 
 from evoesap import moe
 from evoesap.cli import main
-from evoesap.errors import ModelError
+from evoesap.errors import ConfigError, ModelError
 from evoesap.moe import coverage
 
 
@@ -61,3 +63,13 @@ def test_the_families_command_prints_the_table(capsys):
     assert "supported" in lines["glm4_moe"] and "not supported" not in lines["glm4_moe"]
     assert "not supported" in lines["jetmoe"] and "attention experts" in lines["jetmoe"]
     assert f"{len(moe.FAMILIES)} of " in out
+
+
+@pytest.mark.parametrize("model_type", ["llama4_text", "qwen3_5_moe", "glm4v_moe"])
+def test_a_family_the_quantize_stage_cannot_walk_is_refused_there_in_one_line(model_type, tmp_path):
+    from evoesap.stages import quantize
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(ConfigError, match=f"{model_type} checkpoint .* leave the quantize step out") as info:
+        quantize._family(str(tmp_path))
+    assert "\n" not in str(info.value)
