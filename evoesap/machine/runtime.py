@@ -389,7 +389,7 @@ def release_memory() -> None:
 
 def inspect_checkpoint(uri: str) -> Any:
     """The MoE layout of a full (unpruned) checkpoint from its config alone, without loading weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from evoesap import moe
     from evoesap.store.identity import locate
@@ -403,9 +403,7 @@ def inspect_checkpoint(uri: str) -> Any:
         config = AutoConfig.from_pretrained(source, trust_remote_code=False, **pinned)
     if getattr(config, moe.PER_LAYER_KEY, None):
         raise ConfigError(f"{artifacts.redact(uri)} is already pruned: give the full model")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return moe.inspect(model)
+    return moe.inspect(moe.spec.meta_model(config))
 
 
 def tokenized_samples(model: str, data: str, params: Any, *, pack: bool = False) -> tuple[Any, list]:

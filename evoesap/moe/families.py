@@ -21,6 +21,16 @@ SIGMOID_GROUP_TOPK = "sigmoid_group_topk"  # sigmoid, biased group-limited top-k
 SOFTMAX_BIAS_TOPK = "softmax_bias_topk"  # softmax, top-k on probs + bias, unbiased probs renormalised
 TOPK_SOFTMAX = "topk_softmax"  # top-k on raw logits, softmax over the k chosen
 SPARSEMIXER = "sparsemixer"  # Phi-3.5-MoE: top-2 by two thresholded argmax rounds, each softmax-weighted
+TOPK_SIGMOID = "topk_sigmoid"  # top-k on raw logits, sigmoid of each chosen logit (Llama 4)
+
+# What a router's forward returns, by name: the transformers 5 convention (raw logits [T, E], top-k weights [T, k],
+# top-k indices [T, k]), or Llama 4's (dense weights [T, E], 0 for experts not chosen; raw logits [T, E]).
+ROUTER_TOPK = ("logits", "weights", "index")
+ROUTER_DENSE = ("dense_weights", "logits")
+# What the experts module's forward takes: the routed tokens (hidden [T, H], top-k indices, top-k weights), or every
+# token for every expert, already multiplied by its dense weight (hidden [E*T, H], Llama 4).
+EXPERTS_ROUTED = "routed"
+EXPERTS_SCALED_DENSE = "scaled_dense"
 
 # The per-layer expert counts of a non-uniformly pruned checkpoint: {str(decoder index): count}.
 PER_LAYER_KEY = "evoesap_num_experts_per_layer"
@@ -43,12 +53,20 @@ class Family:
     block: str = "mlp"  # attribute of a decoder layer holding its MLP (an MoE block or a dense MLP)
     router: str = "gate"  # attribute of the MoE block holding the router module
     experts: str = "experts"  # attribute of the MoE block holding the fused experts module
+    layers: str = "base_model.layers"  # path from the model (of `auto_class`) to its decoder layers
+    # a multimodal checkpoint: the config attribute holding its language model's config, where every config field
+    # above is read (and the expert count written); None where the config is the language model's own
+    text_config: str | None = None
+    auto_class: str = "AutoModelForCausalLM"  # the transformers auto class that builds and loads the whole checkpoint
+    router_outputs: tuple[str, ...] = ROUTER_TOPK  # what the router's forward returns (ROUTER_TOPK or ROUTER_DENSE)
+    experts_input: str = EXPERTS_ROUTED  # what the experts module's forward takes (EXPERTS_ROUTED or EXPERTS_SCALED_DENSE)
     # (path inside the router / experts module / MoE block, expert axis) of every tensor indexed by expert
     router_tensors: tuple[tuple[str, int], ...] = (("weight", 0),)
     expert_tensors: tuple[tuple[str, int], ...] = _FUSED
     block_tensors: tuple[tuple[str, int], ...] = ()  # held by the MoE block itself (MiniMax-M2's selection bias)
     selection_bias: str | None = None  # path inside the MoE block of the bias added for selection only
     renormalize: bool | str = False  # renormalise the top-k weights: always, never, or a config flag
+    renorm_epsilon: float = 1e-20  # sigmoid routing: added to the top-k sum it divides by (LFM2-MoE: 1e-6)
     scaling_field: str | None = None  # config field of the factor applied to routed weights
     norm_min_field: str | None = None  # config field clamping the renormalisation denominator
     threshold_field: str | None = None  # sparsemixer: config field of half its relative selection gap
@@ -68,6 +86,20 @@ class Family:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiny", MappingProxyType(dict(self.tiny)))
+
+    def expert_config(self, config: Any) -> Any:
+        """The config that holds this family's expert fields: `config` itself, or its language model's config."""
+        return getattr(config, self.text_config) if self.text_config else config
+
+    def model_class(self, config: Any) -> type:
+        """The stock transformers class that builds a checkpoint of this family from its (top-level) config."""
+        import transformers
+
+        auto = getattr(transformers, self.auto_class)
+        try:
+            return auto._model_mapping[type(config)]
+        except KeyError:
+            raise ModelError(f"{self.auto_class} has no class for {type(config).__name__} ({self.model_type})") from None
 
 
 _DEEPSEEK_ATTENTION = dict(
@@ -479,16 +511,176 @@ _HYBRID_ROWS = (
     ),
 )
 
-FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in (*_ROWS, *_HYBRID_ROWS)})
+_HYBRID_ROWS += (
+    Family(  # LFM2-MoE: gated short convolutions beside attention, first num_dense_layers dense
+        model_type="lfm2_moe",
+        num_experts_field="num_experts",
+        top_k_field="num_experts_per_tok",
+        routing=SIGMOID_GROUP_TOPK,  # without groups: sigmoid, top-k on scores + expert_bias, unbiased weights
+        block="feed_forward",
+        block_tensors=(("expert_bias", 0),),  # a buffer of the MoE block, passed to the router as an argument
+        selection_bias="expert_bias",  # absent where use_expert_bias is off: then top-k on the scores alone
+        renormalize="norm_topk_prob",
+        renorm_epsilon=1e-6,
+        scaling_field="routed_scaling_factor",
+        dense_layer_fields=("num_dense_layers",),
+        mixers=("self_attn", "conv"),
+        layerwise=False,  # its norms are operator_norm / ffn_norm and its final norm is embedding_norm
+        tiny=dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            num_dense_layers=1,
+            routed_scaling_factor=1.5,
+            head_dim=16,
+            layer_types=["conv", "full_attention", "conv", "conv"],
+        ),
+    ),
+    Family(  # Llama 4's language model: MoE every interleave_moe_layer_step layers, a shared expert in each MoE block
+        model_type="llama4_text",
+        num_experts_field="num_local_experts",
+        top_k_field="num_experts_per_tok",
+        routing=TOPK_SIGMOID,
+        block="feed_forward",
+        router="router",
+        expert_tensors=(("gate_up_proj", 0), ("down_proj", 0)),  # [E, H, 2I], [E, I, H]
+        layers="model.layers",  # Llama4ForCausalLM names its base model prefix language_model but holds it at .model
+        router_outputs=ROUTER_DENSE,
+        experts_input=EXPERTS_SCALED_DENSE,
+        shared_experts=("feed_forward.shared_expert",),
+        dense_layer_fields=("interleave_moe_layer_step", "moe_layers"),
+        layerwise=False,  # chunked attention, and its base model is not at its base_model_prefix
+        notes=(
+            "the gate multiplies each expert's input, not its output: g_i(x) is that sigmoid weight and f_i(x) the "
+            "expert's output on the unscaled token, so REAP's g*||f|| is not the norm of what the expert adds"
+        ),
+        tiny=dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            intermediate_size_mlp=128,
+            interleave_moe_layer_step=2,
+            head_dim=16,
+            attention_chunk_size=8,
+        ),
+    ),
+)
+
+# Multimodal checkpoints: the language model's experts are pruned, every other tensor is kept as it is stored, and
+# the result loads as the multimodal model through its own auto class.
+_QWEN3_5_TEXT = next(row for row in _HYBRID_ROWS if row.model_type == "qwen3_5_moe_text")
+_MULTIMODAL_ROWS = (
+    dataclasses.replace(  # Qwen3.5 MoE as published: a vision tower beside the qwen3_5_moe_text language model
+        _QWEN3_5_TEXT,
+        model_type="qwen3_5_moe",
+        layers="model.language_model.layers",
+        text_config="text_config",
+        auto_class="AutoModelForImageTextToText",
+        layerwise=False,  # ESAP scoring runs text-only causal LMs layer by layer; prune its text model's checkpoint
+        notes="multimodal: the language model's routed experts are pruned, the vision tower is kept unchanged",
+        tiny=dict(
+            text_config=dict(_QWEN3_5_TEXT.tiny),
+            vision_config=dict(
+                depth=1,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=64,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+            ),
+            tie_word_embeddings=False,
+        ),
+    ),
+)
+
+_MULTIMODAL = dict(text_config="text_config", auto_class="AutoModelForImageTextToText")
+_MULTIMODAL_NOTES = "multimodal: the language model's routed experts are pruned, the vision tower is kept unchanged"
+_MULTIMODAL_ROWS += (
+    Family(  # GLM-4.5V / 4.6V: a vision tower beside a GLM-4.5 language model (DeepSeek-V3 routing, shared experts)
+        model_type="glm4v_moe",
+        num_experts_field="n_routed_experts",
+        top_k_field="num_experts_per_tok",
+        dense_layer_fields=("first_k_dense_replace",),
+        **{**_V3_ROUTER, **_MULTIMODAL},
+        layers="model.language_model.layers",
+        layerwise=False,  # ESAP scoring runs text-only causal LMs layer by layer
+        notes=_MULTIMODAL_NOTES,
+        tiny=dict(
+            text_config=dict(
+                n_routed_experts=8,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                head_dim=16,
+                # half the head rotates: 4 frequencies, split over (temporal, height, width) positions
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1]),
+                **_V3_TINY,
+            ),
+            vision_config=dict(
+                depth=1,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=64,
+                image_size=16,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+            ),
+            tie_word_embeddings=False,
+        ),
+    ),
+    Family(  # Qwen3-VL MoE: a vision tower beside a Qwen3-MoE language model (softmax top-k, always renormalised)
+        model_type="qwen3_vl_moe",
+        num_experts_field="num_local_experts",  # its text config stores this name; num_experts is an alias
+        top_k_field="num_experts_per_tok",
+        routing=SOFTMAX_TOPK,
+        renormalize=True,
+        dense_layer_fields=("mlp_only_layers", "decoder_sparse_step"),
+        layers="model.language_model.layers",
+        layerwise=False,  # ESAP scoring runs text-only causal LMs layer by layer
+        notes=_MULTIMODAL_NOTES,
+        **_MULTIMODAL,
+        tiny=dict(
+            text_config=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1], head_dim=16),
+            vision_config=dict(
+                depth=1,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=64,
+                patch_size=4,
+                spatial_merge_size=2,
+                temporal_patch_size=2,
+                deepstack_visual_indexes=[0],
+            ),
+            tie_word_embeddings=False,
+        ),
+    ),
+)
+
+FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in (*_ROWS, *_HYBRID_ROWS, *_MULTIMODAL_ROWS)})
 
 
 _HYBRID = "hybrid layers (linear attention, state-space or convolution) beside attention; not in this table yet"
-_ITS_TEXT_MODEL = "multimodal: prune its language model's experts through the text model_type"
 # Known MoE model_types without a row: (why, nearest supported family, what differs from it). `evoesap families`
 # lists them (and any other MoE model_type of the installed transformers, with a generic reason); `family_of` refuses
 # them with this line before any weight is read.
 UNSUPPORTED: Mapping[str, tuple[str, str, str]] = MappingProxyType(
     {
+        "llama4": (
+            "Llama4ForConditionalGeneration's forward fails on text alone in transformers 5.24 (its causal-LM output has "
+            "no image_outputs), so masking cannot be checked against removal",
+            "llama4_text",
+            "the same language model, at .language_model; prune a text-only llama4_text checkpoint",
+        ),
+        "ernie4_5_vl_moe": (
+            "each MoE layer holds two MoE blocks, text_moe and vision_moe, each token routed to one by its modality; "
+            "not modelled",
+            "ernie4_5_moe",
+            "the text block routes like ERNIE-4.5; its vision block and the modality switch do not exist there",
+        ),
         "deepseek_v32": ("DeepSeek sparse attention (indexer) not checked yet", "deepseek_v3", "same router and experts"),
         "glm_moe_dsa": ("DeepSeek sparse attention (indexer) not checked yet", "glm4_moe", "same router and experts"),
         "longcat_flash": (
@@ -513,19 +705,8 @@ UNSUPPORTED: Mapping[str, tuple[str, str, str]] = MappingProxyType(
         ),
         **{
             name: (_HYBRID, "qwen3_moe", "its linear-attention or state-space layers")
-            for name in (
-                "qwen3_5_moe",
-                "lfm2_moe",
-                "nemotron_h",
-                "bailing_hybrid",
-            )
+            for name in ("nemotron_h", "bailing_hybrid")
         },
-        "llama4": (_ITS_TEXT_MODEL + " (llama4_text)", "qwen2_moe", "a multimodal checkpoint"),
-        "llama4_text": (
-            "MoE every interleave_moe_layer_step layers with top-k then sigmoid; not in this table yet",
-            "qwen2_moe",
-            "its routing is top-k then sigmoid",
-        ),
     }
 )
 

@@ -93,7 +93,6 @@ class StagePlan:
 def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
     """The shape of the checkpoint at `uri` (path, fsspec URI or hub name) from config.json and headers alone."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from evoesap import moe
     from evoesap.machine.runtime import MODEL_DTYPES
@@ -102,9 +101,7 @@ def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
     fs, root = stream_prune.checkpoint_files(uri, patterns=("*.json",))  # a hub model: no weights fetched
     config = stream_prune.read_config(fs, root)
     counts = getattr(config, moe.PER_LAYER_KEY, None)
-    moe.families.family_of(config.model_type)  # an unsupported model is refused before the meta model is built
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
+    meta = moe.spec.meta_model(config)  # an unsupported model is refused before the meta model is built
     target = MODEL_DTYPES[model_dtype]
     if target == "auto":
         target = getattr(config, "dtype", None) or torch.float32

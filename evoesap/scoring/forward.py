@@ -141,13 +141,13 @@ class LayerRunner:
     """Embeddings, decoder-layer halves and final norm of `model`'s base model, called separately."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        from evoesap.moe.families import family_of
+
+        family = family_of(getattr(getattr(model, "config", None), "model_type", None))
+        check_layerwise(family.model_type)
         base = getattr(model, getattr(model, "base_model_prefix", ""), None)
         if not isinstance(base, torch.nn.Module):
             raise ModelError(f"{type(model).__name__} has no base model at .{model.base_model_prefix}")
-        from evoesap.moe.families import family_of
-
-        family = family_of(base.config.model_type)
-        check_layerwise(family.model_type)
         for part in ("layers", "norm"):  # no rotary_emb: positions come from elsewhere or nowhere (Kimi-Linear)
             if not hasattr(base, part):
                 raise ModelError(f"{type(base).__name__} has no .{part}: layer-wise forwards need a decoder stack")

@@ -123,7 +123,14 @@ def _family(model: str) -> tuple[Any, dict[str, Any]]:
             f"{artifacts.redact(model)} is already quantized ({config['quantization_config'].get('quant_method')}): "
             "give the unquantized (pruned) checkpoint"
         )
-    return family_of(str(config.get("model_type"))), config
+    family = family_of(str(config.get("model_type")))
+    if family.layers != "base_model.layers" or family.auto_class != "AutoModelForCausalLM":
+        raise ConfigError(
+            f"{artifacts.redact(model)} is a {family.model_type} checkpoint (decoder layers at {family.layers}, loaded "
+            f"by {family.auto_class}): quantize handles text causal LMs with layers at base_model.layers only; "
+            "leave the quantize step out for it"
+        )
+    return family, config
 
 
 def _per_layer(family: Any, config: dict[str, Any]) -> dict[str, Any] | None:

@@ -104,9 +104,11 @@ def test_the_yaml_reference_documents_every_key_of_every_section(reference):
     expected += [f"target.{name}" for name in Target.model_fields]
     expected += [f"resources.<stage>.{name}" for name in StageSettings.model_fields]
     assert set(expected) <= set(blocks)
-    assert {"resources.<stage>.secrets[].env", "resources.<stage>.scratch.size", "resources.<stage>.node_affinity[].weight"} <= set(
-        blocks
-    )
+    assert {
+        "resources.<stage>.secrets[].env",
+        "resources.<stage>.scratch.size",
+        "resources.<stage>.node_affinity[].weight",
+    } <= set(blocks)
     for key, block in blocks.items():
         if key not in {s.section for s in stages.STAGES}:
             assert "(undocumented)" not in block, key  # every key has a description in its model

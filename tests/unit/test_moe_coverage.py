@@ -3,12 +3,14 @@ supported or with a reason; an unsupported one is refused in one line before any
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import CONFIG_MAPPING
 
 from evoesap import moe
 from evoesap.cli import main
-from evoesap.errors import ModelError
+from evoesap.errors import ConfigError, ModelError
 from evoesap.moe import coverage
 
 
@@ -18,15 +20,16 @@ def rows() -> dict[str, coverage.Coverage]:
 
 
 def test_every_supported_family_is_listed_as_supported_and_nothing_else_is(rows):
+    assert not set(moe.FAMILIES) & set(moe.families.UNSUPPORTED)  # a row's model_type carries no stale refusal
     assert {name for name, row in rows.items() if row.status == coverage.SUPPORTED} == set(moe.FAMILIES)
     assert all(row.reason for row in rows.values() if row.status == coverage.NOT_SUPPORTED)
 
 
 def test_every_config_that_declares_an_expert_count_is_listed(rows):
-    for model_type in ("jetmoe", "dbrx", "longcat_flash", "nemotron_h", "switch_transformers", "qwen3_vl_moe"):
+    for model_type in ("jetmoe", "dbrx", "longcat_flash", "nemotron_h", "switch_transformers", "ernie4_5_vl_moe"):
         assert model_type in CONFIG_MAPPING and rows[model_type].status == coverage.NOT_SUPPORTED, model_type
     assert rows["dbrx"].experts_field == "ffn_config.moe_num_experts"  # nested configs are searched
-    assert "text_config" in rows["qwen3_vl_moe"].reason
+    assert "vision_moe" in rows["ernie4_5_vl_moe"].reason
     assert "llama" not in rows  # a dense model is not an MoE model_type
 
 
@@ -64,3 +67,13 @@ def test_the_families_command_prints_the_table(capsys):
     assert "supported" in lines["glm4_moe"] and "not supported" not in lines["glm4_moe"]
     assert "not supported" in lines["jetmoe"] and "attention experts" in lines["jetmoe"]
     assert f"{len(moe.FAMILIES)} of " in out
+
+
+@pytest.mark.parametrize("model_type", ["llama4_text", "qwen3_5_moe", "glm4v_moe"])
+def test_a_family_the_quantize_stage_cannot_walk_is_refused_there_in_one_line(model_type, tmp_path):
+    from evoesap.stages import quantize
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(ConfigError, match=f"{model_type} checkpoint .* leave the quantize step out") as info:
+        quantize._family(str(tmp_path))
+    assert "\n" not in str(info.value)

@@ -26,6 +26,7 @@ def one_expert_bytes(family: str, config) -> int:
         "granitemoe",
         "granitemoeshared",
         "flex_olmo",
+        "llama4_text",
         *EXPERTS_AT_INTERMEDIATE_SIZE,
     )
     inner = config.intermediate_size if family in plain else config.moe_intermediate_size
@@ -39,6 +40,8 @@ def one_expert_bytes(family: str, config) -> int:
         "minimax_m2",
         "afmoe",
         "kimi_linear",
+        "lfm2_moe",
+        "glm4v_moe",
     )
     extra = {"gpt_oss": 1 + 2 * inner + hidden}.get(family, int(family in selection_bias))  # router/selection/expert biases
     return 4 * (hidden + 3 * inner * hidden + extra)  # float32
@@ -48,11 +51,11 @@ def one_expert_bytes(family: str, config) -> int:
 def test_pruned_bytes_are_full_bytes_minus_the_removed_experts_exactly(family, tmp_path):
     model = moe.tiny_model(family, **({"n_group": 1, "topk_group": 1} if family == "deepseek_v3" else {}))
     spec = moe.inspect(model)
-    assert moe.expert_bytes(model) == (one_expert_bytes(family, model.config),) * len(spec.layers)
+    assert moe.expert_bytes(model) == (one_expert_bytes(family, model.config.get_text_config()),) * len(spec.layers)
 
     pruned = {0: [1, 2, 3], len(spec.layers) - 1: [0]}
     report = moe.bytes_report(model, pruned)
-    removed = 4 * one_expert_bytes(family, model.config)
+    removed = 4 * one_expert_bytes(family, model.config.get_text_config())
     assert report.full == moe.parameter_bytes(model)
     assert report.pruned == report.full - removed and report.saved == removed
     assert report.removed_experts[0] == 3

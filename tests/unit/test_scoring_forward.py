@@ -84,7 +84,7 @@ def test_head_at_scored_positions_equals_the_model_logits() -> None:
         torch.testing.assert_close(forward.head_logits(model, hidden[:, [3, 9]]), model(ids).logits[:, [3, 9]])
 
 
-@pytest.mark.parametrize("family", ["granitemoe", "flex_olmo", "afmoe", "minimax", "granitemoehybrid", "jamba"])
+@pytest.mark.parametrize("family", ["granitemoe", "flex_olmo", "afmoe", "minimax", "granitemoehybrid", "jamba", "llama4_text"])
 def test_a_family_whose_layer_is_not_the_pre_norm_pair_is_refused_layer_by_layer_not_scored_wrongly(family):
     with pytest.raises(ModelError, match=f"{family}'s decoder layer is not the pre-norm residual pair"):
         LayerRunner(moe.tiny_model(family))
