@@ -120,6 +120,7 @@ def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
     scale = target.itemsize / next(meta.parameters()).element_size()
     routed = {id(m) for block in moe.moe_blocks(meta) for m in block.experts.modules()}
     head = meta.get_output_embeddings()
+    text = moe.families.family_of(config.model_type).expert_config(config)  # a multimodal model: its language model
     dense = sum(
         m.weight.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear) and m is not head and id(m) not in routed
     )
@@ -127,9 +128,9 @@ def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
         model_type=config.model_type,
         bytes=sum(sizes),
         expert_bytes=int(sum(n * b for n, b in zip(experts, per_expert)) * scale),
-        vocab=int(config.vocab_size),
-        hidden=int(config.hidden_size),
-        layers=int(config.num_hidden_layers),
+        vocab=int(text.vocab_size),
+        hidden=int(text.hidden_size),
+        layers=int(text.num_hidden_layers),
         top_k=max(spec.top_k),
         expert_width=max(_expert_width(block.experts) for block in moe.moe_blocks(meta)),
         largest_tensor=max(sizes),

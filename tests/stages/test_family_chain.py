@@ -1,7 +1,7 @@
 """The stage chain on a tiny random model of every supported family, as cheaply as it can still say something.
 
 Every family: calibrate -> prune (uniform) -> evaluate, and the uniform checkpoint loads in stock
-AutoModelForCausalLM with the counts uniform pruning leaves. The full chain (cache-logits -> search -> prune the
+AutoModelForCausalLM (a multimodal one in its own auto class) with the counts uniform pruning leaves. The full chain (cache-logits -> search -> prune the
 searched allocation -> evaluate it) runs on one family per structure the shared code treats differently, since a
 search costs as much as the rest of a family's chain:
 
@@ -17,8 +17,8 @@ unit matrix's (tests/unit/test_moe.py), not repeated here.
 """
 
 import pytest
+import transformers
 from tiny_world import make_tiny_inputs
-from transformers import AutoModelForCausalLM
 
 from evoesap import moe
 from evoesap.errors import ModelError
@@ -96,7 +96,7 @@ def test_stage_chain_runs_on_every_family(family, tmp_path, monkeypatch):
     run_prune(files["model"], scores, PRUNE, uniform)
     halved = [n // 2 for n in spec.num_experts]  # 50% of every layer: uniform pruning of equal layers
     assert _counts(uniform) == halved
-    stock = AutoModelForCausalLM.from_pretrained(uniform)
+    stock = getattr(transformers, row.auto_class).from_pretrained(uniform)  # a multimodal checkpoint: its own class
     assert [layer.num_experts for layer in moe.inspect(stock).layers] == halved
     evaluated = _evaluate(uniform, files["tasks"], str(tmp_path / "evaluated-uniform"))
     assert list(evaluated.experts.num_experts) == halved and evaluated.primary()
