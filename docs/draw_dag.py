@@ -130,8 +130,8 @@ def dot_source(spec: dict) -> str:
     ids = {node: f"n{i}" for i, node in enumerate(sorted(graph))}
     lines = [
         "digraph evoesap {",
-        '  rankdir=LR; nodesep=0.18; ranksep=0.42; newrank=true; bgcolor="white"; pad=0.1;',
-        '  node [shape=box, style="rounded,filled", fontname="DejaVu Sans", fontsize=15, margin="0.07,0.04",'
+        '  rankdir=LR; nodesep=0.18; ranksep=0.3; newrank=true; bgcolor="white"; pad=0.1;',
+        '  node [shape=box, style="rounded,filled", fontname="DejaVu Sans", fontsize=17, margin="0.07,0.04",'
         ' color="#555555", fillcolor="#f2f2f2", height=0.4];',
         '  edge [color="#777777", arrowsize=0.7, penwidth=1.1];',
     ]
@@ -146,7 +146,7 @@ def dot_source(spec: dict) -> str:
         lines += [
             f"  subgraph cluster_{len(lines)} {{",
             f'    label={_quote(title)}; labeljust=l; fontname="DejaVu Sans";'
-            ' fontsize=15; style="rounded,filled"; color="#4a7fb5"; fillcolor="#eaf2fb"; penwidth=1.3;',
+            ' fontsize=17; style="rounded,filled"; color="#4a7fb5"; fillcolor="#eaf2fb"; penwidth=1.3;',
         ]
         for node in sorted(graph):
             if graph.nodes[node]["loop"] == loop:
