@@ -160,3 +160,21 @@ def test_the_api_pages_follow_the_package_tree(reference):
 def test_the_dag_picture_shows_every_stage_of_the_registry():
     draw_dag = load_script("docs/draw_dag.py", "docs_draw_dag")
     assert draw_dag.stages_drawn(draw_dag.compiled_spec(ROOT / "examples" / "demo.yaml")) == set(stages.NAMES)
+
+
+def test_the_committed_dag_picture_is_the_one_the_pipeline_draws_now():
+    """docs/dag.svg is redrawn (`python docs/draw_dag.py`, which needs graphviz) whenever the DAG changes: it records
+    the digest of the graph it shows, and that is the graph the compiled spec gives now; every stage is a node's text."""
+    import html
+
+    draw_dag = load_script("docs/draw_dag.py", "docs_draw_dag")
+    source = draw_dag.dot_source(draw_dag.compiled_spec(ROOT / "examples" / "demo.yaml"))
+    svg = (ROOT / "docs" / "dag.svg").read_text()
+    assert draw_dag.drawn_digest(svg) == draw_dag.digest(source), "docs/dag.svg is stale: run python docs/draw_dag.py"
+    texts = {html.unescape(t) for t in re.findall(r"<text[^>]*>([^<]*)</text>", svg)}
+    assert set(stages.NAMES) <= texts and {"model", "report", "publish"} <= texts
+    assert any(t.startswith("for each criterion \u00d7 sparsity") for t in texts)  # the fan-out is one labelled box
+    width = float(re.search(r'<svg width="([\d.]+)"', svg).group(1))
+    sizes = [float(size) for size in re.findall(r'font-size="([\d.]+)"', svg)]
+    # the docs site's content column beside both sidebars is about 690 px wide (GitHub's README about 830)
+    assert sizes and min(sizes) * 690 / width >= 12, "labels under 12 px when the picture is 690 px wide"
