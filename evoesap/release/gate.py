@@ -105,6 +105,13 @@ def verdict(
 
 def raise_on_failed(verdict_uris: Sequence[str]) -> None:
     """Raise GateFailed with the one line of each failing verdict among the gate artifacts at `verdict_uris`."""
+    outcome(verdict_uris, stop_on_fail=True)
+
+
+def outcome(verdict_uris: Sequence[str], stop_on_fail: bool) -> str:
+    """The gate's sum over the verdicts at `verdict_uris`: "pass" when every one passed, else "fail"; with
+    `stop_on_fail`, a failing one raises GateFailed with the one line of each failing verdict instead."""
     failed = [v.line() for v in (records.read(uri, records.GateRecord) for uri in verdict_uris) if not v.passed]
-    if failed:
+    if failed and stop_on_fail:
         raise GateFailed(" | ".join(failed))
+    return "fail" if failed else "pass"

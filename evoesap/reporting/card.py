@@ -56,6 +56,7 @@ class Evidence:
     report_files: Sequence[str] = ()  # the report's files, under report/ in the published artifact
     quantization: QuantizationRecord | None = None  # quantization.json of the quantize artifact published instead
     quantized_eval: MetricsRecord | None = None  # metrics.json of the quantized model's evaluation
+    base_model_verified: bool = True  # False: base_model could not be checked against the pruned model's config
 
     @property
     def published_eval(self) -> MetricsRecord:
@@ -277,6 +278,7 @@ def render_card(evidence: Evidence, digits: int = 3, show_locations: bool = Fals
     context = {
         "title": _name(evidence),
         "base_model": evidence.base_model,
+        "base_model_verified": evidence.base_model_verified,
         "method": pruning.method,
         "criterion": pruning.criterion,
         "sparsity": f"{pruning.sparsity:.0%}",

@@ -418,3 +418,14 @@ def test_the_task_that_ends_a_run_on_a_failed_gate_is_never_retried_while_the_st
     assert check.get("retryPolicy", {}).get("maxRetryCount", 0) == 0  # a refusal only repeats itself
     gates = [t for t in tasks.values() if _stage(t) == "gate"]
     assert gates and all(t["retryPolicy"]["maxRetryCount"] == 2 for t in gates)  # the gate stage keeps its retries
+
+
+@pytest.mark.parametrize("stop_on_fail", [True, False])
+def test_a_gated_pipeline_hands_on_its_verdict_and_reads_stop_on_fail_at_run_time(tmp_path, stop_on_fail):
+    gate = {"min_heldout_esap": 0.9, "stop_on_fail": stop_on_fail}
+    config = _config(heldout_data="/data/heldout.jsonl", publish_models=True, gate=gate)
+    spec = yaml.safe_load(compile_pipeline(config, tmp_path / "pipeline.yaml").read_text())
+    assert spec["root"]["outputDefinitions"]["parameters"]["verdict"]["parameterType"] == "STRING"
+    (check,) = [t for t in _all_tasks(spec).values() if t["taskInfo"]["name"] == "release gate"]
+    # whatever the configuration says, the task is there and takes gate_params, whose stop_on_fail a run may change
+    assert check["inputs"]["parameters"]["params"]["componentInputParameter"].endswith("gate_params")

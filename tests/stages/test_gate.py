@@ -7,8 +7,10 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from evoesap.components.verdict import make_verdict_check
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kfp.dsl import Artifact
 
 from evoesap import records
 from evoesap.errors import ConfigError
@@ -146,6 +148,15 @@ def test_gate_stage_writes_the_verdict_and_publish_follows_it(built, tmp_path):
     with pytest.raises(GateFailed, match="release gate failed"):
         raise_on_failed([str(tmp_path / "pass"), str(tmp_path / "fail")])
     raise_on_failed([str(tmp_path / "pass")])
+    # the pipeline's last task: the verdicts' sum for the caller to branch on, or the run's end with stop_on_fail
+    check = make_verdict_check("ghcr.io/evoesap/stage:test").python_func
+    both = [
+        Artifact(uri=str(tmp_path / name), metadata={"uri": str(tmp_path / name), "stage": "gate"}) for name in ("pass", "fail")
+    ]
+    assert check(verdicts=both, params={"stop_on_fail": False}) == "fail"
+    assert check(verdicts=both[:1], params={}) == "pass"
+    with pytest.raises(GateFailed, match="^release gate failed for"):
+        check(verdicts=both, params={"min_heldout_esap": 1.0})  # stop_on_fail's default
 
 
 def test_publish_refuses_a_verdict_on_another_evaluation(built, tmp_path):

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 import yaml
+from huggingface_hub.errors import RepositoryNotFoundError
 from tiny_artifacts import PRUNE, evaluate_params
 
 from evoesap import records
@@ -293,7 +295,63 @@ def test_a_quantized_checkpoint_of_another_model_or_without_its_evaluation_is_re
     assert not list(tmp_path.iterdir())
 
 
-def test_license_and_base_model_are_carried_and_a_contradiction_is_refused(world, tmp_path):
+def _serve_config(monkeypatch, tmp_path: Path, model: str, **changes: Any) -> None:
+    """The Hub, faked: every config.json it serves is `model`'s, with `changes`."""
+    import huggingface_hub
+
+    served = tmp_path / "hub-config.json"
+    served.write_text(json.dumps({**json.loads((Path(model) / "config.json").read_text()), **changes}))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name, **kw: str(served))
+
+
+def _hub_fails(monkeypatch, exc: Exception) -> None:
+    import huggingface_hub
+
+    def fail(repo: str, name: str, **kw: Any) -> str:
+        raise exc
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fail)
+
+
+def _not_found() -> RepositoryNotFoundError:
+    reply = requests.Response()
+    reply.status_code, reply.url = 404, "https://huggingface.co/org/base/resolve/main/config.json"
+    return RepositoryNotFoundError("404 Client Error: Repository Not Found", response=reply)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        OSError("[Errno 101] Network is unreachable"),  # an air-gapped cluster: the Hub cannot be asked
+        _not_found(),
+    ],
+    ids=["hub-unreachable", "no-such-model"],
+)
+def test_an_unverifiable_base_model_is_refused_unless_published_as_unverified(world, tmp_path, monkeypatch, answer):
+    _hub_fails(monkeypatch, answer)
+    with pytest.raises(ConfigError, match=r"^base_model 'org/base' could not be verified .*--base-model-unverified") as refused:
+        run_publish(
+            world["pruned"], [world["evaluated"]], PublishParams(base_model="org/base", license="mit"), str(tmp_path / "a")
+        )
+    assert "\n" not in str(refused.value) and not (tmp_path / "a").exists()
+
+    params = PublishParams(base_model="org/base", license="mit", base_model_unverified=True)
+    run_publish(world["pruned"], [world["evaluated"]], params, str(tmp_path / "b"))
+    meta, body = _split_card((tmp_path / "b" / "README.md").read_text())
+    assert meta["base_model"] == "org/base" and "**The base model was not verified.** `org/base`" in body
+
+
+def test_a_verified_base_model_s_card_does_not_say_unverified_and_the_flag_needs_a_base_model(world, tmp_path, monkeypatch):
+    _serve_config(monkeypatch, tmp_path, world["model"])
+    params = PublishParams(base_model="org/base", license="mit", base_model_unverified=True)
+    run_publish(world["pruned"], [world["evaluated"]], params, str(tmp_path / "a"))
+    assert "not verified" not in (tmp_path / "a" / "README.md").read_text()
+    with pytest.raises(ConfigError, match=r"^base_model_unverified without base_model: "):
+        PublishParams(base_model_unverified=True)
+
+
+def test_license_and_base_model_are_carried_and_a_contradiction_is_refused(world, tmp_path, monkeypatch):
+    _serve_config(monkeypatch, tmp_path, world["model"])
     params = PublishParams(base_model=BASE)
     run_publish(world["licensed_pruned"], [world["licensed_evaluated"]], params, str(tmp_path / "a"))
     meta, body = _split_card((tmp_path / "a" / "README.md").read_text())
