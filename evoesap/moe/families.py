@@ -569,34 +569,35 @@ _HYBRID_ROWS += (
 # Multimodal checkpoints: the language model's experts are pruned, every other tensor is kept as it is stored, and
 # the result loads as the multimodal model through its own auto class.
 _QWEN3_5_TEXT = next(row for row in _HYBRID_ROWS if row.model_type == "qwen3_5_moe_text")
+_MULTIMODAL = dict(text_config="text_config", auto_class="AutoModelForImageTextToText")
+_MULTIMODAL_NOTES = "multimodal: the language model's routed experts are pruned, the vision tower is kept unchanged"
+# the smallest vision tower of the Qwen-VL line (Qwen3.5, Qwen3-VL, GLM-4.5V): one block, 32 wide, 4-pixel patches
+_TINY_VISION = dict(
+    depth=1,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=64,
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+)
 _MULTIMODAL_ROWS = (
     dataclasses.replace(  # Qwen3.5 MoE as published: a vision tower beside the qwen3_5_moe_text language model
         _QWEN3_5_TEXT,
         model_type="qwen3_5_moe",
         layers="model.language_model.layers",
-        text_config="text_config",
-        auto_class="AutoModelForImageTextToText",
+        **_MULTIMODAL,
         layerwise=False,  # ESAP scoring runs text-only causal LMs layer by layer; prune its text model's checkpoint
-        notes="multimodal: the language model's routed experts are pruned, the vision tower is kept unchanged",
+        notes=_MULTIMODAL_NOTES,
         tiny=dict(
             text_config=dict(_QWEN3_5_TEXT.tiny),
-            vision_config=dict(
-                depth=1,
-                hidden_size=32,
-                intermediate_size=64,
-                num_heads=2,
-                out_hidden_size=64,
-                patch_size=4,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-            ),
+            vision_config=dict(_TINY_VISION),
             tie_word_embeddings=False,
         ),
     ),
 )
 
-_MULTIMODAL = dict(text_config="text_config", auto_class="AutoModelForImageTextToText")
-_MULTIMODAL_NOTES = "multimodal: the language model's routed experts are pruned, the vision tower is kept unchanged"
 _MULTIMODAL_ROWS += (
     Family(  # GLM-4.5V / 4.6V: a vision tower beside a GLM-4.5 language model (DeepSeek-V3 routing, shared experts)
         model_type="glm4v_moe",
@@ -617,17 +618,7 @@ _MULTIMODAL_ROWS += (
                 rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_section=[2, 1, 1]),
                 **_V3_TINY,
             ),
-            vision_config=dict(
-                depth=1,
-                hidden_size=32,
-                intermediate_size=64,
-                num_heads=2,
-                out_hidden_size=64,
-                image_size=16,
-                patch_size=4,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-            ),
+            vision_config=dict(_TINY_VISION, image_size=16),
             tie_word_embeddings=False,
         ),
     ),
@@ -644,17 +635,7 @@ _MULTIMODAL_ROWS += (
         **_MULTIMODAL,
         tiny=dict(
             text_config=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1], head_dim=16),
-            vision_config=dict(
-                depth=1,
-                hidden_size=32,
-                intermediate_size=64,
-                num_heads=2,
-                out_hidden_size=64,
-                patch_size=4,
-                spatial_merge_size=2,
-                temporal_patch_size=2,
-                deepstack_visual_indexes=[0],
-            ),
+            vision_config=dict(_TINY_VISION, deepstack_visual_indexes=[0]),
             tie_word_embeddings=False,
         ),
     ),
