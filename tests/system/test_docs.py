@@ -57,3 +57,9 @@ def test_relative_links_resolve(name: str) -> None:
             if anchor not in {explicit or _github_slug(title) for title, explicit in headings}:
                 broken.append(link)
     assert not broken, f"{name}: broken links {broken}"
+
+
+def test_architecture_page_stays_a_map() -> None:
+    """The architecture page is a map that links the details; the details live on the explanation pages."""
+    size = (ROOT / "docs" / "ARCHITECTURE.md").stat().st_size
+    assert size < 16_000, f"docs/ARCHITECTURE.md is {size:,} bytes: move details to docs/explanation/ and link them"
