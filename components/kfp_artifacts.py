@@ -10,7 +10,7 @@ KFP's URI and holds a view: the manifest and the small files, `metadata["uri"]` 
 With `EVOESAP_COPY_MODELS=1` in a task's environment (opt-in: `resources.<stage>.env`), a `Model` output
 holds the whole checkpoint there instead, so a stock consumer that reads only `model.path` finds the weights;
 the cost is a second copy of the weights per model, written by the pod and uploaded by KFP's launcher.
-See docs/ARCHITECTURE.md, "KFP artifacts and the storage root".
+See docs/explanation/dag.md, "KFP artifacts and the storage root".
 """
 
 from __future__ import annotations

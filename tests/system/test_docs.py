@@ -57,3 +57,51 @@ def test_relative_links_resolve(name: str) -> None:
             if anchor not in {explicit or _github_slug(title) for title, explicit in headings}:
                 broken.append(link)
     assert not broken, f"{name}: broken links {broken}"
+
+
+def test_architecture_page_stays_a_map() -> None:
+    """The architecture page is a map that links the details; the details live on the explanation pages."""
+    size = (ROOT / "docs" / "ARCHITECTURE.md").stat().st_size
+    assert size < 16_000, f"docs/ARCHITECTURE.md is {size:,} bytes: move details to docs/explanation/ and link them"
+
+
+# A count of all the stages written out ("runs as nine stages", "the eight stage verbs"): it goes stale when a stage is
+# added. Name the stages, or say "the stages"; the CLI's help counts them from the registry.
+STAGE_COUNT = re.compile(
+    r"\b(?:the|in|as|its|all|of)\s+(?:two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|\d+)\s+"
+    r"(?:pipeline\s+)?(?:stage verbs|stages|verbs)\b",
+    re.IGNORECASE,
+)
+# Pages edited elsewhere that still count the stages; the mark goes when they no longer do.
+COUNTED_ELSEWHERE = {"README.md", "docs/getting-started/install.md"}
+
+
+def _counted_params() -> list:
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [
+        pytest.param(
+            path,
+            marks=[pytest.mark.xfail(reason="still counts the stages; edited elsewhere")]
+            if str(path.relative_to(ROOT)) in COUNTED_ELSEWHERE
+            else [],
+            id=str(path.relative_to(ROOT)),
+        )
+        for path in files
+    ]
+
+
+@pytest.mark.parametrize("path", _counted_params())
+def test_docs_do_not_count_the_stages_in_words(path: Path) -> None:
+    hits = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if STAGE_COUNT.search(line)
+    ]
+    assert not hits, "a hard-coded count of the stages goes stale; name them or say 'the stages':\n" + "\n".join(hits)
+
+
+def test_stage_count_pattern_catches_what_it_must() -> None:
+    for bad in ["It runs as nine stages (calibrate", "lists the eight stage verbs", "in 9 stages", "all seven pipeline stages"]:
+        assert STAGE_COUNT.search(bad), bad
+    for good in ["it runs two stages at once (the grid's branches)", "the stages", "every stage verb"]:
+        assert not STAGE_COUNT.search(good), good
