@@ -72,25 +72,11 @@ STAGE_COUNT = re.compile(
     r"(?:pipeline\s+)?(?:stage verbs|stages|verbs)\b",
     re.IGNORECASE,
 )
-# Pages edited elsewhere that still count the stages; the mark goes when they no longer do.
-COUNTED_ELSEWHERE = {"README.md", "docs/getting-started/install.md"}
 
 
-def _counted_params() -> list:
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-    return [
-        pytest.param(
-            path,
-            marks=[pytest.mark.xfail(reason="still counts the stages; edited elsewhere")]
-            if str(path.relative_to(ROOT)) in COUNTED_ELSEWHERE
-            else [],
-            id=str(path.relative_to(ROOT)),
-        )
-        for path in files
-    ]
-
-
-@pytest.mark.parametrize("path", _counted_params())
+@pytest.mark.parametrize(
+    "path", [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))], ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_docs_do_not_count_the_stages_in_words(path: Path) -> None:
     hits = [
         f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
