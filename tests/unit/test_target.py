@@ -193,35 +193,86 @@ def tiny_model(tmp_path_factory):
     return make_tiny_inputs(tmp_path_factory.mktemp("tiny"))["model"]
 
 
-def _pruned_bytes(model_dir: str, sparsity: float) -> int:
-    """Weight bytes of the model with a uniform allocation of that sparsity removed, measured on the loaded model."""
-    import transformers
-
+def _written(model_dir: str, counts, tmp_path) -> int:
+    """Bytes on disk of the checkpoint prune writes with `counts` experts removed per layer: prune run, files summed."""
     from evoesap import moe
-    from evoesap.moe.memory import bytes_report
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-    spec = moe.inspect(model)
-    n, k = spec.num_experts, spec.top_k
-    counts = alloc.uniform(n, k, alloc.budget(sparsity, n, k, 1), 1)
-    return bytes_report(model, {layer: tuple(range(c)) for layer, c in enumerate(counts)}).pruned
+    out = tmp_path / "-".join(map(str, counts))
+    if not out.exists():
+        moe.prune_checkpoint(model_dir, {layer: list(range(c)) for layer, c in enumerate(counts) if c}, out)
+    return sum(p.stat().st_size for p in out.iterdir())
 
 
-def test_a_memory_target_picks_the_least_grid_sparsity_whose_checkpoint_fits(tiny_model):
+TINY = ((8, 8, 8, 8), (2, 2, 2, 2))  # make_tiny_inputs: 4 MoE layers of 8 experts, top-2
+
+
+def _largest(model_dir: str, sparsity: float, tmp_path) -> int:
+    """The largest checkpoint an allocation at that grid sparsity writes: the uniform one and three others drawn from
+    the feasible set (they differ only by the modeling file a non-uniform one adds, and digits)."""
+    import random
+
+    n, k = TINY
+    budget = alloc.budget(sparsity, n, k, 1)
+    space = alloc.FeasibleSet(n, k, budget, 1)
+    rng = random.Random(budget)
+    drawn = [space.unrank(rng.randrange(space.size)) for _ in range(3)]
+    return max(_written(model_dir, c, tmp_path) for c in [alloc.uniform(n, k, budget, 1), *drawn])
+
+
+@pytest.fixture(scope="module")
+def written_sizes(tiny_model, tmp_path_factory):
+    """(every grid point's largest written checkpoint, the full model's, the floor's: every layer at top-k experts)."""
+    tmp = tmp_path_factory.mktemp("pruned")
+    points = grid(*TINY, 1)
+    return (
+        [_largest(tiny_model, s, tmp) for s in points],
+        _written(tiny_model, (0,) * 4, tmp),
+        _written(tiny_model, (6,) * 4, tmp),
+    )
+
+
+def test_a_memory_target_picks_the_least_grid_sparsity_whose_written_checkpoint_fits(tiny_model, written_sizes):
+    """Bytes are the files prune writes (headers, config, tokenizer, a non-uniform checkpoint's modeling file), not
+    tensor bytes: at each budget the chosen point's checkpoints fit and the point below's largest does not."""
     from evoesap.pipeline.config import load_config
 
-    points = grid((8, 8, 8, 8), (2, 2, 2, 2), 1)
-    middle = _pruned_bytes(tiny_model, points[len(points) // 2])
-    config = load_config({**BASE, "model": tiny_model, "target": {"bytes": str(middle)}})
-    ((point),) = config.grid()
-    chosen = point["sparsity"]
-    assert chosen == points[len(points) // 2]  # the least that fits: one grid step less does not
-    assert _pruned_bytes(tiny_model, chosen) <= middle < _pruned_bytes(tiny_model, points[points.index(chosen) - 1])
+    sizes, full, floor = written_sizes
+    points = grid(*TINY, 1)
+    assert sizes == sorted(sizes, reverse=True) and floor < sizes[-1] < sizes[0] < full
+    picks = (0, 3, 7, 12, 20)
+    budgets = [full - 1] + [sizes[i] for i in picks] + [sizes[i] - 1 for i in picks[1:]]
+    assert len(budgets) == 10
+    for budget in budgets:
+        ((point),) = load_config({**BASE, "model": tiny_model, "target": {"bytes": budget}}).grid()
+        chosen = points.index(point["sparsity"])
+        assert sizes[chosen] <= budget, (budget, chosen)
+        assert (full if chosen == 0 else sizes[chosen - 1]) > budget, (budget, chosen)
+    config = load_config({**BASE, "model": tiny_model, "target": {"bytes": sizes[10]}})
     from evoesap.pipeline.target import cost_line, run_target
 
     for bracketing in (cost_line, run_target):  # nothing to bracket: refused in one line, not run with no threshold
         with pytest.raises(ConfigError, match="no quality target"):
             bracketing(config)
+
+
+def test_a_memory_target_names_the_real_floor_and_the_full_checkpoint(tiny_model, written_sizes):
+    """The floor is the smallest checkpoint prune writes (every layer at its fewest experts), not the last searchable
+    point; a budget between them fits only the floor, which has nothing to search, and says so."""
+    from evoesap.pipeline.config import load_config
+
+    sizes, full, floor = written_sizes
+    cases = [
+        (full, f"at least the full checkpoint's {full:,} bytes on disk: nothing needs pruning"),
+        (floor - 1, f"below the model's floor, its smallest checkpoint: {floor:,} bytes"),
+        (floor, f"below the smallest searchable checkpoint, {sizes[-1]:,} bytes .* only the model's floor \\({floor:,}"),
+        (sizes[-1] - 1, "below the smallest searchable checkpoint"),
+    ]
+    for budget, problem in cases:
+        with pytest.raises(ConfigError, match=problem) as refused:
+            load_config({**BASE, "model": tiny_model, "target": {"bytes": budget}})
+        assert "\n" not in str(refused.value)
+    ((point),) = load_config({**BASE, "model": tiny_model, "target": {"bytes": full - 1}}).grid()
+    assert point["sparsity"] == grid(*TINY, 1)[0]  # a byte under the full model: the least pruning, not "nothing"
 
 
 @pytest.mark.parametrize("size, problem", [("1K", "below the model's floor"), ("100GiB", "nothing needs pruning")])
@@ -335,11 +386,11 @@ def test_an_unmet_target_ends_the_command_as_an_error_line_like_any_other(tmp_pa
     assert out.splitlines() == ["cost", f"reap: {found[0][1].line()}", "/runs/target/reap", "/runs/target/ean"]
 
 
-def test_a_memory_target_takes_a_number_of_bytes_as_a_size_does(tiny_model):
+def test_a_memory_target_takes_a_number_of_bytes_as_a_size_does(tiny_model, written_sizes):
     from evoesap.pipeline.config import load_config
 
-    points = grid((8, 8, 8, 8), (2, 2, 2, 2), 1)
-    middle = _pruned_bytes(tiny_model, points[len(points) // 2])
+    points = grid(*TINY, 1)
+    middle = written_sizes[0][len(points) // 2]
     as_number = load_config({**BASE, "model": tiny_model, "target": {"bytes": middle}}).grid()
     assert as_number == load_config({**BASE, "model": tiny_model, "target": {"bytes": f"{middle}B"}}).grid()
     assert as_number[0]["sparsity"] == points[len(points) // 2]
