@@ -78,8 +78,9 @@ def test_a_warm_start_is_feasible_for_the_new_budget(counts, data):
     assert alloc.is_feasible(seed, N, K, budget, 1)
 
 
-def _fake_search(quality):
-    """A search whose searched allocation is the proportional one and whose held-out value is `quality(sparsity)`."""
+def _fake_search(quality, stderr=0.002):
+    """A search whose searched allocation is the proportional one and whose held-out value is `quality(sparsity)`, the
+    mean of 8 samples with standard error `stderr`."""
     calls = []
 
     def search(sparsity, seed):
@@ -90,7 +91,7 @@ def _fake_search(quality):
         counts = alloc.uniform(N, K, budget, 1)
         check = records.HeldoutCheck(
             samples=8, searched=quality(sparsity), uniform=0.0, difference=0.0, stderr=0.01, beats_uniform=True,
-            searched_stderr=0.002,
+            searched_stderr=stderr,
         )  # fmt: skip
         record = records.AllocationRecord(
             criterion="reap", sparsity=sparsity, removal_counts=counts, pruned={}, fitness=quality(sparsity), heldout=check
@@ -117,7 +118,7 @@ def test_find_chooses_the_largest_sparsity_a_sweep_says_meets_the_target(thresho
     assert all(p.meets == (p.heldout >= threshold) and p.stderr == 0.002 for p in record.probes)
     assert records.TargetRecord.from_json(record.to_json(), "target.json") == record
     if record.chosen is None:
-        assert "no sparsity on the grid meets" in record.line()
+        assert "no probed sparsity meets" in record.line()
 
 
 @pytest.mark.parametrize("threshold", [0.9, 0.75, 0.5])
@@ -382,7 +383,7 @@ def test_an_unmet_target_ends_the_command_as_an_error_line_like_any_other(tmp_pa
     assert main(["pipeline", "target", str(config)]) == 1
     out, err = capsys.readouterr()
     (line,) = err.strip().splitlines()
-    assert line.startswith("error: ean: no sparsity on the grid meets heldout_esap >= 0.9 (the lowest sparsity tried, ")
+    assert line.startswith("error: ean: no probed sparsity meets heldout_esap >= 0.9 (the lowest sparsity tried, ")
     assert out.splitlines() == ["cost", f"reap: {found[0][1].line()}", "/runs/target/reap", "/runs/target/ean"]
 
 
@@ -403,3 +404,51 @@ def test_a_memory_target_refuses_what_is_not_a_size_in_one_line(size, problem):
     with pytest.raises(ConfigError, match=f"target.bytes.*{problem}") as refused:
         load_config({**BASE, "target": {"bytes": size}})
     assert "\n" not in str(refused.value)
+
+
+def test_the_line_says_what_was_probed_and_never_claims_the_unprobed_grid():
+    points = grid(N, K, 1)
+    search, _ = _fake_search(lambda s: 1 - s)
+    record = find(0.75, points, search, N, K, 1, "reap", warm=False, rechecks=1)
+    probed = {p.sparsity for p in record.probes}
+    above = [s for s in points if s > record.chosen]
+    assert above and any(s not in probed for s in above)  # bisection left points above the answer unsearched
+    line = record.line()
+    assert "largest on the grid" not in line
+    assert f"the largest of {len(probed)} of the grid's {len(points)} points probed" in line
+    assert f"the next point up, {above[0]:.4f}, misses ({1 - above[0]:.4f} +/- 0.0020)" in line
+    assert f"{sum(s not in probed for s in above)} point(s) above {record.chosen:.4f} not probed" in line
+    assert "within the noise" not in line  # 0.75 lies 5 standard errors or more from every probe
+    top = find(0.01, points, _fake_search(lambda s: 1 - s)[0], N, K, 1, "reap", warm=False, rechecks=1)
+    assert top.chosen == points[-1] and "the grid's last point" in top.line() and "not probed" not in top.line()
+
+
+@pytest.mark.parametrize("threshold", [0.74, 0.51])
+def test_an_answer_within_the_noise_of_the_threshold_says_so_and_what_would_decide_it(threshold):
+    points = grid(N, K, 1)
+    stderr = 0.03  # a point's neighbours differ by 1/28 of ESAP here: about one standard error
+    search, _ = _fake_search(lambda s: 1 - s, stderr)
+    record = find(threshold, points, search, N, K, 1, "reap", warm=False, rechecks=1)
+    chosen = record.chosen
+    above = points[points.index(chosen) + 1]
+    line = record.line()
+    deciding = [(s, 1 - s) for s in (chosen, above) if abs(1 - s - threshold) <= 2 * stderr]
+    assert deciding  # the boundary between grid points falls inside the noise
+    assert "; within the noise: " in line
+    for sparsity, value in deciding:  # each such probe named, with the samples that would separate it (stderr ~ 1/sqrt(n))
+        need = max(9, math.ceil(8 * (2 * stderr / abs(value - threshold)) ** 2))
+        assert f"{sparsity:.4f}'s {value:.4f} +/- {stderr:.4f} is within 2 standard errors of {threshold}" in line
+        assert f"about {need} held-out samples (now 8) would decide it" in line
+    quiet, _ = _fake_search(lambda s: 1 - s, 1e-5)
+    assert "within the noise" not in find(threshold, points, quiet, N, K, 1, "reap", warm=False, rechecks=1).line()
+
+
+def test_an_unmet_target_within_the_noise_says_so():
+    points = grid(N, K, 1)
+    search, _ = _fake_search(lambda s: 0.9 - s, 0.01)  # the lowest point reaches 0.9 - 1/28, 1.6 standard errors short
+    record = find(0.88, points, search, N, K, 1, "reap", warm=False, rechecks=1)
+    assert record.chosen is None
+    line = record.line()
+    assert line.startswith("no probed sparsity meets heldout_esap >= 0.88 (the lowest sparsity tried, ")
+    assert f"{len(record.probes)} of the grid's {len(points)} points probed" in line
+    assert f"{points[0]:.4f}'s {0.9 - points[0]:.4f} +/- 0.0100 is within 2 standard errors of 0.88" in line
