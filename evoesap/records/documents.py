@@ -234,13 +234,17 @@ class GateRecord(Record):
     checks: tuple[GateCheck, ...]  # every threshold the gate applied, in order
     previous: str | None = None  # the previous release's metrics the gate compared with (redacted); None: none
     reference: str | None = None  # the model the candidate was made from, checked by content; None: an unchecked verdict
+    name: str | None = None  # the candidate by criterion, sparsity and method (`reap at sparsity 0.2500 (searched)`);
+    # None: unknown (an unlabelled evaluation outside a pipeline, or a verdict made before names), the URI stands in
 
     def line(self) -> str:
-        """The verdict in one line: the failing checks with their numbers, or that every check passed."""
+        """The verdict in one line, naming the candidate: the failing checks with their numbers, or that every check
+        passed."""
         failed = [c.line() for c in self.checks if not c.passed]
+        who = self.name or self.candidate
         if failed:
-            return f"release gate failed for {self.candidate}: " + "; ".join(failed)
-        return f"release gate passed for {self.candidate} ({len(self.checks)} checks)"
+            return f"release gate failed for {who}: " + "; ".join(failed)
+        return f"release gate passed for {who} ({len(self.checks)} checks)"
 
 
 TARGET_FILE = "target.json"  # target: the sparsity chosen for a quality target, with every probe
