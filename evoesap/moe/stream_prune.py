@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
 import json
 import logging
 import re
@@ -115,8 +116,9 @@ class _Source:
     headers: list[tuple[str, int, dict[str, shards.Entry], dict[str, str]]]  # (shard, data start, entries, metadata)
 
 
-def _read_source(source: str) -> _Source:
-    fs, root = checkpoint_files(source)
+def _read_source(source: str, *, headers_only: bool = False) -> _Source:
+    """`source` read for pruning; `headers_only`: a hub model read in place, by range requests, never downloaded."""
+    fs, root = _hub_in_place(source) if headers_only else checkpoint_files(source)
     config = read_config(fs, root)
     if getattr(config, PER_LAYER_KEY, None):
         raise ConfigError(f"{artifacts.redact(source)} is already pruned: prune the full model")
@@ -197,7 +199,7 @@ def checkpoint_bytes(source: str, allocations: Sequence[Pruned], dtype: torch.dt
     """Bytes on disk of the checkpoint `prune_checkpoint` would write for each of `allocations`, without writing it:
     every shard (length prefix, JSON header, data), the index, config.json, a non-uniform result's modeling file and
     the copied small files. Only the config files are written, to a temporary directory, to be measured."""
-    src = _read_source(source)
+    src = _read_source(source, headers_only=True)
     small = sum(int(src.fs.size(path)) for path in _small_files(src))
     sizes = []
     for pruned in allocations:
@@ -302,12 +304,27 @@ def _runs(base: int, row: int, keep: tuple[int, ...]) -> tuple[tuple[int, int], 
 
 
 def _small_files(src: _Source) -> list[str]:
-    """Tokenizer, generation config and other top-level files to copy; never weights, the old index or config."""
+    """Tokenizer, generation config and other top-level files to copy; never weights, the old index or config (of a hub
+    model, only those `checkpoint_files` fetches)."""
     skip = {INDEX_FILE, "config.json", *src.names}
+    hub = src.fs.protocol in ("hf", ("hf",))
     found = []
     for path in src.fs.ls(src.root, detail=False):
         name = path.rstrip("/").rsplit("/", 1)[-1]
         if name in skip or name.endswith(_WEIGHT_SUFFIXES) or name.startswith(".") or src.fs.isdir(path):
             continue
+        if hub and not any(fnmatch.fnmatch(name, pattern) for pattern in _HUB_PATTERNS):
+            continue
         found.append(path)
     return found
+
+
+def _hub_in_place(source: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, root) of a checkpoint read where it lies: a path or URI as `checkpoint_files` opens it, a hub model
+    through the hub's filesystem at its pinned commit (headers and sizes by range requests, no weight fetched)."""
+    if is_uri(source) or Path(source).exists():
+        return artifacts.split(source)
+    from huggingface_hub import HfFileSystem
+
+    name, pinned = locate(source)
+    return HfFileSystem(), f"{name}@{pinned['revision']}" if pinned.get("revision") else name
