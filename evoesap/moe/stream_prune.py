@@ -122,12 +122,13 @@ def _read_source(source: str, *, headers_only: bool = False) -> _Source:
     config = read_config(fs, root)
     if getattr(config, PER_LAYER_KEY, None):
         raise ConfigError(f"{artifacts.redact(source)} is already pruned: prune the full model")
+    meta = meta_model(config)  # an unsupported model is refused before any weight file is looked for
     names, index = shard_names(fs, root)
     headers = []
     for name in names:
         with fs.open(f"{root}/{name}", "rb") as f:
             headers.append((name, *shards.read_header(f)))
-    return _Source(fs, root, config, meta_model(config), names, index, headers)
+    return _Source(fs, root, config, meta, names, index, headers)
 
 
 def _plan_shards(
