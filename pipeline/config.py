@@ -36,7 +36,7 @@ from .cluster import StageSettings, merged
 class Target(BaseModel):
     """`target:` what the sparsity must achieve, instead of naming it (`evoesap.planning.target`): the largest sparsity on the
     granularity grid whose searched allocation keeps held-out ESAP at or above `heldout_esap`, or the least sparsity
-    whose checkpoint fits in `bytes` (computed from the model's shapes, then searched like a given sparsity)."""
+    whose checkpoint fits in `bytes` on disk (predicted from the weights' headers, then searched like a given sparsity)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -45,8 +45,8 @@ class Target(BaseModel):
     )
     bytes: StrictInt | str | None = Field(
         None,
-        description="The most the pruned checkpoint may weigh: a size such as 24GiB or 1.5GB, or a count of bytes "
-        "(weights in the search's dtype).",
+        description="The most the pruned checkpoint may weigh on disk, every file prune writes counted (in the prune "
+        "section's model_dtype): a size such as 24GiB or 1.5GB, or a count of bytes.",
     )
     warm_start: bool = Field(
         False,

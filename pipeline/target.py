@@ -122,37 +122,103 @@ def unmet(found: Sequence[tuple[str, records.Record]]) -> ConfigError | None:
 
 
 def memory_sparsity(config: Any) -> float:
-    """The least grid sparsity whose checkpoint fits the configuration's `target.bytes` (`fitting_sparsity`)."""
-    search = config.parsed_params("search", {"criterion": config.criteria[0], "sparsity": 0.5})
-    return fitting_sparsity(config.pinned_model, config.target.bytes, search.granularity, search.model_dtype)
+    """The least grid sparsity whose checkpoint fits the configuration's `target.bytes` (`fitting_sparsity`): the
+    search's grid, the checkpoint as the prune section writes it (its `model_dtype`)."""
+    point = {"criterion": config.criteria[0], "sparsity": 0.5}  # placeholders: neither sets the grid or the dtype
+    search, prune = config.parsed_params("search", point), config.parsed_params("prune", point)
+    return fitting_sparsity(config.pinned_model, config.target.bytes, search.granularity, prune.model_dtype)
 
 
 @functools.cache
 def fitting_sparsity(model: str, size: str | int, granularity: int, model_dtype: str) -> float:
-    """The least grid sparsity whose checkpoint fits in `size`, from config.json and the weights' headers alone
-    (`footprint.model_shape`, weights in `model_dtype`): each removed expert frees a mean routed expert's bytes (exact
-    where every layer's experts weigh the same, as in the supported families, so the searched allocation fits as
-    uniform does). Refused in one line when nothing needs pruning or even the most pruning cannot fit."""
-    from evoesap import moe
+    """The least grid sparsity at which every allocation's checkpoint fits in `size` bytes on disk, as prune writes it
+    (`moe.checkpoint_bytes`: shards with their headers, index, config.json, a non-uniform result's modeling file,
+    tokenizer and the other copied files), predicted from the headers without writing a weight. At one budget the
+    allocations differ in data bytes only where layers' experts differ in size, and in whether the modeling file is
+    written: a point's size is the larger of its uniform allocation's and its heaviest one's (removal on the lightest
+    layers first, non-uniform). Refused in one line when nothing needs pruning or `size` is below the smallest
+    checkpoint prune can write (every layer at its fewest experts), naming that floor."""
     from evoesap.machine import runtime
     from evoesap.machine.sizes import parse_bytes
-    from evoesap.planning.footprint import model_shape
 
     wanted = parse_bytes(size)
-    shape = model_shape(model, model_dtype)
-    space = moe.pruning_space(runtime.inspect_checkpoint(model), granularity)
-    points = target.grid(space.num_experts, space.min_kept, space.granularity)
-    per_expert = shape.expert_bytes / sum(space.num_experts)
-    if shape.bytes <= wanted:
-        raise ConfigError(f"target.bytes {size} is at least the full model's {shape.bytes:,} bytes: nothing needs pruning")
-    left = [shape.bytes - round(s * sum(space.num_experts)) * per_expert for s in points]
-    fits = [s for s, b in zip(points, left) if b <= wanted]
-    if not fits:
+    dtype = runtime.MODEL_DTYPES[model_dtype]
+    sizer = _Sizer(model, None if dtype == "auto" else dtype, granularity)
+    full = sizer.full()
+    if full <= wanted:
         raise ConfigError(
-            f"target.bytes {size} ({wanted:,} bytes) is below the model's floor of {int(left[-1]):,} bytes (sparsity "
-            f"{points[-1]:.4f}, every layer at its fewest experts): raise it, or quantize"
+            f"target.bytes {size} ({wanted:,} bytes) is at least the full checkpoint's {full:,} bytes on disk: "
+            "nothing needs pruning"
         )
-    return fits[0]
+    floor = sizer.floor()
+    if wanted < floor:
+        raise ConfigError(
+            f"target.bytes {size} ({wanted:,} bytes) is below the model's floor, its smallest checkpoint: {floor:,} bytes "
+            "on disk, every layer at its fewest experts: raise it, or quantize the pruned checkpoint"
+        )
+    points = sizer.points
+    lo, hi = -1, len(points)  # size(lo) > wanted (the full model), size(hi) <= wanted (the floor)
+    while hi - lo > 1:  # checkpoint bytes fall as sparsity rises: the modeling file is in every point's largest
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if sizer.at(mid) <= wanted else (mid, hi)
+    if hi == len(points):
+        last = sizer.at(len(points) - 1)
+        raise ConfigError(
+            f"target.bytes {size} ({wanted:,} bytes) is below the smallest searchable checkpoint, {last:,} bytes at "
+            f"sparsity {points[-1]:.4f}: only the model's floor ({floor:,} bytes, every layer at its fewest experts, a "
+            "single allocation with nothing to search) fits; raise it, lower the search's granularity, or quantize"
+        )
+    return points[hi]
+
+
+class _Sizer:
+    """Checkpoint bytes on disk of a model's grid points, each computed once."""
+
+    def __init__(self, model: str, dtype: Any, granularity: int) -> None:
+        from evoesap import moe
+        from evoesap.machine import runtime
+
+        self.model, self.dtype = model, dtype
+        spec = runtime.inspect_checkpoint(model)
+        self.space = moe.pruning_space(spec, granularity)
+        self.least = moe.pruning_space(spec, 1).min_kept  # prune's own floor: granularity 1
+        self.points = target.grid(self.space.num_experts, self.space.min_kept, self.space.granularity)
+        self.weights = _expert_weights(model)  # one routed expert's bytes per MoE layer
+        self.sizes: dict[int, int] = {}
+
+    def _bytes(self, *counts: Sequence[int]) -> int:
+        from evoesap import moe
+
+        allocations = [{layer: list(range(c)) for layer, c in enumerate(r) if c} for r in counts]
+        return max(moe.checkpoint_bytes(self.model, allocations, self.dtype))
+
+    def full(self) -> int:
+        return self._bytes([0] * len(self.space.num_experts))
+
+    def floor(self) -> int:
+        return self._bytes([n - k for n, k in zip(self.space.num_experts, self.least)])
+
+    def at(self, index: int) -> int:
+        from evoesap.method import allocation as alloc
+
+        if index not in self.sizes:
+            n, k, g = self.space.num_experts, self.space.min_kept, self.space.granularity
+            budget = alloc.budget(self.points[index], n, k, g)
+            caps, left, heaviest = alloc.unit_caps(n, k, g), budget // g, [0] * len(n)
+            for layer in sorted(range(len(n)), key=lambda i: self.weights[i]):  # removal where an expert weighs least
+                heaviest[layer] = min(caps[layer], left) * g
+                left -= heaviest[layer] // g
+            self.sizes[index] = self._bytes(alloc.uniform(n, k, budget, g), heaviest)
+        return self.sizes[index]
+
+
+def _expert_weights(model: str) -> tuple[int, ...]:
+    """Bytes of one routed expert per MoE layer, from the config's meta model (relative sizes: dtype aside)."""
+    from evoesap import moe
+    from evoesap.moe import stream_prune
+
+    config = stream_prune.read_config(*stream_prune.checkpoint_files(model, patterns=("config.json",)))
+    return moe.expert_bytes(moe.spec.meta_model(config))
 
 
 def _search_step(

@@ -18,7 +18,7 @@ from evoesap.moe.spec import (
     moe_blocks,
     pruning_space,
 )
-from evoesap.moe.stream_prune import StreamedPrune, prune_checkpoint
+from evoesap.moe.stream_prune import StreamedPrune, checkpoint_bytes, prune_checkpoint
 from evoesap.moe.surgery import load_pruned, load_tokenizer, prune_experts, save_pruned
 from evoesap.moe.tiny import tiny_model
 
@@ -36,6 +36,7 @@ __all__ = [
     "admissible_order",
     "bytes_report",
     "check_pruned",
+    "checkpoint_bytes",
     "expert_bytes",
     "inspect",
     "load_pruned",

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import math
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import IO
 
 import torch
@@ -92,16 +92,27 @@ class Planned:
         return math.prod(self.shape) * itemsize(self.dtype)
 
 
-def write_file(out: IO[bytes], source: IO[bytes], tensors: Iterable[Planned], metadata: dict[str, str]) -> int:
-    """Write a safetensors file of `tensors` into `out`, reading their bytes from `source`; returns bytes of data."""
-    tensors = list(tensors)
+def header_text(tensors: Sequence[Planned], metadata: dict[str, str]) -> tuple[bytes, int]:
+    """(the JSON header of a safetensors file of `tensors`, padded as written; bytes of its data)."""
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for t in tensors:
         header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as the library writes it
+    return text + b" " * (-len(text) % 8), offset  # the data starts 8-byte aligned, as the library writes it
+
+
+def file_bytes(tensors: Sequence[Planned], metadata: dict[str, str]) -> int:
+    """Bytes of the safetensors file `write_file` makes of `tensors`: length prefix, header and data."""
+    text, data = header_text(tensors, metadata)
+    return 8 + len(text) + data
+
+
+def write_file(out: IO[bytes], source: IO[bytes], tensors: Iterable[Planned], metadata: dict[str, str]) -> int:
+    """Write a safetensors file of `tensors` into `out`, reading their bytes from `source`; returns bytes of data."""
+    tensors = list(tensors)
+    text, offset = header_text(tensors, metadata)
     out.write(struct.pack("<Q", len(text)))
     out.write(text)
     for t in tensors:

@@ -12,10 +12,14 @@ Memory: one copy step (`shards.COPY_BYTES`) plus the few small tensors indexed a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import fnmatch
 import json
 import logging
 import re
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,55 +103,117 @@ def shard_names(fs: fsspec.AbstractFileSystem, root: str) -> tuple[list[str], di
     raise ArtifactError(f"{root} has no {INDEX_FILE} or {SINGLE_FILE}: only safetensors checkpoints are pruned")
 
 
-def prune_checkpoint(source: str, pruned: Pruned, out_dir: Path, dtype: torch.dtype | None = None) -> StreamedPrune:
-    """Write the checkpoint at `source` without the experts in `pruned` (MoE ordinal -> ids) into the local
-    directory `out_dir`, shard by shard; `dtype` converts floating tensors as `from_pretrained(dtype=...)` would."""
-    fs, root = checkpoint_files(source)
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """A checkpoint read once for pruning: its config, meta model and shard headers (no weight read)."""
+
+    fs: fsspec.AbstractFileSystem
+    root: str
+    config: Any
+    meta: torch.nn.Module
+    names: list[str]
+    index: dict[str, Any] | None
+    headers: list[tuple[str, int, dict[str, shards.Entry], dict[str, str]]]  # (shard, data start, entries, metadata)
+
+
+def _read_source(source: str, *, headers_only: bool = False) -> _Source:
+    """`source` read for pruning; `headers_only`: a hub model read in place, by range requests, never downloaded."""
+    fs, root = _hub_in_place(source) if headers_only else checkpoint_files(source)
     config = read_config(fs, root)
     if getattr(config, PER_LAYER_KEY, None):
         raise ConfigError(f"{artifacts.redact(source)} is already pruned: prune the full model")
-    meta = meta_model(config)
-    spec = inspect(meta)
-    sets = check_pruned(spec, pruned)
-    indexed = _indexed_tensors(meta, sets)
-    mapper = _KeyMapper(meta, dtype)
+    meta = meta_model(config)  # an unsupported model is refused before any weight file is looked for
     names, index = shard_names(fs, root)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    weight_map: dict[str, str] = {}
-    seen: set[str] = set()
-    full = written = 0
+    headers = []
     for name in names:
-        with fs.open(f"{root}/{name}", "rb") as src, open(out_dir / name, "wb") as out:
-            start, entries, metadata = shards.read_header(src)
-            planned = []
-            for entry in sorted(entries.values(), key=lambda e: e.begin):
-                full += entry.nbytes
-                model_key, per_expert = mapper.model_key(entry.name)
-                seen.add(model_key)
-                item = _plan(entry, start, indexed.get(model_key), per_expert, mapper.target_dtype(model_key, entry.dtype))
-                if item is not None:
-                    planned.append(item)
-                    weight_map[item.name] = name
-            written += shards.write_file(out, src, planned, metadata or {"format": "pt"})
+        with fs.open(f"{root}/{name}", "rb") as f:
+            headers.append((name, *shards.read_header(f)))
+    return _Source(fs, root, config, meta, names, index, headers)
+
+
+def _plan_shards(
+    src: _Source, source: str, pruned: Pruned, dtype: torch.dtype | None
+) -> tuple[list[tuple[str, list[shards.Planned], dict[str, str]]], dict[str, str], int, dict[str, int]]:
+    """(per shard: its name, the tensors written and its metadata; the index's weight map; tensor bytes of the source;
+    experts kept per decoder layer), refused before anything is written when a pruned layer's tensor is missing."""
+    spec = inspect(src.meta)
+    sets = check_pruned(spec, pruned)
+    indexed = _indexed_tensors(src.meta, sets)
+    mapper = _KeyMapper(src.meta, dtype)
+    plans, weight_map, seen, full = [], {}, set(), 0
+    for name, start, entries, metadata in src.headers:
+        planned = []
+        for entry in sorted(entries.values(), key=lambda e: e.begin):
+            full += entry.nbytes
+            model_key, per_expert = mapper.model_key(entry.name)
+            seen.add(model_key)
+            item = _plan(entry, start, indexed.get(model_key), per_expert, mapper.target_dtype(model_key, entry.dtype))
+            if item is not None:
+                planned.append(item)
+                weight_map[item.name] = name
+        plans.append((name, planned, metadata or {"format": "pt"}))
     missing = sorted(set(indexed) - seen)
     if missing:
         raise ArtifactError(
             f"{artifacts.redact(source)} stores no tensor for {missing[:3]}: its key layout is not one "
             "transformers loads for this model type"
         )
-    if index is not None:
-        meta_data = {**index.get("metadata", {}), "total_size": written}
-        (out_dir / INDEX_FILE).write_text(json.dumps({"metadata": meta_data, "weight_map": weight_map}, indent=2))
     counts = {str(layer.decoder_index): layer.num_experts - len(sets.get(layer.ordinal, ())) for layer in spec.layers}
-    set_counts(config, model_family(meta), counts)
+    return plans, weight_map, full, counts
+
+
+def _index_text(index: dict[str, Any], written: int, weight_map: dict[str, str]) -> str:
+    return json.dumps({"metadata": {**index.get("metadata", {}), "total_size": written}, "weight_map": weight_map}, indent=2)
+
+
+def _write_config(src: _Source, counts: dict[str, int], dtype: torch.dtype | None, out_dir: Path) -> None:
+    """config.json with the counts exactly as `save_pruned` writes them (and a non-uniform result's modeling file)."""
+    config = copy.deepcopy(src.config)
+    set_counts(config, model_family(src.meta), counts)
     if dtype is not None:
         config.dtype = dtype
     config.save_pretrained(out_dir)
     if hasattr(config, PER_LAYER_KEY):  # the serving plugin's architecture and the modeling file, as save_pruned writes them
-        name_nonuniform(out_dir, model_family(meta), type(meta).__name__)
-    _copy_small_files(fs, root, out_dir, names)
+        name_nonuniform(out_dir, model_family(src.meta), type(src.meta).__name__)
+
+
+def prune_checkpoint(source: str, pruned: Pruned, out_dir: Path, dtype: torch.dtype | None = None) -> StreamedPrune:
+    """Write the checkpoint at `source` without the experts in `pruned` (MoE ordinal -> ids) into the local
+    directory `out_dir`, shard by shard; `dtype` converts floating tensors as `from_pretrained(dtype=...)` would."""
+    src = _read_source(source)
+    plans, weight_map, full, counts = _plan_shards(src, source, pruned, dtype)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = 0
+    for name, planned, metadata in plans:
+        with src.fs.open(f"{src.root}/{name}", "rb") as f, open(out_dir / name, "wb") as out:
+            written += shards.write_file(out, f, planned, metadata)
+    if src.index is not None:
+        (out_dir / INDEX_FILE).write_text(_index_text(src.index, written, weight_map))
+    _write_config(src, counts, dtype, out_dir)
+    for path in _small_files(src):
+        src.fs.get_file(path, str(out_dir / path.rstrip("/").rsplit("/", 1)[-1]))
     log.info("streamed prune: %d -> %d tensor bytes", full, written)
-    return StreamedPrune(full, written, tuple(counts[str(layer.decoder_index)] for layer in spec.layers))
+    return StreamedPrune(full, written, tuple(counts.values()))
+
+
+def checkpoint_bytes(source: str, allocations: Sequence[Pruned], dtype: torch.dtype | None = None) -> list[int]:
+    """Bytes on disk of the checkpoint `prune_checkpoint` would write for each of `allocations`, without writing it:
+    every shard (length prefix, JSON header, data), the index, config.json, a non-uniform result's modeling file and
+    the copied small files. Only the config files are written, to a temporary directory, to be measured."""
+    src = _read_source(source, headers_only=True)
+    small = sum(int(src.fs.size(path)) for path in _small_files(src))
+    sizes = []
+    for pruned in allocations:
+        plans, weight_map, _, counts = _plan_shards(src, source, pruned, dtype)
+        data = sum(t.nbytes for _, planned, _ in plans for t in planned)
+        size = small + sum(shards.file_bytes(planned, metadata) for _, planned, metadata in plans)
+        if src.index is not None:
+            size += len(_index_text(src.index, data, weight_map).encode())
+        with tempfile.TemporaryDirectory() as tmp:
+            _write_config(src, counts, dtype, Path(tmp))
+            size += sum(p.stat().st_size for p in Path(tmp).iterdir())
+        sizes.append(size)
+    return sizes
 
 
 def _indexed_tensors(meta: torch.nn.Module, sets: dict[int, tuple[int, ...]]) -> dict[str, _Indexed]:
@@ -238,11 +304,28 @@ def _runs(base: int, row: int, keep: tuple[int, ...]) -> tuple[tuple[int, int], 
     return tuple((a, b) for a, b in runs)
 
 
-def _copy_small_files(fs: fsspec.AbstractFileSystem, root: str, out_dir: Path, shard_files: list[str]) -> None:
-    """Tokenizer, generation config and other top-level files; never weights, the old index or config."""
-    skip = {INDEX_FILE, "config.json", *shard_files}
-    for path in fs.ls(root, detail=False):
+def _small_files(src: _Source) -> list[str]:
+    """Tokenizer, generation config and other top-level files to copy; never weights, the old index or config (of a hub
+    model, only those `checkpoint_files` fetches)."""
+    skip = {INDEX_FILE, "config.json", *src.names}
+    hub = src.fs.protocol in ("hf", ("hf",))
+    found = []
+    for path in src.fs.ls(src.root, detail=False):
         name = path.rstrip("/").rsplit("/", 1)[-1]
-        if name in skip or name.endswith(_WEIGHT_SUFFIXES) or name.startswith(".") or fs.isdir(path):
+        if name in skip or name.endswith(_WEIGHT_SUFFIXES) or name.startswith(".") or src.fs.isdir(path):
             continue
-        fs.get_file(path, str(out_dir / name))
+        if hub and not any(fnmatch.fnmatch(name, pattern) for pattern in _HUB_PATTERNS):
+            continue
+        found.append(path)
+    return found
+
+
+def _hub_in_place(source: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, root) of a checkpoint read where it lies: a path or URI as `checkpoint_files` opens it, a hub model
+    through the hub's filesystem at its pinned commit (headers and sizes by range requests, no weight fetched)."""
+    if is_uri(source) or Path(source).exists():
+        return artifacts.split(source)
+    from huggingface_hub import HfFileSystem
+
+    name, pinned = locate(source)
+    return HfFileSystem(), f"{name}@{pinned['revision']}" if pinned.get("revision") else name

@@ -156,6 +156,7 @@ def find(
             stderr=stderr,
             meets=heldout is not None and heldout >= threshold,
             warm_start=seed,
+            samples=None if check is None else check.samples,
         )
         probes[index] = probe
         order.append(probe)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from evoesap.records.typed import Record
 
@@ -233,16 +234,21 @@ class GateRecord(Record):
     checks: tuple[GateCheck, ...]  # every threshold the gate applied, in order
     previous: str | None = None  # the previous release's metrics the gate compared with (redacted); None: none
     reference: str | None = None  # the model the candidate was made from, checked by content; None: an unchecked verdict
+    name: str | None = None  # the candidate by criterion, sparsity and method (`reap at sparsity 0.2500 (searched)`);
+    # None: unknown (an unlabelled evaluation outside a pipeline, or a verdict made before names), the URI stands in
 
     def line(self) -> str:
-        """The verdict in one line: the failing checks with their numbers, or that every check passed."""
+        """The verdict in one line, naming the candidate: the failing checks with their numbers, or that every check
+        passed."""
         failed = [c.line() for c in self.checks if not c.passed]
+        who = self.name or self.candidate
         if failed:
-            return f"release gate failed for {self.candidate}: " + "; ".join(failed)
-        return f"release gate passed for {self.candidate} ({len(self.checks)} checks)"
+            return f"release gate failed for {who}: " + "; ".join(failed)
+        return f"release gate passed for {who} ({len(self.checks)} checks)"
 
 
 TARGET_FILE = "target.json"  # target: the sparsity chosen for a quality target, with every probe
+NOISE_STDERRS = 2  # a held-out value this many standard errors from the threshold or nearer is not told apart from it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +264,28 @@ class Probe(Record):
     stderr: float | None  # standard error of that held-out mean
     meets: bool  # heldout >= the target
     warm_start: tuple[int, ...] | None = None  # the seed it was warm-started from; None: a cold search (or the first)
+    samples: int | None = None  # held-out samples behind `heldout`; absent from records made before it was kept
+
+    def value(self) -> str:
+        """Its held-out value with the standard error, as the target's line shows it."""
+        if self.heldout is None:
+            return "no held-out value"
+        return f"{self.heldout:.4f}" + ("" if self.stderr is None else f" +/- {self.stderr:.4f}")
+
+    def within_noise(self, threshold: float) -> bool:
+        """Whether its held-out value lies within NOISE_STDERRS standard errors of `threshold`: its meets could flip
+        with other held-out samples."""
+        if self.heldout is None or self.stderr is None:
+            return False
+        return abs(self.heldout - threshold) <= NOISE_STDERRS * self.stderr
+
+    def samples_to_decide(self, threshold: float) -> int | None:
+        """About how many held-out samples would put its value NOISE_STDERRS standard errors clear of `threshold` (the
+        standard error falls as one over the root of the samples); None: unknown, or no count would (on the line)."""
+        gap = abs((self.heldout or 0.0) - threshold)
+        if self.samples is None or self.stderr is None or gap == 0:
+            return None
+        return max(self.samples + 1, math.ceil(self.samples * (NOISE_STDERRS * self.stderr / gap) ** 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,16 +308,43 @@ class TargetRecord(Record):
     rechecks: int = 0  # one-point dips the bracketing could look past (target.rechecks); absent from records made before
 
     def line(self) -> str:
+        """The decision in one line: what was probed (bisection leaves grid points unprobed, taken to follow quality
+        falling with sparsity), and whether a deciding probe lies within the noise of the threshold."""
+        goal = f"{self.metric} >= {self.threshold}"
+        probed = f"{len(self.probes)} of the grid's {len(self.grid)} points probed"
         if self.chosen is None:  # the lowest probe missed too (bracketing stops only there)
             lowest = min(self.probes, key=lambda p: p.sparsity, default=None)
-            value = "no held-out value" if lowest is None or lowest.heldout is None else f"{lowest.heldout:.4f}"
-            seen = f" (the lowest sparsity tried, {lowest.sparsity:.4f}, reached {value})" if lowest else ""
-            return (
-                f"no sparsity on the grid meets {self.metric} >= {self.threshold}{seen}: lower the target or improve the "
-                "search (more samples, generations)"
-            )
-        return (
-            f"sparsity {self.chosen:.4f} is the largest on the grid of {len(self.grid)} meeting {self.metric} >= "
-            f"{self.threshold}, found in {len(self.probes)} {'warm-started' if self.warm_start else 'cold'} searches "
-            f"(at most {self.max_probes})"
+            seen = f" (the lowest sparsity tried, {lowest.sparsity:.4f}, reached {lowest.value()}; {probed})" if lowest else ""
+            line = f"no probed sparsity meets {goal}{seen}: lower the target or improve the search (more samples, generations)"
+            return line + self._noise([lowest] if lowest else [])
+        chosen = next(p for p in self.probes if p.sparsity == self.chosen)
+        above = [s for s in self.grid if s > self.chosen]
+        line = (
+            f"sparsity {self.chosen:.4f} meets {goal} ({chosen.value()}), the largest of {probed} "
+            f"({'warm-started' if self.warm_start else 'cold'} searches, at most {self.max_probes})"
         )
+        if not above:
+            return line + ": the grid's last point" + self._noise([chosen])
+        miss = next((p for p in self.probes if p.sparsity == above[0]), None)
+        unprobed = sum(1 for s in above if all(p.sparsity != s for p in self.probes))
+        if miss is not None:
+            line += f": the next point up, {miss.sparsity:.4f}, misses ({miss.value()})"
+        if unprobed:
+            line += f"; {unprobed} point(s) above {self.chosen:.4f} not probed, taken to miss as quality falls with sparsity"
+        return line + self._noise([chosen] + ([miss] if miss else []))
+
+    def _noise(self, deciding: list[Probe]) -> str:
+        """What the line must add when a probe that decided the answer is within the noise of the threshold."""
+        close = [p for p in deciding if p.within_noise(self.threshold)]
+        if not close:
+            return ""
+        parts = []
+        for p in close:
+            need = p.samples_to_decide(self.threshold)
+            more = (
+                f"about {need} held-out samples (now {p.samples}) would decide it"
+                if need
+                else "more held-out samples would decide it"
+            )
+            parts.append(f"{p.sparsity:.4f}'s {p.value()} is within {NOISE_STDERRS} standard errors of {self.threshold}: {more}")
+        return "; within the noise: " + "; ".join(parts)

@@ -61,15 +61,26 @@ def _esap(metrics: records.MetricsRecord) -> float | None:
     return None if metrics.heldout_esap is None else float(metrics.heldout_esap.esap)
 
 
+def candidate_name(criterion: str | None, sparsity: float | None, method: str | None, recipe: str | None = None) -> str | None:
+    """A candidate as people name it: `reap at sparsity 0.2500 (searched, quantized fp8-dynamic)`; None without a
+    criterion or a sparsity."""
+    if criterion is None or sparsity is None:
+        return None
+    how = [m for m in (method, None if recipe is None else f"quantized {recipe}") if m]
+    return f"{criterion} at sparsity {float(sparsity):.4f}" + (f" ({', '.join(how)})" if how else "")
+
+
 def verdict(
     params: Thresholds,
     candidate: records.MetricsRecord,
     full: records.MetricsRecord,
     previous: records.MetricsRecord | None = None,
     previous_uri: str | None = None,
+    name: str | None = None,
 ) -> records.GateRecord:
     """The gate's verdict on `candidate` (the model a release would publish) against the `full` model it was pruned
-    from and, when given, the `previous` release's metrics."""
+    from and, when given, the `previous` release's metrics. `name`: the candidate's (`candidate_name`); None: from its
+    evaluation's labels."""
     checks: list[records.GateCheck] = []
     if params.min_heldout_esap is not None:
         value = _esap(candidate)
@@ -98,8 +109,11 @@ def verdict(
                     passed=at_least(now, limit),
                 )
             )
+    if name is None:
+        labels, quantized = candidate.labels, candidate.quantization
+        name = candidate_name(labels.criterion, labels.sparsity, labels.method, quantized.recipe if quantized else None)
     return records.GateRecord(
-        passed=all(c.passed for c in checks), candidate=candidate.model, checks=tuple(checks), previous=previous_uri
+        passed=all(c.passed for c in checks), candidate=candidate.model, checks=tuple(checks), previous=previous_uri, name=name
     )
 
 

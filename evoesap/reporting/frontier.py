@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
-from matplotlib.ticker import EngFormatter
+from matplotlib.ticker import EngFormatter, MaxNLocator
 
 from evoesap.records import GateRecord, MetricsRecord, TargetRecord
 
@@ -65,15 +65,20 @@ def figure(
                        linewidths=2, label=word)  # fmt: skip
         for check in verdict.checks:
             if check.name == "held-out ESAP":
-                ax.axhline(check.limit, color="tab:red", linestyle=":", linewidth=1, label="gate: least held-out ESAP")
+                # dots over the target's dashes, labelled above at the left: both stay visible on the same value
+                ax.axhline(check.limit, color="tab:red", linestyle=":", linewidth=1.5, zorder=3,
+                           label="gate: least held-out ESAP")  # fmt: skip
+                _line_label(ax, check.limit, f"gate {check.limit:g}", "tab:red", above=True)
     for target in targets:
         ax.axhline(target.threshold, color="tab:purple", linestyle="-.", linewidth=1, label=f"target ({target.criterion})")
+        _line_label(ax, target.threshold, f"target {target.threshold:g} ({target.criterion})", "tab:purple", above=False)
         searched = series.get(("searched", target.criterion), [])
         chosen = [v for v in searched if target.chosen is not None and abs(v[2] - target.chosen) < 1e-9]
         if chosen:
             ax.scatter([chosen[0][0]], [chosen[0][1]], marker="D", s=90, color="tab:purple", label="chosen sparsity")
     ax.set_xlabel("Checkpoint size")
     ax.xaxis.set_major_formatter(EngFormatter(unit="B"))  # 10 MB, not 1e7
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=5))  # "1.02 MB"-wide labels: at most 6 fit the axis side by side
     ax.set_ylabel("Held-out ESAP")
     ax.set_title("Quality against memory")
     handles, labels = ax.get_legend_handles_labels()
@@ -81,3 +86,13 @@ def figure(
     ax.legend(unique.values(), unique.keys(), fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     return fig
+
+
+def _line_label(ax: plt.Axes, y: float, text: str, colour: str, *, above: bool) -> None:
+    """Name a horizontal line on the plot: above it at the left, or below it at the right (two lines at one value
+    keep both names apart)."""
+    ax.annotate(
+        text, (0.01 if above else 0.99, y), xycoords=("axes fraction", "data"), textcoords="offset points",
+        xytext=(0, 3 if above else -3), ha="left" if above else "right", va="bottom" if above else "top",
+        fontsize="x-small", color=colour,
+    )  # fmt: skip

@@ -13,7 +13,7 @@ import logging
 from evoesap import records
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.params import StageParams, keyed, param
-from evoesap.release.gate import SCORING_PARAMS, verdict
+from evoesap.release.gate import SCORING_PARAMS, candidate_name, verdict
 from evoesap.store import artifacts, jsontext, lineage
 from evoesap.store.identity import summary
 
@@ -118,6 +118,24 @@ def _check_previous(candidate: artifacts.Manifest, previous: str) -> None:
         )
 
 
+def pruned_as(evaluation: artifacts.Manifest) -> str | None:
+    """The evaluated candidate's name from its lineage (`candidate_name`): the prune artifact's criterion, sparsity and
+    method (searched when it pruned by an allocation), and the recipe of a quantize artifact on the way; None when
+    the model is no prune artifact's (the evaluation's labels then name it)."""
+    entry, recipe = evaluation.inputs.get("model", {}), None
+    while "manifest_sha256" in entry:  # check_reference has followed this lineage by content already
+        manifest = artifacts.read_manifest(entry["uri"])
+        if manifest.stage == "quantize":
+            recipe = manifest.params.get("recipe")
+        elif manifest.stage == "prune":
+            method = "searched" if manifest.inputs.get("allocation") else "uniform"
+            return candidate_name(manifest.params.get("criterion"), manifest.params.get("sparsity"), method, recipe)
+        else:
+            return None
+        entry = manifest.inputs.get("model", {})
+    return None
+
+
 def run_gate(
     evaluation: str, full_evaluation: str, params: GateParams, out_uri: str, *, previous: str | None = None
 ) -> artifacts.Manifest:
@@ -143,7 +161,8 @@ def run_gate(
             "evaluation of the full model"
         )
     before = read_metrics(previous) if previous is not None else None
-    record = verdict(params, candidate, full, before, artifacts.redact(previous) if previous else None)
+    name = pruned_as(judged)
+    record = verdict(params, candidate, full, before, artifacts.redact(previous) if previous else None, name)
     record = dataclasses.replace(record, reference=reference)
     log.info("%s", record.line())
     with artifacts.stage_output(out_uri, "gate", keyed(params), inputs, seen) as staging:

@@ -148,8 +148,8 @@ def run_report(
     gates: Sequence[str] = (),
     targets: Sequence[str] = (),
 ) -> artifacts.Manifest:
-    """Write report.md (and a self-contained report.html): the gate's verdicts first, then summary, benchmark and
-    memory tables, plots, lineage."""
+    """Write report.md (and a self-contained report.html): the gate's verdicts and the target's decisions first, then
+    summary, benchmark and memory tables, plots, lineage."""
     from evoesap.registry import NAMES
     from evoesap.reporting import render
     from evoesap.store import lineage
@@ -196,6 +196,7 @@ def run_report(
         context = {
             "title": params.title,
             "verdicts": [(v.passed, v.line()) for v in verdicts],
+            "targets": [(t.chosen is not None, f"{t.criterion}: {t.line()}") for t in chosen],
             "notes": _notes(metrics),
             "headline": rp.headline(settings),
             "summary": rp.summary_table(settings, params.digits),

@@ -86,6 +86,20 @@ def test_verdict_passes_exactly_when_every_threshold_holds(full_values, values, 
     assert records.GateRecord.from_json(json.loads(json.dumps(record.to_json())), "gate.json") == record
 
 
+def test_a_verdict_names_its_candidate_by_criterion_sparsity_and_method():
+    full = _metrics({"arith": 0.80}, method="full")
+    candidate = dataclasses.replace(
+        _metrics({"arith": 0.70}), labels=records.Labels(criterion="reap", sparsity=0.25, method="searched")
+    )
+    line = verdict(GateParams(max_task_drop=0.02), candidate, full).line()
+    assert line.startswith("release gate failed for reap at sparsity 0.2500 (searched): arith acc") and "/models" not in line
+    quantized = dataclasses.replace(candidate, quantization=records.Quantized(recipe="fp8-dynamic", scheme="FP8_DYNAMIC"))
+    line = verdict(GateParams(max_task_drop=0.2), quantized, full).line()
+    assert line == "release gate passed for reap at sparsity 0.2500 (searched, quantized fp8-dynamic) (1 checks)"
+    unlabelled = _metrics({"arith": 0.70})  # no criterion or sparsity known: the model's location stands in
+    assert verdict(GateParams(max_task_drop=0.2), unlabelled, full).line().startswith("release gate passed for /models/searched")
+
+
 @pytest.mark.parametrize(
     "values, problem",
     [
@@ -132,6 +146,9 @@ def test_gate_stage_writes_the_verdict_and_publish_follows_it(built, tmp_path):
     run_gate(built["evaluated"], built["evaluated_full"], passing, str(tmp_path / "pass"))
     record = records.read(str(tmp_path / "pass"), records.GateRecord)
     assert record.passed and len(record.checks) == len(full)
+    pruning = records.read(built["pruned"], records.PruningRecord)  # named as the prune artifact made it, not by its path
+    named = f"{pruning.criterion} at sparsity {pruning.sparsity:.4f} ({pruning.method})"
+    assert record.line() == f"release gate passed for {named} ({len(full)} checks)" and pruning.method == "searched"
     run_publish(built["pruned"], evaluations, PublishParams(), str(tmp_path / "published"), gate=str(tmp_path / "pass"))
     manifest = artifacts.read_manifest(str(tmp_path / "published"), "publish")
     assert manifest.inputs["gate"]["manifest_sha256"] == artifacts.manifest_sha256(str(tmp_path / "pass"))

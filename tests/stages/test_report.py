@@ -220,6 +220,25 @@ def check_table(markdown: str, by_method: dict[str, dict], digits: int) -> None:
     assert set(seen) == set(by_method)
 
 
+def test_the_report_shows_each_target_decision_with_its_probes_and_reason(tmp_path):
+    probe = lambda s, v, meets: records.Probe(  # noqa: E731
+        sparsity=s, budget=int(s * 32), search=f"/s/{s}", removal_counts=(1,), fitness=v, heldout=v, stderr=0.01,
+        meets=meets, samples=8,
+    )  # fmt: skip
+    decision = records.TargetRecord(
+        criterion="reap", metric="heldout_esap", threshold=0.95, grid=(0.125, 0.25, 0.375, 0.5), max_probes=3,
+        probes=(probe(0.25, 0.96, True), probe(0.375, 0.94, False)), chosen=0.25, chosen_search="/s/0.25", warm_start=False,
+    )  # fmt: skip
+    target = publish(tmp_path / "target", "target", {"target.json": json.dumps(decision.to_json()).encode()})
+    runs = [publish(tmp_path / m, "evaluate", {"metrics.json": json.dumps(d).encode()}) for m, d in RUNS.items()]
+    run_report(runs, ReportParams(), str(tmp_path / "report"), targets=[target])
+    text = (tmp_path / "report" / "report.md").read_text()
+    section = text[text.index("## Sparsity target") : text.index("## Summary")]
+    assert "**CHOSEN:** reap: sparsity 0.2500 meets heldout_esap >= 0.95 (0.9600 +/- 0.0100)" in section
+    assert "2 of the grid's 4 points probed" in section and "the next point up, 0.3750, misses (0.9400 +/- 0.0100)" in section
+    assert "within the noise" in section  # 0.96 and 0.94 lie one standard error from 0.95
+
+
 def test_report_cli_writes_the_report(tmp_path):
     from evoesap.cli import main
 

@@ -60,3 +60,34 @@ def test_figure_marks_the_full_model_the_gate_and_the_target():
         line.get_ydata()[0] for line in ax.get_lines() if len(set(line.get_ydata())) == 1 and len(line.get_ydata()) == 2
     )
     assert horizontal == [0.93, 0.96]
+
+
+def _tick_labels_overlap(fig) -> bool:
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in fig.axes[0].get_xticklabels() if t.get_text()]
+    return any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+
+
+def test_size_labels_never_overlap_at_any_scale():
+    for full, spread in ((1_066_820, 0.1), (13_803_648, 0.8), (3_000_000_000, 0.05), (27_000_000_000, 0.6)):
+        runs = [_run("full", None, 1.0, full)]
+        runs += [_run("searched", s, 1 - s / 3, int(full * (1 - s * spread))) for s in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)]
+        assert not _tick_labels_overlap(frontier.figure(runs)), full
+
+
+def test_a_gate_and_a_target_at_the_same_value_both_stay_visible():
+    check = records.GateCheck(name="held-out ESAP", value=0.97, reference=None, limit=0.95, passed=True)
+    verdict = records.GateRecord(passed=True, candidate="/m/candidate", checks=(check,))
+    target = records.TargetRecord(
+        criterion="reap", metric="heldout_esap", threshold=0.95, grid=(0.25, 0.5), max_probes=2, probes=(), chosen=0.25,
+        chosen_search="/s/1",
+    )  # fmt: skip
+    (ax,) = frontier.figure(RUNS, [verdict], [target]).axes
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    gate, aim = lines["gate: least held-out ESAP"], lines["target (reap)"]
+    assert gate.get_ydata()[0] == aim.get_ydata()[0] == 0.95
+    assert gate.get_linestyle() != aim.get_linestyle() and gate.get_color() != aim.get_color()
+    assert gate.get_zorder() > aim.get_zorder()  # the gate's dots drawn over the target's dashes
+    names = {t.get_text(): t for t in ax.texts}
+    assert {"gate 0.95", "target 0.95 (reap)"} <= set(names)  # each line named on the plot, one above, one below
+    assert names["gate 0.95"].xyann[1] > 0 > names["target 0.95 (reap)"].xyann[1]

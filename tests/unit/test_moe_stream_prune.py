@@ -15,6 +15,7 @@ from test_moe import UNGROUPED, logits, nonuniform_sets
 
 from evoesap import moe
 from evoesap.errors import ArtifactError, ConfigError
+from evoesap.moe.remote_code import MODELING_FILE
 
 
 def stored(directory: Path) -> dict[str, torch.Tensor]:
@@ -148,3 +149,31 @@ def test_configs_with_infinite_values_are_read_as_from_pretrained_reads_them(tmp
     assert runtime.inspect_checkpoint(f"file://{tmp_path}/full").num_experts == moe.inspect(model).num_experts
     moe.prune_checkpoint(str(tmp_path / "full"), {0: [1, 2]}, tmp_path / "pruned")
     assert moe.load_pruned(str(tmp_path / "pruned")).config.time_step_limit[1] == float("inf")
+
+
+def _disk_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+
+
+@pytest.mark.parametrize("family, dtype", [(f, None) for f in FAMILIES] + [("qwen3_moe", torch.bfloat16)])
+def test_checkpoint_bytes_predicts_the_files_prune_writes_to_the_byte(family, dtype, tmp_path):
+    """Shards with their headers, the index, config.json, a non-uniform result's modeling file and the copied
+    files: the prediction, made without writing a weight, equals the written files' sizes; nothing pruned, each shard
+    is as large as the one the safetensors library wrote."""
+    model = cached_model(family, **UNGROUPED.get(family, {}))
+    source = tmp_path / "full"
+    model.save_pretrained(source, max_shard_size="20KB")
+    (source / "tokenizer_config.json").write_text('{"model_max_length": 64}')  # a small file prune copies
+    spec = moe.inspect(model)
+    uniform = {layer.ordinal: list(range(1)) for layer in spec.layers}
+    allocations = [{}, nonuniform_sets(spec, seed=1), uniform, nonuniform_sets(spec, seed=4)]
+    predicted = moe.checkpoint_bytes(str(source), allocations, dtype)
+    assert list(tmp_path.iterdir()) == [source]  # nothing written beside the source
+    for i, pruned in enumerate(allocations):
+        out = tmp_path / f"pruned{i}"
+        moe.prune_checkpoint(str(source), pruned, out, dtype=dtype)
+        assert predicted[i] == _disk_bytes(out), (i, pruned)
+    assert (tmp_path / "pruned1" / MODELING_FILE).exists()  # the non-uniform one's file is counted
+    if dtype is None:
+        shards = sorted(source.glob("*.safetensors"))
+        assert [p.stat().st_size for p in shards] == [(tmp_path / "pruned0" / p.name).stat().st_size for p in shards]

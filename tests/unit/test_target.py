@@ -78,8 +78,9 @@ def test_a_warm_start_is_feasible_for_the_new_budget(counts, data):
     assert alloc.is_feasible(seed, N, K, budget, 1)
 
 
-def _fake_search(quality):
-    """A search whose searched allocation is the proportional one and whose held-out value is `quality(sparsity)`."""
+def _fake_search(quality, stderr=0.002):
+    """A search whose searched allocation is the proportional one and whose held-out value is `quality(sparsity)`, the
+    mean of 8 samples with standard error `stderr`."""
     calls = []
 
     def search(sparsity, seed):
@@ -90,7 +91,7 @@ def _fake_search(quality):
         counts = alloc.uniform(N, K, budget, 1)
         check = records.HeldoutCheck(
             samples=8, searched=quality(sparsity), uniform=0.0, difference=0.0, stderr=0.01, beats_uniform=True,
-            searched_stderr=0.002,
+            searched_stderr=stderr,
         )  # fmt: skip
         record = records.AllocationRecord(
             criterion="reap", sparsity=sparsity, removal_counts=counts, pruned={}, fitness=quality(sparsity), heldout=check
@@ -117,7 +118,7 @@ def test_find_chooses_the_largest_sparsity_a_sweep_says_meets_the_target(thresho
     assert all(p.meets == (p.heldout >= threshold) and p.stderr == 0.002 for p in record.probes)
     assert records.TargetRecord.from_json(record.to_json(), "target.json") == record
     if record.chosen is None:
-        assert "no sparsity on the grid meets" in record.line()
+        assert "no probed sparsity meets" in record.line()
 
 
 @pytest.mark.parametrize("threshold", [0.9, 0.75, 0.5])
@@ -193,35 +194,86 @@ def tiny_model(tmp_path_factory):
     return make_tiny_inputs(tmp_path_factory.mktemp("tiny"))["model"]
 
 
-def _pruned_bytes(model_dir: str, sparsity: float) -> int:
-    """Weight bytes of the model with a uniform allocation of that sparsity removed, measured on the loaded model."""
-    import transformers
-
+def _written(model_dir: str, counts, tmp_path) -> int:
+    """Bytes on disk of the checkpoint prune writes with `counts` experts removed per layer: prune run, files summed."""
     from evoesap import moe
-    from evoesap.moe.memory import bytes_report
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
-    spec = moe.inspect(model)
-    n, k = spec.num_experts, spec.top_k
-    counts = alloc.uniform(n, k, alloc.budget(sparsity, n, k, 1), 1)
-    return bytes_report(model, {layer: tuple(range(c)) for layer, c in enumerate(counts)}).pruned
+    out = tmp_path / "-".join(map(str, counts))
+    if not out.exists():
+        moe.prune_checkpoint(model_dir, {layer: list(range(c)) for layer, c in enumerate(counts) if c}, out)
+    return sum(p.stat().st_size for p in out.iterdir())
 
 
-def test_a_memory_target_picks_the_least_grid_sparsity_whose_checkpoint_fits(tiny_model):
+TINY = ((8, 8, 8, 8), (2, 2, 2, 2))  # make_tiny_inputs: 4 MoE layers of 8 experts, top-2
+
+
+def _largest(model_dir: str, sparsity: float, tmp_path) -> int:
+    """The largest checkpoint an allocation at that grid sparsity writes: the uniform one and three others drawn from
+    the feasible set (they differ only by the modeling file a non-uniform one adds, and digits)."""
+    import random
+
+    n, k = TINY
+    budget = alloc.budget(sparsity, n, k, 1)
+    space = alloc.FeasibleSet(n, k, budget, 1)
+    rng = random.Random(budget)
+    drawn = [space.unrank(rng.randrange(space.size)) for _ in range(3)]
+    return max(_written(model_dir, c, tmp_path) for c in [alloc.uniform(n, k, budget, 1), *drawn])
+
+
+@pytest.fixture(scope="module")
+def written_sizes(tiny_model, tmp_path_factory):
+    """(every grid point's largest written checkpoint, the full model's, the floor's: every layer at top-k experts)."""
+    tmp = tmp_path_factory.mktemp("pruned")
+    points = grid(*TINY, 1)
+    return (
+        [_largest(tiny_model, s, tmp) for s in points],
+        _written(tiny_model, (0,) * 4, tmp),
+        _written(tiny_model, (6,) * 4, tmp),
+    )
+
+
+def test_a_memory_target_picks_the_least_grid_sparsity_whose_written_checkpoint_fits(tiny_model, written_sizes):
+    """Bytes are the files prune writes (headers, config, tokenizer, a non-uniform checkpoint's modeling file), not
+    tensor bytes: at each budget the chosen point's checkpoints fit and the point below's largest does not."""
     from evoesap.pipeline.config import load_config
 
-    points = grid((8, 8, 8, 8), (2, 2, 2, 2), 1)
-    middle = _pruned_bytes(tiny_model, points[len(points) // 2])
-    config = load_config({**BASE, "model": tiny_model, "target": {"bytes": str(middle)}})
-    ((point),) = config.grid()
-    chosen = point["sparsity"]
-    assert chosen == points[len(points) // 2]  # the least that fits: one grid step less does not
-    assert _pruned_bytes(tiny_model, chosen) <= middle < _pruned_bytes(tiny_model, points[points.index(chosen) - 1])
+    sizes, full, floor = written_sizes
+    points = grid(*TINY, 1)
+    assert sizes == sorted(sizes, reverse=True) and floor < sizes[-1] < sizes[0] < full
+    picks = (0, 3, 7, 12, 20)
+    budgets = [full - 1] + [sizes[i] for i in picks] + [sizes[i] - 1 for i in picks[1:]]
+    assert len(budgets) == 10
+    for budget in budgets:
+        ((point),) = load_config({**BASE, "model": tiny_model, "target": {"bytes": budget}}).grid()
+        chosen = points.index(point["sparsity"])
+        assert sizes[chosen] <= budget, (budget, chosen)
+        assert (full if chosen == 0 else sizes[chosen - 1]) > budget, (budget, chosen)
+    config = load_config({**BASE, "model": tiny_model, "target": {"bytes": sizes[10]}})
     from evoesap.pipeline.target import cost_line, run_target
 
     for bracketing in (cost_line, run_target):  # nothing to bracket: refused in one line, not run with no threshold
         with pytest.raises(ConfigError, match="no quality target"):
             bracketing(config)
+
+
+def test_a_memory_target_names_the_real_floor_and_the_full_checkpoint(tiny_model, written_sizes):
+    """The floor is the smallest checkpoint prune writes (every layer at its fewest experts), not the last searchable
+    point; a budget between them fits only the floor, which has nothing to search, and says so."""
+    from evoesap.pipeline.config import load_config
+
+    sizes, full, floor = written_sizes
+    cases = [
+        (full, f"at least the full checkpoint's {full:,} bytes on disk: nothing needs pruning"),
+        (floor - 1, f"below the model's floor, its smallest checkpoint: {floor:,} bytes"),
+        (floor, f"below the smallest searchable checkpoint, {sizes[-1]:,} bytes .* only the model's floor \\({floor:,}"),
+        (sizes[-1] - 1, "below the smallest searchable checkpoint"),
+    ]
+    for budget, problem in cases:
+        with pytest.raises(ConfigError, match=problem) as refused:
+            load_config({**BASE, "model": tiny_model, "target": {"bytes": budget}})
+        assert "\n" not in str(refused.value)
+    ((point),) = load_config({**BASE, "model": tiny_model, "target": {"bytes": full - 1}}).grid()
+    assert point["sparsity"] == grid(*TINY, 1)[0]  # a byte under the full model: the least pruning, not "nothing"
 
 
 @pytest.mark.parametrize("size, problem", [("1K", "below the model's floor"), ("100GiB", "nothing needs pruning")])
@@ -331,15 +383,15 @@ def test_an_unmet_target_ends_the_command_as_an_error_line_like_any_other(tmp_pa
     assert main(["pipeline", "target", str(config)]) == 1
     out, err = capsys.readouterr()
     (line,) = err.strip().splitlines()
-    assert line.startswith("error: ean: no sparsity on the grid meets heldout_esap >= 0.9 (the lowest sparsity tried, ")
+    assert line.startswith("error: ean: no probed sparsity meets heldout_esap >= 0.9 (the lowest sparsity tried, ")
     assert out.splitlines() == ["cost", f"reap: {found[0][1].line()}", "/runs/target/reap", "/runs/target/ean"]
 
 
-def test_a_memory_target_takes_a_number_of_bytes_as_a_size_does(tiny_model):
+def test_a_memory_target_takes_a_number_of_bytes_as_a_size_does(tiny_model, written_sizes):
     from evoesap.pipeline.config import load_config
 
-    points = grid((8, 8, 8, 8), (2, 2, 2, 2), 1)
-    middle = _pruned_bytes(tiny_model, points[len(points) // 2])
+    points = grid(*TINY, 1)
+    middle = written_sizes[0][len(points) // 2]
     as_number = load_config({**BASE, "model": tiny_model, "target": {"bytes": middle}}).grid()
     assert as_number == load_config({**BASE, "model": tiny_model, "target": {"bytes": f"{middle}B"}}).grid()
     assert as_number[0]["sparsity"] == points[len(points) // 2]
@@ -352,3 +404,51 @@ def test_a_memory_target_refuses_what_is_not_a_size_in_one_line(size, problem):
     with pytest.raises(ConfigError, match=f"target.bytes.*{problem}") as refused:
         load_config({**BASE, "target": {"bytes": size}})
     assert "\n" not in str(refused.value)
+
+
+def test_the_line_says_what_was_probed_and_never_claims_the_unprobed_grid():
+    points = grid(N, K, 1)
+    search, _ = _fake_search(lambda s: 1 - s)
+    record = find(0.75, points, search, N, K, 1, "reap", warm=False, rechecks=1)
+    probed = {p.sparsity for p in record.probes}
+    above = [s for s in points if s > record.chosen]
+    assert above and any(s not in probed for s in above)  # bisection left points above the answer unsearched
+    line = record.line()
+    assert "largest on the grid" not in line
+    assert f"the largest of {len(probed)} of the grid's {len(points)} points probed" in line
+    assert f"the next point up, {above[0]:.4f}, misses ({1 - above[0]:.4f} +/- 0.0020)" in line
+    assert f"{sum(s not in probed for s in above)} point(s) above {record.chosen:.4f} not probed" in line
+    assert "within the noise" not in line  # 0.75 lies 5 standard errors or more from every probe
+    top = find(0.01, points, _fake_search(lambda s: 1 - s)[0], N, K, 1, "reap", warm=False, rechecks=1)
+    assert top.chosen == points[-1] and "the grid's last point" in top.line() and "not probed" not in top.line()
+
+
+@pytest.mark.parametrize("threshold", [0.74, 0.51])
+def test_an_answer_within_the_noise_of_the_threshold_says_so_and_what_would_decide_it(threshold):
+    points = grid(N, K, 1)
+    stderr = 0.03  # a point's neighbours differ by 1/28 of ESAP here: about one standard error
+    search, _ = _fake_search(lambda s: 1 - s, stderr)
+    record = find(threshold, points, search, N, K, 1, "reap", warm=False, rechecks=1)
+    chosen = record.chosen
+    above = points[points.index(chosen) + 1]
+    line = record.line()
+    deciding = [(s, 1 - s) for s in (chosen, above) if abs(1 - s - threshold) <= 2 * stderr]
+    assert deciding  # the boundary between grid points falls inside the noise
+    assert "; within the noise: " in line
+    for sparsity, value in deciding:  # each such probe named, with the samples that would separate it (stderr ~ 1/sqrt(n))
+        need = max(9, math.ceil(8 * (2 * stderr / abs(value - threshold)) ** 2))
+        assert f"{sparsity:.4f}'s {value:.4f} +/- {stderr:.4f} is within 2 standard errors of {threshold}" in line
+        assert f"about {need} held-out samples (now 8) would decide it" in line
+    quiet, _ = _fake_search(lambda s: 1 - s, 1e-5)
+    assert "within the noise" not in find(threshold, points, quiet, N, K, 1, "reap", warm=False, rechecks=1).line()
+
+
+def test_an_unmet_target_within_the_noise_says_so():
+    points = grid(N, K, 1)
+    search, _ = _fake_search(lambda s: 0.9 - s, 0.01)  # the lowest point reaches 0.9 - 1/28, 1.6 standard errors short
+    record = find(0.88, points, search, N, K, 1, "reap", warm=False, rechecks=1)
+    assert record.chosen is None
+    line = record.line()
+    assert line.startswith("no probed sparsity meets heldout_esap >= 0.88 (the lowest sparsity tried, ")
+    assert f"{len(record.probes)} of the grid's {len(points)} points probed" in line
+    assert f"{points[0]:.4f}'s {0.9 - points[0]:.4f} +/- 0.0100 is within 2 standard errors of 0.88" in line
