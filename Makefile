@@ -80,7 +80,7 @@ bench: $(STAMP)
 		--calibration $(WORLD)/data/code/calibration.jsonl $(WORLD)/data/copy/calibration.jsonl $(WORLD)/data/facts/calibration.jsonl $(WORLD)/data/math/calibration.jsonl \
 		--sweep --racing-min-positions 64  # the demo's 64 mixed search samples hold ~1,080 scored positions
 
-# The long chaos run: 100 random faults on the quick demo world's pipeline (benchmarks/RESULTS.md, "Chaos"); it quantizes
+# The long chaos run: 100 random faults on the quick demo world's pipeline (docs/results/reliability.md, "Chaos runs"); it quantizes
 CHAOS_FAULTS ?= 100
 chaos: $(STAMP) $(QUANTIZE_STAMP)
 	EVOESAP_QUANTIZE_PYTHON=$(abspath $(QUANTIZE_PY)) OMP_NUM_THREADS=1 $(PY) benchmarks/chaos.py --faults $(CHAOS_FAULTS) --seed 0 --json .cache/chaos-outcomes.json

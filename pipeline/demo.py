@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 DEMO_SEARCH = {"population": 16, "elites": 4, "generations": 12, "batch_size": 16, "heldout_fraction": 0.25}
 DEMO_EVALUATE = {"limit": 48, "batch_size": 16}
 # Each searched model quantized (4-bit GPTQ on the calibration samples; the demo world's widths are whole groups of
-# 128) and evaluated beside it: about 15 s more per point on a 2-core CPU (benchmarks/RESULTS.md, issue 28).
+# 128) and evaluated beside it: about 15 s more per point on a 2-core CPU (docs/results/quantization.md).
 DEMO_QUANTIZE = {"recipe": "w4a16-gptq", "samples": 64, "max_length": 256}
 # What each world profile runs. The quick world (2 layers of 4 experts, top-2, widths of 32) admits a single allocation
 # at 50% (nothing to search) and no group of 128 (GPTQ's): it runs 25% only, quantized per channel (fp8-dynamic).

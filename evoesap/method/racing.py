@@ -11,7 +11,7 @@ With the defaults and 28 offspring: 28 on 1/16, 7 on 1/4, 2 on all, which is 1.7
 = 4.6 sample-set passes instead of 28 (the evaluator memoises per sample, so a promoted candidate runs
 only the samples it lacks). On the demo world this default cost 3.7-4.4x less per generation than
 exact search and lost at most 0.14% full-set ESAP over 12 searches; EvoPress's 1/8, 1/2 schedule
-("0.125,0.5:0.25") cost 2.6-3.0x less (benchmarks/RESULTS.md).
+("0.125,0.5:0.25") cost 2.6-3.0x less (docs/results/search-quality.md).
 
 A level never starves: it scores at least `min_samples` samples (default 4) and `min_positions` scored
 positions (default 256), however small its share. Fitness is a mean over samples, and samples differ

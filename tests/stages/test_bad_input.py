@@ -1,4 +1,4 @@
-"""The bad-input catalogue (issue 13): every mistake a user can make gets one clear line and changes nothing.
+"""The bad-input catalogue: every mistake a user can make gets one clear line and changes nothing.
 
 Data loss first: wherever `--out` points, the user's files stay byte-identical. Then what is read back
 is verified (manifests, payload sha256s, allocations and scores against the model and budget), then each
