@@ -1,5 +1,6 @@
 """The documentation speaks of the project, not of how it was developed, and its links resolve."""
 
+import os
 import re
 from pathlib import Path
 
@@ -23,6 +24,31 @@ def test_docs_name_no_issue_number_or_development_step(path: Path) -> None:
         if HISTORY.search(line)
     ]
     assert not hits, "development history in the docs (say what is, not when it was done):\n" + "\n".join(hits)
+
+
+ISSUE_NUMBER = re.compile(r"\bissues? \d+", re.IGNORECASE)  # in code "session" is a word of its own (pytest, HTTP)
+
+
+def _source_files() -> list[Path]:
+    """The repository's code and configuration, without hidden folders (venvs, caches) or build outputs."""
+    suffixes, skipped = {".py", ".sh", ".yaml", ".yml", ".toml", ".j2", ".cfg"}, {"site", "runs", "dist", "build"}
+    files = []
+    for folder, subfolders, names in os.walk(ROOT):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d not in skipped and d != "__pycache__"]
+        files += [Path(folder) / n for n in names if Path(n).suffix in suffixes or n == "Makefile"]
+    return sorted(files)
+
+
+def test_code_names_no_issue_number() -> None:
+    """Comments and docstrings say why, not which issue asked: the numbers mean nothing to a reader."""
+    hits = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in _source_files()
+        if path != Path(__file__).resolve()
+        for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+        if ISSUE_NUMBER.search(line)
+    ]
+    assert not hits, "issue numbers in code (say why, not which issue asked):\n" + "\n".join(hits)
 
 
 def test_history_pattern_catches_what_it_must() -> None:
