@@ -285,7 +285,9 @@ def test_search_stage_records_its_work_in_allocation_json_for_each_racing_mode(s
         history = pd.read_parquet(artifacts.join(out, "history.parquet"))
         assert work["racing"] == mode and work["racing_delta"] == (0.2 if mode == "statistical" else None)
         assert work["full_forward_equivalents"] == cost["full_forward_equivalents"] > 0
-        assert work["full_forward_equivalents_per_candidate"] == pytest.approx(work["full_forward_equivalents"] / work["candidates"])
+        assert work["full_forward_equivalents_per_candidate"] == pytest.approx(
+            work["full_forward_equivalents"] / work["candidates"]
+        )
         full = {tuple(a) for a, f in zip(history["allocation"], history["fitness"]) if not np.isnan(f)}
         assert work["full_set_evaluations"] == len(full) and not work["resumed"]
         raced = history[history["fitness"].isna()] if mode != "off" else history.iloc[:0]
