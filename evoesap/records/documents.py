@@ -50,7 +50,10 @@ class HeldoutCheck(Record):
 @dataclasses.dataclass(frozen=True)
 class SearchWork(Record):
     """The work a search did, in full-forward equivalents (FFE: active multiply-accumulates run / those of one plain
-    forward over the search samples; `evoesap.stages.search.search_work`), and how racing cut it."""
+    forward over the search samples; `evoesap.stages.search.search_work`), and how racing cut it. The search
+    artifact's manifest holds it as `run.cost` (with how the run ran), not allocation.json: a resumed or
+    multi-worker search does other work for the same result, and its allocation.json must equal an undisturbed
+    run's, byte for byte."""
 
     full_forward_equivalents: float  # the whole search's work, before the held-out check
     full_forward_equivalents_per_candidate: float  # that over `candidates`
@@ -90,7 +93,6 @@ class AllocationRecord(Record):
     evaluations: int | None = None  # candidates the search scored
     search_samples: int | None = None  # samples the search scored on
     heldout_samples: int | None = None  # samples held out for the check
-    work: SearchWork | None = None  # the search's work; None: written before it was recorded (the manifest's run.cost has it)
 
 
 @dataclasses.dataclass(frozen=True)

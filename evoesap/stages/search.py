@@ -246,10 +246,7 @@ def _cost(totals: dict[str, int], work: records.SearchWork, result: Any) -> dict
     """The manifest's `run.cost`: `work` (`search_work`) and how it ran (the prefix cache's budget and peak are the
     largest worker's)."""
     return {
-        "full_forward_equivalents": work.full_forward_equivalents,
-        "candidates": work.candidates,
-        "full_forward_equivalents_per_candidate": work.full_forward_equivalents_per_candidate,
-        "full_set_evaluations": result.evaluations,
+        **work.to_json(),
         "subset_evaluations": result.subset_evaluations,
         "samples_run": totals["forwards"],
         "prefix_cache_budget_bytes": totals["prefix_budget"],
@@ -538,7 +535,7 @@ def run_search(
         work = search_work(totals, scoring.evaluator.full_forward_work(scoring.search_ids), result, scoring, params, resumed)
         cost = _cost(totals, work, result)
 
-    record = dataclasses.replace(_allocation_record(params, scoring, result, best, finals), work=work)
+    record = _allocation_record(params, scoring, result, best, finals)
     history = _history_frame(result.history)
     with artifacts.stage_output(out_uri, "search", keyed(params), inputs, seen, run={"cost": cost}) as staging:
         records.write(staging, record)

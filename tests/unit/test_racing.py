@@ -280,11 +280,11 @@ def test_search_stage_records_its_work_in_allocation_json_for_each_racing_mode(s
     for mode, extra in modes.items():
         out = str(root / f"search-work-{mode}")
         run_search(model, str(root / "scores"), str(root / "cache"), SearchParams(**small, **extra), out)
-        work = artifacts.read_json(artifacts.join(out, "allocation.json"))["work"]
-        cost = artifacts.read_manifest(out).run["cost"]
+        assert "work" not in artifacts.read_json(artifacts.join(out, "allocation.json"))  # deterministic: no run facts
+        work = artifacts.read_manifest(out).run["cost"]
         history = pd.read_parquet(artifacts.join(out, "history.parquet"))
         assert work["racing"] == mode and work["racing_delta"] == (0.2 if mode == "statistical" else None)
-        assert work["full_forward_equivalents"] == cost["full_forward_equivalents"] > 0
+        assert work["full_forward_equivalents"] > 0
         assert work["full_forward_equivalents_per_candidate"] == pytest.approx(
             work["full_forward_equivalents"] / work["candidates"]
         )

@@ -89,17 +89,17 @@ ALLOCATION = {
     "evaluations": 130,
     "search_samples": 48,
     "heldout_samples": 16,
-    "work": {
-        "full_forward_equivalents": 31.25,
-        "full_forward_equivalents_per_candidate": 0.240384615384,
-        "candidates": 130,
-        "full_set_evaluations": 41,
-        "stopped_early": 95,
-        "stopped_at": {"4": 60, "8": 30, "16": 5},
-        "racing": "statistical",
-        "racing_delta": 0.05,
-        "resumed": False,
-    },
+}
+WORK = {
+    "full_forward_equivalents": 31.25,
+    "full_forward_equivalents_per_candidate": 0.240384615384,
+    "candidates": 130,
+    "full_set_evaluations": 41,
+    "stopped_early": 95,
+    "stopped_at": {"4": 60, "8": 30, "16": 5},
+    "racing": "statistical",
+    "racing_delta": 0.05,
+    "resumed": False,
 }
 PRUNING = {
     "method": "searched",
@@ -158,8 +158,6 @@ WRITTEN = [
     (records.AllocationRecord, ALLOCATION),
     (records.AllocationRecord, {**ALLOCATION, "heldout": None, "warnings": [], "fallback_applied": False}),
     (records.AllocationRecord, {**ALLOCATION, "heldout": {**ALLOCATION["heldout"], "searched_stderr": None}}),
-    (records.AllocationRecord, {**ALLOCATION, "work": None}),
-    (records.AllocationRecord, {**ALLOCATION, "work": {**ALLOCATION["work"], "racing": "off", "racing_delta": None}}),
     (records.PruningRecord, PRUNING),
     (records.MetricsRecord, METRICS),
     (records.MetricsRecord, {**METRICS, "labels": {"criterion": None, "sparsity": None, "method": "full"}, "limit": 0.5}),
@@ -292,12 +290,12 @@ def test_previous_metrics_nested_too_deeply_are_refused_as_an_artifact_error(tmp
         read_metrics(str(path))
 
 
-def test_the_search_work_round_trips_with_its_types(tmp_path):
-    record = records.AllocationRecord.from_json(json.loads(text(ALLOCATION)), records.ALLOCATION_FILE)
-    work = record.work
-    assert work is not None and work.stopped_at == {4: 60, 8: 30, 16: 5}  # sample counts come back as integers
+def test_the_search_work_round_trips_with_its_types():
+    work = records.SearchWork.from_json(json.loads(json.dumps(WORK)), "manifest.json run.cost")
+    assert work.stopped_at == {4: 60, 8: 30, 16: 5}  # sample counts come back as integers
     assert (work.candidates, work.full_set_evaluations, work.racing, work.racing_delta) == (130, 41, "statistical", 0.05)
-    records.write(tmp_path, record)
-    assert records.AllocationRecord.from_json(json.loads((tmp_path / records.ALLOCATION_FILE).read_text()), "x") == record
-    with pytest.raises(ArtifactError, match="work.stopped_at"):
-        records.AllocationRecord.from_json({**ALLOCATION, "work": {**ALLOCATION["work"], "stopped_at": {"four": 1}}}, "x")
+    assert records.SearchWork.from_json(json.loads(json.dumps(work.to_json())), "x") == work
+    off = {**WORK, "racing": "off", "racing_delta": None}
+    assert records.SearchWork.from_json(off, "x").to_json() == off
+    with pytest.raises(ArtifactError, match="stopped_at"):
+        records.SearchWork.from_json({**WORK, "stopped_at": {"four": 1}}, "x")
