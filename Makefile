@@ -11,8 +11,13 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 QUANTIZE_VENV ?= .venv-quantize
 QUANTIZE_PY := $(QUANTIZE_VENV)/bin/python
 QUANTIZE_STAMP := $(QUANTIZE_VENV)/.installed
+# MLflow's server, for the model-registry hand-off's tests (evoesap register speaks its REST API: no mlflow in .venv).
+MLFLOW_VENV ?= .venv-mlflow
+MLFLOW_PY := $(MLFLOW_VENV)/bin/python
+MLFLOW_STAMP := $(MLFLOW_VENV)/.installed
+MLFLOW_VERSION ?= 3.17.2
 
-.PHONY: install vllm-venv quantize-venv test docs docs-screenshots demo report-screenshot bench chaos lock sbom image components clean
+.PHONY: install vllm-venv quantize-venv mlflow-venv test docs docs-screenshots demo report-screenshot bench chaos lock sbom image components clean
 
 WORLD := .cache/demo-world
 
@@ -48,11 +53,20 @@ $(QUANTIZE_STAMP): images/requirements-quantize.lock
 
 quantize-venv: $(QUANTIZE_STAMP)
 
-test: $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP)  # the serving and quantize tests run vLLM and llm-compressor from their own venvs
+# EVOESAP_MLFLOW_PYTHON=$(MLFLOW_PY) points tests/stages/test_register.py at it: a real `mlflow server` on SQLite.
+$(MLFLOW_STAMP):
+	test -x $(MLFLOW_PY) || $(PYTHON) -m venv $(MLFLOW_VENV)
+	$(MLFLOW_PY) -m pip install --quiet --upgrade pip
+	$(MLFLOW_PY) -m pip install --quiet mlflow==$(MLFLOW_VERSION)
+	touch $(MLFLOW_STAMP)
+
+mlflow-venv: $(MLFLOW_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP) $(MLFLOW_STAMP)  # the serving, quantize and register tests run vLLM, llm-compressor and MLflow from their own venvs
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site  # a broken link fails (never --quiet: it hides the warnings strict counts)
-	$(PY) -m pytest -q -n 2 --durations=25  # two workers; the demo world trains beside them (tests/conftest.py)
+	EVOESAP_MLFLOW_PYTHON=$(abspath $(MLFLOW_PY)) $(PY) -m pytest -q -n 2 --durations=25  # two workers; the demo world trains beside them (tests/conftest.py)
 
 # The docs site (mkdocs.yml) into site/; the reference pages are generated from the code at every build.
 docs: $(STAMP)
@@ -99,7 +113,7 @@ image: $(STAMP)
 	bash images/build.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(QUANTIZE_VENV) .pytest_cache .hypothesis build site *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(QUANTIZE_VENV) $(MLFLOW_VENV) .pytest_cache .hypothesis build site *.egg-info
 
 components: $(STAMP)
 	$(PY) -m evoesap pipeline components --out components

@@ -176,8 +176,25 @@ def job_name(out_uri: str) -> str:
     return f"evoesap-search-{out_uri.rstrip('/').rsplit('/', 1)[-1][:12]}"
 
 
-def trainjob(template: Mapping[str, Any], name: str, spec: Mapping[str, Any], workers: int) -> dict[str, Any]:
-    """The TrainJob resource for a worker `spec` (`evoesap.method.distributed.worker_spec`) on `workers` processes."""
+# the launcher pod's name and uid, which KFP gives every task's container through the downward API
+POD_NAME_ENV, POD_UID_ENV = "KFP_POD_NAME", "KFP_POD_UID"
+
+
+def launcher_owner() -> dict[str, Any] | None:
+    """The owner reference to the launcher's own pod (from KFP's downward-API env), so Kubernetes' garbage collector
+    deletes the TrainJob with the pod that launched it (a deleted run leaves no workers behind); None outside a pod
+    that has both. Not blocking, not a controller: deleting the pod needs no permission on trainjobs."""
+    name, uid = os.environ.get(POD_NAME_ENV, "").strip(), os.environ.get(POD_UID_ENV, "").strip()
+    if not (name and uid):
+        return None
+    return {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid, "controller": False, "blockOwnerDeletion": False}
+
+
+def trainjob(
+    template: Mapping[str, Any], name: str, spec: Mapping[str, Any], workers: int, owner: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The TrainJob resource for a worker `spec` (`evoesap.method.distributed.worker_spec`) on `workers` processes;
+    `owner`: its owner reference (`launcher_owner`), in the launcher pod's namespace."""
     procs = int(template["procs_per_node"])
     if workers % procs:
         raise ConfigError(
@@ -201,6 +218,8 @@ def trainjob(template: Mapping[str, Any], name: str, spec: Mapping[str, Any], wo
     }
     if template["annotations"]:
         metadata["annotations"] = dict(template["annotations"])
+    if owner is not None:
+        metadata["ownerReferences"] = [dict(owner)]
     spec: dict[str, Any] = {
         "runtimeRef": {"name": template["runtime"], "apiGroup": GROUP, "kind": "ClusterTrainingRuntime"},
         "trainer": trainer,
@@ -234,7 +253,8 @@ def run_search_job(
         return out
     api_client = api_client or _api_client()
     namespace = namespace or _namespace()
-    body = trainjob(template, job_name(out), distributed.worker_spec(inputs, parsed, out), parsed.workers)
+    spec = distributed.worker_spec(inputs, parsed, out)
+    body = trainjob(template, job_name(out), spec, parsed.workers, launcher_owner())
     with _stop_on_sigterm():
         _TrainJob(api_client, namespace, body, float(template.get("poll_seconds", POLL_SECONDS))).run()
     try:

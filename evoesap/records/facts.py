@@ -46,16 +46,35 @@ def quantize_facts(uri: str) -> dict[str, Any]:
     doc = records.read(uri, records.QuantizationRecord).to_json()
     keys = ("recipe", "scheme", "num_experts_per_layer", "checkpoint_bytes_before", "checkpoint_bytes_after")
     source = artifacts.read_manifest(uri, "quantize").inputs["model"]
-    pruned, digest = source.get("uri"), source.get("manifest_sha256")
-    # the very prune artifact it quantized; none: a checkpoint of ours no longer where it was, or any other checkpoint
-    ours = (
-        bool(digest)
-        and artifacts.exists(artifacts.join(pruned, artifacts.MANIFEST))
-        and artifacts.manifest_sha256(pruned) == digest
-        and artifacts.read_manifest(pruned).stage == "prune"
+    return {**_point(source), **{k: doc[k] for k in keys}}
+
+
+def publish_facts(uri: str) -> dict[str, Any]:
+    """What was released: `withheld` false (a release the gate refused is an entry that says true and why), the method,
+    criterion and sparsity of the prune artifact it released, where it was pushed, and the verdict it passed."""
+    manifest = artifacts.read_manifest(uri, "publish")
+    gate = manifest.inputs.get("gate")
+    passed = {"gate": records.read(gate["uri"], records.GateRecord).line()} if gate and _recorded(gate, "gate") else {}
+    pushed = {k: manifest.params[k] for k in ("to", "repo") if manifest.params.get(k)}
+    return {"withheld": False, **_point(manifest.inputs.get("pruned", {})), **pushed, **passed}
+
+
+def _recorded(entry: dict[str, Any], stage: str) -> bool:
+    """Whether a manifest's input entry is still the `stage` artifact it read (none: a checkpoint of ours no longer
+    where it was, changed since, or any other checkpoint)."""
+    where, digest = entry.get("uri"), entry.get("manifest_sha256")
+    return (
+        bool(where and digest)
+        and artifacts.exists(artifacts.join(where, artifacts.MANIFEST))
+        and artifacts.manifest_sha256(where) == digest
+        and artifacts.read_manifest(where).stage == stage
     )
-    labels = {k: v for k, v in prune_facts(pruned).items() if k in ("method", "criterion", "sparsity")} if ours else {}
-    return {**labels, **{k: doc[k] for k in keys}}
+
+
+def _point(entry: dict[str, Any]) -> dict[str, Any]:
+    """The method, criterion and sparsity of the prune artifact an input entry names, when it is still there."""
+    labels = ("method", "criterion", "sparsity")
+    return {k: v for k, v in prune_facts(entry["uri"]).items() if k in labels} if _recorded(entry, "prune") else {}
 
 
 def gate_facts(uri: str) -> dict[str, Any]:

@@ -98,6 +98,19 @@ def test_workers_that_are_gpu_groups_run_one_process_per_group_on_each_node(tmp_
     assert body["spec"]["trainer"]["numNodes"] == 2 and body["spec"]["trainer"]["numProcPerNode"] == 2
 
 
+@pytest.mark.parametrize(
+    "env", [{}, {"KFP_POD_NAME": "launcher"}, {"KFP_POD_UID": "0f1e2d3c"}, {"KFP_POD_NAME": " ", "KFP_POD_UID": "u"}]
+)
+def test_a_launcher_outside_a_kfp_pod_makes_a_job_without_an_owner(monkeypatch, env):
+    for name in ("KFP_POD_NAME", "KFP_POD_UID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert trainjob.launcher_owner() is None  # a half-known owner would name another pod, or none Kubernetes accepts
+    body = trainjob.trainjob(_template(), "evoesap-search-x", {"params": SMALL}, 4, trainjob.launcher_owner())
+    assert "ownerReferences" not in body["metadata"]
+
+
 def test_each_worker_of_a_node_spreads_its_replica_over_its_own_gpus(monkeypatch):
     from evoesap.method import distributed
 
@@ -250,15 +263,23 @@ def _calls(method: str) -> list[tuple[str, Any]]:
     return [(path, body) for m, path, body in KubeAPI.requests if m == method]
 
 
-def test_the_launcher_creates_the_trainjob_waits_for_it_and_returns_the_single_process_artifact(kube, world, tmp_path):
+def test_the_launcher_creates_the_trainjob_waits_for_it_and_returns_the_single_process_artifact(
+    kube, world, tmp_path, monkeypatch
+):
     root = str(tmp_path / "store")
     params = {**SMALL, "workers": 4}
     KubeAPI.states, KubeAPI.on_complete = ["", "", "Complete"], _rank_zero
+    monkeypatch.setenv("KFP_POD_NAME", "tiny-run-search-trainjob-driver-123")  # KFP's downward API in the launcher pod
+    monkeypatch.setenv("KFP_POD_UID", "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0")
     uri = run_search_job(_template(), root, world, params)
     ((path, job),) = _calls("POST")
     assert path == JOBS
     assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
     assert re.fullmatch(r"evoesap-search-[0-9a-f]{12}", job["metadata"]["name"])
+    # owned by the launcher pod: deleted with it (a deleted run leaves no workers), never blocking its deletion
+    ((owner,),) = [job["metadata"]["ownerReferences"]]
+    assert owner == {"apiVersion": "v1", "kind": "Pod", "name": "tiny-run-search-trainjob-driver-123",
+                     "uid": "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", "controller": False, "blockOwnerDeletion": False}  # fmt: skip
     assert job["spec"]["runtimeRef"] == {
         "name": "torch-distributed",
         "apiGroup": "trainer.kubeflow.org",
