@@ -25,11 +25,12 @@ def build(
 
     Example: evoesap demo build --out runs/demo --seed 0
     """
-    from evoesap.demo.world import build_demo_world
+    from evoesap.demo.world import build_demo_world, world_identity
 
     world = build_demo_world(out, seed=seed, profile=profile, force=force)
     info = world.info
     typer.echo(f"demo world:  {world.root}")
+    typer.echo(f"identity:    {world_identity(world)}")
     typer.echo(
         f"model:       {world.model_dir}  ({info['parameters']:,} parameters, "
         f"{info['safetensors_bytes']:,} bytes, built in {info['build_seconds']:.0f}s)"

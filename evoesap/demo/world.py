@@ -2,7 +2,8 @@
 
 The world is cached by content: `world.json` stores a hash of what decides training (`world_key`), and
 a call with the same inputs returns at once. A file lock makes concurrent callers
-(parallel test sessions) wait for one build instead of training twice.
+(parallel test sessions) wait for one build instead of training twice. Training runs in a child process
+whose environment pins the CPU numerics (`evoesap.demo.numerics`), so every x86-64 machine trains the same weights.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,12 +30,14 @@ import transformers
 
 from evoesap import data as _data
 from evoesap.demo import domains as _domains
+from evoesap.demo import numerics as _numerics
 from evoesap.demo import tokenizer as _tokenizer
 from evoesap.demo import train as _train
 from evoesap.demo.domains import DOMAINS, SPLITS, generate_splits, read_jsonl, write_jsonl
 from evoesap.demo.profiles import get_profile
+from evoesap.demo.recorded import recorded_world
 from evoesap.demo.tasks import TAG, task_name, write_tasks
-from evoesap.errors import ArtifactError, ConfigError
+from evoesap.errors import ArtifactError, ConfigError, ModelError
 from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
@@ -76,8 +81,9 @@ class DemoWorld:
 
 def world_key(seed: int, profile: str) -> str:
     """Hash of what decides the world: the data generator, tokenizer and training code, the part of
-    `evoesap.data` that makes the answer mask trained on (`encode_sample` and what it calls), seed and
-    profile values. An edit anywhere else (the rest of `evoesap.data` included) keeps the built world.
+    `evoesap.data` that makes the answer mask trained on (`encode_sample` and what it calls), the pinned CPU
+    numerics training runs with, seed and profile values. An edit anywhere else (the rest of `evoesap.data`
+    included) keeps the built world.
 
     Library versions are recorded in `info` but not keyed on, so a world built elsewhere can be reused.
     """
@@ -86,6 +92,7 @@ def world_key(seed: int, profile: str) -> str:
         h.update(Path(module.__file__).read_bytes())
     h.update(source_closure(Path(_data.__file__), "encode_sample").encode())
     h.update(json.dumps({"seed": seed, "profile": dataclasses.asdict(get_profile(profile))}, sort_keys=True).encode())
+    h.update(json.dumps({"numerics": _numerics.PINNED_NUMERICS}, sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -174,9 +181,43 @@ def _ensure_mix(data_dir: Path) -> None:
             staging.replace(path)
 
 
+BUILD_INFO = ".build-info.json"  # the child's figures, read and removed by the parent
+
+
+def _build_in_child(staging: Path, seed: int, profile_name: str) -> dict:
+    """`_build_into` in a fresh interpreter whose environment pins the CPU numerics (read when torch is
+    imported, so this process's torch cannot be switched); returns its build figures."""
+    package_root = str(Path(__file__).resolve().parents[2])  # the child imports this very evoesap
+    env = _numerics.pinned_environment(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    level = logging.getLogger("evoesap").getEffectiveLevel()
+    code = "import sys; from evoesap.demo.world import _child_main; _child_main(sys.argv[1:])"
+    argv = [sys.executable, "-c", code, str(staging), str(seed), profile_name, str(level)]
+    done = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, check=False)
+    info_path = staging / BUILD_INFO
+    if done.returncode != 0 or not info_path.exists():
+        raise ModelError(
+            f"training the demo world (seed {seed}, profile {profile_name!r}) failed in its child process "
+            f"(exit code {done.returncode}); its error is printed above"
+        )
+    info = json.loads(info_path.read_text())
+    info_path.unlink()
+    return info
+
+
+def _child_main(args: list[str]) -> None:
+    """Entry point of the training child: `staging seed profile log-level`."""
+    staging, seed, profile_name, level = args
+    logging.basicConfig(level=int(level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    info = _build_into(Path(staging), int(seed), profile_name)
+    (Path(staging) / BUILD_INFO).write_text(json.dumps(info))
+
+
 def _build_into(staging: Path, seed: int, profile_name: str) -> dict:
-    """Generate data, build the tokenizer, train and save the model into `staging`; returns build figures."""
+    """Generate data, build the tokenizer, train and save the model into `staging`; returns build figures.
+    Runs in the training child (`_build_in_child`), whose environment pins the numerics."""
     profile = get_profile(profile_name)
+    capability = _numerics.check_pinned()
     start = time.perf_counter()
     train_sets: dict[str, list[list[dict]]] = {}
     for domain in sorted(DOMAINS):
@@ -202,6 +243,8 @@ def _build_into(staging: Path, seed: int, profile_name: str) -> dict:
         safetensors_bytes=sum(w.stat().st_size for w in weights),
         weights_sha256=weights_hash(model_dir),
         torch_threads=profile.threads,
+        cpu_capability=capability,
+        numerics={name: os.environ.get(name) for name in _numerics.PINNED_NUMERICS},
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
     )
@@ -253,7 +296,7 @@ def build_demo_world(out_dir: str | Path, seed: int = 0, profile: str = "default
         staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.build-", dir=root.parent))
         os.chmod(staging, 0o777 & ~artifacts.umask())  # it becomes the world: the mode mkdir gives, not 0700
         try:
-            info = _build_into(staging, seed, profile)
+            info = _build_in_child(staging, seed, profile)
             meta = {"key": key, "seed": seed, "profile": profile, "info": info}
             (staging / WORLD_FILE).write_text(json.dumps(meta, indent=2))
             if root.exists():
@@ -266,4 +309,41 @@ def build_demo_world(out_dir: str | Path, seed: int = 0, profile: str = "default
         _ensure_tasks(root)
         _ensure_mix(root / "data")
         log.info("demo world built in %.0fs: %s", info["build_seconds"], root)
+        _check_recorded(seed, profile, key, info)
         return _world(root, meta)
+
+
+def world_identity(world: DemoWorld) -> str:
+    """One line naming the world by key and weights digest, and whether it is the recorded one (the one whose
+    figures docs/results/demo.md and the README report)."""
+    digest = world.info["weights_sha256"]
+    recorded = recorded_world(world.profile, world.seed)
+    if recorded is None:
+        verdict = "no recorded world for this seed and profile"
+    elif recorded.key != world.key:
+        verdict = f"NOT the recorded world: the code's key was {recorded.key[:12]} when its figures were recorded"
+    elif recorded.weights_sha256 != digest:
+        verdict = f"NOT the recorded world: same key, but the recorded weights are {recorded.weights_sha256[:12]}"
+    else:
+        verdict = "the recorded world, whose figures docs/results/demo.md reports"
+    return f"world key {world.key[:12]}, weights sha256 {digest[:12]} ({verdict})"
+
+
+def _check_recorded(seed: int, profile: str, key: str, info: dict) -> None:
+    """Warn when this world should be a recorded one (same key) but training gave other weights."""
+    recorded = recorded_world(profile, seed)
+    if recorded is None or recorded.key != key or recorded.weights_sha256 == info["weights_sha256"]:
+        return
+    log.warning(
+        "demo world (seed %d, profile %s) trained weights %s, not the recorded %s (torch %s, transformers %s here; "
+        "recorded with torch %s, transformers %s; torch kernels %s): its results will differ from docs/results/demo.md",
+        seed,
+        profile,
+        info["weights_sha256"][:12],
+        recorded.weights_sha256[:12],
+        info.get("torch_version"),
+        info.get("transformers_version"),
+        recorded.torch_version,
+        recorded.transformers_version,
+        info.get("cpu_capability"),
+    )
