@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import platform
 import re
 from pathlib import Path
 
@@ -145,12 +146,75 @@ def test_same_seed_gives_identical_weights_whatever_the_callers_threads_and_seco
     assert other.key != a.key and weights_hash(other.model_dir) != weights_hash(a.model_dir)
 
 
+def _has_avx2_and_fma() -> bool:
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return {"avx2", "fma"} <= set(flags.split())
+
+
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or not Path("/proc/cpuinfo").exists() or not _has_avx2_and_fma(),
+    reason="the pinned numerics give the recorded weights on x86-64 CPUs with AVX2 and FMA",
+)
+def test_quick_world_trains_the_recorded_weights_whatever_numerics_the_caller_asks_for(tmp_path, monkeypatch):
+    """The recorded digest was trained on an AVX-512/AMX CPU with the pin; unpinned, that CPU trains another
+    (benchmarks/world_numerics.py). The caller's own choices (scalar kernels, MKL's AVX-512 branch) are overridden."""
+    from evoesap.demo.numerics import PINNED_CAPABILITY, PINNED_NUMERICS
+    from evoesap.demo.recorded import recorded_world
+
+    for name, value in {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}.items():
+        monkeypatch.setenv(name, value)
+    world = build_demo_world(tmp_path / "w", seed=0, profile="quick")
+    recorded = recorded_world("quick", 0)
+    assert world.info["numerics"] == PINNED_NUMERICS and world.info["cpu_capability"] == PINNED_CAPABILITY
+    assert world.key == recorded.key
+    assert weights_hash(world.model_dir) == world.info["weights_sha256"] == recorded.weights_sha256
+
+
+def test_recorded_worlds_are_the_ones_the_code_builds():
+    """Each recorded world's key is the one the code computes now: an edit that would train another world
+    (code, profile, pinned numerics) fails here until its new figures are recorded (evoesap/demo/recorded.py,
+    the README's headline, docs/results/demo.md). No training: the key is a hash of the sources."""
+    from evoesap.demo import world as world_mod
+    from evoesap.demo.recorded import RECORDED_WORLDS
+
+    assert ("quick", 0) in RECORDED_WORLDS
+    for (profile, seed), recorded in RECORDED_WORLDS.items():
+        assert world_mod.world_key(seed, profile) == recorded.key, (
+            f"the {profile} world (seed {seed}) would now be built with key {world_mod.world_key(seed, profile)[:12]}, "
+            f"not the recorded {recorded.key[:12]}: rebuild it, then record its key and weights and update the docs"
+        )
+
+
+def test_docs_name_the_recorded_default_world():
+    """The README's headline and the demo results page name the world their figures come from."""
+    from evoesap.demo.recorded import recorded_world
+
+    recorded = recorded_world("default", 0)
+    if recorded is None:
+        pytest.skip("no default world recorded yet")
+    root = Path(__file__).parents[2]
+    for page in ("README.md", "docs/results/demo.md"):
+        text = (root / page).read_text(encoding="utf-8")
+        assert f"`{recorded.key[:12]}`" in text and f"`{recorded.weights_sha256[:12]}`" in text, page
+
+
+def test_world_key_changes_with_the_pinned_numerics(monkeypatch):
+    from evoesap.demo import numerics
+    from evoesap.demo import world as world_mod
+
+    key = world_mod.world_key(0, "quick")
+    monkeypatch.setitem(numerics.PINNED_NUMERICS, "ATEN_CPU_CAPABILITY", "default")
+    assert world_mod.world_key(0, "quick") != key
+
+
 def test_cli_build_prints_locations(tmp_path, capsys):
     from evoesap.cli import main
 
     assert main(["demo", "build", "--out", str(tmp_path / "w"), "--profile", "quick"]) == 0
     out = capsys.readouterr().out
     assert str(tmp_path / "w" / "model") in out and "evoesap_demo_math" in out
+    info = json.loads((tmp_path / "w" / "world.json").read_text())
+    assert f"world key {info['key'][:12]}, weights sha256 {info['info']['weights_sha256'][:12]}" in out
     assert main(["demo", "build", "--out", str(tmp_path / "w"), "--profile", "nope"]) == 1
 
 
