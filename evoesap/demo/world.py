@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import ctypes
 import dataclasses
 import fcntl
 import hashlib
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -193,22 +195,35 @@ def _build_in_child(staging: Path, seed: int, profile_name: str) -> dict:
     level = logging.getLogger("evoesap").getEffectiveLevel()
     code = "import sys; from evoesap.demo.world import _child_main; _child_main(sys.argv[1:])"
     argv = [sys.executable, "-c", code, str(staging), str(seed), profile_name, str(level)]
-    done = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, check=False)
+    child = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_end_with_parent)
+    try:
+        returncode = child.wait()
+    finally:  # interrupted (Ctrl-C, an exception in a signal handler): the training goes too
+        if child.poll() is None:
+            child.kill()
+            child.wait()
     info_path = staging / BUILD_INFO
-    if done.returncode != 0 or not info_path.exists():
+    if returncode != 0 or not info_path.exists():
         raise ModelError(
             f"training the demo world (seed {seed}, profile {profile_name!r}) failed in its child process "
-            f"(exit code {done.returncode}); its error is printed above"
+            f"(exit code {returncode}); its error is printed above"
         )
     info = json.loads(info_path.read_text())
     info_path.unlink()
     return info
 
 
+def _end_with_parent() -> None:
+    """In the training child before it starts: on Linux, SIGTERM when the building process ends however it ends
+    (killed, say, as the test session stops its background build), so no training outlives its build."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
 def _child_main(args: list[str]) -> None:
     """Entry point of the training child: `staging seed profile log-level`."""
     staging, seed, profile_name, level = args
-    logging.basicConfig(level=int(level), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=int(level), format="%(levelname)s %(name)s: %(message)s")  # as the CLI logs
     info = _build_into(Path(staging), int(seed), profile_name)
     (Path(staging) / BUILD_INFO).write_text(json.dumps(info))
 
