@@ -400,3 +400,26 @@ def test_the_demo_example_config_is_the_demo_make_runs(tmp_path):
     assert {k: made[k] for k in example if k not in ("calibrate", "cache_logits", "search", "evaluate")} == {
         k: v for k, v in example.items() if k not in ("calibrate", "cache_logits", "search", "evaluate")
     }
+
+
+def test_the_demo_report_title_names_the_world_it_ran_on():
+    from evoesap.pipeline.demo import demo_config
+
+    from evoesap.demo.world import DemoWorld
+
+    root = Path("runs/demo/world")
+    world = DemoWorld(
+        root=root,
+        model_dir=root / "model",
+        data_dir=root / "data",
+        tasks_dir=root / "tasks",
+        generative_tasks=(),
+        multiple_choice_tasks=(),
+        tag="",
+        seed=0,
+        profile="default",
+        key="a3" * 32,
+        info={"weights_sha256": "7e" * 32},
+    )
+    title = demo_config(world, Path("runs/demo")).model_dump(exclude_none=True)["report"]["title"]
+    assert title.endswith("(world a3a3a3a3a3a3, weights sha256 7e7e7e7e7e7e)"), title
