@@ -189,9 +189,10 @@ BUILD_INFO = ".build-info.json"  # the child's figures, read and removed by the 
 def _build_in_child(staging: Path, seed: int, profile_name: str) -> dict:
     """`_build_into` in a fresh interpreter whose environment pins the CPU numerics (read when torch is
     imported, so this process's torch cannot be switched); returns its build figures."""
-    package_root = str(Path(__file__).resolve().parents[2])  # the child imports this very evoesap
     env = _numerics.pinned_environment(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])
+    package_root = Path(__file__).resolve().parents[2]
+    if package_root.name not in ("site-packages", "dist-packages"):  # a checkout: the child imports this very evoesap
+        env["PYTHONPATH"] = os.pathsep.join([str(package_root), *filter(None, [os.environ.get("PYTHONPATH")])])
     level = logging.getLogger("evoesap").getEffectiveLevel()
     code = "import sys; from evoesap.demo.world import _child_main; _child_main(sys.argv[1:])"
     argv = [sys.executable, "-c", code, str(staging), str(seed), profile_name, str(level)]
