@@ -616,9 +616,9 @@ class Harness:
             first, first_err = self._start(kind, disk=moment).finish()
             hit = (read_marks(self.ws.marks)[-1:] or [("", 0.0)])[0][0]
         else:
-            start, length = windows[stage]
+            _, length = windows[stage]
             proc, began = self._start(kind), time.monotonic()
-            struck = self._strike(proc, kind, stage, start, float(self.rng.uniform(0.0, 1.0)) * length)
+            struck = self._strike(proc, kind, stage, float(self.rng.uniform(0.0, 1.0)) * length)
             moment = round(struck - began, 2) if struck else -1.0
             if struck and kind == "corrupt":
                 corrupted = self._corrupt()
@@ -653,15 +653,15 @@ class Harness:
             outcome.detail = f"{corrupted[1]}; {outcome.detail}"
         return outcome
 
-    def _strike(self, proc: Child, kind: str, stage: str, start: float, delay: float) -> float | None:
-        """Inject `kind` `delay` seconds into `stage`: once the run starts it (the reference run's `start` seconds in,
-        for faults on the whole run), or for a search worker or the search's launcher, once that stage's workers
-        run. Returns the monotonic moment it struck; None when the run ended (or left the stage) first."""
-        if kind in AIMED:
-            while stage not in {s for s, _ in read_marks(self.ws.marks)}:
-                if proc.wait(0.05):
-                    return None
-        if proc.wait(delay if kind in AIMED else start + delay):
+    def _strike(self, proc: Child, kind: str, stage: str, delay: float) -> float | None:
+        """Inject `kind` `delay` seconds after this run starts `stage` (timed from the stage's own start, so a run
+        slower or faster than the reference still meets the stage), or for a search worker or the search's
+        launcher, once that stage's workers run. Returns the monotonic moment it struck; None when the run ended
+        (or left the stage) first."""
+        while stage not in {s for s, _ in read_marks(self.ws.marks)}:
+            if proc.wait(0.05):
+                return None
+        if proc.wait(delay):
             return None
         if kind in ("kill9_worker", "sigterm_launcher"):
             while not (workers := workers_of(proc.pid)):  # not started yet, or the search is over

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from evoesap.machine.env import flag
 from evoesap.records import facts
 from evoesap.store.identity import is_uri
 
@@ -31,7 +32,8 @@ log = logging.getLogger(__name__)
 # directory of the pipeline root (`Config.KeyFromURI`), or the task fails; a URI of any other kind (a path on
 # a shared volume) it records as given and uploads nothing.
 _LAUNCHER_SCHEMES = ("gs://", "s3://", "minio://", "oci://")
-COPY_MODELS = "EVOESAP_COPY_MODELS"  # "1": a Model output under an object-store pipeline root holds the whole checkpoint
+COPY_MODELS = "EVOESAP_COPY_MODELS"  # on (`machine.env.flag`): a Model output under an object-store pipeline root holds
+# the whole checkpoint
 
 
 def referenced(artifact: Any) -> str | None:
@@ -81,7 +83,7 @@ def publish(artifact: Any, uri: str) -> None:
     if own is not None:
         artifact.uri = own
         return
-    if os.environ.get(COPY_MODELS, "") not in ("", "0") and getattr(artifact, "schema_title", "") == "system.Model":
+    if getattr(artifact, "schema_title", "") == "system.Model" and flag(COPY_MODELS):
         log.info("%s: copying the whole checkpoint %s to KFP's URI %s (%s)", artifact.name, uri, artifact.uri, COPY_MODELS)
         export_all(uri, Path(artifact.path))
         return

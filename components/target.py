@@ -45,22 +45,21 @@ def find_sparsities(
     from pathlib import Path
 
     from evoesap.components.kfp_artifacts import source
-    from evoesap.pipeline.config import Target
-    from evoesap.pipeline.target import decide
+    from evoesap.pipeline.config import quality_target
+    from evoesap.pipeline.target import decide, unmet
 
-    from evoesap.errors import EvoESAPError
     from evoesap.store import artifacts
 
     inputs = {"model": source(model), "scores": source(scores), "cache": source(cache), "heldout_cache": source(heldout_cache)}
-    found = decide(inputs, storage_root, criteria, Target(**target), params)
+    found = decide(inputs, storage_root, criteria, quality_target(target, "target_params"), params)
     Path(decisions.path).write_text(json.dumps([record.to_json() for _, record in found], indent=1))
     decisions.metadata.update(
         chosen={record.criterion: record.chosen for _, record in found},
         targets={record.criterion: artifacts.redact(uri) for uri, record in found},
     )
-    missed = [f"{record.criterion}: {record.line()}" for _, record in found if record.chosen is None]
-    if missed:
-        raise EvoESAPError("; ".join(missed))
+    missed = unmet(found)
+    if missed is not None:
+        raise missed
     return [{"criterion": record.criterion, "sparsity": record.chosen} for _, record in found]
 
 

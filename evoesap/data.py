@@ -185,10 +185,9 @@ class _FileRows:
         elif fmt == "jsonl":
             self._rows = lines
         else:
-            try:
-                data = json.loads(_text(raw, source))
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{source} line {exc.lineno} column {exc.colno}: not valid JSON ({exc.msg})") from None
+            from evoesap.store.jsontext import loads
+
+            data = loads(_text(raw, source), source, DataError)
             self._rows = _json_records(data, split, source)
         if not all(isinstance(r, Mapping) for r in self._rows):
             raise DataError(f"{source}: every row must be an object with named fields")
@@ -249,6 +248,8 @@ def _json_line(line: str, number: int, source: str) -> Any:
         return json.loads(line)
     except json.JSONDecodeError as exc:
         raise DataError(f"{source} line {number} column {exc.colno}: not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise DataError(f"{source} line {number}: JSON nested too deeply to read (more than about a thousand levels)") from None
 
 
 def _json_records(data: Any, split: str, source: str) -> list[Any]:
@@ -335,8 +336,8 @@ def _messages(value: Any, field: str, where: str) -> tuple[tuple[str, str], ...]
     if isinstance(value, str):  # CSV and some exports store the list as JSON text
         try:
             value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: field {field!r} is a string but not a JSON list of messages") from exc
+        except (json.JSONDecodeError, RecursionError):
+            raise DataError(f"{where}: field {field!r} is a string but not a JSON list of messages") from None
     if not isinstance(value, Sequence) or not value:
         raise DataError(f"{where}: field {field!r} must be a non-empty list of messages, got {value!r:.80}")
     if len(value) > MAX_TURNS:

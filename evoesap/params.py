@@ -9,6 +9,7 @@ section, a KFP dict, CLI options) with the one coercion that orchestrators need.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
@@ -19,6 +20,7 @@ _HELP = "help"
 _KEYED = "keyed"
 _BOUNDS = "bounds"
 _UNSET = "unset"
+_FINITE = "finite"
 _OPERATORS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 
@@ -32,14 +34,18 @@ def param(
     le: float | None = None,
     lt: float | None = None,
     unset: str | None = None,
+    finite: bool = True,
 ) -> Any:
     """A parameter field: its default and the one sentence that documents it everywhere. `keyed=False`: how the
     stage runs, not what it makes (the artifact is the same for every value), so it stays out of the reuse key.
     `ge`/`gt`/`le`/`lt`: the range of a number (None always passes); the choices of a word are its type
     (`Literal[...]`). Both are checked on construction (`check_declared`) and shown by the CLI's --help and the
-    components' docs. `unset`: the class attribute giving what None means for this stage (`DEFAULT_SAMPLES`)."""
+    components' docs. `unset`: the class attribute giving what None means for this stage (`DEFAULT_SAMPLES`).
+    `finite=False`: a number field that may be NaN or infinite (by default both are refused: no range check can
+    hold them, and no JSON record can)."""
     bounds = {k: v for k, v in {"ge": ge, "gt": gt, "le": le, "lt": lt}.items() if v is not None}
-    return dataclasses.field(default=default, metadata={_HELP: help, _KEYED: keyed, _BOUNDS: bounds, _UNSET: unset})
+    metadata = {_HELP: help, _KEYED: keyed, _BOUNDS: bounds, _UNSET: unset, _FINITE: finite}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def bounds_of(field: dataclasses.Field) -> dict[str, float]:
@@ -85,12 +91,14 @@ def describe(params_class: type, field: dataclasses.Field, field_type: Any) -> s
 
 
 def check_declared(params: Any) -> None:
-    """Each field against its declared choices and range: the first offender refused in one line."""
+    """Each field against its declared choices, range and finiteness: the first offender refused in one line."""
     hints = typing.get_type_hints(type(params))
     for field in dataclasses.fields(params):
         value = getattr(params, field.name)
         if value is None:
             continue
+        if isinstance(value, float) and not math.isfinite(value) and field.metadata.get(_FINITE, True):
+            raise ConfigError(f"{field.name} must be a finite number, got {value!r}")
         choices = choices_of(hints[field.name])
         if choices and value not in choices:
             raise ConfigError(f"{field.name} {value!r} is not one of {', '.join(map(str, choices))}")
@@ -195,7 +203,8 @@ def _coerce(name: str, allowed: set[Any], value: Any) -> Any:
             raise ConfigError(f"{name} must be a list of names (or one comma-separated string), got {value!r}")
         return tuple(i.strip() for i in items if i.strip())
     if int in allowed and str in allowed and isinstance(value, str):  # an integer or a word ("auto")
-        return int(value) if value.strip().isdigit() else value
+        digits = value.strip()
+        return int(digits) if digits.isascii() and digits.isdigit() else value  # not "²", which isdigit() takes
     if str in allowed and isinstance(value, str):
         return value
     if bool in allowed:
@@ -210,7 +219,12 @@ def _coerce(name: str, allowed: set[Any], value: Any) -> Any:
     if float in allowed:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise ConfigError(f"{name} must be a number, got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"{name} {value} is too large for a number: give a finite one") from None
+    if str in allowed:  # a text field takes text only (its JSON schema says so): 2024 or true would pass unread
+        raise ConfigError(f"{name} must be a string, got {value!r:.80}: quote it")
     return value
 
 

@@ -276,8 +276,13 @@ STAGES: tuple[Stage, ...] = (
         "evoesap.stages.gate:run_gate",
         "evoesap.stages.gate:GateParams",
         (
-            StageInput("evaluation", "Evaluate artifact of the release candidate (the model publish would release)."),
-            StageInput("full_evaluation", "Evaluate artifact of the full model it was pruned from."),
+            StageInput(
+                "evaluation", "Evaluate artifact of the release candidate (a prune or quantize artifact publish would release)."
+            ),
+            StageInput(
+                "full_evaluation",
+                "Evaluate artifact of the full model it was pruned from (checked by content, with the same scoring settings).",
+            ),
             StageInput(
                 "previous",
                 "The previous release's metrics: an evaluate artifact or a metrics.json path or URI.",

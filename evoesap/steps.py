@@ -15,6 +15,7 @@ from typing import Any
 
 from evoesap import params as parameters
 from evoesap import registry as stages
+from evoesap.errors import ConfigError
 from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,11 @@ def run_stage(stage: str, inputs: Mapping[str, Any], params: Any, out_uri: str) 
 
 def run_step(stage: str, storage_root: str, inputs: Mapping[str, Any], params: Mapping[str, Any]) -> str:
     """Run `stage` under `storage_root` at its content-addressed URI (see the module docstring); return that URI."""
+    if not isinstance(storage_root, str) or not storage_root.strip():  # a run's parameter, not only the checked config's
+        raise ConfigError(
+            f"storage_root {storage_root!r} is empty, which would put the artifacts at the file system's root: give a "
+            "directory or URI, e.g. ./runs/artifacts"
+        )
     parsed = make_params(stage, params)
     out = output_uri(stage, storage_root, inputs, parsed)
     run_stage(stage, inputs, parsed, out)

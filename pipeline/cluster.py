@@ -50,75 +50,95 @@ class _Strict(BaseModel):
 class Secret(_Strict):
     """A Kubernetes secret whose keys become environment variables (object storage keys, HF_TOKEN)."""
 
-    name: str
-    env: dict[str, str] = Field(min_length=1)  # secret key -> environment variable
+    name: str = Field(description="The secret's name in the pod's namespace.")
+    env: dict[str, str] = Field(min_length=1, description="Secret key -> environment variable.")
 
 
 class Toleration(_Strict):
-    key: str | None = None
-    operator: Literal["Equal", "Exists"] = "Equal"
-    value: str | None = None
-    effect: Literal["NoExecute", "NoSchedule", "PreferNoSchedule"] | None = None
-    toleration_seconds: int | None = Field(None, strict=True)
+    """A Kubernetes toleration: the pod may run on nodes with a matching taint."""
+
+    key: str | None = Field(None, description="The taint's key; unset with operator Exists: every taint.")
+    operator: Literal["Equal", "Exists"] = Field("Equal", description="Equal: the taint's value is `value`; Exists: any.")
+    value: str | None = Field(None, description="The taint's value (operator Equal).")
+    effect: Literal["NoExecute", "NoSchedule", "PreferNoSchedule"] | None = Field(
+        None, description="The taint effect tolerated; unset: every effect."
+    )
+    toleration_seconds: int | None = Field(
+        None, strict=True, description="NoExecute only: how long the pod stays after the taint appears; unset: forever."
+    )
 
 
 class Volume(_Strict):
     """An existing PersistentVolumeClaim mounted into the pod (e.g. a shared model cache)."""
 
-    pvc: str
-    mount_path: str
-    sub_path: str = ""
+    pvc: str = Field(description="The PersistentVolumeClaim's name.")
+    mount_path: str = Field(description="Where the volume appears in the pod.")
+    sub_path: str = Field("", description="A folder of the volume to mount instead of its root.")
 
 
 class Scratch(_Strict):
     """Temporary space of a given size for the stage (TMPDIR points at it)."""
 
-    size: str  # e.g. "200Gi"
-    storage_class: str | None = None
+    size: str = Field(description='Its size, e.g. "200Gi".')
+    storage_class: str | None = Field(None, description="The storage class of its volume; unset: the cluster's default.")
 
 
 class Requirement(_Strict):
     """One node label requirement of an affinity term (Kubernetes' NodeSelectorRequirement)."""
 
-    key: str
-    operator: Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"]
-    values: list[str] = []
+    key: str = Field(description="The node label.")
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist", "Gt", "Lt"] = Field(
+        description="How the label's value is compared with `values`."
+    )
+    values: list[str] = Field([], description="The values compared (none for Exists and DoesNotExist).")
 
 
 class Affinity(_Strict):
     """A node affinity term: required when `weight` is unset, else preferred with that weight."""
 
-    match_expressions: list[Requirement] = Field(min_length=1)
-    weight: int | None = Field(None, ge=1, le=100, strict=True)
+    match_expressions: list[Requirement] = Field(min_length=1, description="The requirements a node must meet, all of them.")
+    weight: int | None = Field(None, ge=1, le=100, strict=True, description="Unset: required; else preferred with this weight.")
 
 
 class StageSettings(_Strict):
     """What one stage's pods ask the cluster for; unset fields ask for nothing."""
 
-    cpu: str | None = None  # limit, e.g. "8"
-    memory: str | None = None  # limit, e.g. "64G"
-    cpu_request: str | None = None
-    memory_request: str | None = None
-    accelerator_type: str | None = None  # e.g. "nvidia.com/gpu"
-    accelerator_count: int = Field(0, ge=0, strict=True)  # strict: `true` or 1.5 is refused, not coerced
-    secrets: list[Secret] = []
-    node_selector: dict[str, str] = {}
-    tolerations: list[Toleration] = []
-    volumes: list[Volume] = []
-    shm_size: str | None = None  # in-memory /dev/shm of this size (data loaders, NCCL)
-    scratch: Scratch | None = None
-    image_pull_secrets: list[str] = []
-    retries: int | None = Field(None, ge=0, strict=True)  # None: the configuration's `retries`
-    env: dict[str, str] = {}  # plain environment variables, e.g. {HF_HOME: /cache}; secrets go in `secrets`
-    image: str | None = None  # this stage's image (e.g. a slim CPU image for prune and report); None: the config's `image`
-    timeout: int | None = Field(None, gt=0, strict=True)  # seconds a pod may run before Kubernetes stops it
-    labels: dict[str, str] = {}  # pod labels (cost centre, team, policy selectors)
-    annotations: dict[str, str] = {}  # pod annotations
-    node_affinity: list[Affinity] = []  # beyond `node_selector`: In/NotIn/Exists... terms, required or preferred
-    # search with workers > 1 (a Kubeflow Trainer TrainJob, pipeline.trainjob): the ClusterTrainingRuntime it runs under
-    training_runtime: str | None = None  # None: torch-distributed
-    trainer_version: Literal["2.0", "2.1", "2.2"] = "2.2"  # the cluster's Kubeflow Trainer: 2.0, 2.1, or 2.2 and later
-    suspend: bool = False  # create the TrainJob suspended, for a queue (Kueue) to admit
+    cpu: str | None = Field(None, description='CPU limit, e.g. "8".')
+    memory: str | None = Field(None, description='Memory limit, e.g. "64G".')
+    cpu_request: str | None = Field(None, description="CPU request (what the scheduler reserves).")
+    memory_request: str | None = Field(None, description="Memory request (what the scheduler reserves).")
+    accelerator_type: str | None = Field(None, description='The accelerator resource, e.g. "nvidia.com/gpu".')
+    # strict: `true` or 1.5 is refused, not coerced
+    accelerator_count: int = Field(0, ge=0, strict=True, description="Accelerators per pod (with accelerator_type).")
+    secrets: list[Secret] = Field([], description="Kubernetes secrets whose keys become environment variables.")
+    node_selector: dict[str, str] = Field({}, description="Node labels the pod must run on.")
+    tolerations: list[Toleration] = Field([], description="Taints the pod tolerates.")
+    volumes: list[Volume] = Field([], description="Existing PersistentVolumeClaims to mount (e.g. a shared model cache).")
+    shm_size: str | None = Field(None, description="In-memory /dev/shm of this size (data loaders, NCCL).")
+    scratch: Scratch | None = Field(None, description="Temporary space of a given size (TMPDIR points at it).")
+    image_pull_secrets: list[str] = Field([], description="Secrets to pull the image with (a private registry).")
+    retries: int | None = Field(
+        None, ge=0, strict=True, description="Retries of this stage's tasks; unset: the configuration's `retries`."
+    )
+    env: dict[str, str] = Field({}, description="Plain environment variables, e.g. {HF_HOME: /cache}; secrets go in `secrets`.")
+    image: str | None = Field(
+        None, description="This stage's image (e.g. a slim CPU image for prune and report); unset: the configuration's `image`."
+    )
+    timeout: int | None = Field(None, gt=0, strict=True, description="Seconds a pod may run before Kubernetes stops it.")
+    labels: dict[str, str] = Field({}, description="Pod labels (cost centre, team, policy selectors).")
+    annotations: dict[str, str] = Field({}, description="Pod annotations.")
+    node_affinity: list[Affinity] = Field(
+        [], description="Beyond `node_selector`: In/NotIn/Exists... terms, required or preferred."
+    )
+    training_runtime: str | None = Field(
+        None,
+        description="Search with workers > 1 (a Kubeflow Trainer TrainJob, pipeline.trainjob): the "
+        "ClusterTrainingRuntime it runs under; unset: torch-distributed.",
+    )
+    trainer_version: Literal["2.0", "2.1", "2.2"] = Field(
+        "2.2", description="The cluster's Kubeflow Trainer: 2.0, 2.1, or 2.2 and later."
+    )
+    suspend: bool = Field(False, description="Create the TrainJob suspended, for a queue (Kueue) to admit.")
 
     @field_validator("memory", "memory_request")
     @classmethod

@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     TypeAdapter,
     ValidationError,
     create_model,
@@ -39,13 +40,25 @@ class Target(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    heldout_esap: float | None = None  # the least held-out ESAP (the search's held-out value) to keep, in (0, 1)
-    bytes: str | None = None  # the most the pruned checkpoint may weigh, e.g. 24GiB (weights in the search's dtype)
-    # heldout_esap only: each probe after the first seeded from the nearest probe's allocation. Better allocations
-    # near the boundary, so the answer can exceed a cold sweep's; off, each probe is the search a sweep makes
-    warm_start: bool = False
-    rechecks: int = Field(default=1, ge=0)  # heldout_esap only: one-point dips the bracketing looks past (each: one
-    # probe, and one more bisection when the point above a miss meets; 0: plain bisection)
+    heldout_esap: float | None = Field(
+        None, description="The least held-out ESAP (the search's held-out value) to keep, in (0, 1)."
+    )
+    bytes: StrictInt | str | None = Field(
+        None,
+        description="The most the pruned checkpoint may weigh: a size such as 24GiB or 1.5GB, or a count of bytes "
+        "(weights in the search's dtype).",
+    )
+    warm_start: bool = Field(
+        False,
+        description="heldout_esap only: each probe after the first seeded from the nearest probe's allocation. Better "
+        "allocations near the boundary, so the answer can exceed a cold sweep's; off, each probe is the search a sweep makes.",
+    )
+    rechecks: int = Field(
+        default=1,
+        ge=0,
+        description="heldout_esap only: one-point dips the bracketing looks past (each: one probe, and one more "
+        "bisection when the point above a miss meets; 0: plain bisection).",
+    )
 
     @field_validator("heldout_esap")
     @classmethod
@@ -56,11 +69,11 @@ class Target(BaseModel):
 
     @field_validator("bytes")
     @classmethod
-    def _a_size(cls, value: str | None) -> str | None:
+    def _a_size(cls, value: int | str | None) -> int | str | None:
         from evoesap.machine.sizes import parse_bytes
 
         if value is not None and parse_bytes(value) <= 0:
-            raise ValueError(f"bytes must be a positive size such as 24GiB, got {value!r}")
+            raise ValueError(f"bytes must be a positive size such as 24GiB or a number of bytes, got {value!r}")
         return value
 
     @model_validator(mode="after")
@@ -73,38 +86,77 @@ class Target(BaseModel):
         return self
 
 
+def sparsities_in_range(values: list[float]) -> list[float]:
+    """The rule every sparsity of the fan-out meets, given as `sparsities` or as the `grid` parameter's points."""
+    bad = [s for s in values if not 0 < s < 1]  # NaN fails the comparison too
+    if bad or not values:
+        raise ValueError(f"every sparsity must lie in (0, 1), got {bad or values}")
+    return values
+
+
+class GridPoint(BaseModel):
+    """One point of the pipeline's `grid` parameter (the criterion x sparsity fan-out), as `grid()` writes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    criterion: Criterion
+    sparsity: float = Field(strict=True)  # a number, not the text of one
+
+
 class _Settings(BaseModel):
     """Everything one pipeline run needs but the stage sections, which `PipelineConfig` adds from the registry."""
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = "evoesap"
-    model: str  # local path, fsspec URI or hub name of the full model
-    revision: str | None = None  # hub models only: the branch, tag or commit of `model` (default: its default branch)
-    calibration_data: str  # data for the importance criteria
-    search_data: str  # data for the teacher cache and the ESAP fitness
-    heldout_data: str | None = None  # other samples of the search domain: the search's held-out check, held-out ESAP in evaluate
-    previous_metrics: str | None = None  # previous release: evaluate artifact or metrics.json (gate.max_previous_drop)
-    criteria: list[Criterion] = ["reap"]
-    sparsities: list[float] = [0.25]
-    target: Target | None = None  # a held-out quality to meet: the sparsity is searched for (evoesap.planning.target), not given
-    storage_root: str = "./runs/artifacts"  # where every artifact goes: a path, s3://, gs://
-    pipeline_root: str | None = None  # kfp.local's own scratch directory (local runs only)
-    registry: str | None = None  # where the stage images are (host[:port]/path); every image must lie there
-    image: str | None = None  # the stage image, fully qualified; default: <registry>/stage:<version>
-    retries: int = Field(2, ge=0, strict=True)  # per task, for transient failures
-    parallelism: int = Field(0, ge=0, strict=True)  # criterion x sparsity points run at once (KFP's ParallelFor); 0: all
-    publish_models: bool = False  # publish each searched pruned model with its model card (where: the publish section)
-    # Kubernetes settings per stage (pipeline.cluster.StageSettings); `all` applies to every stage
-    resources: dict[Literal[("all", *stages.NAMES)], StageSettings] = {}  # type: ignore[valid-type]
+    name: str = Field("evoesap", description="The run's name: the pipeline's name when compiled or submitted.")
+    model: str = Field(description="Local path, fsspec URI or hub name of the full model.")
+    revision: str | None = Field(
+        None, description="Hub models only: the branch, tag or commit of `model` (default: its default branch)."
+    )
+    calibration_data: str = Field(description="Data for the importance criteria.")
+    search_data: str = Field(description="Data for the teacher cache and the ESAP fitness.")
+    heldout_data: str | None = Field(
+        None, description="Other samples of the search domain: the search's held-out check, held-out ESAP in evaluate."
+    )
+    previous_metrics: str | None = Field(
+        None, description="The previous release: its evaluate artifact or metrics.json (for gate.max_previous_drop)."
+    )
+    criteria: list[Criterion] = Field(["reap"], description="The importance criteria: one branch of the grid each.")
+    sparsities: list[float] = Field([0.25], description="The sparsities, each in (0, 1): one branch of the grid each.")
+    target: Target | None = Field(
+        None,
+        description="A held-out quality or a size to meet: the sparsity is searched for (evoesap.planning.target), not given.",
+    )
+    storage_root: str = Field("./runs/artifacts", description="Where every artifact goes: a path, s3://, gs://.")
+    pipeline_root: str | None = Field(None, description="kfp.local's own scratch directory (local runs only).")
+    registry: str | None = Field(None, description="Where the stage images are (host[:port]/path); every image must lie there.")
+    image: str | None = Field(None, description="The stage image, fully qualified; default: <registry>/stage:<version>.")
+    retries: int = Field(2, ge=0, strict=True, description="Retries per task, for transient failures.")
+    parallelism: int = Field(
+        0, ge=0, strict=True, description="Criterion x sparsity points run at once (KFP's ParallelFor); 0: all."
+    )
+    publish_models: bool = Field(
+        False, description="Publish each searched pruned model with its model card (where: the publish section)."
+    )
+    resources: dict[Literal[("all", *stages.NAMES)], StageSettings] = Field(  # type: ignore[valid-type]
+        {}, description="Kubernetes settings per stage (pipeline.cluster.StageSettings); `all` applies to every stage."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials_in_urls(cls, data: Any) -> Any:
+        """Every value is copied into the compiled spec that a cluster stores and shows: a URL with credentials
+        (model, data, storage_root, publish.to, previous_metrics, any stage parameter) is refused at its key."""
+        from evoesap.network import refuse_credentials
+
+        for key, value in config_strings(data):
+            refuse_credentials(value, key)
+        return data
 
     @field_validator("sparsities")
     @classmethod
     def _sparsities_in_range(cls, values: list[float]) -> list[float]:
-        bad = [s for s in values if not 0 < s < 1]
-        if bad or not values:
-            raise ValueError(f"every sparsity must lie in (0, 1), got {bad or values}")
-        return values
+        return sparsities_in_range(values)
 
     @model_validator(mode="after")
     def _target_or_sparsities(self) -> PipelineConfig:
@@ -253,6 +305,21 @@ def _section(stage: stages.Stage) -> Any:
     return (dict[str, Any], Field({}, json_schema_extra=schema))
 
 
+def config_strings(value: Any, key: str = "") -> list[tuple[str, str]]:
+    """(dotted key, string) of every string inside a configuration's nested mappings and lists, keys included."""
+    if isinstance(value, str):
+        return [(key or "<value>", value)]
+    if isinstance(value, Mapping):
+        found = []
+        for k, v in value.items():
+            where = f"{key}.{k}" if key else str(k)
+            found += [*config_strings(str(k), where), *config_strings(v, where)]
+        return found
+    if isinstance(value, list | tuple):
+        return [found for i, v in enumerate(value) for found in config_strings(v, f"{key}[{i}]")]
+    return []
+
+
 def config_model() -> type[_Settings]:
     """The configuration's model: the settings plus one parameter section per stage of the registry."""
     return create_model(
@@ -366,9 +433,15 @@ def load_config(source: str | Path | dict[str, Any]) -> PipelineConfig:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        except RecursionError:
+            raise ConfigError(f"{path} nests too deeply to read (more than about a thousand levels)") from None
         where = str(path)
         if not isinstance(data, dict):
             raise ConfigError(f"{path} must hold a mapping of settings, got {type(data).__name__}")
+    from evoesap.network import refuse_credentials
+
+    for key, value in config_strings(data):  # as the model's own check does, without pydantic's prefix on the line
+        refuse_credentials(value, f"{where}: {key}")
     try:
         config = PipelineConfig(**data)
     except ValidationError as exc:
@@ -377,3 +450,71 @@ def load_config(source: str | Path | dict[str, Any]) -> PipelineConfig:
     _check_stage_sections(config)
     _check_gate(config)
     return config
+
+
+def quality_target(value: Any, where: str = "target") -> Target:
+    """A quality target (`target: {heldout_esap: X}`) from plain values, as the configuration's `target:` section is
+    validated: the compiled `target_params` input, whether set at compile, at submit or in a run's parameters."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{where} must be a mapping such as {{heldout_esap: 0.97}}, got {value!r:.80}")
+    try:
+        target = Target(**value)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid {where}: {_problems(exc, Target)}") from None
+    if target.heldout_esap is None:
+        raise ConfigError(
+            f"{where} sets no heldout_esap: the pipeline was compiled for a quality target, and a bytes target's "
+            "sparsity is computed at compile time: set it in the configuration and compile again"
+        )
+    return target
+
+
+def grid_points(value: Any, where: str = "grid") -> list[GridPoint]:
+    """The `grid` parameter's points (the criterion x sparsity fan-out), each checked as `criteria` and `sparsities`
+    are: a known criterion, a sparsity in (0, 1); at least one, none twice."""
+    grid = create_model("Grid", __config__=ConfigDict(extra="forbid"), **{where: (list[GridPoint], ...)})
+    try:
+        points = getattr(grid(**{where: value}), where)
+    except ValidationError as exc:
+        raise ConfigError(
+            f"invalid {_problems(exc, grid)} (a list of points such as [{{criterion: reap, sparsity: 0.5}}])"
+        ) from None
+    if not points:
+        raise ConfigError(f"{where} is empty: give at least one point such as [{{criterion: reap, sparsity: 0.5}}]")
+    try:
+        sparsities_in_range([p.sparsity for p in points])
+    except ValueError as exc:
+        raise ConfigError(f"invalid {where}: {exc}") from None
+    seen = [(p.criterion, p.sparsity) for p in points]
+    twice = next((point for i, point in enumerate(seen) if point in seen[:i]), None)
+    if twice is not None:
+        raise ConfigError(f"{where} has criterion {twice[0]} at sparsity {twice[1]} twice: give each point once")
+    return points
+
+
+def with_arguments(config: PipelineConfig, arguments: Mapping[str, Any]) -> PipelineConfig:
+    """`config` with a run's pipeline parameter values (`--set` at compile or submit: `model`, the data, `grid`,
+    `target_params`, each `<section>_params`) in the places they were compiled from, validated as a configuration
+    file is: the same declarations and checks, refused in one line naming what was set."""
+    sections = {f"{stage.section}_params": stage.section for stage in stages.STAGES}
+    data = config.model_dump(exclude_unset=True)
+    for name, value in arguments.items():
+        if name == "grid":
+            points = grid_points(value)
+            data["criteria"] = list(dict.fromkeys(p.criterion for p in points))  # what the checks below count and read
+            data["sparsities"] = list(dict.fromkeys(p.sparsity for p in points))
+        elif name == "target_params":
+            data["target"] = quality_target(value, "target_params").model_dump(exclude_unset=True)
+        elif name == "model":  # a hub model's revision rides in it (`pinned_model`)
+            data.pop("revision", None)
+            data["model"] = value
+        elif name == "heldout_data":
+            data["heldout_data"] = value or None
+        elif name in sections:
+            data[sections[name]] = value
+        else:
+            data[name] = value
+    try:
+        return load_config(data)
+    except ConfigError as exc:
+        raise ConfigError(f"with {', '.join(sorted(arguments))} as set: {exc}") from None

@@ -4,9 +4,9 @@ calibrate and cache-logits run once; for each criterion x sparsity a search, a s
 prune, and their evaluations fan out (ParallelFor); when the `quantize` section names a recipe, the searched
 checkpoint's quantize step and its evaluation; with `publish_models` the publish (model card, push) of the searched
 model, or of its quantized checkpoint when quantize is on; when the `gate` section sets a threshold, the gate's verdict
-on that model decides whether publish runs, heads the report and is an output (`verdicts`), and a failing one ends the
-run after the report. The full model is evaluated once; the report collects
-everything; each searched prune output is handed on (`pruned_models`). `build_subpipeline` is that DAG for a
+on that model decides whether publish runs, heads the report and is an output (`verdicts`, and `verdict`: "pass" or
+"fail"), and with `stop_on_fail` (a run-time value of `gate_params`) a failing one ends the run after the report. The
+full model is evaluated once; the report collects everything; each searched prune output is handed on (`pruned_models`). `build_subpipeline` is that DAG for a
 full model given as an artifact (a step of another pipeline), with pod settings the outer pipeline overrides or
 binds; `build_pipeline` names the model (a path, URI or hub name) by a reference step and runs it.
 """
@@ -33,21 +33,30 @@ from kfp import compiler, dsl
 from kfp.dsl import HTML, Artifact, Input, Markdown, Metrics, Model
 
 from evoesap.errors import ConfigError
+from evoesap.network import refuse_credentials
 from evoesap.params import PlacementParams
 from evoesap.registry import MODEL_STAGES, NAMES, STAGES
 from evoesap.registry import get as get_stage
 
 
 def _configure(
-    task: Any, stage: str, config: PipelineConfig, label: str | None = None, inputs: dict[str, Any] | None = None
+    task: Any,
+    stage: str,
+    config: PipelineConfig,
+    label: str | None = None,
+    inputs: dict[str, Any] | None = None,
+    retries: int | None = None,
 ) -> Any:
     """Display name, caching and Kubernetes settings (`pipeline.cluster`) of one task; `inputs`: the settings
-    that the sub-pipeline's parameters give (`settings_parameters`)."""
+    that the sub-pipeline's parameters give (`settings_parameters`); `retries`: in place of the configured ones."""
     task.set_display_name(label or stage)
     # Never KFP's cache: it would return an output whose payload was deleted or changed in storage. Each
     # stage checks its own finished output instead (manifest, inputs' identity, payload sha256).
     task.set_caching_options(enable_caching=False)
-    return cluster.apply(task, config.settings(stage), config.retries, inputs)
+    settings = config.settings(stage)
+    if retries is not None:
+        settings = settings.model_copy(update={"retries": retries})
+    return cluster.apply(task, settings, config.retries, inputs)
 
 
 def _gpu_params(stage: str, config: PipelineConfig, gpus_at_run_time: bool = False) -> dict[str, Any]:
@@ -168,13 +177,13 @@ def _verdict_input(verdict: Any) -> dict[str, Any]:
     return {} if verdict is None else {"gate": verdict.outputs["verdict"]}
 
 
-def _end_on_failed_gate(config: PipelineConfig, verdict: Any, report: Any) -> None:
-    """With `stop_on_fail`, a last task after the report that fails the run with the failing verdicts' one line."""
-    if not config.parsed_params("gate").stop_on_fail:
-        return
-    task = make_verdict_check(config.stage_image("gate"))(verdicts=dsl.Collected(verdict.outputs["verdict"]))
+def _gathered_verdict(config: PipelineConfig, verdict: Any, report: Any, params: Any) -> Any:
+    """The last task, after the report: "pass" when every point's verdict passed, else "fail" (the `verdict` output a
+    caller branches on); with `stop_on_fail` in `params` (the `gate_params` input, read at run time) a failing verdict
+    instead fails the run with the failing verdicts' one line."""
+    task = make_verdict_check(config.stage_image("gate"))(verdicts=dsl.Collected(verdict.outputs["verdict"]), params=params)
     task.after(report)
-    _configure(task, "gate", config, "release gate")
+    return _configure(task, "gate", config, "release gate", retries=0)  # a refusal is deterministic: a retry only repeats it
 
 
 def quality_target(config: PipelineConfig) -> bool:
@@ -211,15 +220,16 @@ def outputs_type(config: PipelineConfig) -> type:
     """What the (sub-)pipeline hands on, typed for KFP: the report, the searched pruned models and their metrics (one
     per criterion x sparsity), the full model's metrics; the quantized models and their metrics when the quantize
     section names a recipe; the published checkpoints (`released_models`) with publish_models and no gate; each point's verdict
-    (`verdicts`: gate.json, metadata `passed` and `verdict`, its one line) with a gate. A pipeline output must come
-    from a task, so the optional ones exist only when their step does."""
+    (`verdicts`: gate.json, metadata `passed` and `verdict`, its one line) and their sum (`verdict`: "pass" when
+    every point passed, else "fail"; with `stop_on_fail` a failing one ends the run instead) with a gate. A pipeline
+    output must come from a task, so the optional ones exist only when their step does."""
     fields = [*Outputs.__annotations__.items(), ("pruned_metrics", List[Metrics]), ("full_metrics", Metrics)]
     if config.stage_params("quantize").get("recipe"):
         fields += [("quantized_models", List[Model]), ("quantized_metrics", List[Metrics])]
     if config.publish_models and not gated(config):  # a gated publish may not run: KFP has no output of it then
         fields.append(("released_models", List[Model]))
     if gated(config):
-        fields.append(("verdicts", List[Artifact]))
+        fields += [("verdicts", List[Artifact]), ("verdict", str)]
     return NamedTuple("Outputs", fields)
 
 
@@ -325,8 +335,8 @@ def build_subpipeline(
         if config.publish_models and dag.verdict is None:
             handed["released_models"] = dsl.Collected(dag.released.outputs["published"])
         if dag.verdict is not None:
-            _end_on_failed_gate(config, dag.verdict, report)
             handed["verdicts"] = dsl.Collected(dag.verdict.outputs["verdict"])
+            handed["verdict"] = _gathered_verdict(config, dag.verdict, report, dag.params["gate"]).output
         return outputs(**handed)
 
     outputs = outputs_type(config)
@@ -503,5 +513,7 @@ def compile_pipeline(config: PipelineConfig, out: str | Path) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.partial-") as tmp:
         staged = Path(tmp) / out.name
         compiler.Compiler().compile(build_pipeline(config), str(staged))
+        for line in staged.read_text().splitlines():  # a value that did not come through the configuration's check
+            refuse_credentials(line.strip(), "the compiled spec's line")
         os.replace(staged, out)  # a reader never sees half a spec
     return out

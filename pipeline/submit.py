@@ -18,7 +18,9 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
+import re
 import tempfile
 import time
 import urllib.error
@@ -29,18 +31,21 @@ from typing import Any
 
 import yaml
 
+from evoesap import network
 from evoesap.errors import ConfigError
+from evoesap.network import redact
 from evoesap.registry import NAMES
 from evoesap.steps import make_params
-from evoesap.store.artifacts import redact
 
-from .config import PipelineConfig, load_config
+from .config import PipelineConfig, config_strings, load_config, with_arguments
 from .feasibility import check_grid
 
 log = logging.getLogger(__name__)
 
 HEALTHZ = "/apis/v2beta1/healthz"
 HEALTHZ_TIMEOUT = 3.0  # seconds: healthz answers at once; longer means a wrong or unreachable host
+DEADLINE_ENV = "EVOESAP_KFP_DEADLINE_S"  # seconds one exchange with the API may take in all (however slowly it answers)
+DEFAULT_DEADLINE_S = 120.0  # the health check, the spec's upload and the run's creation, or one look at a followed run
 FINAL_STATES = ("SUCCEEDED", "FAILED", "CANCELED", "SKIPPED")  # a run's V2beta1RuntimeState once it has ended
 # KFP parameter types -> the Python types a value may have
 _PARAMETER_TYPES: dict[str, tuple[type, ...]] = {
@@ -101,30 +106,74 @@ class Submission:
         return " ".join(["0", *fields] if len(fields) == 5 else fields)
 
 
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")  # a parameter, or one field of a struct one
+
+
+def check_key(key: str) -> str:
+    """A `--set` key: a pipeline parameter's name, or `<stage>_params.field`; anything else refused in one line."""
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise ConfigError(
+            f"--set {key!r}: a key is a pipeline parameter or <parameter>.<field>, letters, digits and _ "
+            "(e.g. --set search_params.generations=100)"
+        )
+    return key
+
+
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`key=value` pairs (`key` may be `<stage>_params.field`); values read as YAML (`0.5`, `true`, `[a, b]`)."""
+    """`key=value` pairs (`key` may be `<stage>_params.field`); values read as YAML (`0.5`, `true`, `[a, b]`), each one
+    JSON can carry (a KFP parameter is JSON): no dates, sets or binary, no NaN or infinity."""
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {pair!r} is not key=value (e.g. --set search_params.generations=100)")
         try:
-            out[key.strip()] = yaml.safe_load(text) if text.strip() else ""
+            value = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError as exc:
-            raise ConfigError(f"--set {pair!r}: the value is not valid YAML ({exc.problem})") from None
+            why = " ".join(str(getattr(exc, "problem", None) or exc).split())  # one line, however PyYAML wraps it
+            raise ConfigError(f"--set {pair!r}: the value is not valid YAML ({why})") from None
+        except RecursionError:
+            raise ConfigError(f"--set {key.strip()!r}: the value nests too deeply to read: flatten it") from None
+        _check_json_value(check_key(key.strip()), value)
+        out[key.strip()] = value
     return out
 
 
+def _check_json_value(key: str, value: Any) -> None:
+    """Refuse a value a KFP parameter (JSON) cannot carry, naming the offending part."""
+    stack = [value]
+    while stack:  # no recursion: a deeply nested value is walked as easily as a flat one
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ConfigError(f"--set {key}: {item} is not a finite number")
+        if isinstance(item, dict):
+            bad = next((k for k in item if not isinstance(k, str)), None)
+            if bad is not None:
+                raise ConfigError(f"--set {key}: the key {bad!r} is not text: quote it")
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif not isinstance(item, (str, int, float, bool, type(None))):
+            raise ConfigError(f"--set {key}: {item!r:.60} reads as a {type(item).__name__}, which JSON has not: quote it")
+
+
 def check_endpoint(host: str, token: str | None = None, timeout: float = HEALTHZ_TIMEOUT) -> None:
-    """One request to the API's health endpoint; a clear ConfigError when it cannot be used."""
+    """One request to the API's health endpoint; a clear ConfigError when it cannot be used. `timeout` bounds each
+    socket read; the whole exchange ends within $EVOESAP_KFP_DEADLINE_S (an endpoint that drips bytes)."""
+    network.refuse_credentials(host, "--host")
     if not host.startswith(("http://", "https://")):
         raise ConfigError(f"--host {redact(host)!r} is not an http(s) URL of the Kubeflow Pipelines API")
     request = urllib.request.Request(host.rstrip("/") + HEALTHZ)
     if token:
         request.add_header("Authorization", f"Bearer {token}")
-    try:
+
+    def ask(stop: Any) -> None:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            response.read()
+            while response.read(1 << 16) and not stop.is_set():
+                pass
+
+    try:
+        _bounded(ask, host, "the health check")
     except urllib.error.HTTPError as exc:
         if exc.code in (401, 403):
             raise ConfigError(
@@ -137,25 +186,47 @@ def check_endpoint(host: str, token: str | None = None, timeout: float = HEALTHZ
                 f"no Kubeflow Pipelines v2 API at {redact(host)} ({HEALTHZ} answered 404): check that --host is the "
                 "pipelines API endpoint (for a port-forward of ml-pipeline-ui: http://localhost:8080)"
             ) from None
-        raise ConfigError(f"the Kubeflow Pipelines API at {redact(host)} answered HTTP {exc.code}: {exc.reason}") from None
+        raise ConfigError(
+            f"the Kubeflow Pipelines API at {redact(host)} answered HTTP {exc.code}: {network.reply_line(exc.reason, token)}"
+        ) from None
     except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
+        reason = network.reply_line(getattr(exc, "reason", exc), token)
         raise ConfigError(
             f"cannot reach the Kubeflow Pipelines API at {redact(host)} ({reason}): check the URL, that the "
             "endpoint is reachable from this machine (port-forward, ingress, VPN) and any proxy settings"
         ) from None
 
 
-def resolve_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """The run's parameter values from `--set` pairs, checked against the compiled pipeline.
+def _bounded(fn: Callable[[Any], Any], host: str, what: str) -> Any:
+    """`fn(stop)` within the deadline of one exchange with the API ($EVOESAP_KFP_DEADLINE_S); a reply that is not
+    UTF-8 text, which the kfp client cannot decode, is one line naming the host."""
+    seconds = network.deadline_s(DEADLINE_ENV, DEFAULT_DEADLINE_S)
+    try:
+        return network.call(fn, seconds=seconds, what=f"{what} at the Kubeflow Pipelines API {host}", knob=DEADLINE_ENV,
+                            error=ConfigError)  # fmt: skip
+    except UnicodeDecodeError as exc:
+        status = getattr(exc.__context__, "status", None)
+        raise ConfigError(
+            f"the Kubeflow Pipelines API at {redact(host)} answered {what} with bytes that are not UTF-8 text"
+            f"{f' (HTTP {status})' if status else ''}: check that --host is the pipelines API endpoint, not another "
+            "service or a proxy's page"
+        ) from None
+
+
+def resolve_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any], config: PipelineConfig) -> dict[str, Any]:
+    """The run's parameter values from `--set` pairs, checked against the compiled pipeline and, in their places in
+    `config` (the configuration it was compiled from), as a configuration file is (`config.with_arguments`).
 
     `name=value` sets a pipeline parameter (type-checked); `<stage>_params.field=value` sets one field of a
-    stage's parameters on top of the compiled defaults, checked by that stage's own parameter class.
+    stage's parameters on top of the compiled defaults.
     """
     parameters = spec.get("root", {}).get("inputDefinitions", {}).get("parameters", {})
+    for where, text in config_strings(dict(overrides)):  # a value goes into the run, the spec's defaults: no credentials
+        network.refuse_credentials(text, f"--set {where}")
     arguments: dict[str, Any] = {}
     for key, value in overrides.items():
-        name, _, field = key.partition(".")
+        name, _, field = check_key(key).partition(".")
+        _check_json_value(key, value)
         if name not in parameters:
             raise ConfigError(f"--set {key}: the pipeline has no such parameter; it has {', '.join(sorted(parameters))}")
         kind = parameters[name].get("parameterType", "STRING")
@@ -173,6 +244,8 @@ def resolve_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any]) -> 
         stage = name.removesuffix("_params").replace("_", "-")
         if name.endswith("_params") and stage in NAMES:
             make_params(stage, value)  # unknown fields and bad values: the stage's own one-line error
+    if arguments:
+        with_arguments(config, arguments)  # the configuration's own checks, with these values in their places
 
     def value(name: str) -> Any:
         return arguments.get(name, parameters.get(name, {}).get("defaultValue"))
@@ -183,18 +256,19 @@ def resolve_overrides(spec: Mapping[str, Any], overrides: Mapping[str, Any]) -> 
     return arguments
 
 
-def bake_defaults(path: Path, overrides: Mapping[str, Any]) -> None:
-    """Rewrite the compiled spec at `path` with `--set` values (checked as a run's are, `resolve_overrides`) as its
-    parameters' defaults; its header comment names what was set (kfp's list of inputs would be stale)."""
+def bake_defaults(path: Path, overrides: Mapping[str, Any], config: PipelineConfig) -> None:
+    """Rewrite the spec at `path`, compiled from `config`, with `--set` values (checked as a run's are,
+    `resolve_overrides`) as its parameters' defaults; its header comment names what was set (kfp's list of inputs
+    would be stale)."""
     text = path.read_text()
     spec, *platform = yaml.safe_load_all(text)
-    arguments = resolve_overrides(spec, overrides)
+    arguments = resolve_overrides(spec, overrides, config)
     parameters = spec["root"]["inputDefinitions"]["parameters"]
     for name, value in arguments.items():
         parameters[name]["defaultValue"] = value
     comments = [line for line in text.splitlines(keepends=True) if line.startswith("#")]
     kept = [line for line in comments[: next((i for i, c in enumerate(comments) if c.startswith("# Inputs:")), len(comments))]]
-    baked = "".join(f"# --set {key}={json.dumps(value)}\n" for key, value in overrides.items())
+    baked = "".join(f"# --set {key}={json.dumps(value, allow_nan=False)}\n" for key, value in overrides.items())
     path.write_text("".join(kept) + baked + yaml.safe_dump_all([spec, *platform], sort_keys=False))
 
 
@@ -217,11 +291,13 @@ def submit(config: PipelineConfig | str | Path, submission: Submission, client_f
     name = config.name
     with tempfile.TemporaryDirectory() as tmp:
         package = compile_pipeline(config, Path(tmp) / "pipeline.yaml")
-        arguments = resolve_overrides(next(yaml.safe_load_all(package.read_text())), submission.overrides)
-        try:
+        arguments = resolve_overrides(next(yaml.safe_load_all(package.read_text())), submission.overrides, config)
+
+        def exchange(stop: Any) -> str:
             client = _client(submission, client_factory)
             with _quiet_client():
                 pipeline_id, version_id = upload_version(client, package, name, submission.namespace)
+                _go_on(stop)
                 experiment = client.create_experiment(submission.experiment or name, namespace=submission.namespace)
                 common = dict(
                     experiment_id=experiment.experiment_id,
@@ -231,6 +307,7 @@ def submit(config: PipelineConfig | str | Path, submission: Submission, client_f
                     version_id=version_id,
                     service_account=submission.service_account,
                 )
+                _go_on(stop)
                 if submission.recurring:
                     return client.create_recurring_run(
                         **common,
@@ -240,8 +317,17 @@ def submit(config: PipelineConfig | str | Path, submission: Submission, client_f
                         no_catchup=not submission.catchup,
                     ).recurring_run_id
                 return client.run_pipeline(**common).run_id
+
+        try:
+            return _bounded(exchange, submission.host, "the submission")
         except ApiException as exc:
-            raise _refused(submission.host, "the submission", exc) from None
+            raise _refused(submission.host, "the submission", exc, submission.token) from None
+
+
+def _go_on(stop: Any) -> None:
+    """Stop an exchange abandoned at its deadline before its next request (no run is created after the error)."""
+    if stop.is_set():
+        raise network.Stopped("abandoned at its deadline")
 
 
 def upload_version(client: Any, package: Path, name: str, namespace: str | None) -> tuple[str, str]:
@@ -268,9 +354,9 @@ def follow(submission: Submission, run_id: str, client_factory: Callable[..., An
     client = _client(submission, client_factory)
     while True:
         try:
-            state = str(client.get_run(run_id).state or "")
+            state = str(_bounded(lambda stop: client.get_run(run_id).state, submission.host, f"a look at run {run_id}") or "")
         except ApiException as exc:
-            raise _refused(submission.host, f"a look at run {run_id}", exc) from None
+            raise _refused(submission.host, f"a look at run {run_id}", exc, submission.token) from None
         if state in FINAL_STATES:
             return state
         log.info("run %s: %s", run_id, state or "pending")
@@ -296,15 +382,17 @@ def _quiet_client() -> Any:
         log.info("%s", line)
 
 
-def _refused(host: str, what: str, exc: Any) -> ConfigError:
-    detail = _api_message(exc.body)
+def _refused(host: str, what: str, exc: Any, token: str | None = None) -> ConfigError:
+    detail = network.reply_line(_api_message(exc.body) or exc.reason or "", token)
     return ConfigError(
         f"the Kubeflow Pipelines API at {redact(host)} refused {what} (HTTP {exc.status}{': ' + detail if detail else ''})"
     )
 
 
 def _api_message(body: Any) -> str:
+    """The `message` of the API's JSON error body, else the body itself (a proxy's page): decoded whatever its bytes."""
+    text = network.decode(body)
     try:
-        return str(json.loads(body).get("message", ""))[:300]
+        return str(json.loads(text).get("message", ""))
     except (TypeError, ValueError, AttributeError):
-        return ""
+        return text

@@ -114,6 +114,13 @@ def decide(
     return found
 
 
+def unmet(found: Sequence[tuple[str, records.Record]]) -> ConfigError | None:
+    """The error a target that some criterion cannot meet ends with (`decide`'s results: the decision is recorded
+    first), one line per such criterion's reason; None when every criterion has a sparsity."""
+    missed = [f"{record.criterion}: {record.line()}" for _, record in found if record.chosen is None]
+    return ConfigError("; ".join(missed)) if missed else None
+
+
 def memory_sparsity(config: Any) -> float:
     """The least grid sparsity whose checkpoint fits the configuration's `target.bytes` (`fitting_sparsity`)."""
     search = config.parsed_params("search", {"criterion": config.criteria[0], "sparsity": 0.5})
@@ -121,7 +128,7 @@ def memory_sparsity(config: Any) -> float:
 
 
 @functools.cache
-def fitting_sparsity(model: str, size: str, granularity: int, model_dtype: str) -> float:
+def fitting_sparsity(model: str, size: str | int, granularity: int, model_dtype: str) -> float:
     """The least grid sparsity whose checkpoint fits in `size`, from config.json and the weights' headers alone
     (`footprint.model_shape`, weights in `model_dtype`): each removed expert frees a mean routed expert's bytes (exact
     where every layer's experts weigh the same, as in the supported families, so the searched allocation fits as

@@ -37,6 +37,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from evoesap import network
 from evoesap.errors import ConfigError, EvoESAPError
 from evoesap.params import keyed
 
@@ -48,6 +49,8 @@ GROUP, VERSION, PLURAL, KIND = "trainer.kubeflow.org", "v1alpha1", "trainjobs", 
 DEFAULT_RUNTIME = "torch-distributed"
 ENTRY = "evoesap.stages.search_workers"
 POLL_SECONDS = 15.0
+DEADLINE_ENV = "EVOESAP_K8S_DEADLINE_S"  # seconds one call to the Kubernetes API may take in all, however slowly it answers
+DEFAULT_DEADLINE_S = 60.0
 # pod placement a TrainJob's body sends (`pod_patch`), and what it cannot carry, so refused for workers
 PLACEMENT = ("node_selector", "tolerations", "volumes", "shm_size")
 REFUSED = ("node_affinity", "scratch")
@@ -272,7 +275,9 @@ class _TrainJob:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            self.objects.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.body)
+            self._call(
+                "create", lambda: self.objects.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.body)
+            )
             log.info(
                 "created %s (%d nodes x %d workers)",
                 self.where,
@@ -291,7 +296,12 @@ class _TrainJob:
         self._delete()
         while self._get(missing_ok=True) is not None:
             time.sleep(self.poll)
-        self.objects.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.body)
+        try:
+            self._call(
+                "create", lambda: self.objects.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.body)
+            )
+        except ApiException as exc:
+            raise self._refused("create", exc) from None
 
     def _wait(self) -> dict[str, Any]:
         """Follow the job until it ends: its Complete or Failed condition."""
@@ -319,8 +329,9 @@ class _TrainJob:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            pods = self.core.list_namespaced_pod(self.namespace, label_selector=f"jobset.sigs.k8s.io/jobset-name={self.name}")
-        except ApiException:
+            selector = f"jobset.sigs.k8s.io/jobset-name={self.name}"
+            pods = self._call("list the pods of", lambda: self.core.list_namespaced_pod(self.namespace, label_selector=selector))
+        except (ApiException, EvoESAPError):
             return ""  # no right to list pods: the job's own reason stands alone
         ended = []
         for pod in pods.items:
@@ -337,7 +348,9 @@ class _TrainJob:
         from kubernetes.client.exceptions import ApiException
 
         try:
-            return self.objects.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+            return self._call(
+                "read", lambda: self.objects.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+            )
         except ApiException as exc:
             if missing_ok and exc.status == 404:
                 return None
@@ -346,14 +359,32 @@ class _TrainJob:
     def _delete(self) -> None:
         from kubernetes.client.exceptions import ApiException
 
-        with contextlib.suppress(ApiException):
-            self.objects.delete_namespaced_custom_object(
+        try:
+            self._call("delete", lambda: self.objects.delete_namespaced_custom_object(
                 GROUP, VERSION, self.namespace, PLURAL, self.name, propagation_policy="Foreground"
-            )
+            ))  # fmt: skip
             log.info("deleted %s", self.where)
+        except ApiException:
+            pass
+        except EvoESAPError as exc:  # not answered in time: said, as the job may be left running
+            log.warning("%s", exc)
+
+    def _call(self, verb: str, request: Any) -> Any:
+        """`request()` within $EVOESAP_K8S_DEADLINE_S in all; a reply that is not UTF-8 text is one line."""
+        seconds = network.deadline_s(DEADLINE_ENV, DEFAULT_DEADLINE_S)
+        configuration = getattr(getattr(self.objects, "api_client", None), "configuration", None)
+        host = network.redact(getattr(configuration, "host", "") or "")
+        try:
+            return network.call(lambda stop: request(), seconds=seconds, knob=DEADLINE_ENV, error=EvoESAPError,
+                                what=f"the Kubernetes API {host} asked to {verb} {self.where}".replace("  ", " "))  # fmt: skip
+        except UnicodeDecodeError:
+            raise EvoESAPError(
+                f"the Kubernetes API {host} answered the request to {verb} {self.where} with bytes that are not UTF-8 "
+                "text: check the cluster's API endpoint (KUBECONFIG) and any proxy in front of it"
+            ) from None
 
     def _refused(self, verb: str, exc: Any) -> EvoESAPError:
-        detail = _first_line(_api_message(exc.body) or str(exc.reason or ""))
+        detail = _first_line(network.scrub(_api_message(exc.body) or network.decode(exc.reason)))
         if exc.status == 404 and verb == "create":
             return EvoESAPError(
                 f"the cluster has no {KIND} API ({GROUP}/{VERSION}) in namespace {self.namespace}: "
@@ -395,7 +426,7 @@ def _first_line(text: str) -> str:
 
 def _api_message(body: Any) -> str:
     try:
-        return str(json.loads(body).get("message", ""))
+        return str(json.loads(network.decode(body)).get("message", ""))
     except (TypeError, ValueError, AttributeError):
         return ""
 

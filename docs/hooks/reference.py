@@ -13,10 +13,12 @@ found on disk at build time, so a module that moves moves its page.
 from __future__ import annotations
 
 import dataclasses
+import html
 import importlib
 import inspect
 import re
 import sys
+import types
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,20 +30,34 @@ if str(ROOT) not in sys.path:
 
 # What a parameter field may declare that is shown as its own column, when some field declares it.
 SHOWN_METADATA = ("choices", "range")
-_PLAIN_METADATA = ("help", "keyed", "bounds", "unset")  # shown in other columns (range; default) or not at all
+_PLAIN_METADATA = ("help", "keyed", "bounds", "unset", "finite")  # shown otherwise (range; default; finite) or not at all
 
 
 # ---------------------------------------------------------------- helpers
 
 
 def _cell(value: Any) -> str:
-    """A value as one Markdown table cell (pipes escaped, no newlines)."""
-    text = str(value).replace("|", "\\|").replace("\n", " ")
-    return text
+    """A value as one Markdown table cell: its text escaped (`_text`), pipes escaped, no newlines."""
+    return _text(value).replace("|", "\\|")
+
+
+def _text(value: Any) -> str:
+    """Text as Markdown shows it literally, on one line: HTML and emphasis marks escaped outside its `code spans`
+    (the docstrings' and help texts' own), so `<registry>/stage` stays visible and `*` or `_` makes no emphasis."""
+    parts = re.split(r"(`[^`]+`)", str(value).replace("\n", " "))
+    return "".join(
+        part if i % 2 else re.sub(r"([\\*_\[\]])", r"\\\1", html.escape(part, quote=False)) for i, part in enumerate(parts)
+    )
 
 
 def _code(value: Any) -> str:
-    return f"`{_cell(value)}`" if str(value) else ""
+    """A value as a Markdown code span (empty for no text); a fence longer than any backtick run inside it."""
+    text = str(value).replace("\n", " ")
+    if not text:
+        return ""
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def _type_name(annotation: Any) -> str:
@@ -69,8 +85,9 @@ def _module_defining(pattern: str, package: str = "evoesap") -> str | None:
 
 
 def _defined(name: str, kind: str = "class") -> Any | None:
-    """The object called `name` defined by `class name` or `name =` somewhere in the package, or None."""
-    pattern = rf"^class {name}\b" if kind == "class" else rf"^{name}\b[^=\n]*="
+    """The object called `name` defined by `class name`, `def name` or `name =` somewhere in the package, or None."""
+    patterns = {"class": rf"^class {name}\b", "function": rf"^def {name}\b"}
+    pattern = patterns.get(kind, rf"^{name}\b[^=\n]*=")
     module = _module_defining(pattern)
     return getattr(importlib.import_module(module), name) if module else None
 
@@ -106,6 +123,7 @@ class ParameterRow:
     keyed: bool
     extra: dict[str, Any]  # choices, range and any other metadata the field declares
     unset: Any = None  # what the default None means for this stage (`params.effective_default`), where it means one
+    finite: bool = True  # False: a number field that takes NaN and infinities (`param(finite=False)`)
 
 
 def parameter_rows() -> list[ParameterRow]:
@@ -136,6 +154,7 @@ def parameter_rows() -> list[ParameterRow]:
                     keyed=bool(field.metadata.get("keyed", True)),
                     extra=extra,
                     unset=effective if effective != default else None,
+                    finite=bool(field.metadata.get("finite", True)),
                 )
             )
     return rows
@@ -143,16 +162,38 @@ def parameter_rows() -> list[ParameterRow]:
 
 def _extra_text(value: Any) -> str:
     if isinstance(value, (list, tuple, set, frozenset)):
-        return ", ".join(f"`{v}`" for v in value)
+        return ", ".join(_code(v) for v in value)
     return _code(value)
+
+
+def _definition(title: str, anchor: str, meaning: str, facts: list[tuple[str, str]]) -> list[str]:
+    """One documented key as a block: a heading with its anchor, its meaning, then one line per fact (type,
+    default, ...). A block per key, not a table row: a long meaning wraps at any page width instead of being cut."""
+    out = [f"### {title} {{#{anchor}}}", "", meaning or "(undocumented)", ""]
+    out += [f"- **{label}:** {value}" for label, value in facts if value]
+    return [*out, ""]
+
+
+def parameter_block(row: ParameterRow) -> list[str]:
+    """One parameter's block on the Parameters page: name, type, default, its choices and range where it declares
+    them, keyed or not, and its meaning (the `help` of its declaration)."""
+    default = "(required)" if row.default == "(required)" else _code(repr(row.default))
+    if row.unset is not None:
+        default += f" (unset: {_code(repr(row.unset))})"
+    facts = [("Type", _code(row.type)), ("Default", default)]
+    facts += [(name.capitalize(), _extra_text(row.extra[name])) for name in SHOWN_METADATA if name in row.extra]
+    facts += [(name, _extra_text(value)) for name, value in sorted(row.extra.items()) if name not in SHOWN_METADATA]
+    if not row.finite:
+        facts.append(("Non-finite values", "accepted (NaN, infinities)"))
+    keyed = "yes: part of the artifact's reuse key and manifest" if row.keyed else "no: how the stage runs, not what it makes"
+    facts.append(("Keyed", keyed))
+    return _definition(_code(row.name), f"{row.stage}-{row.name}", _text(row.help), facts)
 
 
 def parameters_page() -> str:
     from evoesap import registry as stages
 
     rows = parameter_rows()
-    declared = {k for row in rows for k in row.extra}  # a column only for what some field declares
-    shown = [k for k in SHOWN_METADATA if k in declared] + sorted(declared - set(SHOWN_METADATA))
     out = [
         "# Parameters",
         "",
@@ -167,21 +208,10 @@ def parameters_page() -> str:
         out += [f"## {stage.name} {{#{stage.name}}}", "", f"YAML section `{stage.section}`; CLI `evoesap {stage.name}`.", ""]
         if stage.grid:
             out += [f"Set per point of the criterion x sparsity grid, not in the section: {', '.join(stage.grid)}.", ""]
-        header = ["parameter", "type", "default", *shown, "keyed", "meaning"]
-        table = [
-            [
-                f"`{row.name}`",
-                _cell(row.type),  # plain text: a `|` in a code span would show its escape
-                (_code(repr(row.default)) if row.default != "(required)" else "(required)")
-                + (f" (unset: {_code(repr(row.unset))})" if row.unset is not None else ""),
-                *[_extra_text(row.extra[k]) if k in row.extra else "" for k in shown],
-                "yes" if row.keyed else "no",
-                _cell(row.help),
-            ]
-            for row in rows
-            if row.stage == stage.name
-        ]
-        out += [_table(header, table), ""]
+        names = [row for row in rows if row.stage == stage.name]
+        out += [" · ".join(f"[{_code(row.name)}](#{row.stage}-{row.name})" for row in names), ""]
+        for row in names:
+            out += parameter_block(row)
     return "\n".join(out)
 
 
@@ -253,6 +283,7 @@ def cli_page() -> str:
 
 
 _SCHEMA_BOUNDS = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
+_LIMITS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 
 def _rule(prop: dict[str, Any]) -> str:
@@ -262,53 +293,149 @@ def _rule(prop: dict[str, Any]) -> str:
     return " and ".join(f"{op} {prop[key]:g}" for key, op in _SCHEMA_BOUNDS.items() if key in prop)
 
 
-def pipeline_yaml_page() -> str:
-    from evoesap.pipeline.config import PipelineConfig
+def _models_in(annotation: Any) -> list[type]:
+    """The pydantic models a field's type holds (`list[Secret]` -> [Secret], `Scratch | None` -> [Scratch])."""
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def yaml_type(annotation: Any) -> str:
+    """A field's type as a YAML writer reads it (`list of string`, `integer or null`), not pydantic's repr."""
+    from pydantic import BaseModel
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return yaml_type(args[0])
+    if origin is typing.Literal:
+        return "one of " + ", ".join(str(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(dict.fromkeys(yaml_type(a) for a in args))
+    if origin in (list, tuple):
+        return f"list of {yaml_type(args[0])}" if args else "list"
+    if origin is dict:
+        return f"mapping of {yaml_type(args[0])} to {yaml_type(args[1])}" if args else "mapping"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "mapping (below)"
+    names = {str: "string", int: "integer", float: "number", bool: "true or false", type(None): "null", Any: "any"}
+    return names.get(annotation, _type_name(annotation))
+
+
+def yaml_limits(metadata: list[Any]) -> str:
+    """A pydantic field's constraints in words (`>= 0`, `at least 1 item`, `strict: no coercion`)."""
+    words = []
+    for item in metadata:
+        for name, op in _LIMITS.items():
+            if getattr(item, name, None) is not None:
+                words.append(f"{op} {getattr(item, name)}")
+        if getattr(item, "min_length", None):
+            words.append(f"at least {item.min_length}")
+        if getattr(item, "strict", None):
+            words.append("strict (a value of another type is refused, not converted)")
+    return "; ".join(words)
+
+
+def yaml_default(info: Any) -> str:
+    """A pydantic field's default as YAML writes it (`null`, `[]`, `reap`); "(required)" when it has none."""
+    import json
+
     from pydantic_core import PydanticUndefined
+
+    if info.default is PydanticUndefined and info.default_factory is None:
+        return "(required)"
+    value = info.default_factory() if info.default is PydanticUndefined else info.default
+    try:
+        return _code(json.dumps(value))
+    except TypeError:
+        return _code(repr(value))
+
+
+def field_descriptions(model: type) -> dict[str, str]:
+    """Each field's meaning: its `Field(description=...)`, else the comment the source gives it."""
+    comments = _field_comments(model)
+    return {name: info.description or comments.get(name, "") for name, info in model.model_fields.items()}
+
+
+def model_blocks(model: type, path: str, anchor: str, skip: frozenset[str] = frozenset()) -> list[str]:
+    """One block per field of a pydantic model, keys written as their dotted path in the YAML (`target.bytes`),
+    then the same for each model a field holds (`resources.<stage>.secrets[].name`)."""
+    meanings = field_descriptions(model)
+    out: list[str] = []
+    nested: list[tuple[type, str, str]] = []
+    for name, info in model.model_fields.items():
+        if name in skip:
+            continue
+        key = f"{path}.{name}" if path else name
+        facts = [("Type", _text(yaml_type(info.annotation))), ("Default", yaml_default(info))]
+        facts.append(("Constraints", _text(yaml_limits(info.metadata))))
+        out += _definition(_code(key), f"{anchor}-{name}" if anchor else name, _text(meanings[name]), facts)
+        for inner in _models_in(info.annotation):
+            listed = typing.get_origin(info.annotation) is list
+            nested.append((inner, f"{key}[]" if listed else key, f"{anchor}-{name}" if anchor else name))
+    for inner, key, inner_anchor in nested:
+        doc = (inner.__doc__ or "").strip().split("\n\n")[0]
+        intro = f"Each item of {_code(key.removesuffix('[]'))}" if key.endswith("[]") else _code(key)
+        out += [f"{intro} takes these keys{': ' + _text(doc) if doc else '.'}", ""]
+        out += model_blocks(inner, key, inner_anchor)
+    return out
+
+
+def pipeline_yaml_page() -> str:
+    from evoesap.pipeline.cluster import StageSettings
+    from evoesap.pipeline.config import PipelineConfig, Target
 
     from evoesap import registry as stages
 
-    stage_sections = {s.section for s in stages.STAGES}
-    comments = _field_comments(PipelineConfig)
-    rows = []
-    for name, info in PipelineConfig.model_fields.items():
-        if name in stage_sections:
-            continue
-        default = "(required)" if info.default is PydanticUndefined else repr(info.default)
-        limits = ", ".join(str(m) for m in info.metadata)
-        rows.append(
-            [f"`{name}`", _cell(_type_name(info.annotation)), _code(default), _cell(limits), _cell(comments.get(name, ""))]
-        )
+    stage_sections = frozenset(s.section for s in stages.STAGES)
     schema = PipelineConfig.model_json_schema()["properties"]
-    sections = [
-        [
-            f"`{s.section}`",
-            f"[{s.name} parameters](parameters.md#{s.name})",
-            _cell("; ".join(f"`{k}` {rule}" for k, p in schema[s.section]["properties"].items() if (rule := _rule(p)))),
-        ]
-        for s in stages.STAGES
-        if s.section in PipelineConfig.model_fields
-    ]
+    resources_keys = ", ".join(_code(k) for k in ("all", *stages.NAMES))
     out = [
         "# Pipeline configuration (YAML)",
         "",
         "The schema of the one YAML file `evoesap pipeline run|compile|submit` and `evoesap plan` read, from its "
-        "pydantic model (`PipelineConfig`). Unknown keys and bad values are refused before anything runs, naming the "
-        "key. How to write one: [Configure a pipeline run](../guides/configure.md).",
+        "pydantic model (`PipelineConfig`): every key, its type, default and constraints, and what it means. Unknown "
+        "keys and bad values are refused before anything runs, naming the key. How to write one: "
+        "[Configure a pipeline run](../guides/configure.md).",
         "",
-        "## Run settings",
+        "Sections: [run settings](#run-settings) · [`target`](#target) · [`resources`](#resources) · "
+        "[stage sections](#stage-sections).",
         "",
-        _table(["key", "type", "default", "constraints", "meaning"], rows),
+        "## Run settings {#run-settings}",
         "",
-        "## Stage sections",
+        "Top-level keys.",
         "",
-        "One section per stage of the registry; each takes exactly that stage's parameters. The configuration's JSON "
-        "schema (`PipelineConfig.model_json_schema()`) describes each key with its type, default, choices and range, "
-        "shown here as it states them.",
+        *model_blocks(PipelineConfig, "", "", skip=stage_sections | {"target", "resources"}),
+        "## target {#target}",
         "",
-        _table(["section", "keys", "choices and ranges (from the JSON schema)"], sections),
+        _text((Target.__doc__ or "").strip()),
+        "",
+        *model_blocks(Target, "target", "target"),
+        "## resources {#resources}",
+        "",
+        f"What each stage's pods ask the cluster for: a mapping whose keys are {resources_keys} (`all` applies to "
+        "every stage, a stage's own settings over it) and whose values take the keys below, written here for one "
+        "stage as `resources.<stage>`. " + _text((StageSettings.__doc__ or "").strip()),
+        "",
+        *model_blocks(StageSettings, "resources.<stage>", "resources"),
+        "## Stage sections {#stage-sections}",
+        "",
+        "One section per stage of the registry; each takes exactly that stage's parameters, documented one by one on "
+        "the [Parameters](parameters.md) page. The choices and ranges are the configuration's JSON schema's "
+        "(`PipelineConfig.model_json_schema()`).",
         "",
     ]
+    for s in stages.STAGES:
+        if s.section not in PipelineConfig.model_fields:
+            continue
+        out += [f"### `{s.section}` {{#section-{s.section}}}", "", _text(s.summary), ""]
+        if s.grid:
+            out += [f"Set by the grid, not here: {', '.join(_code(g) for g in s.grid)}.", ""]
+        for key, prop in schema[s.section]["properties"].items():
+            rule = _rule(prop)
+            out.append(f"- [{_code(key)}](parameters.md#{s.name}-{key})" + (f": {_text(rule)}" if rule else ""))
+        out.append("")
     return "\n".join(out)
 
 
@@ -414,6 +541,8 @@ def artifacts_page() -> str:
 
 def families_page() -> str:
     families = _defined("FAMILIES", kind="constant") or {}
+    coverage_fn = _defined("coverage", kind="function")
+    notes_fn = _defined("supported_notes", kind="function")
     rows = []
     for name, family in families.items():
         rows.append(
@@ -425,15 +554,18 @@ def families_page() -> str:
                 ", ".join(f"`{s}`" for s in family.shared_experts) or "none",
                 _code(", ".join(family.group_fields)) if family.group_fields else "no",
                 ", ".join(f"`{s}`" for s in family.dense_layer_fields) or "none",
+                _cell(notes_fn(family)) if notes_fn else "",
             ]
         )
+    others = [row for row in (coverage_fn() if coverage_fn else []) if row.model_type not in families]
     return "\n".join(
         [
             "# Supported families",
             "",
             f"{len(rows)} transformers MoE families (`model_type` in config.json), from the family table the MoE code "
-            "reads. A model of another type is refused. How masking and removal work for them: "
-            "[Masking equals removal](../concepts/masking.md).",
+            "reads. A model of another type is refused before any weight is read, in one line naming the nearest "
+            "supported family. How masking and removal work for them: [Masking equals removal](../concepts/masking.md). "
+            "`evoesap families` prints the same list for the transformers installed where it runs.",
             "",
             _table(
                 [
@@ -444,8 +576,18 @@ def families_page() -> str:
                     "shared experts",
                     "group-limited routing",
                     "dense-layer fields",
+                    "notes",
                 ],
                 rows,
+            ),
+            "",
+            "## Other MoE model types of the installed transformers",
+            "",
+            "Every other `model_type` whose config declares an expert count, and why it is not supported.",
+            "",
+            _table(
+                ["model_type", "expert count field", "reason"],
+                [[f"`{r.model_type}`", _code(r.experts_field), _cell(r.reason)] for r in others],
             ),
             "",
         ]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -41,20 +39,14 @@ def _global(
 
 
 CHATTY_LIBRARIES = ("botocore", "boto3", "aiobotocore", "s3fs", "fsspec", "urllib3", "httpx", "httpcore", "huggingface_hub")
-_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|ACCESS_KEY|API_KEY|CREDENTIAL|SESSION_KEY", re.IGNORECASE)
-_SECRET_MIN = 8  # shorter values would mask ordinary words
 
 
 def scrub(text: str) -> str:
-    """`text` without any user:password@ of a URI and without the value of any secret environment variable
-    (a token, a password, an access key): for everything the command prints or logs."""
-    from evoesap.store.artifacts import redact
+    """`text` without credentials (`evoesap.network.scrub`: user:password@ of a URI, Authorization values, tokens, the
+    value of any secret environment variable): for everything the command prints or logs."""
+    from evoesap.network import scrub as scrubbed
 
-    text = redact(text)
-    for name, value in os.environ.items():
-        if len(value) >= _SECRET_MIN and _SECRET_NAME.search(name) and value in text:
-            text = text.replace(value, "***")
-    return text
+    return scrubbed(text)
 
 
 def _scrubbing(factory: Callable[..., logging.LogRecord]) -> Callable[..., logging.LogRecord]:

@@ -32,10 +32,11 @@ def compile_cmd(
     claim_output_file(output, "--output", SPEC_MARKER, inputs=(config,))
     values = parse_overrides(overrides)
     output.parent.mkdir(parents=True, exist_ok=True)
+    loaded = load_config(config)
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.partial-") as tmp:
-        staged = compile_pipeline(load_config(config), Path(tmp) / output.name)
+        staged = compile_pipeline(loaded, Path(tmp) / output.name)
         if values:
-            bake_defaults(staged, values)  # a bad --set stops here: nothing is written at --output
+            bake_defaults(staged, values, loaded)  # a bad --set stops here: nothing is written at --output
         os.replace(staged, output)
     typer.echo(str(output))
 
@@ -98,7 +99,7 @@ def target_cmd(config: Path = typer.Argument(..., help="Pipeline YAML configurat
     (bisection; each probe a reusable search artifact), and record the decision.  Example: evoesap pipeline target
     target.yaml"""
     from evoesap.pipeline.config import load_config
-    from evoesap.pipeline.target import cost_line, run_target
+    from evoesap.pipeline.target import cost_line, run_target, unmet
 
     loaded = load_config(config)
     if loaded.target is None:
@@ -106,10 +107,12 @@ def target_cmd(config: Path = typer.Argument(..., help="Pipeline YAML configurat
     typer.echo(cost_line(loaded))
     found = run_target(loaded)
     for uri, record in found:
-        typer.echo(f"{record.criterion}: {record.line()}")
-        typer.echo(uri)
-    if any(record.chosen is None for _, record in found):  # the decision is recorded; the release cannot go on
-        raise typer.Exit(1)
+        if record.chosen is not None:
+            typer.echo(f"{record.criterion}: {record.line()}")
+        typer.echo(uri)  # a missed target's decision is recorded too
+    missed = unmet(found)
+    if missed is not None:  # the release cannot go on: an error like any other (`error: ...`, exit 1)
+        raise missed
 
 
 @pipeline_app.command("submit")

@@ -16,7 +16,7 @@ import torch
 
 from evoesap.errors import ArtifactError, ConfigError, ModelError, ResourceError
 from evoesap.offload import module_device
-from evoesap.store import artifacts
+from evoesap.store import artifacts, jsontext
 from evoesap.store.identity import is_uri
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,6 @@ def check_checkpoint(uri: str) -> None:
     """Refuse a local checkpoint directory that cannot load: config.json missing, not JSON or not a valid
     transformers config; safetensors weights missing, unreadable or shorter than their headers say
     (truncated). Only config.json and the shards' headers are read. Hub names and URIs are left to the loader."""
-    from transformers import AutoConfig
 
     from evoesap.moe import shards
     from evoesap.moe.stream_prune import INDEX_FILE, SINGLE_FILE
@@ -172,17 +171,20 @@ def check_checkpoint(uri: str) -> None:
         config = json.loads((root / "config.json").read_bytes())
     except FileNotFoundError:
         raise ModelError(f"{uri} has no config.json: give a transformers checkpoint directory") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ModelError(f"{uri}/config.json is not valid JSON ({exc}): {hint}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        why = "it nests too deeply to read" if isinstance(exc, RecursionError) else exc
+        raise ModelError(f"{uri}/config.json is not valid JSON ({why}): {hint}") from None
+    from evoesap.moe.stream_prune import config_from_dict
+
     try:
-        AutoConfig.for_model(**config)
+        config_from_dict(config)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds for one bad value
         why = " ".join(str(exc).split())  # one line, however transformers wraps its message
         raise ModelError(f"{uri}/config.json is not a valid transformers config ({type(exc).__name__}: {why}): {hint}") from None
     if (root / INDEX_FILE).is_file():
         try:
-            names = sorted(set(json.loads((root / INDEX_FILE).read_bytes())["weight_map"].values()))
-        except (ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+            names = sorted(set(jsontext.loads((root / INDEX_FILE).read_bytes(), INDEX_FILE)["weight_map"].values()))
+        except (ArtifactError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ModelError(f"{uri}/{INDEX_FILE} is malformed ({type(exc).__name__}: {exc}): {hint}") from None
     elif (root / SINGLE_FILE).is_file():
         names = [SINGLE_FILE]
@@ -387,22 +389,21 @@ def release_memory() -> None:
 
 def inspect_checkpoint(uri: str) -> Any:
     """The MoE layout of a full (unpruned) checkpoint from its config alone, without loading weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from evoesap import moe
     from evoesap.store.identity import locate
 
     if is_uri(uri):
-        data = artifacts.read_json(artifacts.join(uri, "config.json"))
-        config = AutoConfig.for_model(**data)
+        from evoesap.moe.stream_prune import config_from_dict
+
+        config = config_from_dict(artifacts.read_json(artifacts.join(uri, "config.json")))
     else:
         source, pinned = locate(uri)  # a missing path is never sent to the hub; a hub model at its commit
         config = AutoConfig.from_pretrained(source, trust_remote_code=False, **pinned)
     if getattr(config, moe.PER_LAYER_KEY, None):
         raise ConfigError(f"{artifacts.redact(uri)} is already pruned: give the full model")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return moe.inspect(model)
+    return moe.inspect(moe.spec.meta_model(config))
 
 
 def tokenized_samples(model: str, data: str, params: Any, *, pack: bool = False) -> tuple[Any, list]:

@@ -564,8 +564,8 @@ def remove_checkpoint(uri: str) -> None:
 def _read_checkpoint(uri: str, params: _Params) -> dict[str, Any]:
     try:
         payload = json.loads(artifacts.read_bytes(uri).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ArtifactError(f"{artifacts.redact(uri)} is not a search checkpoint ({exc}); delete it to start afresh") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ArtifactError(f"{artifacts.redact(uri)} is not a search checkpoint ({exc}); delete it to start afresh") from None
     if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
         raise ArtifactError(f"{artifacts.redact(uri)} is not a {_FORMAT} checkpoint; delete it to start afresh")
     now, then = _jsonable(params), payload["params"]

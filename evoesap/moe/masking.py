@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from evoesap.moe.routing import ROUTES, route_params
-from evoesap.moe.spec import LayerSpec, MoEBlock, Pruned, check_pruned, inspect, model_family, moe_blocks
+from evoesap.moe.spec import LayerSpec, MoEBlock, Pruned, check_pruned, has_path, inspect, model_family, moe_blocks
 from evoesap.offload import module_device, stored
 
 
@@ -30,7 +30,7 @@ def masked(model: nn.Module, pruned: Pruned) -> Iterator[nn.Module]:
             ids = sets.get(block.ordinal)
             if ids:
                 hook = _masking_hook(model, block, spec.layers[block.ordinal], ids)
-                handles.append(block.router.register_forward_hook(hook))
+                handles.append(block.router.register_forward_hook(hook, prepend=True))  # others see the masked routing
         yield model
     finally:
         for handle in handles:
@@ -39,16 +39,25 @@ def masked(model: nn.Module, pruned: Pruned) -> Iterator[nn.Module]:
 
 def _masking_hook(model: nn.Module, block: MoEBlock, layer: LayerSpec, ids: tuple[int, ...]):
     family = model_family(model)
-    params = route_params(family, model.config, layer.top_k, layer.n_group, layer.topk_group)
+    params = route_params(family, family.expert_config(model.config), layer.top_k, layer.n_group, layer.topk_group)
     route = ROUTES[layer.routing]
     device = module_device(block.router)  # an offloaded router (device_map) computes where its hook says
     mask = torch.zeros(layer.num_experts, dtype=torch.float32, device=device)  # [E]
     mask[torch.tensor(ids, device=device)] = float("-inf")
-    bias = stored(block.router, family.selection_bias).reshape(-1) if family.selection_bias else None  # [E]
+    present = family.selection_bias and has_path(block.block, family.selection_bias)  # LFM2-MoE may have none
+    bias = stored(block.block, family.selection_bias).reshape(-1).to(device) if present else None  # [E]
+
+    names = family.router_outputs
 
     def hook(module: nn.Module, args: tuple, output: tuple) -> tuple:
-        logits, weights, _ = output  # [T, E] raw, [T, k], [T, k]
-        new_weights, new_index = route(logits, mask, bias, params)
-        return logits, new_weights.to(weights.dtype), new_index
+        out = dict(zip(names, output, strict=True))  # logits [T, E] raw; weights, index [T, k] or dense_weights [T, E]
+        logits = out["logits"]
+        new_weights, new_index = route(logits, mask, bias, params)  # [T, k], [T, k]
+        if "dense_weights" in out:  # the chosen experts' weights in place, 0 elsewhere, as the router scatters them
+            dense = out["dense_weights"]
+            out["dense_weights"] = torch.zeros_like(dense).scatter_(1, new_index, new_weights.to(dense.dtype))
+        else:
+            out["weights"], out["index"] = new_weights.to(out["weights"].dtype), new_index
+        return tuple(out[name] for name in names)
 
     return hook

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from evoesap.moe.spec import MoEBlock, moe_blocks
+from evoesap.moe.families import EXPERTS_SCALED_DENSE
+from evoesap.moe.spec import MoEBlock, model_family, moe_blocks
 
 # callback(ordinal, top_k_index [T, k] long, top_k_weights [T, k] float32, expert_out [T, k, H] float32)
 RoutingCallback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -25,8 +26,12 @@ def observe_routing(model: nn.Module, callback: RoutingCallback) -> Iterator[nn.
     """During forwards, call `callback` for every MoE layer with its routing and expert outputs."""
     handles = []
     try:
+        family = model_family(model)
         for block in moe_blocks(model):
-            handles.extend(_observe(block, callback))
+            if family.experts_input == EXPERTS_SCALED_DENSE:
+                handles.extend(_observe_scaled_dense(block, callback))
+            else:
+                handles.extend(_observe(block, callback))
         yield model
     finally:
         for handle in handles:
@@ -54,6 +59,44 @@ def _observe(block: MoEBlock, callback: RoutingCallback) -> list:
     return [
         block.experts.register_forward_pre_hook(expand, with_kwargs=True),
         block.experts.register_forward_hook(combine, with_kwargs=True),
+    ]
+
+
+def _observe_scaled_dense(block: MoEBlock, callback: RoutingCallback) -> list:
+    """Llama 4: the experts module runs every expert on every token, each input multiplied by the token's dense
+    weight for it (0 where not chosen). The hooks append the unscaled tokens to that call, so one call also gives
+    f_i(x) on the token itself; the model keeps the scaled half of the output, exactly what it computes alone.
+    g_i(x) is the dense weight of each chosen expert (the model multiplies the expert's input by it)."""
+    seen: dict[str, torch.Tensor] = {}  # the call in flight: the block's tokens and the router's dense weights
+
+    def keep_tokens(module: nn.Module, args: tuple) -> None:
+        seen["tokens"] = args[0].reshape(-1, args[0].shape[-1])  # [T, H]
+
+    def keep_weights(module: nn.Module, args: tuple, output: tuple) -> None:
+        seen["dense"] = output[0]  # [T, E], after any masking hook (registered first)
+
+    def expand(module: nn.Module, args: tuple) -> tuple:
+        scaled, tokens = args[0], seen["tokens"]  # [E*T, H], [T, H]
+        experts = scaled.shape[0] // tokens.shape[0]
+        both = torch.cat((scaled.view(experts, -1, tokens.shape[-1]), tokens.expand(experts, -1, -1)), dim=1)
+        return (both.reshape(-1, tokens.shape[-1]),)  # [E*2T, H]: per expert, the scaled tokens then the unscaled
+
+    def combine(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        tokens, dense = seen.pop("tokens"), seen.pop("dense")  # [T, H], [T, E]
+        count, hidden = tokens.shape
+        both = output.view(-1, 2 * count, hidden)  # [E, 2T, H]
+        k = int(block.router.top_k)
+        weights, index = dense.float().topk(k, dim=1)  # [T, k]: chosen experts have weight > 0, others exactly 0
+        unscaled = both[:, count:].transpose(0, 1)  # [T, E, H]
+        expert_out = unscaled.gather(1, index.unsqueeze(-1).expand(-1, -1, hidden))  # [T, k, H]
+        callback(block.ordinal, index, weights, expert_out.float())
+        return both[:, :count].reshape(-1, hidden)  # [E*T, H], the model's own
+
+    return [
+        block.block.register_forward_pre_hook(keep_tokens),
+        block.router.register_forward_hook(keep_weights),
+        block.experts.register_forward_pre_hook(expand),
+        block.experts.register_forward_hook(combine),
     ]
 
 

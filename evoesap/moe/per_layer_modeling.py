@@ -24,7 +24,9 @@ from torch import nn
 
 def moe_layers(model: nn.Module, facts: Mapping[str, Any]) -> dict[int, nn.Module]:
     """{decoder layer index: MoE block} of a model; dense layers (no router or experts) are left out."""
-    layers = model.base_model.layers
+    layers = model
+    for name in facts.get("layers", "base_model.layers").split("."):
+        layers = getattr(layers, name)
     blocks = {i: getattr(layer, facts["block"], None) for i, layer in enumerate(layers)}
     return {
         i: block
@@ -39,12 +41,15 @@ def resize_experts(
     """Replace every expert-indexed tensor of an MoE block by `make(old, expert_axis)` and set the modules'
     expert counts to `num_experts`."""
     router, experts = getattr(block, facts["router"]), getattr(block, facts["experts"])
+    owners = ((router, facts["router_tensors"]), (experts, facts["expert_tensors"]), (block, facts.get("block_tensors", ())))
     with torch.no_grad():
-        for module, tensors in ((router, facts["router_tensors"]), (experts, facts["expert_tensors"])):
+        for module, tensors in owners:
             for path, axis in tensors:
                 parent, _, name = path.rpartition(".")
                 owner = module.get_submodule(parent)
-                old = getattr(owner, name)
+                old = getattr(owner, name, None)
+                if old is None and module is block:  # a config may switch a block's tensor off (LFM2-MoE's expert_bias)
+                    continue
                 new = make(old, axis)
                 if isinstance(old, nn.Parameter):
                     new = nn.Parameter(new, requires_grad=old.requires_grad)

@@ -21,17 +21,19 @@ from evoesap.moe import per_layer_modeling
 from evoesap.moe.families import NONUNIFORM_ARCHITECTURE_PREFIX, PER_LAYER_KEY, Family
 
 MODELING_FILE = "modeling_evoesap.py"
-AUTO_CLASS = "AutoModelForCausalLM"
+AUTO_CLASS = "AutoModelForCausalLM"  # the auto class of a text-only family; a multimodal one names its own
 
 
 def layout(family: Family) -> dict[str, Any]:
     """Where a family keeps its MoE modules and expert-indexed tensors, as `per_layer_modeling` reads it."""
     return {
+        "layers": family.layers,
         "block": family.block,
         "router": family.router,
         "experts": family.experts,
         "router_tensors": [list(t) for t in family.router_tensors],
         "expert_tensors": [list(t) for t in family.expert_tensors],
+        "block_tensors": [list(t) for t in family.block_tensors],
     }
 
 
@@ -62,15 +64,17 @@ def modeling_source(family: Family, stock_name: str) -> str:
 def write_modeling_file(directory: Path, family: Family, stock_name: str) -> dict[str, str]:
     """Write `MODELING_FILE` into a checkpoint directory; returns the `auto_map` entry naming its class."""
     (directory / MODELING_FILE).write_text(modeling_source(family, stock_name))
-    return {AUTO_CLASS: f"{Path(MODELING_FILE).stem}.{NONUNIFORM_ARCHITECTURE_PREFIX + stock_name}"}
+    return {family.auto_class: f"{Path(MODELING_FILE).stem}.{NONUNIFORM_ARCHITECTURE_PREFIX + stock_name}"}
 
 
 def drop_auto_map(config: Any) -> None:
     """Forget the `auto_map` entry of a modeling file (a config once loaded from a non-uniform checkpoint
     and now saved uniform must not point at a file that is no longer written)."""
     auto_map = dict(getattr(config, "auto_map", None) or {})
-    if auto_map.get(AUTO_CLASS, "").startswith(f"{Path(MODELING_FILE).stem}."):
-        del auto_map[AUTO_CLASS]
+    ours = [key for key, value in auto_map.items() if str(value).startswith(f"{Path(MODELING_FILE).stem}.")]
+    if ours:
+        for key in ours:  # whichever auto class the family loads with
+            del auto_map[key]
         if auto_map:
             config.auto_map = auto_map
         else:

@@ -18,6 +18,7 @@ from typing import IO
 import torch
 
 from evoesap.errors import ArtifactError
+from evoesap.store import jsontext
 
 COPY_BYTES = 16 << 20  # one read/write step: bounds a copy's memory, not its speed
 HEADER_LIMIT = 100 << 20  # a header larger than this is not a safetensors file
@@ -63,7 +64,7 @@ def read_header(f: IO[bytes]) -> tuple[int, dict[str, Entry], dict[str, str]]:
     (size,) = struct.unpack("<Q", raw)
     if size > HEADER_LIMIT:
         raise ArtifactError(f"not a safetensors file: header length {size} is implausible")
-    header = json.loads(f.read(size))
+    header = jsontext.loads(f.read(size), "not a safetensors file: its header")
     metadata = header.pop("__metadata__", None) or {}
     entries = {name: Entry(name, info["dtype"], tuple(info["shape"]), *info["data_offsets"]) for name, info in header.items()}
     return 8 + size, entries, metadata

@@ -58,6 +58,17 @@ class MoEBlock:
     block: nn.Module  # the decoder layer's MoE MLP
     router: nn.Module
     experts: nn.Module
+    layer: nn.Module | None = None  # the decoder layer holding the block (and any shared MLP beside it)
+
+
+def meta_model(config: object) -> nn.Module:
+    """The model a checkpoint's config describes, on the meta device (no memory): the stock class of its family's
+    auto class, so a multimodal checkpoint builds whole. An unsupported model_type is refused first."""
+    import torch
+
+    cls = family_of(config.model_type).model_class(config)
+    with torch.device("meta"):
+        return cls(config)
 
 
 def model_family(model: nn.Module) -> Family:
@@ -75,25 +86,36 @@ def get_path(module: nn.Module, path: str) -> object:
 
 def expert_tensors(block: MoEBlock, family: Family) -> Iterator[tuple[nn.Module, str, int]]:
     """(owning module, attribute name, expert axis) of every tensor of `block` indexed by expert."""
-    for module, tensors in ((block.router, family.router_tensors), (block.experts, family.expert_tensors)):
+    owners = ((block.router, family.router_tensors), (block.experts, family.expert_tensors), (block.block, family.block_tensors))
+    for module, tensors in owners:
         for path, axis in tensors:
+            if module is block.block and not has_path(module, path):  # a config may switch a block's bias off (LFM2)
+                continue
             *parents, name = path.split(".")
             yield module.get_submodule(".".join(parents)), name, axis
+
+
+def decoder_layers(model: nn.Module, family: Family) -> nn.ModuleList | None:
+    """The decoder layers of a causal-LM model, at its family's `layers` path (None where there are none)."""
+    try:
+        return get_path(model, family.layers)
+    except AttributeError:
+        return None
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
     """The MoE blocks of a model in model order; dense layers are skipped."""
     family = model_family(model)
-    layers = getattr(getattr(model, "base_model", model), "layers", None)
+    layers = decoder_layers(model, family)
     if layers is None:
-        raise ModelError(f"{type(model).__name__} has no decoder layers at base_model.layers")
+        raise ModelError(f"{type(model).__name__} has no decoder layers at {family.layers}")
     blocks: list[MoEBlock] = []
     for index, layer in enumerate(layers):
         block = getattr(layer, family.block, None)
         router = getattr(block, family.router, None)
         experts = getattr(block, family.experts, None)
         if router is not None and experts is not None:
-            blocks.append(MoEBlock(len(blocks), index, block, router, experts))
+            blocks.append(MoEBlock(len(blocks), index, block, router, experts, layer))
     if not blocks:
         raise ModelError(
             f"this {family.model_type} model has no MoE layers; check its config fields "
@@ -116,23 +138,37 @@ def _groups(family: Family, config: object) -> tuple[int, int]:
 def inspect(model: nn.Module) -> MoESpec:
     """The MoE layers of `model`; expert counts are read from the modules, so pruned models work."""
     family = model_family(model)
-    config = model.config
+    config = family.expert_config(model.config)
     n_group, topk_group = _groups(family, config)
-    top_k = int(getattr(config, family.top_k_field))
     layers = tuple(
         LayerSpec(
             ordinal=b.ordinal,
             decoder_index=b.decoder_index,
             num_experts=int(b.experts.num_experts),
-            top_k=top_k,
+            top_k=top_k(family, config, b.decoder_index),
             routing=family.routing,
-            shared_experts=any(getattr(b.block, a, None) is not None for a in family.shared_experts),
+            shared_experts=any(has_path(b.layer, path) for path in family.shared_experts),
             n_group=n_group,
             topk_group=topk_group,
         )
         for b in moe_blocks(model)
     )
     return MoESpec(family.model_type, layers)
+
+
+def top_k(family: Family, config: object, decoder_index: int) -> int:
+    """Experts each token reaches in one MoE layer: the config's top-k, or its entry for the layer where a family
+    (Hunyuan) may give one per decoder layer."""
+    value = getattr(config, family.top_k_field)
+    return int(value[decoder_index] if isinstance(value, (list, tuple)) else value)
+
+
+def has_path(module: nn.Module | None, path: str) -> bool:
+    """Whether `module` holds something (not None) at dotted `path`."""
+    try:
+        return get_path(module, path) is not None
+    except AttributeError:
+        return False
 
 
 def _as_int(value: object, what: str) -> int:

@@ -21,12 +21,12 @@ from typing import Any
 
 import fsspec
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, PreTrainedConfig
 
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.moe import shards
 from evoesap.moe.families import PER_LAYER_KEY
-from evoesap.moe.spec import Pruned, check_pruned, expert_tensors, inspect, model_family, moe_blocks
+from evoesap.moe.spec import Pruned, check_pruned, expert_tensors, inspect, meta_model, model_family, moe_blocks
 from evoesap.moe.surgery import name_nonuniform, set_counts
 from evoesap.store import artifacts
 from evoesap.store.identity import is_uri, locate
@@ -78,7 +78,14 @@ def read_config(fs: fsspec.AbstractFileSystem, root: str) -> Any:
             data = json.load(f)
     except FileNotFoundError:
         raise ArtifactError(f"{root} has no config.json: give a transformers checkpoint directory") from None
-    return AutoConfig.for_model(**data)
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict[str, Any]) -> Any:
+    """The transformers config of a parsed config.json, decoded as `from_pretrained` decodes it: config.json
+    stores inf and nan as {"__float__": "Infinity"} (Granite 4.0's `time_step_limit`), which the config
+    classes refuse undecoded."""
+    return AutoConfig.for_model(**PreTrainedConfig._decode_special_floats(data))
 
 
 def shard_names(fs: fsspec.AbstractFileSystem, root: str) -> tuple[list[str], dict[str, Any] | None]:
@@ -99,8 +106,7 @@ def prune_checkpoint(source: str, pruned: Pruned, out_dir: Path, dtype: torch.dt
     config = read_config(fs, root)
     if getattr(config, PER_LAYER_KEY, None):
         raise ConfigError(f"{artifacts.redact(source)} is already pruned: prune the full model")
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
+    meta = meta_model(config)
     spec = inspect(meta)
     sets = check_pruned(spec, pruned)
     indexed = _indexed_tensors(meta, sets)
@@ -177,11 +183,13 @@ class _KeyMapper:
         self._fp32 = build_glob_alternation(list(plan))[0] if plan else None  # kept in float32 whatever `dtype` says
 
     def model_key(self, disk_key: str) -> tuple[str, bool]:
-        """(model key, whether the disk key is one expert's slice that transformers merges on load)."""
+        """(model key, whether the disk key is one expert's slice that transformers merges on load). A converted key
+        without an expert number is a fused tensor stored in another layout (Qwen3-VL MoE's transposed experts): it
+        keeps its expert axis first, and is sliced like the model's own."""
         from transformers.core_model_loading import rename_source_key
 
         key, converter = rename_source_key(disk_key, self._renamings, self._converters, self._prefix, self._state)
-        return key, converter is not None
+        return key, converter is not None and _EXPERT_ID.search(disk_key) is not None
 
     def target_dtype(self, model_key: str, stored: str) -> str:
         if self._dtype is None or stored not in shards.FLOATS:

@@ -23,7 +23,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from evoesap.errors import ArtifactError, ConfigError, ModelError
 from evoesap.moe import per_layer_modeling
-from evoesap.moe.families import NONUNIFORM_ARCHITECTURE_PREFIX, PER_LAYER_KEY, Family, family_of
+from evoesap.moe.families import FAMILIES, NONUNIFORM_ARCHITECTURE_PREFIX, PER_LAYER_KEY, Family, family_of
 from evoesap.moe.remote_code import drop_auto_map, layout, write_modeling_file
 from evoesap.moe.spec import MoEBlock, Pruned, check_pruned, inspect, model_family, moe_blocks
 from evoesap.store import artifacts
@@ -53,7 +53,7 @@ def record_counts(model: nn.Module) -> None:
 
 def set_counts(config: Any, family: Family, counts: Mapping[str, int]) -> None:
     """Expert counts per decoder layer into a config: one int when uniform, else the per-layer map."""
-    setattr(config, family.num_experts_field, max(counts.values()))  # stock classes build the widest
+    setattr(family.expert_config(config), family.num_experts_field, max(counts.values()))  # stock classes build the widest
     if len(set(counts.values())) > 1:
         setattr(config, PER_LAYER_KEY, dict(counts))
     else:
@@ -138,10 +138,13 @@ def load_pruned(uri_or_hub_name: str, **from_pretrained_kwargs: Any) -> PreTrain
         kwargs.update(pinned)  # a hub model loads at the commit its identity recorded
         config_kwargs = {k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs}
         config = AutoConfig.from_pretrained(source, trust_remote_code=False, **config_kwargs)
-        if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-            raise ModelError(f"{uri_or_hub_name} ({config.model_type}) has no causal-LM class in transformers")
-        stock = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
         counts = getattr(config, PER_LAYER_KEY, None)
+        if config.model_type in FAMILIES or counts:
+            stock = family_of(config.model_type).model_class(config)  # a multimodal family loads whole
+        elif type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+            stock = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        else:
+            raise ModelError(f"{uri_or_hub_name} ({config.model_type}) has no causal-LM class in transformers")
         cls = _shrinking(stock, family_of(config.model_type), counts) if counts else stock
         model, info = cls.from_pretrained(source, config=config, use_safetensors=True, output_loading_info=True, **kwargs)
     problems = {k: sorted(map(str, v)) for k, v in info.items() if v}

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+import transformers
+from transformers import AutoConfig, PreTrainedModel
 
 from evoesap.moe.families import family_of
 from evoesap.moe.spec import expert_tensors, moe_blocks
@@ -31,10 +32,15 @@ _BIAS_STD = 0.05  # selection and expert biases start random, so dropping a wron
 def tiny_model(family: str, seed: int = 0, **config_overrides: Any) -> PreTrainedModel:
     """A tiny random float32 model of `family` (a transformers model_type), deterministic per seed."""
     row = family_of(family)
-    config = AutoConfig.for_model(row.model_type, **{**_BASE, **row.tiny, **config_overrides})
+    if row.text_config:  # a multimodal model: the shared sizes and the overrides go to its language model
+        tiny = dict(row.tiny)
+        text = {**_BASE, **tiny.pop(row.text_config), **config_overrides}
+        config = AutoConfig.for_model(row.model_type, **{row.text_config: text, **tiny})
+    else:
+        config = AutoConfig.for_model(row.model_type, **{**_BASE, **row.tiny, **config_overrides})
     with torch.random.fork_rng(devices=[]):  # seeded, and the caller's global RNG is left untouched
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = getattr(transformers, row.auto_class).from_config(config, dtype=torch.float32)
         with torch.no_grad():
             for block in moe_blocks(model):
                 for owner, name, _ in expert_tensors(block, row):

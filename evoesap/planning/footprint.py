@@ -93,7 +93,6 @@ class StagePlan:
 def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
     """The shape of the checkpoint at `uri` (path, fsspec URI or hub name) from config.json and headers alone."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from evoesap import moe
     from evoesap.machine.runtime import MODEL_DTYPES
@@ -102,9 +101,7 @@ def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
     fs, root = stream_prune.checkpoint_files(uri, patterns=("*.json",))  # a hub model: no weights fetched
     config = stream_prune.read_config(fs, root)
     counts = getattr(config, moe.PER_LAYER_KEY, None)
-    family = moe.FAMILIES.get(config.model_type) or moe.families.family_of(config.model_type)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config)
+    meta = moe.spec.meta_model(config)  # an unsupported model is refused before the meta model is built
     target = MODEL_DTYPES[model_dtype]
     if target == "auto":
         target = getattr(config, "dtype", None) or torch.float32
@@ -123,6 +120,7 @@ def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
     scale = target.itemsize / next(meta.parameters()).element_size()
     routed = {id(m) for block in moe.moe_blocks(meta) for m in block.experts.modules()}
     head = meta.get_output_embeddings()
+    text = moe.families.family_of(config.model_type).expert_config(config)  # a multimodal model: its language model
     dense = sum(
         m.weight.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear) and m is not head and id(m) not in routed
     )
@@ -130,15 +128,25 @@ def model_shape(uri: str, model_dtype: str = "auto") -> ModelShape:
         model_type=config.model_type,
         bytes=sum(sizes),
         expert_bytes=int(sum(n * b for n, b in zip(experts, per_expert)) * scale),
-        vocab=int(config.vocab_size),
-        hidden=int(config.hidden_size),
-        layers=int(config.num_hidden_layers),
-        top_k=int(getattr(config, family.top_k_field)),
-        expert_width=int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size),
+        vocab=int(text.vocab_size),
+        hidden=int(text.hidden_size),
+        layers=int(text.num_hidden_layers),
+        top_k=max(spec.top_k),
+        expert_width=max(_expert_width(block.experts) for block in moe.moe_blocks(meta)),
         largest_tensor=max(sizes),
         itemsize=target.itemsize,
         dense_linear_bytes=dense * target.itemsize,
     )
+
+
+def _expert_width(experts: Any) -> int:
+    """An expert's intermediate size, as the experts module itself was built (whichever config field gave it)."""
+    width = getattr(experts, "intermediate_dim", None) or getattr(experts, "intermediate_size", None)
+    if width is None:
+        from evoesap.errors import ModelError
+
+        raise ModelError(f"{type(experts).__name__} names no intermediate_dim or intermediate_size: its expert width is unknown")
+    return int(width)
 
 
 def _has_weights(fs: Any, root: str) -> bool:

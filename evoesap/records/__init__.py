@@ -5,7 +5,6 @@ the orchestrator metadata all read a record the same way; scoring reads records 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,7 +35,7 @@ from evoesap.records.documents import (
     TaskMetric,
 )
 from evoesap.records.typed import Record
-from evoesap.store import artifacts
+from evoesap.store import artifacts, jsontext
 
 __all__ = [
     "ALLOCATION_FILE",
@@ -76,7 +75,7 @@ R = TypeVar("R", bound=Record)
 def write(staging: Path, record: Record) -> None:
     """Write a record into a stage's staging directory as its file (sorted keys: the same record, the same bytes)."""
     assert record.FILE is not None, f"{type(record).__name__} is part of a record, not a file"
-    (staging / record.FILE).write_text(json.dumps(record.to_json(), indent=2, sort_keys=True))
+    (staging / record.FILE).write_text(jsontext.dumps(record.to_json(), record.FILE, indent=2, sort_keys=True))
 
 
 def read(uri: str, kind: type[R]) -> R:
@@ -85,11 +84,9 @@ def read(uri: str, kind: type[R]) -> R:
     name, stage = kind.FILE, kind.STAGE
     assert name is not None and stage is not None, f"{kind.__name__} is part of a record, not a file"
     manifest = artifacts.read_manifest(uri, stage)
-    try:
-        document = json.loads(artifacts.read_payload(uri, name, manifest))
-    except ValueError as exc:
-        raise ArtifactError(f"{artifacts.redact(uri)}: {name} is not JSON ({exc}): {artifacts.rebuild_hint(stage)}") from None
-    return kind.from_json(document, f"{artifacts.redact(uri)}/{name}")
+    where = f"{artifacts.redact(uri)}/{name}"
+    document = jsontext.loads(artifacts.read_payload(uri, name, manifest), where, ArtifactError, artifacts.rebuild_hint(stage))
+    return kind.from_json(document, where)
 
 
 def allocation_counts(

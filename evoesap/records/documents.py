@@ -208,9 +208,17 @@ class GateCheck(Record):
 
     def line(self) -> str:
         """The check in words, with its numbers."""
-        value = "missing" if self.value is None else f"{self.value:.4f}"
-        against = "" if self.reference is None else f" (reference {self.reference:.4f})"
-        return f"{self.name} {value} {'>=' if self.passed else '<'} {self.limit:.4f}{against}"
+        digits = _deciding_digits(self.value, self.limit)
+        value = "missing" if self.value is None else f"{self.value:.{digits}f}"
+        against = "" if self.reference is None else f" (reference {self.reference:.{digits}f})"
+        return f"{self.name} {value} {'>=' if self.passed else '<'} {self.limit:.{digits}f}{against}"
+
+
+def _deciding_digits(value: float | None, limit: float) -> int:
+    """Decimals that show why a check went its way: 4, or as many as tell `value` from `limit` (0.99942 < 0.99945)."""
+    if value is None:
+        return 4
+    return next((d for d in range(4, 10) if f"{value:.{d}f}" != f"{limit:.{d}f}"), 4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +232,7 @@ class GateRecord(Record):
     candidate: str  # the evaluated candidate's model URI (redacted)
     checks: tuple[GateCheck, ...]  # every threshold the gate applied, in order
     previous: str | None = None  # the previous release's metrics the gate compared with (redacted); None: none
+    reference: str | None = None  # the model the candidate was made from, checked by content; None: an unchecked verdict
 
     def line(self) -> str:
         """The verdict in one line: the failing checks with their numbers, or that every check passed."""
@@ -271,9 +280,10 @@ class TargetRecord(Record):
     rechecks: int = 0  # one-point dips the bracketing could look past (target.rechecks); absent from records made before
 
     def line(self) -> str:
-        if self.chosen is None:
-            lowest = self.probes[0] if self.probes else None
-            seen = f" (at {lowest.sparsity:.4f}: {lowest.heldout})" if lowest else ""
+        if self.chosen is None:  # the lowest probe missed too (bracketing stops only there)
+            lowest = min(self.probes, key=lambda p: p.sparsity, default=None)
+            value = "no held-out value" if lowest is None or lowest.heldout is None else f"{lowest.heldout:.4f}"
+            seen = f" (the lowest sparsity tried, {lowest.sparsity:.4f}, reached {value})" if lowest else ""
             return (
                 f"no sparsity on the grid meets {self.metric} >= {self.threshold}{seen}: lower the target or improve the "
                 "search (more samples, generations)"

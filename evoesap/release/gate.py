@@ -13,6 +13,9 @@ from typing import Protocol
 from evoesap import records
 from evoesap.errors import EvoESAPError
 
+# the evaluate parameters that decide what a task scores: the gate compares two evaluations only when these agree
+SCORING_PARAMS = ("tasks", "limit", "allow_code_execution", "enable_thinking", "think_end_token", "max_length", "backend")
+
 
 class Thresholds(Protocol):
     """The gate's thresholds (`evoesap.stages.gate.GateParams`); None: not checked."""
@@ -24,6 +27,14 @@ class Thresholds(Protocol):
 
 class GateFailed(EvoESAPError):
     """The release gate refused the candidate: its message is the verdict's one line."""
+
+
+RESOLUTION = 1e-9  # metrics are fractions of at most millions of examples: closer than this is the same value
+
+
+def at_least(value: float | None, limit: float) -> bool:
+    """value >= limit to the metrics' resolution: 0.7 meets 0.8 - 0.1 although the float difference is 1e-16 short."""
+    return value is not None and value - limit >= -RESOLUTION
 
 
 def _task_checks(
@@ -40,7 +51,7 @@ def _task_checks(
                 value=value,
                 reference=float(r.value),
                 limit=limit,
-                passed=value is not None and value >= limit,
+                passed=at_least(value, limit),
             )
         )
     return checks
@@ -68,7 +79,7 @@ def verdict(
                 value=value,
                 reference=None,
                 limit=params.min_heldout_esap,
-                passed=value is not None and value >= params.min_heldout_esap,
+                passed=at_least(value, params.min_heldout_esap),
             )
         )
     if params.max_task_drop is not None:
@@ -84,7 +95,7 @@ def verdict(
                     value=now,
                     reference=before,
                     limit=limit,
-                    passed=now is not None and now >= limit,
+                    passed=at_least(now, limit),
                 )
             )
     return records.GateRecord(
@@ -94,6 +105,13 @@ def verdict(
 
 def raise_on_failed(verdict_uris: Sequence[str]) -> None:
     """Raise GateFailed with the one line of each failing verdict among the gate artifacts at `verdict_uris`."""
+    outcome(verdict_uris, stop_on_fail=True)
+
+
+def outcome(verdict_uris: Sequence[str], stop_on_fail: bool) -> str:
+    """The gate's sum over the verdicts at `verdict_uris`: "pass" when every one passed, else "fail"; with
+    `stop_on_fail`, a failing one raises GateFailed with the one line of each failing verdict instead."""
     failed = [v.line() for v in (records.read(uri, records.GateRecord) for uri in verdict_uris) if not v.passed]
-    if failed:
+    if failed and stop_on_fail:
         raise GateFailed(" | ".join(failed))
+    return "fail" if failed else "pass"

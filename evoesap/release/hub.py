@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from evoesap import network
 from evoesap.errors import ArtifactError, ConfigError
-from evoesap.store.identity import redact
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,9 @@ def token(variable: str) -> str:
 
 TIMEOUT_ENV = "HF_HUB_DOWNLOAD_TIMEOUT"  # huggingface_hub's own name for how long a request may wait
 DEFAULT_TIMEOUT_S = 60.0  # an endpoint silent this long is down (an upload's chunks each answer far sooner)
+DEADLINE_ENV = network.HUB_DEADLINE_ENV  # seconds one exchange with the Hub may take in all, however slowly it answers
+DEFAULT_DEADLINE_S = network.HUB_DEADLINE_S  # reading a repository, resolving a revision, a card; a push gets more
+UPLOAD_FLOOR_BYTES_S = 1 << 20  # a push is given one more second per MiB it sends: slower than this, it is stalled
 
 
 def timeout_s() -> float:
@@ -45,15 +48,34 @@ def timeout_s() -> float:
     return value
 
 
-def _api(endpoint: str | None, secret: str) -> Any:
+def deadline_s() -> float:
+    """Seconds one exchange with the Hub may take in all: $EVOESAP_HUB_DEADLINE_S, else `DEFAULT_DEADLINE_S`."""
+    return network.deadline_s(DEADLINE_ENV, DEFAULT_DEADLINE_S)
+
+
+def push_deadline_s(size: int) -> float:
+    """A push's deadline: `deadline_s()` plus one second per MiB of `size` bytes it uploads."""
+    return deadline_s() + size / UPLOAD_FLOOR_BYTES_S
+
+
+def bounded(fn: Any, what: str, seconds: float | None = None) -> Any:
+    """`fn(stop)` within `seconds` (default `deadline_s()`), else one ArtifactError naming `what` and the knob."""
+    return network.call(fn, seconds=seconds or deadline_s(), what=what, knob=DEADLINE_ENV, error=ArtifactError)
+
+
+def _api(endpoint: str | None, secret: str, stop: Any = None) -> Any:
     """huggingface_hub's API whose requests give up after `timeout_s()`: its client waits forever, and many of its
-    calls pass that explicitly, so each request's own timeout is bounded as it is sent."""
+    calls pass that explicitly, so each request's own timeout is bounded as it is sent. Once `stop` is set (its call
+    passed its deadline) no further request is sent."""
     from huggingface_hub import HfApi, set_client_factory
     from huggingface_hub.utils._http import default_client_factory
 
+    network.refuse_credentials(endpoint, "endpoint")
     seconds = timeout_s()
 
     def bound(request: Any) -> None:
+        if stop is not None and stop.is_set():
+            raise network.Stopped(f"a Hub request abandoned at its deadline ({DEADLINE_ENV})")
         limits = request.extensions.get("timeout") or {}
         request.extensions["timeout"] = {k: seconds if v is None else min(v, seconds) for k, v in limits.items()} or {
             k: seconds for k in ("connect", "read", "write", "pool")
@@ -68,11 +90,23 @@ def _api(endpoint: str | None, secret: str) -> Any:
     return HfApi(endpoint=endpoint, token=secret)
 
 
+def _check_settings(endpoint: str | None) -> None:
+    """The endpoint and the timeouts refused in their own line, before any request (not as a failed call's cause)."""
+    network.refuse_credentials(endpoint, "endpoint")
+    timeout_s(), deadline_s()
+
+
+def _where(repo: str, endpoint: str | None) -> str:
+    return f"the Hub repository {repo} at {network.redact(endpoint or os.environ.get('HF_ENDPOINT') or 'huggingface.co')}"
+
+
 def _failure(what: str, repo: str, exc: Exception, secret: str) -> ArtifactError:
-    detail = " ".join(str(exc).replace(secret, "***").split())[:300]
+    if isinstance(exc, ArtifactError):  # the deadline's own line
+        return exc
+    detail = network.reply_line(exc, secret)
     if "Timeout" in type(exc).__name__:
         detail = f"no answer within {timeout_s():g} s; set {TIMEOUT_ENV} to wait longer"
-    return ArtifactError(redact(f"{what} the Hub repository {repo} failed ({type(exc).__name__}: {detail})"))
+    return ArtifactError(f"{what} the Hub repository {repo} failed ({type(exc).__name__}: {detail})")
 
 
 def check_target(repo: str, files: Iterable[str], *, endpoint: str | None, secret: str) -> None:
@@ -80,9 +114,13 @@ def check_target(repo: str, files: Iterable[str], *, endpoint: str | None, secre
     break the checkpoint); a repository that does not exist yet is fine (the push creates it)."""
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    api = _api(endpoint, secret)
+    _check_settings(endpoint)
+
+    def read(stop: Any) -> set[str]:
+        return set(_api(endpoint, secret, stop).list_repo_files(repo))
+
     try:
-        present = set(api.list_repo_files(repo))
+        present = bounded(read, f"reading {_where(repo, endpoint)}")
     except RepositoryNotFoundError:
         return
     except Exception as exc:  # noqa: BLE001 - a refused token, an unreachable endpoint: one line, before work
@@ -99,15 +137,26 @@ def push(staging: Path, repo: str, *, endpoint: str | None, secret: str, private
     """Create `repo` if needed and commit every file under `staging` to it in one commit; the commit's URL."""
     from huggingface_hub import CommitOperationAdd
 
-    api = _api(endpoint, secret)
+    _check_settings(endpoint)
     files = sorted(p for p in staging.rglob("*") if p.is_file())
-    try:
+
+    def send(stop: Any) -> Any:
+        api = _api(endpoint, secret, stop)
         api.create_repo(repo, private=private, exist_ok=True)
-        commit = api.create_commit(
+        return api.create_commit(
             repo,
             [CommitOperationAdd(path_in_repo=p.relative_to(staging).as_posix(), path_or_fileobj=str(p)) for p in files],
             commit_message=message,
         )
+
+    size = sum(p.stat().st_size for p in files)
+    try:
+        commit = bounded(send, f"pushing to {_where(repo, endpoint)}", push_deadline_s(size))
+    except ArtifactError as exc:  # the deadline: its requests stop, a commit already sent may still land
+        raise ArtifactError(
+            f"{exc}; no further request is sent and nothing is published here: re-run `evoesap publish` (its commit "
+            "replaces the repository's files as a whole)"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - every failure means the same: no commit was made
         raise ArtifactError(
             f"{_failure('pushing to', repo, exc, secret)}: no commit was made, its files are as they "

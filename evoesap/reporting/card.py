@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from evoesap.errors import ConfigError
 from evoesap.records import AllocationRecord, Experts, MetricsRecord, PruningRecord, QuantizationRecord, TaskMetric
 from evoesap.reporting import render
 from evoesap.reporting import report as rp
@@ -25,6 +26,18 @@ from evoesap.store.lineage import Lineage
 
 DENSITY_FILE = "density.png"
 LICENSE_KEYS = ("license", "license_name", "license_link")  # what a derivative carries from its base's card
+# a license as the Hub and SPDX name one (apache-2.0, MIT, llama3.1, cc-by-nc-4.0, GPL-3.0-or-later, LicenseRef-x, other)
+_LICENSE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+-]{0,63}")
+
+
+def check_license(value: str, given: str = "license", fix: str = "") -> str:
+    """`value` when it is a license identifier; a ConfigError naming it otherwise (before any work)."""
+    if not isinstance(value, str) or not _LICENSE_ID.fullmatch(value):
+        raise ConfigError(
+            f"{given} {value!r} is not a license identifier (letters, digits, '.', '-' and '+', as in apache-2.0, mit, "
+            f"llama3.1): {fix or 'give the Hub or SPDX id of the base model license, or other'}"
+        )
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +56,7 @@ class Evidence:
     report_files: Sequence[str] = ()  # the report's files, under report/ in the published artifact
     quantization: QuantizationRecord | None = None  # quantization.json of the quantize artifact published instead
     quantized_eval: MetricsRecord | None = None  # metrics.json of the quantized model's evaluation
+    base_model_verified: bool = True  # False: base_model could not be checked against the pruned model's config
 
     @property
     def published_eval(self) -> MetricsRecord:
@@ -94,7 +108,9 @@ def datasets(walked: Lineage) -> list[str]:
     return sorted({ref[0] for ref in named if ref is not None})
 
 
-_LOCATION = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s,;|`)]+|(?<![\w.])/[^\s,;|`)]+")
+# a URI, or an absolute path where a value starts (text start, after a space, `=`, `:`, a bracket, a quote or a comma):
+# `</think>` or `and/or` hold a slash but name no location
+_LOCATION = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s,;|`)]+|(?:^|(?<=[\s=:(\[{\"',]))/[^\s,;|`)]+")
 
 
 def withheld(text: str) -> str:
@@ -262,6 +278,7 @@ def render_card(evidence: Evidence, digits: int = 3, show_locations: bool = Fals
     context = {
         "title": _name(evidence),
         "base_model": evidence.base_model,
+        "base_model_verified": evidence.base_model_verified,
         "method": pruning.method,
         "criterion": pruning.criterion,
         "sparsity": f"{pruning.sparsity:.0%}",

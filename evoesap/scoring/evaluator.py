@@ -28,7 +28,7 @@ import torch
 from evoesap import records
 from evoesap.errors import ConfigError
 from evoesap.scoring import metrics
-from evoesap.scoring.forward import LayerRunner, head_logits, iter_batches, model_device, pad_right
+from evoesap.scoring.forward import LayerRunner, check_checkpoint_layerwise, head_logits, iter_batches, model_device, pad_right
 from evoesap.scoring.prefix import PrefixCache, Sets
 from evoesap.scoring.teacher import TeacherCache, load_cache
 from evoesap.store import artifacts
@@ -414,6 +414,8 @@ def read_pruned(uri: str) -> dict[int, list[int]]:
         data = json.loads(artifacts.read_bytes(target).decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{artifacts.redact(target)} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{artifacts.redact(target)}: JSON nested too deeply to read") from None
     pruned = data.get("pruned") if isinstance(data, dict) else None
     if not isinstance(pruned, dict):
         raise ConfigError(
@@ -441,6 +443,7 @@ def score_allocation(
     from evoesap.machine import runtime
 
     runtime.check_model_dtype(model_dtype)
+    check_checkpoint_layerwise(model)
     if allocation and artifacts.exists(artifacts.join(allocation, artifacts.MANIFEST)):  # a search artifact: checked
         record = records.read(allocation, records.AllocationRecord)
         _, pruned = records.allocation_counts(record, allocation, runtime.inspect_checkpoint(model))

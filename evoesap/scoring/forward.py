@@ -8,12 +8,16 @@ Layer by layer: prefix reuse (`evoesap.scoring.prefix`) resumes a candidate's fo
 states; that needs the pieces `XModel.forward` builds once per batch (embeddings, position ids, rotary
 position embeddings, causal masks per attention kind) and the decoder layers called in parts.
 transformers 5.x writes those pieces the same way in every MoE family (OLMoE, Qwen2/3-MoE, Mixtral,
-DeepSeek-V2/V3, ERNIE-4.5-MoE, GPT-OSS); the only difference is the attention kind per layer: a
-`layer_types` list in the config (Qwen2-MoE, GPT-OSS), else sliding for all layers when
-`config.sliding_window` is set (Mixtral, Qwen3-MoE), else full causal attention.
+DeepSeek-V2/V3, ERNIE-4.5-MoE, GPT-OSS, Qwen3-Next); the only difference is the attention kind per layer: a
+`layer_types` list in the config (Qwen2-MoE, GPT-OSS, and hybrids, whose `linear_attention` layers take the
+2-D padding mask), else sliding for all layers when `config.sliding_window` is set (Mixtral, Qwen3-MoE),
+else full causal attention.
 
-Every decoder layer of those families is the same pre-norm residual pair, `h + attn(norm(h))` then
-`h + block(norm(h))` (the family table's `block`, e.g. `mlp`), so it runs as two halves (`attend`, `feed_forward`). Pruning experts changes only the
+Every decoder layer of those families is the same pre-norm residual pair, `h + mixer(norm(h))` then
+`h + block(norm(h))` (the family table's `mixers`, e.g. `self_attn` or a hybrid's `linear_attn`, and its
+`block`, e.g. `mlp`), so it runs as two halves (`attend`, `feed_forward`). A linear-attention or Mamba
+mixer keeps a recurrent state only within one call over the whole sequence, so the state between the
+halves is still all a later half needs. Pruning experts changes only the
 feed-forward half of a layer: the state between the halves is what a candidate can reuse, and the last
 layer's feed-forward half, being per token, can run on the scored positions alone. Routers are still
 masked by `evoesap.moe.masked`'s hooks, which fire whoever calls the modules.
@@ -29,6 +33,7 @@ readers of the teacher cache, which use the helpers here, do not pay their secon
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -36,9 +41,15 @@ import torch
 from evoesap.errors import ModelError
 from evoesap.offload import module_device
 
-# per attention kind, the function of transformers.masking_utils that builds its mask
-_MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
-_HALVES = ("input_layernorm", "self_attn", "post_attention_layernorm")  # with the family's block: what a layer must have
+# per attention kind, the function of transformers.masking_utils that builds its mask; linear attention
+# (Gated DeltaNet, Mamba, convolutions) takes the 2-D padding mask, or None for an unpadded batch
+_MASKS = {
+    "full_attention": "create_causal_mask",
+    "sliding_attention": "create_sliding_window_causal_mask",
+    "chunked_attention": "create_chunked_causal_mask",
+    "linear_attention": "create_recurrent_attention_mask",
+}
+_NORMS = ("input_layernorm", "post_attention_layernorm")  # with a mixer and the family's block: what a layer must have
 
 
 # --------------------------------------------------------------------------------------------------
@@ -89,12 +100,40 @@ def final_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
 # The stack half-layer by half-layer (a candidate's forward)
 
 
+def check_layerwise(model_type: str) -> None:
+    """Refuse (ModelError) a family whose decoder layers ESAP scoring cannot run in halves: the family table's
+    `layerwise`. Its layers have the parts' names, but not the maths `LayerRunner`'s halves compute."""
+    from evoesap.moe.families import family_of
+
+    if not family_of(model_type).layerwise:
+        raise ModelError(
+            f"{model_type}'s decoder layer is not the pre-norm residual pair that ESAP scoring runs layer by "
+            "layer (h + mixer(norm(h)), h + block(norm(h))): search, ESAP scoring and held-out ESAP (evaluate's "
+            "teacher_cache) do not support it yet; calibrate, prune and evaluate without a teacher cache do"
+        )
+
+
+def check_checkpoint_layerwise(model: str) -> None:
+    """`check_layerwise` from the config.json of `model` (path, URI or hub name) alone, before any weight loads;
+    a config that cannot be read here is left to the loader, which says what is wrong with it."""
+    from evoesap.moe import stream_prune
+
+    try:
+        config = stream_prune.read_config(*stream_prune.checkpoint_files(model, patterns=("config.json",)))
+    except Exception:  # noqa: BLE001 - offline hub, bad JSON, a config transformers refuses: the loader says which
+        return
+    from evoesap.moe.families import FAMILIES
+
+    if config.model_type in FAMILIES:  # an unsupported family is refused, with its reason, where the model loads
+        check_layerwise(config.model_type)
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchContext:
     """What every decoder layer of one padded batch receives besides the hidden states."""
 
     position_ids: torch.Tensor  # [1, T] long
-    position_embeddings: object  # rotary: (cos, sin), each [1, T, D], or one complex tensor (DeepSeek-V2)
+    position_embeddings: object  # rotary: (cos, sin), each [1, T, D], or one complex tensor (DeepSeek-V2); None without
     masks: tuple[object, ...]  # per decoder layer: the 4-D mask, a BlockMask or None (is_causal)
 
 
@@ -102,24 +141,29 @@ class LayerRunner:
     """Embeddings, decoder-layer halves and final norm of `model`'s base model, called separately."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        from evoesap.moe.families import family_of
+
+        family = family_of(getattr(getattr(model, "config", None), "model_type", None))
+        check_layerwise(family.model_type)
         base = getattr(model, getattr(model, "base_model_prefix", ""), None)
         if not isinstance(base, torch.nn.Module):
             raise ModelError(f"{type(model).__name__} has no base model at .{model.base_model_prefix}")
-        for part in ("layers", "norm", "rotary_emb"):
+        for part in ("layers", "norm"):  # no rotary_emb: positions come from elsewhere or nowhere (Kimi-Linear)
             if not hasattr(base, part):
                 raise ModelError(f"{type(base).__name__} has no .{part}: layer-wise forwards need a decoder stack")
-        from evoesap.moe.families import family_of
-
         self.model, self.base, self.config = model, base, base.config
-        self.block = family_of(self.config.model_type).block  # the feed-forward half's module (an MoE block or an MLP)
+        self.block = family.block  # the feed-forward half's module (an MoE block or an MLP)
         self.layers = list(base.layers[: self.config.num_hidden_layers])
+        self.mixers: list[str] = []  # per decoder layer: the attribute holding its token mixer
         for index, layer in enumerate(self.layers):
-            missing = [part for part in (*_HALVES, self.block) if not hasattr(layer, part)]
+            mixer = next((name for name in family.mixers if getattr(layer, name, None) is not None), None)
+            missing = [part for part in (*_NORMS, self.block) if not hasattr(layer, part)] + ([] if mixer else ["mixer"])
             if missing:
                 raise ModelError(
                     f"decoder layer {index} ({type(layer).__name__}) has no {', '.join(missing)}: layer-wise forwards "
-                    f"need pre-norm residual layers ({', '.join(_HALVES)}, {self.block})"
+                    f"need pre-norm residual layers ({', '.join(_NORMS)}, one of {', '.join(family.mixers)}, {self.block})"
                 )
+            self.mixers.append(mixer)
         kinds = getattr(self.config, "layer_types", None)
         if kinds is None:
             sliding = getattr(self.config, "sliding_window", None) is not None
@@ -154,14 +198,15 @@ class LayerRunner:
             )
             for kind, mask in self._masks.items()
         }
-        rotary = self.base.rotary_emb(embeds, position_ids)
+        rotary_emb = getattr(self.base, "rotary_emb", None)
+        rotary = rotary_emb(embeds, position_ids) if rotary_emb is not None else None
         return BatchContext(position_ids, rotary, tuple(built[kind] for kind in self.kinds))
 
     def attend(self, index: int, hidden: torch.Tensor, ctx: BatchContext) -> torch.Tensor:
         """The attention half of decoder layer `index`: [B, T, H] -> [B, T, H] on that layer's device."""
         layer, device = self.layers[index], self.devices[index]
         hidden = hidden.to(device)  # a model sharded over GPUs (device_map): the halves bypass the layer's hooks
-        out, _ = layer.self_attn(
+        arguments = dict(
             hidden_states=layer.input_layernorm(hidden),
             attention_mask=_to(ctx.masks[index], device),
             position_ids=ctx.position_ids.to(device),
@@ -169,6 +214,13 @@ class LayerRunner:
             cache=None,
             use_cache=False,
         )
+        mixer = getattr(layer, self.mixers[index])
+        if self.mixers[index] != "self_attn":  # linear attention, Mamba: only the arguments it names (its **kwargs
+            named = inspect.signature(mixer.forward).parameters  # reach kernels that refuse the others)
+            arguments = {k: v for k, v in arguments.items() if k in named}
+        out = mixer(**arguments)
+        if isinstance(out, tuple):  # attention also returns its weights
+            out = out[0]
         return hidden + out
 
     def feed_forward(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -194,7 +246,7 @@ class LayerRunner:
         spec = {layer.decoder_index: layer for layer in moe.inspect(self.model).layers}
         costs = []
         for index, layer in enumerate(self.layers):
-            attention = _numel(layer.input_layernorm) + _numel(layer.self_attn)
+            attention = _numel(layer.input_layernorm) + _numel(getattr(layer, self.mixers[index]))
             feed_forward = _numel(layer.post_attention_layernorm) + _numel(getattr(layer, self.block))
             if index in routed:  # a token passes through top-k of the routed experts
                 experts, info = _numel(routed[index].experts), spec[index]

@@ -46,7 +46,7 @@ from evoesap.errors import ArtifactError, ConfigError, DataError
 from evoesap.offload import state_tensors
 from evoesap.progress import progress
 from evoesap.scoring.forward import final_hidden, head_logits, model_device, pad_right
-from evoesap.store import artifacts
+from evoesap.store import artifacts, jsontext
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class CacheMeta:
 
     @classmethod
     def from_json(cls, text: str) -> CacheMeta:
-        data = json.loads(text)
+        data = jsontext.loads(text, "the teacher cache's cache.json", hint="rebuild it with `evoesap cache-logits`")
         if data.get("format") != CACHE_FORMAT:
             raise ArtifactError(
                 f"teacher cache format {data.get('format')!r} is not {CACHE_FORMAT}: rebuild it with `evoesap cache-logits`"

@@ -8,14 +8,14 @@ verdict and refuses a failing one (`evoesap.stages.publish`), and `stop_on_fail`
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 
 from evoesap import records
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.params import StageParams, keyed, param
-from evoesap.release.gate import verdict
-from evoesap.store import artifacts
+from evoesap.release.gate import SCORING_PARAMS, verdict
+from evoesap.store import artifacts, jsontext, lineage
+from evoesap.store.identity import summary
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +52,70 @@ def read_metrics(uri: str) -> records.MetricsRecord:
     """The metrics of an evaluate artifact, or of a metrics.json file (a previous release's, wherever it is kept)."""
     if not uri.rstrip("/").endswith(".json"):
         return records.read(uri, records.MetricsRecord)
-    try:
-        document = json.loads(artifacts.read_bytes(uri))
-    except ValueError as exc:
-        raise ArtifactError(f"{artifacts.redact(uri)} is not JSON ({exc}): give the metrics.json of an evaluate run") from None
+    hint = "give the metrics.json of an evaluate run"
+    document = jsontext.loads(artifacts.read_bytes(uri), artifacts.redact(uri), ArtifactError, hint)
     return records.MetricsRecord.from_json(document, artifacts.redact(uri))
+
+
+def _evaluation(uri: str, option: str) -> artifacts.Manifest:
+    """The manifest of the evaluate artifact given as `option`: the gate judges evaluations whose lineage it can read."""
+    if uri.rstrip("/").endswith(".json"):
+        raise ConfigError(
+            f"{option} {artifacts.redact(uri)} is a metrics file, whose lineage the gate cannot check: give the evaluate "
+            "artifact (only --previous may be a metrics.json)"
+        )
+    return artifacts.read_manifest(uri, "evaluate")
+
+
+def check_reference(candidate: artifacts.Manifest, full: artifacts.Manifest, evaluation: str, full_evaluation: str) -> str:
+    """Refuse, in one line, a reference that is not the model the candidate was made from, or whose evaluation does not
+    compare with the candidate's; the reference's location when it is both. Identity is content: the candidate's
+    lineage through prune and quantize artifacts must end at the very model the reference evaluation loaded."""
+    origin = lineage.model_origin(candidate.inputs["model"])
+    if not origin.through:
+        raise ConfigError(
+            f"--evaluation {artifacts.redact(evaluation)} evaluated {origin.describe()}, which is not a prune or quantize "
+            "artifact, so nothing records the model it was made from: evaluate the pruned checkpoint the prune stage made"
+        )
+    reference = full.inputs["model"]
+    if lineage.identity_of(reference) != origin.identity:
+        raise ConfigError(
+            f"--full-evaluation {artifacts.redact(full_evaluation)} evaluated {reference['uri']} "
+            f"({summary(lineage.identity_of(reference))}), but the candidate was made from {origin.describe()}: give "
+            "the evaluation of the model it was pruned from"
+        )
+    _check_comparable(candidate, full, "--full-evaluation", full_evaluation)
+    return str(reference["uri"])
+
+
+def _check_comparable(candidate: artifacts.Manifest, other: artifacts.Manifest, option: str, uri: str) -> None:
+    """Refuse an evaluation made with other scoring settings (tasks, limit, thinking, ...) than the candidate's."""
+    differ = [
+        f"{name} {candidate.params.get(name)!r} vs {other.params.get(name)!r}"
+        for name in SCORING_PARAMS
+        if candidate.params.get(name) != other.params.get(name)
+    ]
+    ours, theirs = candidate.inputs.get("teacher_cache"), other.inputs.get("teacher_cache")
+    if ours and theirs and lineage.identity_of(ours) != lineage.identity_of(theirs):
+        differ.append(f"held-out teacher cache {ours['uri']} vs {theirs['uri']}")
+    if differ:
+        raise ConfigError(
+            f"{option} {artifacts.redact(uri)} does not compare with the candidate's evaluation: "
+            f"{'; '.join(differ)}: evaluate both with the same settings"
+        )
+
+
+def _check_previous(candidate: artifacts.Manifest, previous: str) -> None:
+    """A previous release's evaluate artifact must compare with the candidate's; a bare metrics.json its example limit."""
+    if not previous.rstrip("/").endswith(".json"):
+        _check_comparable(candidate, artifacts.read_manifest(previous, "evaluate"), "--previous", previous)
+        return
+    ours, theirs = candidate.params.get("limit"), read_metrics(previous).limit
+    if ours != theirs:
+        raise ConfigError(
+            f"--previous {artifacts.redact(previous)} was evaluated with limit {theirs!r}, the candidate with {ours!r}: "
+            "evaluate both with the same settings"
+        )
 
 
 def run_gate(
@@ -64,10 +123,19 @@ def run_gate(
 ) -> artifacts.Manifest:
     """Write gate.json: the verdict on the model `evaluation` evaluated, against `full_evaluation` (the model it was
     pruned from) and `previous` (the previous release's metrics), by `params`' thresholds."""
+    if not params.active:
+        raise ConfigError(
+            "the gate has no thresholds, so it would pass any model: set at least one of min_heldout_esap, "
+            "max_task_drop, max_previous_drop"
+        )
     if params.max_previous_drop is not None and previous is None:
         raise ConfigError("gate.max_previous_drop compares with a previous release: give its metrics (--previous)")
     inputs = {"evaluation": evaluation, "full_evaluation": full_evaluation, "previous": previous}
     seen = artifacts.preflight(out_uri, "gate", inputs)
+    judged = _evaluation(evaluation, "--evaluation")
+    reference = check_reference(judged, _evaluation(full_evaluation, "--full-evaluation"), evaluation, full_evaluation)
+    if previous is not None:
+        _check_previous(judged, previous)
     candidate, full = read_metrics(evaluation), read_metrics(full_evaluation)
     if full.labels.method not in (None, "full"):
         raise ConfigError(
@@ -76,6 +144,7 @@ def run_gate(
         )
     before = read_metrics(previous) if previous is not None else None
     record = verdict(params, candidate, full, before, artifacts.redact(previous) if previous else None)
+    record = dataclasses.replace(record, reference=reference)
     log.info("%s", record.line())
     with artifacts.stage_output(out_uri, "gate", keyed(params), inputs, seen) as staging:
         records.write(staging, record)

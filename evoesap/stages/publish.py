@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from evoesap import records
+from evoesap import network, records
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.params import StageParams, keyed, param
 from evoesap.release import hub
@@ -46,6 +46,11 @@ class PublishParams(StageParams):
     base_model: str | None = param(
         None, "Hub name of the base model, when the model was pruned from a local copy or URI of it (a hub base names itself)."
     )
+    base_model_unverified: bool = param(
+        False,
+        "Publish base_model although it cannot be verified (the Hub cannot be asked, or answers that it does not "
+        "exist); the card then says the base model was not verified.",
+    )
     license: str | None = param(
         None,
         "License of the base model when its card names none (a license on the base "
@@ -61,6 +66,10 @@ class PublishParams(StageParams):
             value = getattr(self, name)
             if value is not None and (identity.hub_model(value) is None or "@" in value):
                 raise ConfigError(f"{name} {value!r} is not a Hub repository name: give org/name")
+        if self.base_model_unverified and self.base_model is None:
+            raise ConfigError("base_model_unverified without base_model: give the base model's Hub name, or leave it off")
+        if self.license is not None:
+            card.check_license(self.license)
         if not self.token_env.isidentifier():
             raise ConfigError(f"token_env {self.token_env!r} is not an environment variable name")
         if self.to is not None:
@@ -69,6 +78,7 @@ class PublishParams(StageParams):
             parts = urllib.parse.urlsplit(self.endpoint)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ConfigError(f"endpoint {artifacts.redact(self.endpoint)!r} is not an http(s):// URL of a Hub")
+            network.refuse_credentials(self.endpoint, "endpoint")
         super().__post_init__()  # declared ranges, then the bounds every stage shares
 
 
@@ -86,10 +96,6 @@ class _Inputs:
     def published_eval(self) -> str:
         """The evaluation of the checkpoint this publish releases."""
         return self.quantized_eval or self.pruned_eval or ""
-
-
-def _identity(entry: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in entry.items() if k != "uri"}
 
 
 def _check_quantized(quantized_uri: str, pruned_uri: str) -> artifacts.Manifest:
@@ -112,11 +118,11 @@ def _match_evaluations(pruned_uri: str, evaluations: Sequence[str], quantized_ur
     shas = {artifacts.manifest_sha256(pruned_uri): "pruned"}
     if quantized_uri:
         shas[artifacts.manifest_sha256(quantized_uri)] = "quantized"
-    base = _identity(pruned.inputs["model"])
+    base = lineage.identity_of(pruned.inputs["model"])
     found: dict[str, str] = {}
     for uri in evaluations:
         entry = artifacts.read_manifest(uri, "evaluate").inputs["model"]
-        role = shas.get(entry.get("manifest_sha256") or "") or ("full" if _identity(entry) == base else None)
+        role = shas.get(entry.get("manifest_sha256") or "") or ("full" if lineage.identity_of(entry) == base else None)
         if role is None:
             also = f", its quantized checkpoint {artifacts.redact(quantized_uri)}" if quantized_uri else ""
             raise ConfigError(
@@ -167,7 +173,8 @@ def _base_card(entry: Mapping[str, Any]) -> dict[str, Any]:
         if entry.get("kind") == "hub":
             from huggingface_hub import hf_hub_download
 
-            text = Path(hf_hub_download(entry["name"], CARD_FILE, revision=entry["revision"])).read_text()
+            fetch = lambda stop: hf_hub_download(entry["name"], CARD_FILE, revision=entry["revision"])  # noqa: E731
+            text = Path(hub.bounded(fetch, f"reading the card of the Hub model {entry['name']}")).read_text()
         else:
             recorded = entry.get("files", {}).get(CARD_FILE, {}).get("sha256")
             data = artifacts.read_bytes(artifacts.join(entry["uri"], CARD_FILE)) if recorded else b""
@@ -176,21 +183,29 @@ def _base_card(entry: Mapping[str, Any]) -> dict[str, Any]:
             text = data.decode("utf-8")
         return ModelCard(text).data.to_dict()
     except Exception as exc:  # noqa: BLE001 - the base's card is optional: say so, carry nothing
-        log.warning("the base model's card could not be read (%s: %s); its license is not carried", type(exc).__name__, exc)
+        log.warning(
+            "the base model's card could not be read (%s: %s); its license is not carried",
+            type(exc).__name__,
+            network.reply_line(exc),
+        )
         return {}
 
 
-def _base(entry: Mapping[str, Any], params: PublishParams) -> tuple[str | None, dict[str, str]]:
-    """(hub name of the base model, the license keys its card names, else the one given)."""
+def _base(entry: Mapping[str, Any], params: PublishParams) -> tuple[str | None, dict[str, str], bool]:
+    """(hub name of the base model, the license keys its card names, else the one given, whether that name was
+    verified)."""
     named = entry["name"] if entry.get("kind") == "hub" else None
     if params.base_model and named and params.base_model != named:
         raise ConfigError(
             f"base_model {params.base_model!r} contradicts the model the checkpoint was pruned from "
             f"({named}): leave base_model unset"
         )
+    verified = True
     if params.base_model and not named:
-        _check_base_config(params.base_model, entry)
+        verified = _check_base_config(params.base_model, entry, params.base_model_unverified)
     carried = {k: str(v) for k, v in _base_card(entry).items() if k in card.LICENSE_KEYS and v}
+    if "license" in carried:
+        card.check_license(carried["license"], "the base model's card names license", "correct its README.md")
     if params.license and carried.get("license") not in (None, params.license):
         raise ConfigError(
             f"license {params.license!r} contradicts the base model's card ({carried['license']}): a "
@@ -200,32 +215,40 @@ def _base(entry: Mapping[str, Any], params: PublishParams) -> tuple[str | None, 
         carried = {"license": params.license}
     if not carried:
         log.warning("the base model's card names no license and none was given (--license): the card says so")
-    return named or params.base_model, carried
+    return named or params.base_model, carried, verified
 
 
 # config.json fields a checkpoint shares with the model it was trained or pruned from (expert counts change in pruning)
 _SHAPE = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads", "num_key_value_heads")
 
 
-def _check_base_config(base_model: str, entry: Mapping[str, Any]) -> None:
+def _check_base_config(base_model: str, entry: Mapping[str, Any], unverified: bool) -> bool:
     """Refuse a `base_model` whose config.json contradicts the shape of the model the checkpoint was pruned from (a
-    team's own model, by path or URI); when either config cannot be read, warn and go on."""
+    team's own model, by path or URI), or that cannot be verified (the Hub cannot be asked, or has no such model)
+    unless `unverified` allows it; whether it was verified."""
     try:
         from huggingface_hub import hf_hub_download
 
         ours = json.loads(artifacts.read_bytes(artifacts.join(entry["uri"], "config.json")))
-        theirs = json.loads(Path(hf_hub_download(base_model, "config.json")).read_text())
-    except Exception as exc:  # noqa: BLE001 - the check needs both configs; without one it is skipped, said once
-        log.warning(
-            "base_model %s was not checked against the pruned model's config (%s: %s)", base_model, type(exc).__name__, exc
-        )
-        return
+        fetch = lambda stop: hf_hub_download(base_model, "config.json")  # noqa: E731
+        theirs = json.loads(Path(hub.bounded(fetch, f"reading the config of the Hub model {base_model}")).read_text())
+    except Exception as exc:  # noqa: BLE001 - any failure to read either config leaves the name unverified
+        why = f"{type(exc).__name__}: {network.reply_line(exc)}"
+        if not unverified:
+            raise ConfigError(
+                f"base_model {base_model!r} could not be verified against the pruned model's config ({why}): check the "
+                "name and that the Hub can be reached, or pass base_model_unverified (--base-model-unverified) to "
+                "publish it with a card that says it was not verified"
+            ) from None
+        log.warning("base_model %s was not verified against the pruned model's config (%s): the card says so", base_model, why)
+        return False
     differ = [f"{k} {ours.get(k)!r} vs {theirs.get(k)!r}" for k in _SHAPE if k in ours and k in theirs and ours[k] != theirs[k]]
     if differ:
         raise ConfigError(
             f"base_model {base_model!r} contradicts the config of the model the checkpoint was pruned from "
             f"({'; '.join(differ)}): give the hub name it was trained from, or leave base_model unset"
         )
+    return True
 
 
 def _copy_payload(uri: str, manifest: artifacts.Manifest, dest: Path, skip: tuple[str, ...] = ()) -> None:
@@ -340,7 +363,7 @@ def _evidence(
 ) -> card.Evidence:
     """Every record the card shows, read and checked from the artifacts."""
     pruned, search, quantized = inputs["pruned"], inputs["search"], inputs["quantized"]
-    base_model, license = _base(matched.pruned.inputs["model"], params)
+    base_model, license, verified = _base(matched.pruned.inputs["model"], params)
     return card.Evidence(
         pruning=records.read(pruned, records.PruningRecord),
         config=json.loads(artifacts.read_payload(checkpoint, "config.json", checkpoint_manifest)),
@@ -350,6 +373,7 @@ def _evidence(
         search_params=artifacts.read_manifest(search, "search").params if search else None,
         lineage=lineage.walk({k: v for k, v in inputs.items() if v is not None}, "publish"),
         base_model=base_model,
+        base_model_verified=verified,
         license=license,
         report_files=tuple(report_manifest.files) if report_manifest else (),
         quantization=records.read(quantized, records.QuantizationRecord) if quantized else None,
@@ -392,6 +416,9 @@ def _check_gate(gate: str, published_eval: str) -> None:
             f"{artifacts.redact(published_eval)}: give the gate of this evaluation"
         )
     verdict = records.read(gate, records.GateRecord)
+    if not verdict.checks or verdict.reference is None:
+        why = "checked nothing" if not verdict.checks else "did not check the model the candidate was pruned from"
+        raise ConfigError(f"--gate {artifacts.redact(gate)} {why}, so it passes any model: re-run gate with thresholds")
     if not verdict.passed:
         raise GateFailed(f"{verdict.line()}; nothing published")
 

@@ -97,12 +97,14 @@ def check_widths(config: dict[str, Any], recipe: Recipe, where: str) -> None:
     the input widths of its Linear layers and the trailing dimensions of its fused experts, read from the config
     alone (a model on the meta device)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from evoesap.moe.stream_prune import config_from_dict
 
     if recipe.group_size is None:
         return
     with torch.device("meta"):
-        net = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+        net = AutoModelForCausalLM.from_config(config_from_dict(config))
     widths = {m.in_features for m in net.modules() if isinstance(m, torch.nn.Linear)}
     widths |= {d for name, p in net.named_parameters() if ".experts." in name and p.ndim == 3 for d in p.shape[1:]}
     bad = sorted(w for w in widths if w % recipe.group_size)
@@ -121,7 +123,14 @@ def _family(model: str) -> tuple[Any, dict[str, Any]]:
             f"{artifacts.redact(model)} is already quantized ({config['quantization_config'].get('quant_method')}): "
             "give the unquantized (pruned) checkpoint"
         )
-    return family_of(str(config.get("model_type"))), config
+    family = family_of(str(config.get("model_type")))
+    if family.layers != "base_model.layers" or family.auto_class != "AutoModelForCausalLM":
+        raise ConfigError(
+            f"{artifacts.redact(model)} is a {family.model_type} checkpoint (decoder layers at {family.layers}, loaded "
+            f"by {family.auto_class}): quantize handles text causal LMs with layers at base_model.layers only; "
+            "leave the quantize step out for it"
+        )
+    return family, config
 
 
 def _per_layer(family: Any, config: dict[str, Any]) -> dict[str, Any] | None:

@@ -111,6 +111,34 @@ def _allocation(uri: str, search_params: Mapping[str, Any]) -> records.Allocatio
     return dataclasses.replace(record, warnings=(warning,))
 
 
+def check_one_base(runs: Sequence[str], metrics: Sequence[records.MetricsRecord]) -> None:
+    """Refuse runs labelled full that are not, by content, the model every pruned or quantized run was made from: the
+    report measures each run against the full model, so a wrong one would misstate every drop. Runs whose manifest
+    records no model (metrics made elsewhere) are not checked."""
+    from evoesap.store import lineage
+
+    models = {uri: artifacts.read_manifest(uri, "evaluate").inputs.get("model") for uri in runs}
+    full = [(uri, models[uri]) for uri, m in zip(runs, metrics) if m.labels.method == "full" and models[uri]]
+    if not full:
+        return
+    base_uri, base = full[0][0], lineage.identity_of(full[0][1])
+    for uri, entry in full[1:]:
+        if lineage.identity_of(entry) != base:
+            raise ConfigError(
+                f"runs {artifacts.redact(base_uri)} and {artifacts.redact(uri)} are both labelled full but evaluated "
+                "different models: give the evaluation of one full model"
+            )
+    for uri, m in zip(runs, metrics):
+        if m.labels.method == "full" or not models[uri]:
+            continue
+        origin = lineage.model_origin(models[uri])
+        if origin.through and origin.identity != base:
+            raise ConfigError(
+                f"run {artifacts.redact(uri)} was made from {origin.describe()}, not from the full model that "
+                f"{artifacts.redact(base_uri)} evaluated ({full[0][1]['uri']}): give runs of one base model"
+            )
+
+
 def run_report(
     runs: list[str],
     params: ReportParams,
@@ -136,6 +164,7 @@ def run_report(
     }
     seen = artifacts.preflight(out_uri, "report", inputs)
     metrics = [records.read(uri, records.MetricsRecord) for uri in runs]
+    check_one_base(runs, metrics)
     verdicts = [records.read(uri, records.GateRecord) for uri in gates]
     chosen = [records.read(uri, records.TargetRecord) for uri in targets]
     histories = [_history(uri) for uri in searches]

@@ -7,9 +7,10 @@ locally, an upload marked by publishing.json remotely) with the manifest last, s
 manifest is never mistaken for a finished artifact. Concurrent publishes of one output take turns: the check
 of what is there and the swap happen under a lock (flock on `.NAME.lock` beside a local output; on an object
 store publishing.json itself, created only where absent), so an identical run's artifact is kept and a
-different one is refused, never silently replaced. Readers check the manifest's stage and the sha256 of
-every payload file (`verify`, `read_payload`). Staging directories are locked by their process, so the
-next run of a stage removes what a killed one left (`clean_orphans`).
+different one is refused, never silently replaced. A look at a local output (`occupant`) holds the same lock,
+so it never sees a swap half done; on an object store a look reads again what changed under it. Readers check
+the manifest's stage and the sha256 of every payload file (`verify`, `read_payload`). Staging directories are
+locked by their process, so the next run of a stage removes what a killed one left (`clean_orphans`).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from fsspec.core import url_to_fs
 
 from evoesap import __version__
 from evoesap.errors import ArtifactError, ConfigError
-from evoesap.store import identity
-from evoesap.store.identity import redact  # artifacts.redact: the one redaction, used everywhere
+from evoesap.network import redact, refuse_credentials, reply_line  # artifacts.redact: the one redaction, used everywhere
+from evoesap.store import identity, jsontext
 
 log = logging.getLogger(__name__)
 
@@ -49,20 +50,11 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9._=+-]+$")
 
 
 def split(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem and the path inside it for a local path or any fsspec URI. Credentials written into
-    an object-store URI are refused (they would end up in manifests and error messages)."""
-    scheme = str(uri).split("://", 1)[0] if identity.is_uri(str(uri)) else ""
-    if scheme in _OBJECT_STORES and _USERINFO.match(str(uri)):
-        raise ConfigError(
-            f"{redact(uri)}: credentials inside a {scheme}:// URI are not used; remove them and give them through "
-            "the environment (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) or fsspec's configuration"
-        )
+    """The filesystem and the path inside it for a local path or any fsspec URI. Credentials written into a URI
+    are refused (they would end up in manifests, specs and error messages: `network.refuse_credentials`)."""
+    refuse_credentials(uri)
     fs, path = url_to_fs(str(uri))
     return fs, path
-
-
-_OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
-_USERINFO = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://[^/@\s]*@")
 
 
 def is_local(uri: str) -> bool:
@@ -79,7 +71,7 @@ def join(uri: str, *names: str) -> str:
     """`uri/name/...`, refusing names that could escape the artifact root (`..`, `/`, empty)."""
     for name in names:
         for part in str(name).split("/"):
-            if part in ("", ".", "..") or not _SAFE_NAME.match(part):
+            if part in ("", ".", "..") or not _SAFE_NAME.fullmatch(part):
                 raise ArtifactError(
                     f"artifact name {name!r} is not allowed: use letters, digits and ._=+- "
                     "separated by '/', without '..' or empty parts"
@@ -102,7 +94,8 @@ def read_bytes(uri: str) -> bytes:
 
 
 def read_json(uri: str) -> Any:
-    return json.loads(read_bytes(uri).decode("utf-8"))
+    """The JSON document at `uri`; an ArtifactError naming it when it is not JSON (or nests too deeply to read)."""
+    return jsontext.loads(read_bytes(uri), redact(uri))
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -139,7 +132,10 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         """Parse and check the shape and the checksum; raises ValueError naming the first problem."""
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except RecursionError:
+            raise ValueError("its JSON nests too deeply to read (more than about a thousand levels)") from None
         if not isinstance(data, dict):
             raise ValueError(f"expected a JSON object, got {type(data).__name__}")
         checksum = data.pop(CHECKSUM, None)
@@ -152,7 +148,7 @@ class Manifest:
         for name, kind in (("stage", str), ("params", dict), ("inputs", dict), ("files", dict), ("cache_key", str)):
             if not isinstance(data.get(name), kind):
                 raise ValueError(f"field {name!r} is missing or not a {kind.__name__}")
-        bad = [k for k, v in data["files"].items() if not isinstance(v, str) or not _SHA256.match(v)]
+        bad = [k for k, v in data["files"].items() if not isinstance(v, str) or not _SHA256.fullmatch(v)]
         if bad:
             raise ValueError(f"files entry {bad[0]!r} has no sha256")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -165,7 +161,7 @@ CHECKSUM = "checksum"
 def seal(data: Mapping[str, Any]) -> str:
     """manifest.json's text for `data` (its fields), with the checksum `Manifest.from_json` verifies."""
     fields = {k: v for k, v in data.items() if k != CHECKSUM}
-    return json.dumps({**fields, CHECKSUM: _checksum(fields)}, indent=2, sort_keys=True)
+    return jsontext.dumps({**fields, CHECKSUM: _checksum(fields)}, MANIFEST, indent=2, sort_keys=True)
 
 
 def _checksum(fields: Mapping[str, Any]) -> str:
@@ -255,10 +251,19 @@ def _repo_type(name: str) -> str:
     return "dataset" if name.split(".")[0].endswith("data") else "model"
 
 
+def resolved(uri: str) -> str:
+    """`uri` as it can be read from any working directory: a local path made absolute (from the working directory,
+    as the system reads it: symlinks and `..` kept), a URI or hub name as given."""
+    text = str(uri)
+    if identity.is_uri(text) or identity.is_hub_name(text):
+        return text
+    return str(Path(text).absolute())
+
+
 def describe_inputs(inputs: Mapping[str, str | None]) -> dict[str, dict[str, Any]]:
-    """Input URIs with their content identity (`evoesap.store.identity`): our artifacts by their manifest's
-    sha256, other files and checkpoints by content or store metadata, hub names by resolved revision.
-    A missing input is refused here, before any work."""
+    """Input locations (`resolved`: a manifest read from another directory still leads to them) with their content
+    identity (`evoesap.store.identity`): our artifacts by their manifest's sha256, other files and checkpoints by
+    content or store metadata, hub names by resolved revision. A missing input is refused here, before any work."""
     described: dict[str, dict[str, Any]] = {}
     for name, uri in sorted(inputs.items()):
         if uri is None:
@@ -269,7 +274,7 @@ def describe_inputs(inputs: Mapping[str, str | None]) -> dict[str, dict[str, Any
                 f"interrupted; re-run `evoesap {_publishing_record(uri).get('stage') or '<stage>'}` that makes it"
             )
         record, _ = identity.identify(uri, repo_type=_repo_type(name))
-        described[name] = {"uri": redact(uri), **record}
+        described[name] = {"uri": redact(resolved(uri)), **record}
     return described
 
 
@@ -357,16 +362,49 @@ def occupant(out_uri: str, stage: str, lease: str | None = None) -> str:
     """What the output location holds: "absent", "empty", "artifact:<manifest sha256>" or
     "publishing:<sha256>" (an interrupted remote publish of `stage`). Anything else (another stage's
     artifact, user files, files an earlier artifact's manifest does not list) is refused: it is not ours
-    to replace. `lease`: the token of this process's own publishing.json, which does not count. A location
-    that changes while it is read (another run's publish swapping it in that instant) is read again."""
-    for attempt in range(_SETTLE_TRIES):
+    to replace. `lease`: the token of this process's own publishing.json, which does not count.
+
+    A local location is looked at under its swap lock (`_swap_lock`), which every publish there holds from its
+    check to its last rename: the look never sees a swap half done (the old artifact renamed aside, the new one
+    not yet in) nor reads one artifact's manifest and the other's files. Not to be called with that lock held
+    (the publish's own check calls `_look`)."""
+    fs, path = split(out_uri)
+    if "file" not in _protocols(fs):
+        return _look(out_uri, stage, lease)
+    dest = local_destination(path)
+    try:
+        fd = _lock(dest)
+    except FileNotFoundError:
+        return "absent"  # no parent directory; a publish creates it, and the first one there is one rename
+    except OSError as exc:
+        if exc.errno not in _CANNOT_LOCK:
+            raise
+        return _look(out_uri, stage, lease)  # no lock file can be made here: no publish can lock it either to swap
+    try:
+        return _look(out_uri, stage, lease)
+    finally:
+        _unlock(dest, fd)
+
+
+_CANNOT_LOCK = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR)
+
+
+def _look(out_uri: str, stage: str, lease: str | None) -> str:
+    """`occupant` without the lock: read again while the location changes under the look, which only a writer that
+    takes no lock does (an object store's publish, under its lease; a tool other than evoesap), until it settles."""
+    deadline = time.monotonic() + _LOCK_WAIT
+    attempt = 0
+    while True:
         try:
             return _occupant_now(out_uri, stage, lease)
         except _Moving:
-            time.sleep(0.02 * (attempt + 1))
-    raise ArtifactError(
-        f"--out {redact(out_uri)} kept changing while it was read: is another run writing it? re-run when it is done"
-    )
+            if time.monotonic() > deadline:
+                raise ArtifactError(
+                    f"--out {redact(out_uri)} kept changing for over {_LOCK_WAIT:.0f} s while it was read: is another "
+                    "run writing it? re-run when it is done"
+                ) from None
+            attempt += 1
+            time.sleep(min(0.02 * attempt, 0.2))
 
 
 class _Moving(Exception):
@@ -374,26 +412,44 @@ class _Moving(Exception):
 
 
 def _read_settled(uri: str) -> bytes:
-    """The bytes of a file that was just listed; its disappearance means the location is moving."""
+    """The bytes of a file that was just listed. Not finding it means the location moved since the listing, even
+    when the file is back by the time anyone looks again: that is a new file, of the publish that moved it."""
     try:
         return read_bytes(uri)
     except (ArtifactError, FileNotFoundError):
-        if exists(uri):
-            raise
+        if _dangling(uri):
+            return b""  # a link to nothing: there, unreadable, and not moving
         raise _Moving from None
+
+
+def _dangling(uri: str) -> bool:
+    """Whether a local `uri` is a symlink whose target is missing (it is listed, but reads as missing)."""
+    fs, path = split(uri)
+    return "file" in _protocols(fs) and os.path.islink(path) and not os.path.exists(path)
 
 
 def _manifest_at(out_uri: str) -> Manifest | None:
     """The manifest at a listed location, None when malformed (a directory, a FIFO, bad JSON)."""
+    return _listed_manifest(out_uri)[1]
+
+
+def _listed_manifest(out_uri: str) -> tuple[bytes, Manifest | None]:
+    """The bytes of the manifest at a listed location and what they parse to (None: malformed). One look at the
+    kind of file (a file here, a directory there would straddle a swap); one read, which the caller hashes."""
     fs, path = split(join(out_uri, MANIFEST))
-    if not fs.isfile(path):
-        if not fs.exists(path):
-            raise _Moving
-        return None
     try:
-        return Manifest.from_json(_read_settled(join(out_uri, MANIFEST)).decode("utf-8"))
+        kind = fs.info(path)["type"]
+    except FileNotFoundError:
+        if _dangling(join(out_uri, MANIFEST)):
+            return b"", None
+        raise _Moving from None
+    if kind != "file":
+        return b"", None
+    data = _read_settled(join(out_uri, MANIFEST))
+    try:
+        return data, Manifest.from_json(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError, TypeError):
-        return None
+        return data, None
 
 
 def _occupant_now(out_uri: str, stage: str, lease: str | None) -> str:
@@ -409,25 +465,29 @@ def _occupant_now(out_uri: str, stage: str, lease: str | None) -> str:
         names = sorted(Path(p.rstrip("/")).name for p in fs.ls(path, detail=False))
     except FileNotFoundError:
         raise _Moving from None
+    held = _read_settled(join(out_uri, PUBLISHING)) if PUBLISHING in names else None  # read once: judged and hashed
+    record = _record(held)
+    lease_there = _unchanged(out_uri, PUBLISHING, held)
     own = set()
-    if lease is not None and PUBLISHING in names and _publishing_record(out_uri).get("token") == lease:
+    if lease is not None and record.get("token") == lease:
         names.remove(PUBLISHING)
         own = {PUBLISHING}
         if names and MANIFEST not in names:  # what an interrupted publish left, which our lease took over
-            _refuse_unlisted(out_uri, stage, _ours_while_publishing(out_uri, stage))
+            _refuse_unlisted(out_uri, stage, _ours_while_publishing(out_uri, stage, record), lease_there)
             return _TAKEN_OVER
     if not names:
         return "empty"
-    if PUBLISHING in names and _publishing_record(out_uri).get("stage") == stage:
-        _refuse_unlisted(out_uri, stage, _ours_while_publishing(out_uri, stage))
-        return f"publishing:{sha256_bytes(_read_settled(join(out_uri, PUBLISHING)))}"
+    if held is not None and not own and record.get("stage") == stage:
+        _refuse_unlisted(out_uri, stage, _ours_while_publishing(out_uri, stage, record), lease_there)
+        return f"publishing:{sha256_bytes(held)}"
     if MANIFEST in names:
-        manifest = _manifest_at(out_uri)
+        data, manifest = _listed_manifest(out_uri)
         if manifest is None or manifest.stage != stage:
             what = f"a {manifest.stage!r} artifact" if manifest else "a malformed manifest"
             raise Occupied(out_uri, f"holds {what}, not a {stage} output", "choose another --out (or delete it)")
-        _refuse_unlisted(out_uri, stage, set(manifest.files) | {MANIFEST} | own)
-        return f"artifact:{sha256_bytes(_read_settled(join(out_uri, MANIFEST)))}"
+        listed = set(manifest.files) | {MANIFEST} | own
+        _refuse_unlisted(out_uri, stage, listed, _unchanged(out_uri, MANIFEST, data))
+        return f"artifact:{sha256_bytes(data)}"
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
     raise Occupied(
         out_uri,
@@ -450,8 +510,12 @@ def _files_under(out_uri: str) -> list[str]:
     return [p[len(root) + 1 :] for p in fs.find(root)]
 
 
-def _refuse_unlisted(out_uri: str, stage: str, listed: set[str]) -> None:
+def _refuse_unlisted(out_uri: str, stage: str, listed: set[str], settled: Callable[[], bool]) -> None:
+    """Refuse an output holding files that `listed` (read from its manifest or lease) does not name, unless `settled()`
+    says that manifest or lease changed meanwhile: the files then belong to the publish that changed it (look again)."""
     unlisted = sorted(set(_files_under(out_uri)) - listed)
+    if unlisted and not settled():
+        raise _Moving
     if unlisted:
         shown = ", ".join(unlisted[:3]) + (", ..." if len(unlisted) > 3 else "")
         raise Occupied(
@@ -459,6 +523,18 @@ def _refuse_unlisted(out_uri: str, stage: str, listed: set[str]) -> None:
             f"holds files that are not part of the {stage} artifact there ({shown})",
             "move them out or choose another --out; nothing was changed",
         )
+
+
+def _unchanged(out_uri: str, name: str, data: bytes | None) -> Callable[[], bool]:
+    """Whether the file `name` at `out_uri` still holds `data` (a look's first read of it)."""
+
+    def still() -> bool:
+        try:
+            return read_bytes(join(out_uri, name)) == data
+        except ArtifactError:
+            return False
+
+    return still
 
 
 def _location(uri: str) -> tuple[tuple[str, ...], str]:
@@ -501,16 +577,24 @@ _STARTED = time.time()  # orphans of killed runs are older than this process
 def _publishing_record(uri: str) -> dict[str, Any]:
     """publishing.json: the stage being published and every file the publish may write or remove."""
     try:
-        record = json.loads(read_bytes(join(uri, PUBLISHING)))
-    except (ArtifactError, ValueError):
+        return _record(read_bytes(join(uri, PUBLISHING)))
+    except ArtifactError:
+        return {}
+
+
+def _record(held: bytes | None) -> dict[str, Any]:
+    """publishing.json's bytes, parsed; {} when there is none or it is malformed."""
+    try:
+        record = json.loads(held) if held is not None else {}
+    except ValueError:  # UnicodeDecodeError too
         return {}
     return record if isinstance(record, dict) else {}
 
 
-def _ours_while_publishing(uri: str, stage: str) -> set[str]:
-    """The files a publish under way (or interrupted) may have at `uri`: those its lease names and, before it retired
-    it, those of the earlier artifact of `stage` it replaces (a lease taken over an artifact does not list them)."""
-    files = _publishing_record(uri).get("files")
+def _ours_while_publishing(uri: str, stage: str, record: Mapping[str, Any]) -> set[str]:
+    """The files a publish under way (or interrupted) may have at `uri`: those its lease (`record`) names and, before it
+    retired it, those of the earlier artifact of `stage` it replaces (a lease taken over an artifact does not list them)."""
+    files = record.get("files")
     ours = {*(f for f in files if isinstance(f, str)), PUBLISHING, MANIFEST} if isinstance(files, list) else {PUBLISHING}
     fs, path = split(join(uri, MANIFEST))
     earlier = _manifest_at(uri) if fs.exists(path) else None
@@ -643,7 +727,6 @@ def _discard_replaced(old: Path, dest: Path) -> None:
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-_SETTLE_TRIES = 8  # reads of an output another process is swapping at this moment
 
 
 @contextlib.contextmanager
@@ -759,7 +842,7 @@ class _Expected:
         `taken_over`: the lease is the one of the interrupted publish preflight saw, so what is there (its files, the
         artifact it was replacing, or nothing but its lease) is what preflight saw, and is replaced."""
         try:
-            now = occupant(self.out_uri, self.stage, lease)
+            now = _look(self.out_uri, self.stage, lease)  # occupant's look, under the lock (or lease) already held
         except Occupied as exc:
             self.refuse(staging, exc.what)
         except ConfigError as exc:  # the location became unreadable as an output in another way
@@ -800,7 +883,7 @@ def _publish(staging: Path, out_uri: str, manifest: Manifest, expected: _Expecte
             raise
         except Exception as exc:  # noqa: BLE001 - an object store fails in many ways; each means "not published"
             raise ArtifactError(
-                f"publishing {redact(out_uri)} failed ({type(exc).__name__}: {redact(str(exc))[:200]}): it is not a "
+                f"publishing {redact(out_uri)} failed ({type(exc).__name__}: {reply_line(exc, limit=200)}): it is not a "
                 f"finished artifact; re-run `evoesap {manifest.stage}` to publish it"
             ) from exc
     log.info("published %s artifact at %s", manifest.stage, redact(out_uri))
@@ -813,8 +896,18 @@ _LOCK_WAIT = 120.0  # seconds a publish waits for another publish of the same ou
 def _swap_lock(dest: Path) -> Iterator[None]:
     """The right to check and swap a local output, exclusive among evoesap processes (flock on `.NAME.lock`
     beside it, removed on release): the check and the swap it allows are one step, so an artifact another run
-    publishes meanwhile is always seen. A lock file its releasing holder removed under us is opened again."""
-    lock = dest.parent / f".{dest.name}.lock"
+    publishes meanwhile is always seen. A look at the output (`occupant`) holds it too, so it sees no swap half done."""
+    fd = _lock(dest)
+    try:
+        yield
+    finally:
+        _unlock(dest, fd)
+
+
+def _lock(dest: Path) -> int:
+    """Take `dest`'s swap lock; returns the descriptor that holds it. A lock file its releasing holder removed under
+    us is opened again."""
+    lock = _lock_file(dest)
     deadline = time.monotonic() + _LOCK_WAIT
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
@@ -831,17 +924,21 @@ def _swap_lock(dest: Path) -> Iterator[None]:
                         ) from None
                     time.sleep(0.01)
             if _same_file(fd, lock):
-                break
+                return fd
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(lock)
-        os.close(fd)
+
+
+def _unlock(dest: Path, fd: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_lock_file(dest))
+    os.close(fd)
+
+
+def _lock_file(dest: Path) -> Path:
+    return dest.parent / f".{dest.name}.lock"
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -7,6 +7,11 @@ real path, size, mtime_ns, ctime_ns and inode: any write to the file changes one
 set back by a user), so a stale digest is never returned. The table lives in `$EVOESAP_DIGEST_CACHE`, else
 `$XDG_CACHE_HOME/evoesap/digests.sqlite` (`~/.cache/...`); where it cannot be written (a read-only home in a
 pod) the file is hashed without remembering it. Concurrent processes share it (SQLite's own locking).
+
+It is only a cache, so it never stops a stage nor holds it up: a file it did not create is used only when it is
+a SQLite database holding this table alone, with this schema (anything else, an empty file included, is left
+byte-identical); a lock held by another process is waited for `BUSY_TIMEOUT_S` at most. A cache refused or
+failing is named in one warning, then left alone for the rest of the process, and the file is hashed without it.
 """
 
 from __future__ import annotations
@@ -14,16 +19,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import sqlite3
+import time
+import urllib.parse
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
+BUSY_TIMEOUT_S = 2.0  # the most a process waits, in all, for another's lock on the table; then it hashes without it
+_TABLE = "digests"
 _SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS digests (path TEXT, size INTEGER, mtime_ns INTEGER, ctime_ns INTEGER, "
+    f"CREATE TABLE {_TABLE} (path TEXT, size INTEGER, mtime_ns INTEGER, ctime_ns INTEGER, "
     "inode INTEGER, sha256 TEXT, PRIMARY KEY (path, size, mtime_ns, ctime_ns, inode))"
 )
+_SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_refused: set[str] = set()  # locations refused or failed in this process: not tried again
 
 
 def location() -> Path:
@@ -35,16 +50,107 @@ def location() -> Path:
     return Path(base) / "evoesap" / "digests.sqlite"
 
 
-def _connect() -> sqlite3.Connection | None:
-    where = location()
-    try:
-        where.parent.mkdir(parents=True, exist_ok=True)
-        connection = sqlite3.connect(where, timeout=60)
+class _Unusable(Exception):
+    """The cache cannot be used; the message says why."""
+
+
+def _columns(execute: Callable[..., list[Any]]) -> list[tuple[Any, ...]]:
+    """(name, type, not null, default, primary-key position) of each column of the table."""
+    return [tuple(row[1:]) for row in execute(f"PRAGMA table_info({_TABLE})")]
+
+
+def _expected_columns() -> list[tuple[Any, ...]]:
+    with contextlib.closing(sqlite3.connect(":memory:")) as connection:
         connection.execute(_SCHEMA)
-        return connection
-    except (OSError, sqlite3.Error) as exc:
-        log.debug("digest cache %s unavailable (%s): hashing without it", where, exc)
+        return _columns(lambda sql: connection.execute(sql).fetchall())
+
+
+class _Cache:
+    """A connection to the checked table whose lock waits, all together, last at most BUSY_TIMEOUT_S."""
+
+    def __init__(self, connection: sqlite3.Connection) -> None:
+        self.connection = connection
+        self.wait_left = BUSY_TIMEOUT_S
+
+    def execute(self, sql: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        self.connection.execute(f"PRAGMA busy_timeout = {max(int(self.wait_left * 1000), 0)}")
+        started = time.monotonic()
+        try:
+            return self.connection.execute(sql, args).fetchall()
+        finally:
+            self.wait_left -= time.monotonic() - started
+
+
+def _create(where: Path) -> None:
+    """Make a new cache at `where`: built beside it under a private name, then linked into place only when nothing
+    is there yet (a file someone made meanwhile is never replaced)."""
+    building = where.with_name(f".{where.name}.{uuid.uuid4().hex}.building")
+    try:
+        with contextlib.closing(sqlite3.connect(building, isolation_level=None)) as connection:
+            connection.execute(_SCHEMA)
+        with contextlib.suppress(FileExistsError):  # made by another process meanwhile: it is checked as any other
+            os.link(building, where)
+    finally:
+        with contextlib.suppress(OSError):
+            building.unlink()
+
+
+def _open(where: Path) -> _Cache:
+    """The existing cache at `where`, refused (`_Unusable`) unless it is a SQLite database holding our table alone,
+    with our schema. SQLite is never let to create or write a file it did not check."""
+    if not where.is_file():
+        raise _Unusable("it is not a regular file")
+    with open(where, "rb") as f:
+        if f.read(len(_SQLITE_HEADER)) != _SQLITE_HEADER:
+            raise _Unusable("it is an existing file but not a SQLite database (an empty file included); it is left as it is")
+    uri = "file:" + urllib.parse.quote(os.path.abspath(where)) + "?mode=rw"
+    cache = _Cache(sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S, isolation_level=None))
+    try:
+        tables = sorted(row[0] for row in cache.execute("SELECT name FROM sqlite_master WHERE type='table'"))
+        if tables != [_TABLE]:
+            raise _Unusable(f"it is a SQLite database holding the tables {tables}, not an evoesap digest cache")
+        if _columns(cache.execute) != _expected_columns():
+            raise _Unusable(f"its {_TABLE!r} table has another schema (an older or foreign cache)")
+    except BaseException:
+        cache.connection.close()
+        raise
+    return cache
+
+
+def _connect() -> _Cache | None:
+    """The cache, checked; None where there is none to use (a new one cannot be made here, or it was refused)."""
+    where = location()
+    if os.path.abspath(where) in _refused:
         return None
+    try:
+        if not where.exists() and not where.is_symlink():
+            try:
+                where.parent.mkdir(parents=True, exist_ok=True)
+                _create(where)
+            except OSError as exc:  # a read-only home in a pod: expected, so worth a warning only where chosen
+                if os.environ.get("EVOESAP_DIGEST_CACHE"):
+                    raise _Unusable(f"it cannot be created: {exc}") from None
+                log.debug("digest cache %s cannot be created (%s): hashing without it", where, exc)
+                _refused.add(os.path.abspath(where))
+                return None
+        return _open(where)
+    except (_Unusable, OSError, sqlite3.Error) as exc:
+        _refuse(where, exc)
+        return None
+
+
+def _refuse(where: Path, exc: BaseException) -> None:
+    """Warn once that the cache at `where` is not used, and leave it alone for the rest of the process."""
+    if os.path.abspath(where) in _refused:
+        return
+    _refused.add(os.path.abspath(where))
+    why = str(exc) if isinstance(exc, _Unusable) else f"{type(exc).__name__}: {exc}"
+    log.warning(
+        "digest cache %s is not used (%s): weights are hashed without it in this process; point EVOESAP_DIGEST_CACHE "
+        "at a new file, or delete this one if evoesap made it",
+        where,
+        why,
+    )
 
 
 def sha256(path: str, compute: Callable[[str], str]) -> str:
@@ -52,21 +158,31 @@ def sha256(path: str, compute: Callable[[str], str]) -> str:
     real = os.path.realpath(path)
     st = os.stat(real)
     key = (real, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-    connection = _connect()
-    if connection is None:
+    where = location()
+    cache = _connect()
+    if cache is None:
         return compute(real)
-    with contextlib.closing(connection):
-        row = connection.execute(
-            "SELECT sha256 FROM digests WHERE path=? AND size=? AND mtime_ns=? AND ctime_ns=? AND inode=?", key
-        ).fetchone()
-        if row is not None:
-            return str(row[0])
+    with contextlib.closing(cache.connection):
+        try:
+            rows = cache.execute(
+                f"SELECT sha256 FROM {_TABLE} WHERE path=? AND size=? AND mtime_ns=? AND ctime_ns=? AND inode=?", key
+            )
+        except sqlite3.Error as exc:
+            _refuse(where, exc)
+            return compute(real)
+        if rows and isinstance(rows[0][0], str) and _SHA256.fullmatch(rows[0][0]):
+            return rows[0][0]
         digest = compute(real)
         if os.stat(real).st_mtime_ns == st.st_mtime_ns:  # not written while it was read
             try:
-                with connection:
-                    connection.execute("DELETE FROM digests WHERE path=?", (real,))  # older versions of the file
-                    connection.execute("INSERT OR REPLACE INTO digests VALUES (?, ?, ?, ?, ?, ?)", (*key, digest))
+                cache.execute("BEGIN IMMEDIATE")
+                try:
+                    cache.execute(f"DELETE FROM {_TABLE} WHERE path=?", (real,))  # older versions of the file
+                    cache.execute(f"INSERT OR REPLACE INTO {_TABLE} VALUES (?, ?, ?, ?, ?, ?)", (*key, digest))
+                    cache.execute("COMMIT")
+                except BaseException:
+                    cache.connection.rollback()
+                    raise
             except sqlite3.Error as exc:
-                log.debug("digest of %s not remembered (%s)", real, exc)
+                _refuse(where, exc)
         return digest

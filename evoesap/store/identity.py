@@ -37,7 +37,9 @@ from typing import Any
 import fsspec
 from fsspec.core import url_to_fs
 
+from evoesap import network
 from evoesap.errors import ConfigError, DataError
+from evoesap.network import redact, refuse_credentials
 from evoesap.store import digest_cache
 
 MANIFEST = "manifest.json"
@@ -45,18 +47,12 @@ SMALL_FILE_BYTES = 16 << 20  # local files above this are hashed through the dig
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _REVISION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/+-]*$")  # a branch, tag, commit or refs/pr/N
 _STORE_KEYS = ("ETag", "etag", "VersionId", "version_id", "generation", "md5Hash", "crc32c")
-_USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]*@")
 
 
 def is_uri(text: str) -> bool:
     """True for an fsspec URI with a scheme (`s3://`, `file://`, `memory://`), as opposed to a local path or
     a hub name: the one test of the two spellings of a location."""
     return "://" in str(text)
-
-
-def redact(text: str) -> str:
-    """`text` (a URI, or a message holding URIs) without any user:password@ part, for logs and records."""
-    return _USERINFO.sub(r"\1", str(text))
 
 
 def identify(uri: str, *, repo_type: str = "model") -> tuple[dict[str, Any], str]:
@@ -93,7 +89,7 @@ def hub_model(name: str) -> tuple[str, str | None] | None:
     if is_uri(text) or Path(text).exists():
         return None
     repo, pinned, revision = text.partition("@")
-    if not _HUB_NAME.match(repo) or Path(repo).exists() or pinned and not _REVISION.match(revision):
+    if not _HUB_NAME.fullmatch(repo) or Path(repo).exists() or pinned and not _REVISION.fullmatch(revision):
         return None
     return repo, revision or None
 
@@ -110,7 +106,7 @@ def pin(model: str, revision: str | None) -> str:
     """
     if not revision:
         return model
-    if not _REVISION.match(revision):
+    if not _REVISION.fullmatch(revision):
         raise ConfigError(f"revision {revision!r} is not a branch, tag or commit name: check the spelling")
     ref = hub_model(model)
     if ref is None:
@@ -174,6 +170,7 @@ def refuse_special(path: str | Path, shown: str | None = None, fix: str = "repla
 
 
 def _record(uri: str, repo_type: str) -> dict[str, Any]:
+    refuse_credentials(uri, "the input")
     if not is_uri(uri):
         check_local_or_hub(uri)
         ref = hub_model(uri)
@@ -251,8 +248,12 @@ def _hub_revision(name: str, repo_type: str, revision: str | None = None) -> str
     locally cached snapshot (offline)."""
     import huggingface_hub
 
+    def ask(stop: Any) -> Any:
+        return huggingface_hub.HfApi().repo_info(name, repo_type=repo_type, revision=revision)
+
     try:
-        info = huggingface_hub.HfApi().repo_info(name, repo_type=repo_type, revision=revision)
+        seconds = network.deadline_s(network.HUB_DEADLINE_ENV, network.HUB_DEADLINE_S)
+        info = network.call(ask, seconds=seconds, what=f"resolving the hub {repo_type} {name}", knob=network.HUB_DEADLINE_ENV)
         return str(info.sha)
     except Exception as online:  # noqa: BLE001 - any failure: try the local cache before giving up
         try:
@@ -261,7 +262,8 @@ def _hub_revision(name: str, repo_type: str, revision: str | None = None) -> str
         except Exception:  # noqa: BLE001
             at = f" at revision {revision!r}" if revision else ""
             raise ConfigError(
-                f"cannot resolve the hub {repo_type} {name!r}{at} to a commit ({type(online).__name__}): check the "
+                f"cannot resolve the hub {repo_type} {name!r}{at} to a commit ({type(online).__name__}: "
+                f"{network.reply_line(online, limit=200)}): check the "
                 "name, the revision and the network, or give a local path"
             ) from online
 

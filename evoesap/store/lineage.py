@@ -144,3 +144,45 @@ def software(nodes: list[Node]) -> list[tuple[str, str | None, list[str]]]:
             if node.manifest.stage not in stages:
                 stages.append(node.manifest.stage)
     return [(version, commit, stages) for (version, commit), stages in builds.items()]
+
+
+DERIVING_STAGES = ("prune", "quantize")  # stages whose output is a model made from their `model` input
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """The model an artifact was made from, found by following `model` inputs through prune and quantize artifacts."""
+
+    uri: str  # as its reader's manifest recorded it (credentials redacted)
+    identity: dict[str, Any]  # its content identity (evoesap.store.identity), without the URI
+    through: tuple[str, ...]  # the deriving stages passed, nearest first; empty: the model itself was given
+
+    def describe(self) -> str:
+        return f"{self.uri} ({summary(self.identity)})"
+
+
+def identity_of(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """An input entry of a manifest without its URI: what two entries must share to name the same content."""
+    return {k: v for k, v in entry.items() if k != "uri"}
+
+
+def model_origin(entry: Mapping[str, Any]) -> Origin:
+    """The model behind a manifest's `model` input `entry`: back through every prune and quantize artifact, each checked
+    by content (its manifest must still hash to what its reader recorded), to the first model that is neither."""
+    through: list[str] = []
+    while "manifest_sha256" in entry:
+        uri = entry["uri"]
+        try:
+            manifest, digest = artifacts.read_manifest(uri), artifacts.manifest_sha256(uri)
+        except ArtifactError as exc:
+            raise ArtifactError(f"cannot follow the model's lineage at {uri}: {exc}") from None
+        if digest != entry["manifest_sha256"]:
+            raise ArtifactError(
+                f"{uri} changed since it was read (manifest sha256 {digest[:12]}, recorded {entry['manifest_sha256'][:12]}), "
+                "so its lineage no longer describes what was evaluated: re-run the stages from there"
+            )
+        if manifest.stage not in DERIVING_STAGES or "model" not in manifest.inputs:
+            break
+        through.append(manifest.stage)
+        entry = manifest.inputs["model"]
+    return Origin(str(entry["uri"]), identity_of(entry), tuple(through))

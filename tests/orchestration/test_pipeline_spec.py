@@ -338,6 +338,33 @@ def test_an_infeasible_sparsity_is_refused_at_compile_in_one_line(tmp_path, caps
     assert not out.exists()
 
 
+def test_a_family_the_search_cannot_score_is_refused_at_compile_in_one_line(tmp_path, capsys):
+    """Every point of the fan-out is searched: a family whose layers ESAP scoring cannot run in halves is refused
+    from its config.json, not after calibration and teacher caching have run."""
+    from evoesap import moe
+    from evoesap.cli import main
+
+    model = tmp_path / "granite"
+    moe.tiny_model("granitemoe").config.save_pretrained(model)
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                **_config().model_dump(include={"calibration_data", "search_data", "storage_root"}),
+                "model": str(model),
+                "criteria": ["reap"],
+                "sparsities": [0.25],
+            }
+        )
+    )
+    out = tmp_path / "spec.yaml"
+    assert main(["pipeline", "compile", str(config), "-o", str(out)]) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert line.startswith("error: granitemoe's decoder layer is not the pre-norm residual pair"), line
+    assert "search, ESAP scoring and held-out ESAP" in line
+    assert not out.exists()
+
+
 def test_every_feasible_sparsity_compiles_and_an_unreadable_model_is_left_to_the_stages(tmp_path, caplog):
     model = quick_world_config(tmp_path / "quick")
     compile_pipeline(_config(model=str(model), sparsities=[0.25]), tmp_path / "a.yaml")  # 3 allocations: searchable
@@ -373,3 +400,32 @@ def test_compile_set_bakes_checked_parameter_defaults_and_a_bad_one_writes_nothi
     assert main(["pipeline", "compile", str(config), "-o", str(fresh), "--set", "search_params.generations=-1"]) != 0
     assert "generations" in capsys.readouterr().err and not fresh.exists()
     assert not list(tmp_path.glob(".fresh.yaml.partial-*"))
+
+
+def test_a_configuration_nested_too_deeply_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "pipeline.yaml"
+    path.write_text("model: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match="pipeline.yaml nests too deeply to read") as refused:
+        load_config(path)
+    assert "\n" not in str(refused.value)
+
+
+def test_the_task_that_ends_a_run_on_a_failed_gate_is_never_retried_while_the_stages_are(tmp_path):
+    config = _config(heldout_data="/data/heldout.jsonl", publish_models=True, gate={"min_heldout_esap": 0.9})
+    spec = yaml.safe_load(compile_pipeline(config, tmp_path / "pipeline.yaml").read_text())
+    tasks = _all_tasks(spec)
+    (check,) = [t for t in tasks.values() if t["taskInfo"]["name"] == "release gate"]
+    assert check.get("retryPolicy", {}).get("maxRetryCount", 0) == 0  # a refusal only repeats itself
+    gates = [t for t in tasks.values() if _stage(t) == "gate"]
+    assert gates and all(t["retryPolicy"]["maxRetryCount"] == 2 for t in gates)  # the gate stage keeps its retries
+
+
+@pytest.mark.parametrize("stop_on_fail", [True, False])
+def test_a_gated_pipeline_hands_on_its_verdict_and_reads_stop_on_fail_at_run_time(tmp_path, stop_on_fail):
+    gate = {"min_heldout_esap": 0.9, "stop_on_fail": stop_on_fail}
+    config = _config(heldout_data="/data/heldout.jsonl", publish_models=True, gate=gate)
+    spec = yaml.safe_load(compile_pipeline(config, tmp_path / "pipeline.yaml").read_text())
+    assert spec["root"]["outputDefinitions"]["parameters"]["verdict"]["parameterType"] == "STRING"
+    (check,) = [t for t in _all_tasks(spec).values() if t["taskInfo"]["name"] == "release gate"]
+    # whatever the configuration says, the task is there and takes gate_params, whose stop_on_fail a run may change
+    assert check["inputs"]["parameters"]["params"]["componentInputParameter"].endswith("gate_params")

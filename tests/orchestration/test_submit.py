@@ -17,6 +17,8 @@ import pytest
 import yaml
 from evoesap.pipeline.config import PipelineConfig
 from evoesap.pipeline.submit import Submission, follow, parse_overrides, submit
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from recording_http import JsonHandler, serving
 from remote_config import REMOTE_CONFIG
 from tiny_world import quick_world_config
@@ -332,3 +334,220 @@ def test_overrides_are_read_as_yaml_values():
     }
     with pytest.raises(ConfigError, match="not key=value"):
         parse_overrides(["generations"])
+
+
+# ---------------------------------------------------------------- hostile endpoints: credentials, echoes, drips, bytes
+
+
+def test_credentials_in_a_url_of_the_configuration_are_refused_and_never_reach_a_spec(tmp_path, capsys):
+    """An s3://key:secret@ storage root (or model) was compiled into the spec twice, in plain text, and uploaded."""
+    for key in ("storage_root", "model", "calibration_data"):
+        config = tmp_path / f"{key}.yaml"
+        config.write_text(json.dumps({**CONFIG, key: "s3://AKIAIOSFODNN7EXAMPLE:s3cr3tvalue@bucket/x"}))
+        out = tmp_path / f"{key}-spec.yaml"
+        assert main(["pipeline", "compile", str(config), "-o", str(out)]) == 1
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: {config}: {key} 's3://bucket/x' has credentials inside it"), line
+        assert "s3cr3tvalue" not in line and "kubeflow-secrets.md" in line and not out.exists()
+    with pytest.raises(ConfigError, match="publish.to 's3://b/x' has credentials"):
+        from evoesap.pipeline.config import load_config
+
+        load_config({**CONFIG, "publish": {"to": "s3://k:s3cr3tvalue@b/x"}})
+
+
+def test_credentials_in_the_host_or_a_set_value_are_refused_before_anything_is_sent(kfp_api):
+    with pytest.raises(ConfigError, match="--host 'http://127.0.0.1:[0-9]+' has credentials inside it") as raised:
+        submit(PipelineConfig(**CONFIG), Submission(host=kfp_api.replace("http://", "http://u:s3cr3tvalue@")))
+    assert "s3cr3tvalue" not in str(raised.value)
+    with pytest.raises(ConfigError, match="--set model 's3://b/m' has credentials inside it"):
+        submit(PipelineConfig(**CONFIG), Submission(host=kfp_api, overrides={"model": "s3://k:s3cr3tvalue@b/m"}))
+    assert not _posts() and not [r for r in Recorder.requests if "healthz" not in r[1]]
+
+
+class EchoingKFP(Recorder):
+    """The API, refusing every upload with a body that echoes the request's headers (its token among them)."""
+
+    def do_POST(self):  # noqa: N802
+        from recording_http import EchoHandler
+
+        EchoHandler._echo(self)
+
+
+EchoingKFP.refusal, EchoingKFP.prefix, EchoingKFP.content_type = 500, b"upstream error; you sent: ", "text/plain"
+
+
+def test_what_the_api_echoes_back_is_scrubbed_from_the_error_line(kfp_api):
+    Recorder.status = 200
+    with serving(EchoingKFP) as url, pytest.raises(ConfigError) as raised:
+        submit(PipelineConfig(**CONFIG), Submission(host=url, token="kfp-t0ken-s3cr3t"))
+    line = str(raised.value)
+    assert line.startswith(f"the Kubeflow Pipelines API at {url} refused the submission (HTTP 500: upstream error"), line
+    assert "kfp-t0ken-s3cr3t" not in line and "dXNlcjpodW50ZXIy" not in line and "\n" not in line
+    assert "Authorization: ***" in line
+
+
+class NotText(Recorder):
+    """The API's health check answers; everything else answers bytes that are not UTF-8 (another service, a proxy)."""
+
+    def do_GET(self):  # noqa: N802
+        if "healthz" in self.path:
+            return super().do_GET()
+        self._bytes(b"\xff\xfe\x00\x81 not text \xc3")
+
+    def do_POST(self):  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._bytes(b"\xff\xfe\x00\x81 not text \xc3", NotText.post_status)
+
+    def _bytes(self, data: bytes, status: int = 200) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.mark.parametrize("status", [200, 500])
+def test_an_api_answering_bytes_that_are_not_utf8_is_one_clear_line_not_an_internal_error(tmp_path, capsys, status):
+    NotText.status, NotText.post_status = 200, status
+    config = tmp_path / "pipeline.yaml"
+    config.write_text(json.dumps(CONFIG))
+    with serving(NotText) as url:
+        code = main(["pipeline", "submit", str(config), "--host", url])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and line.startswith(f"error: the Kubeflow Pipelines API at {url} "), line
+    assert "not UTF-8 text" in line or "\ufffd" in line, line
+
+
+def test_an_api_dripping_one_byte_at_a_time_ends_at_the_deadline_naming_the_host_and_the_knob(monkeypatch):
+    from recording_http import dripping
+
+    monkeypatch.setenv("EVOESAP_KFP_DEADLINE_S", "0.5")
+    with dripping() as url:
+        start = time.monotonic()
+        with pytest.raises(ConfigError) as raised:
+            submit(PipelineConfig(**CONFIG), Submission(host=url))
+        elapsed = time.monotonic() - start
+    assert elapsed < 3, elapsed
+    assert str(raised.value) == (
+        f"the health check at the Kubeflow Pipelines API {url} did not finish within 0.5 s (the server is stalled or "
+        "too slow): check it, or set EVOESAP_KFP_DEADLINE_S to allow longer"
+    )
+
+
+TARGET_CONFIG = {**REMOTE_CONFIG, "heldout_data": "/data/h.jsonl", "target": {"heldout_esap": 0.9}}
+TARGET_CONFIG.pop("sparsities")
+
+
+class _Specs(dict):
+    def __repr__(self) -> str:  # hypothesis shows its arguments: not the specs' text
+        return f"<compiled specs {sorted(self)}>"
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict[str, tuple[PipelineConfig, str]]:
+    """A sparsities configuration and a quality-target one, each with its compiled spec's text (compiled once)."""
+    from evoesap.pipeline.dag import compile_pipeline
+
+    out = _Specs()
+    for name, data in (("grid", CONFIG), ("target", TARGET_CONFIG)):
+        config = PipelineConfig(**data)
+        out[name] = (config, compile_pipeline(config, tmp_path_factory.mktemp(name) / "spec.yaml").read_text())
+    return out
+
+
+def _bake(compiled, tmp_path, which: str, pairs: list[str]) -> str:
+    from evoesap.pipeline.submit import bake_defaults
+
+    config, text = compiled[which]
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    bake_defaults(path, parse_overrides(pairs), config)
+    return path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("which", "pair", "problem"),
+    [
+        ("target", "target_params.heldout_esap=5", "target_params: heldout_esap: .*unreachable"),
+        ("target", "target_params.heldout_esap=-3", "target_params: heldout_esap: .*unreachable"),
+        ("target", "target_params.heldout_esap=.nan", "target_params.heldout_esap: nan is not a finite number"),
+        ("target", "target_params.warm_up=true", r"target_params: warm_up: Extra inputs .*\(valid: bytes, heldout_esap"),
+        ("target", "target_params={bytes: 1GB}", "target_params sets no heldout_esap"),
+        ("target", "target_params.heldout_esap\ninjected: 1=0.5", "a key is a pipeline parameter or <parameter>.<field>"),
+        ("target", "heldout_data=", "target.heldout_esap is measured on held-out samples: set heldout_data"),
+        ("grid", "grid=[0.25, .nan]", "--set grid: nan is not a finite number"),
+        ("grid", "grid=[0.25]", r"grid.0: Input should be a valid dictionary"),
+        ("grid", 'grid=["a"]', r"grid.0: Input should be a valid dictionary"),
+        ("grid", "grid=[]", "grid is empty"),
+        ("grid", "grid=[{criterion: reap, sparsity: 1.5}]", r"every sparsity must lie in \(0, 1\), got \[1.5\]"),
+        ("grid", "grid=[{criterion: rap, sparsity: 0.5}]", "grid.0.criterion: Input should be"),
+        ("grid", "grid=[{criterion: reap, sparsity: '0.5'}]", "grid.0.sparsity: Input should be a valid number"),
+        ("grid", "grid=[{criterion: reap, sparsity: 0.5}, {criterion: reap, sparsity: 0.5}]", "twice"),
+        ("grid", "storage_root= ", "storage_root is empty"),
+        ("grid", "search_params.device=2024-01-01", "reads as a date, which JSON has not: quote it"),
+        ("grid", "search_params.device=7", "search.device must be a string, got 7"),
+        ("grid", "gate_params.max_task_drop=0.1", "no such parameter"),  # no threshold configured: no gate input
+        ("grid", "search_params.heldout_fraction=.inf", "--set search_params.heldout_fraction: inf is not a finite"),
+        ("grid", "storage_root=\x1b", "the value is not valid YAML"),
+    ],
+)
+def test_compile_time_values_go_through_the_configuration_s_own_checks(compiled, tmp_path, which, pair, problem):
+    with pytest.raises(ConfigError, match=problem) as refused:
+        _bake(compiled, tmp_path, which, [pair])
+    assert "\n" not in str(refused.value)
+    assert (tmp_path / "spec.yaml").read_text() == compiled[which][1]  # nothing baked
+
+
+def test_compile_time_values_the_configuration_takes_are_baked(compiled, tmp_path):
+    text = _bake(compiled, tmp_path, "target", ["target_params.heldout_esap=0.8", "target_params.rechecks=2"])
+    spec = next(yaml.safe_load_all(text))
+    assert spec["root"]["inputDefinitions"]["parameters"]["target_params"]["defaultValue"] == {
+        "heldout_esap": 0.8, "warm_start": False, "rechecks": 2,
+    }  # fmt: skip
+    grid = [{"criterion": "reap", "sparsity": 0.25}, {"criterion": "ean", "sparsity": 0.5}]
+    spec = next(yaml.safe_load_all(_bake(compiled, tmp_path, "grid", [f"grid={json.dumps(grid)}"])))
+    assert spec["root"]["inputDefinitions"]["parameters"]["grid"]["defaultValue"] == grid
+
+
+def test_cli_compile_refuses_an_out_of_range_target_in_one_line_and_writes_nothing(tmp_path, capsys):
+    config = tmp_path / "target.yaml"
+    config.write_text(yaml.safe_dump(TARGET_CONFIG))
+    out = tmp_path / "spec.yaml"
+    assert main(["pipeline", "compile", str(config), "-o", str(out), "--set", "target_params.heldout_esap=5"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and "target_params: heldout_esap" in line and not out.exists()
+
+
+_KEYS = st.one_of(
+    st.text(max_size=30),
+    st.sampled_from(["grid", "model", "storage_root", "heldout_data", "target_params", "search_params"]).flatmap(
+        lambda name: st.text(max_size=20).map(lambda field: f"{name}.{field}")
+    ),
+)
+_VALUES = st.one_of(
+    st.text(max_size=40),
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=10), inner, max_size=3),
+        max_leaves=8,
+    ).map(json.dumps),
+)
+
+
+@given(which=st.sampled_from(["grid", "target"]), key=_KEYS, value=_VALUES)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_key_and_value_is_baked_or_refused_in_one_line_never_injected(compiled, tmp_path, which, key, value):
+    """Whatever is set: a ConfigError of one line, or a spec whose documents and top-level keys are the compiled
+    ones, every header line a comment."""
+    from evoesap.errors import EvoESAPError
+
+    try:
+        text = _bake(compiled, tmp_path, which, [f"{key}={value}"])
+    except EvoESAPError as exc:
+        assert isinstance(exc, ConfigError) and "\n" not in str(exc), exc
+        return
+    before = list(yaml.safe_load_all(compiled[which][1]))
+    after = list(yaml.safe_load_all(text))
+    assert [list(doc) for doc in after] == [list(doc) for doc in before]
+    header = text[: text.index("components:")].splitlines()
+    assert all(line.startswith("#") for line in header), header

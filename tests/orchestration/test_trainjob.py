@@ -397,3 +397,44 @@ def test_a_worker_writes_its_one_line_error_where_the_pod_status_shows_it(tmp_pa
     with pytest.raises(SystemExit):
         search_workers.main([json.dumps(spec)])  # the spec inline, as a job's pods get it
     assert log.read_text() == "search worker 3: ConfigError: workers must be >= 1, got 0"
+
+
+def test_a_kubernetes_api_dripping_one_byte_at_a_time_ends_at_the_deadline_naming_it_and_the_knob(monkeypatch):
+    import time
+
+    from kubernetes import client
+    from recording_http import dripping
+
+    monkeypatch.setenv("EVOESAP_K8S_DEADLINE_S", "0.5")
+    with dripping() as url:
+        api = client.ApiClient(client.Configuration(host=url))
+        job = trainjob._TrainJob(api, "team-a", {"metadata": {"name": "search-x"}}, poll_seconds=0)
+        start = time.monotonic()
+        with pytest.raises(EvoESAPError) as raised:
+            job._get()
+        elapsed = time.monotonic() - start
+    assert elapsed < 3, elapsed
+    assert str(raised.value) == (
+        f"the Kubernetes API {url} asked to read TrainJob team-a/search-x did not finish within 0.5 s (the server is "
+        "stalled or too slow): check it, or set EVOESAP_K8S_DEADLINE_S to allow longer"
+    )
+
+
+class NotTextKube(JsonHandler):
+    def do_GET(self):  # noqa: N802
+        data = b"\xff\xfe\x00\x81 not text"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_a_kubernetes_api_answering_bytes_that_are_not_utf8_is_one_clear_line():
+    from kubernetes import client
+
+    with serving(NotTextKube) as url:
+        job = trainjob._TrainJob(client.ApiClient(client.Configuration(host=url)), "team-a", {"metadata": {"name": "s"}}, 0)
+        with pytest.raises(EvoESAPError, match=f"the Kubernetes API {url} answered the request to read TrainJob team-a/s "
+                                               "with bytes that are not UTF-8 text"):  # fmt: skip
+            job._get()

@@ -1,12 +1,16 @@
 """The release gate: the verdict's checks against independent arithmetic, the stage's artifact, and publish refusing a
 failing verdict (and publishing under a passing one)."""
 
+import dataclasses
 import json
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
+from evoesap.components.verdict import make_verdict_check
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kfp.dsl import Artifact
 
 from evoesap import records
 from evoesap.errors import ConfigError
@@ -74,7 +78,9 @@ def test_verdict_passes_exactly_when_every_threshold_holds(full_values, values, 
     full = _metrics(dict(zip(TASKS, full_values)), method="full")
     candidate = _metrics(dict(zip(TASKS, values)), esap=esap)
     record = verdict(GateParams(min_heldout_esap=least_esap, max_task_drop=drop), candidate, full)
-    expected = esap >= least_esap and all(v >= f - drop for v, f in zip(values, full_values))
+    # a value within 1e-9 of its limit meets it (the metrics' resolution), computed here in exact fractions
+    meets = lambda v, limit: Fraction(v) >= Fraction(limit) - Fraction(1, 10**9)  # noqa: E731
+    expected = meets(esap, least_esap) and all(meets(v, Fraction(f) - Fraction(drop)) for v, f in zip(values, full_values))
     assert record.passed == expected
     assert len(record.checks) == 1 + len(TASKS)
     assert records.GateRecord.from_json(json.loads(json.dumps(record.to_json())), "gate.json") == record
@@ -142,13 +148,27 @@ def test_gate_stage_writes_the_verdict_and_publish_follows_it(built, tmp_path):
     with pytest.raises(GateFailed, match="release gate failed"):
         raise_on_failed([str(tmp_path / "pass"), str(tmp_path / "fail")])
     raise_on_failed([str(tmp_path / "pass")])
+    # the pipeline's last task: the verdicts' sum for the caller to branch on, or the run's end with stop_on_fail
+    check = make_verdict_check("ghcr.io/evoesap/stage:test").python_func
+    both = [
+        Artifact(uri=str(tmp_path / name), metadata={"uri": str(tmp_path / name), "stage": "gate"}) for name in ("pass", "fail")
+    ]
+    assert check(verdicts=both, params={"stop_on_fail": False}) == "fail"
+    assert check(verdicts=both[:1], params={}) == "pass"
+    with pytest.raises(GateFailed, match="^release gate failed for"):
+        check(verdicts=both, params={"min_heldout_esap": 1.0})  # stop_on_fail's default
 
 
 def test_publish_refuses_a_verdict_on_another_evaluation(built, tmp_path):
+    from tiny_artifacts import evaluate_params
+
+    from evoesap.stages.evaluate import run_evaluate
     from evoesap.stages.publish import PublishParams, run_publish
 
-    # the gate judged the full model's evaluation, not the published one's
-    run_gate(built["evaluated_full"], built["evaluated_full"], GateParams(max_task_drop=0.0), str(tmp_path / "other"))
+    # a valid verdict, but on another evaluation of the pruned model than the one published beside it
+    other = str(tmp_path / "evaluated_again")
+    run_evaluate(built["pruned"], evaluate_params(built["tasks"], method="again"), other)
+    run_gate(other, built["evaluated_full"], GateParams(max_task_drop=1.0), str(tmp_path / "other"))
     with pytest.raises(ConfigError, match="not the published model's evaluation"):
         run_publish(
             built["pruned"],
@@ -157,6 +177,106 @@ def test_publish_refuses_a_verdict_on_another_evaluation(built, tmp_path):
             str(tmp_path / "published"),
             gate=str(tmp_path / "other"),
         )
+
+
+@pytest.fixture(scope="module")
+def unrelated(built, tmp_path_factory):
+    """An evaluation, labelled full, of another model than the one the candidate was pruned from (same layout and
+    tokenizer, other weights), and a copy of the full model's directory at another path."""
+    import shutil
+
+    import torch
+    from tiny_artifacts import evaluate_params
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from evoesap.stages.evaluate import run_evaluate
+
+    root = tmp_path_factory.mktemp("unrelated")
+    model = AutoModelForCausalLM.from_pretrained(built["model"])
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)  # one tensor changed: another model by content
+    model.save_pretrained(root / "other_model")
+    AutoTokenizer.from_pretrained(built["model"]).save_pretrained(root / "other_model")
+    shutil.copytree(built["model"], root / "moved_model")  # the very model, byte for byte, elsewhere
+    out = {"other": str(root / "evaluated_other"), "moved": str(root / "evaluated_moved")}
+    run_evaluate(str(root / "other_model"), evaluate_params(built["tasks"], method="full"), out["other"])
+    run_evaluate(str(root / "moved_model"), evaluate_params(built["tasks"], method="full"), out["moved"])
+    return out
+
+
+def test_the_gate_refuses_an_unrelated_model_as_the_reference(built, unrelated, tmp_path):
+    with pytest.raises(
+        ConfigError, match="but the candidate was made from .*: give the evaluation of the model it was pruned from"
+    ):
+        run_gate(built["evaluated"], unrelated["other"], GateParams(max_task_drop=1.0), str(tmp_path / "gate"))
+    assert not (tmp_path / "gate").exists()
+
+
+def test_the_gate_refuses_the_candidate_s_own_evaluation_as_the_reference(built, tmp_path):
+    from tiny_artifacts import evaluate_params
+
+    from evoesap.stages.evaluate import run_evaluate
+
+    itself = str(tmp_path / "pruned_labelled_full")
+    run_evaluate(built["pruned"], evaluate_params(built["tasks"], method="full"), itself)
+    with pytest.raises(ConfigError, match="give the evaluation of the model it was pruned from") as refused:
+        run_gate(built["evaluated"], itself, GateParams(max_task_drop=0.0), str(tmp_path / "gate"))
+    assert "\n" not in str(refused.value)
+    # nor may the candidate be a model that no prune or quantize artifact made (nothing records its origin)
+    with pytest.raises(ConfigError, match="not a prune or quantize artifact"):
+        run_gate(built["evaluated_full"], built["evaluated_full"], GateParams(max_task_drop=0.0), str(tmp_path / "g2"))
+
+
+def test_the_reference_is_identified_by_content_not_by_location(built, unrelated, tmp_path):
+    run_gate(built["evaluated"], unrelated["moved"], GateParams(max_task_drop=1.0), str(tmp_path / "gate"))
+    record = records.read(str(tmp_path / "gate"), records.GateRecord)
+    assert record.passed and record.reference == str(Path(unrelated["moved"]).parent / "moved_model")
+
+
+def test_the_gate_refuses_evaluations_that_do_not_compare(built, tmp_path):
+    from tiny_artifacts import evaluate_params
+
+    from evoesap.stages.evaluate import run_evaluate
+
+    fewer = str(tmp_path / "full_limit_1")
+    run_evaluate(built["model"], dataclasses.replace(evaluate_params(built["tasks"], method="full"), limit=1), fewer)
+    with pytest.raises(ConfigError, match=r"does not compare with the candidate's evaluation: limit 2 vs 1"):
+        run_gate(built["evaluated"], fewer, GateParams(max_task_drop=1.0), str(tmp_path / "gate"))
+    with pytest.raises(ConfigError, match="is a metrics file, whose lineage the gate cannot check"):
+        run_gate(
+            built["evaluated"],
+            str(Path(built["evaluated_full"], "metrics.json")),
+            GateParams(max_task_drop=1.0),
+            str(tmp_path / "gate"),
+        )
+
+
+def test_a_gate_without_thresholds_is_refused_and_publish_refuses_a_verdict_that_checked_nothing(built, tmp_path):
+    from evoesap.params import keyed
+    from evoesap.stages.publish import PublishParams, run_publish
+
+    with pytest.raises(ConfigError, match="the gate has no thresholds, so it would pass any model"):
+        run_gate(built["evaluated"], built["evaluated_full"], GateParams(), str(tmp_path / "gate"))
+    # a verdict with no checks (as an older gate wrote one): publish refuses it
+    inputs = {"evaluation": built["evaluated"], "full_evaluation": built["evaluated_full"], "previous": None}
+    empty = str(tmp_path / "empty")
+    seen = artifacts.preflight(empty, "gate", inputs)
+    with artifacts.stage_output(empty, "gate", keyed(GateParams()), inputs, seen) as staging:
+        records.write(staging, records.GateRecord(passed=True, candidate=built["pruned"], checks=()))
+    with pytest.raises(ConfigError, match="checked nothing, so it passes any model"):
+        run_publish(
+            built["pruned"], [built["evaluated"], built["evaluated_full"]], PublishParams(), str(tmp_path / "pub"), gate=empty
+        )
+    assert not (tmp_path / "pub").exists()
+
+
+def test_a_drop_of_exactly_the_allowance_passes_and_lines_show_the_deciding_digits():
+    full = _metrics({"arith": 0.8, "recall": 0.99945}, method="full")
+    candidate = _metrics({"arith": 0.7, "recall": 0.99942})
+    record = verdict(GateParams(max_task_drop=0.1), candidate, full)
+    assert [c.passed for c in record.checks] == [True, True]  # 0.8 - 0.1 is 0.7000000000000001 in floats
+    record = verdict(GateParams(min_heldout_esap=0.99945), _metrics({}, esap=0.99942), full)
+    assert "held-out ESAP 0.99942 < 0.99945" in record.line()
 
 
 def test_previous_metrics_are_read_from_a_metrics_json_file(built, tmp_path):
@@ -229,3 +349,14 @@ def test_without_thresholds_the_dag_has_no_gate(tmp_path):
     text = compile_pipeline(_pipeline_config(), tmp_path / "p.yaml").read_text()
     spec = yaml.safe_load(text)
     assert "comp-gate" not in spec["components"] and "verdicts" not in spec["root"]["outputDefinitions"]["artifacts"]
+
+
+def test_the_report_refuses_a_full_run_that_is_not_the_pruned_runs_base(built, unrelated, tmp_path):
+    from evoesap.stages.report import ReportParams, run_report
+
+    with pytest.raises(ConfigError, match="not from the full model that .* evaluated .*: give runs of one base model"):
+        run_report([unrelated["other"], built["evaluated"]], ReportParams(html=False), str(tmp_path / "report"))
+    with pytest.raises(ConfigError, match="both labelled full but evaluated different models"):
+        run_report([built["evaluated_full"], unrelated["other"]], ReportParams(html=False), str(tmp_path / "report"))
+    assert not (tmp_path / "report").exists()
+    run_report([unrelated["moved"], built["evaluated"]], ReportParams(html=False), str(tmp_path / "report"))  # same bytes

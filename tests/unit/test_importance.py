@@ -20,6 +20,17 @@ FAMILIES = {
     "mixtral": {},
     "deepseek_v3": {},
     "gpt_oss": {},
+    "qwen3_next": {},
+    "qwen3_5_moe_text": {},
+    "kimi_linear": {},
+    "minimax": {},
+    "granitemoehybrid": {},
+    "jamba": {},
+    "llama4_text": {},
+    "lfm2_moe": {},
+    "qwen3_5_moe": {},
+    "qwen3_vl_moe": {},
+    "glm4v_moe": {},
 }
 
 
@@ -55,9 +66,15 @@ def _all_expert_outputs(model: torch.nn.Module, experts: torch.nn.Module, x: tor
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         act = (up + 1) * gate * torch.sigmoid(gate * alpha)
         return torch.einsum("tei,eih->teh", act, down) + experts.down_proj_bias.double()
+    if model.config.model_type == "llama4_text":  # [E,H,2I] gate columns first, then up; [E,I,H]
+        h = torch.einsum("th,eho->teo", x, gate_up)
+        inter = h.shape[-1] // 2
+        act = ACT2FN[model.config.hidden_act](h[..., :inter]) * h[..., inter:]
+        return torch.einsum("tei,eih->teh", act, down)
     h = torch.einsum("th,eoh->teo", x, gate_up)  # [T, E, 2I]: gate rows first, then up
     inter = h.shape[-1] // 2
-    act = ACT2FN[model.config.hidden_act](h[..., :inter]) * h[..., inter:]
+    activation = getattr(model.config.get_text_config(), "hidden_act", "silu")  # LFM2-MoE: silu, no field
+    act = ACT2FN[activation](h[..., :inter]) * h[..., inter:]
     return torch.einsum("tei,ehi->teh", act, down)
 
 
@@ -69,6 +86,10 @@ def _reference(model: torch.nn.Module, tokenized: list[TokenizedSample], batch_s
     def hook(layer):
         def record(module, args, output):
             x = args[0].reshape(-1, args[0].shape[-1])  # [T, H]
+            if len(output) == 2:  # Llama 4: (dense weights, logits); the sigmoid of each top-k logit weights its input
+                values, index = output[1].topk(module.top_k, dim=-1)
+                seen.append((layer, x, torch.sigmoid(values.float()), index))
+                return
             seen.append((layer, x, output[1].detach(), output[2].detach()))
 
         return record
@@ -110,7 +131,7 @@ def _reference(model: torch.nn.Module, tokenized: list[TokenizedSample], batch_s
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_scores_match_all_experts_reference(family):
     model = moe.tiny_model(family, seed=0, **FAMILIES[family]).eval()
-    tokenized = _samples(model.config.vocab_size)
+    tokenized = _samples(model.config.get_text_config().vocab_size)
     got = importance.observe(model, tokenized, batch_size=3)
     want = _reference(model, tokenized, batch_size=3)
     assert list(got.columns) == list(importance.COLUMNS)
@@ -125,7 +146,7 @@ def test_scores_match_all_experts_reference(family):
 @pytest.mark.parametrize("family", ["olmoe", "gpt_oss"])
 def test_frequency_sums_to_tokens_times_top_k(family):
     model = moe.tiny_model(family, seed=1).eval()
-    tokenized = _samples(model.config.vocab_size, seed=2)
+    tokenized = _samples(model.config.get_text_config().vocab_size, seed=2)
     scores = importance.observe(model, tokenized, batch_size=4)
     real_tokens = sum(len(s.input_ids) for s in tokenized)  # padding excluded
     for layer, top_k in enumerate(moe.inspect(model).top_k):
@@ -139,7 +160,7 @@ def test_unreached_expert_has_zero_reap():
     router, _ = _moe_blocks(model)[0]
     with torch.no_grad():
         router.bias[3] = -1e4  # GPT-OSS takes top-k on the biased logits: expert 3 is never chosen
-    scores = importance.observe(model, _samples(model.config.vocab_size), batch_size=2)
+    scores = importance.observe(model, _samples(model.config.get_text_config().vocab_size), batch_size=2)
     row = scores[(scores["layer"] == 0) & (scores["expert"] == 3)].iloc[0]
     assert row["frequency"] == 0 and row["seer"] == 0 and row["ean"] == 0 and row["reap"] == 0
     assert scores["reap"].notna().all()

@@ -199,3 +199,50 @@ def test_a_quantize_artifact_carries_the_labels_of_the_pruned_model_it_quantized
     manifest["inputs"]["model"]["uri"] = str(tmp_path / "gone")
     (moved / "manifest.json").write_text(artifacts.seal(manifest))
     assert "method" not in facts.facts(str(moved)) and facts.facts(str(moved))["recipe"] == "fp8-dynamic"
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [("1", True), ("true", True), ("Yes", True), (" ON ", True), ("0", False), ("false", False), ("No", False),
+     ("OFF", False), ("", False)],
+)  # fmt: skip
+def test_the_copy_switch_reads_the_words_for_on_and_off(tmp_path, monkeypatch, value, on):
+    """EVOESAP_COPY_MODELS=false copies nothing (any word but "" and "0" used to turn copying on)."""
+    from evoesap.components import kfp_artifacts
+
+    copied, viewed = [], []
+    monkeypatch.setattr(kfp_artifacts, "artifact_uri", lambda own, uri: None)  # KFP keeps the artifact at its own URI
+    monkeypatch.setattr(kfp_artifacts.facts, "facts", lambda uri: {"uri": uri})
+    monkeypatch.setattr(kfp_artifacts, "export_all", lambda uri, dest: copied.append(uri))
+    monkeypatch.setattr(kfp_artifacts.facts, "export_small_files", lambda uri, dest: viewed.append(uri))
+    monkeypatch.setenv(kfp_artifacts.COPY_MODELS, value)
+    model = dsl.Model(name="pruned", uri="s3://b/root/run/prune/pruned")
+    model.set_path(str(tmp_path / "pruned"))
+    publish(model, "s3://b/evoesap/prune/k")
+    assert (copied, viewed) == ((["s3://b/evoesap/prune/k"], []) if on else ([], ["s3://b/evoesap/prune/k"]))
+
+
+@pytest.mark.parametrize("value", ["2", "flase", "enabled", "1 0"])
+def test_a_copy_switch_that_is_neither_on_nor_off_is_refused_before_the_stage_runs(monkeypatch, value):
+    from evoesap.components import kfp_artifacts
+    from evoesap.components.runner import run_component
+
+    from evoesap import steps
+    from evoesap.errors import ConfigError
+
+    ran = []
+    monkeypatch.setattr(steps, "run_step", lambda *args: ran.append(args))
+    monkeypatch.setenv(kfp_artifacts.COPY_MODELS, value)
+    with pytest.raises(ConfigError, match=f"EVOESAP_COPY_MODELS={value!r} is neither on nor off: set it to one of 1, true"):
+        run_component("report", storage_root="/tmp/x", params={})
+    assert ran == []
+
+
+def test_every_evoesap_switch_in_the_environment_is_read_by_one_parser():
+    """No EVOESAP_* variable is compared with words of its own (`os.environ.get(X) not in ("", "0")`)."""
+    import re
+
+    root = Path(__file__).resolve().parents[2]
+    sources = [*root.glob("evoesap/**/*.py"), *root.glob("components/*.py"), *root.glob("pipeline/*.py")]
+    own = re.compile(r"environ(?:\.get)?[\[(][^)\]]*\)?\s*(?:not\s+)?(?:in|==|!=)\s*[(\[\"']")
+    assert [str(p) for p in sources if own.search(p.read_text())] == []

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from moe_support import FAMILIES, cached_model, tokens
+from moe_support import FAMILIES, cached_model, experts_implementations, set_experts_implementation, tokens
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from evoesap import moe
@@ -39,12 +42,21 @@ def nonuniform_sets(spec: moe.MoESpec, seed: int) -> dict[int, list[int]]:
 
 
 def routed_experts(model: torch.nn.Module, x: torch.Tensor) -> dict[int, torch.Tensor]:
-    """The expert ids each MoE layer's experts module is asked for, seen by a forward pre-hook."""
+    """The expert ids each MoE layer's experts module is asked for, seen by a forward pre-hook; where the experts
+    take every token scaled by a dense weight (Llama 4), the experts whose scaled input is not zero."""
     seen: dict[int, torch.Tensor] = {}
+    dense = moe.FAMILIES[model.config.model_type].experts_input == "scaled_dense"
+
+    def hook(module, args, ordinal):
+        if not dense:
+            seen[ordinal] = args[1].clone()
+            return
+        rows = args[0].view(module.num_experts, -1, args[0].shape[-1])  # [E, T, H]
+        reached = rows.abs().amax(dim=-1).T > 0  # [T, E]
+        seen[ordinal] = torch.stack([row.nonzero().flatten() for row in reached])  # [T, k]
+
     handles = [
-        block.experts.register_forward_pre_hook(
-            lambda module, args, ordinal=block.ordinal: seen.__setitem__(ordinal, args[1].clone())
-        )
+        block.experts.register_forward_pre_hook(lambda module, args, ordinal=block.ordinal: hook(module, args, ordinal))
         for block in moe.moe_blocks(model)
     ]
     try:
@@ -77,10 +89,32 @@ EXPECTED_LAYOUT = {  # family -> (decoder indices of MoE layers, shared experts 
     "deepseek_v3": ((1, 2, 3), True),
     "ernie4_5_moe": ((1, 2, 3), True),
     "gpt_oss": ((0, 1, 2, 3), False),
+    "glm4_moe": ((1, 2, 3), True),
+    "glm4_moe_lite": ((1, 2, 3), True),
+    "minimax_m2": ((0, 1, 2, 3), False),
+    "phimoe": ((0, 1, 2, 3), False),
+    "hunyuan_v1_moe": ((0, 1, 2, 3), True),
+    "dots1": ((1, 2, 3), True),
+    "granitemoe": ((0, 1, 2, 3), False),
+    "granitemoeshared": ((0, 1, 2, 3), True),
+    "flex_olmo": ((0, 1, 2, 3), False),
+    "exaone_moe": ((1, 2, 3), True),
+    "afmoe": ((1, 2, 3), True),
+    "qwen3_next": ((0, 2, 3), True),
+    "qwen3_5_moe_text": ((0, 1, 2, 3), True),
+    "kimi_linear": ((1, 2, 3), True),
+    "minimax": ((0, 1, 2, 3), False),
+    "granitemoehybrid": ((0, 1, 2, 3), False),
+    "jamba": ((1, 3), False),
+    "llama4_text": ((1, 3), True),
+    "lfm2_moe": ((1, 2, 3), False),
+    "qwen3_5_moe": ((0, 1, 2, 3), True),
+    "qwen3_vl_moe": ((0, 2, 3), False),
+    "glm4v_moe": ((1, 2, 3), True),
 }
 
 
-def test_table_covers_the_eight_families():
+def test_table_covers_every_supported_family():
     assert set(moe.FAMILIES) == set(EXPECTED_LAYOUT)
 
 
@@ -151,9 +185,9 @@ def test_masked_equals_removed_saved_and_reloaded_for_each_family(family, tmp_pa
     assert type(reloaded) is type(model)
     assert moe.inspect(reloaded).num_experts == tuple(n - len(pruned[i]) for i, n in enumerate(spec.num_experts))
 
-    for implementation in ("eager", "grouped_mm", "batched_mm"):
-        model.set_experts_implementation(implementation)
-        reloaded.set_experts_implementation(implementation)
+    for implementation in experts_implementations(model):
+        set_experts_implementation(model, implementation)
+        set_experts_implementation(reloaded, implementation)
         with moe.masked(model, pruned):
             masked_logits = logits(model, x)
             masked_routes = routed_experts(model, x)
@@ -202,14 +236,60 @@ def test_uniform_pruning_round_trips_through_stock_from_pretrained(family, tmp_p
     pruned_model = moe.prune_experts(copy.deepcopy(model), pruned)
     moe.save_pruned(pruned_model, None, str(tmp_path))
     config = json.loads((tmp_path / "config.json").read_text())
+    row = moe.FAMILIES[family]
     assert moe.PER_LAYER_KEY not in config
-    assert config[moe.FAMILIES[family].num_experts_field] == spec.layers[0].num_experts - len(pruned[0])
+    assert config.get(row.text_config, config)[row.num_experts_field] == spec.layers[0].num_experts - len(pruned[0])
 
-    stock = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    stock = getattr(transformers, row.auto_class).from_pretrained(str(tmp_path))  # a multimodal family: its own class
+    assert type(stock) is type(model)
     x = tokens(1)
     assert torch.equal(logits(stock, x), logits(pruned_model, x))
     with moe.masked(model, pruned):
         assert (logits(model, x) - logits(stock, x)).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("family", [name for name, row in moe.FAMILIES.items() if row.text_config])
+def test_multimodal_pruning_keeps_every_tensor_outside_the_text_experts_and_loads_as_the_multimodal_model(family, tmp_path):
+    model = cached_model(family)
+    model.save_pretrained(tmp_path / "full", max_shard_size="50KB")
+    spec = moe.inspect(model)
+    pruned = nonuniform_sets(spec, seed=3)
+    moe.save_pruned(moe.prune_experts(copy.deepcopy(model), pruned), None, str(tmp_path / "surgery"))
+    moe.prune_checkpoint(str(tmp_path / "full"), pruned, tmp_path / "streamed")
+    full = stored(tmp_path / "full")
+    for name in ("surgery", "streamed"):
+        kept = stored(tmp_path / name)
+        experts = re.compile(r"language_model\.layers\.\d+\.mlp\.(experts|gate)\.")
+        assert {k for k in full if not experts.search(k)} == {k for k in kept if not experts.search(k)}
+        assert any("visual" in k for k in kept)
+        for key in (k for k in kept if not experts.search(k)):  # the vision tower and everything else: as stored
+            assert torch.equal(kept[key], full[key]), (name, key)
+        reloaded = moe.load_pruned(str(tmp_path / name))
+        assert type(reloaded) is type(model)
+        assert moe.inspect(reloaded).num_experts == tuple(n - len(pruned[i]) for i, n in enumerate(spec.num_experts))
+        auto_map = json.loads((tmp_path / name / "config.json").read_text())["auto_map"]
+        assert list(auto_map) == [moe.FAMILIES[family].auto_class]
+        with moe.masked(model, pruned):
+            assert (logits(model, tokens(4)) - logits(reloaded, tokens(4))).abs().max() <= TOL
+
+
+def stored(directory) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            out.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118 - a safetensors handle is not iterable
+    return out
+
+
+def test_lfm2_moe_without_its_selection_bias_masks_like_removal_and_round_trips(tmp_path):
+    model = cached_model("lfm2_moe", use_expert_bias=False)  # top-k on the sigmoid scores alone, no expert_bias
+    assert not hasattr(moe.moe_blocks(model)[0].block, "expert_bias")
+    pruned = {0: [0, 1, 2, 3, 4, 5], 1: [3], 2: []}
+    moe.save_pruned(moe.prune_experts(copy.deepcopy(model), pruned), None, str(tmp_path))
+    reloaded = moe.load_pruned(str(tmp_path))
+    x = tokens(2)
+    with moe.masked(model, pruned):
+        assert (logits(model, x) - logits(reloaded, x)).abs().max() <= TOL
 
 
 def test_group_limited_routing_masks_like_even_removal(tmp_path):
@@ -356,7 +436,22 @@ def test_pruning_back_to_uniform_drops_the_per_layer_counts():
 
 @st.composite
 def family_and_pruned(draw):
-    family = draw(st.sampled_from(["olmoe", "mixtral", "deepseek_v2", "ernie4_5_moe", "gpt_oss"]))
+    family = draw(
+        st.sampled_from(
+            [
+                "olmoe",
+                "mixtral",
+                "deepseek_v2",
+                "ernie4_5_moe",
+                "gpt_oss",
+                "phimoe",
+                "minimax_m2",
+                "afmoe",
+                "llama4_text",
+                "lfm2_moe",
+            ]
+        )
+    )
     spec = moe.inspect(cached_model(family))
     pruned = {}
     for layer in spec.layers:

@@ -18,7 +18,7 @@ from test_moe import UNGROUPED, nonuniform_sets
 from transformers import AutoModelForCausalLM
 
 from evoesap import moe
-from evoesap.moe.remote_code import AUTO_CLASS, MODELING_FILE
+from evoesap.moe.remote_code import MODELING_FILE
 from evoesap.store import artifacts
 
 TOL = 1e-6
@@ -48,14 +48,15 @@ else:
     raise SystemExit("evoesap is importable: the isolation failed")
 
 import torch
-from transformers import AutoModelForCausalLM
+import transformers
 
 torch.set_num_threads(1)
 jobs = json.loads(sys.argv[1])
 x = torch.load(jobs["input_ids"])
 out = {}
 for name, path in jobs["checkpoints"].items():
-    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
+    auto = getattr(transformers, jobs["auto_class"][name])  # AutoModelForCausalLM; a multimodal model's own class
+    model = auto.from_pretrained(path, trust_remote_code=True).eval()
     with torch.no_grad():
         out[f"{name}/logits"] = model(x).logits
         out[f"{name}/generated"] = model.generate(
@@ -64,7 +65,7 @@ for name, path in jobs["checkpoints"].items():
     out[f"{name}/class"] = type(model).__name__
     if name in jobs["resave"]:  # a fine-tuning script saves the model it loaded; the copy opens the same way
         model.save_pretrained(jobs["resave"][name])
-        again = AutoModelForCausalLM.from_pretrained(jobs["resave"][name], trust_remote_code=True).eval()
+        again = auto.from_pretrained(jobs["resave"][name], trust_remote_code=True).eval()
         with torch.no_grad():
             out[f"{name}/resaved_logits"] = again(x).logits
 assert not [m for m in sys.modules if m.split(".")[0] == "evoesap"]
@@ -83,7 +84,7 @@ def checkpoints(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("remote-code")
     x = tokens(seed=5, batch=2, length=12)
     torch.save(x, root / "input_ids.pt")
-    want, paths, resave = {}, {}, {}
+    want, paths, resave, auto_class = {}, {}, {}, {}
     for case, (overrides, _) in CASES.items():
         family = case.split("-")[0]
         model = cached_model(family, **overrides)
@@ -99,11 +100,13 @@ def checkpoints(tmp_path_factory) -> dict:
                 "generated": reference.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False),
             }
         paths.update({f"{case}/surgery": str(surgery), f"{case}/streamed": str(streamed)})
+        auto_class.update({f"{case}/{name}": moe.FAMILIES[family].auto_class for name in ("surgery", "streamed")})
         resave[f"{case}/surgery"] = str(root / case / "resaved")
     jobs = {
         "input_ids": str(root / "input_ids.pt"),
         "checkpoints": paths,
         "resave": resave,
+        "auto_class": auto_class,
         "new_tokens": NEW_TOKENS,
         "out": str(root / "remote.pt"),
     }
@@ -144,7 +147,8 @@ def test_both_save_paths_write_the_same_modeling_file_named_in_auto_map(checkpoi
     assert (surgery / MODELING_FILE).read_bytes() == (streamed / MODELING_FILE).read_bytes()
     for directory in (surgery, streamed):
         config = json.loads((directory / "config.json").read_text())
-        assert config["auto_map"] == {AUTO_CLASS: f"modeling_evoesap.{config['architectures'][0]}"}
+        auto_class = moe.FAMILIES[case.split("-")[0]].auto_class
+        assert config["auto_map"] == {auto_class: f"modeling_evoesap.{config['architectures'][0]}"}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

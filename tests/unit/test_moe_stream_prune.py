@@ -133,3 +133,18 @@ def test_streamed_prune_refuses_a_checkpoint_that_disagrees_with_its_config(tmp_
     (tmp_path / "full" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ArtifactError, match="expert axis"):
         moe.prune_checkpoint(str(tmp_path / "full"), {0: [1]}, tmp_path / "out")
+
+
+def test_configs_with_infinite_values_are_read_as_from_pretrained_reads_them(tmp_path):
+    """config.json writes inf as {"__float__": "Infinity"} (Granite 4.0's Mamba time_step_limit): every reader of a
+    raw config.json (streamed prune, the checkpoint check, inspect from a URI) must decode it, not refuse it."""
+    from evoesap.machine import runtime
+
+    model = cached_model("granitemoehybrid")
+    assert model.config.time_step_limit[1] == float("inf")
+    moe.save_pruned(model, None, str(tmp_path / "full"))
+    assert json.loads((tmp_path / "full" / "config.json").read_text())["time_step_limit"][1] == {"__float__": "Infinity"}
+    runtime.check_checkpoint(str(tmp_path / "full"))  # refused the valid checkpoint as "not a valid config" before
+    assert runtime.inspect_checkpoint(f"file://{tmp_path}/full").num_experts == moe.inspect(model).num_experts
+    moe.prune_checkpoint(str(tmp_path / "full"), {0: [1, 2]}, tmp_path / "pruned")
+    assert moe.load_pruned(str(tmp_path / "pruned")).config.time_step_limit[1] == float("inf")

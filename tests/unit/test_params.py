@@ -185,3 +185,58 @@ def test_a_section_s_json_schema_and_its_dataclass_agree_on_choices_ranges_and_k
             assert not valid.is_valid({field.name: "no-such-choice"}), field.name
             with pytest.raises(ConfigError):
                 cls(**{field.name: "no-such-choice"})
+
+
+FLOATS = [
+    (stage.name, field.name)
+    for stage in STAGES
+    for field in dataclasses.fields(stage.params_class())
+    if float in parameters.kinds(typing.get_type_hints(stage.params_class())[field.name])
+]
+
+
+@pytest.mark.parametrize(("stage", "name"), FLOATS)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_every_number_field_refuses_nan_and_infinity(stage, name, value):
+    """No range holds NaN, and a record cannot hold either (JSON has neither): refused on construction."""
+    from evoesap.steps import make_params
+
+    grid = {"criterion": "reap", "sparsity": 0.5} if stage in ("search", "prune") else {}
+    with pytest.raises(ConfigError, match=f"{name} must be (a finite number|positive), got {value}"):
+        make_params(stage, {**grid, name: value})
+
+
+def test_a_number_field_declared_non_finite_takes_infinity():
+    @dataclasses.dataclass(frozen=True)
+    class Limits(parameters.StageParams):
+        cap: float = parameters.param(1.0, "A cap; inf: none.", ge=0, finite=False)
+        rate: float = parameters.param(1.0, "A rate.", ge=0)
+
+    assert Limits(cap=float("inf")).cap == float("inf")
+    with pytest.raises(ConfigError, match="rate must be a finite number, got inf"):
+        Limits(rate=float("inf"))
+
+
+def test_gate_refuses_an_infinite_threshold_on_the_command_line_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "gate"
+    argv = ["gate", "--evaluation", str(tmp_path / "e"), "--full-evaluation", str(tmp_path / "f"), "--out", str(out)]
+    assert main([*argv, "--max-task-drop", "inf"]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and line.endswith("max_task_drop must be a finite number, got inf"), line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("field", "value"), [("split", 2024), ("device", True), ("messages_field", ["a"])])
+def test_a_text_field_refuses_what_is_not_text(field, value):
+    from evoesap.steps import make_params
+
+    with pytest.raises(ConfigError, match=f"calibrate.{field} must be a string, got"):
+        make_params("calibrate", {field: value})
+
+
+def test_digits_python_reads_but_int_does_not_stay_text():
+    from evoesap.steps import make_params
+
+    assert make_params("evaluate", {"batch_size": " 16 "}).batch_size == 16
+    with pytest.raises(ConfigError, match="batch_size"):  # "²" is a digit to str.isdigit, not to int()
+        make_params("evaluate", {"batch_size": "²"})

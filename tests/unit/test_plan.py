@@ -304,3 +304,23 @@ def test_a_search_worker_group_spreads_its_replica_over_its_own_gpus():
     assert per_group.device > one_process.device  # half the GPUs per replica: more of it on each
     two = footprint.plan_stages(shape, footprint.Machine(256 * 10**9, GB80, 2), data, {**params, "search": alone}, only="search")
     assert per_group.device == two[0].device  # a group of 2 of 4 GPUs holds what 2 GPUs alone hold
+
+
+def test_a_glm4_moe_footprint_counts_its_shared_experts_and_dense_layer_as_dense_and_its_routed_experts_apart(tmp_path):
+    model = moe.tiny_model("glm4_moe")  # layer 0 dense (intermediate 128), layers 1-3 MoE: 8 routed of width 32 + 1 shared
+    model.config.save_pretrained(tmp_path)
+    shape = footprint.model_shape(str(tmp_path))
+    hidden, width = model.config.hidden_size, model.config.moe_intermediate_size
+    routed = 3 * 8 * (3 * hidden * width + hidden + 1) * 4  # gate/up/down, its router row and selection-bias entry, float32
+    assert shape.expert_bytes == routed
+    assert (shape.top_k, shape.expert_width) == (2, width)
+    shared_and_dense = (3 * 3 * hidden * width + 3 * hidden * model.config.intermediate_size) * 4
+    attention = 4 * sum(
+        m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".self_attn." in name
+    )
+    assert shape.dense_linear_bytes == shared_and_dense + attention
+
+
+def test_a_per_layer_top_k_list_plans_with_its_largest_entry(tmp_path):
+    moe.tiny_model("hunyuan_v1_moe", moe_topk=[2, 3, 2, 2]).config.save_pretrained(tmp_path)
+    assert footprint.model_shape(str(tmp_path)).top_k == 3

@@ -54,11 +54,12 @@ def test_a_look_at_the_output_while_another_run_swaps_it_sees_the_settled_artifa
     assert artifacts.read_manifest(str(out)) == first
 
 
-def run_beside(other):
-    """Run `other()` in a thread when `fire()` is called, and wait until it has finished or is waiting for
-    the output's swap lock (which the hooked publish holds); returns the thread's outcome holder."""
+def run_beside(out: str, payload: str):
+    """Start run B publishing `payload` at `out`: its preflight looks at the output now and it stages its artifact,
+    then waits until `fire()` is called to publish it. `fire()` returns once B has finished or waits for the output's
+    swap lock (which the hooked publish holds); returns the thread's outcome holder."""
     outcome = {}
-    settled = threading.Event()
+    staged, go, settled = threading.Event(), threading.Event(), threading.Event()
     real_flock = artifacts.fcntl.flock
     worker = []
 
@@ -66,35 +67,43 @@ def run_beside(other):
         try:
             return real_flock(fd, op)
         except BlockingIOError:
-            if worker and threading.current_thread() is worker[0]:
-                settled.set()  # the other run waits for the lock the hooked publish holds
+            if worker and threading.current_thread() is worker[0] and go.is_set():
+                settled.set()  # B waits for the lock the hooked publish holds
             raise
+
+    def wait_to_publish(staging, manifest):
+        staged.set()
+        assert go.wait(60), "B was never fired"
 
     def body():
         try:
-            outcome["manifest"] = other()
+            outcome["manifest"] = publish(out, payload, before_publish=wait_to_publish)
         except Exception as exc:  # noqa: BLE001 - asserted by the caller
             outcome["error"] = exc
+        staged.set()
         settled.set()
 
+    thread = threading.Thread(target=body)
+    worker.append(thread)
+    outcome["thread"] = thread
+    thread.start()
+    assert staged.wait(60), "B did not stage its artifact"
+
     def fire():
-        thread = threading.Thread(target=body)
-        worker.append(thread)
-        thread.start()
+        go.set()
         assert settled.wait(60), "the concurrent publish neither finished nor waited"
-        outcome["thread"] = thread
 
     return outcome, flock, fire
 
 
 @pytest.mark.parametrize("identical", [True, False])
 def test_a_publish_between_another_runs_check_and_its_swap(tmp_path, monkeypatch, identical):
-    """Run B publishes in the instant after run A checked the output and before A swaps: without one lock over
-    check and swap, both succeed and B's artifact is silently replaced."""
+    """Run B, whose preflight saw the earlier artifact, publishes in the instant after run A checked the output and
+    before A swaps: without one lock over check and swap, both succeed and A's artifact silently replaces B's."""
     out = tmp_path / "art"
     publish(str(out), "earlier")
     b_payload = "A" if identical else "B"
-    outcome, flock, fire = run_beside(lambda: publish(str(out), b_payload))
+    outcome, flock, fire = run_beside(str(out), b_payload)
     monkeypatch.setattr(artifacts.fcntl, "flock", flock)
     real_replace = os.replace
     fired = []
@@ -290,3 +299,173 @@ def test_a_copy_pushed_onto_an_unfinished_upload_of_other_parameters_is_refused_
         artifacts.publish_copy(local, to, manifest, seen, "--to")
     assert {p: fs.cat_file(p) for p in fs.find(split_root(to))} == left
     assert (Path(str(caught.value).rsplit("kept at ", 1)[1]) / "x.txt").read_text() == "B"
+
+
+# The steps of one look at a local output (preflight's, `occupant`), each a call made at the output or its manifest:
+# the step, the calls that make it (whichever the code uses) and the path they are made at, relative to the output.
+LOOK_STEPS = {
+    "kind of the output": (("info",), ""),
+    "listing": (("ls",), ""),
+    "kind of the manifest": (("isfile", "info"), artifacts.MANIFEST),
+    "manifest read": (("read_bytes",), artifacts.MANIFEST),
+    "files walked": (("walk",), ""),
+}
+
+
+def at_step(monkeypatch, out: Path, step: str, before, after) -> list:
+    """Call `before()` just before this thread's look makes `step` (its first call there) and `after()` once it is made;
+    returns a list that holds 1 once it was."""
+    names, rel = LOOK_STEPS[step]
+    at = out / rel if rel else out
+    looker, fired = threading.current_thread(), []
+
+    def hooked(real, generator=False):
+        def call(*args, **kwargs):
+            path = next((a for a in args if isinstance(a, (str, os.PathLike))), None)
+            fire = (
+                threading.current_thread() is looker
+                and not fired
+                and path is not None
+                and Path(str(path).removeprefix("file://")) == at
+            )
+            if fire:
+                fired.append(1)
+                before()
+            try:
+                result = real(*args, **kwargs)
+                return iter(list(result)) if generator else result  # os.walk's work is done while it is iterated
+            finally:
+                if fire:
+                    after()
+
+        return call
+
+    local = fsspec.implementations.local.LocalFileSystem
+    for name in names:
+        if name == "read_bytes":
+            monkeypatch.setattr(artifacts, "read_bytes", hooked(artifacts.read_bytes))
+        elif name == "walk":
+            monkeypatch.setattr(artifacts.os, "walk", hooked(os.walk, generator=True))
+        else:
+            real = getattr(local, name)
+            monkeypatch.setattr(local, name, lambda self, *a, real=real, **k: hooked(real)(self, *a, **k))
+    return fired
+
+
+def build_new(place: Path) -> Path:
+    """A different artifact from the earlier one, with a file the earlier one has not."""
+    with artifacts.stage_output(str(place), "demo", {"payload": "new"}, {}) as staging:
+        (staging / "x.txt").write_text("new")
+        (staging / "y.txt").write_text("only in the new artifact")
+    return place
+
+
+@pytest.mark.parametrize("mid", [True, False], ids=["between-its-renames", "whole"])
+@pytest.mark.parametrize("step", sorted(LOOK_STEPS))
+def test_a_look_at_the_output_never_sees_part_of_another_runs_swap(tmp_path, monkeypatch, step, mid):
+    """Another run publishes a different artifact at `step` of a look at the output: in the instant between its two
+    renames (the earlier artifact aside, the new one not yet in) or whole. The look sees one artifact whole, the earlier
+    or the new: never no artifact (or a vanished or malformed manifest) where an artifact was all along, nor one
+    artifact's manifest with the other's files."""
+    out = Path(os.path.realpath(tmp_path)) / "art"
+    publish(str(out), "earlier")
+    earlier = f"artifact:{artifacts.manifest_sha256(str(out))}"
+    other: dict = {}
+    settled, resume, done = threading.Event(), threading.Event(), threading.Event()
+
+    def publish_other() -> None:
+        try:
+            build_new(out)
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            other["error"] = exc
+        done.set()
+        settled.set()
+
+    def in_other(fn, real):
+        def call(*args, **kwargs):
+            return (fn if threading.current_thread() is other.get("thread") else real)(*args, **kwargs)
+
+        return call
+
+    real_rename, real_flock = os.rename, artifacts.fcntl.flock
+
+    def rename(src, dst, *args, **kwargs):  # B's second rename: its new artifact in
+        if mid and Path(dst) == out:
+            settled.set()
+            assert resume.wait(60)
+        return real_rename(src, dst, *args, **kwargs)
+
+    def flock(fd, op):
+        try:
+            return real_flock(fd, op)
+        except BlockingIOError:
+            other["waits"] = True  # for a lock the look holds
+            settled.set()
+            raise
+
+    monkeypatch.setattr(artifacts.os, "rename", in_other(rename, real_rename))
+    monkeypatch.setattr(artifacts.fcntl, "flock", in_other(flock, real_flock))
+
+    def before():  # B publishes now, up to its pause between the renames, its end, or the look's lock
+        other["thread"] = threading.Thread(target=publish_other)
+        other["thread"].start()
+        assert settled.wait(60), "the other run neither paused, finished nor waited"
+
+    def after():
+        if mid and not done.is_set() and not other.get("waits"):
+            resume.set()  # the step was made between B's renames: B finishes before the look goes on
+            assert done.wait(60)
+
+    fired = at_step(monkeypatch, out, step, before, after)
+    seen = artifacts.preflight(str(out), "demo", {})
+    monkeypatch.undo()
+    resume.set()
+    assert fired == [1], f"the look made no {step}"
+    other["thread"].join(60)
+    assert "error" not in other, other.get("error")
+    new = f"artifact:{artifacts.manifest_sha256(str(out))}"
+    assert seen in (earlier, new)
+    assert payload_of(str(out)) == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+@pytest.mark.parametrize("mid", [True, False], ids=["between-its-renames", "whole"])
+@pytest.mark.parametrize("step", sorted(LOOK_STEPS))
+def test_a_look_reads_again_what_a_writer_without_the_lock_changes_under_it(tmp_path, monkeypatch, step, mid):
+    """A writer that takes no lock (an object store's publish is one; so is any other tool) replaces the artifact at
+    `step` of a look: the look sees a state the location was in (the earlier artifact, nothing in the instant between
+    the renames, the new one), never a manifest that vanished or changed taken for a malformed one, nor one artifact's
+    manifest with the other's files."""
+    root = Path(os.path.realpath(tmp_path))
+    out, aside = root / "art", root / "aside"
+    publish(str(out), "earlier")
+    earlier = f"artifact:{artifacts.manifest_sha256(str(out))}"
+    new_place = build_new(root / "built" / "art")
+    new = f"artifact:{artifacts.manifest_sha256(str(new_place))}"
+
+    def before():
+        os.replace(out, aside)
+        if not mid:
+            os.replace(new_place, out)
+
+    def after():
+        if mid:
+            os.replace(new_place, out)
+
+    fired = at_step(monkeypatch, out, step, before, after)
+    seen = artifacts.preflight(str(out), "demo", {})
+    monkeypatch.undo()
+    assert fired == [1], f"the look made no {step}"
+    assert seen in (earlier, new, "absent") and (seen != "absent" or (mid and step == "kind of the output"))
+    assert payload_of(str(out)) == "new"
+
+
+@pytest.mark.parametrize("name", [artifacts.MANIFEST, artifacts.PUBLISHING])
+def test_a_link_to_nothing_at_the_output_is_refused_at_once_not_read_again_as_a_publish_moving_it(tmp_path, monkeypatch, name):
+    """It is listed and reads as missing, as a file a publish just moved would, but it stays so: no look again."""
+    out = tmp_path / "art"
+    out.mkdir()
+    (out / name).symlink_to(tmp_path / "nowhere")
+    monkeypatch.setattr(time, "sleep", lambda seconds: pytest.fail("the look waited for a link to nothing to settle"))
+    with pytest.raises(ConfigError, match="malformed manifest" if name == artifacts.MANIFEST else r"not an evoesap artifact"):
+        artifacts.preflight(str(out), "demo", {})

@@ -228,3 +228,52 @@ def test_no_scoring_module_imports_a_stage():
         names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         names += [f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module for a in n.names]
         assert not [m for m in names if m.startswith("evoesap.stages")], (path.name, names)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_record_holding_a_non_finite_number_is_refused_naming_the_field_and_nothing_is_written(tmp_path, bad):
+    """Python's json would write NaN / -Infinity, which are not JSON: other readers (jq, JavaScript) refuse them."""
+    check = records.GateCheck(name="task recall vs full", value=0.5, reference=0.6, limit=bad, passed=False)
+    record = records.GateRecord(passed=False, candidate="s3://b/m", checks=(check,))
+    out = tmp_path / "gate"
+    refused = pytest.raises(ArtifactError, match=r"gate.json: checks\[0\]\.limit is not a finite number")
+    with refused, artifacts.stage_output(str(out), "gate", {}, {}) as staging:
+        records.write(staging, record)
+    assert not out.exists()
+
+
+def test_a_manifest_holding_a_non_finite_number_is_refused_and_nothing_is_published(tmp_path):
+    out = tmp_path / "search"
+    refused = pytest.raises(ArtifactError, match=r"manifest.json: run.seconds is not a finite number")
+    with refused, artifacts.stage_output(str(out), "search", {}, {}, run={"seconds": float("inf")}) as staging:
+        (staging / "a.txt").write_text("a")
+    assert not out.exists()
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # past any parser's recursion limit
+
+
+def test_a_record_nested_too_deeply_is_refused_as_an_artifact_error(tmp_path):
+    out = tmp_path / "evaluate"
+    with artifacts.stage_output(str(out), "evaluate", {}, {}) as staging:
+        (staging / records.METRICS_FILE).write_text(DEEP)
+    with pytest.raises(ArtifactError, match=r"metrics.json: JSON nested too deeply to read.*evoesap evaluate"):
+        records.read(str(out), records.MetricsRecord)
+
+
+def test_a_manifest_nested_too_deeply_is_refused_as_malformed(tmp_path):
+    out = tmp_path / "evaluate"
+    with artifacts.stage_output(str(out), "evaluate", {}, {}) as staging:
+        (staging / "a.txt").write_text("a")
+    (out / artifacts.MANIFEST).write_text(DEEP)
+    with pytest.raises(ArtifactError, match="manifest.json is malformed .*nests too deeply"):
+        artifacts.read_manifest(str(out), "evaluate")
+
+
+def test_previous_metrics_nested_too_deeply_are_refused_as_an_artifact_error(tmp_path):
+    from evoesap.stages.gate import read_metrics
+
+    path = tmp_path / "metrics.json"
+    path.write_text(DEEP)
+    with pytest.raises(ArtifactError, match="metrics.json: JSON nested too deeply to read .*: give the metrics.json"):
+        read_metrics(str(path))

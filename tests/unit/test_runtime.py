@@ -168,3 +168,13 @@ def test_max_memory_and_offload_need_a_device_map_and_a_size(settings):
 
     with pytest.raises(ConfigError, match="device_map: auto|positive size"):
         get("calibrate").params_class()(**settings)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_a_checkpoint_file_nested_too_deeply_is_a_model_error_naming_it(tmp_path, name):
+    from evoesap.errors import ModelError
+
+    moe.tiny_model("olmoe").save_pretrained(tmp_path)
+    (tmp_path / name).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ModelError, match=f"{name} is (not valid JSON|malformed).*nest"):
+        runtime.check_checkpoint(str(tmp_path))

@@ -9,10 +9,11 @@ from hypothesis import strategies as st
 from test_scoring_teacher import VOCAB, tiny
 
 from evoesap import moe
+from evoesap.errors import ModelError
 from evoesap.scoring import forward
 from evoesap.scoring.forward import LayerRunner
 
-FAMILIES = ["olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "ernie4_5_moe", "gpt_oss"]
+FAMILIES = sorted(name for name, family in moe.FAMILIES.items() if family.layerwise)
 # windows shorter than the samples, so that sliding-attention layers mask differently from full ones
 SLIDING = {
     "gpt_oss": dict(sliding_window=4),
@@ -81,3 +82,21 @@ def test_head_at_scored_positions_equals_the_model_logits() -> None:
     with torch.no_grad():
         hidden = forward.final_hidden(model, ids, torch.ones_like(ids))
         torch.testing.assert_close(forward.head_logits(model, hidden[:, [3, 9]]), model(ids).logits[:, [3, 9]])
+
+
+@pytest.mark.parametrize("family", ["granitemoe", "flex_olmo", "afmoe", "minimax", "granitemoehybrid", "jamba", "llama4_text"])
+def test_a_family_whose_layer_is_not_the_pre_norm_pair_is_refused_layer_by_layer_not_scored_wrongly(family):
+    with pytest.raises(ModelError, match=f"{family}'s decoder layer is not the pre-norm residual pair"):
+        LayerRunner(moe.tiny_model(family))
+
+
+def test_the_layerwise_check_reads_config_json_alone_and_leaves_an_unreadable_one_to_the_loader(tmp_path):
+    granite, olmoe, broken = tmp_path / "granite", tmp_path / "olmoe", tmp_path / "broken"
+    moe.tiny_model("granitemoe").config.save_pretrained(granite)  # config.json only: no weights to load
+    moe.tiny_model("olmoe").config.save_pretrained(olmoe)
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ModelError, match="granitemoe's decoder layer is not the pre-norm residual pair"):
+        forward.check_checkpoint_layerwise(str(granite))
+    for readable_or_not in (olmoe, broken, tmp_path / "missing"):
+        forward.check_checkpoint_layerwise(str(readable_or_not))  # nothing to refuse here

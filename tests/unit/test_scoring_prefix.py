@@ -16,6 +16,8 @@ from evoesap.scoring.evaluator import CandidateEvaluator
 from evoesap.scoring.forward import LayerRunner
 from evoesap.scoring.prefix import PrefixCache, spread
 
+HYBRIDS = ["qwen3_next", "qwen3_5_moe_text", "kimi_linear"]  # linear-attention layers between the cached states
+
 
 def _world(family: str, tmp_path, samples: int = 7):
     model = moe.tiny_model(family, seed=2, vocab_size=96, **SLIDING.get(family, {}))
@@ -32,7 +34,7 @@ def _random_pruned(spec: moe.MoESpec, rng: np.random.Generator) -> dict[int, lis
     }
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "deepseek_v2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "deepseek_v2", "gpt_oss", *HYBRIDS])
 def test_prefix_reuse_gives_from_scratch_fitness_on_random_allocations(family, tmp_path):
     """Children share a random-length prefix with a random earlier allocation; every value equals scratch."""
     model, cache = _world(family, tmp_path)

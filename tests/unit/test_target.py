@@ -301,3 +301,54 @@ def test_target_probes_are_the_searches_a_sweep_makes_and_warm_starts_are_opt_in
         params = artifacts.read_manifest(str(storage / "search" / probe.search.rsplit("/", 1)[-1])).params
         assert params["warm_start"] == ",".join(map(str, probe.warm_start))
     assert len(searches()) == len(record.probes) + len(warmed.probes) - 1
+
+
+def test_an_unmet_target_names_the_lowest_sparsity_tried_not_the_first():
+    points = grid(N, K, 1)
+    search, _ = _fake_search(lambda s: 0.5 - s)  # every point misses 0.9
+    record = find(0.9, points, search, N, K, 1, "reap", warm=False, rechecks=1)
+    assert record.chosen is None and record.probes[0].sparsity != points[0]  # bisection starts in the middle
+    lowest = min(record.probes, key=lambda p: p.sparsity)
+    assert lowest.sparsity == points[0]  # bisection only gives up after the lowest point missed
+    assert f"the lowest sparsity tried, {points[0]:.4f}, reached {0.5 - points[0]:.4f}" in record.line()
+
+
+def test_an_unmet_target_ends_the_command_as_an_error_line_like_any_other(tmp_path, monkeypatch, capsys):
+    import yaml
+    from evoesap.pipeline import target as pipeline_target
+
+    from evoesap.cli import main
+
+    points = grid(N, K, 1)
+    found = []
+    for criterion, quality in (("reap", lambda s: 1 - s), ("ean", lambda s: 0.5 - s)):
+        search, _ = _fake_search(quality)
+        found.append((f"/runs/target/{criterion}", find(0.9, points, search, N, K, 1, criterion, warm=False, rechecks=1)))
+    monkeypatch.setattr(pipeline_target, "cost_line", lambda config: "cost")
+    monkeypatch.setattr(pipeline_target, "run_target", lambda config: found)
+    config = tmp_path / "target.yaml"
+    config.write_text(yaml.safe_dump({**BASE, "target": {"heldout_esap": 0.9}}))
+    assert main(["pipeline", "target", str(config)]) == 1
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert line.startswith("error: ean: no sparsity on the grid meets heldout_esap >= 0.9 (the lowest sparsity tried, ")
+    assert out.splitlines() == ["cost", f"reap: {found[0][1].line()}", "/runs/target/reap", "/runs/target/ean"]
+
+
+def test_a_memory_target_takes_a_number_of_bytes_as_a_size_does(tiny_model):
+    from evoesap.pipeline.config import load_config
+
+    points = grid((8, 8, 8, 8), (2, 2, 2, 2), 1)
+    middle = _pruned_bytes(tiny_model, points[len(points) // 2])
+    as_number = load_config({**BASE, "model": tiny_model, "target": {"bytes": middle}}).grid()
+    assert as_number == load_config({**BASE, "model": tiny_model, "target": {"bytes": f"{middle}B"}}).grid()
+    assert as_number[0]["sparsity"] == points[len(points) // 2]
+
+
+@pytest.mark.parametrize("size, problem", [(True, "valid integer"), (0, "positive size"), (-3, "not a size"), (2.5, "valid")])
+def test_a_memory_target_refuses_what_is_not_a_size_in_one_line(size, problem):
+    from evoesap.pipeline.config import load_config
+
+    with pytest.raises(ConfigError, match=f"target.bytes.*{problem}") as refused:
+        load_config({**BASE, "target": {"bytes": size}})
+    assert "\n" not in str(refused.value)
