@@ -12,7 +12,7 @@ QUANTIZE_VENV ?= .venv-quantize
 QUANTIZE_PY := $(QUANTIZE_VENV)/bin/python
 QUANTIZE_STAMP := $(QUANTIZE_VENV)/.installed
 
-.PHONY: install vllm-venv quantize-venv test docs docs-screenshots demo report-screenshot bench chaos lock sbom image components clean
+.PHONY: install vllm-venv quantize-venv test docs docs-screenshots demo demo-world-train report-screenshot bench chaos lock sbom image components clean
 
 WORLD := .cache/demo-world
 
@@ -65,6 +65,11 @@ docs-screenshots: docs
 
 demo: $(STAMP) $(QUANTIZE_STAMP)  # the demo quantizes each searched model (w4a16-gptq) with llm-compressor
 	EVOESAP_QUANTIZE_PYTHON=$(abspath $(QUANTIZE_PY)) $(PY) -m evoesap pipeline demo --out runs/demo
+
+# Trains the default demo world from scratch with the pinned numerics (15-40 CPU minutes) and fails unless it
+# reproduces the weights that ship in evoesap/demo/weights/ bit for bit (docs/results/demo.md, "pinned")
+demo-world-train: $(STAMP)
+	$(PY) -m evoesap demo build --train --force --out .cache/demo-world-trained
 
 # docs/report.png: the demo's report.html as headless Chromium shows it 1400 px wide (runs the demo if missing); docs/images/report-frontier.png: its frontier figure
 report-screenshot: $(STAMP)

@@ -229,11 +229,12 @@ def _child_main(args: list[str]) -> None:
     (Path(staging) / BUILD_INFO).write_text(json.dumps(info))
 
 
-def _build_into(staging: Path, seed: int, profile_name: str) -> dict:
-    """Generate data, build the tokenizer, train and save the model into `staging`; returns build figures.
-    Runs in the training child (`_build_in_child`), whose environment pins the numerics."""
+def _build_into(staging: Path, seed: int, profile_name: str, weights: Path | None = None) -> dict:
+    """Generate data, build the tokenizer, train (or take the shipped `weights`) and save the model into `staging`;
+    returns build figures. Training runs in the training child (`_build_in_child`), whose environment pins the
+    numerics; shipped weights need no training, so no child."""
     profile = get_profile(profile_name)
-    capability = _numerics.check_pinned()
+    capability = _numerics.check_pinned() if weights is None else None
     start = time.perf_counter()
     train_sets: dict[str, list[list[dict]]] = {}
     for domain in sorted(DOMAINS):
@@ -243,24 +244,28 @@ def _build_into(staging: Path, seed: int, profile_name: str) -> dict:
         train_sets[domain] = [row["messages"] for row in read_jsonl(staging / "data" / domain / "train.jsonl")]
     tok = _tokenizer.build_tokenizer(model_max_length=profile.max_positions)
     model = _train.make_model(profile, tok, seed)
-    figures = _train.train(model, tok, train_sets, profile, seed)
+    figures = _train.train(model, tok, train_sets, profile, seed) if weights is None else {}
     model_dir = staging / "model"
     model.save_pretrained(str(model_dir), safe_serialization=True)
+    if weights is not None:  # the very file training saves, so the checkpoint is byte for byte the trained one
+        shutil.copyfile(weights, model_dir / "model.safetensors")
     _tokenizer.save_tokenizer(tok, model_dir)
     params = sum(p.numel() for p in model.parameters())
     expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    weights = sorted(model_dir.glob("*.safetensors"))
+    source = "trained" if weights is None else "shipped"
+    files = sorted(model_dir.glob("*.safetensors"))
     return dict(
         figures,
         build_seconds=time.perf_counter() - start,
         parameters=params,
         expert_parameters=expert_params,
         parameter_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-        safetensors_bytes=sum(w.stat().st_size for w in weights),
+        safetensors_bytes=sum(f.stat().st_size for f in files),
         weights_sha256=weights_hash(model_dir),
         torch_threads=profile.threads,
+        weights_source=source,
         cpu_capability=capability,
-        numerics={name: os.environ.get(name) for name in _numerics.PINNED_NUMERICS},
+        numerics={name: os.environ.get(name) for name in _numerics.PINNED_NUMERICS} if source == "trained" else None,
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
     )
@@ -289,18 +294,34 @@ def load_demo_world(out_dir: str | Path) -> DemoWorld:
     return _world(root, json.loads(meta_path.read_text()))
 
 
-def build_demo_world(out_dir: str | Path, seed: int = 0, profile: str = "default", force: bool = False) -> DemoWorld:
+SHIPPED_WEIGHTS = Path(__file__).parent / "weights"  # the recorded worlds' trained weights, `<profile>-seed<seed>.safetensors`
+
+
+def shipped_weights(seed: int, profile: str, key: str) -> Path | None:
+    """The trained weights that ship with the package for this world, when the code still builds the recorded
+    world (same key): building then takes seconds instead of training for minutes, on any CPU."""
+    recorded = recorded_world(profile, seed)
+    path = SHIPPED_WEIGHTS / f"{profile}-seed{seed}.safetensors"
+    return path if recorded is not None and recorded.key == key and path.is_file() else None
+
+
+def build_demo_world(
+    out_dir: str | Path, seed: int = 0, profile: str = "default", force: bool = False, train: bool = False
+) -> DemoWorld:
     """Build the demo world in `out_dir`, or return the cached one when code, seed and profile match.
 
-    A directory that is not a demo world is never overwritten; a demo world with another key is rebuilt.
+    The recorded worlds' weights ship with the package and are used when the code still builds that world;
+    `train` trains them instead and fails unless training reproduces the recorded weights bit for bit. A
+    directory that is not a demo world is never overwritten; a demo world with another key is rebuilt.
     """
     root = Path(out_dir).resolve()
     key = world_key(seed, profile)
+    weights = None if train else shipped_weights(seed, profile, key)
     with _lock(root):
         meta_path = root / WORLD_FILE
         if root.exists() and any(root.iterdir()) and not meta_path.exists() and not force:
             raise ConfigError(f"{root} exists and is not a demo world; choose an empty directory or pass force")
-        if meta_path.exists() and not force:
+        if meta_path.exists() and not force and not train:
             meta = json.loads(meta_path.read_text())
             if meta.get("key") == key:
                 log.info("demo world in %s is up to date (key %s)", root, key[:12])
@@ -312,7 +333,8 @@ def build_demo_world(out_dir: str | Path, seed: int = 0, profile: str = "default
         staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.build-", dir=root.parent))
         os.chmod(staging, 0o777 & ~artifacts.umask())  # it becomes the world: the mode mkdir gives, not 0700
         try:
-            info = _build_in_child(staging, seed, profile)
+            info = _build_in_child(staging, seed, profile) if weights is None else _build_into(staging, seed, profile, weights)
+            _check_recorded(seed, profile, key, info, required=train or weights is not None)
             meta = {"key": key, "seed": seed, "profile": profile, "info": info}
             (staging / WORLD_FILE).write_text(json.dumps(meta, indent=2))
             if root.exists():
@@ -324,8 +346,7 @@ def build_demo_world(out_dir: str | Path, seed: int = 0, profile: str = "default
             shutil.rmtree(staging, ignore_errors=True)
         _ensure_tasks(root)
         _ensure_mix(root / "data")
-        log.info("demo world built in %.0fs: %s", info["build_seconds"], root)
-        _check_recorded(seed, profile, key, info)
+        log.info("demo world built in %.0fs (%s weights): %s", info["build_seconds"], info["weights_source"], root)
         return _world(root, meta)
 
 
@@ -345,21 +366,22 @@ def world_identity(world: DemoWorld) -> str:
     return f"world key {world.key[:12]}, weights sha256 {digest[:12]} ({verdict})"
 
 
-def _check_recorded(seed: int, profile: str, key: str, info: dict) -> None:
-    """Warn when this world should be a recorded one (same key) but training gave other weights."""
+def _check_recorded(seed: int, profile: str, key: str, info: dict, required: bool) -> None:
+    """When this world should be a recorded one (same key) but its weights are not the recorded ones: an error
+    when `required` (shipped weights, or training asked to reproduce them), else a warning."""
     recorded = recorded_world(profile, seed)
     if recorded is None or recorded.key != key or recorded.weights_sha256 == info["weights_sha256"]:
         return
-    log.warning(
-        "demo world (seed %d, profile %s) trained weights %s, not the recorded %s (torch %s, transformers %s here; "
-        "recorded with torch %s, transformers %s; torch kernels %s): its results will differ from docs/results/demo.md",
-        seed,
-        profile,
-        info["weights_sha256"][:12],
-        recorded.weights_sha256[:12],
-        info.get("torch_version"),
-        info.get("transformers_version"),
-        recorded.torch_version,
-        recorded.transformers_version,
-        info.get("cpu_capability"),
+    message = (
+        f"demo world (seed {seed}, profile {profile}) has {info['weights_source']} weights "
+        f"{info['weights_sha256'][:12]}, not the recorded {recorded.weights_sha256[:12]} (torch "
+        f"{info.get('torch_version')}, transformers {info.get('transformers_version')} here; recorded with torch "
+        f"{recorded.torch_version}, transformers {recorded.transformers_version}; torch kernels "
+        f"{info.get('cpu_capability')}): its results would differ from docs/results/demo.md"
     )
+    if not required:
+        log.warning("%s", message)
+    elif info["weights_source"] == "shipped":
+        raise ArtifactError(f"{message}; the shipped file {SHIPPED_WEIGHTS} is damaged: reinstall evoesap")
+    else:
+        raise ModelError(f"{message}; training does not reproduce the recorded world on this machine")

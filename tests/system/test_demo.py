@@ -177,7 +177,7 @@ def test_recorded_worlds_are_the_ones_the_code_builds():
     from evoesap.demo import world as world_mod
     from evoesap.demo.recorded import RECORDED_WORLDS
 
-    assert ("quick", 0) in RECORDED_WORLDS
+    assert {("quick", 0), ("default", 0)} <= set(RECORDED_WORLDS)
     for (profile, seed), recorded in RECORDED_WORLDS.items():
         assert world_mod.world_key(seed, profile) == recorded.key, (
             f"the {profile} world (seed {seed}) would now be built with key {world_mod.world_key(seed, profile)[:12]}, "
@@ -196,6 +196,77 @@ def test_docs_name_the_recorded_default_world():
     for page in ("README.md", "docs/results/demo.md"):
         text = (root / page).read_text(encoding="utf-8")
         assert f"`{recorded.key[:12]}`" in text and f"`{recorded.weights_sha256[:12]}`" in text, page
+
+
+def test_shipped_weights_are_the_recorded_ones(tmp_path):
+    """Every recorded world whose trained weights ship with the package: the file is the recorded weights."""
+    from evoesap.demo import world as world_mod
+    from evoesap.demo.recorded import RECORDED_WORLDS
+
+    shipped = sorted(world_mod.SHIPPED_WEIGHTS.glob("*.safetensors"))
+    assert [p.name for p in shipped] == ["default-seed0.safetensors"]
+    for path in shipped:
+        profile, seed = path.stem.rsplit("-seed", 1)
+        alone = tmp_path / path.stem
+        alone.mkdir()
+        (alone / "model.safetensors").symlink_to(path)
+        assert weights_hash(alone) == RECORDED_WORLDS[(profile, int(seed))].weights_sha256, path.name
+
+
+def _ship_quick_world(tmp_path, monkeypatch) -> Path:
+    """The quick world's trained weights put where shipped weights live (the quick world ships none)."""
+    from evoesap.demo import world as world_mod
+
+    trained = build_demo_world(tmp_path / "trained", seed=0, profile="quick")
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    (shelf / "quick-seed0.safetensors").write_bytes((trained.model_dir / "model.safetensors").read_bytes())
+    monkeypatch.setattr(world_mod, "SHIPPED_WEIGHTS", shelf)
+    monkeypatch.setattr(world_mod, "_build_in_child", lambda *a: pytest.fail("trained although weights ship"))
+    return shelf / "quick-seed0.safetensors"
+
+
+def test_a_recorded_world_with_shipped_weights_builds_without_training(tmp_path, monkeypatch):
+    from evoesap.demo.recorded import recorded_world
+
+    _ship_quick_world(tmp_path, monkeypatch)
+    world = build_demo_world(tmp_path / "w", seed=0, profile="quick")
+    assert world.info["weights_source"] == "shipped"
+    assert weights_hash(world.model_dir) == world.info["weights_sha256"] == recorded_world("quick", 0).weights_sha256
+    trained = tmp_path / "trained" / "model"
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (world.model_dir / name).read_bytes() == (trained / name).read_bytes(), name
+    for domain in DOMAINS:
+        assert (
+            world.data_file(domain, "search").read_bytes()
+            == (tmp_path / "trained" / "data" / domain / "search.jsonl").read_bytes()
+        )
+
+
+def test_damaged_shipped_weights_are_refused_and_leave_no_world(tmp_path, monkeypatch):
+    from evoesap.errors import ArtifactError
+
+    shipped = _ship_quick_world(tmp_path, monkeypatch)
+    data = bytearray(shipped.read_bytes())
+    data[-1] ^= 0x01  # the last byte of the last tensor
+    shipped.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="damaged: reinstall evoesap"):
+        build_demo_world(tmp_path / "w", seed=0, profile="quick")
+    assert not (tmp_path / "w").exists() and not list(tmp_path.glob(".w.build-*"))
+
+
+def test_training_asked_to_reproduce_the_recorded_world_fails_when_it_does_not(tmp_path, monkeypatch):
+    """`train=True` (`make demo-world-train`) must reproduce the recorded weights; here the record says otherwise."""
+    import dataclasses
+
+    from evoesap.demo import recorded as recorded_mod
+    from evoesap.errors import ModelError
+
+    real = recorded_mod.RECORDED_WORLDS[("quick", 0)]
+    monkeypatch.setitem(recorded_mod.RECORDED_WORLDS, ("quick", 0), dataclasses.replace(real, weights_sha256="0" * 64))
+    with pytest.raises(ModelError, match="training does not reproduce the recorded world"):
+        build_demo_world(tmp_path / "w", seed=0, profile="quick", train=True)
+    assert not (tmp_path / "w").exists()
 
 
 def test_world_key_changes_with_the_pinned_numerics(monkeypatch):
