@@ -331,13 +331,12 @@ def test_trained_model_solves_every_domain_through_lm_eval(demo_world):
         model, tok, demo_world.tasks_dir, list(demo_world.generative_tasks + demo_world.multiple_choice_tasks), limit=EVAL_LIMIT
     )
     print("\nfull model lm-eval:", json.dumps(scores))
-    # The world is trained single-threaded with deterministic kernels (the same weights on any core count or
-    # load), but the CPU's kernels (AVX2, AVX-512, AMX) steer training to another world: code exact match was
-    # 0.958 where the recorded world was built and 0.891 on an AVX-512/AMX machine, every other domain 1.000 on
-    # both (docs/results/demo.md). The bar sits below that spread; an untrained or wrongly masked model scores
-    # near 0.
+    # The weights are the recorded ones on every machine (shipped; training with the pinned numerics reproduces
+    # them): code exact match 0.938, math 0.984, every other task 1.000 on these 64 examples (docs/results/demo.md).
+    # Evaluation itself runs the CPU's own kernels, hence a bar a little below; an untrained or wrongly masked
+    # model scores near 0.
     for task in demo_world.generative_tasks:
-        assert scores[task] >= 0.85, f"{task} exact match {scores[task]:.3f} < 0.85"
+        assert scores[task] >= 0.9, f"{task} exact match {scores[task]:.3f} < 0.9"
     for task in demo_world.multiple_choice_tasks:
         assert scores[task] >= 0.9, f"{task} acc {scores[task]:.3f} < 0.9"
 
