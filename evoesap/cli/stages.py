@@ -12,7 +12,7 @@ import click
 
 from evoesap import params as parameters
 from evoesap.cli.app import echo_uri
-from evoesap.registry import STAGES, Stage, StageInput
+from evoesap.registry import STAGES, Stage, StageInput, load
 
 
 def flag(name: str) -> str:
@@ -105,6 +105,8 @@ def _runner(stage: Stage) -> Callable[..., None]:
             value = options.pop(item.name)
             inputs[item.name] = list(value) if item.many else pin(value, revision) if item.model else value
         run_stage(stage.name, inputs, make_params(stage.name, options), out)
+        if stage.headline is not None:  # to stderr, beside the logs: stdout stays the artifact's URI alone
+            click.echo(load(stage.headline)(out), err=True)
         echo_uri(out)
 
     return run
