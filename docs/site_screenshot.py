@@ -29,6 +29,7 @@ PAGES = {
     "site-reference-parameters.png": "reference/parameters/index.html",
     "site-reference-pipeline-yaml.png": "reference/pipeline-yaml/index.html",
 }
+TALLER = {"site-home.png": 1900}  # down to the end of the headline table, the widest block of the first page
 SLACK = 2  # px: sub-pixel layout rounding, never a hidden column
 # Run in a copy of the page once it has loaded: every clipped thing, one line each, where --dump-dom shows it.
 CLIP_SCRIPT = """<script>
@@ -49,8 +50,9 @@ window.addEventListener("load", () => {
       found.push(`${name(e)} shows ${e.clientWidth} x ${e.clientHeight} px of its ${e.scrollWidth} x ${e.scrollHeight} px content`);
     let inside = false;  // a box within a clipping box is judged by that box
     for (let a = e.parentElement; a && a !== column; a = a.parentElement) if (hides(a)) { inside = true; break; }
-    if (!inside && (box.right > bounds.right + slack || box.left < bounds.left - slack))
-      found.push(`${name(e)} spans ${Math.round(box.left)}-${Math.round(box.right)} px, outside the content column ` +
+    const right = hides(e) ? box.right : Math.max(box.right, box.left + e.scrollWidth);  // text running out counts
+    if (!inside && (right > bounds.right + slack || box.left < bounds.left - slack))
+      found.push(`${name(e)} spans ${Math.round(box.left)}-${Math.round(right)} px, outside the content column ` +
                  `(${Math.round(bounds.left)}-${Math.round(bounds.right)} px)`);
   }
   document.body.dataset.clipped = JSON.stringify(found);
@@ -75,7 +77,7 @@ def clipped(page: Path, width: int = WIDTH) -> list[str]:
     return json.loads(html.unescape(found.group(1)))
 
 
-def capture(page: Path, png: Path) -> None:
+def capture(page: Path, png: Path, height: int = HEIGHT) -> None:
     if not page.is_file():
         sys.exit(f"{page} does not exist: build the site first (make docs)")
     problems = clipped(page)
@@ -83,7 +85,7 @@ def capture(page: Path, png: Path) -> None:
         sys.exit(f"{page} is clipped at {WIDTH} px:\n  " + "\n  ".join(problems))
     with tempfile.TemporaryDirectory(prefix="evoesap-docs-shot-") as tmp:
         raw = Path(tmp) / "raw.png"
-        chromium(page, tmp, f"--screenshot={raw}", height=HEIGHT, width=WIDTH)
+        chromium(page, tmp, f"--screenshot={raw}", height=height, width=WIDTH)
         image = Image.open(raw).convert("RGB")
     save_png(image, png)
 
@@ -94,7 +96,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/images"))
     args = parser.parse_args()
     for name, page in PAGES.items():
-        capture(args.site / page, args.out / name)
+        capture(args.site / page, args.out / name, TALLER.get(name, HEIGHT))
         print(args.out / name)
 
 
