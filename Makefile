@@ -58,7 +58,7 @@ test: $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP)  # the serving and quantize tests
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
-# docs/images/site-*.png: the site's first page and a generated reference page in headless Chromium
+# docs/images/site-*.png: five pages of the site in headless Chromium at 1280 px; fails when anything on them is clipped
 docs-screenshots: docs
 	command -v chromium >/dev/null 2>&1 || (apt-get update && apt-get install -y chromium)
 	$(PY) docs/site_screenshot.py --site site --out docs/images
