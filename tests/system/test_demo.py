@@ -269,6 +269,29 @@ def test_training_asked_to_reproduce_the_recorded_world_fails_when_it_does_not(t
     assert not (tmp_path / "w").exists()
 
 
+def _table_rows(text: str) -> set[tuple[str, ...]]:
+    """A markdown page's data rows of benchmark tables (Full or a sparsity), bold and spacing removed."""
+    rows = set()
+    for line in text.splitlines():
+        cells = tuple(c.strip().strip("*") for c in line.strip().strip("|").split("|"))
+        if line.startswith("|") and cells[0] in ("Full", "25%", "50%") and len(cells) == 9:
+            rows.add(cells)
+    return rows
+
+
+def test_every_headline_row_is_a_row_of_the_recorded_demo_run():
+    """The README, the home page and What you get quote rows of the demo results' table of the recorded world,
+    number for number; a headline edited alone (or a demo result recorded without it) fails here."""
+    root = Path(__file__).parents[2]
+    results = (root / "docs/results/demo.md").read_text(encoding="utf-8")
+    current = results[results.index("{#current}") : results.index("{#pinned}")]
+    recorded = _table_rows(current)
+    assert len(recorded) == 13, "the recorded run's benchmark table: the full model and 12 pruned rows"
+    for page in ("README.md", "docs/index.md", "docs/getting-started/what-you-get.md"):
+        quoted = _table_rows((root / page).read_text(encoding="utf-8"))
+        assert quoted and quoted <= recorded, (page, sorted(quoted - recorded))
+
+
 def test_world_key_changes_with_the_pinned_numerics(monkeypatch):
     from evoesap.demo import numerics
     from evoesap.demo import world as world_mod
