@@ -17,7 +17,7 @@ MLFLOW_PY := $(MLFLOW_VENV)/bin/python
 MLFLOW_STAMP := $(MLFLOW_VENV)/.installed
 MLFLOW_VERSION ?= 3.17.2
 
-.PHONY: install vllm-venv quantize-venv mlflow-venv test docs docs-screenshots demo report-screenshot bench chaos lock sbom image components clean
+.PHONY: install vllm-venv quantize-venv mlflow-venv test docs docs-screenshots demo demo-world-train report-screenshot bench chaos lock sbom image components clean
 
 WORLD := .cache/demo-world
 
@@ -72,13 +72,18 @@ test: $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP) $(MLFLOW_STAMP)  # the serving, q
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
-# docs/images/site-*.png: the site's first page and a generated reference page in headless Chromium
+# docs/images/site-*.png: five pages of the site in headless Chromium at 1280 px; fails when anything on them is clipped
 docs-screenshots: docs
 	command -v chromium >/dev/null 2>&1 || (apt-get update && apt-get install -y chromium)
 	$(PY) docs/site_screenshot.py --site site --out docs/images
 
 demo: $(STAMP) $(QUANTIZE_STAMP)  # the demo quantizes each searched model (w4a16-gptq) with llm-compressor
 	EVOESAP_QUANTIZE_PYTHON=$(abspath $(QUANTIZE_PY)) $(PY) -m evoesap pipeline demo --out runs/demo
+
+# Trains the default demo world from scratch with the pinned numerics (15-40 CPU minutes) and fails unless it
+# reproduces the weights that ship in evoesap/demo/weights/ bit for bit (docs/results/demo.md, "pinned")
+demo-world-train: $(STAMP)
+	$(PY) -m evoesap demo build --train --force --out .cache/demo-world-trained
 
 # docs/report.png: the demo's report.html as headless Chromium shows it 1400 px wide (runs the demo if missing); docs/images/report-frontier.png: its frontier figure
 report-screenshot: $(STAMP)

@@ -89,6 +89,8 @@ class Stage:
     peak: str | None = None  # "module:function" predicting its peak memory, disk and temp (evoesap.planning.footprint)
     fits_with: str = ""  # the settings that make it fit when its plan is refused
     facts: str | None = None  # "module:function": its artifact's headline numbers for KFP metadata (records.facts)
+    # "module:function"(uri) -> str: one line on what its finished artifact found, which the CLI prints after it
+    headline: str | None = None
     # "module:function"(arguments, params) -> params: what its KFP component adds to its params from its arguments
     # (evaluate's report labels from its model's metadata)
     kfp_params: str | None = None
@@ -189,6 +191,7 @@ STAGES: tuple[Stage, ...] = (
         grid=("criterion", "sparsity"),
         peak="evoesap.planning.footprint:search_peak",
         facts="evoesap.records.facts:search_facts",
+        headline="evoesap.records.facts:search_headline",
         fits_with="cache_logits.mode: topk (top_k 64), fewer cache_logits.samples or max_length, search.batch_size, "
         "or search.device_map: auto over more GPUs",
     ),

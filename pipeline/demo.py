@@ -35,6 +35,16 @@ PROFILE_RUNS: dict[str, dict[str, Any]] = {
 }
 
 
+DEMO_TITLE = "EvoESAP demo: OLMoE-tiny, calibrate on code, search on the deployment mix"
+
+
+def _world_suffix(world: Any) -> str:
+    """The world's key and weights digest for the report's title, so the report names the world it ran on
+    (docs/results/demo.md records the figures of one world); nothing for a world not yet built."""
+    digest = world.info.get("weights_sha256") if world.key else None
+    return f" (world {world.key[:12]}, weights sha256 {digest[:12]})" if digest else ""
+
+
 def demo_config(world: Any, out: Path, runner: str = "subprocess", image: str | None = None) -> PipelineConfig:
     """The pipeline configuration for a built demo world, writing under `out` (with the docker runner,
     kfp's root is `out` itself, so the stage containers see the world and the artifacts)."""
@@ -56,7 +66,7 @@ def demo_config(world: Any, out: Path, runner: str = "subprocess", image: str | 
             "search": DEMO_SEARCH,
             "evaluate": {"tasks": [str(world.tasks_dir)], **DEMO_EVALUATE},
             "quantize": runs["quantize"],
-            "report": {"title": "EvoESAP demo: OLMoE-tiny, calibrate on code, search on the deployment mix"},
+            "report": {"title": DEMO_TITLE + _world_suffix(world)},
         }
     )
 

@@ -22,6 +22,31 @@ def search_facts(uri: str) -> dict[str, Any]:
     return {**{k: doc[k] for k in keys}, "cost": artifacts.read_manifest(uri).run.get("cost")}
 
 
+def search_headline(uri: str) -> str:
+    """The search's result in one line: the searched allocation against uniform on the held-out samples (else on the
+    search set), whether it beats uniform, and where allocation.json is."""
+    record = records.read(uri, records.AllocationRecord)
+    metric = record.metric or "fitness"
+    where = f"{artifacts.redact(str(uri).rstrip('/'))}/{records.ALLOCATION_FILE}"
+    if record.searched is None or record.uniform is None:  # an allocation written by hand
+        return f"search: allocation {list(record.removal_counts)} (no comparison with uniform recorded); details: {where}"
+    searched, uniform = list(record.searched.removal_counts), list(record.uniform.removal_counts)
+    pair = f"searched {searched} vs uniform {uniform}" if searched != uniform else f"searched = uniform {uniform}"
+    check = record.heldout
+    if check is not None and check.samples and check.searched is not None and check.uniform is not None:
+        spread = f", {check.difference / check.stderr:.1f} standard errors" if check.stderr else ""
+        numbers = (
+            f"held-out {metric} {check.searched:.5f} vs {check.uniform:.5f} "
+            f"({check.difference:+.1e}{spread}, {check.samples} samples)"
+        )
+        verdict = "beats uniform" if check.beats_uniform else "does not beat uniform (see the warning above)"
+    else:
+        numbers = f"search-set {metric} {record.searched.fitness:.5f} vs {record.uniform.fitness:.5f} (no held-out samples)"
+        verdict = "held-out check not run"
+    fallback = "; fell back to uniform" if record.fallback_applied else ""
+    return f"search: {pair}, {numbers}: {verdict}{fallback}; details: {where}"
+
+
 def prune_facts(uri: str) -> dict[str, Any]:
     record = records.read(uri, records.PruningRecord)
     return {
