@@ -16,7 +16,7 @@ import yaml
 from evoesap.pipeline import trainjob
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
-from evoesap.pipeline.trainjob import job_template, run_search_job
+from evoesap.pipeline.trainjob import job_template, launcher_settings, run_search_job
 from recording_http import JsonHandler, serving
 from remote_config import REMOTE_CONFIG
 from tiny_world import make_tiny_inputs
@@ -202,7 +202,7 @@ class KubeAPI(JsonHandler):
         if state == "Complete" and KubeAPI.on_complete is not None:
             KubeAPI.on_complete(KubeAPI.existing)
             KubeAPI.on_complete = None
-        if state in ("Complete", "Failed"):
+        if state in ("Complete", "Failed", "Suspended"):
             conditions.append({"type": state, "status": "True", **(self.failure if state == "Failed" else {})})
         jobs = [{"name": "node", "active": 2, "ready": 2, "succeeded": 0, "failed": 0}] if state == "" else []
         self._reply({**KubeAPI.existing, "status": {"conditions": conditions, "jobsStatus": jobs}})
@@ -354,6 +354,34 @@ def test_a_launcher_that_stops_waiting_deletes_its_job(kube, world, tmp_path):
         run_search_job(_template(), str(tmp_path / "store"), world, {**SMALL, "workers": 4})
     ((path, _),) = _calls("DELETE")
     assert re.fullmatch(re.escape(JOBS) + r"/evoesap-search-[0-9a-f]{12}\?propagationPolicy=Foreground", path), path
+
+
+@pytest.mark.parametrize("trainer_version", ["2.1", "2.2"])
+def test_a_queued_job_s_timeout_counts_from_admission_never_the_queue(kube, world, tmp_path, monkeypatch, trainer_version):
+    """suspend + timeout: the launcher pod takes no timeout (Kueue's queue time would count against it); the
+    workers get it from admission: the job's activeDeadlineSeconds from Trainer 2.2, the launcher's clock before."""
+    resources = {"search": {**GPU_NODES, "suspend": True, "timeout": 25, "trainer_version": trainer_version}}
+    config = load_config({**BASE, "search": {"workers": 4}, "resources": resources})
+    settings = config.settings("search")
+    assert launcher_settings(settings).timeout is None and settings.timeout == 25
+    template = {**job_template(settings, config.stage_image("search")), "poll_seconds": 0}
+    clock = iter(range(0, 10_000, 10))  # every reading of the launcher's clock is 10 s later
+    monkeypatch.setattr(trainjob._TrainJob, "clock", staticmethod(lambda: next(clock)))
+    KubeAPI.states = ["Suspended"] * 20 + [""] * 5 + ["Complete"]  # 200 s queued, then admitted
+    KubeAPI.on_complete = _rank_zero
+    if trainer_version == "2.2":
+        run_search_job(template, str(tmp_path / "store"), world, {**SMALL, "workers": 4})
+        ((_, job),) = _calls("POST")
+        assert job["spec"]["activeDeadlineSeconds"] == 25 and job["spec"]["suspend"] is True
+        assert not _calls("DELETE")
+        return
+    with pytest.raises(EvoESAPError, match=r"ran past resources.search.timeout \(25 s after it was admitted\)"):
+        run_search_job(template, str(tmp_path / "store"), world, {**SMALL, "workers": 4})
+    ((_, job),) = _calls("POST")
+    assert "activeDeadlineSeconds" not in job["spec"]
+    assert len(_calls("DELETE")) == 1  # stopped by the launcher: its workers do not run on
+    reads = [p for m, p, _ in KubeAPI.requests if m == "GET" and not p.endswith("/pods")]
+    assert len(reads) > 20  # not stopped while queued
 
 
 def test_a_retried_launcher_follows_the_job_its_earlier_attempt_started(kube, world, tmp_path):
