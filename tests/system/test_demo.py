@@ -469,14 +469,12 @@ def test_the_deployment_mix_takes_every_domain_in_turn_and_only_their_samples(de
         demo_world.data_file(MIX, "train")
 
 
-def test_the_demo_example_config_is_the_demo_make_runs(tmp_path):
-    import yaml
-    from evoesap.pipeline.demo import demo_config
-
+def _unbuilt_world(key: str = "", info: dict | None = None):
+    """A DemoWorld naming runs/demo/world's parts, for configuration tests that build nothing."""
     from evoesap.demo.world import DemoWorld
 
     root = Path("runs/demo/world")
-    world = DemoWorld(
+    return DemoWorld(
         root=root,
         model_dir=root / "model",
         data_dir=root / "data",
@@ -486,10 +484,16 @@ def test_the_demo_example_config_is_the_demo_make_runs(tmp_path):
         tag="",
         seed=0,
         profile="default",
-        key="",
-        info={},
+        key=key,
+        info=info or {},
     )
-    made = demo_config(world, Path("runs/demo")).model_dump(exclude_none=True)
+
+
+def test_the_demo_example_config_is_the_demo_make_runs(tmp_path):
+    import yaml
+    from evoesap.pipeline.demo import demo_config
+
+    made = demo_config(_unbuilt_world(), Path("runs/demo")).model_dump(exclude_none=True)
     example = yaml.safe_load((Path(__file__).parents[2] / "examples" / "demo.yaml").read_text())
     assert {k: made[k] for k in example if k not in ("calibrate", "cache_logits", "search", "evaluate")} == {
         k: v for k, v in example.items() if k not in ("calibrate", "cache_logits", "search", "evaluate")
@@ -499,21 +503,6 @@ def test_the_demo_example_config_is_the_demo_make_runs(tmp_path):
 def test_the_demo_report_title_names_the_world_it_ran_on():
     from evoesap.pipeline.demo import demo_config
 
-    from evoesap.demo.world import DemoWorld
-
-    root = Path("runs/demo/world")
-    world = DemoWorld(
-        root=root,
-        model_dir=root / "model",
-        data_dir=root / "data",
-        tasks_dir=root / "tasks",
-        generative_tasks=(),
-        multiple_choice_tasks=(),
-        tag="",
-        seed=0,
-        profile="default",
-        key="a3" * 32,
-        info={"weights_sha256": "7e" * 32},
-    )
+    world = _unbuilt_world(key="a3" * 32, info={"weights_sha256": "7e" * 32})
     title = demo_config(world, Path("runs/demo")).model_dump(exclude_none=True)["report"]["title"]
     assert title.endswith("(world a3a3a3a3a3a3, weights sha256 7e7e7e7e7e7e)"), title
