@@ -66,7 +66,7 @@ test: $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP) $(MLFLOW_STAMP)  # the serving, q
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site  # a broken link fails (never --quiet: it hides the warnings strict counts)
-	EVOESAP_MLFLOW_PYTHON=$(abspath $(MLFLOW_PY)) $(PY) -m pytest -q -n 2 --durations=25  # two workers; the demo world trains beside them (tests/conftest.py)
+	EVOESAP_MLFLOW_PYTHON=$(abspath $(MLFLOW_PY)) $(PY) -m pytest -q -n 2 --durations=25  # two workers; the demo world is built beside them (tests/conftest.py)
 
 # The docs site (mkdocs.yml) into site/; the reference pages are generated from the code at every build.
 docs: $(STAMP)

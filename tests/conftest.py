@@ -1,4 +1,4 @@
-"""Shared fixtures: the trained demo world, built once and cached across test sessions."""
+"""Shared fixtures: the trained demo world (its shipped weights), built once and cached across test sessions."""
 
 from __future__ import annotations
 
@@ -65,8 +65,9 @@ _WORLD_BUILD: list = []  # the controller's background build of the demo world, 
 
 
 def pytest_sessionstart(session):
-    """With xdist workers, start training the demo world at once, in the background, single-threaded as
-    always: its file lock makes a worker that reaches `demo_world` first wait, then reuse it."""
+    """With xdist workers, start building the demo world at once, in the background (seconds from its shipped
+    weights; minutes of training where the code no longer builds the recorded world): its file lock makes a
+    worker that reaches `demo_world` first wait, then reuse it."""
     config = session.config
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         return
@@ -98,7 +99,7 @@ def demo_cache_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def demo_world():
-    """The default demo world (seed 0); the first session on a machine trains it (minutes), later ones reuse it."""
+    """The default demo world (seed 0); the first session on a machine builds it, later ones reuse it."""
     from evoesap.demo import build_demo_world
 
     return build_demo_world(demo_cache_dir(), **DEMO_WORLD)
