@@ -285,7 +285,7 @@ class LayerRunner:
             attention = _numel(layer, self.mixers[index], mixer_half.norm, mixer_half.post_norm)
             feed_forward = _numel(layer, self.block, *self.family.block_beside, block_half.norm, block_half.post_norm)
             if index in routed:  # a token passes through top-k of the routed experts
-                experts, info = _numel(routed[index].experts), spec[index]
+                experts, info = _params(routed[index].experts), spec[index]
                 feed_forward -= experts - experts * info.top_k // info.num_experts
             costs.append((attention, feed_forward))
         return costs
@@ -316,10 +316,13 @@ def _residual(
     return residual + out
 
 
+def _params(module: torch.nn.Module | None) -> int:
+    return sum(p.numel() for p in module.parameters()) if module is not None else 0
+
+
 def _numel(layer: torch.nn.Module, *parts: str | None) -> int:
     """Parameters of the named parts of `layer` (None names and None modules count nothing)."""
-    modules = [getattr(layer, part) for part in parts if part]
-    return sum(p.numel() for module in modules if module is not None for p in module.parameters())
+    return sum(_params(getattr(layer, part)) for part in parts if part)
 
 
 def _to(value: object, device: torch.device) -> object:
