@@ -1,7 +1,8 @@
 """The facts that differ between MoE families, as one table of data read by one piece of code.
 
 Each row says where a family keeps its expert count and top-k in the config, which module routes,
-how it routes, which tensors are indexed by expert, and what the tiny test model looks like. A new
+how it routes, which tensors are indexed by expert, how its decoder layer adds each half to the residual
+(what the ESAP scorer runs layer by layer), and what the tiny test model looks like. A new
 family is a new row here, never a new class. Verified against transformers 5.24 (each row's tiny
 config builds that family's model in tests/unit/test_moe.py).
 """
