@@ -11,8 +11,13 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 QUANTIZE_VENV ?= .venv-quantize
 QUANTIZE_PY := $(QUANTIZE_VENV)/bin/python
 QUANTIZE_STAMP := $(QUANTIZE_VENV)/.installed
+# MLflow's server, for the model-registry hand-off's tests (evoesap register speaks its REST API: no mlflow in .venv).
+MLFLOW_VENV ?= .venv-mlflow
+MLFLOW_PY := $(MLFLOW_VENV)/bin/python
+MLFLOW_STAMP := $(MLFLOW_VENV)/.installed
+MLFLOW_VERSION ?= 3.17.2
 
-.PHONY: install vllm-venv quantize-venv test docs docs-screenshots demo report-screenshot bench chaos lock sbom image components clean
+.PHONY: install vllm-venv quantize-venv mlflow-venv test docs docs-screenshots demo demo-world-train report-screenshot bench chaos lock sbom image components clean
 
 WORLD := .cache/demo-world
 
@@ -48,23 +53,37 @@ $(QUANTIZE_STAMP): images/requirements-quantize.lock
 
 quantize-venv: $(QUANTIZE_STAMP)
 
-test: $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP)  # the serving and quantize tests run vLLM and llm-compressor from their own venvs
+# EVOESAP_MLFLOW_PYTHON=$(MLFLOW_PY) points tests/stages/test_register.py at it: a real `mlflow server` on SQLite.
+$(MLFLOW_STAMP):
+	test -x $(MLFLOW_PY) || $(PYTHON) -m venv $(MLFLOW_VENV)
+	$(MLFLOW_PY) -m pip install --quiet --upgrade pip
+	$(MLFLOW_PY) -m pip install --quiet mlflow==$(MLFLOW_VERSION)
+	touch $(MLFLOW_STAMP)
+
+mlflow-venv: $(MLFLOW_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP) $(MLFLOW_STAMP)  # the serving, quantize and register tests run vLLM, llm-compressor and MLflow from their own venvs
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site  # a broken link fails (never --quiet: it hides the warnings strict counts)
-	$(PY) -m pytest -q -n 2 --durations=25  # two workers; the demo world trains beside them (tests/conftest.py)
+	EVOESAP_MLFLOW_PYTHON=$(abspath $(MLFLOW_PY)) $(PY) -m pytest -q -n 2 --durations=25  # two workers; the demo world is built beside them (tests/conftest.py)
 
 # The docs site (mkdocs.yml) into site/; the reference pages are generated from the code at every build.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
-# docs/images/site-*.png: the site's first page and a generated reference page in headless Chromium
+# docs/images/site-*.png: five pages of the site in headless Chromium at 1280 px; fails when anything on them is clipped
 docs-screenshots: docs
 	command -v chromium >/dev/null 2>&1 || (apt-get update && apt-get install -y chromium)
 	$(PY) docs/site_screenshot.py --site site --out docs/images
 
 demo: $(STAMP) $(QUANTIZE_STAMP)  # the demo quantizes each searched model (w4a16-gptq) with llm-compressor
 	EVOESAP_QUANTIZE_PYTHON=$(abspath $(QUANTIZE_PY)) $(PY) -m evoesap pipeline demo --out runs/demo
+
+# Trains the default demo world from scratch with the pinned numerics (15-40 CPU minutes) and fails unless it
+# reproduces the weights that ship in evoesap/demo/weights/ bit for bit (docs/results/demo.md, "pinned")
+demo-world-train: $(STAMP)
+	$(PY) -m evoesap demo build --train --force --out .cache/demo-world-trained
 
 # docs/report.png: the demo's report.html as headless Chromium shows it 1400 px wide (runs the demo if missing); docs/images/report-frontier.png: its frontier figure
 report-screenshot: $(STAMP)
@@ -80,7 +99,7 @@ bench: $(STAMP)
 		--calibration $(WORLD)/data/code/calibration.jsonl $(WORLD)/data/copy/calibration.jsonl $(WORLD)/data/facts/calibration.jsonl $(WORLD)/data/math/calibration.jsonl \
 		--sweep --racing-min-positions 64  # the demo's 64 mixed search samples hold ~1,080 scored positions
 
-# The long chaos run: 100 random faults on the quick demo world's pipeline (benchmarks/RESULTS.md, "Chaos"); it quantizes
+# The long chaos run: 100 random faults on the quick demo world's pipeline (docs/results/reliability.md, "Chaos runs"); it quantizes
 CHAOS_FAULTS ?= 100
 chaos: $(STAMP) $(QUANTIZE_STAMP)
 	EVOESAP_QUANTIZE_PYTHON=$(abspath $(QUANTIZE_PY)) OMP_NUM_THREADS=1 $(PY) benchmarks/chaos.py --faults $(CHAOS_FAULTS) --seed 0 --json .cache/chaos-outcomes.json
@@ -99,7 +118,7 @@ image: $(STAMP)
 	bash images/build.sh
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(QUANTIZE_VENV) .pytest_cache .hypothesis build site *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(QUANTIZE_VENV) $(MLFLOW_VENV) .pytest_cache .hypothesis build site *.egg-info
 
 components: $(STAMP)
 	$(PY) -m evoesap pipeline components --out components

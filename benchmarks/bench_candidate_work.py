@@ -15,6 +15,14 @@ Pruning orders come from the observer pass over calibration samples (REAP).
 
     python benchmarks/bench_candidate_work.py                       # tiny and olmoe, 3 seeds
     python benchmarks/bench_candidate_work.py --worlds tiny --seeds 0 1 2 3 4
+
+`--compare` instead runs, per world x criterion x seed and in one process, exact search (no prefix reuse), prefix
+reuse, today's racing (prefix reuse + the racing schedule) and statistical racing (prefix reuse +
+`racing.Sequential` at `--racing-delta`), and prints FFE per candidate (in the run and extrapolated to a whole
+default search of 50 generations from generation 0 and the mean later generation, as bench_search does), wall time
+per candidate and the final allocation's full-set ESAP, with exact search's as the baseline of the same run:
+
+    python benchmarks/bench_candidate_work.py --compare --worlds tiny --criteria reap frequency --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -81,6 +90,66 @@ def one_search(model, cache, orders, n, k, budget, args, seed: int, floor: bool,
     return Run(row.seconds, row.candidates, row.ffe, result.best, result.best_fitness)
 
 
+COMPARED = {"exact": (False, False), "prefix": (True, False), "racing": (True, True), "statistical": (True, "statistical")}
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Exact, prefix, today's racing and statistical racing on the same data (the module docstring)."""
+    print(
+        "| world | criterion | seed | method | candidates | FFE / cand. | FFE / cand. whole default search (est.) | "
+        "s / cand. | wall s | final full-set ESAP | vs exact |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    sums: dict[str, list[tuple[float, float, float]]] = {m: [] for m in COMPARED}
+    for name in args.worlds:
+        model, tokenized, calibration = world(name, args)
+        runtime.use_cpu_threads(runtime.parameter_count(model))
+        spec = moe.inspect(model)
+        n, k = spec.num_experts, spec.top_k
+        scores = observe(model, calibration, batch_size=args.batch_size)
+        budget = alloc.budget(args.sparsity, n, k)
+        with tempfile.TemporaryDirectory() as tmp:
+            teacher.write_cache(model, tokenized, Path(tmp), mode="full", dtype="float16", batch_size=args.batch_size)
+            cache = teacher.load_cache(tmp)
+            ids = list(range(cache.num_samples))
+            for criterion in args.criteria:
+                orders = pruning_order(scores, criterion)
+                for seed in args.seeds:
+                    judge = None
+                    base = float("nan")
+                    for method, (prefix, race) in COMPARED.items():
+                        row, result, evaluator = run_search(
+                            model, cache, orders, n, k, budget, ids, args, prefix=prefix, race=race, seed=seed
+                        )
+                        judge = judge or evaluator  # exact search's evaluator: every value from the same forwards
+                        esap = judge.score(alloc.pruned_sets(result.best, orders))
+                        base = esap if method == "exact" else base
+                        whole = row.default_search()[1] / (
+                            args.population + 50 * (row.candidates - args.population) / max(1, args.generations)
+                        )
+                        sums[method].append((row.ffe / row.candidates, whole, esap - base))
+                        print(
+                            f"| {name} | {criterion} | {seed} | {method} | {row.candidates} | {row.ffe / row.candidates:.3f} | "
+                            f"{whole:.3f} | {row.seconds / row.candidates:.4f} | {row.seconds:.1f} | {esap:.6f} | "
+                            f"{100 * (esap - base) / base:+.3f}% |",
+                            flush=True,
+                        )
+    print()
+    for method, values in sums.items():
+        a = np.array(values)
+        print(
+            f"{method}: mean FFE / candidate {a[:, 0].mean():.3f} (whole default search est. {a[:, 1].mean():.3f}); "
+            f"full-set ESAP vs exact: mean {a[:, 2].mean():+.2e}, worst {a[:, 2].min():+.2e}"
+        )
+    print(
+        f"settings: {args.sparsity:.0%}, population {args.population}, elites {args.elites}, {args.generations} generations, "
+        f"{args.samples} samples x {args.max_length} tokens, batch {args.batch_size}; racing schedule {args.racing_schedule} "
+        f"(minimums {args.racing_min_samples} samples, {args.racing_min_positions} positions); statistical delta "
+        f"{args.racing_delta}, first checkpoint {args.racing_min_samples} samples"
+    )
+    print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", nargs="+", default=["tiny", "olmoe"], choices=["tiny", "olmoe", "demo"])
@@ -103,7 +172,13 @@ def main() -> None:
     parser.add_argument("--racing-schedule", default="0.25,0.5:0.25")
     parser.add_argument("--racing-min-samples", type=int, default=2)
     parser.add_argument("--racing-min-positions", type=int, default=64)
+    parser.add_argument("--racing-delta", type=float, default=0.05, help="statistical racing's error rate (--compare)")
+    parser.add_argument("--criteria", nargs="+", default=["reap"], help="with --compare: the criteria to search with")
+    parser.add_argument("--compare", action="store_true", help="exact, prefix, racing and statistical racing (docstring)")
     args = parser.parse_args()
+    if args.compare:
+        compare(args)
+        return
     print(f"machine: {platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(
         "| world | search | seed | candidates | FFE / cand. before | after | ratio | s / cand. before | after | ratio | same best | best fitness |"

@@ -1,4 +1,4 @@
-"""Quantize stage figures (issue 28): tiny uniform and non-uniform checkpoints x families x recipes.
+"""Quantize stage figures (docs/results/quantization.md): tiny uniform and non-uniform checkpoints x families x recipes.
 
 For each: checkpoint bytes before and after, the stage's wall time and the worker's (load, oneshot, save),
 and, for the quantized model loaded back in this venv's transformers, the agreement of its next-token

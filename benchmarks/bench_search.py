@@ -174,8 +174,10 @@ METHODS = {"exact": (False, False), "prefix": (True, False), "racing": (False, T
 
 
 def run_search(
-    model, cache, orders, n, k, budget, search_ids, args, *, prefix: bool, race: bool, seed: int, elite_floor: bool = False
+    model, cache, orders, n, k, budget, search_ids, args, *, prefix: bool, race: bool | str, seed: int, elite_floor: bool = False
 ) -> tuple[Row, search.SearchResult, CandidateEvaluator]:
+    """One search; `race`: False, True (the racing schedule of `args`) or "statistical" (`racing.Sequential` at
+    `args.racing_delta`, first checkpoint `args.racing_min_samples`, the order stratified by length and seeded)."""
     evaluator = CandidateEvaluator(
         model,
         cache,
@@ -184,10 +186,19 @@ def run_search(
         keep=args.elites,
         verify=False,
     )
-    schedule = racing.Racing.parse(args.racing_schedule, args.racing_min_samples, args.racing_min_positions) if race else None
+    statistical = race == "statistical"
+    if statistical:
+        schedule = racing.Sequential(getattr(args, "racing_delta", 0.05), args.racing_min_samples)
+    else:
+        schedule = racing.Racing.parse(args.racing_schedule, args.racing_min_samples, args.racing_min_positions) if race else None
     positions = (cache.offsets[1:] - cache.offsets[:-1]).tolist()  # [S] scored positions per sample
     if schedule is not None:
         schedule.check([positions[i] for i in search_ids])
+    order = [search_ids[i] for i in schedule.order([positions[i] for i in search_ids], seed)] if statistical else []
+
+    def sample_fitness(r, count):
+        values = evaluator.sample_values(alloc.pruned_sets(r, orders), samples=order[:count] if count else order)
+        return evaluator.metric.sign * values.double().numpy()
 
     def fitness(r, floor=None):
         return evaluator.score(alloc.pruned_sets(r, orders), samples=search_ids, floor=floor)
@@ -210,16 +221,17 @@ def run_search(
         seed=seed,
         elite_floor=elite_floor,
         racing=schedule,
-        subset_fitness=subset_fitness if race else None,
+        subset_fitness=subset_fitness if race and not statistical else None,
+        sample_fitness=sample_fitness if statistical else None,
         on_generation=lambda *_: marks.append((time.perf_counter() - t0, evaluator.work / full)),
     )
     seconds = time.perf_counter() - t0
     raced = {h.allocation for h in result.history if h.level is not None} - {
         h.allocation for h in result.history if h.level is None
     }
-    name = {(False, False): "(b) exact", (True, False): "(c) prefix", (False, True): "racing", (True, True): "prefix+racing"}[
-        (prefix, race)
-    ]
+    name = {(False, False): "(b) exact", (True, False): "(c) prefix", (False, True): "racing", (True, True): "prefix+racing"}.get(
+        (prefix, race), f"{'prefix+' if prefix else ''}{race}"
+    )
     row = Row(
         name,
         seconds,

@@ -4,11 +4,11 @@ Each configuration trains the default demo profile for `--steps` steps in a fres
 OpenMP environment variable such as OMP_WAIT_POLICY is read before torch starts) and prints wall and
 CPU seconds and the sha256 of the trained weights. `--load N` starts N `yes > /dev/null` processes for
 the loaded runs: with two of them on a 2-core machine, two spin-waiting torch threads took 47 minutes
-for a training that needs 3 on idle cores (issue 25).
+for a training that needs 3 on idle cores (docs/results/speed.md).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_threads.py --steps 40 --load 2
 
-With both conditions it ends with each configuration's loaded/idle wall-time ratio (issue 25: at most 2 for
+With both conditions it ends with each configuration's loaded/idle wall-time ratio (the bar: at most 2 for
 the world build beside two busy processes), e.g. `--steps 200 --configs "1 thread"`, the default world's
 training as the build runs it, idle and then beside two `yes`.
 """

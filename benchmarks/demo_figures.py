@@ -1,14 +1,15 @@
-"""Demo-world figures for issues 4, 5 and 6, printed as markdown with the command that made them.
+"""Demo-world figures in three sections (4, 5 and 6, as `--sections` names them), printed as markdown with the
+command that made them.
 
 On the trained demo OLMoE (4 MoE layers x 16 experts, top-2; CPU):
 
-- Issue 4: expert scores from the code and from the math calibration split; per criterion, the mean
+- Section 4: expert scores from the code and from the math calibration split; per criterion, the mean
   per-layer Spearman rank correlation between the two, beside a same-domain control (code calibration
   against other code samples) that shows how much of the difference is sampling noise.
-- Issue 5: teacher caches on the math search split in full mode (float32, float16) and top-K mode: sizes
+- Section 5: teacher caches on the math search split in full mode (float32, float16) and top-K mode: sizes
   on disk against full mode, the mean ESAP bound width for a few pruned candidates, and whether every
   per-sample full-mode ESAP lies within its top-K bounds.
-- Issue 6: the search stage for REAP and Frequency at 25% and 50% (scores from code calibration, search on
+- Section 6: the search stage for REAP and Frequency at 25% and 50% (scores from code calibration, search on
   math, as `make demo`): searched against uniform ESAP on the search samples, on the stage's own held-out
   share (allocation.json) and on the separate `search_heldout` split, with the stage's generalisation check.
 
@@ -121,12 +122,12 @@ class Run:
 
 
 def section_importance(run: Run) -> None:
-    """Issue 4: do code- and math-derived pruning orders differ?"""
+    """Section 4: do code- and math-derived pruning orders differ?"""
     t0 = time.perf_counter()
     code, math, control = (
         read_scores(run.calibrate(d, s)) for d, s in (("code", "calibration"), ("math", "calibration"), ("code", "search"))
     )
-    print("## Issue 4: code- vs math-derived pruning orders\n")
+    print("## Code- vs math-derived pruning orders\n")
     print(
         f"Scores from {run.args.samples} samples of each calibration split (one observer pass each). Spearman's rho "
         "per MoE layer between the two score vectors of 16 experts (average ranks for ties), then the mean over "
@@ -166,7 +167,7 @@ def candidates(run: Run, scores: pd.DataFrame) -> dict[str, dict[int, list[int]]
 
 
 def section_cache(run: Run) -> None:
-    """Issue 5: top-K cache sizes and ESAP bound widths against full mode."""
+    """Section 5: top-K cache sizes and ESAP bound widths against full mode."""
     t0 = time.perf_counter()
     vocab = int(run.net.get_output_embeddings().weight.shape[0])
     ks = sorted({min(int(k), vocab) for k in run.args.top_k.split(",") if k})
@@ -183,7 +184,7 @@ def section_cache(run: Run) -> None:
     full_bytes = dir_bytes(caches[("full", "float32", None)])
     half_bytes = dir_bytes(caches[("full", "float16", None)])
     positions = reference.cache.meta.num_positions
-    print("## Issue 5: teacher cache size and ESAP bounds\n")
+    print("## Teacher cache size and ESAP bounds\n")
     print(
         f"Math search split, {reference.num_samples} samples, {positions} scored positions, vocabulary {vocab}; "
         f"top-K caches store log-probabilities in {run.args.topk_dtype}"
@@ -224,7 +225,7 @@ def section_cache(run: Run) -> None:
 
 
 def section_search(run: Run) -> None:
-    """Issue 6: searched vs uniform ESAP on search and held-out samples, with the stage's own check."""
+    """Section 6: searched vs uniform ESAP on search and held-out samples, with the stage's own check."""
     t0 = time.perf_counter()
     a = run.args
     scores_uri = run.calibrate("code")
@@ -257,7 +258,7 @@ def section_search(run: Run) -> None:
             )
             rows.append((criterion, sparsity, doc, split, seconds))
     stage_n, search_n = rows[0][2].heldout_samples, rows[0][2].search_samples
-    print("## Issue 6: searched vs uniform allocations\n")
+    print("## Searched vs uniform allocations\n")
     print(
         f"Scores from code calibration ({a.samples} samples), search on the math search split: {search_n} samples for "
         f"the search, {stage_n} held out by the stage (heldout_fraction {SearchParams.heldout_fraction}, the default); "

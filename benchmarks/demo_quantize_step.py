@@ -4,7 +4,7 @@
         --data runs/demo/world/data/code/calibration.jsonl --tasks runs/demo/world/tasks --out /tmp/demo-quantize
 
 Needs EVOESAP_QUANTIZE_PYTHON (make quantize-venv). Prints one line per step with its wall seconds, and the
-evaluations' primary metrics beside the unquantized model's (benchmarks/RESULTS.md, "Quantize (issue 28)").
+evaluations' primary metrics beside the unquantized model's (docs/results/quantization.md).
 """
 
 from __future__ import annotations

@@ -237,6 +237,8 @@ def time_shape(shape: str, args: argparse.Namespace, device: torch.device) -> li
         out.append(Timing(shape, name, seconds, len(kids), ffe))
     for floor in ((False, True) if args.elite_floor else (False,)) if args.search_generations else ():
         out.append(search_timing(shape, model, cache, n, k, orders, args, device, floor))
+    if args.statistical and args.search_generations:
+        out.append(search_timing(shape, model, cache, n, k, orders, args, device, statistical=True))
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -253,6 +255,7 @@ def search_timing(
     args: argparse.Namespace,
     device: torch.device,
     floor: bool = False,
+    statistical: bool = False,
 ) -> Timing:
     """A truncated default search (racing, elite floor optional); `seconds` is per candidate, `note` the
     extrapolation and the best fitness (equal with and without the floor)."""
@@ -265,9 +268,14 @@ def search_timing(
         keep=4,
         cache_device_bytes=_gib(args.cache_device_gib),
     )
-    schedule = racing.Racing() if args.racing else None
+    schedule = racing.Sequential() if statistical else racing.Racing() if args.racing else None
     samples = list(range(cache.num_samples))
     positions = (cache.offsets[1:] - cache.offsets[:-1]).tolist()  # scored positions per sample
+    order = racing.Sequential().order(positions, 42) if statistical else []
+
+    def sample_fitness(r: tuple[int, ...], count: int | None) -> np.ndarray:
+        values = evaluator.sample_values(alloc.pruned_sets(r, orders), order[:count] if count else order)
+        return evaluator.metric.sign * values.double().numpy()
 
     def fitness_of(r: tuple[int, ...], bound: float | None = None) -> float:
         return evaluator.score(alloc.pruned_sets(r, orders), floor=bound)
@@ -287,7 +295,8 @@ def search_timing(
         generations=args.search_generations,
         granularity=1,
         racing=schedule,
-        subset_fitness=subset_fitness if schedule else None,
+        subset_fitness=subset_fitness if schedule and not statistical else None,
+        sample_fitness=sample_fitness if statistical else None,
         on_generation=lambda *_: (sync(device), stamps.append(time.perf_counter())),
         elite_floor=floor,
     )
@@ -299,7 +308,8 @@ def search_timing(
     ffe = evaluator.work / evaluator.full_forward_work() / candidates
     later = np.diff(stamps)  # seconds of each generation after the initial population
     estimate = stamps[0] - t0 + 50 * float(np.mean(later)) if len(later) else float("nan")
-    method = f"search {args.search_generations} gen" + (" racing" if args.racing else "") + (" elite floor" if floor else "")
+    race = " statistical racing" if statistical else " racing" if args.racing else ""
+    method = f"search {args.search_generations} gen" + race + (" elite floor" if floor else "")
     note = f"gen 0 {stamps[0] - t0:.1f} s, then {float(np.mean(later)):.1f} s/gen; 50 generations ~{estimate / 60:.1f} min"
     note += f"; best fitness {result.best_fitness:.6f}"
     if evaluator.prefix is not None:
@@ -328,6 +338,7 @@ def main(argv: Sequence[str] | None = None) -> list[Timing]:
     parser.add_argument("--search-generations", type=int, default=0, help="then time a search of this many generations")
     parser.add_argument("--racing", action="store_true", help="the search races candidates (default schedule)")
     parser.add_argument("--elite-floor", action="store_true", help="time the search without, then with the elite floor")
+    parser.add_argument("--statistical", action="store_true", help="then time the search with statistical racing too")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="test-size models (for a CPU smoke run)")
     args = parser.parse_args(argv)

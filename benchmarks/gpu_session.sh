@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU run for search speed: OLMoE-1B-7B and Qwen3-30B-A3B shapes (random weights, real
 # dimensions), each with the batched reference scorer, exact, prefix, a truncated default search with racing
-# timed without and then with the elite floor (its extrapolation to 50 generations is the whole default
-# search), and one candidate's time by part (profile_candidate.py). It installs nothing from the network:
+# timed without and then with the elite floor, then with statistical racing (its extrapolation to 50
+# generations is the whole default search), and one candidate's time by part (profile_candidate.py). It installs nothing from the network:
 # a missing package comes only from wheels carried in images/wheels (pip --no-index). One Python process
 # runs every step (benchmarks/gpu_search.py and profile_candidate.py, called as they are); a step that would
 # start after BUDGET_S seconds (default 540: 9 minutes) is skipped and says so, so the whole fits 10 minutes.
@@ -57,7 +57,7 @@ for shape, (search_args, profile_args) in steps.items():
     if dry:
         search_args = [*tiny, "--search-generations", "1"]
         profile_args = ["--size", "tiny", "--samples", "2", "--length", "32", "--device", "cpu"]
-    common = ["--racing", "--elite-floor"]
+    common = ["--racing", "--elite-floor", "--statistical"]
     for name, run in (
         ("search", lambda: gpu_search.main(["--shapes", shape, *search_args, *common])),
         ("profile", lambda: profile_candidate.main(

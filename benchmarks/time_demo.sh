@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make demo` from scratch, timed: what `make demo` runs once its venvs exist, into a new directory, so the world
-# trains anew and no stage is reused. With `loaded`, two `yes > /dev/null` run beside it (issue 25's load test).
+# trains anew and no stage is reused. With `loaded`, two `yes > /dev/null` run beside it (the load test of docs/results/speed.md).
 #   bash benchmarks/time_demo.sh /tmp/demo-idle             # idle
 #   bash benchmarks/time_demo.sh /tmp/demo-loaded loaded    # beside two busy processes
 # Prints the wall seconds; the log (with /usr/bin/time -v's figures) is <out>.log, the world's training time in

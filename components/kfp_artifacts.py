@@ -99,6 +99,13 @@ def publish(artifact: Any, uri: str) -> None:
     facts.export_small_files(uri, Path(artifact.path))
 
 
+def withhold(artifact: Any, line: str) -> None:
+    """A release the gate refused: the output holds no files, its metadata says it was withheld and why (the verdict's
+    one line), so a consumer of the released models tells it from a release without reading storage."""
+    artifact.metadata.update({"withheld": True, "reason": line})
+    log.warning("%s withheld: %s", artifact.name, line)
+
+
 def export_all(uri: str, dest: Path) -> None:
     """Copy the manifest and every payload file of the finished artifact at `uri` into `dest`, streamed, each
     checked against the sha256 its manifest records (a consumer of `dest` gets exactly the stored artifact)."""

@@ -4,7 +4,8 @@ A component's arguments (`evoesap.components.stages` makes its signature from th
 inputs, each the URI `kfp_artifacts.source` names (a list input gathered from its arguments in their declared
 order, an optional text input's "" meaning none) and its parameters (its `params`, what its `kfp_params` hook adds,
 the grid's own arguments); `run_step` runs it under `storage_root`, and each output is filled from the finished
-artifact by its declared `fill`.
+artifact by its declared `fill`. A stage with a `withheld` hook (publish) that the release gate refuses fills each
+output with what that hook writes (a withheld entry) and succeeds: its outputs are typed whether or not it released.
 """
 
 from __future__ import annotations
@@ -29,7 +30,16 @@ def run_component(name: str, **arguments: Any) -> str | None:
     params = dict(arguments.get("params") or {})
     if stage.kfp_params is not None:
         params = registry.load(stage.kfp_params)(arguments, params)
-    uri = run_step(name, arguments["storage_root"], inputs, {**params, **{key: arguments[key] for key in stage.grid}})
+    from evoesap.release.gate import GateFailed
+
+    try:
+        uri = run_step(name, arguments["storage_root"], inputs, {**params, **{key: arguments[key] for key in stage.grid}})
+    except GateFailed as refused:
+        if stage.withheld is None:
+            raise
+        for output in stage.outputs:
+            registry.load(stage.withheld)(arguments[output.name], str(refused))
+        return None
     for output in stage.outputs:
         registry.load(output.fill)(arguments[output.name], uri)
     return None if stage.returns is None else registry.load(stage.returns.value)(uri)

@@ -1,7 +1,7 @@
 """The run's last word on the release gate: a task after the report that gathers every point's verdict.
 
 The gate stage itself succeeds whatever it decides (its verdict is an artifact the report and the caller read, and
-publish runs only on a passing one). This task returns "pass" when every verdict passed, else "fail": the
+publish releases only on a passing one). This task returns "pass" when every verdict passed, else "fail": the
 (sub-)pipeline's `verdict` output, which a team's pipeline branches on. With the gate's `stop_on_fail` (read at run
 time from the `gate_params` input) a failing verdict instead ends the run, with the verdict's one line (the failing
 checks and their numbers) as its error, once the report that shows the verdict exists.
@@ -61,8 +61,7 @@ def make_verdict_reader(image: str) -> Callable:
 
 
 def outcome(uri: str) -> str:
-    """The gate component's return, read off its verdict at `uri`: "pass" or "fail", for the pipeline's condition on
-    publish."""
+    """The gate component's return, read off its verdict at `uri`: "pass" or "fail", for a condition on it."""
     from evoesap import records
 
     return "pass" if records.read(uri, records.GateRecord).passed else "fail"

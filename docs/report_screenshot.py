@@ -64,8 +64,8 @@ def rerender(report: Path, out: Path) -> Path:
     return out / HTML_FILE
 
 
-def chromium(page: Path, tmp: str, *args: str, height: int = TALL) -> str:
-    """Headless Chromium on `page` in a WIDTH x `height` window with `args` (its profile under `tmp`); its stdout."""
+def chromium(page: Path, tmp: str, *args: str, height: int = TALL, width: int = WIDTH) -> str:
+    """Headless Chromium on `page` in a `width` x `height` window with `args` (its profile under `tmp`); its stdout."""
     binary = shutil.which("chromium") or shutil.which("chromium-browser")
     if binary is None:
         sys.exit("chromium is not installed: apt-get install -y chromium (make report-screenshot and docs-screenshots do it)")
@@ -82,7 +82,7 @@ def chromium(page: Path, tmp: str, *args: str, height: int = TALL) -> str:
             "--hide-scrollbars",
             "--force-device-scale-factor=1",
             f"--user-data-dir={tmp}/profile",
-            f"--window-size={WIDTH},{height}",
+            f"--window-size={width},{height}",
             *args,
             page.resolve().as_uri(),
         ],

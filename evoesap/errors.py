@@ -21,6 +21,10 @@ class ArtifactError(EvoESAPError):
     """An artifact is missing, unfinished, inconsistent or outside its root."""
 
 
+class ReleaseError(EvoESAPError):
+    """A release could not be handed on: a model registry cannot be reached, or refused the request."""
+
+
 class ResourceError(EvoESAPError):
     """A stage would need more memory or disk than the machine has (predicted before any work)."""
 

@@ -89,10 +89,16 @@ class Stage:
     peak: str | None = None  # "module:function" predicting its peak memory, disk and temp (evoesap.planning.footprint)
     fits_with: str = ""  # the settings that make it fit when its plan is refused
     facts: str | None = None  # "module:function": its artifact's headline numbers for KFP metadata (records.facts)
+    # "module:function"(uri) -> str: one line on what its finished artifact found, which the CLI prints after it
+    headline: str | None = None
     # "module:function"(arguments, params) -> params: what its KFP component adds to its params from its arguments
     # (evaluate's report labels from its model's metadata)
     kfp_params: str | None = None
     returns: StageReturn | None = None  # what its KFP component returns besides its artifacts
+    # "module:function"(artifact, line): what its KFP component fills each output with when the release gate refused
+    # the candidate (`GateFailed`, its verdict's one line), so the task succeeds and hands on typed outputs; None: the
+    # refusal fails the task
+    withheld: str | None = None
 
     @property
     def section(self) -> str:
@@ -185,6 +191,7 @@ STAGES: tuple[Stage, ...] = (
         grid=("criterion", "sparsity"),
         peak="evoesap.planning.footprint:search_peak",
         facts="evoesap.records.facts:search_facts",
+        headline="evoesap.records.facts:search_headline",
         fits_with="cache_logits.mode: topk (top_k 64), fewer cache_logits.samples or max_length, search.batch_size, "
         "or search.device_map: auto over more GPUs",
     ),
@@ -301,7 +308,7 @@ STAGES: tuple[Stage, ...] = (
         "--max-task-drop 0.02 --out runs/gate",
         loads_model=False,
         facts="evoesap.records.facts:gate_facts",
-        returns=StageReturn('"pass" or "fail", for the pipeline\'s condition on publish.', "evoesap.components.verdict:outcome"),
+        returns=StageReturn('"pass" or "fail": the verdict, for a condition on it.', "evoesap.components.verdict:outcome"),
     ),
     Stage(
         "report",
@@ -412,13 +419,17 @@ STAGES: tuple[Stage, ...] = (
             StageOutput(
                 "published",
                 "Model",
-                "The checkpoint with its model card (README.md) and density plot; metadata: its storage URI.",
+                "The checkpoint with its model card (README.md) and density plot; metadata: its storage URI, criterion, "
+                "sparsity, where it was pushed. A release the gate refused: no files, metadata withheld (true) and "
+                "reason (the verdict's line).",
             ),
         ),
         "Write the model card beside a pruned (or pruned and quantized) checkpoint; push both to a URI or a Hub repository.",
         "evoesap publish --pruned runs/pruned --evaluations runs/eval --evaluations runs/eval-full --search runs/search "
         "--repo my-org/olmoe-pruned --out runs/publish",
         loads_model=False,
+        facts="evoesap.records.facts:publish_facts",
+        withheld="evoesap.components.kfp_artifacts:withhold",
     ),
 )
 

@@ -4,15 +4,14 @@ calibrate and cache-logits run once; for each criterion x sparsity a search, a s
 prune, and their evaluations fan out (ParallelFor); when the `quantize` section names a recipe, the searched
 checkpoint's quantize step and its evaluation; with `publish_models` the publish (model card, push) of the searched
 model, or of its quantized checkpoint when quantize is on; when the `gate` section sets a threshold, the gate's verdict
-on that model decides whether publish runs, heads the report and is an output (`verdicts`, and `verdict`: "pass" or
-"fail"), and with `stop_on_fail` (a run-time value of `gate_params`) a failing one ends the run after the report. The
+on that model decides what publish does (it releases on a passing one and hands on a withheld entry on a failing one),
+heads the report and is an output (`verdicts`, and `verdict`: "pass" or "fail"), and with `stop_on_fail` (a run-time value of `gate_params`) a failing one ends the run after the report. The
 full model is evaluated once; the report collects everything; each searched prune output is handed on (`pruned_models`). `build_subpipeline` is that DAG for a
 full model given as an artifact (a step of another pipeline), with pod settings the outer pipeline overrides or
 binds; `build_pipeline` names the model (a path, URI or hub name) by a reference step and runs it.
 """
 
 # No `from __future__ import annotations`: kfp reads the pipeline function's real annotations.
-import contextlib
 import functools
 import inspect
 import os
@@ -152,7 +151,7 @@ def gated(config: PipelineConfig) -> bool:
 def _gate(stage: Callable, comps: Any, config: PipelineConfig, candidate: Any, full: Any, storage_root: Any, params: Any) -> Any:
     """The gate task judging `candidate` (the evaluate task of the model publish would release) against the full
     model's evaluation and the previous release's metrics; None when the configuration sets no threshold (whether
-    it does decides the DAG's shape: publish under a condition). `params`: its `gate_params` input."""
+    it does decides the DAG's shape: publish takes the verdict). `params`: its `gate_params` input."""
     if not gated(config):
         return None
     task = comps.gate(
@@ -165,15 +164,12 @@ def _gate(stage: Callable, comps: Any, config: PipelineConfig, candidate: Any, f
     return stage("gate", task, "gate")
 
 
-def _when_passed(verdict: Any) -> Any:
-    """The condition publish runs under: the verdict passed (`dsl.If` on the gate's output, which kfp.local and a
-    cluster both evaluate); no condition without a gate."""
-    return contextlib.nullcontext() if verdict is None else dsl.If(verdict.outputs["Output"] == "pass", name="gate-passed")
-
-
 def _verdict_input(verdict: Any) -> dict[str, Any]:
-    """publish's `gate` input: the verdict again, so the published artifact's lineage names the gate it passed and
-    publish run by hand (or by an orchestrator without conditions) refuses a failing one itself."""
+    """publish's `gate` input: the verdict, which publish decides on itself. Publish runs after every gate, under no
+    condition (KFP cannot collect, out of a ParallelFor, an output of a task that may be skipped), so `released_models`
+    is an output of every run: on a passing verdict the release, whose lineage names the gate it passed; on a failing
+    one nothing is published and its component hands on a withheld entry (`kfp_artifacts.withhold`), as publish run by
+    hand refuses a failing verdict."""
     return {} if verdict is None else {"gate": verdict.outputs["verdict"]}
 
 
@@ -219,14 +215,15 @@ def _found_grid(dag: "_Dag", target_params: Any) -> Any:
 def outputs_type(config: PipelineConfig) -> type:
     """What the (sub-)pipeline hands on, typed for KFP: the report, the searched pruned models and their metrics (one
     per criterion x sparsity), the full model's metrics; the quantized models and their metrics when the quantize
-    section names a recipe; the published checkpoints (`released_models`) with publish_models and no gate; each point's verdict
+    section names a recipe; the published checkpoints (`released_models`, a withheld entry for a release the gate refused)
+    with publish_models; each point's verdict
     (`verdicts`: gate.json, metadata `passed` and `verdict`, its one line) and their sum (`verdict`: "pass" when
     every point passed, else "fail"; with `stop_on_fail` a failing one ends the run instead) with a gate. A pipeline
     output must come from a task, so the optional ones exist only when their step does."""
     fields = [*Outputs.__annotations__.items(), ("pruned_metrics", List[Metrics]), ("full_metrics", Metrics)]
     if config.stage_params("quantize").get("recipe"):
         fields += [("quantized_models", List[Model]), ("quantized_metrics", List[Metrics])]
-    if config.publish_models and not gated(config):  # a gated publish may not run: KFP has no output of it then
+    if config.publish_models:
         fields.append(("released_models", List[Model]))
     if gated(config):
         fields += [("verdicts", List[Artifact]), ("verdict", str)]
@@ -332,7 +329,7 @@ def build_subpipeline(
         if dag.quantize_on:
             handed["quantized_models"] = dsl.Collected(dag.release["quantized"])
             handed["quantized_metrics"] = dsl.Collected(evals["quantized"].outputs["metrics"])
-        if config.publish_models and dag.verdict is None:
+        if config.publish_models:
             handed["released_models"] = dsl.Collected(dag.released.outputs["published"])
         if dag.verdict is not None:
             handed["verdicts"] = dsl.Collected(dag.verdict.outputs["verdict"])
@@ -426,8 +423,7 @@ class _Dag:
         candidate = evals["quantized" if self.quantize_on else "searched"]  # the model publish would release
         self.verdict = _gate(stage, comps, self.config, candidate, self.full, root, p["gate"])
         if self.config.publish_models:
-            with _when_passed(self.verdict):
-                self.released = self._publish(pruned["searched"], evals["searched"], searched, self.release)
+            self.released = self._publish(pruned["searched"], evals["searched"], searched, self.release)
         return searched, pruned, evals
 
     def _quantize(self, pruned: Any, evals: dict[str, Any], calibration_data: Any) -> dict[str, Any]:

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 DEMO_SEARCH = {"population": 16, "elites": 4, "generations": 12, "batch_size": 16, "heldout_fraction": 0.25}
 DEMO_EVALUATE = {"limit": 48, "batch_size": 16}
 # Each searched model quantized (4-bit GPTQ on the calibration samples; the demo world's widths are whole groups of
-# 128) and evaluated beside it: about 15 s more per point on a 2-core CPU (benchmarks/RESULTS.md, issue 28).
+# 128) and evaluated beside it: about 15 s more per point on a 2-core CPU (docs/results/quantization.md).
 DEMO_QUANTIZE = {"recipe": "w4a16-gptq", "samples": 64, "max_length": 256}
 # What each world profile runs. The quick world (2 layers of 4 experts, top-2, widths of 32) admits a single allocation
 # at 50% (nothing to search) and no group of 128 (GPTQ's): it runs 25% only, quantized per channel (fp8-dynamic).
@@ -33,6 +33,16 @@ PROFILE_RUNS: dict[str, dict[str, Any]] = {
     "default": {"sparsities": [0.25, 0.5], "quantize": DEMO_QUANTIZE},
     "quick": {"sparsities": [0.25], "quantize": {"recipe": "fp8-dynamic"}},
 }
+
+
+DEMO_TITLE = "EvoESAP demo: OLMoE-tiny, calibrate on code, search on the deployment mix"
+
+
+def _world_suffix(world: Any) -> str:
+    """The world's key and weights digest for the report's title, so the report names the world it ran on
+    (docs/results/demo.md records the figures of one world); nothing for a world not yet built."""
+    digest = world.info.get("weights_sha256") if world.key else None
+    return f" (world {world.key[:12]}, weights sha256 {digest[:12]})" if digest else ""
 
 
 def demo_config(world: Any, out: Path, runner: str = "subprocess", image: str | None = None) -> PipelineConfig:
@@ -56,7 +66,7 @@ def demo_config(world: Any, out: Path, runner: str = "subprocess", image: str | 
             "search": DEMO_SEARCH,
             "evaluate": {"tasks": [str(world.tasks_dir)], **DEMO_EVALUATE},
             "quantize": runs["quantize"],
-            "report": {"title": "EvoESAP demo: OLMoE-tiny, calibrate on code, search on the deployment mix"},
+            "report": {"title": DEMO_TITLE + _world_suffix(world)},
         }
     )
 

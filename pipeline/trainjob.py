@@ -19,8 +19,10 @@ every v1alpha1 release has, plus the worker pods' labels, annotations, node sele
 `podSpecOverrides` in 2.0 (no pod metadata there: labels and annotations go to `spec.labels`/`spec.annotations`,
 which reach the JobSet and Jobs), `podTemplateOverrides` in 2.1, `runtimePatches` from 2.2 on; each targets the
 runtime's replicated job `node` and its container `node`. `suspend` creates the job suspended for a queue
-(Kueue) to admit; `timeout` bounds the workers (`activeDeadlineSeconds`, 2.2 on; before, the launcher deletes
-the job when its own timeout stops it). Progress and the end are read from the conditions Trainer v2 sets
+(Kueue) to admit; `timeout` bounds the workers from admission, never the time queued: `activeDeadlineSeconds`
+from 2.2 on (Trainer's deadline, made to follow a Kubernetes Job's, whose clock restarts when a suspended job
+resumes); before 2.2 the launcher stops the job that long after it was admitted. A suspended job's launcher takes
+no timeout of its own. Progress and the end are read from the conditions Trainer v2 sets
 (Suspended, Complete, Failed) and its `jobsStatus` counts. Node affinity and scratch volumes are refused.
 """
 
@@ -84,8 +86,14 @@ def check_workers(settings: StageSettings, workers: int, gpus_per_worker: int = 
 
 
 def launcher_settings(settings: StageSettings) -> StageSettings:
-    """The launcher task's own pod: storage secrets, env, labels, retries and timeout, no compute and no placement."""
+    """The launcher task's own pod: storage secrets, env, labels, retries and timeout, no compute and no placement.
+
+    A suspended job waits in a queue (Kueue) before it runs, so the launcher then takes no timeout of its own: the
+    timeout bounds the workers from admission (the job's activeDeadlineSeconds, or the launcher's clock before
+    Trainer 2.2), never the time spent queueing."""
     dropped = {*COMPUTE, *PLACEMENT, *REFUSED, "training_runtime", "trainer_version", "suspend"}
+    if settings.suspend:
+        dropped.add("timeout")
     return StageSettings(**{k: v for k, v in settings.model_dump(exclude_unset=True).items() if k not in dropped})
 
 
@@ -176,8 +184,25 @@ def job_name(out_uri: str) -> str:
     return f"evoesap-search-{out_uri.rstrip('/').rsplit('/', 1)[-1][:12]}"
 
 
-def trainjob(template: Mapping[str, Any], name: str, spec: Mapping[str, Any], workers: int) -> dict[str, Any]:
-    """The TrainJob resource for a worker `spec` (`evoesap.method.distributed.worker_spec`) on `workers` processes."""
+# the launcher pod's name and uid, which KFP gives every task's container through the downward API
+POD_NAME_ENV, POD_UID_ENV = "KFP_POD_NAME", "KFP_POD_UID"
+
+
+def launcher_owner() -> dict[str, Any] | None:
+    """The owner reference to the launcher's own pod (from KFP's downward-API env), so Kubernetes' garbage collector
+    deletes the TrainJob with the pod that launched it (a deleted run leaves no workers behind); None outside a pod
+    that has both. Not blocking, not a controller: deleting the pod needs no permission on trainjobs."""
+    name, uid = os.environ.get(POD_NAME_ENV, "").strip(), os.environ.get(POD_UID_ENV, "").strip()
+    if not (name and uid):
+        return None
+    return {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid, "controller": False, "blockOwnerDeletion": False}
+
+
+def trainjob(
+    template: Mapping[str, Any], name: str, spec: Mapping[str, Any], workers: int, owner: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The TrainJob resource for a worker `spec` (`evoesap.method.distributed.worker_spec`) on `workers` processes;
+    `owner`: its owner reference (`launcher_owner`), in the launcher pod's namespace."""
     procs = int(template["procs_per_node"])
     if workers % procs:
         raise ConfigError(
@@ -201,6 +226,8 @@ def trainjob(template: Mapping[str, Any], name: str, spec: Mapping[str, Any], wo
     }
     if template["annotations"]:
         metadata["annotations"] = dict(template["annotations"])
+    if owner is not None:
+        metadata["ownerReferences"] = [dict(owner)]
     spec: dict[str, Any] = {
         "runtimeRef": {"name": template["runtime"], "apiGroup": GROUP, "kind": "ClusterTrainingRuntime"},
         "trainer": trainer,
@@ -234,9 +261,12 @@ def run_search_job(
         return out
     api_client = api_client or _api_client()
     namespace = namespace or _namespace()
-    body = trainjob(template, job_name(out), distributed.worker_spec(inputs, parsed, out), parsed.workers)
+    spec = distributed.worker_spec(inputs, parsed, out)
+    body = trainjob(template, job_name(out), spec, parsed.workers, launcher_owner())
+    # Trainer before 2.2 has no activeDeadlineSeconds: the launcher stops the job itself, counting from admission
+    deadline = template.get("deadline") if template.get("trainer_version", "2.2") in ("2.0", "2.1") else None
     with _stop_on_sigterm():
-        _TrainJob(api_client, namespace, body, float(template.get("poll_seconds", POLL_SECONDS))).run()
+        _TrainJob(api_client, namespace, body, float(template.get("poll_seconds", POLL_SECONDS)), deadline).run()
     try:
         artifacts.read_manifest(out, "search")
     except EvoESAPError as exc:
@@ -250,11 +280,16 @@ def run_search_job(
 class _TrainJob:
     """One TrainJob through the Kubernetes API: created (or adopted), followed to its end, deleted when abandoned."""
 
-    def __init__(self, api_client: Any, namespace: str, body: dict[str, Any], poll_seconds: float) -> None:
+    clock = staticmethod(time.monotonic)  # what the admission deadline is measured with
+
+    def __init__(
+        self, api_client: Any, namespace: str, body: dict[str, Any], poll_seconds: float, deadline: float | None = None
+    ) -> None:
         from kubernetes import client
 
         self.objects, self.core = client.CustomObjectsApi(api_client), client.CoreV1Api(api_client)
         self.namespace, self.body, self.poll = namespace, body, poll_seconds
+        self.deadline = deadline  # seconds the job may run once admitted, where the launcher enforces it
         self.name = body["metadata"]["name"]
         self.where = f"TrainJob {namespace}/{self.name}"
 
@@ -304,13 +339,20 @@ class _TrainJob:
             raise self._refused("create", exc) from None
 
     def _wait(self) -> dict[str, Any]:
-        """Follow the job until it ends: its Complete or Failed condition."""
-        seen = None
+        """Follow the job until it ends: its Complete or Failed condition (or past `deadline` after admission)."""
+        seen, admitted = None, None
         while True:
             job = self._get()
             ended = _condition(job, ("Complete", "Failed"))
             if ended is not None:
                 return ended
+            if admitted is None and _condition(job, ("Suspended",)) is None:
+                admitted = self.clock()  # queue time (suspended, waiting for Kueue) never counts
+            if self.deadline is not None and admitted is not None and self.clock() - admitted > self.deadline:
+                raise EvoESAPError(
+                    f"search {self.where} ran past resources.search.timeout ({self.deadline:g} s after it was "
+                    "admitted) and was stopped: raise the timeout, or give the search fewer generations"
+                )
             state = _progress(job)
             if state != seen:
                 log.info("%s: %s", self.where, state)

@@ -1,4 +1,4 @@
-"""Shared fixtures: the trained demo world, built once and cached across test sessions."""
+"""Shared fixtures: the trained demo world (its shipped weights), built once and cached across test sessions."""
 
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ def needs_world(item: pytest.Item) -> bool:
 GROUPS = ("unit", "stages", "orchestration", "system")  # the folders under tests/, each a marker (`pytest -m unit`)
 # a test module may reuse another's helpers (test_serving imports test_moe's): importable from every folder
 sys.path[:0] = [str(Path(__file__).parent / group) for group in GROUPS]
-SIDE_ENV_MODULES = {"test_quantize", "test_serving", "test_serving_demo"}  # every test runs a tool's own venv
+SIDE_ENV_MODULES = {"test_quantize", "test_serving", "test_serving_demo", "test_register"}  # every test runs a tool's own venv
 SIDE_ENV_CALLS = ("quantize_python()", "vllm_python()", "venv_python(")  # a test that asks for one (venv_support.py)
 
 
 def uses_side_env(item: pytest.Item) -> bool:
-    """Whether the test runs vLLM or llm-compressor from their own venvs: by its module, its quantized-model
+    """Whether the test runs vLLM, llm-compressor or MLflow from their own venvs: by its module, its quantized-model
     fixture, or a call for one of those pythons in its body."""
     import inspect
 
@@ -48,7 +48,7 @@ def uses_side_env(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Each test is marked with its folder's group, and `side_env` when it runs vLLM or llm-compressor from their own
+    """Each test is marked with its folder's group, and `side_env` when it runs vLLM, llm-compressor or MLflow from their own
     venvs. Tests that need the demo world run last: under pytest-xdist (`make test` runs two workers) the world
     trains meanwhile in a process of its own (`pytest_sessionstart`), so no worker waits for it."""
     for item in items:
@@ -65,8 +65,9 @@ _WORLD_BUILD: list = []  # the controller's background build of the demo world, 
 
 
 def pytest_sessionstart(session):
-    """With xdist workers, start training the demo world at once, in the background, single-threaded as
-    always: its file lock makes a worker that reaches `demo_world` first wait, then reuse it."""
+    """With xdist workers, start building the demo world at once, in the background (seconds from its shipped
+    weights; minutes of training where the code no longer builds the recorded world): its file lock makes a
+    worker that reaches `demo_world` first wait, then reuse it."""
     config = session.config
     if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
         return
@@ -98,7 +99,7 @@ def demo_cache_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def demo_world():
-    """The default demo world (seed 0); the first session on a machine trains it (minutes), later ones reuse it."""
+    """The default demo world (seed 0); the first session on a machine builds it, later ones reuse it."""
     from evoesap.demo import build_demo_world
 
     return build_demo_world(demo_cache_dir(), **DEMO_WORLD)

@@ -57,6 +57,8 @@ _SEARCH_OPTIONS = (
     "elites",
     "generations",
     "workers",
+    "racing_mode",
+    "racing_delta",
     "racing_schedule",
     "racing_min_samples",
     "racing_min_positions",

@@ -190,5 +190,8 @@ def demo_cmd(
     out = out.resolve()
     typer.echo(f"building the demo world and running the pipeline; task logs in {out / 'pipeline.log'}")
     report = run_demo(out, seed=seed, profile=profile, log_path=out / "pipeline.log", runner=runner, image=image)
-    typer.echo(f"\nreport: {report}/report.md (and report.html, plots beside it)\n")
+    from evoesap.demo.world import load_demo_world, world_identity
+
+    typer.echo(f"\nreport: {report}/report.md (and report.html, plots beside it)")
+    typer.echo(f"demo world: {world_identity(load_demo_world(out / 'world'))}\n")
     typer.echo(main_table(report))

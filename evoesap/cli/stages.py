@@ -11,8 +11,9 @@ from typing import Any
 import click
 
 from evoesap import params as parameters
-from evoesap.cli.app import echo_uri
-from evoesap.registry import STAGES, Stage, StageInput
+from evoesap.cli.app import echo_uri, scrub
+from evoesap.progress import is_quiet
+from evoesap.registry import STAGES, Stage, StageInput, load
 
 
 def flag(name: str) -> str:
@@ -105,6 +106,8 @@ def _runner(stage: Stage) -> Callable[..., None]:
             value = options.pop(item.name)
             inputs[item.name] = list(value) if item.many else pin(value, revision) if item.model else value
         run_stage(stage.name, inputs, make_params(stage.name, options), out)
+        if stage.headline is not None and not is_quiet():  # to stderr, beside the logs: stdout stays the URI alone
+            click.echo(scrub(load(stage.headline)(out)), err=True)
         echo_uri(out)
 
     return run

@@ -2,13 +2,15 @@
 
 The world is cached by content: `world.json` stores a hash of what decides training (`world_key`), and
 a call with the same inputs returns at once. A file lock makes concurrent callers
-(parallel test sessions) wait for one build instead of training twice.
+(parallel test sessions) wait for one build instead of training twice. Training runs in a child process
+whose environment pins the CPU numerics (`evoesap.demo.numerics`), so every x86-64 machine trains the same weights.
 """
 
 from __future__ import annotations
 
 import ast
 import contextlib
+import ctypes
 import dataclasses
 import fcntl
 import hashlib
@@ -16,6 +18,9 @@ import json
 import logging
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,12 +32,14 @@ import transformers
 
 from evoesap import data as _data
 from evoesap.demo import domains as _domains
+from evoesap.demo import numerics as _numerics
 from evoesap.demo import tokenizer as _tokenizer
 from evoesap.demo import train as _train
 from evoesap.demo.domains import DOMAINS, SPLITS, generate_splits, read_jsonl, write_jsonl
 from evoesap.demo.profiles import get_profile
+from evoesap.demo.recorded import recorded_world
 from evoesap.demo.tasks import TAG, task_name, write_tasks
-from evoesap.errors import ArtifactError, ConfigError
+from evoesap.errors import ArtifactError, ConfigError, ModelError
 from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
@@ -76,8 +83,9 @@ class DemoWorld:
 
 def world_key(seed: int, profile: str) -> str:
     """Hash of what decides the world: the data generator, tokenizer and training code, the part of
-    `evoesap.data` that makes the answer mask trained on (`encode_sample` and what it calls), seed and
-    profile values. An edit anywhere else (the rest of `evoesap.data` included) keeps the built world.
+    `evoesap.data` that makes the answer mask trained on (`encode_sample` and what it calls), the pinned CPU
+    numerics training runs with, seed and profile values. An edit anywhere else (the rest of `evoesap.data`
+    included) keeps the built world.
 
     Library versions are recorded in `info` but not keyed on, so a world built elsewhere can be reused.
     """
@@ -86,6 +94,7 @@ def world_key(seed: int, profile: str) -> str:
         h.update(Path(module.__file__).read_bytes())
     h.update(source_closure(Path(_data.__file__), "encode_sample").encode())
     h.update(json.dumps({"seed": seed, "profile": dataclasses.asdict(get_profile(profile))}, sort_keys=True).encode())
+    h.update(json.dumps({"numerics": _numerics.PINNED_NUMERICS}, sort_keys=True).encode())
     return h.hexdigest()
 
 
@@ -174,9 +183,58 @@ def _ensure_mix(data_dir: Path) -> None:
             staging.replace(path)
 
 
-def _build_into(staging: Path, seed: int, profile_name: str) -> dict:
-    """Generate data, build the tokenizer, train and save the model into `staging`; returns build figures."""
+BUILD_INFO = ".build-info.json"  # the child's figures, read and removed by the parent
+
+
+def _build_in_child(staging: Path, seed: int, profile_name: str) -> dict:
+    """`_build_into` in a fresh interpreter whose environment pins the CPU numerics (read when torch is
+    imported, so this process's torch cannot be switched); returns its build figures."""
+    env = _numerics.pinned_environment(os.environ)
+    package_root = Path(__file__).resolve().parents[2]
+    if package_root.name not in ("site-packages", "dist-packages"):  # a checkout: the child imports this very evoesap
+        env["PYTHONPATH"] = os.pathsep.join([str(package_root), *filter(None, [os.environ.get("PYTHONPATH")])])
+    level = logging.getLogger("evoesap").getEffectiveLevel()
+    code = "import sys; from evoesap.demo.world import _child_main; _child_main(sys.argv[1:])"
+    argv = [sys.executable, "-c", code, str(staging), str(seed), profile_name, str(level)]
+    child = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=_end_with_parent)
+    try:
+        returncode = child.wait()
+    finally:  # interrupted (Ctrl-C, an exception in a signal handler): the training goes too
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    info_path = staging / BUILD_INFO
+    if returncode != 0 or not info_path.exists():
+        raise ModelError(
+            f"training the demo world (seed {seed}, profile {profile_name!r}) failed in its child process "
+            f"(exit code {returncode}); its error is printed above"
+        )
+    info = json.loads(info_path.read_text())
+    info_path.unlink()
+    return info
+
+
+def _end_with_parent() -> None:
+    """In the training child before it starts: on Linux, SIGTERM when the building process ends however it ends
+    (killed, say, as the test session stops its background build), so no training outlives its build."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+def _child_main(args: list[str]) -> None:
+    """Entry point of the training child: `staging seed profile log-level`."""
+    staging, seed, profile_name, level = args
+    logging.basicConfig(level=int(level), format="%(levelname)s %(name)s: %(message)s")  # as the CLI logs
+    info = _build_into(Path(staging), int(seed), profile_name)
+    (Path(staging) / BUILD_INFO).write_text(json.dumps(info))
+
+
+def _build_into(staging: Path, seed: int, profile_name: str, weights: Path | None = None) -> dict:
+    """Generate data, build the tokenizer, train (or take the shipped `weights`) and save the model into `staging`;
+    returns build figures. Training runs in the training child (`_build_in_child`), whose environment pins the
+    numerics; shipped weights need no training, so no child."""
     profile = get_profile(profile_name)
+    capability = _numerics.check_pinned() if weights is None else None
     start = time.perf_counter()
     train_sets: dict[str, list[list[dict]]] = {}
     for domain in sorted(DOMAINS):
@@ -186,22 +244,28 @@ def _build_into(staging: Path, seed: int, profile_name: str) -> dict:
         train_sets[domain] = [row["messages"] for row in read_jsonl(staging / "data" / domain / "train.jsonl")]
     tok = _tokenizer.build_tokenizer(model_max_length=profile.max_positions)
     model = _train.make_model(profile, tok, seed)
-    figures = _train.train(model, tok, train_sets, profile, seed)
+    figures = _train.train(model, tok, train_sets, profile, seed) if weights is None else {}
     model_dir = staging / "model"
     model.save_pretrained(str(model_dir), safe_serialization=True)
+    if weights is not None:  # the very file training saves, so the checkpoint is byte for byte the trained one
+        shutil.copyfile(weights, model_dir / "model.safetensors")
     _tokenizer.save_tokenizer(tok, model_dir)
     params = sum(p.numel() for p in model.parameters())
     expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    weights = sorted(model_dir.glob("*.safetensors"))
+    source = "trained" if weights is None else "shipped"
+    files = sorted(model_dir.glob("*.safetensors"))
     return dict(
         figures,
         build_seconds=time.perf_counter() - start,
         parameters=params,
         expert_parameters=expert_params,
         parameter_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
-        safetensors_bytes=sum(w.stat().st_size for w in weights),
+        safetensors_bytes=sum(f.stat().st_size for f in files),
         weights_sha256=weights_hash(model_dir),
         torch_threads=profile.threads,
+        weights_source=source,
+        cpu_capability=capability,
+        numerics={name: os.environ.get(name) for name in _numerics.PINNED_NUMERICS} if source == "trained" else None,
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
     )
@@ -230,18 +294,34 @@ def load_demo_world(out_dir: str | Path) -> DemoWorld:
     return _world(root, json.loads(meta_path.read_text()))
 
 
-def build_demo_world(out_dir: str | Path, seed: int = 0, profile: str = "default", force: bool = False) -> DemoWorld:
+SHIPPED_WEIGHTS = Path(__file__).parent / "weights"  # the recorded worlds' trained weights, `<profile>-seed<seed>.safetensors`
+
+
+def shipped_weights(seed: int, profile: str, key: str) -> Path | None:
+    """The trained weights that ship with the package for this world, when the code still builds the recorded
+    world (same key): building then takes seconds instead of training for minutes, on any CPU."""
+    recorded = recorded_world(profile, seed)
+    path = SHIPPED_WEIGHTS / f"{profile}-seed{seed}.safetensors"
+    return path if recorded is not None and recorded.key == key and path.is_file() else None
+
+
+def build_demo_world(
+    out_dir: str | Path, seed: int = 0, profile: str = "default", force: bool = False, train: bool = False
+) -> DemoWorld:
     """Build the demo world in `out_dir`, or return the cached one when code, seed and profile match.
 
-    A directory that is not a demo world is never overwritten; a demo world with another key is rebuilt.
+    The recorded worlds' weights ship with the package and are used when the code still builds that world;
+    `train` trains them instead and fails unless training reproduces the recorded weights bit for bit. A
+    directory that is not a demo world is never overwritten; a demo world with another key is rebuilt.
     """
     root = Path(out_dir).resolve()
     key = world_key(seed, profile)
+    weights = None if train else shipped_weights(seed, profile, key)
     with _lock(root):
         meta_path = root / WORLD_FILE
         if root.exists() and any(root.iterdir()) and not meta_path.exists() and not force:
             raise ConfigError(f"{root} exists and is not a demo world; choose an empty directory or pass force")
-        if meta_path.exists() and not force:
+        if meta_path.exists() and not force and not train:
             meta = json.loads(meta_path.read_text())
             if meta.get("key") == key:
                 log.info("demo world in %s is up to date (key %s)", root, key[:12])
@@ -253,7 +333,8 @@ def build_demo_world(out_dir: str | Path, seed: int = 0, profile: str = "default
         staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.build-", dir=root.parent))
         os.chmod(staging, 0o777 & ~artifacts.umask())  # it becomes the world: the mode mkdir gives, not 0700
         try:
-            info = _build_into(staging, seed, profile)
+            info = _build_in_child(staging, seed, profile) if weights is None else _build_into(staging, seed, profile, weights)
+            _check_recorded(seed, profile, key, info, required=train or weights is not None)
             meta = {"key": key, "seed": seed, "profile": profile, "info": info}
             (staging / WORLD_FILE).write_text(json.dumps(meta, indent=2))
             if root.exists():
@@ -265,5 +346,42 @@ def build_demo_world(out_dir: str | Path, seed: int = 0, profile: str = "default
             shutil.rmtree(staging, ignore_errors=True)
         _ensure_tasks(root)
         _ensure_mix(root / "data")
-        log.info("demo world built in %.0fs: %s", info["build_seconds"], root)
+        log.info("demo world built in %.0fs (%s weights): %s", info["build_seconds"], info["weights_source"], root)
         return _world(root, meta)
+
+
+def world_identity(world: DemoWorld) -> str:
+    """One line naming the world by key and weights digest, and whether it is the recorded one (the one whose
+    figures docs/results/demo.md and the README report)."""
+    digest = world.info["weights_sha256"]
+    recorded = recorded_world(world.profile, world.seed)
+    if recorded is None:
+        verdict = "no recorded world for this seed and profile"
+    elif recorded.key != world.key:
+        verdict = f"NOT the recorded world: the code's key was {recorded.key[:12]} when its figures were recorded"
+    elif recorded.weights_sha256 != digest:
+        verdict = f"NOT the recorded world: same key, but the recorded weights are {recorded.weights_sha256[:12]}"
+    else:
+        verdict = "the recorded world, whose figures docs/results/demo.md reports"
+    return f"world key {world.key[:12]}, weights sha256 {digest[:12]} ({verdict})"
+
+
+def _check_recorded(seed: int, profile: str, key: str, info: dict, required: bool) -> None:
+    """When this world should be a recorded one (same key) but its weights are not the recorded ones: an error
+    when `required` (shipped weights, or training asked to reproduce them), else a warning."""
+    recorded = recorded_world(profile, seed)
+    if recorded is None or recorded.key != key or recorded.weights_sha256 == info["weights_sha256"]:
+        return
+    message = (
+        f"demo world (seed {seed}, profile {profile}) has {info['weights_source']} weights "
+        f"{info['weights_sha256'][:12]}, not the recorded {recorded.weights_sha256[:12]} (torch "
+        f"{info.get('torch_version')}, transformers {info.get('transformers_version')} here; recorded with torch "
+        f"{recorded.torch_version}, transformers {recorded.transformers_version}; torch kernels "
+        f"{info.get('cpu_capability')}): its results would differ from docs/results/demo.md"
+    )
+    if not required:
+        log.warning("%s", message)
+    elif info["weights_source"] == "shipped":
+        raise ArtifactError(f"{message}; the shipped file {SHIPPED_WEIGHTS} is damaged: reinstall evoesap")
+    else:
+        raise ModelError(f"{message}; training does not reproduce the recorded world on this machine")

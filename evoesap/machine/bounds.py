@@ -1,4 +1,4 @@
-"""Sizes a stage cannot be meant to run with, refused in one line before any work (issue 29).
+"""Sizes a stage cannot be meant to run with, refused in one line before any work.
 
 Three places call it: every stage's parameter dataclass at the end of `__post_init__` (`check_params`:
 what the numbers alone rule out), every model stage right after its preflight (`check_stage`: the device

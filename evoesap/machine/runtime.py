@@ -38,14 +38,14 @@ def bound_allocator_retention() -> None:
     """Fix glibc's mmap threshold (which otherwise rises after each large free), so that the multi-MiB
     buffers transformers frees while it restacks a checkpoint's experts return to the OS instead of
     staying in the heap: 224 MiB less resident after loading a 1 GB OLMoE-shaped model on the CPU
-    (benchmarks/RESULTS.md). Nothing happens where the C library is not glibc."""
+    (docs/results/memory.md). Nothing happens where the C library is not glibc."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 # CPU threads. A model below this many parameters runs its CPU work on one intra-op thread: its ops are too
 # small to gain from a second thread, and torch's OpenMP threads spin-wait for each other, so whenever another
-# process holds a core a training that takes 3 minutes on 2 idle cores took 47 (benchmarks/RESULTS.md,
+# process holds a core a training that takes 3 minutes on 2 idle cores took 47 (docs/results/speed.md,
 # "CPU threads under load"). Larger models keep torch's own thread count (all cores).
 TINY_MODEL_PARAMETERS = 50_000_000
 CPU_THREADS_ENV = "EVOESAP_CPU_THREADS"  # an explicit intra-op thread count for CPU work, whatever the model size

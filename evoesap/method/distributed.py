@@ -6,9 +6,10 @@ running `evoesap.stages.search_workers` (this module imports no stage). Rank 0, 
 the checkpoint and the artifact; every rank, rank 0 included, scores a share of each batch.
 
 Protocol, one round per batch the search asks for (`score_batch`: a generation's new candidates, or one
-racing level's entrants): rank 0 broadcasts the batch with each candidate's worker (`assign`), each rank
+racing level's entrants; with statistical racing also `sample_batch`, each candidate's per-sample values on the
+race order's first samples): rank 0 broadcasts the batch with each candidate's worker (`assign`), each rank
 scores its own candidates in batch order, and an all-gather of one float64 vector per rank gives every
-value to rank 0, which takes each candidate's from its worker. The assignment depends only on the batch
+value (per-sample values: a row of them) to rank 0, which takes each candidate's from its worker. The assignment depends only on the batch
 and on earlier batches, never on timing, so the search sees the same values in the same order as in
 one process: a candidate goes back to the worker that scored it before (its per-sample scores are
 memoised there, so a racing survivor runs only the samples it lacks, as in one process), else to the
@@ -127,6 +128,16 @@ class Coordinator:
             self.fitness.update(zip(batch, values))
         return values
 
+    def sample_batch(self, rs: Sequence[Allocation], count: int | None) -> list[Any]:
+        """Per-sample fitness on the race order's first `count` samples (statistical racing), assigned as `score_batch`."""
+        batch = [tuple(int(x) for x in r) for r in rs]
+        anchors = sorted(self.fitness, key=lambda a: -self.fitness[a])[: self.keep]
+        ranks = assign(batch, self.owners, anchors, self.workers)
+        _broadcast(("samples", batch, count, ranks))
+        values = _sample_share(self.scoring, batch, count, ranks, self.device)
+        self.owners.update(zip(batch, ranks))
+        return values
+
     def totals(self) -> dict[str, int]:
         """The search's cost summed over the workers (the prefix cache's budget and peak: the largest one's)."""
         _broadcast(("totals",))
@@ -158,6 +169,9 @@ def serve(scoring: Any) -> None:
             return
         if message[0] == "totals":
             _gather_totals(scoring, device)
+        elif message[0] == "samples":
+            _, batch, count, ranks = message
+            _sample_share(scoring, batch, count, ranks, device)
         else:
             _, batch, level, generation, ranks = message
             _score_share(scoring, batch, level, generation, ranks, device)
@@ -208,6 +222,24 @@ def _score_share(
         dist.all_gather(every, mine.to(device))
     table = torch.stack(every).cpu()  # [workers, n]
     return [float(table[w, i]) for i, w in enumerate(ranks)]
+
+
+def _sample_share(scoring: Any, batch: list[Allocation], count: int | None, ranks: list[int], device: Any) -> list[Any]:
+    """`_score_share` for per-sample values: a [n, count] float64 table per rank, each row from its worker."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    width = len(scoring.race_order) if count is None else count
+    mine = torch.zeros((len(batch), width), dtype=torch.float64)  # [n, count] float64
+    for i, (r, w) in enumerate(zip(batch, ranks)):
+        if w == rank:
+            mine[i] = torch.from_numpy(scoring.samples(r, count))
+    every = [torch.empty((len(batch), width), dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+    with _collective():
+        dist.all_gather(every, mine.to(device))
+    table = torch.stack(every).cpu()  # [workers, n, count]
+    return [table[w, i].numpy() for i, w in enumerate(ranks)]
 
 
 def _gather_totals(scoring: Any, device: Any) -> list[dict[str, int]]:

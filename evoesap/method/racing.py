@@ -11,7 +11,7 @@ With the defaults and 28 offspring: 28 on 1/16, 7 on 1/4, 2 on all, which is 1.7
 = 4.6 sample-set passes instead of 28 (the evaluator memoises per sample, so a promoted candidate runs
 only the samples it lacks). On the demo world this default cost 3.7-4.4x less per generation than
 exact search and lost at most 0.14% full-set ESAP over 12 searches; EvoPress's 1/8, 1/2 schedule
-("0.125,0.5:0.25") cost 2.6-3.0x less (benchmarks/RESULTS.md).
+("0.125,0.5:0.25") cost 2.6-3.0x less (docs/results/search-quality.md).
 
 A level never starves: it scores at least `min_samples` samples (default 4) and `min_positions` scored
 positions (default 256), however small its share. Fitness is a mean over samples, and samples differ
@@ -127,3 +127,103 @@ class Racing:
 def _permutation(n: int, seed: int, generation: int) -> tuple[int, ...]:
     """One generation's sample order, drawn once although every candidate of every level asks for it."""
     return tuple(np.random.default_rng([seed, generation]).permutation(n).tolist())
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequential:
+    """Statistical racing: a new candidate stops once the evidence says, at error rate `delta`, that its full-set
+    fitness lies below that of the elite boundary member (the weakest parent; in generation 0 the weakest of the
+    first `elites` members, scored on the full set first).
+
+    Every candidate is scored on growing prefixes of one sample order, fixed once per search (`order`: stratified
+    by scored length, seeded), at the checkpoints `min_samples`, x `growth`, ... below the search set's size. At
+    each checkpoint the paired differences d_i = candidate_i - boundary_i on the same samples (same teacher, same
+    order) give an upper confidence bound on the full-set mean of d (`upper`): a Student-t bound with the
+    finite-population correction of sampling without replacement, at level `delta / checkpoints` (a union bound
+    over the checkpoints, so the bound holds at all of them at once). A candidate whose bound is below zero cannot
+    enter the elite and stops there; the rest go on to the full set, where only exact scores rank. The t bound is
+    the normal approximation of the sample mean (a distribution-free empirical Bernstein bound, which needs the
+    range of d, would need hundreds of samples to stop anything at the differences between ESAP candidates), so
+    `delta` is the declared rate of wrongly stopping a candidate that could have entered the elite, as far as
+    that approximation holds; with few samples the t quantile is large and the test cautious.
+    """
+
+    delta: float = 0.05  # declared chance of wrongly stopping a candidate that could enter the elite
+    min_samples: int = 4  # the first checkpoint's samples (and the strata of the order)
+    growth: float = 2.0  # each checkpoint scores this many times the samples of the previous one
+
+    def __post_init__(self) -> None:
+        if not 0 < self.delta < 1:
+            raise ConfigError(f"racing_delta must lie in (0, 1), got {self.delta}")
+        if self.min_samples < 2:
+            raise ConfigError(f"statistical racing needs racing_min_samples >= 2 (a variance), got {self.min_samples}")
+        if not self.growth > 1:
+            raise ConfigError(f"statistical racing's growth must exceed 1, got {self.growth}")
+
+    def checkpoints(self, n: int) -> tuple[int, ...]:
+        """Sample counts at which candidates may stop, each below `n` (the full set follows)."""
+        out, size = [], self.min_samples
+        while size < n:
+            out.append(size)
+            size = max(size + 1, math.ceil(size * self.growth))
+        return tuple(out)
+
+    def order(self, positions: Sequence[int], seed: int) -> tuple[int, ...]:
+        """The race's sample order (indices into `positions`, the scored positions of each search sample), once
+        per search: samples sorted by length into `min_samples` strata, each shuffled, then dealt in turn, so that
+        every prefix spans short and long samples alike."""
+        n = len(positions)
+        rng = np.random.default_rng([seed, 0x5EC])
+        ranked = sorted(range(n), key=lambda i: (positions[i], int(rng.integers(1 << 30))))
+        strata = [ranked[i * n // self.min_samples : (i + 1) * n // self.min_samples] for i in range(self.min_samples)]
+        for stratum in strata:
+            rng.shuffle(stratum)
+        return tuple(s[i] for i in range(max(map(len, strata))) for s in strata if i < len(s))
+
+    def upper(self, differences: np.ndarray, population: int) -> float:
+        """Upper confidence bound on the mean of d over all `population` samples, from its first values
+        (`differences`, NaN ones dropped), at level delta / checkpoints."""
+        d = np.asarray(differences, dtype=np.float64)
+        d = d[~np.isnan(d)]
+        n = len(d)
+        if n >= population:
+            return float(d.mean())
+        if n < 2:
+            return math.inf
+        spread = float(d.std(ddof=1)) * math.sqrt((1 - n / population) / n)
+        return float(d.mean()) + student_t(1 - self.delta / max(1, len(self.checkpoints(population))), n - 1) * spread
+
+    def check(self, positions: Sequence[int]) -> None:
+        """Refuse, before any search, a search set too small for a first checkpoint below it."""
+        if not self.checkpoints(len(positions)):
+            raise ConfigError(
+                f"statistical racing's first checkpoint ({self.min_samples} samples, racing_min_samples) is not below the "
+                f"{len(positions)} search samples: it cannot save work; use more search samples, a lower "
+                "racing_min_samples, or no racing"
+            )
+
+    def samples_at(self, level: int, n: int) -> int:
+        """Samples a candidate stopped at `level` was scored on."""
+        return self.checkpoints(n)[level]
+
+
+def student_t(p: float, df: int) -> float:
+    """The p-quantile of Student's t with `df` degrees of freedom: exact for 1 and 2, else the Cornish-Fisher
+    expansion of the normal quantile (Abramowitz and Stegun 26.7.5; within 3% below the exact value for df 3 and
+    p <= 0.999, within 0.1% from df 7). numpy has no t quantile and scipy is no dependency."""
+    from statistics import NormalDist
+
+    if df == 1:
+        return math.tan(math.pi * (p - 0.5))
+    if df == 2:
+        return (2 * p - 1) * math.sqrt(2 / (4 * p * (1 - p)))
+    z = NormalDist().inv_cdf(p)
+    v = float(df)
+    terms = (
+        z,
+        (z**3 + z) / (4 * v),
+        (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2),
+        (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3),
+        (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * v**4),
+    )
+    return float(sum(terms))

@@ -36,6 +36,13 @@ removal counts, see `evoesap.method.allocation`) to a float, higher is better.
   search equals an uninterrupted one. History records of candidates stopped early carry the level
   they reached and their score there (`level`); the search draws no extra random numbers, so racing
   off leaves Algorithm 1 and its results unchanged.
+- Statistical racing (`racing=Sequential(...)` with `sample_fitness`, or `sample_batch`): each generation's
+  new candidates are scored on growing prefixes of one sample order fixed for the search and stop as soon as
+  their paired per-sample differences against the elite boundary member (the weakest parent; in generation 0
+  the first `elites` distinct members, scored on the full set first, and the weakest of them) say at error rate
+  `delta` that they cannot enter the elite (`evoesap.method.racing.Sequential`). The boundary only rises within
+  a search, so a candidate below it could never have become an elite or the best. `sample_fitness(allocation,
+  count)` gives the per-sample fitness (higher is better) on the order's first `count` samples (None: all).
 - Scoring goes through one seam, a batch per generation and racing level: `score_batch(allocations,
   level, generation)` (level None: the full set), so that a caller can score a generation's candidates on
   several workers (`evoesap.method.distributed`). The search asks for the same allocations in the same order
@@ -66,7 +73,7 @@ import numpy as np
 from evoesap.errors import ArtifactError, ConfigError, DataError
 from evoesap.method import allocation
 from evoesap.method.allocation import Allocation
-from evoesap.method.racing import Racing
+from evoesap.method.racing import Racing, Sequential
 from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
@@ -78,6 +85,10 @@ FlooredFitness = Callable[[Allocation, "float | None"], float]
 SubsetFitness = Callable[[Allocation, int, int], float]
 # score_batch(allocations, racing level or None for the full set, generation): their fitnesses, in order
 ScoreBatch = Callable[[Sequence[Allocation], "int | None", int], Sequence[float]]
+# sample_fitness(allocation, count): per-sample fitness on the race order's first `count` samples (None: all)
+SampleFitness = Callable[[Allocation, "int | None"], Sequence[float]]
+# sample_batch(allocations, count): sample_fitness of each, in order
+SampleBatch = Callable[[Sequence[Allocation], "int | None"], Sequence[Sequence[float]]]
 # on_generation(generation, best, best_fitness, mean_fitness_of_population, evaluations_so_far)
 OnGeneration = Callable[[int, Allocation, float, float, int], None]
 
@@ -124,7 +135,7 @@ class _Params:
     granularity: int
     seed: int
     init: tuple[Allocation, ...]
-    racing: Racing | None = None
+    racing: Racing | Sequential | None = None
 
 
 def seed_patterns(num_experts: Sequence[int], top_k: Sequence[int], budget: int, granularity: int = 1) -> dict[str, Allocation]:
@@ -164,16 +175,20 @@ def level_switch_search(
     checkpoint: str | None = None,
     resume: bool = False,
     on_generation: OnGeneration | None = None,
-    racing: Racing | None = None,
+    racing: Racing | Sequential | None = None,
     subset_fitness: SubsetFitness | None = None,
     score_batch: ScoreBatch | None = None,
     elite_floor: bool = False,
+    sample_fitness: SampleFitness | None = None,
+    sample_batch: SampleBatch | None = None,
 ) -> SearchResult:
     """Search the allocation that maximises `fitness` under the budget (see the module docstring).
 
     init: extra seeds for generation 0, placed right after the uniform seed.
-    racing, subset_fitness: successive halving over sample subsets (both or neither).
-    score_batch: scores a batch at once, in place of `fitness` and `subset_fitness` (give one or the other).
+    racing, subset_fitness: successive halving over sample subsets (both or neither); with a `Sequential` racing,
+    `sample_fitness` instead (statistical racing).
+    score_batch: scores a batch at once, in place of `fitness` and `subset_fitness` (give one or the other);
+    `sample_batch` in place of `sample_fitness`.
     on_generation: called after each generation (0 is the initial population, so `generations + 1`
     calls in all); on resume, once for the restored generation and then for each new one.
     elite_floor: pass the weakest parent's fitness to full-set scoring, which may stop candidates that cannot
@@ -184,12 +199,21 @@ def level_switch_search(
     )
     if (fitness is None) == (score_batch is None):
         raise ConfigError("give the search either fitness (and subset_fitness for racing) or score_batch, not both")
+    statistical = isinstance(racing, Sequential)
     if score_batch is None:
-        if (racing is None) != (subset_fitness is None):
+        if statistical and sample_fitness is None:
+            raise ConfigError("statistical racing needs sample_fitness (per-sample fitness on the race order)")
+        if not statistical and (racing is None) != (subset_fitness is None):
             raise ConfigError("racing needs both a Racing schedule and subset_fitness (or neither)")
+        if sample_batch is not None:
+            raise ConfigError("sample_batch goes with score_batch: give sample_fitness with fitness")
         score_batch = _one_by_one(fitness, subset_fitness, elite_floor)
-    elif subset_fitness is not None:
-        raise ConfigError("score_batch scores the racing levels too: drop subset_fitness")
+        if sample_fitness is not None:
+            sample_batch = _samples_one_by_one(sample_fitness)
+    elif subset_fitness is not None or sample_fitness is not None:
+        raise ConfigError("score_batch scores the racing levels too: drop subset_fitness and sample_fitness")
+    if statistical and sample_batch is None:
+        raise ConfigError("statistical racing with score_batch needs sample_batch (per-sample fitness on the race order)")
     params = dataclasses.replace(params, racing=racing)
     space = searchable(params.num_experts, params.top_k, params.budget, params.granularity)
     if resume and checkpoint is None:
@@ -198,7 +222,7 @@ def level_switch_search(
     if resume and saved is None:
         log.info("no checkpoint at %s yet: starting the search afresh", artifacts.redact(str(checkpoint)))
 
-    run = _Run(params, space, score_batch, checkpoint, on_generation, elite_floor)
+    run = _Run(params, space, score_batch, checkpoint, on_generation, elite_floor, sample_batch)
     if saved is None:
         start, pop = 0, _initial_population(_seeds(params), space, params.population, run.rng)
         run.finish(0, pop)
@@ -222,8 +246,10 @@ class _Run:
         checkpoint: str | None,
         on_generation: OnGeneration | None,
         elite_floor: bool = False,
+        sample_batch: SampleBatch | None = None,
     ) -> None:
         self.params, self.score_batch, self.checkpoint, self.on_generation = params, score_batch, checkpoint, on_generation
+        self.sample_batch = sample_batch
         self.elite_floor = elite_floor
         self.floor: float | None = None  # the weakest parent's fitness in this generation (elite_floor)
         self.caps = np.asarray(space.caps)  # [L] int, bounds in units of granularity
@@ -255,11 +281,56 @@ class _Run:
         if new:
             self.memo.update(zip(new, self.scored(new, None, gen)))
 
+    def samples(self, rs: list[Allocation], count: int | None) -> list[np.ndarray]:
+        """Per-sample fitness of `rs` on the race order's first `count` samples (None: all) -> [count] float64 each."""
+        assert self.sample_batch is not None
+        values = [np.asarray(v, dtype=np.float64) for v in self.sample_batch(rs, count)]
+        if len(values) != len(rs) or any(count is not None and len(v) != count for v in values):
+            raise DataError(
+                f"sample_batch returned {[len(v) for v in values]} values for {len(rs)} allocations on {count} samples: "
+                "fix the scorer"
+            )
+        return values
+
+    def race_sequential(self, gen: int, pop: list[Allocation]) -> dict[Allocation, tuple[int, float]]:
+        """Statistical racing of the new members against the elite boundary member (the module docstring);
+        survivors get full-set fitness (memo). Returns the checkpoint and the score there of those stopped."""
+        race = self.params.racing
+        assert isinstance(race, Sequential)
+        entrants = [r for r in dict.fromkeys(pop) if r not in self.memo]
+        if gen == 0:  # a provisional elite first: the seeds lead the population
+            first = entrants[: self.params.elites]
+            self.score_full_set(first, gen)
+            entrants, leaders = entrants[len(first) :], first
+        else:
+            leaders = pop[: self.params.elites]  # the parents (`_next_population`)
+        if not entrants:
+            return {}
+        boundary = min(leaders, key=lambda r: self.memo[r])
+        full = self.samples([boundary], None)[0]
+        stopped: dict[Allocation, tuple[int, float]] = {}
+        for level, count in enumerate(race.checkpoints(len(full))):
+            if not entrants:
+                break
+            values = self.samples(entrants, count)
+            self.subset_calls += len(entrants)
+            going = []
+            for r, v in zip(entrants, values):
+                if race.upper(v - full[:count], len(full)) < 0:
+                    stopped[r] = (level, float(np.nanmean(v)))
+                else:
+                    going.append(r)
+            entrants = going
+        self.score_full_set(entrants, gen)
+        return stopped
+
     def race(self, gen: int, pop: list[Allocation]) -> dict[Allocation, tuple[int, float]]:
         """Score the new members over the racing levels; survivors get full-set fitness (memo).
         Returns the level reached and the score there of those stopped early."""
         racing = self.params.racing
         assert racing is not None
+        if isinstance(racing, Sequential):
+            return self.race_sequential(gen, pop)
         entrants = [r for r in dict.fromkeys(pop) if r not in self.memo]
         stopped: dict[Allocation, tuple[int, float]] = {}
         for level in range(len(racing.fractions)):
@@ -341,6 +412,15 @@ def _one_by_one(fitness: Any, subset_fitness: SubsetFitness | None, floored: boo
         return [float(subset_fitness(r, level, gen)) for r in rs]
 
     return score_batch
+
+
+def _samples_one_by_one(sample_fitness: SampleFitness) -> SampleBatch:
+    """A per-sample batch scorer that calls `sample_fitness` for each allocation in turn."""
+
+    def sample_batch(rs: Sequence[Allocation], count: int | None) -> list[np.ndarray]:
+        return [np.asarray(sample_fitness(r, count), dtype=np.float64) for r in rs]
+
+    return sample_batch
 
 
 def _validate(

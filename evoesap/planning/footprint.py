@@ -32,7 +32,7 @@ RUNTIME_BYTES = 320 << 20  # anonymous memory of a stage process before its mode
 LAYER_HIDDEN_STATES = 8
 # On a GPU, batches of thousands of tokens: the same tensors counted float32-sized and twice over (the
 # norms', router's and softmax's float32 upcasts, the caching allocator's freed blocks not yet reused);
-# benchmarks/gpu_stages.py at OLMoE-1B-7B size, batch 8 x 4,096: calibrate -14%, cache-logits +0% (RESULTS.md)
+# benchmarks/gpu_stages.py at OLMoE-1B-7B size, batch 8 x 4,096: calibrate -14%, cache-logits +0% (docs/results/memory.md)
 GPU_LAYER_FLOAT32_STATES = 2 * LAYER_HIDDEN_STATES
 CUDA_CONTEXT_BYTES = 512 << 20  # the CUDA context and kernels on the device (NVML counts them; torch does not)
 # host -> GPU copies of offloaded weights: accelerate's hooks copy from pageable host memory, about 12 GB/s on

@@ -31,6 +31,7 @@ from evoesap.records.documents import (
     PruningRecord,
     QuantizationRecord,
     Quantized,
+    SearchWork,
     TargetRecord,
     TaskMetric,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "QuantizationRecord",
     "Quantized",
     "Record",
+    "SearchWork",
     "TargetRecord",
     "TaskMetric",
     "allocation_counts",

@@ -49,6 +49,25 @@ class HeldoutCheck(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class SearchWork(Record):
+    """The work a search did, in full-forward equivalents (FFE: active multiply-accumulates run / those of one plain
+    forward over the search samples; `evoesap.stages.search.search_work`), and how racing cut it. The search
+    artifact's manifest holds it as `run.cost` (with how the run ran), not allocation.json: a resumed or
+    multi-worker search does other work for the same result, and its allocation.json must equal an undisturbed
+    run's, byte for byte."""
+
+    full_forward_equivalents: float  # the whole search's work, before the held-out check
+    full_forward_equivalents_per_candidate: float  # that over `candidates`
+    candidates: int  # distinct allocations scored, on the full set or on a racing subset
+    full_set_evaluations: int  # distinct allocations scored on the full search set
+    stopped_early: int  # race stops: a candidate stopped in two generations counts twice
+    stopped_at: dict[int, int]  # samples scored at the stop -> race stops there
+    racing: str  # off, schedule or statistical
+    racing_delta: float | None = None  # statistical racing's declared error rate; None otherwise
+    resumed: bool = False  # the search was resumed: FFE count only the work after the resume
+
+
+@dataclasses.dataclass(frozen=True)
 class AllocationRecord(Record):
     """allocation.json. What prune needs is required; the search's account of itself may be absent (an allocation
     written by hand), and `warnings` is absent in searches made before warnings were recorded."""

@@ -22,6 +22,31 @@ def search_facts(uri: str) -> dict[str, Any]:
     return {**{k: doc[k] for k in keys}, "cost": artifacts.read_manifest(uri).run.get("cost")}
 
 
+def search_headline(uri: str) -> str:
+    """The search's result in one line: the searched allocation against uniform on the held-out samples (else on the
+    search set), whether it beats uniform, and where allocation.json is."""
+    record = records.read(uri, records.AllocationRecord)
+    metric = record.metric or "fitness"
+    where = f"{artifacts.redact(str(uri).rstrip('/'))}/{records.ALLOCATION_FILE}"
+    if record.searched is None or record.uniform is None:  # an allocation written by hand
+        return f"search: allocation {list(record.removal_counts)} (no comparison with uniform recorded); details: {where}"
+    searched, uniform = list(record.searched.removal_counts), list(record.uniform.removal_counts)
+    pair = f"searched {searched} vs uniform {uniform}" if searched != uniform else f"searched = uniform {uniform}"
+    check = record.heldout
+    if check is not None and check.samples and check.searched is not None and check.uniform is not None:
+        spread = f", {check.difference / check.stderr:.1f} standard errors" if check.stderr else ""
+        numbers = (
+            f"held-out {metric} {check.searched:.5f} vs {check.uniform:.5f} "
+            f"({check.difference:+.1e}{spread}, {check.samples} samples)"
+        )
+        verdict = "beats uniform" if check.beats_uniform else "does not beat uniform (see the warning above)"
+    else:
+        numbers = f"search-set {metric} {record.searched.fitness:.5f} vs {record.uniform.fitness:.5f} (no held-out samples)"
+        verdict = "held-out check not run"
+    fallback = "; fell back to uniform" if record.fallback_applied else ""
+    return f"search: {pair}, {numbers}: {verdict}{fallback}; details: {where}"
+
+
 def prune_facts(uri: str) -> dict[str, Any]:
     record = records.read(uri, records.PruningRecord)
     return {
@@ -46,16 +71,35 @@ def quantize_facts(uri: str) -> dict[str, Any]:
     doc = records.read(uri, records.QuantizationRecord).to_json()
     keys = ("recipe", "scheme", "num_experts_per_layer", "checkpoint_bytes_before", "checkpoint_bytes_after")
     source = artifacts.read_manifest(uri, "quantize").inputs["model"]
-    pruned, digest = source.get("uri"), source.get("manifest_sha256")
-    # the very prune artifact it quantized; none: a checkpoint of ours no longer where it was, or any other checkpoint
-    ours = (
-        bool(digest)
-        and artifacts.exists(artifacts.join(pruned, artifacts.MANIFEST))
-        and artifacts.manifest_sha256(pruned) == digest
-        and artifacts.read_manifest(pruned).stage == "prune"
+    return {**_point(source), **{k: doc[k] for k in keys}}
+
+
+def publish_facts(uri: str) -> dict[str, Any]:
+    """What was released: `withheld` false (a release the gate refused is an entry that says true and why), the method,
+    criterion and sparsity of the prune artifact it released, where it was pushed, and the verdict it passed."""
+    manifest = artifacts.read_manifest(uri, "publish")
+    gate = manifest.inputs.get("gate")
+    passed = {"gate": records.read(gate["uri"], records.GateRecord).line()} if gate and _recorded(gate, "gate") else {}
+    pushed = {k: manifest.params[k] for k in ("to", "repo") if manifest.params.get(k)}
+    return {"withheld": False, **_point(manifest.inputs.get("pruned", {})), **pushed, **passed}
+
+
+def _recorded(entry: dict[str, Any], stage: str) -> bool:
+    """Whether a manifest's input entry is still the `stage` artifact it read (none: a checkpoint of ours no longer
+    where it was, changed since, or any other checkpoint)."""
+    where, digest = entry.get("uri"), entry.get("manifest_sha256")
+    return (
+        bool(where and digest)
+        and artifacts.exists(artifacts.join(where, artifacts.MANIFEST))
+        and artifacts.manifest_sha256(where) == digest
+        and artifacts.read_manifest(where).stage == stage
     )
-    labels = {k: v for k, v in prune_facts(pruned).items() if k in ("method", "criterion", "sparsity")} if ours else {}
-    return {**labels, **{k: doc[k] for k in keys}}
+
+
+def _point(entry: dict[str, Any]) -> dict[str, Any]:
+    """The method, criterion and sparsity of the prune artifact an input entry names, when it is still there."""
+    labels = ("method", "criterion", "sparsity")
+    return {k: v for k, v in prune_facts(entry["uri"]).items() if k in labels} if _recorded(entry, "prune") else {}
 
 
 def gate_facts(uri: str) -> dict[str, Any]:

@@ -51,7 +51,7 @@ RECIPES: dict[str, Recipe] = {
     ),
 }
 # Not offered: W8A8 int8. Its checkpoint of an MoE model opens neither in transformers 5.24 (the int8 experts fail
-# the conversion to fused experts) nor in vLLM's CPU build 0.32 (no int8 MoE kernel): benchmarks/RESULTS.md, issue 28.
+# the conversion to fused experts) nor in vLLM's CPU build 0.32 (no int8 MoE kernel): docs/results/quantization.md.
 
 
 def check_recipe(name: str) -> Recipe:

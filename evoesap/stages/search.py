@@ -34,7 +34,7 @@ from evoesap import records
 from evoesap.errors import ConfigError
 from evoesap.machine import bounds, runtime
 from evoesap.method import allocation as alloc
-from evoesap.method.racing import Racing
+from evoesap.method.racing import Racing, Sequential
 from evoesap.params import PlacementParams, check_declared, keyed, param
 from evoesap.progress import progress
 from evoesap.scoring.criteria import Criterion
@@ -74,8 +74,19 @@ class SearchParams(PlacementParams):
     racing: bool = param(
         False, "Race new candidates over growing sample subsets first (successive halving); elites are ranked on the full set."
     )
+    racing_mode: Literal["schedule", "statistical"] = param(
+        "schedule",
+        "How racing stops candidates: schedule (successive halving by racing_schedule) or statistical (a candidate stops "
+        "once its paired per-sample differences against the weakest elite say, at error rate racing_delta, that it "
+        "cannot enter the elite; evoesap.method.racing.Sequential).",
+    )
+    racing_delta: float = param(
+        0.05, "Statistical racing: the declared chance of wrongly stopping a candidate that could enter the elite.", gt=0, lt=1
+    )
     racing_schedule: str = param("0.0625,0.25:0.25", "Subset shares of the racing levels, then the share that advances.")
-    racing_min_samples: int = param(4, "Least samples any racing level scores.", ge=1)
+    racing_min_samples: int = param(
+        4, "Least samples any racing level scores (statistical racing: its first checkpoint, at least 2).", ge=1
+    )
     racing_min_positions: int = param(
         256, "Least scored positions any racing level scores (evoesap.method.racing says why).", ge=1
     )
@@ -140,9 +151,13 @@ class SearchParams(PlacementParams):
                 f"warm_start must be comma-separated integers, one per MoE layer, got {self.warm_start!r}"
             ) from None
 
-    def schedule(self) -> Racing | None:
-        """The racing schedule, or None without racing."""
-        return Racing.parse(self.racing_schedule, self.racing_min_samples, self.racing_min_positions) if self.racing else None
+    def schedule(self) -> Racing | Sequential | None:
+        """The racing schedule (statistical racing: its test), or None without racing."""
+        if not self.racing:
+            return None
+        if self.racing_mode == "statistical":
+            return Sequential(self.racing_delta, self.racing_min_samples)
+        return Racing.parse(self.racing_schedule, self.racing_min_samples, self.racing_min_positions)
 
 
 def split_samples(num_samples: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -193,23 +208,45 @@ def _history_frame(history: Any) -> pd.DataFrame:
     return frame
 
 
-def _cost(totals: dict[str, int], unit: int, result: Any) -> dict[str, Any]:
-    """The search's work in full-forward equivalents (hardware-independent), before any held-out scoring.
+def search_work(
+    totals: dict[str, int], unit: int, result: Any, scoring: Scoring, params: SearchParams, resumed: bool = False
+) -> records.SearchWork:
+    """The search's work in full-forward equivalents (hardware-independent), before any held-out scoring: the one
+    definition of FFE, for allocation.json and the manifest's `run.cost` alike.
 
     A resumed search counts only the work of this run; candidates are distinct allocations scored on
-    the full set or on a racing subset. `totals` sums the workers' `Scoring.totals` (the peak is the
-    largest worker's); `unit` is one plain forward over the search samples.
+    the full set or on a racing subset. `totals` sums the workers' `Scoring.totals`; `unit` is one plain
+    forward over the search samples (`CandidateEvaluator.full_forward_work`).
     """
     raced_only = len(
         {h.allocation for h in result.history if h.level is not None} - {h.allocation for h in result.history if h.level is None}
     )
     candidates = result.evaluations + raced_only
     total = totals["work"] / unit
+    stops = {(h.generation, h.allocation, h.level) for h in result.history if h.level is not None}
+    stopped_at: dict[int, int] = {}
+    for generation, _, level in stops:
+        count = scoring.samples_at(level, generation)
+        stopped_at[count] = stopped_at.get(count, 0) + 1
+    statistical = params.racing and params.racing_mode == "statistical"
+    return records.SearchWork(
+        full_forward_equivalents=total,
+        full_forward_equivalents_per_candidate=total / max(1, candidates),
+        candidates=candidates,
+        full_set_evaluations=result.evaluations,
+        stopped_early=len(stops),
+        stopped_at=dict(sorted(stopped_at.items())),
+        racing=params.racing_mode if params.racing else "off",
+        racing_delta=params.racing_delta if statistical else None,
+        resumed=resumed,
+    )
+
+
+def _cost(totals: dict[str, int], work: records.SearchWork, result: Any) -> dict[str, Any]:
+    """The manifest's `run.cost`: `work` (`search_work`) and how it ran (the prefix cache's budget and peak are the
+    largest worker's)."""
     return {
-        "full_forward_equivalents": total,
-        "candidates": candidates,
-        "full_forward_equivalents_per_candidate": total / max(1, candidates),
-        "full_set_evaluations": result.evaluations,
+        **work.to_json(),
         "subset_evaluations": result.subset_evaluations,
         "samples_run": totals["forwards"],
         "prefix_cache_budget_bytes": totals["prefix_budget"],
@@ -249,21 +286,43 @@ class Scoring:
     search_ids: list[int]
     heldout_ids: list[int]
     search_positions: list[int]
-    schedule: Racing | None
+    schedule: Racing | Sequential | None
     seed: int
     evaluator: Any  # CandidateEvaluator over the search cache
     judge: Any  # CandidateEvaluator for the held-out check (the evaluator itself without a held-out cache)
+
+    def __post_init__(self) -> None:
+        # statistical racing's sample order, once per search: cache indices of the search samples
+        self.race_order: list[int] = []
+        if isinstance(self.schedule, Sequential):
+            self.race_order = [self.search_ids[i] for i in self.schedule.order(self.search_positions, self.seed)]
 
     def score(self, r: tuple[int, ...], level: int | None, generation: int) -> float:
         """Fitness of `r` on the full search set (level None) or on that racing level's subset."""
         samples = self.search_ids
         if level is not None:
-            assert self.schedule is not None
+            assert isinstance(self.schedule, Racing)
             samples = self.schedule.subset(self.search_ids, self.search_positions, level, self.seed, generation)
         return self.evaluator.score(alloc.pruned_sets(r, self.orders), samples=samples)
 
     def score_batch(self, rs: Any, level: int | None, generation: int) -> list[float]:
         return [self.score(tuple(r), level, generation) for r in rs]
+
+    def samples(self, r: tuple[int, ...], count: int | None) -> np.ndarray:
+        """Per-sample fitness of `r` (higher is better) on the race order's first `count` samples (None: all)."""
+        samples = self.race_order[:count] if count is not None else self.race_order
+        values = self.evaluator.sample_values(alloc.pruned_sets(r, self.orders), samples=samples)
+        return self.evaluator.metric.sign * values.double().numpy()
+
+    def sample_batch(self, rs: Any, count: int | None) -> list[np.ndarray]:
+        return [self.samples(tuple(r), count) for r in rs]
+
+    def samples_at(self, level: int, generation: int) -> int:
+        """Samples a candidate stopped at racing level `level` of `generation` was scored on."""
+        if isinstance(self.schedule, Sequential):
+            return self.schedule.samples_at(level, len(self.search_ids))
+        assert self.schedule is not None
+        return len(self.schedule.subset(self.search_ids, self.search_positions, level, self.seed, generation))
 
     def totals(self) -> dict[str, int]:
         """This process's share of the search's cost (`_cost`)."""
@@ -438,6 +497,8 @@ def run_search(
 
     bar = progress(total=params.generations + 1, desc=f"search {params.criterion} {params.sparsity:.0%}", unit="gen")
 
+    resumed = params.resume and artifacts.exists(_checkpoint_uri(out_uri))
+
     def on_generation(gen: int, best: Any, best_fitness: float, mean_fitness: float, evaluations: int) -> None:
         bar.n = gen + 1
         bar.set_postfix(best=f"{best_fitness:.5f}", mean=f"{mean_fitness:.5f}", evals=evaluations)  # method.search logs it
@@ -462,6 +523,7 @@ def run_search(
                 on_generation=on_generation,
                 racing=scoring.schedule,
                 score_batch=pool.score_batch,
+                sample_batch=pool.sample_batch if isinstance(scoring.schedule, Sequential) else None,
             )
         finally:
             bar.close()
@@ -469,7 +531,9 @@ def run_search(
         # full-set fitness of the searched allocation and uniform, scored where their samples are memoised
         wanted = list(dict.fromkeys([tuple(best), tuple(uniform)]))
         finals = dict(zip(wanted, pool.score_batch(wanted, None, params.generations)))
-        cost = _cost(pool.totals(), scoring.evaluator.full_forward_work(scoring.search_ids), result)
+        totals = pool.totals()
+        work = search_work(totals, scoring.evaluator.full_forward_work(scoring.search_ids), result, scoring, params, resumed)
+        cost = _cost(totals, work, result)
 
     record = _allocation_record(params, scoring, result, best, finals)
     history = _history_frame(result.history)

@@ -29,7 +29,8 @@ from evoesap.store import artifacts
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(criterion="reap", sparsity=0.5, population=6, elites=2, generations=2, batch_size=8)
 RACING = dict(racing=True, racing_schedule="0.25,0.5:0.5", racing_min_samples=2, racing_min_positions=8)
-MODES = {"exact": {}, "racing": RACING}
+STATISTICAL = dict(racing=True, racing_mode="statistical", racing_delta=0.3, racing_min_samples=2)
+MODES = {"exact": {}, "racing": RACING, "statistical": STATISTICAL}
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,7 @@ def _documents(out: str) -> tuple[dict, pd.DataFrame]:
 
 
 @pytest.mark.slow  # each launch starts N fresh interpreters: about 35 s on a shared 2-core machine
-@pytest.mark.parametrize("workers, mode", [(2, "exact"), (3, "racing")])
+@pytest.mark.parametrize("workers, mode", [(2, "exact"), (3, "racing"), (2, "statistical")])
 def test_workers_without_prefix_reuse_give_the_one_process_artifact_bit_for_bit(world, tmp_path, workers, mode):
     """Every candidate's forwards run as in one process (same memo, same batches): equal to the last bit,
     the search's cost included (in the manifest, where only the number of workers differs)."""
@@ -96,6 +97,7 @@ def test_workers_without_prefix_reuse_give_the_one_process_artifact_bit_for_bit(
     assert run.returncode == 0, err
     (doc, history), (ref_doc, ref_history) = _documents(str(tmp_path / "out")), _documents(reference)
     assert doc == ref_doc
+    assert mode != "statistical" or artifacts.read_manifest(str(tmp_path / "out")).run["cost"]["racing"] == "statistical"
     pd.testing.assert_frame_equal(history, ref_history, check_exact=True)
     cost, ref_cost = (artifacts.read_manifest(out).run["cost"] for out in (str(tmp_path / "out"), reference))
     assert (cost.pop("workers"), ref_cost.pop("workers")) == (workers, 1) and cost == ref_cost
@@ -164,7 +166,9 @@ def test_a_killed_worker_ends_the_job_in_one_line_and_resume_finishes_to_the_sam
     _, err = _finish(again, 170)
     assert again.returncode == 0, err
     (doc, history), (ref_doc, ref_history) = _documents(out), _documents(reference)
-    assert doc == ref_doc  # the cost, which counts only the resumed run's work, is in the manifest
+    assert doc == ref_doc
+    work, ref_work = (artifacts.read_manifest(str(o)).run["cost"] for o in (out, reference))
+    assert work["resumed"] and not ref_work["resumed"]  # the manifest's work: a resumed search counts only its own
     pd.testing.assert_frame_equal(history, ref_history, check_exact=True)
 
 

@@ -429,3 +429,19 @@ def test_a_gated_pipeline_hands_on_its_verdict_and_reads_stop_on_fail_at_run_tim
     (check,) = [t for t in _all_tasks(spec).values() if t["taskInfo"]["name"] == "release gate"]
     # whatever the configuration says, the task is there and takes gate_params, whose stop_on_fail a run may change
     assert check["inputs"]["parameters"]["params"]["componentInputParameter"].endswith("gate_params")
+
+
+def test_a_gated_pipeline_hands_on_released_models_from_a_publish_under_no_condition(tmp_path):
+    """publish decides from the verdict itself (a withheld entry on a failing one), so it runs under no condition and
+    its outputs are collected out of the loop: `released_models` is an output of a gated pipeline too."""
+    config = _config(heldout_data="/data/heldout.jsonl", publish_models=True, gate={"min_heldout_esap": 0.9})
+    spec = yaml.safe_load(compile_pipeline(config, tmp_path / "pipeline.yaml").read_text())
+    outputs = spec["components"]["comp-evoesap-stages"]["outputDefinitions"]["artifacts"]
+    assert _classes({"artifacts": {"released_models": outputs["released_models"]}}) == ["Model[]"]
+    assert _producers(spec, "comp-evoesap-stages", "released_models") == ["publish.published"]
+    assert "released_models" in spec["root"]["outputDefinitions"]["artifacts"]
+    tasks = _all_tasks(spec)
+    (publish,) = [t for t in tasks.values() if _stage(t) == "publish"]
+    assert "triggerPolicy" not in publish and not [t for t in tasks.values() if "condition" in t.get("triggerPolicy", {})]
+    (gate,) = [name.rsplit("/", 1)[1] for name, t in tasks.items() if _stage(t) == "gate"]
+    assert publish["inputs"]["artifacts"]["gate"]["taskOutputArtifact"] == {"outputArtifactKey": "verdict", "producerTask": gate}

@@ -16,7 +16,7 @@ import yaml
 from evoesap.pipeline import trainjob
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
-from evoesap.pipeline.trainjob import job_template, run_search_job
+from evoesap.pipeline.trainjob import job_template, launcher_settings, run_search_job
 from recording_http import JsonHandler, serving
 from remote_config import REMOTE_CONFIG
 from tiny_world import make_tiny_inputs
@@ -96,6 +96,19 @@ def test_workers_that_are_gpu_groups_run_one_process_per_group_on_each_node(tmp_
     assert {"name": "OMP_NUM_THREADS", "value": "8"} in job["env"]
     body = trainjob.trainjob(job, "evoesap-search-x", {"params": search}, workers=4)
     assert body["spec"]["trainer"]["numNodes"] == 2 and body["spec"]["trainer"]["numProcPerNode"] == 2
+
+
+@pytest.mark.parametrize(
+    "env", [{}, {"KFP_POD_NAME": "launcher"}, {"KFP_POD_UID": "0f1e2d3c"}, {"KFP_POD_NAME": " ", "KFP_POD_UID": "u"}]
+)
+def test_a_launcher_outside_a_kfp_pod_makes_a_job_without_an_owner(monkeypatch, env):
+    for name in ("KFP_POD_NAME", "KFP_POD_UID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert trainjob.launcher_owner() is None  # a half-known owner would name another pod, or none Kubernetes accepts
+    body = trainjob.trainjob(_template(), "evoesap-search-x", {"params": SMALL}, 4, trainjob.launcher_owner())
+    assert "ownerReferences" not in body["metadata"]
 
 
 def test_each_worker_of_a_node_spreads_its_replica_over_its_own_gpus(monkeypatch):
@@ -189,7 +202,7 @@ class KubeAPI(JsonHandler):
         if state == "Complete" and KubeAPI.on_complete is not None:
             KubeAPI.on_complete(KubeAPI.existing)
             KubeAPI.on_complete = None
-        if state in ("Complete", "Failed"):
+        if state in ("Complete", "Failed", "Suspended"):
             conditions.append({"type": state, "status": "True", **(self.failure if state == "Failed" else {})})
         jobs = [{"name": "node", "active": 2, "ready": 2, "succeeded": 0, "failed": 0}] if state == "" else []
         self._reply({**KubeAPI.existing, "status": {"conditions": conditions, "jobsStatus": jobs}})
@@ -250,15 +263,23 @@ def _calls(method: str) -> list[tuple[str, Any]]:
     return [(path, body) for m, path, body in KubeAPI.requests if m == method]
 
 
-def test_the_launcher_creates_the_trainjob_waits_for_it_and_returns_the_single_process_artifact(kube, world, tmp_path):
+def test_the_launcher_creates_the_trainjob_waits_for_it_and_returns_the_single_process_artifact(
+    kube, world, tmp_path, monkeypatch
+):
     root = str(tmp_path / "store")
     params = {**SMALL, "workers": 4}
     KubeAPI.states, KubeAPI.on_complete = ["", "", "Complete"], _rank_zero
+    monkeypatch.setenv("KFP_POD_NAME", "tiny-run-search-trainjob-driver-123")  # KFP's downward API in the launcher pod
+    monkeypatch.setenv("KFP_POD_UID", "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0")
     uri = run_search_job(_template(), root, world, params)
     ((path, job),) = _calls("POST")
     assert path == JOBS
     assert (job["apiVersion"], job["kind"]) == ("trainer.kubeflow.org/v1alpha1", "TrainJob")
     assert re.fullmatch(r"evoesap-search-[0-9a-f]{12}", job["metadata"]["name"])
+    # owned by the launcher pod: deleted with it (a deleted run leaves no workers), never blocking its deletion
+    ((owner,),) = [job["metadata"]["ownerReferences"]]
+    assert owner == {"apiVersion": "v1", "kind": "Pod", "name": "tiny-run-search-trainjob-driver-123",
+                     "uid": "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0", "controller": False, "blockOwnerDeletion": False}  # fmt: skip
     assert job["spec"]["runtimeRef"] == {
         "name": "torch-distributed",
         "apiGroup": "trainer.kubeflow.org",
@@ -333,6 +354,34 @@ def test_a_launcher_that_stops_waiting_deletes_its_job(kube, world, tmp_path):
         run_search_job(_template(), str(tmp_path / "store"), world, {**SMALL, "workers": 4})
     ((path, _),) = _calls("DELETE")
     assert re.fullmatch(re.escape(JOBS) + r"/evoesap-search-[0-9a-f]{12}\?propagationPolicy=Foreground", path), path
+
+
+@pytest.mark.parametrize("trainer_version", ["2.1", "2.2"])
+def test_a_queued_job_s_timeout_counts_from_admission_never_the_queue(kube, world, tmp_path, monkeypatch, trainer_version):
+    """suspend + timeout: the launcher pod takes no timeout (Kueue's queue time would count against it); the
+    workers get it from admission: the job's activeDeadlineSeconds from Trainer 2.2, the launcher's clock before."""
+    resources = {"search": {**GPU_NODES, "suspend": True, "timeout": 25, "trainer_version": trainer_version}}
+    config = load_config({**BASE, "search": {"workers": 4}, "resources": resources})
+    settings = config.settings("search")
+    assert launcher_settings(settings).timeout is None and settings.timeout == 25
+    template = {**job_template(settings, config.stage_image("search")), "poll_seconds": 0}
+    clock = iter(range(0, 10_000, 10))  # every reading of the launcher's clock is 10 s later
+    monkeypatch.setattr(trainjob._TrainJob, "clock", staticmethod(lambda: next(clock)))
+    KubeAPI.states = ["Suspended"] * 20 + [""] * 5 + ["Complete"]  # 200 s queued, then admitted
+    KubeAPI.on_complete = _rank_zero
+    if trainer_version == "2.2":
+        run_search_job(template, str(tmp_path / "store"), world, {**SMALL, "workers": 4})
+        ((_, job),) = _calls("POST")
+        assert job["spec"]["activeDeadlineSeconds"] == 25 and job["spec"]["suspend"] is True
+        assert not _calls("DELETE")
+        return
+    with pytest.raises(EvoESAPError, match=r"ran past resources.search.timeout \(25 s after it was admitted\)"):
+        run_search_job(template, str(tmp_path / "store"), world, {**SMALL, "workers": 4})
+    ((_, job),) = _calls("POST")
+    assert "activeDeadlineSeconds" not in job["spec"]
+    assert len(_calls("DELETE")) == 1  # stopped by the launcher: its workers do not run on
+    reads = [p for m, p, _ in KubeAPI.requests if m == "GET" and not p.endswith("/pods")]
+    assert len(reads) > 20  # not stopped while queued
 
 
 def test_a_retried_launcher_follows_the_job_its_earlier_attempt_started(kube, world, tmp_path):

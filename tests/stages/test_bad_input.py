@@ -1,4 +1,4 @@
-"""The bad-input catalogue (issue 13): every mistake a user can make gets one clear line and changes nothing.
+"""The bad-input catalogue: every mistake a user can make gets one clear line and changes nothing.
 
 Data loss first: wherever `--out` points, the user's files stay byte-identical. Then what is read back
 is verified (manifests, payload sha256s, allocations and scores against the model and budget), then each
@@ -99,7 +99,7 @@ def user_files(tmp_path):
 STAGES = ["calibrate", "cache-logits", "search", "prune", "evaluate", "report"]
 
 
-# ------------------------------------------------------------------------ issue 1-3: data loss
+# ------------------------------------------------------------------------ data loss
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -176,7 +176,7 @@ def test_an_earlier_output_of_another_stage_is_refused(tiny_artifacts, tmp_path,
     assert snapshot(other) == before
 
 
-# ------------------------------------------------------------------------ issue 4-6, 8: verify what is read back
+# ------------------------------------------------------------------------ verify what is read back
 
 
 def tampered(src: str, dest: Path, name: str, change) -> str:
@@ -357,7 +357,7 @@ def test_cache_shard_names_cannot_leave_the_artifact(tiny_artifacts, tmp_path, c
     one_clear_line(code, line, "cache.json is malformed", "not allowed", "rebuild it with `evoesap cache-logits`")
 
 
-# ------------------------------------------------------------------------ issue 9: one clear line for bad input
+# ------------------------------------------------------------------------ one clear line for bad input
 
 
 def test_a_missing_model_directory_is_named_and_never_sent_to_the_hub(tiny_artifacts, tmp_path, capsys, monkeypatch):
@@ -435,7 +435,7 @@ def test_cache_logits_refuses_a_dense_model(tiny_artifacts, tmp_path, no_model_l
     assert not (tmp_path / "cache").exists()
 
 
-# ------------------------------------------------------------------------ issue 11-12: credentials, strict configs
+# ------------------------------------------------------------------------ credentials, strict configs
 
 
 def test_credentials_in_a_uri_are_refused_and_never_reach_errors_or_logs(tiny_artifacts, tmp_path, capsys, caplog):
@@ -533,7 +533,7 @@ def test_quiet_silences_the_bars_of_transformers_and_the_hub(monkeypatch):
         huggingface_hub.utils.enable_progress_bars()
 
 
-# ------------------------------------------------------------------------ issue 29: data loss, second round
+# ------------------------------------------------------------------------ data loss, second round
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -703,7 +703,7 @@ def test_pipeline_compile_replaces_its_own_spec(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pipeline.yaml"]
 
 
-# ------------------------------------------------------------------------ issue 29: bounds, special files, clear lines
+# ------------------------------------------------------------------------ bounds, special files, clear lines
 
 
 @pytest.fixture

@@ -218,7 +218,7 @@ def test_evaluate_cli_reports_a_missing_task_directory_as_one_error(tmp_path, ca
     assert "does not exist" in capsys.readouterr().err
 
 
-# ------------------------------------------------------------------ vLLM tensor / pipeline parallel (issue 23)
+# ------------------------------------------------------------------ vLLM tensor / pipeline parallel
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The publish stage (issue 28 part 4): the model card parsed and traced to the artifacts, pushes to a local
+"""The publish stage: the model card parsed and traced to the artifacts, pushes to a local
 fsspec target (byte-identical) and to a recording Hub server on 127.0.0.1 (expected requests, no token
 anywhere), and bad inputs refused in one line before any work."""
 

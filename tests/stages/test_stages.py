@@ -242,3 +242,32 @@ def test_a_heldout_cache_from_another_model_is_refused_before_the_search(inputs,
         )
     assert searches == []
     assert not artifacts.exists(str(tmp_path / "search" / "manifest.json"))
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_search_command_ends_with_its_summary_on_stderr_and_only_the_uri_on_stdout(tiny_artifacts, tmp_path, capsys, quiet):
+    from evoesap.cli import main
+    from evoesap.progress import set_quiet
+
+    w, out = tiny_artifacts, str(tmp_path / "search")
+    args = ["search", "--model", w["model"], "--scores", w["scores"], "--cache", w["cache"], "--sparsity", "0.5",
+            "--population", "4", "--elites", "1", "--generations", "1", "--out", out]  # fmt: skip
+    try:
+        assert main(["--quiet", *args] if quiet else args) == 0
+    finally:
+        set_quiet(False)
+    captured = capsys.readouterr()
+    assert captured.out.strip().splitlines() == [out]
+    record = json.loads((tmp_path / "search" / "allocation.json").read_text())
+    summary = [line for line in captured.err.splitlines() if line.startswith("search: ")]
+    if quiet:  # --quiet: warnings only
+        assert summary == []
+        return
+    searched, uniform, check = record["searched"]["removal_counts"], record["uniform"]["removal_counts"], record["heldout"]
+    pair = f"searched {searched} vs uniform {uniform}" if searched != uniform else f"searched = uniform {uniform}"
+    assert summary == [
+        f"search: {pair}, held-out esap {check['searched']:.5f} vs {check['uniform']:.5f} ({check['difference']:+.1e}"
+        + (f", {check['difference'] / check['stderr']:.1f} standard errors" if check["stderr"] else "")
+        + f", {check['samples']} samples): {'beats uniform' if check['beats_uniform'] else 'does not beat uniform (see the warning above)'}"
+        + f"; details: {out}/allocation.json"
+    ]

@@ -5,7 +5,7 @@ copy to S3) in a stage process, injects one fault at a random moment (kill -9, S
 corrupted artifact file, an outage of the store publish pushes to), re-runs it undisturbed, and compares every
 artifact, and the pushed copy, with an undisturbed run's. The tiny world searches in one process and does not
 quantize (each adds a minute a run); the long run (`make chaos`, the quick demo world, with a two-worker search
-and quantize, and faults on a worker and the search's launcher) is recorded in benchmarks/RESULTS.md.
+and quantize, and faults on a worker and the search's launcher) is recorded in docs/results/reliability.md.
 """
 
 import json

@@ -1,5 +1,6 @@
 """The documentation speaks of the project, not of how it was developed, and its links resolve."""
 
+import os
 import re
 from pathlib import Path
 
@@ -10,6 +11,16 @@ ROOT = Path(__file__).resolve().parents[2]
 HISTORY = re.compile(r"\b(issue|stop)s? \d+\b|\bthis stop\b|\bsession", re.IGNORECASE)
 
 
+def _lines_matching(paths: list[Path], pattern: re.Pattern) -> list[str]:
+    """`file:line: text` of every line of `paths` that `pattern` finds something in."""
+    return [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in paths
+        for n, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+        if pattern.search(line)
+    ]
+
+
 def _prose_files() -> list[Path]:
     files = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "RESULTS.md"]
     return files + sorted((ROOT / "docs").rglob("*.md"))
@@ -17,12 +28,27 @@ def _prose_files() -> list[Path]:
 
 @pytest.mark.parametrize("path", _prose_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_docs_name_no_issue_number_or_development_step(path: Path) -> None:
-    hits = [
-        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-        if HISTORY.search(line)
-    ]
+    hits = _lines_matching([path], HISTORY)
     assert not hits, "development history in the docs (say what is, not when it was done):\n" + "\n".join(hits)
+
+
+ISSUE_NUMBER = re.compile(r"\bissues? \d+", re.IGNORECASE)  # in code "session" is a word of its own (pytest, HTTP)
+
+
+def _source_files() -> list[Path]:
+    """The repository's code and configuration, without hidden folders (venvs, caches) or build outputs."""
+    suffixes, skipped = {".py", ".sh", ".yaml", ".yml", ".toml", ".j2", ".cfg"}, {"site", "runs", "dist", "build"}
+    files = []
+    for folder, subfolders, names in os.walk(ROOT):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d not in skipped and d != "__pycache__"]
+        files += [Path(folder) / n for n in names if Path(n).suffix in suffixes or n == "Makefile"]
+    return sorted(files)
+
+
+def test_code_names_no_issue_number() -> None:
+    """Comments and docstrings say why, not which issue asked: the numbers mean nothing to a reader."""
+    hits = _lines_matching([p for p in _source_files() if p != Path(__file__).resolve()], ISSUE_NUMBER)
+    assert not hits, "issue numbers in code (say why, not which issue asked):\n" + "\n".join(hits)
 
 
 def test_history_pattern_catches_what_it_must() -> None:
@@ -78,11 +104,7 @@ STAGE_COUNT = re.compile(
     "path", [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))], ids=lambda p: str(p.relative_to(ROOT))
 )
 def test_docs_do_not_count_the_stages_in_words(path: Path) -> None:
-    hits = [
-        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
-        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-        if STAGE_COUNT.search(line)
-    ]
+    hits = _lines_matching([path], STAGE_COUNT)
     assert not hits, "a hard-coded count of the stages goes stale; name them or say 'the stages':\n" + "\n".join(hits)
 
 

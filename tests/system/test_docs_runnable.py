@@ -25,13 +25,16 @@ def test_every_shell_block_of_getting_started_is_marked(page):
     assert not unmarked, f"{page.name}: mark each shell block <!-- runnable --> or <!-- not-runnable: why -->: {unmarked}"
 
 
-def run_blocks(page: Path, cwd: Path) -> list[str]:
-    """Run the page's runnable blocks in order in `cwd` (with `evoesap` this checkout's), returning their outputs."""
+def run_blocks(page: Path, cwd: Path, *, stderr: bool = False) -> list[str]:
+    """Run the page's runnable blocks in order in `cwd` (with `evoesap` this checkout's, also after a block activates
+    `.venv`), returning their outputs (with `stderr`, stdout then stderr)."""
     bin_dir = cwd / ".bin"
     bin_dir.mkdir(exist_ok=True)
     shim = bin_dir / "evoesap"
     shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m evoesap "$@"\n')
     shim.chmod(0o755)
+    (cwd / ".venv" / "bin").mkdir(parents=True, exist_ok=True)  # what `make install` makes, as `activate` sees it
+    (cwd / ".venv" / "bin" / "activate").write_text(f'PATH="{bin_dir}:$PATH"\n')
     (cwd / "examples").exists() or (cwd / "examples").symlink_to(ROOT / "examples")
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HOME": str(cwd)}
     outputs = []
@@ -40,7 +43,7 @@ def run_blocks(page: Path, cwd: Path) -> list[str]:
             continue
         done = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=cwd, env=env, capture_output=True, text=True)
         assert done.returncode == 0, f"{page.name} block failed ({done.returncode}):\n{code}\n{done.stderr[-3000:]}"
-        outputs.append(done.stdout)
+        outputs.append(done.stdout + done.stderr if stderr else done.stdout)
     return outputs
 
 
@@ -51,15 +54,37 @@ def test_install_page_commands_run(tmp_path):
     assert all(name in help_text for name in stages.NAMES)  # "the eight stage verbs", as the page says
 
 
-def test_quick_start_stages_by_hand_run_on_the_quick_world(tmp_path):
-    build, search, prune = run_blocks(ROOT / "docs" / "getting-started" / "quick-start.md", tmp_path)
-    allocation = json.loads(search[search.index("{") :])  # `cat allocation.json` after the search's own output
-    assert allocation["criterion"] == "reap" and allocation["sparsity"] == 0.25
-    assert sum(allocation["removal_counts"]) == allocation["budget"] > 0
-    assert 0 < allocation["fitness"] <= 1 and allocation["fitness"] >= allocation["uniform"]["fitness"]
-    pruning = json.loads(prune[prune.index("{") :])
-    assert pruning["method"] == "searched" and list(pruning["removal_counts"]) == allocation["removal_counts"]
+def test_quick_start_first_block_ends_in_the_search_summary_and_its_allocation_is_not_uniform(tmp_path):
+    page = ROOT / "docs" / "getting-started" / "quick-start.md"
+    first = next(code for mark, code in blocks(page) if mark == "runnable")
+    assert first.startswith(". .venv/bin/activate\n"), "the first result's block activates the venv itself"
+    search, prune = run_blocks(page, tmp_path, stderr=True)
+    allocation = json.loads((tmp_path / "runs" / "quick-search" / "allocation.json").read_text())
+    assert allocation["criterion"] == "reap" and sum(allocation["removal_counts"]) == allocation["budget"] > 0
+    searched, uniform = allocation["searched"]["removal_counts"], allocation["uniform"]["removal_counts"]
+    assert searched != uniform, "the quick start's search has an alternative to uniform and finds it"
+    check = allocation["heldout"]
+    assert check["beats_uniform"] and check["samples"] > 0 and not allocation.get("warnings")
+    summary = [line for line in search.splitlines() if line.startswith("search: ")]
+    assert summary == [
+        f"search: searched {searched} vs uniform {uniform}, held-out esap {check['searched']:.5f} vs "
+        f"{check['uniform']:.5f} ({check['difference']:+.1e}, {check['difference'] / check['stderr']:.1f} standard "
+        f"errors, {check['samples']} samples): beats uniform; details: runs/quick-search/allocation.json"
+    ]
+    assert summary[0] in page.read_text(encoding="utf-8"), "the page shows the line the commands print"
+    assert "\nruns/quick-cal\nruns/quick-cache\nruns/quick-search\n" in search  # stdout: each command's result alone
+    pruning = json.loads(prune[prune.index("{") : prune.rindex("}") + 1])
+    assert pruning["method"] == "searched" and list(pruning["removal_counts"]) == searched
     assert (tmp_path / "runs" / "quick-pruned" / "config.json").is_file()
+
+
+def test_readme_quick_start_is_the_pages_first_block_and_shows_its_summary():
+    page = (ROOT / "docs" / "getting-started" / "quick-start.md").read_text(encoding="utf-8")
+    first = next(code for mark, code in BLOCK.findall(page) if mark == "runnable")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"```bash\n{first}```" in readme, "README's quick start runs the same commands as the quick-start page"
+    (summary,) = [line for line in page.splitlines() if line.startswith("search: ")]
+    assert summary in readme
 
 
 def test_first_model_plan_runs_offline_and_fits(tmp_path):

@@ -1,4 +1,4 @@
-"""The fault catalogue (issue 13): kill -9 at every stage's boundary and during its publish, disk full, an
+"""The fault catalogue: kill -9 at every stage's boundary and during its publish, disk full, an
 object-store outage during publish, orphans of killed runs, inputs changed in place, concurrent publishes.
 
 After each fault: nothing unfinished counts as an artifact, an earlier artifact is either intact or

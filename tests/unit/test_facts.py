@@ -71,3 +71,37 @@ def test_each_stage_s_facts_come_from_its_registry_entry(tmp_path, monkeypatch):
 
 def _marker(uri: str) -> dict:
     return {"marker": uri}
+
+
+def _search(path, *, searched, uniform, heldout, fallback=False, metric="esap"):
+    doc = {"criterion": "reap", "sparsity": 0.25, "removal_counts": uniform if fallback else searched, "pruned": {},
+           "metric": metric, "searched": {"removal_counts": searched, "fitness": 0.91},
+           "uniform": {"removal_counts": uniform, "fitness": 0.88}, "fallback_applied": fallback, "heldout": heldout}  # fmt: skip
+    return _artifact(path, "search", {"allocation.json": json.dumps(doc).encode()})
+
+
+def test_search_headline_says_searched_against_uniform_on_held_out_samples_and_where_the_details_are(tmp_path):
+    check = {"samples": 16, "searched": 0.9, "uniform": 0.85, "difference": 0.05, "stderr": 0.01, "beats_uniform": True}
+    uri = _search(tmp_path / "s", searched=[2, 0], uniform=[1, 1], heldout=check)
+    line = facts.search_headline(uri)
+    assert "\n" not in line
+    assert line == (
+        "search: searched [2, 0] vs uniform [1, 1], held-out esap 0.90000 vs 0.85000 (+5.0e-02, 5.0 standard errors, "
+        f"16 samples): beats uniform; details: {uri}/allocation.json"
+    )
+
+
+def test_search_headline_says_when_the_search_kept_uniform_lost_or_fell_back(tmp_path):
+    tie = {"samples": 4, "searched": 0.9, "uniform": 0.9, "difference": 0.0, "stderr": 0.0, "beats_uniform": False}
+    kept = facts.search_headline(_search(tmp_path / "a", searched=[1, 1], uniform=[1, 1], heldout=tie))
+    assert kept.startswith("search: searched = uniform [1, 1], held-out esap 0.90000 vs 0.90000 (+0.0e+00, 4 samples)")
+    assert "does not beat uniform" in kept
+    worse = {"samples": 8, "searched": 0.8, "uniform": 0.9, "difference": -0.1, "stderr": 0.02, "beats_uniform": False}
+    fell = facts.search_headline(_search(tmp_path / "b", searched=[2, 0], uniform=[1, 1], heldout=worse, fallback=True))
+    assert "(-1.0e-01, -5.0 standard errors, 8 samples): does not beat uniform" in fell and "fell back to uniform" in fell
+
+
+def test_search_headline_without_held_out_samples_compares_on_the_search_set(tmp_path):
+    empty = {"samples": 0, "searched": None, "uniform": None, "difference": None, "stderr": None, "beats_uniform": False}
+    line = facts.search_headline(_search(tmp_path / "s", searched=[2, 0], uniform=[1, 1], heldout=empty, metric="kl"))
+    assert "search-set kl 0.91000 vs 0.88000 (no held-out samples): held-out check not run" in line

@@ -6,6 +6,7 @@ import hashlib
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -261,3 +262,39 @@ def test_search_stage_refuses_a_racing_schedule_too_large_for_its_search_set_bef
     params = SearchParams(criterion="reap", sparsity=0.5, population=6, elites=2, generations=1, racing=True)
     with pytest.raises(ConfigError, match="racing level 0 .* of the 9 search samples"):
         run_search(model, str(root / "scores"), str(root / "cache"), params, str(root / "search-refused"))
+
+
+def test_search_stage_records_its_work_in_allocation_json_for_each_racing_mode(stage_inputs):
+    """allocation.json holds the work (FFE in all and per candidate, candidates, race stops by sample count), the
+    same FFE as the manifest's run.cost; statistical racing records its delta and stops at its checkpoints."""
+    from evoesap.stages.search import SearchParams, run_search
+    from evoesap.store import artifacts
+
+    root, model = stage_inputs
+    small = dict(criterion="reap", sparsity=0.5, population=6, elites=2, generations=3, batch_size=8)
+    modes = {
+        "off": {},
+        "schedule": dict(racing=True, racing_schedule="0.25:0.25", racing_min_samples=3, racing_min_positions=8),
+        "statistical": dict(racing=True, racing_mode="statistical", racing_delta=0.2, racing_min_samples=3),
+    }
+    for mode, extra in modes.items():
+        out = str(root / f"search-work-{mode}")
+        run_search(model, str(root / "scores"), str(root / "cache"), SearchParams(**small, **extra), out)
+        assert "work" not in artifacts.read_json(artifacts.join(out, "allocation.json"))  # deterministic: no run facts
+        work = artifacts.read_manifest(out).run["cost"]
+        history = pd.read_parquet(artifacts.join(out, "history.parquet"))
+        assert work["racing"] == mode and work["racing_delta"] == (0.2 if mode == "statistical" else None)
+        assert work["full_forward_equivalents"] > 0
+        assert work["full_forward_equivalents_per_candidate"] == pytest.approx(
+            work["full_forward_equivalents"] / work["candidates"]
+        )
+        full = {tuple(a) for a, f in zip(history["allocation"], history["fitness"]) if not np.isnan(f)}
+        assert work["full_set_evaluations"] == len(full) and not work["resumed"]
+        raced = history[history["fitness"].isna()] if mode != "off" else history.iloc[:0]
+        stops = {(g, tuple(a)) for g, a in zip(raced["generation"], raced["allocation"])}
+        assert work["stopped_early"] == len(stops) == sum(int(v) for v in work["stopped_at"].values())
+        assert work["candidates"] == len(full | {a for _, a in stops})
+        if mode == "statistical":  # 9 search samples: checkpoints at 3 and 6 samples
+            assert set(work["stopped_at"]) <= {"3", "6"}
+        if mode == "schedule":  # one level of 3 samples (a quarter of 9, at least 3)
+            assert set(work["stopped_at"]) <= {"3"} and work["stopped_early"] > 0

@@ -90,6 +90,17 @@ ALLOCATION = {
     "search_samples": 48,
     "heldout_samples": 16,
 }
+WORK = {
+    "full_forward_equivalents": 31.25,
+    "full_forward_equivalents_per_candidate": 0.240384615384,
+    "candidates": 130,
+    "full_set_evaluations": 41,
+    "stopped_early": 95,
+    "stopped_at": {"4": 60, "8": 30, "16": 5},
+    "racing": "statistical",
+    "racing_delta": 0.05,
+    "resumed": False,
+}
 PRUNING = {
     "method": "searched",
     "criterion": "frequency",
@@ -277,3 +288,14 @@ def test_previous_metrics_nested_too_deeply_are_refused_as_an_artifact_error(tmp
     path.write_text(DEEP)
     with pytest.raises(ArtifactError, match="metrics.json: JSON nested too deeply to read .*: give the metrics.json"):
         read_metrics(str(path))
+
+
+def test_the_search_work_round_trips_with_its_types():
+    work = records.SearchWork.from_json(json.loads(json.dumps(WORK)), "manifest.json run.cost")
+    assert work.stopped_at == {4: 60, 8: 30, 16: 5}  # sample counts come back as integers
+    assert (work.candidates, work.full_set_evaluations, work.racing, work.racing_delta) == (130, 41, "statistical", 0.05)
+    assert records.SearchWork.from_json(json.loads(json.dumps(work.to_json())), "x") == work
+    off = {**WORK, "racing": "off", "racing_delta": None}
+    assert records.SearchWork.from_json(off, "x").to_json() == off
+    with pytest.raises(ArtifactError, match="stopped_at"):
+        records.SearchWork.from_json({**WORK, "stopped_at": {"four": 1}}, "x")

@@ -1,4 +1,4 @@
-"""One registry, one declaration (issue 24): the CLI, the pipeline YAML, the KFP components and the Python
+"""One registry, one declaration: the CLI, the pipeline YAML, the KFP components and the Python
 API are all derived from `evoesap.registry.STAGES` and the parameter fields, and a mismatch fails here."""
 
 import dataclasses

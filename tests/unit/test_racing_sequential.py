@@ -1,0 +1,185 @@
+"""Statistical racing (evoesap.method.racing.Sequential): candidates stop when paired per-sample differences against
+the elite boundary say they cannot enter the elite; its order, its bound and the search around it."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_search import concave
+
+from evoesap.errors import ConfigError
+from evoesap.method import racing, search
+
+N, K, BUDGET = [8] * 6, [2] * 6, 12
+WEIGHTS = np.random.default_rng(3).uniform(0.5, 2.0, size=6)
+FULL = concave(WEIGHTS, N)
+SAMPLES = 64
+EFFECT = np.random.default_rng(4).normal(0.0, 1.0, size=SAMPLES)  # how hard each sample is, for every allocation
+RACE = racing.Sequential(delta=0.05, min_samples=4)
+
+
+def values(r, noise: float) -> np.ndarray:
+    """Per-sample fitness of `r` in race order: its full score plus the sample's effect plus noise fixed per
+    (allocation, sample) -> [SAMPLES] float64."""
+    digest = hashlib.sha256(repr(r).encode()).digest()
+    own = np.random.default_rng(int.from_bytes(digest[:8], "little")).normal(0.0, 1.0, size=SAMPLES)
+    return FULL(r) + EFFECT + noise * own
+
+
+def run(noise: float, fitness=None, **kwargs):
+    def mean(r):
+        return float(values(r, noise).mean())
+
+    def sample_fitness(r, count):
+        return values(r, noise)[:count]
+
+    options = dict(generations=6, population=12, elites=3, racing=RACE, sample_fitness=sample_fitness)
+    return search.level_switch_search(fitness or mean, N, K, BUDGET, **{**options, **kwargs})
+
+
+def test_without_noise_in_the_differences_it_stops_exactly_the_candidates_below_the_boundary_and_finds_exact_search():
+    """Paired differences that are constant per candidate (sample effects shared) leave no doubt: every candidate at or
+    above the boundary reaches the full set, the rest stop at the first checkpoint, and the search takes exact
+    search's course (same elites, same best)."""
+    raced = run(0.0)
+    exact = search.level_switch_search(
+        lambda r: float(values(r, 0.0).mean()), N, K, BUDGET, generations=6, population=12, elites=3
+    )
+    assert raced.best == exact.best and raced.best_fitness == exact.best_fitness
+    assert [h.allocation for h in raced.history] == [h.allocation for h in exact.history]
+    assert [h.elite for h in raced.history] == [h.elite for h in exact.history]
+    stopped = [h for h in raced.history if h.level is not None]
+    assert stopped and all(h.level == 0 for h in stopped)
+    for gen in range(1, 7):
+        parents = [h for h in exact.history if h.generation == gen - 1 and h.elite]
+        boundary = min(FULL(h.allocation) for h in parents)
+        for h in (h for h in raced.history if h.generation == gen and h.level is not None):
+            assert FULL(h.allocation) < boundary  # no candidate at or above the weakest parent was stopped
+    assert raced.evaluations < exact.evaluations
+
+
+def test_the_race_is_deterministic_for_a_seed():
+    a, b = run(0.3), run(0.3)
+    assert a == b
+    stops = [(h.generation, h.allocation, h.level) for h in a.history if h.level is not None]
+    assert stops and stops == [(h.generation, h.allocation, h.level) for h in b.history if h.level is not None]
+
+
+def test_elites_are_ranked_on_full_set_scores_and_generation_0_scores_the_seeds_first():
+    calls = []
+
+    def fitness(r):
+        calls.append(r)
+        return float(values(r, 0.3).mean())
+
+    result = run(0.3, fitness)
+    seeds = list(search.seed_patterns(N, K, BUDGET).values())[:3]
+    assert calls[:3] == seeds  # the provisional elite, before any candidate races
+    for gen in range(7):
+        elites = [h for h in result.history if h.generation == gen and h.elite]
+        assert len(elites) == 3 and all(h.level is None and h.fitness == values(h.allocation, 0.3).mean() for h in elites)
+
+
+@given(
+    st.lists(st.floats(0, 1, allow_nan=False), min_size=2, max_size=40),
+    st.integers(0, 200),
+    st.floats(1e-3, 0.5),
+)
+@settings(max_examples=200, deadline=None)
+def test_a_candidate_never_below_the_boundary_on_any_sample_is_never_stopped(diffs, extra, delta):
+    race = racing.Sequential(delta=delta, min_samples=2)
+    assert race.upper(np.array(diffs), len(diffs) + extra) >= 0
+
+
+@given(st.lists(st.floats(-1, 1, allow_nan=False), min_size=1, max_size=40))
+def test_on_the_whole_search_set_the_bound_is_the_exact_mean(diffs):
+    assert RACE.upper(np.array(diffs), len(diffs)) == pytest.approx(float(np.mean(diffs)), abs=1e-12)
+
+
+@pytest.mark.parametrize("shape", ["normal", "skewed"])
+def test_candidates_level_with_the_boundary_are_stopped_at_most_at_the_declared_rate(shape):
+    """The worst case for a wrong stop: a full-set mean difference of exactly 0 (a tie loses to the parent, so only
+    a candidate above it could enter the elite). Over 2,000 random search sets, the share stopped at any checkpoint
+    stays within delta (plus three binomial standard errors)."""
+    rng = np.random.default_rng(7)
+    population, trials, stops = 128, 2000, 0
+    checkpoints = RACE.checkpoints(population)
+    for _ in range(trials):
+        d = rng.normal(0, 0.02, population) if shape == "normal" else -rng.exponential(0.02, population)
+        d = d - d.mean()  # the full-set mean difference is 0: this candidate ties the boundary
+        order = rng.permutation(population)
+        stops += any(RACE.upper(d[order[:count]], population) < 0 for count in checkpoints)
+    assert stops / trials <= RACE.delta + 3 * np.sqrt(RACE.delta * (1 - RACE.delta) / trials)
+
+
+def test_clearly_worse_candidates_stop_at_the_first_checkpoint():
+    d = np.full(64, -0.05) + np.random.default_rng(0).normal(0, 0.01, 64)
+    assert RACE.upper(d[:4], 64) < 0
+
+
+@given(st.lists(st.integers(1, 500), min_size=4, max_size=60), st.integers(0, 5), st.integers(2, 6))
+@settings(max_examples=100, deadline=None)
+def test_the_order_is_a_seeded_permutation_whose_every_round_spans_the_length_strata(positions, seed, strata):
+    race = racing.Sequential(min_samples=min(strata, len(positions)))
+    order = race.order(positions, seed)
+    assert sorted(order) == list(range(len(positions))) and order == race.order(positions, seed)
+    n, k, ranked = len(positions), race.min_samples, sorted(positions)
+    strata = [ranked[j * n // k : (j + 1) * n // k] for j in range(k)]  # lengths, shortest stratum first
+    first = sorted(positions[i] for i in order[:k])  # the first round: one sample of each stratum
+    assert all(stratum[0] <= v <= stratum[-1] for v, stratum in zip(first, strata))
+
+
+def test_checkpoints_grow_geometrically_below_the_search_set():
+    assert RACE.checkpoints(64) == (4, 8, 16, 32)
+    assert RACE.checkpoints(33) == (4, 8, 16, 32)
+    assert RACE.checkpoints(4) == ()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(delta=0.0), "racing_delta"), (dict(delta=1.0), "racing_delta"), (dict(min_samples=1), "racing_min_samples")],
+)
+def test_bad_parameters_are_refused(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        racing.Sequential(**kwargs)
+
+
+def test_a_search_set_without_room_for_a_checkpoint_is_refused():
+    with pytest.raises(ConfigError, match="first checkpoint .4 samples.* 4 search samples"):
+        RACE.check([10, 10, 10, 10])
+
+
+def test_statistical_racing_needs_per_sample_fitness():
+    with pytest.raises(ConfigError, match="sample_fitness"):
+        search.level_switch_search(FULL, N, K, BUDGET, generations=1, population=6, elites=2, racing=RACE)
+
+
+def test_student_t_quantiles():
+    """Against tabulated values of Student's t (the search does not depend on scipy)."""
+    table = {(0.975, 1): 12.706, (0.975, 2): 4.303, (0.975, 3): 3.182, (0.99, 5): 3.365, (0.995, 10): 3.169, (0.9875, 31): 2.356}
+    for (p, df), value in table.items():
+        assert racing.student_t(p, df) == pytest.approx(value, rel=5e-3)
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_killed_statistical_race_resumes_to_the_uninterrupted_result(tmp_path):
+    uri = str(tmp_path / "ckpt.json")
+    uninterrupted = run(0.3)
+    done = {"gen": -1}
+
+    def crashing(r):
+        if done["gen"] == 3:
+            raise Killed
+        return float(values(r, 0.3).mean())
+
+    with pytest.raises(Killed):
+        run(0.3, fitness=crashing, checkpoint=uri, on_generation=lambda g, *_: done.update(gen=g))
+    assert done["gen"] == 3
+    assert run(0.3, checkpoint=uri, resume=True) == uninterrupted
