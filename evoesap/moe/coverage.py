@@ -111,9 +111,13 @@ def supported_notes(family: Family) -> str:
             "a streamed prune copies them as stored, an in-memory save leaves them out"
         )
     if not family.layerwise:
+        why = (
+            "they run a text-only causal LM layer by layer, and this is a multimodal checkpoint"
+            if family.text_config
+            else "its decoder layer is not in the family table's layer facts they run in halves"
+        )
         notes.append(
-            "search, ESAP scoring and held-out ESAP (evaluate with a teacher cache) refuse it, and a pipeline with it: "
-            "its decoder layer is not the pre-norm pair they run in halves"
+            f"search, ESAP scoring and held-out ESAP (evaluate with a teacher cache) refuse it, and a pipeline with it: {why}"
         )
     return "; ".join(n for n in notes if n)
 

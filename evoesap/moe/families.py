@@ -1,7 +1,8 @@
 """The facts that differ between MoE families, as one table of data read by one piece of code.
 
 Each row says where a family keeps its expert count and top-k in the config, which module routes,
-how it routes, which tensors are indexed by expert, and what the tiny test model looks like. A new
+how it routes, which tensors are indexed by expert, how its decoder layer adds each half to the residual
+(what the ESAP scorer runs layer by layer), and what the tiny test model looks like. A new
 family is a new row here, never a new class. Verified against transformers 5.24 (each row's tiny
 config builds that family's model in tests/unit/test_moe.py).
 """
@@ -43,6 +44,24 @@ _FUSED = (("gate_up_proj", 0), ("down_proj", 0))
 
 
 @dataclasses.dataclass(frozen=True)
+class Residual:
+    """One residual half of a decoder layer, as `evoesap.scoring.forward.LayerRunner` runs it:
+    `out = r * residual_scale + post_norm(f(norm(h))) * scale`, where `f` is the half's module (the token mixer, or
+    the block with any modules beside it) and `r` is `h`, or `norm(h)` with `normed_residual`. Every name is an
+    attribute of the decoder layer; None where the layer has no such part."""
+
+    norm: str | None  # the norm on the half's input (pre-norm); None: the module reads h itself
+    post_norm: str | None = None  # the norm on the module's output, before the sum (FlexOlmo, AFMoE)
+    scale: str | None = None  # a number multiplying the module's output (Granite's residual_multiplier)
+    residual_scale: str | None = None  # a number multiplying the residual (MiniMax's alpha factors)
+    normed_residual: bool = False  # the residual is norm(h), not h (MiniMax's post-norm layers)
+
+
+PRE_NORM_MIXER = Residual("input_layernorm")  # h + mixer(input_layernorm(h))
+PRE_NORM_BLOCK = Residual("post_attention_layernorm")  # h + block(post_attention_layernorm(h))
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
     """How one transformers MoE family is laid out; every field is data, read by shared code."""
 
@@ -75,12 +94,21 @@ class Family:
     shared_experts: tuple[str, ...] = ()  # paths inside a decoder layer of always-on shared experts (never pruned)
     dense_layer_fields: tuple[str, ...] = ()  # config fields that choose the dense (non-MoE) layers
     mtp_field: str | None = None  # config field counting multi-token-prediction layers (see `MTP_NOTE`)
-    # whether a decoder layer is the pre-norm residual pair h + attn(norm(h)), h + block(norm(h)) that
-    # `evoesap.scoring.forward.LayerRunner` runs in halves; other layouts are refused there, never run wrongly
+    # whether `evoesap.scoring.forward.LayerRunner` runs this family's decoder layers in halves exactly (the facts
+    # below, checked against the model's own forward for every such row); others are refused there, never run wrongly
     layerwise: bool = True
     # decoder-layer attributes that may hold the token mixer (attention, linear attention, Mamba, convolution); each
     # layer has exactly one of them, and the scorer runs it as the layer's first half
     mixers: tuple[str, ...] = ("self_attn",)
+    # a decoder layer's maths, half by half: the mixer's residual half, then the block's (see `Residual`)
+    mixer_half: Residual = PRE_NORM_MIXER
+    block_half: Residual = PRE_NORM_BLOCK
+    block_beside: tuple[str, ...] = ()  # decoder-layer modules run on the block's input, added to its output (a dense MLP)
+    final_norm: str = "norm"  # base-model attribute: the norm after the last decoder layer
+    rotary: str = "rotary_emb"  # base-model attribute: the rotary position embedding (none there: no positions)
+    embedding_scale: str | None = None  # config field multiplying the token embeddings (Granite's embedding_multiplier)
+    embedding_sqrt_when: str | None = None  # config flag: when set, embeddings are multiplied by sqrt(hidden_size) (muP)
+    logits_divisor: str | None = None  # config field dividing the LM head's logits (Granite's logits_scaling)
     notes: str = ""  # what a user should know (parts left unpruned, ...), shown by `evoesap families`
     tiny: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # config of `tiny_model`
 
@@ -109,6 +137,15 @@ _DEEPSEEK_ATTENTION = dict(
     qk_nope_head_dim=16,
     qk_rope_head_dim=8,
     v_head_dim=16,
+)
+
+# IBM Granite's muP multipliers: embeddings times embedding_multiplier, each half's output times residual_multiplier (a
+# decoder-layer attribute copied from the config), logits divided by logits_scaling
+_GRANITE_LAYER = dict(
+    mixer_half=Residual("input_layernorm", scale="residual_multiplier"),
+    block_half=Residual("post_attention_layernorm", scale="residual_multiplier"),
+    embedding_scale="embedding_multiplier",
+    logits_divisor="logits_scaling",
 )
 
 _ROWS = (
@@ -333,7 +370,7 @@ _ROWS += (
         routing=TOPK_SOFTMAX,
         block="block_sparse_moe",
         router="router",
-        layerwise=False,  # residual and embedding multipliers
+        **_GRANITE_LAYER,
         tiny=dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
     ),
     Family(
@@ -344,7 +381,8 @@ _ROWS += (
         block="block_sparse_moe",
         router="router",
         shared_experts=("shared_mlp",),
-        layerwise=False,  # residual and embedding multipliers, a shared MLP beside the MoE block
+        block_beside=("shared_mlp",),  # a dense MLP on the block's input, its output added to the block's
+        **_GRANITE_LAYER,
         tiny=dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, shared_intermediate_size=64),
     ),
     Family(
@@ -353,7 +391,8 @@ _ROWS += (
         top_k_field="num_experts_per_tok",
         routing=SOFTMAX_TOPK,
         renormalize="norm_topk_prob",
-        layerwise=False,  # norms after attention and after the MoE block, none before
+        mixer_half=Residual(None, post_norm="post_attention_layernorm"),  # h + norm(attn(h)): norms after, none before
+        block_half=Residual(None, post_norm="post_feedforward_layernorm"),
         tiny=dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32),
     ),
     Family(
@@ -378,7 +417,9 @@ _ROWS += (
         scaling_field="route_scale",
         shared_experts=("mlp.shared_experts",),
         dense_layer_fields=("num_dense_layers",),
-        layerwise=False,  # norms before and after both attention and the MoE block
+        mixer_half=Residual("input_layernorm", post_norm="post_attention_layernorm"),  # norms before and after both
+        block_half=Residual("pre_mlp_layernorm", post_norm="post_mlp_layernorm"),
+        embedding_sqrt_when="mup_enabled",
         tiny=dict(
             num_experts=8,
             num_experts_per_tok=2,
@@ -464,7 +505,13 @@ _HYBRID_ROWS = (
         top_k_field="num_experts_per_tok",
         routing=SOFTMAX_TOPK,
         renormalize=True,
-        layerwise=False,  # post-norm layers with alpha/beta-weighted residuals
+        # post-norm layers: n = norm(h), n * alpha + f(n) * beta, alpha and beta per layer kind (full or linear attention)
+        mixer_half=Residual(
+            "input_layernorm", scale="attn_beta_factor", residual_scale="attn_alpha_factor", normed_residual=True
+        ),
+        block_half=Residual(
+            "post_attention_layernorm", scale="mlp_beta_factor", residual_scale="mlp_alpha_factor", normed_residual=True
+        ),
         tiny=dict(
             num_local_experts=8,
             num_experts_per_tok=2,
@@ -480,7 +527,9 @@ _HYBRID_ROWS = (
         routing=TOPK_SOFTMAX,  # top-k on float32 logits, softmax over the k chosen
         block="block_sparse_moe",
         router="router",
-        layerwise=False,  # residual multiplier, and the shared MLP added beside the block
+        mixers=("self_attn", "mamba"),
+        block_beside=("shared_mlp",),  # a dense MLP on the block's input, its output added to the block's
+        **_GRANITE_LAYER,
         tiny=dict(
             num_local_experts=8,
             num_experts_per_tok=2,
@@ -498,7 +547,9 @@ _HYBRID_ROWS = (
         block="feed_forward",
         router="router",
         dense_layer_fields=("expert_layer_period", "expert_layer_offset"),
-        layerwise=False,  # its norms are named pre_ff_layernorm / final_layernorm
+        mixers=("self_attn", "mamba"),
+        block_half=Residual("pre_ff_layernorm"),
+        final_norm="final_layernorm",
         tiny=dict(
             num_experts=8,
             num_experts_per_tok=2,
@@ -525,7 +576,10 @@ _HYBRID_ROWS += (
         scaling_field="routed_scaling_factor",
         dense_layer_fields=("num_dense_layers",),
         mixers=("self_attn", "conv"),
-        layerwise=False,  # its norms are operator_norm / ffn_norm and its final norm is embedding_norm
+        mixer_half=Residual("operator_norm"),
+        block_half=Residual("ffn_norm"),
+        final_norm="embedding_norm",  # its name, though it follows the last layer
+        rotary="pos_emb",
         tiny=dict(
             num_experts=8,
             num_experts_per_tok=2,
@@ -549,7 +603,6 @@ _HYBRID_ROWS += (
         experts_input=EXPERTS_SCALED_DENSE,
         shared_experts=("feed_forward.shared_expert",),
         dense_layer_fields=("interleave_moe_layer_step", "moe_layers"),
-        layerwise=False,  # chunked attention, and its base model is not at its base_model_prefix
         notes=(
             "the gate multiplies each expert's input, not its output: g_i(x) is that sigmoid weight and f_i(x) the "
             "expert's output on the unscaled token, so REAP's g*||f|| is not the norm of what the expert adds"

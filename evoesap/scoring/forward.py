@@ -13,9 +13,12 @@ DeepSeek-V2/V3, ERNIE-4.5-MoE, GPT-OSS, Qwen3-Next); the only difference is the 
 2-D padding mask), else sliding for all layers when `config.sliding_window` is set (Mixtral, Qwen3-MoE),
 else full causal attention.
 
-Every decoder layer of those families is the same pre-norm residual pair, `h + mixer(norm(h))` then
-`h + block(norm(h))` (the family table's `mixers`, e.g. `self_attn` or a hybrid's `linear_attn`, and its
-`block`, e.g. `mlp`), so it runs as two halves (`attend`, `feed_forward`). A linear-attention or Mamba
+Every decoder layer is a pair of residual halves, the token mixer's then the block's (the family table's
+`mixers`, e.g. `self_attn` or a hybrid's `linear_attn`, and its `block`, e.g. `mlp`), each
+`r * alpha + post_norm(f(norm(h))) * beta` with the parts the table's `mixer_half` / `block_half` name (most
+families: `h + mixer(input_layernorm(h))`, `h + block(post_attention_layernorm(h))`; Granite scales each
+output, FlexOlmo and AFMoE norm it, MiniMax adds it to the normed input, both weighted), so it runs as two
+halves (`attend`, `feed_forward`). A linear-attention or Mamba
 mixer keeps a recurrent state only within one call over the whole sequence, so the state between the
 halves is still all a later half needs. Pruning experts changes only the
 feed-forward half of a layer: the state between the halves is what a candidate can reuse, and the last
@@ -34,12 +37,17 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import operator
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from evoesap.errors import ModelError
 from evoesap.offload import module_device
+
+if TYPE_CHECKING:
+    from evoesap.moe.families import Residual
 
 # per attention kind, the function of transformers.masking_utils that builds its mask; linear attention
 # (Gated DeltaNet, Mamba, convolutions) takes the 2-D padding mask, or None for an unpadded batch
@@ -48,8 +56,8 @@ _MASKS = {
     "sliding_attention": "create_sliding_window_causal_mask",
     "chunked_attention": "create_chunked_causal_mask",
     "linear_attention": "create_recurrent_attention_mask",
+    "conv": "create_recurrent_attention_mask",  # LFM2's short-convolution layers
 }
-_NORMS = ("input_layernorm", "post_attention_layernorm")  # with a mixer and the family's block: what a layer must have
 
 
 # --------------------------------------------------------------------------------------------------
@@ -102,13 +110,19 @@ def final_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
 
 def check_layerwise(model_type: str) -> None:
     """Refuse (ModelError) a family whose decoder layers ESAP scoring cannot run in halves: the family table's
-    `layerwise`. Its layers have the parts' names, but not the maths `LayerRunner`'s halves compute."""
+    `layerwise` (today the multimodal checkpoints, whose language model sits beside a vision tower)."""
     from evoesap.moe.families import family_of
 
-    if not family_of(model_type).layerwise:
+    family = family_of(model_type)
+    if not family.layerwise:
+        why = (
+            f"a multimodal checkpoint, and ESAP scoring runs a text-only causal LM layer by layer (its language model at "
+            f"{family.layers.removesuffix('.layers')} is not run on its own)"
+            if family.text_config
+            else "its decoder layer is not in the family table's layer facts"
+        )
         raise ModelError(
-            f"{model_type}'s decoder layer is not the pre-norm residual pair that ESAP scoring runs layer by "
-            "layer (h + mixer(norm(h)), h + block(norm(h))): search, ESAP scoring and held-out ESAP (evaluate's "
+            f"{model_type} cannot be scored layer by layer: {why}; search, ESAP scoring and held-out ESAP (evaluate's "
             "teacher_cache) do not support it yet; calibrate, prune and evaluate without a teacher cache do"
         )
 
@@ -145,23 +159,31 @@ class LayerRunner:
 
         family = family_of(getattr(getattr(model, "config", None), "model_type", None))
         check_layerwise(family.model_type)
-        base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        where = family.layers.rpartition(".")[0]  # the base model is what holds the decoder layers
+        try:
+            base = operator.attrgetter(where)(model) if where else model
+        except AttributeError:
+            base = None
         if not isinstance(base, torch.nn.Module):
-            raise ModelError(f"{type(model).__name__} has no base model at .{model.base_model_prefix}")
-        for part in ("layers", "norm"):  # no rotary_emb: positions come from elsewhere or nowhere (Kimi-Linear)
+            raise ModelError(f"{type(model).__name__} has no base model at .{where}")
+        for part in ("layers", family.final_norm):  # no rotary embedding: positions come from elsewhere or nowhere
             if not hasattr(base, part):
                 raise ModelError(f"{type(base).__name__} has no .{part}: layer-wise forwards need a decoder stack")
-        self.model, self.base, self.config = model, base, base.config
+        self.model, self.base, self.config, self.family = model, base, base.config, family
         self.block = family.block  # the feed-forward half's module (an MoE block or an MLP)
         self.layers = list(base.layers[: self.config.num_hidden_layers])
+        halves = (family.mixer_half, family.block_half)
+        parts = [p for half in halves for p in (half.norm, half.post_norm, half.scale, half.residual_scale) if p]
+        parts += [self.block, *family.block_beside]
         self.mixers: list[str] = []  # per decoder layer: the attribute holding its token mixer
         for index, layer in enumerate(self.layers):
             mixer = next((name for name in family.mixers if getattr(layer, name, None) is not None), None)
-            missing = [part for part in (*_NORMS, self.block) if not hasattr(layer, part)] + ([] if mixer else ["mixer"])
+            missing = [part for part in parts if not hasattr(layer, part)] + ([] if mixer else ["mixer"])
             if missing:
                 raise ModelError(
-                    f"decoder layer {index} ({type(layer).__name__}) has no {', '.join(missing)}: layer-wise forwards "
-                    f"need pre-norm residual layers ({', '.join(_NORMS)}, one of {', '.join(family.mixers)}, {self.block})"
+                    f"decoder layer {index} ({type(layer).__name__}) of a {family.model_type} model has no "
+                    f"{', '.join(missing)}: the family table says its layers hold {', '.join(parts)} and one of "
+                    f"{', '.join(family.mixers)}; is this checkpoint of another model_type?"
                 )
             self.mixers.append(mixer)
         kinds = getattr(self.config, "layer_types", None)
@@ -182,8 +204,13 @@ class LayerRunner:
         return len(self.layers)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[B, T] long -> [B, T, H] model dtype."""
-        return self.base.get_input_embeddings()(input_ids)
+        """[B, T] long -> [B, T, H] model dtype, times the family's embedding multipliers."""
+        embeds = self.base.get_input_embeddings()(input_ids)  # [B, T, H]
+        if self.family.embedding_scale:
+            embeds = embeds * getattr(self.config, self.family.embedding_scale)
+        if self.family.embedding_sqrt_when and getattr(self.config, self.family.embedding_sqrt_when, False):
+            embeds = embeds * (self.config.hidden_size**0.5)
+        return embeds
 
     def context(self, embeds: torch.Tensor, attention_mask: torch.Tensor) -> BatchContext:
         """Position ids, rotary embeddings and per-layer masks of a right-padded batch ([B, T, H], [B, T])."""
@@ -198,7 +225,7 @@ class LayerRunner:
             )
             for kind, mask in self._masks.items()
         }
-        rotary_emb = getattr(self.base, "rotary_emb", None)
+        rotary_emb = getattr(self.base, self.family.rotary, None)
         rotary = rotary_emb(embeds, position_ids) if rotary_emb is not None else None
         return BatchContext(position_ids, rotary, tuple(built[kind] for kind in self.kinds))
 
@@ -206,8 +233,10 @@ class LayerRunner:
         """The attention half of decoder layer `index`: [B, T, H] -> [B, T, H] on that layer's device."""
         layer, device = self.layers[index], self.devices[index]
         hidden = hidden.to(device)  # a model sharded over GPUs (device_map): the halves bypass the layer's hooks
+        half = self.family.mixer_half
+        normed = getattr(layer, half.norm)(hidden) if half.norm else hidden
         arguments = dict(
-            hidden_states=layer.input_layernorm(hidden),
+            hidden_states=normed,
             attention_mask=_to(ctx.masks[index], device),
             position_ids=ctx.position_ids.to(device),
             position_embeddings=_to(ctx.position_embeddings, device),
@@ -221,16 +250,22 @@ class LayerRunner:
         out = mixer(**arguments)
         if isinstance(out, tuple):  # attention also returns its weights
             out = out[0]
-        return hidden + out
+        return _residual(layer, half, hidden, normed, out)
 
     def feed_forward(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
         """The feed-forward half of decoder layer `index`, per token: [..., T, H] -> [..., T, H] on its device."""
-        layer = self.layers[index]
+        layer, half = self.layers[index], self.family.block_half
         hidden = hidden.to(self.devices[index])
-        out = getattr(layer, self.block)(layer.post_attention_layernorm(hidden))
-        if isinstance(out, tuple):  # GPT-OSS also returns its router scores
+        normed = getattr(layer, half.norm)(hidden) if half.norm else hidden
+        out = getattr(layer, self.block)(normed)
+        if isinstance(out, tuple):  # GPT-OSS also returns its router scores, Llama 4 its router logits
             out = out[0]
-        return hidden + out
+        out = out.reshape(hidden.shape)  # Llama 4's MoE block returns its tokens flattened: [N, H]
+        for name in self.family.block_beside:  # a dense MLP beside the block (Granite), None where configured off
+            beside = getattr(layer, name)
+            if beside is not None:
+                out = out + beside(normed)
+        return _residual(layer, half, hidden, normed, out)
 
     def run(self, hidden: torch.Tensor, ctx: BatchContext, start: int, stop: int) -> torch.Tensor:
         """Decoder layers start..stop-1 on [B, T, H] -> [B, T, H]."""
@@ -245,18 +280,20 @@ class LayerRunner:
         routed = {block.decoder_index: block for block in moe.moe_blocks(self.model)}
         spec = {layer.decoder_index: layer for layer in moe.inspect(self.model).layers}
         costs = []
+        mixer_half, block_half = self.family.mixer_half, self.family.block_half
         for index, layer in enumerate(self.layers):
-            attention = _numel(layer.input_layernorm) + _numel(getattr(layer, self.mixers[index]))
-            feed_forward = _numel(layer.post_attention_layernorm) + _numel(getattr(layer, self.block))
+            attention = _numel(layer, self.mixers[index], mixer_half.norm, mixer_half.post_norm)
+            feed_forward = _numel(layer, self.block, *self.family.block_beside, block_half.norm, block_half.post_norm)
             if index in routed:  # a token passes through top-k of the routed experts
-                experts, info = _numel(routed[index].experts), spec[index]
+                experts, info = _params(routed[index].experts), spec[index]
                 feed_forward -= experts - experts * info.top_k // info.num_experts
             costs.append((attention, feed_forward))
         return costs
 
     def norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm, per token, so it may run on the scored rows only: [..., H] -> [..., H]."""
-        return self.base.norm(hidden.to(module_device(self.base.norm)))
+        norm = getattr(self.base, self.family.final_norm)
+        return norm(hidden.to(module_device(norm)))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The whole stack, layer by layer: equals the base model's last_hidden_state -> [B, T, H]."""
@@ -264,8 +301,28 @@ class LayerRunner:
         return self.norm(self.run(embeds, self.context(embeds, attention_mask), 0, self.num_layers))
 
 
-def _numel(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
+def _residual(
+    layer: torch.nn.Module, half: Residual, hidden: torch.Tensor, normed: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """A residual half's sum, `r * residual_scale + post_norm(out) * scale` (r: `hidden`, or `normed` where the
+    residual is the normed input), each factor applied in the order the family's own layer applies it."""
+    if half.post_norm:
+        out = getattr(layer, half.post_norm)(out)
+    if half.scale:
+        out = out * getattr(layer, half.scale)
+    residual = normed if half.normed_residual else hidden
+    if half.residual_scale:
+        residual = residual * getattr(layer, half.residual_scale)
+    return residual + out
+
+
+def _params(module: torch.nn.Module | None) -> int:
+    return sum(p.numel() for p in module.parameters()) if module is not None else 0
+
+
+def _numel(layer: torch.nn.Module, *parts: str | None) -> int:
+    """Parameters of the named parts of `layer` (None names and None modules count nothing)."""
+    return sum(_params(getattr(layer, part)) for part in parts if part)
 
 
 def _to(value: object, device: torch.device) -> object:
@@ -282,9 +339,14 @@ def _to(value: object, device: torch.device) -> object:
 
 
 def head_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The LM head (and any final logit soft-capping the family applies) on [P, H] -> [P, V]."""
+    """The LM head (and the family's logit scaling or final soft-capping) on [P, H] -> [P, V]."""
+    from evoesap.moe.families import FAMILIES
+
     head = model.get_output_embeddings()
     logits = head(hidden.to(module_device(head)))  # [P, V] model dtype
+    family = FAMILIES.get(getattr(model.config, "model_type", None))
+    if family is not None and family.logits_divisor:  # Granite's logits_scaling, as its own forward divides
+        logits = logits / getattr(model.config, family.logits_divisor)
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap

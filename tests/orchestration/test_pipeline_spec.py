@@ -344,8 +344,8 @@ def test_a_family_the_search_cannot_score_is_refused_at_compile_in_one_line(tmp_
     from evoesap import moe
     from evoesap.cli import main
 
-    model = tmp_path / "granite"
-    moe.tiny_model("granitemoe").config.save_pretrained(model)
+    model = tmp_path / "multimodal"
+    moe.tiny_model("qwen3_vl_moe").config.save_pretrained(model)
     config = tmp_path / "pipeline.yaml"
     config.write_text(
         yaml.safe_dump(
@@ -360,7 +360,7 @@ def test_a_family_the_search_cannot_score_is_refused_at_compile_in_one_line(tmp_
     out = tmp_path / "spec.yaml"
     assert main(["pipeline", "compile", str(config), "-o", str(out)]) == 1
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert line.startswith("error: granitemoe's decoder layer is not the pre-norm residual pair"), line
+    assert line.startswith("error: qwen3_vl_moe cannot be scored layer by layer: a multimodal checkpoint"), line
     assert "search, ESAP scoring and held-out ESAP" in line
     assert not out.exists()
 

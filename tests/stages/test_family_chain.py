@@ -9,10 +9,12 @@ search costs as much as the rest of a family's chain:
   router), shared experts and a dense first layer, all in one model;
 - deepseek_v3: group-limited sigmoid routing with more than one group (4 groups, top 2);
 - qwen3_next: a gated shared expert and a dense layer in the middle of the stack (mlp_only_layers);
-- minimax_m2: a selection bias held by the MoE block itself rather than by its router.
+- minimax_m2: a selection bias held by the MoE block itself rather than by its router;
+- granitemoehybrid: a decoder layer off the plain pre-norm pair (muP embedding, residual and logit multipliers, a
+  dense MLP beside the MoE block, Mamba layers), run in halves from the family table's layer facts.
 
-Families whose decoder layer the search cannot run in halves (`layerwise=False`) are refused by the search in one
-line, before their weights load. The non-uniform checkpoint's loading through `evoesap.moe.load_pruned` is the
+Families whose decoder layers the search cannot run in halves (`layerwise=False`: the multimodal checkpoints) are
+refused by the search in one line, before their weights load. The non-uniform checkpoint's loading through `evoesap.moe.load_pruned` is the
 unit matrix's (tests/unit/test_moe.py), not repeated here.
 """
 
@@ -32,7 +34,7 @@ from evoesap.stages.prune import PruneParams, run_prune
 from evoesap.stages.search import SearchParams, run_search
 from evoesap.store import artifacts
 
-FULL_CHAIN = ("kimi_linear", "deepseek_v3", "qwen3_next", "minimax_m2")
+FULL_CHAIN = ("kimi_linear", "deepseek_v3", "qwen3_next", "minimax_m2", "granitemoehybrid")
 CALIBRATE = CalibrateParams(samples=4, max_length=64)
 CACHE = CacheLogitsParams(samples=4, max_length=64, dtype="float32")
 # 25%: 50% of DeepSeek-V3's 16 experts in 4 groups (top 2 groups) leaves one allocation, nothing to search
@@ -66,7 +68,7 @@ def _refuses_search_before_loading(files: dict, scores: str, cache: str, out: st
 
     with monkeypatch.context() as patched:
         patched.setattr(runtime, "load_model", load_model)
-        with pytest.raises(ModelError, match=r"decoder layer is not the pre-norm residual pair.*calibrate, prune and evaluate"):
+        with pytest.raises(ModelError, match=r"cannot be scored layer by layer: .*calibrate, prune and evaluate"):
             run_search(files["model"], scores, cache, SEARCH, out)
     assert not artifacts.exists(out)
 
@@ -108,7 +110,7 @@ def test_held_out_esap_and_scoring_refuse_a_family_the_search_cannot_score_befor
     a family that cannot be run so is refused from config.json, not after loading and running lm-eval."""
     from evoesap.scoring.evaluator import score_allocation
 
-    files = make_tiny_inputs(tmp_path, family="granitemoe")
+    files = make_tiny_inputs(tmp_path, family="qwen3_vl_moe")
     cache, out = str(tmp_path / "cache"), str(tmp_path / "evaluated")
     run_cache_logits(files["model"], files["search"], CACHE, cache)
 
@@ -116,7 +118,7 @@ def test_held_out_esap_and_scoring_refuse_a_family_the_search_cannot_score_befor
         raise AssertionError("the weights of a family ESAP cannot score were loaded")
 
     monkeypatch.setattr(runtime, "load_model", load_model)
-    refused = r"granitemoe's decoder layer is not the pre-norm residual pair.*evaluate without a teacher cache do"
+    refused = r"qwen3_vl_moe cannot be scored layer by layer: a multimodal checkpoint.*evaluate without a teacher cache do"
     with pytest.raises(ModelError, match=refused):
         _evaluate(files["model"], files["tasks"], out, teacher_cache=cache)
     assert not artifacts.exists(out)

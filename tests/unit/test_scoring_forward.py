@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_moe import TOL, UNGROUPED, nonuniform_sets
 from test_scoring_teacher import VOCAB, tiny
 
 from evoesap import moe
@@ -14,12 +17,34 @@ from evoesap.scoring import forward
 from evoesap.scoring.forward import LayerRunner
 
 FAMILIES = sorted(name for name, family in moe.FAMILIES.items() if family.layerwise)
+REFUSED = sorted(name for name, family in moe.FAMILIES.items() if not family.layerwise)
 # windows shorter than the samples, so that sliding-attention layers mask differently from full ones
 SLIDING = {
     "gpt_oss": dict(sliding_window=4),
     "mixtral": dict(sliding_window=5),
     "qwen2_moe": dict(use_sliding_window=True, sliding_window=4, max_window_layers=4),
 }
+# the tiny configs leave every multiplier at 1 and muP off: these make each factor of a family's layer maths count
+_GRANITE = dict(embedding_multiplier=3.0, residual_multiplier=0.7, logits_scaling=2.5)
+SCALED = {
+    "granitemoe": _GRANITE,
+    "granitemoeshared": _GRANITE,
+    "granitemoehybrid": _GRANITE,
+    "afmoe": dict(mup_enabled=True),
+    "minimax": dict(
+        full_attn_alpha_factor=1.3,
+        full_attn_beta_factor=0.6,
+        linear_attn_alpha_factor=0.8,
+        linear_attn_beta_factor=1.7,
+        mlp_alpha_factor=1.2,
+        mlp_beta_factor=0.9,
+    ),
+}
+
+
+def tiny_overrides(family: str) -> dict:
+    """Config overrides of a family's tiny model for layer-by-layer checks: short sliding windows, real multipliers."""
+    return {**SLIDING.get(family, {}), **SCALED.get(family, {})}
 
 
 @settings(max_examples=50, deadline=None)
@@ -44,7 +69,7 @@ def test_right_padding_keeps_each_sequence_at_the_start_of_its_row(seqs):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_layer_loop_equals_the_models_forward_for_each_family(family):
-    model = moe.tiny_model(family, seed=1, **SLIDING.get(family, {}))
+    model = moe.tiny_model(family, seed=1, **tiny_overrides(family))
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, 200, (n,), generator=gen) for n in (9, 13, 6)]
     ids, mask = forward.pad_right(seqs)
@@ -55,9 +80,30 @@ def test_layer_loop_equals_the_models_forward_for_each_family(family):
         ctx = runner.context(embeds, mask)
         whole = runner.forward(ids, mask)
         split = runner.norm(runner.run(runner.run(embeds, ctx, 0, 2), ctx, 2, runner.num_layers))
+        own_logits = model(input_ids=ids, attention_mask=mask).logits  # [B, T, V]: the family's own head and scaling
     for row, s in enumerate(seqs):  # real tokens only: padded rows are never read
         torch.testing.assert_close(whole[row, : len(s)], expected[row, : len(s)], atol=0, rtol=0)
         torch.testing.assert_close(split[row, : len(s)], expected[row, : len(s)], atol=0, rtol=0)
+        with torch.inference_mode():
+            torch.testing.assert_close(forward.head_logits(model, whole[row, : len(s)]), own_logits[row, : len(s)])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layer_loop_of_a_masked_model_equals_the_pruned_models_forward_for_each_family(family):
+    """Masking is removal where the scorer runs it: half-layer by half-layer, the router hooks firing there."""
+    model = moe.tiny_model(family, seed=1, **tiny_overrides(family), **UNGROUPED.get(family, {}))  # any removal
+    pruned = nonuniform_sets(moe.inspect(model), seed=len(family))
+    removed = moe.prune_experts(copy.deepcopy(model), pruned)
+    ids = torch.randint(3, 200, (2, 11), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    runner = LayerRunner(model)
+    with torch.inference_mode():
+        full = runner.forward(ids, mask)
+        with moe.masked(model, pruned):
+            masked = runner.forward(ids, mask)
+        expected = forward.final_hidden(removed, ids, mask)  # [B, T, H]
+    assert (masked - expected).abs().max() <= TOL
+    assert (masked - full).abs().max() > 1e-3  # the mask really changed the model
 
 
 def test_half_costs_count_top_k_of_the_routed_experts():
@@ -84,19 +130,32 @@ def test_head_at_scored_positions_equals_the_model_logits() -> None:
         torch.testing.assert_close(forward.head_logits(model, hidden[:, [3, 9]]), model(ids).logits[:, [3, 9]])
 
 
-@pytest.mark.parametrize("family", ["granitemoe", "flex_olmo", "afmoe", "minimax", "granitemoehybrid", "jamba", "llama4_text"])
-def test_a_family_whose_layer_is_not_the_pre_norm_pair_is_refused_layer_by_layer_not_scored_wrongly(family):
-    with pytest.raises(ModelError, match=f"{family}'s decoder layer is not the pre-norm residual pair"):
+def test_granite_logits_are_divided_by_its_logits_scaling_as_its_own_forward_does():
+    model = moe.tiny_model("granitemoe", seed=1, logits_scaling=4.0)
+    ids = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        hidden = forward.final_hidden(model, ids, torch.ones_like(ids))[0]  # [T, H]
+        torch.testing.assert_close(forward.head_logits(model, hidden), model.lm_head(hidden) / 4.0, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", REFUSED)
+def test_a_family_whose_layers_cannot_run_in_halves_is_refused_layer_by_layer_not_scored_wrongly(family):
+    with pytest.raises(ModelError, match=f"{family} cannot be scored layer by layer: a multimodal checkpoint") as info:
         LayerRunner(moe.tiny_model(family))
+    assert "\n" not in str(info.value)
+
+
+def test_every_text_family_runs_layer_by_layer():
+    assert REFUSED and all(moe.FAMILIES[name].text_config for name in REFUSED)
 
 
 def test_the_layerwise_check_reads_config_json_alone_and_leaves_an_unreadable_one_to_the_loader(tmp_path):
-    granite, olmoe, broken = tmp_path / "granite", tmp_path / "olmoe", tmp_path / "broken"
-    moe.tiny_model("granitemoe").config.save_pretrained(granite)  # config.json only: no weights to load
+    multimodal, olmoe, broken = tmp_path / "multimodal", tmp_path / "olmoe", tmp_path / "broken"
+    moe.tiny_model("qwen3_vl_moe").config.save_pretrained(multimodal)  # config.json only: no weights to load
     moe.tiny_model("olmoe").config.save_pretrained(olmoe)
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
-    with pytest.raises(ModelError, match="granitemoe's decoder layer is not the pre-norm residual pair"):
-        forward.check_checkpoint_layerwise(str(granite))
+    with pytest.raises(ModelError, match="qwen3_vl_moe cannot be scored layer by layer: a multimodal checkpoint"):
+        forward.check_checkpoint_layerwise(str(multimodal))
     for readable_or_not in (olmoe, broken, tmp_path / "missing"):
         forward.check_checkpoint_layerwise(str(readable_or_not))  # nothing to refuse here

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_scoring_forward import SLIDING
+from test_scoring_forward import tiny_overrides
 from test_scoring_teacher import random_samples
 
 from evoesap import moe
@@ -17,10 +17,14 @@ from evoesap.scoring.forward import LayerRunner
 from evoesap.scoring.prefix import PrefixCache, spread
 
 HYBRIDS = ["qwen3_next", "qwen3_5_moe_text", "kimi_linear"]  # linear-attention layers between the cached states
+# one family per other layer layout: scaled halves and a dense MLP beside the block (Granite), norms after each half
+# only (FlexOlmo) or before and after (AFMoE), post-norm weighted residuals (MiniMax), Mamba or short convolutions
+# with renamed norms (Jamba, LFM2-MoE), a flattened MoE output and the base model off its prefix (Llama 4)
+LAYOUTS = ["granitemoeshared", "flex_olmo", "afmoe", "minimax", "jamba", "lfm2_moe", "llama4_text"]
 
 
 def _world(family: str, tmp_path, samples: int = 7):
-    model = moe.tiny_model(family, seed=2, vocab_size=96, **SLIDING.get(family, {}))
+    model = moe.tiny_model(family, seed=2, vocab_size=96, **tiny_overrides(family))
     teacher.write_cache(model, random_samples(samples, seed=3), tmp_path, mode="full", dtype="float32", batch_size=4)
     return model, teacher.load_cache(str(tmp_path))
 
@@ -34,7 +38,7 @@ def _random_pruned(spec: moe.MoESpec, rng: np.random.Generator) -> dict[int, lis
     }
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "deepseek_v2", "gpt_oss", *HYBRIDS])
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "deepseek_v2", "gpt_oss", *HYBRIDS, *LAYOUTS])
 def test_prefix_reuse_gives_from_scratch_fitness_on_random_allocations(family, tmp_path):
     """Children share a random-length prefix with a random earlier allocation; every value equals scratch."""
     model, cache = _world(family, tmp_path)
