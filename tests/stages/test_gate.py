@@ -336,27 +336,23 @@ def test_a_gate_without_what_it_compares_is_refused_at_load(overrides, problem):
         _pipeline_config(**overrides)
 
 
-def test_compiled_dag_publishes_only_under_a_passing_verdict_and_hands_the_verdicts_on(tmp_path):
+def test_compiled_dag_publishes_from_the_verdict_and_hands_the_verdicts_on(tmp_path):
+    """Publish runs under no condition and takes the gate's verdict: it releases on a passing one and hands on a
+    withheld entry on a failing one (so `released_models` exists whatever the verdict)."""
     import yaml
     from evoesap.pipeline.dag import compile_pipeline
 
     spec = yaml.safe_load(compile_pipeline(_pipeline_config(gate={"max_task_drop": 0.02}), tmp_path / "p.yaml").read_text())
     components = spec["components"]
-    conditions = {
-        name: task["triggerPolicy"]["condition"]
-        for c in components.values()
-        for name, task in c.get("dag", {}).get("tasks", {}).items()
-        if "triggerPolicy" in task
-    }
-    (condition,) = conditions.values()
-    assert "gate" in condition and "'pass'" in condition  # the branch that holds publish runs on a passing verdict
-    (branch,) = [c for name, c in components.items() if name.startswith("comp-condition")]
-    assert [t["componentRef"]["name"] for t in branch["dag"]["tasks"].values()] == ["comp-publish"]
+    tasks = {name: task for c in components.values() for name, task in c.get("dag", {}).get("tasks", {}).items()}
+    assert not [name for name, task in tasks.items() if "triggerPolicy" in task]
+    assert not [name for name in components if name.startswith("comp-condition")]
+    verdict = tasks["publish"]["inputs"]["artifacts"]["gate"]["taskOutputArtifact"]
+    assert verdict == {"outputArtifactKey": "verdict", "producerTask": "gate"}
     stages = components["comp-evoesap-stages"]
-    assert "verdicts" in stages["outputDefinitions"]["artifacts"]  # a caller of the sub-pipeline reads the verdicts
+    assert {"verdicts", "released_models"} <= set(stages["outputDefinitions"]["artifacts"])
     assert "verdicts" in spec["root"]["outputDefinitions"]["artifacts"]
-    tasks = stages["dag"]["tasks"]
-    assert set(tasks["check-verdicts"]["dependentTasks"]) >= {"report"}  # the run ends only once the report exists
+    assert set(stages["dag"]["tasks"]["check-verdicts"]["dependentTasks"]) >= {"report"}  # ends once the report exists
 
 
 def test_without_thresholds_the_dag_has_no_gate(tmp_path):

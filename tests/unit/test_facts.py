@@ -57,7 +57,7 @@ def test_each_stage_s_facts_come_from_its_registry_entry(tmp_path, monkeypatch):
 
     from evoesap import registry
 
-    assert {s.name for s in registry.STAGES if s.facts} == {"search", "prune", "evaluate", "quantize", "gate"}
+    assert {s.name for s in registry.STAGES if s.facts} == {"search", "prune", "evaluate", "quantize", "gate", "publish"}
     assert all(callable(s.facts_function()) for s in registry.STAGES if s.facts)
     uri = _artifact(tmp_path / "art", "report", {"report.md": b"# r"})
     common = {"uri", "stage", "manifest_sha256", "inputs", "evoesap_version"}
