@@ -37,13 +37,19 @@ def test_points_are_the_pruned_runs_with_heldout_esap_by_criterion_and_bytes():
     assert frontier.figure([RUNS[0], RUNS[4]]) is None
 
 
-def test_figure_marks_the_full_model_the_gate_and_the_target():
-    check = records.GateCheck(name="held-out ESAP", value=0.90, reference=None, limit=0.93, passed=False)
-    verdict = records.GateRecord(passed=False, candidate="/m/candidate", checks=(check,))
+def _gate_and_target(value: float, limit: float, threshold: float) -> tuple:
+    """A held-out ESAP gate verdict (passed when `value` reaches `limit`) and a reap target choosing 25%."""
+    check = records.GateCheck(name="held-out ESAP", value=value, reference=None, limit=limit, passed=value >= limit)
+    verdict = records.GateRecord(passed=check.passed, candidate="/m/candidate", checks=(check,))
     target = records.TargetRecord(
-        criterion="reap", metric="heldout_esap", threshold=0.96, grid=(0.25, 0.5), max_probes=2, probes=(), chosen=0.25,
-        chosen_search="/s/1",
+        criterion="reap", metric="heldout_esap", threshold=threshold, grid=(0.25, 0.5), max_probes=2, probes=(),
+        chosen=0.25, chosen_search="/s/1",
     )  # fmt: skip
+    return verdict, target
+
+
+def test_figure_marks_the_full_model_the_gate_and_the_target():
+    verdict, target = _gate_and_target(value=0.90, limit=0.93, threshold=0.96)
     fig = frontier.figure(RUNS, [verdict], [target])
     (ax,) = fig.axes
     labels = ax.get_legend_handles_labels()[1]
@@ -76,12 +82,7 @@ def test_size_labels_never_overlap_at_any_scale():
 
 
 def test_a_gate_and_a_target_at_the_same_value_both_stay_visible():
-    check = records.GateCheck(name="held-out ESAP", value=0.97, reference=None, limit=0.95, passed=True)
-    verdict = records.GateRecord(passed=True, candidate="/m/candidate", checks=(check,))
-    target = records.TargetRecord(
-        criterion="reap", metric="heldout_esap", threshold=0.95, grid=(0.25, 0.5), max_probes=2, probes=(), chosen=0.25,
-        chosen_search="/s/1",
-    )  # fmt: skip
+    verdict, target = _gate_and_target(value=0.97, limit=0.95, threshold=0.95)
     (ax,) = frontier.figure(RUNS, [verdict], [target]).axes
     lines = {line.get_label(): line for line in ax.get_lines()}
     gate, aim = lines["gate: least held-out ESAP"], lines["target (reap)"]
