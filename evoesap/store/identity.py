@@ -106,6 +106,15 @@ def keyed(entry: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in entry.items() if k not in drop}
 
 
+def same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two identities (records, or manifests' input entries) name the same content: artifacts by content where
+    both record it, else by the same manifest; anything else by its whole identity (`keyed`). So an artifact made
+    again from the same bytes at another URI is the one a manifest recorded reading."""
+    if a.get("kind") == b.get("kind") == "artifact":
+        return any(key in a and a.get(key) == b.get(key) for key in ("content_sha256", "manifest_sha256"))
+    return keyed(a) == keyed(b)
+
+
 def summary(record: dict[str, Any]) -> str:
     """One short line naming the identity, for people (reports): kind, size or revision, digest prefix."""
     kind = record.get("kind")

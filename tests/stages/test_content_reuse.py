@@ -3,6 +3,7 @@ leaves every downstream key unchanged, on real stage runs of a tiny OLMoE."""
 
 import shutil
 
+import pytest
 from tiny_world import make_tiny_inputs
 
 from evoesap import steps
@@ -42,3 +43,41 @@ def test_calibrate_made_again_at_another_uri_reuses_the_prune_made_from_the_firs
     recorded = artifacts.read_manifest(pruned).inputs["scores"]  # lineage still names, and checks, what it read
     assert recorded["uri"] == first and recorded["manifest_sha256"] == artifacts.manifest_sha256(first)
     assert lineage.identity_of(recorded) == lineage.identity_of(artifacts.describe_inputs({"scores": again})["scores"])
+
+
+def _made(root, stage, payload, inputs=None):
+    """A `stage` artifact under `root` from a data file there (so each place's manifest names another input)."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "rows.jsonl").write_bytes(b"rows")
+    out = str(root / stage)
+    with artifacts.stage_output(out, stage, {}, {"data": str(root / "rows.jsonl"), **(inputs or {})}) as staging:
+        (staging / "payload.bin").write_bytes(payload)
+    return out
+
+
+def test_the_search_cache_made_again_elsewhere_is_still_refused_as_a_held_out_cache(tmp_path):
+    """A search reused from a cache at one URI optimised on the same samples as that cache made again at another:
+    evaluating with it is not held out, and is refused as the cache itself is."""
+    from evoesap.errors import ConfigError
+    from evoesap.stages.evaluate import _check_heldout
+
+    searched_on = _made(tmp_path / "a", "cache-logits", b"logits")
+    again = _made(tmp_path / "b", "cache-logits", b"logits")
+    search = _made(tmp_path / "search", "search", b"allocation", {"cache": searched_on})
+    for teacher in (searched_on, again):
+        with pytest.raises(ConfigError, match="is the cache the search .* optimised on"):
+            _check_heldout(teacher, "org/model", search)
+    _check_heldout(_made(tmp_path / "c", "cache-logits", b"other samples"), "org/model", search)  # held out: accepted
+
+
+def test_publish_takes_a_search_made_again_elsewhere_as_the_one_the_prune_used(tmp_path):
+    from evoesap.errors import ConfigError
+    from evoesap.stages.publish import _check_search
+
+    used = _made(tmp_path / "a", "search", b"allocation")
+    pruned = _made(tmp_path / "prune", "prune", b"weights", {"allocation": used})
+    manifest = artifacts.read_manifest(pruned)
+    _check_search(used, manifest, pruned)
+    _check_search(_made(tmp_path / "b", "search", b"allocation"), manifest, pruned)  # the same content elsewhere
+    with pytest.raises(ConfigError, match="is not the search"):
+        _check_search(_made(tmp_path / "c", "search", b"another allocation"), manifest, pruned)
