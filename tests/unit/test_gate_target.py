@@ -275,3 +275,59 @@ def test_the_command_names_the_chosen_criterion(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out.splitlines()
     probes = sum(len(r.probes) for _, r in found)
     assert out[-1] == f"chosen: reap at sparsity {found[0][1].chosen:.4f}, the largest any criterion reaches ({probes} probes)"
+
+
+@pytest.mark.slow
+def test_a_gate_target_on_real_stages_matches_a_sweep_of_verdicts_and_reuses_its_artifacts(tmp_path):
+    """Real search, prune, evaluate and gate artifacts. A sweep of verdicts over every grid point (the judge's own
+    steps) decides which sparsities pass; the gate target chooses the largest, makes nothing but its verdicts and its
+    decision (each search, prune and evaluation is the sweep's), and a second run makes nothing at all."""
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.target import Gating, _search_step, run_target
+    from tiny_world import make_tiny_inputs
+
+    from evoesap.store import artifacts
+
+    files = make_tiny_inputs(tmp_path / "tiny")  # 4 MoE layers of 8 experts, top-2: 6 grid points at granularity 4
+    root = str(tmp_path / "store")
+    settings_ = {
+        "model": files["model"], "calibration_data": files["calibration"], "search_data": files["search"],
+        "heldout_data": files["heldout"], "storage_root": root,
+        "calibrate": {"samples": 8, "max_length": 128},
+        "cache_logits": {"samples": 6, "max_length": 128, "dtype": "float32"},
+        "search": {"population": 4, "elites": 1, "generations": 1, "batch_size": 8, "granularity": 4},
+        "evaluate": {"tasks": [files["tasks"]], "limit": 2, "batch_size": 2, "max_length": 128},
+        "target": {"gate": True, "rechecks": 0},
+    }  # fmt: skip
+
+    def made():
+        return {str(p.parent.relative_to(root)) for p in (tmp_path / "store").glob("*/*/manifest.json")}
+
+    permissive = load_config({**settings_, "gate": {"min_heldout_esap": 0.01}})
+    ((uri, climbed),) = run_target(permissive)
+    assert climbed.chosen == climbed.grid[-1] and all(p.meets for p in climbed.probes)  # every verdict passes
+    manifest = artifacts.read_manifest(uri, "target")
+    inputs = {k: manifest.inputs[k]["uri"] for k in ("model", "scores", "cache", "heldout_cache")}
+    sections = {stage: permissive.stage_params(stage) for stage in ("prune", "evaluate", "gate")}
+    judge = Gating(manifest.inputs["full_evaluation"]["uri"], None, sections).judge(root, inputs, "reap")
+    search = _search_step(root, inputs, permissive.stage_params("search"), "reap")
+    esap = {}  # the sweep: every grid point's held-out ESAP, as its verdict read it
+    for sparsity in climbed.grid:
+        _, verdict = judge(sparsity, search(sparsity, None)[0])
+        assert verdict.name == f"reap at sparsity {sparsity:.4f} (searched)"
+        esap[sparsity] = verdict.checks[0].value
+    threshold = esap[climbed.grid[len(climbed.grid) // 2]]  # the middle point passes at exactly its own value
+    passing = [s for s in climbed.grid if esap[s] >= threshold]
+
+    swept = made()
+    strict = load_config({**settings_, "gate": {"min_heldout_esap": threshold}})
+    ((_, record),) = run_target(strict)
+    new = made() - swept
+    assert sorted(n.split("/")[0] for n in new) == ["gate"] * len(record.probes) + ["target"]  # the sweep's, reused
+    assert all(p.meets == (esap[p.sparsity] >= threshold) for p in record.probes)
+    if passing == climbed.grid[: len(passing)]:  # quality falling with sparsity: bisection finds the sweep's answer
+        assert record.chosen == passing[-1]
+    else:  # else a meeting point whose next point up misses (bracketing's promise without re-checks)
+        up = climbed.grid.index(record.chosen) + 1
+        assert esap[record.chosen] >= threshold and (up == len(climbed.grid) or esap[climbed.grid[up]] < threshold)
+    assert run_target(strict)[0][1] == record and made() == swept | new  # again: nothing to redo
