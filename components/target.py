@@ -23,8 +23,14 @@ def find_sparsities(
     target: dict,
     decisions: Output[Artifact],
     params: dict = {},
+    full_evaluation: Input[Dataset] = None,
+    previous: str = "",
+    prune_params: dict = {},
+    evaluate_params: dict = {},
+    gate_params: dict = {},
 ) -> list:
-    """Find, per criterion, the largest grid sparsity whose searched allocation keeps the target's held-out ESAP.
+    """Find, per criterion, the largest grid sparsity whose searched allocation keeps the target's held-out ESAP, or
+    whose pruned model passes the gate; with choose_criterion, the one criterion that reaches the largest.
 
     Args:
         model: The full model.
@@ -34,33 +40,47 @@ def find_sparsities(
         storage_root: Where the probes' search artifacts and the target artifacts are kept.
         criteria: The criteria to find a sparsity for.
         target: The configuration's `target` section: heldout_esap (the least held-out ESAP the chosen sparsity's
-            search must keep), warm_start, rechecks.
+            search must keep) or gate, choose_criterion, warm_start, rechecks.
         params: The search stage's parameters (the configuration's `search` section).
+        full_evaluation: A gate target's: the full model's evaluation the gate compares each probe's with.
+        previous: A gate target's: the previous release's metrics (gate.max_previous_drop); "" for none.
+        prune_params: A gate target's: the prune stage's parameters, as the run's own prune tasks take them (so
+            they reuse every probe's artifacts).
+        evaluate_params: A gate target's: the evaluate stage's parameters, likewise.
+        gate_params: A gate target's: the gate's thresholds, likewise.
 
     Returns:
         decisions: target.json of every criterion (probes, held-out values, the choice); metadata: chosen, targets.
-        Output: The fan-out: a {criterion, sparsity} point per criterion.
+        Output: The fan-out: a {criterion, sparsity} point per criterion (with choose_criterion, the chosen one).
     """
     import json
     from pathlib import Path
 
     from evoesap.components.kfp_artifacts import source
     from evoesap.pipeline.config import quality_target
-    from evoesap.pipeline.target import decide, unmet
+    from evoesap.pipeline.target import Gating, decide, fan_out, unmet
 
     from evoesap.store import artifacts
 
     inputs = {"model": source(model), "scores": source(scores), "cache": source(cache), "heldout_cache": source(heldout_cache)}
-    found = decide(inputs, storage_root, criteria, quality_target(target, "target_params"), params)
+    goal = quality_target(target, "target_params")
+    gating = (
+        None
+        if full_evaluation is None
+        else Gating(
+            source(full_evaluation), previous or None, {"prune": prune_params, "evaluate": evaluate_params, "gate": gate_params}
+        )
+    )
+    found = decide(inputs, storage_root, criteria, goal, params, gating)
     Path(decisions.path).write_text(json.dumps([record.to_json() for _, record in found], indent=1))
     decisions.metadata.update(
         chosen={record.criterion: record.chosen for _, record in found},
         targets={record.criterion: artifacts.redact(uri) for uri, record in found},
     )
-    missed = unmet(found)
+    missed = unmet(found, goal.choose_criterion)
     if missed is not None:
         raise missed
-    return [{"criterion": record.criterion, "sparsity": record.chosen} for _, record in found]
+    return fan_out(found, goal.choose_criterion)
 
 
 def make_target_finder(image: str) -> Callable:

@@ -35,8 +35,9 @@ from .cluster import StageSettings, merged
 
 class Target(BaseModel):
     """`target:` what the sparsity must achieve, instead of naming it (`evoesap.planning.target`): the largest sparsity on the
-    granularity grid whose searched allocation keeps held-out ESAP at or above `heldout_esap`, or the least sparsity
-    whose checkpoint fits in `bytes` on disk (predicted from the weights' headers, then searched like a given sparsity)."""
+    granularity grid whose searched allocation keeps held-out ESAP at or above `heldout_esap`, or whose pruned model
+    passes the `gate` section's thresholds (`gate: true`), or the least sparsity whose checkpoint fits in `bytes` on
+    disk (predicted from the weights' headers, then searched like a given sparsity)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -47,6 +48,17 @@ class Target(BaseModel):
         None,
         description="The most the pruned checkpoint may weigh on disk, every file prune writes counted (in the prune "
         "section's model_dtype): a size such as 24GiB or 1.5GB, or a count of bytes.",
+    )
+    gate: bool = Field(
+        False,
+        description="The largest sparsity whose searched, pruned model passes every threshold of the gate section (task "
+        "drops included): each probe a search, a prune, an evaluation and a gate, all reused by the run that follows.",
+    )
+    choose_criterion: bool = Field(
+        False,
+        description="heldout_esap or gate: answer which of the criteria reaches the largest sparsity (ties: the higher "
+        "held-out ESAP), the fan-out that one point. The first criterion bisects the grid; each other one is probed "
+        "first at the best sparsity so far and bisects only above it, so a criterion that cannot win costs one search.",
     )
     warm_start: bool = Field(
         False,
@@ -76,13 +88,23 @@ class Target(BaseModel):
             raise ValueError(f"bytes must be a positive size such as 24GiB or a number of bytes, got {value!r}")
         return value
 
+    @property
+    def quality(self) -> bool:
+        """Whether the sparsity is found by probing (heldout_esap or gate), not computed from sizes (bytes)."""
+        return self.heldout_esap is not None or self.gate
+
     @model_validator(mode="after")
     def _one_target(self) -> Target:
-        if (self.heldout_esap is None) == (self.bytes is None):
-            raise ValueError("give one target: heldout_esap (a quality to keep) or bytes (a size to fit)")
-        bracketing = sorted({"warm_start", "rechecks"} & self.model_fields_set)
+        if [self.heldout_esap is not None, self.bytes is not None, self.gate].count(True) != 1:
+            raise ValueError(
+                "give one target: heldout_esap (a quality to keep), gate: true (the gate section's thresholds to pass) "
+                "or bytes (a size to fit)"
+            )
+        bracketing = sorted({"warm_start", "rechecks", "choose_criterion"} & self.model_fields_set)
         if self.bytes is not None and bracketing:
-            raise ValueError(f"target.{bracketing[0]} tunes the search for heldout_esap; a bytes target is computed: drop it")
+            raise ValueError(
+                f"target.{bracketing[0]} tunes the probing of heldout_esap or gate; a bytes target is computed: drop it"
+            )
         return self
 
 
@@ -170,6 +192,23 @@ class _Settings(BaseModel):
         metric = getattr(self, "search", {}).get("metric", "esap")
         if self.target is not None and self.target.heldout_esap is not None and metric != "esap":
             raise ValueError(f"target.heldout_esap is the search's held-out ESAP: search.metric is {metric!r}; use esap")
+        return self
+
+    @model_validator(mode="after")
+    def _gate_target(self) -> PipelineConfig:
+        if self.target is None or not self.target.gate:
+            return self
+        gate = getattr(self, "gate", {})
+        if not any(gate.get(k) is not None for k in ("min_heldout_esap", "max_task_drop", "max_previous_drop")):
+            raise ValueError(
+                "target.gate asks for the largest sparsity passing the gate section's thresholds, and it sets none: "
+                "add e.g. gate: {max_task_drop: 0.05}"
+            )
+        if getattr(self, "quantize", {}).get("recipe"):
+            raise ValueError(
+                "target.gate probes the pruned model, but with quantize.recipe the gate judges the quantized one: drop "
+                "the recipe to find the sparsity, then quantize at that sparsity (sparsities: [s])"
+            )
         return self
 
     @field_validator("storage_root")
@@ -352,9 +391,10 @@ def _check_stage_sections(config: PipelineConfig) -> None:
 
         check_workers(config.settings("search"), config.search_workers, config.parsed_params("search").gpus_per_worker)
     targets = sorted(k for k in ("to", "repo") if config.stage_params("publish").get(k))
-    if config.publish_models and targets and len(config.grid()) > 1:
+    points = 1 if config.target is not None and config.target.choose_criterion else len(config.grid())
+    if config.publish_models and targets and points > 1:
         raise ConfigError(
-            f"publish.{targets[0]} is one place, but publish_models publishes {len(config.grid())} models "
+            f"publish.{targets[0]} is one place, but publish_models publishes {points} models "
             "(criteria x sparsities): publish one point per run, or leave publish.to and publish.repo unset "
             "(each model is then published under storage_root)"
         )
@@ -453,7 +493,7 @@ def load_config(source: str | Path | dict[str, Any]) -> PipelineConfig:
 
 
 def quality_target(value: Any, where: str = "target") -> Target:
-    """A quality target (`target: {heldout_esap: X}`) from plain values, as the configuration's `target:` section is
+    """A quality target (`target: {heldout_esap: X}` or `{gate: true}`) from plain values, as the configuration's `target:` section is
     validated: the compiled `target_params` input, whether set at compile, at submit or in a run's parameters."""
     if not isinstance(value, Mapping):
         raise ConfigError(f"{where} must be a mapping such as {{heldout_esap: 0.97}}, got {value!r:.80}")
@@ -461,10 +501,10 @@ def quality_target(value: Any, where: str = "target") -> Target:
         target = Target(**value)
     except ValidationError as exc:
         raise ConfigError(f"invalid {where}: {_problems(exc, Target)}") from None
-    if target.heldout_esap is None:
+    if not target.quality:
         raise ConfigError(
-            f"{where} sets no heldout_esap: the pipeline was compiled for a quality target, and a bytes target's "
-            "sparsity is computed at compile time: set it in the configuration and compile again"
+            f"{where} sets neither heldout_esap nor gate: the pipeline was compiled for a quality target, and a bytes "
+            "target's sparsity is computed at compile time: set it in the configuration and compile again"
         )
     return target
 

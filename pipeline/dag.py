@@ -183,9 +183,9 @@ def _gathered_verdict(config: PipelineConfig, verdict: Any, report: Any, params:
 
 
 def quality_target(config: PipelineConfig) -> bool:
-    """Whether the sparsities are found at run time (`target: {heldout_esap: X}`): a task before the fan-out bisects
+    """Whether the sparsities are found at run time (`target: {heldout_esap: X}` or `{gate: true}`): a task before the fan-out bisects
     the grid and hands on its points (a `bytes` target is computed at compile: see `PipelineConfig.grid`)."""
-    return config.target is not None and config.target.heldout_esap is not None
+    return config.target is not None and config.target.quality
 
 
 def _hidden(config: PipelineConfig) -> tuple[str, ...]:
@@ -208,8 +208,18 @@ def _found_grid(dag: "_Dag", target_params: Any) -> Any:
         criteria=list(dag.config.criteria),
         target=target_params,
         params=dag.params["search"],
+        **_gate_target_inputs(dag),
     )
     return dag.stage("search", task, "target: find the sparsities").outputs["Output"]
+
+
+def _gate_target_inputs(dag: "_Dag") -> dict[str, Any]:
+    """What the finder of a gate target (`target: {gate: true}`) judges each probe with: the full model's evaluation,
+    the previous release's metrics and the prune, evaluate and gate parameters the point's own tasks take."""
+    if not dag.config.target.gate:
+        return {}
+    sections = {f"{stage}_params": dag.params[stage] for stage in ("prune", "evaluate", "gate")}
+    return dict(full_evaluation=dag.full.outputs["evaluation"], previous=dag.config.previous_metrics or "", **sections)
 
 
 def outputs_type(config: PipelineConfig) -> type:

@@ -6,6 +6,7 @@ reaches each one."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -42,26 +43,75 @@ def searchable(model: str, granularity: int) -> tuple[Any, list[float]]:
 
 def _quality_target(config: Any) -> Any:
     """The configuration's `target:` section, refused in one line unless it is a quality target."""
-    if config.target is None or config.target.heldout_esap is None:
+    if config.target is None or not config.target.quality:
         raise ConfigError(
-            "the configuration has no quality target: add target: {heldout_esap: 0.97} (a bytes target's sparsity "
-            "is computed when the configuration loads: run the pipeline)"
+            "the configuration has no quality target: add target: {heldout_esap: 0.97} or target: {gate: true} (a bytes "
+            "target's sparsity is computed when the configuration loads: run the pipeline)"
         )
     return config.target
 
 
+def gate_words(section: Mapping[str, Any]) -> str:
+    """The gate section's thresholds in words, as a gate target states its goal: `max_task_drop 0.05`."""
+    from evoesap.steps import make_params
+
+    params = make_params("gate", section)
+    names = ("min_heldout_esap", "max_task_drop", "max_previous_drop")
+    return ", ".join(f"{name} {getattr(params, name):g}" for name in names if getattr(params, name) is not None)
+
+
 def cost_line(config: Any, model: str | None = None) -> str:
-    """What a `target:` run will cost, said before it starts: the grid and the most searches per criterion (the
+    """What a `target:` run will cost, said before it starts: the grid and the most probes per criterion (the
     bracketing's worst case, re-checks included)."""
     goal = _quality_target(config)
     _, points = target_grid(config, model)
     most = target.max_probes(len(points), goal.rechecks)
     probes = "warm-started" if goal.warm_start else "cold (a sweep's)"
-    return (
-        f"target held-out ESAP >= {goal.heldout_esap}: bisection over {len(points)} grid sparsities "
-        f"({points[0]:.4f}..{points[-1]:.4f}) looking past {goal.rechecks} one-point dip(s), {probes} searches, at most "
-        f"{most} per criterion, {most * len(config.criteria)} in all (a sweep: {len(points) * len(config.criteria)})"
+    aim = f"the gate ({gate_words(config.stage_params('gate'))})" if goal.gate else f"held-out ESAP >= {goal.heldout_esap}"
+    each = "search, prune, evaluation and gate" if goal.gate else "search"
+    line = (
+        f"target {aim}: bisection over {len(points)} grid sparsities ({points[0]:.4f}..{points[-1]:.4f}) looking past "
+        f"{goal.rechecks} one-point dip(s), {probes} searches, each probe a {each}, at most {most} per criterion, "
+        f"{most * len(config.criteria)} in all (a sweep: {len(points) * len(config.criteria)})"
     )
+    if goal.choose_criterion and len(config.criteria) > 1:
+        line += (
+            f"; choosing among {len(config.criteria)} criteria: each after the first probed first at the best sparsity "
+            "so far, one probe when it cannot win"
+        )
+    return line
+
+
+@dataclasses.dataclass(frozen=True)
+class Gating:
+    """What a gate target's probes need beyond the search: the full model's evaluation the gate compares with, the
+    previous release's metrics, and the prune, evaluate and gate sections (as the DAG's tasks take them, so the run
+    that follows reuses every probe's artifacts)."""
+
+    full_evaluation: str
+    previous: str | None
+    sections: Mapping[str, Mapping[str, Any]]  # prune, evaluate, gate
+
+    def judge(self, storage_root: str, inputs: Mapping[str, str | None], criterion: str) -> target.Judge:
+        """`find`'s judge for `criterion`: prune by the probe's search, evaluate, gate against the full evaluation."""
+        from evoesap.components.kfp_artifacts import LABELS
+
+        from evoesap.records import facts
+
+        def judge(sparsity: float, search: str) -> tuple[str, Any]:
+            point = {"criterion": criterion, "sparsity": sparsity}
+            pruned = run_step(
+                "prune", storage_root, {"model": inputs["model"], "scores": inputs["scores"], "allocation": search},
+                {**self.sections["prune"], **point},
+            )  # fmt: skip
+            labels = {k: v for k, v in facts.prune_facts(pruned).items() if k in LABELS}  # as the DAG's evaluate labels it
+            teacher = {"teacher_cache": inputs["heldout_cache"]} if inputs.get("heldout_cache") else {}
+            evaluation = run_step("evaluate", storage_root, {"model": pruned, **teacher}, {**self.sections["evaluate"], **labels})
+            gated = {"evaluation": evaluation, "full_evaluation": self.full_evaluation, "previous": self.previous}
+            verdict = run_step("gate", storage_root, gated, self.sections["gate"])
+            return verdict, records.read(verdict, records.GateRecord)
+
+        return judge
 
 
 def run_target(config: Any) -> list[tuple[str, records.Record]]:
@@ -72,23 +122,46 @@ def run_target(config: Any) -> list[tuple[str, records.Record]]:
     scores = run_step("calibrate", root, {"model": model, "data": config.calibration_data}, config.stage_params("calibrate"))
     cache_params = config.stage_params("cache-logits")
     cache = run_step("cache-logits", root, {"model": model, "data": config.search_data}, cache_params)
-    heldout = run_step("cache-logits", root, {"model": model, "data": config.heldout_data}, cache_params)
+    heldout = (
+        run_step("cache-logits", root, {"model": model, "data": config.heldout_data}, cache_params)
+        if config.heldout_data
+        else None
+    )
     inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout}
-    return decide(inputs, root, config.criteria, goal, config.stage_params("search"))
+    gating = None
+    if goal.gate:  # the full model's evaluation, as the DAG's `evaluate full` task makes it
+        teacher = {"teacher_cache": heldout} if heldout else {}
+        full = run_step("evaluate", root, {"model": model, **teacher}, {"method": "full", **config.stage_params("evaluate")})
+        sections = {stage: config.stage_params(stage) for stage in ("prune", "evaluate", "gate")}
+        gating = Gating(full, config.previous_metrics, sections)
+    return decide(inputs, root, config.criteria, goal, config.stage_params("search"), gating)
 
 
 def decide(
-    inputs: Mapping[str, str], storage_root: str, criteria: Sequence[str], goal: Any, section: Mapping[str, Any]
+    inputs: Mapping[str, str | None],
+    storage_root: str,
+    criteria: Sequence[str],
+    goal: Any,
+    section: Mapping[str, Any],
+    gating: Gating | None = None,
 ) -> list[tuple[str, records.Record]]:
     """Per criterion, the bracketing for the quality target `goal` (a configuration's `Target`) over searches of
     `inputs` (model, scores, cache, heldout_cache) with the search `section`, each probe a search artifact under
-    `storage_root`; the decision published as a target artifact. Returns (its URI, its TargetRecord) per criterion."""
+    `storage_root` (and with `gating`, a gate target's, its prune, evaluate and gate artifacts); the decision
+    published as a target artifact. With `goal.choose_criterion`, each criterion after the first starts at the best
+    sparsity so far (`target.bracket`'s `start`). Returns (its URI, its TargetRecord) per criterion."""
     from evoesap.steps import make_params
 
+    if goal.gate and gating is None:
+        raise ConfigError(
+            "target.gate judges each probe against the full model's evaluation, and none was given: compile the "
+            "pipeline with target: {gate: true} in the configuration"
+        )
     # the granularity as the search stage reads its section (the sparsity is a placeholder: it sets no granularity)
     granularity = make_params("search", {**section, "criterion": criteria[0], "sparsity": 0.5}).granularity
-    space, points = searchable(inputs["model"], granularity)
-    found = []
+    space, points = searchable(str(inputs["model"]), granularity)
+    words = gate_words(gating.sections["gate"]) if goal.gate and gating is not None else None
+    found: list[tuple[str, records.Record]] = []
     for criterion in criteria:
         search, made = _search_step(storage_root, inputs, section, criterion), []
 
@@ -96,29 +169,47 @@ def decide(
             made.append(search(sparsity, seed))
             return made[-1]
 
+        best = target.best([record for _, record in found]) if goal.choose_criterion else None
+        judge = gating.judge(storage_root, inputs, criterion) if goal.gate and gating is not None else None
         record = target.find(
             goal.heldout_esap, points, step, space.num_experts, space.min_kept, space.granularity, criterion,
-            warm=goal.warm_start, rechecks=goal.rechecks,
+            warm=goal.warm_start, rechecks=goal.rechecks, judge=judge, gate=words,
+            start=None if best is None else points.index(best.chosen),
         )  # fmt: skip
         params = {
             "criterion": criterion, "threshold": record.threshold, "warm_start": goal.warm_start, "rechecks": goal.rechecks,
-            "search": dict(section),
+            "search": dict(section), "start": record.start,
+            **({"gate": {k: dict(v) for k, v in gating.sections.items()}} if judge is not None and gating else {}),
         }  # fmt: skip
-        key = artifacts.cache_key("target", params, artifacts.describe_inputs(dict(inputs)))
+        given = (
+            dict(inputs) if gating is None else {**inputs, "full_evaluation": gating.full_evaluation, "previous": gating.previous}
+        )
+        key = artifacts.cache_key("target", params, artifacts.describe_inputs(given))
         out = artifacts.join(storage_root, "target", key[:24])
         probes = {f"probes.{i}": uri for i, (uri, _) in enumerate(made)}
-        with artifacts.stage_output(out, "target", params, {**inputs, **probes}) as staging:
+        with artifacts.stage_output(out, "target", params, {**given, **probes}) as staging:
             records.write(staging, record)
         log.info("%s: %s", criterion, record.line())
         found.append((out, record))
     return found
 
 
-def unmet(found: Sequence[tuple[str, records.Record]]) -> ConfigError | None:
+def unmet(found: Sequence[tuple[str, records.Record]], choose: bool = False) -> ConfigError | None:
     """The error a target that some criterion cannot meet ends with (`decide`'s results: the decision is recorded
-    first), one line per such criterion's reason; None when every criterion has a sparsity."""
+    first), one line per such criterion's reason; None when every criterion has a sparsity, or when choosing the
+    criterion (`choose`) and one has."""
+    if choose and target.best([record for _, record in found]) is not None:
+        return None
     missed = [f"{record.criterion}: {record.line()}" for _, record in found if record.chosen is None]
     return ConfigError("; ".join(missed)) if missed else None
+
+
+def fan_out(found: Sequence[tuple[str, records.Record]], choose: bool = False) -> list[dict[str, Any]]:
+    """The points the run goes on with: each criterion at its chosen sparsity, or only the best one (`choose`)."""
+    chosen = [record for _, record in found if record.chosen is not None]
+    if choose:
+        chosen = [target.best(chosen)] if chosen else []
+    return [{"criterion": record.criterion, "sparsity": record.chosen} for record in chosen]
 
 
 def memory_sparsity(config: Any) -> float:

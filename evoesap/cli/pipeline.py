@@ -96,23 +96,31 @@ def run_cmd(
 @pipeline_app.command("target")
 def target_cmd(config: Path = typer.Argument(..., help="Pipeline YAML configuration with a target: section.")) -> None:
     """Find, per criterion, the largest sparsity on the grid whose searched allocation meets the configuration's target
-    (bisection; each probe a reusable search artifact), and record the decision.  Example: evoesap pipeline target
+    (held-out ESAP, or the gate's thresholds on the pruned model; bisection, each probe reusable artifacts), or with
+    choose_criterion the criterion that reaches the largest, and record the decision.  Example: evoesap pipeline target
     target.yaml"""
     from evoesap.pipeline.config import load_config
-    from evoesap.pipeline.target import cost_line, run_target, unmet
+    from evoesap.pipeline.target import cost_line, fan_out, run_target, unmet
 
     loaded = load_config(config)
     if loaded.target is None:
         raise typer.BadParameter(f"{config} has no target: section; add e.g. target: {{heldout_esap: 0.97}}")
     typer.echo(cost_line(loaded))
     found = run_target(loaded)
+    choose = loaded.target.choose_criterion
     for uri, record in found:
-        if record.chosen is not None:
+        if record.chosen is not None or choose:
             typer.echo(f"{record.criterion}: {record.line()}")
         typer.echo(uri)  # a missed target's decision is recorded too
-    missed = unmet(found)
+    missed = unmet(found, choose)
     if missed is not None:  # the release cannot go on: an error like any other (`error: ...`, exit 1)
         raise missed
+    if choose:
+        (point,) = fan_out(found, choose)
+        probes = sum(len(record.probes) for _, record in found)
+        typer.echo(
+            f"chosen: {point['criterion']} at sparsity {point['sparsity']:.4f}, the largest any criterion reaches ({probes} probes)"
+        )
 
 
 @pipeline_app.command("submit")

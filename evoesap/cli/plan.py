@@ -53,7 +53,7 @@ def plan_cmd(
         raise typer.BadParameter(f"{model_config} holds no config.json: give the folder the model's config.json is in")
     shape, data, params, plans = plan.pipeline_plan(cfg, machine, model=str(model_config) if model_config else None)
     typer.echo(plan.format_table(shape, plans, data, params))
-    if cfg.target is not None and cfg.target.heldout_esap is not None:  # a bytes target's sparsity is in the table
+    if cfg.target is not None and cfg.target.quality:  # a bytes target's sparsity is in the table
         from evoesap.pipeline.target import cost_line
 
         typer.echo("\n" + cost_line(cfg, str(model_config) if model_config else None))

@@ -17,6 +17,7 @@ than a sweep's. The decision is recorded with every probe's evidence (`TargetRec
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,9 +41,12 @@ def grid(num_experts: Sequence[int], min_kept: Sequence[int], granularity: int =
     return found
 
 
-def max_probes(grid_size: int, rechecks: int) -> int:
+def max_probes(grid_size: int, rechecks: int, start: int | None = None) -> int:
     """The most searches `bracket` makes over `grid_size` points, whatever the answers: the depth of its decision
-    tree, computed exactly. A monotone answer costs at most ceil(log2(grid_size + 1)), plus one re-check."""
+    tree, computed exactly. A monotone answer costs at most ceil(log2(grid_size + 1)), plus one re-check. From
+    `start` (a challenger's first probe, then bisection above it): one more than the bracketing above `start`."""
+    if start is not None:
+        return 1 + _most(grid_size - start, (), rechecks)
     return _most(grid_size + 1, (), rechecks) if grid_size > 0 else 0
 
 
@@ -62,14 +66,19 @@ def _most(gap: int, above: tuple[int, ...], left: int) -> int:
     return 1 + _most(above[0] - shift, tuple(a - shift for a in above[1:]), left - 1)
 
 
-def bracket(grid_size: int, meets: Callable[[int], bool], rechecks: int) -> tuple[int | None, list[int]]:
+def bracket(
+    grid_size: int, meets: Callable[[int], bool], rechecks: int, start: int | None = None
+) -> tuple[int | None, list[int]]:
     """(the largest grid index found to meet, None when none did; the indices probed, in order, each once).
 
     Bisection between lo (meets; -1, sparsity 0, always does) and hi (misses; the grid's end at first) ends with
     hi = lo + 1. Then the index above hi is probed, unless it is past the grid or known to miss: when it meets, the
     miss at hi was a dip and bisection goes on between it and the least known miss above; at most `rechecks` times.
     Exact on a monotone answer (every index below one that meets meets) and on one with up to `rechecks` isolated
-    one-point dips; at most `max_probes(grid_size, rechecks)` probes whatever the answers."""
+    one-point dips; at most `max_probes(grid_size, rechecks, start)` probes whatever the answers.
+
+    With `start` (a challenger to the best index another answer reached), `start` is probed first: a miss there ends
+    it (None: it cannot reach the best), a meet is lo and bisection goes on above it."""
     known: dict[int, bool] = {}
     probed: list[int] = []
 
@@ -79,6 +88,10 @@ def bracket(grid_size: int, meets: Callable[[int], bool], rechecks: int) -> tupl
         return known[index]
 
     lo, hi, left = -1, grid_size, rechecks
+    if start is not None:
+        if not probe(start):
+            return None, probed
+        lo = start
     while True:
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -105,6 +118,18 @@ def warm_start(
     return alloc.proportional([r + 0.5 for r in neighbour], num_experts, min_kept, budget, granularity)
 
 
+def best(found: Sequence[TargetRecord]) -> TargetRecord | None:
+    """Of several criteria's decisions, the one reaching the largest sparsity, a tie going to the higher held-out value
+    at that sparsity (then to the first given); None when none meets."""
+    met = [record for record in found if record.chosen is not None]
+
+    def rank(record: TargetRecord) -> tuple[float, float]:
+        at = next(p for p in record.probes if p.sparsity == record.chosen)
+        return (float(record.chosen or 0.0), -math.inf if at.heldout is None else at.heldout)
+
+    return max(met, key=rank, default=None)
+
+
 def check_threshold(heldout_esap: float) -> float:
     """Refuse, before any work, a held-out ESAP target no pruning can meet or that asks for nothing."""
     if isinstance(heldout_esap, bool) or not isinstance(heldout_esap, (int, float)):
@@ -117,8 +142,11 @@ def check_threshold(heldout_esap: float) -> float:
     return float(heldout_esap)
 
 
+Judge = Callable[[float, str], tuple[str, Any]]  # (sparsity, search URI) -> (gate URI, records.GateRecord)
+
+
 def find(
-    threshold: float,
+    threshold: float | None,
     points: Sequence[float],
     search: Callable[[float, tuple[int, ...] | None], tuple[str, Any]],
     num_experts: Sequence[int],
@@ -128,10 +156,15 @@ def find(
     *,
     warm: bool,
     rechecks: int,
+    judge: Judge | None = None,
+    gate: str | None = None,
+    start: int | None = None,
 ) -> TargetRecord:
     """Bracket `points` for the largest sparsity whose search meets `threshold`. `search(sparsity, seed)` runs (or
     reuses) one search and returns (its URI, its `records.AllocationRecord`); the seed is None (the cold search a
-    sweep makes) unless `warm`, when every probe after the first is seeded from the nearest probe's allocation."""
+    sweep makes) unless `warm`, when every probe after the first is seeded from the nearest probe's allocation.
+    With `judge` (a gate target: `gate` its thresholds in words, `threshold` None) a probe meets when the gate passes
+    the model its search prunes to. `start`: a challenger's first index (`bracket`)."""
     from evoesap.store import artifacts
 
     probes: dict[int, Probe] = {}
@@ -145,7 +178,12 @@ def find(
         uri, record = search(sparsity, seed)
         check = record.heldout
         heldout = None if check is None else check.searched
-        stderr = None if check is None else check.searched_stderr
+        verdict = None if judge is None else judge(sparsity, uri)
+        if verdict is None:
+            passed, failing = heldout is not None and threshold is not None and heldout >= threshold, None
+        else:
+            passed = verdict[1].passed
+            failing = "; ".join(c.line() for c in verdict[1].checks if not c.passed) or None
         probe = Probe(
             sparsity=sparsity,
             budget=budget,
@@ -153,25 +191,29 @@ def find(
             removal_counts=tuple(record.removal_counts),
             fitness=record.fitness,
             heldout=heldout,
-            stderr=stderr,
-            meets=heldout is not None and heldout >= threshold,
+            stderr=None if check is None else check.searched_stderr,
+            meets=passed,
             warm_start=seed,
             samples=None if check is None else check.samples,
+            gate=None if verdict is None else artifacts.redact(verdict[0]),
+            failing=failing,
         )
         probes[index] = probe
         order.append(probe)
         return probe.meets
 
-    chosen, _ = bracket(len(points), meets, rechecks)
+    chosen, _ = bracket(len(points), meets, rechecks, start)
     return TargetRecord(
         criterion=criterion,
-        metric="heldout_esap",
+        metric="heldout_esap" if judge is None else "gate",
         threshold=threshold,
         grid=tuple(points),
-        max_probes=max_probes(len(points), rechecks),
+        max_probes=max_probes(len(points), rechecks, start),
         probes=tuple(order),
         chosen=None if chosen is None else points[chosen],
         chosen_search=None if chosen is None else probes[chosen].search,
         warm_start=warm,
         rechecks=rechecks,
+        gate=gate,
+        start=None if start is None else points[start],
     )

@@ -281,20 +281,25 @@ class Probe(Record):
     fitness: float | None  # its fitness on the search set
     heldout: float | None  # its held-out value (the search's held-out check); None: no held-out samples
     stderr: float | None  # standard error of that held-out mean
-    meets: bool  # heldout >= the target
+    meets: bool  # heldout >= the target; a gate target: the gate passed the model its search prunes to
     warm_start: tuple[int, ...] | None = None  # the seed it was warm-started from; None: a cold search (or the first)
     samples: int | None = None  # held-out samples behind `heldout`; absent from records made before it was kept
+    gate: str | None = None  # a gate target: the gate artifact (verdict) on the pruned model's evaluation
+    failing: str | None = None  # a gate target: the checks that failed, with their numbers; None: it passed
 
     def value(self) -> str:
-        """Its held-out value with the standard error, as the target's line shows it."""
+        """What decided it, as the target's line shows it: the gate's outcome (a gate target) or the held-out value
+        with its standard error."""
+        if self.gate is not None:
+            return "every check passed" if self.failing is None else f"failed: {self.failing}"
         if self.heldout is None:
             return "no held-out value"
         return f"{self.heldout:.4f}" + ("" if self.stderr is None else f" +/- {self.stderr:.4f}")
 
-    def within_noise(self, threshold: float) -> bool:
+    def within_noise(self, threshold: float | None) -> bool:
         """Whether its held-out value lies within NOISE_STDERRS standard errors of `threshold`: its meets could flip
-        with other held-out samples."""
-        if self.heldout is None or self.stderr is None:
+        with other held-out samples (never for a gate target: no threshold on the held-out value)."""
+        if threshold is None or self.heldout is None or self.stderr is None:
             return False
         return abs(self.heldout - threshold) <= NOISE_STDERRS * self.stderr
 
@@ -315,8 +320,8 @@ class TargetRecord(Record):
     STAGE = "target"
 
     criterion: str  # whose pruning order the probes searched
-    metric: str  # the held-out quantity the target bounds (held-out ESAP: the search's held-out value)
-    threshold: float  # the least value a chosen sparsity must reach
+    metric: str  # the held-out quantity the target bounds (held-out ESAP: the search's held-out value), or "gate"
+    threshold: float | None  # the least value a chosen sparsity must reach; None: a gate target (`gate`)
     grid: tuple[float, ...]  # every searchable sparsity, ascending
     max_probes: int  # the most probes the bracketing could need (re-checks included), stated in advance
     probes: tuple[Probe, ...]  # in the order they ran
@@ -325,15 +330,28 @@ class TargetRecord(Record):
     warm_start: bool = True  # probes after the first warm-started (target.warm_start); False: each the cold search a
     # sweep makes at that sparsity. Absent from records made before cold probes were the default: those were warm
     rechecks: int = 0  # one-point dips the bracketing could look past (target.rechecks); absent from records made before
+    gate: str | None = None  # a gate target: the gate's thresholds in words; each probe pruned, evaluated and gated
+    start: float | None = None  # choosing the criterion: the best sparsity another criterion had reached, probed first
+    # (only sparsities from it up can win); None: the whole grid
+
+    def goal(self) -> str:
+        """What a chosen sparsity must achieve, in words."""
+        return f"the gate ({self.gate})" if self.metric == "gate" else f"{self.metric} >= {self.threshold}"
 
     def line(self) -> str:
         """The decision in one line: what was probed (bisection leaves grid points unprobed, taken to follow quality
         falling with sparsity), and whether a deciding probe lies within the noise of the threshold."""
-        goal = f"{self.metric} >= {self.threshold}"
+        goal = self.goal()
         probed = f"{len(self.probes)} of the grid's {len(self.grid)} points probed"
+        if self.chosen is None and self.start is not None:  # a challenger that cannot reach the best so far
+            first = self.probes[0]
+            return (
+                f"misses {goal} at {first.sparsity:.4f} ({first.value()}), the largest sparsity another criterion "
+                "meets: not chosen" + self._noise([first])
+            )
         if self.chosen is None:  # the lowest probe missed too (bracketing stops only there)
             lowest = min(self.probes, key=lambda p: p.sparsity, default=None)
-            seen = f" (the lowest sparsity tried, {lowest.sparsity:.4f}, reached {lowest.value()}; {probed})" if lowest else ""
+            seen = f" (the lowest sparsity tried, {lowest.sparsity:.4f}: {lowest.value()}; {probed})" if lowest else ""
             line = f"no probed sparsity meets {goal}{seen}: lower the target or improve the search (more samples, generations)"
             return line + self._noise([lowest] if lowest else [])
         chosen = next(p for p in self.probes if p.sparsity == self.chosen)

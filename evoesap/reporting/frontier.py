@@ -70,8 +70,9 @@ def figure(
                            label="gate: least held-out ESAP")  # fmt: skip
                 _line_label(ax, check.limit, f"gate {check.limit:g}", "tab:red", above=True)
     for target in targets:
-        ax.axhline(target.threshold, color="tab:purple", linestyle="-.", linewidth=1, label=f"target ({target.criterion})")
-        _line_label(ax, target.threshold, f"target {target.threshold:g} ({target.criterion})", "tab:purple", above=False)
+        if target.threshold is not None:  # a gate target's goal is the gate's checks, drawn with the verdicts
+            ax.axhline(target.threshold, color="tab:purple", linestyle="-.", linewidth=1, label=f"target ({target.criterion})")
+            _line_label(ax, target.threshold, f"target {target.threshold:g} ({target.criterion})", "tab:purple", above=False)
         searched = series.get(("searched", target.criterion), [])
         chosen = [v for v in searched if target.chosen is not None and abs(v[2] - target.chosen) < 1e-9]
         if chosen:

@@ -2,8 +2,8 @@
 recipe): a failing verdict publishes nothing, and with `stop_on_fail: false` given at run time the team's pipeline
 branches on the `verdict` output and runs its own notify task, while its release-notes task reads `released_models`
 and finds only withheld entries; a passing one publishes, the release-notes task reads the released model's URI and
-metadata, and the verdicts are an output of the run. The passing run prunes to a quality target, whose finder task
-chooses the sparsity the fan-out then prunes, evaluates, gates and publishes."""
+metadata, and the verdicts are an output of the run. The passing run prunes to a gate target, whose finder task
+chooses the sparsity the fan-out then prunes, evaluates, gates (each found finished) and publishes."""
 
 import json
 from pathlib import Path
@@ -101,8 +101,9 @@ def test_a_failing_gate_withholds_the_release_and_a_passing_one_hands_it_on(tmp_
     text = (report / "report.md").read_text()
     assert text.index("**FAIL:**") < text.index("## Summary")  # the verdict heads the report
 
-    # the passing run chooses its sparsity by a quality target: the finder task before the fan-out
-    passing = _config(files, storage, publish_models=True, gate={"min_heldout_esap": 0.01}, target={"heldout_esap": 0.5})
+    # the passing run chooses its sparsity by a gate target: the finder task before the fan-out probes search, prune,
+    # evaluate and gate, and the fan-out's own tasks at the chosen sparsity find them finished
+    passing = _config(files, storage, publish_models=True, gate={"min_heldout_esap": 0.01}, target={"gate": True})
     passing["search"] = {**passing["search"], "granularity": 4}
     del passing["sparsities"]
     outputs, notes, released = _run(load_config(passing), tmp_path, "pass", {"min_heldout_esap": 0.01})
@@ -129,3 +130,7 @@ def test_a_failing_gate_withholds_the_release_and_a_passing_one_hands_it_on(tmp_
     # calibrate and the caches reused from the failing run; the point's search is the chosen probe, found finished
     assert len(_artifacts(storage, "calibrate")) == 1 and len(_artifacts(storage, "cache-logits")) == 2
     assert len(_artifacts(storage, "search")) == 1 + len(record.probes)
+    # the point's gate is the chosen probe's verdict: the failing run's gate and one per probe, nothing more
+    (chosen,) = [p for p in record.probes if p.sparsity == record.chosen]
+    assert record.metric == "gate" and chosen.meets and len(_artifacts(storage, "gate")) == 1 + len(record.probes)
+    assert Path(verdict.metadata["uri"]).name == chosen.gate.rstrip("/").rsplit("/", 1)[-1]

@@ -471,8 +471,12 @@ def _bake(compiled, tmp_path, which: str, pairs: list[str]) -> str:
         ("target", "target_params.heldout_esap=5", "target_params: heldout_esap: .*unreachable"),
         ("target", "target_params.heldout_esap=-3", "target_params: heldout_esap: .*unreachable"),
         ("target", "target_params.heldout_esap=.nan", "target_params.heldout_esap: nan is not a finite number"),
-        ("target", "target_params.warm_up=true", r"target_params: warm_up: Extra inputs .*\(valid: bytes, heldout_esap"),
-        ("target", "target_params={bytes: 1GB}", "target_params sets no heldout_esap"),
+        (
+            "target",
+            "target_params.warm_up=true",
+            r"target_params: warm_up: Extra inputs .*\(valid: bytes, choose_criterion, gate, heldout_esap",
+        ),
+        ("target", "target_params={bytes: 1GB}", "target_params sets neither heldout_esap nor gate"),
         ("target", "target_params.heldout_esap\ninjected: 1=0.5", "a key is a pipeline parameter or <parameter>.<field>"),
         ("target", "heldout_data=", "target.heldout_esap is measured on held-out samples: set heldout_data"),
         ("grid", "grid=[0.25, .nan]", "--set grid: nan is not a finite number"),
@@ -502,7 +506,7 @@ def test_compile_time_values_the_configuration_takes_are_baked(compiled, tmp_pat
     text = _bake(compiled, tmp_path, "target", ["target_params.heldout_esap=0.8", "target_params.rechecks=2"])
     spec = next(yaml.safe_load_all(text))
     assert spec["root"]["inputDefinitions"]["parameters"]["target_params"]["defaultValue"] == {
-        "heldout_esap": 0.8, "warm_start": False, "rechecks": 2,
+        "heldout_esap": 0.8, "gate": False, "choose_criterion": False, "warm_start": False, "rechecks": 2,
     }  # fmt: skip
     grid = [{"criterion": "reap", "sparsity": 0.25}, {"criterion": "ean", "sparsity": 0.5}]
     spec = next(yaml.safe_load_all(_bake(compiled, tmp_path, "grid", [f"grid={json.dumps(grid)}"])))

@@ -156,11 +156,11 @@ BASE = dict(model="/m", calibration_data="/c", search_data="/s", heldout_data="/
         ({"target": {"heldout_esap": -0.1}}, "unreachable"),
         ({"target": {"heldout_esap": 0.9}, "sparsities": [0.5]}, "target and sparsities"),
         ({"target": {"heldout_esap": 0.9}, "heldout_data": None}, "set heldout_data"),
-        ({"target": {"kl": 0.1}}, "valid: bytes, heldout_esap"),
+        ({"target": {"kl": 0.1}}, "valid: bytes, choose_criterion, gate, heldout_esap"),
         ({"target": {"heldout_esap": 0.9, "bytes": "1GiB"}}, "give one target"),
         ({"target": {"heldout_esap": 0.9}, "search": {"metric": "kl"}}, "search.metric is 'kl'"),
         ({"target": {"heldout_esap": 0.9, "rechecks": -1}}, "rechecks"),
-        ({"target": {"bytes": "1GiB", "warm_start": True}}, "target.warm_start tunes the search for heldout_esap"),
+        ({"target": {"bytes": "1GiB", "warm_start": True}}, "target.warm_start tunes the probing of heldout_esap or gate"),
     ],
 )
 def test_bad_targets_are_refused_at_load_in_one_line(extra, problem):
@@ -296,7 +296,13 @@ def test_a_quality_target_compiles_to_a_finder_task_whose_points_feed_the_fan_ou
     spec = yaml.safe_load(compile_pipeline(config, str(tmp_path / "p.yaml")).read_text())
     inputs = spec["root"]["inputDefinitions"]["parameters"]
     assert "grid" not in inputs
-    assert inputs["target_params"]["defaultValue"] == {"heldout_esap": 0.9, "warm_start": False, "rechecks": 1}
+    assert inputs["target_params"]["defaultValue"] == {
+        "heldout_esap": 0.9,
+        "gate": False,
+        "choose_criterion": False,
+        "warm_start": False,
+        "rechecks": 1,
+    }
     executors = spec["deploymentSpec"]["executors"]
     assert any("def find_sparsities(" in " ".join(e["container"].get("command", [])) for e in executors.values())
     stages = spec["components"]["comp-evoesap-stages"]["dag"]["tasks"]
@@ -362,7 +368,7 @@ def test_an_unmet_target_names_the_lowest_sparsity_tried_not_the_first():
     assert record.chosen is None and record.probes[0].sparsity != points[0]  # bisection starts in the middle
     lowest = min(record.probes, key=lambda p: p.sparsity)
     assert lowest.sparsity == points[0]  # bisection only gives up after the lowest point missed
-    assert f"the lowest sparsity tried, {points[0]:.4f}, reached {0.5 - points[0]:.4f}" in record.line()
+    assert f"the lowest sparsity tried, {points[0]:.4f}: {0.5 - points[0]:.4f}" in record.line()
 
 
 def test_an_unmet_target_ends_the_command_as_an_error_line_like_any_other(tmp_path, monkeypatch, capsys):
