@@ -304,6 +304,26 @@ def test_a_quality_target_compiles_to_a_finder_task_whose_points_feed_the_fan_ou
     assert loop["items"]["inputParameter"] == "pipelinechannel--find-sparsities-Output"
 
 
+def test_a_quality_targets_decisions_feed_the_report_and_a_check_after_it(tiny_model, tmp_path):
+    """The compiled DAG hands the finder's decisions to the report and to the task after it that ends the run on a
+    missed criterion; a configuration without a target has neither."""
+    import yaml
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.dag import compile_pipeline
+
+    config = load_config({**BASE, "model": tiny_model, "target": {"heldout_esap": 0.9}})
+    tasks = yaml.safe_load(compile_pipeline(config, str(tmp_path / "p.yaml")).read_text())["components"]["comp-evoesap-stages"]
+    tasks = tasks["dag"]["tasks"]
+    decisions = {"taskOutputArtifact": {"outputArtifactKey": "decisions", "producerTask": "find-sparsities"}}
+    assert tasks["report"]["inputs"]["artifacts"]["decisions"] == decisions
+    (check,) = [t for t in tasks.values() if t["componentRef"]["name"].startswith("comp-check-targets")]
+    assert check["inputs"]["artifacts"]["decisions"] == decisions and "report" in check["dependentTasks"]
+    plain = load_config({**BASE, "model": tiny_model, "sparsities": [0.5]})
+    tasks = yaml.safe_load(compile_pipeline(plain, str(tmp_path / "q.yaml")).read_text())["components"]["comp-evoesap-stages"]
+    assert "decisions" not in tasks["dag"]["tasks"]["report"]["inputs"]["artifacts"]
+    assert not [t for t in tasks["dag"]["tasks"].values() if t["componentRef"]["name"].startswith("comp-check-targets")]
+
+
 @pytest.mark.slow
 def test_target_probes_are_the_searches_a_sweep_makes_and_warm_starts_are_opt_in(tmp_path):
     from evoesap.pipeline.config import load_config
