@@ -63,6 +63,20 @@ def source(artifact: Any) -> str | None:
     return pin(path if path and os.path.exists(path) else artifact.uri, artifact.metadata.get("revision") or None)
 
 
+def target_uris(decisions: Any) -> list[str]:
+    """The target artifacts the quality target's `decisions` (`components.target.find_sparsities`) names in its metadata
+    `targets` (criterion -> URI), one per criterion: what the report reads to show each decision."""
+    from evoesap.errors import ArtifactError
+
+    named = decisions.metadata.get("targets")
+    if not isinstance(named, Mapping) or not named:
+        raise ArtifactError(
+            f"artifact {decisions.uri} names no target artifacts (metadata `targets`: {named!r}): give the target "
+            "finder's `decisions` output"
+        )
+    return [str(uri) for uri in named.values()]
+
+
 def artifact_uri(kfp_uri: str, uri: str) -> str | None:
     """The URI a KFP output artifact first given `kfp_uri` takes to be the stage's artifact at `uri`, or None
     where a cluster would refuse it: under an object-store pipeline root, always. The producer's launcher fails

@@ -100,6 +100,10 @@ def _arguments(stage: Stage) -> list[_Argument]:
         if len(item.kfp_arguments) > 1 and not item.many:
             raise TypeError(f"{stage.name}: input {item.name!r} spreads over several KFP arguments but is not a list")
         for argument in item.kfp_arguments:
+            if argument.read is not None and not item.many:
+                raise TypeError(
+                    f"{stage.name}: argument {argument.name!r} reads several URIs but input {item.name!r} is not a list"
+                )
             text = f"{argument.help} {_MODEL_IN_KFP}" if item.model else argument.help
             if argument.required:
                 required.append(_Argument(argument.name, _annotation(argument.kind, argument.many, True), text))

@@ -3,7 +3,10 @@
 With `target: {heldout_esap: X}` the sparsities are not known when the pipeline compiles. This task bisects the
 granularity grid (`evoesap.pipeline.target.decide`: every probe an ordinary search artifact under the storage root,
 each decision a target artifact whose manifest lists its probes) and returns the fan-out, one point per criterion at
-its chosen sparsity. The point's own search then finds the chosen probe finished and reuses it.
+its chosen sparsity. The point's own search then finds the chosen probe finished and reuses it. Its `decisions` output
+names every criterion's target artifact, which the report shows; a criterion that misses the target gets no point, and
+`check_targets`, after the report, ends the run with its reason. Only when no criterion meets it does the run end here,
+with nothing to fan out over.
 """
 
 # No `from __future__ import annotations` here: kfp reads the real type annotations.
@@ -50,8 +53,10 @@ def find_sparsities(
         gate_params: A gate target's: the gate's thresholds, likewise.
 
     Returns:
-        decisions: target.json of every criterion (probes, held-out values, the choice); metadata: chosen, targets.
-        Output: The fan-out: a {criterion, sparsity} point per criterion (with choose_criterion, the chosen one).
+        decisions: target.json of every criterion (probes, held-out values, the choice); metadata: chosen, targets,
+            choose_criterion.
+        Output: The fan-out: a {criterion, sparsity} point per criterion that meets the target (with
+            choose_criterion, the chosen one).
     """
     import json
     from pathlib import Path
@@ -76,13 +81,40 @@ def find_sparsities(
     decisions.metadata.update(
         chosen={record.criterion: record.chosen for _, record in found},
         targets={record.criterion: artifacts.redact(uri) for uri, record in found},
+        choose_criterion=goal.choose_criterion,  # for the check after the report: only a choice with no winner misses
     )
+    points = fan_out(found, goal.choose_criterion)
     missed = unmet(found, goal.choose_criterion)
+    if missed is not None and not points:
+        raise missed
+    return points
+
+
+def check_targets(decisions: Input[Artifact]) -> None:
+    """End the run when some criterion missed the quality target, with each missed one's reason in one line (the report
+    showing every decision exists by then).
+
+    Args:
+        decisions: The target finder's decisions: target.json of every criterion.
+    """
+    import json
+    from pathlib import Path
+
+    from evoesap.pipeline.target import unmet
+
+    from evoesap import records
+
+    found = [(None, records.TargetRecord.from_json(doc, "decisions")) for doc in json.loads(Path(decisions.path).read_text())]
+    missed = unmet(found, bool(decisions.metadata.get("choose_criterion")))
     if missed is not None:
         raise missed
-    return fan_out(found, goal.choose_criterion)
 
 
 def make_target_finder(image: str) -> Callable:
     """`find_sparsities` in the stage image (nothing is installed at run time)."""
     return dsl.component(base_image=image, install_kfp_package=False)(find_sparsities)
+
+
+def make_target_check(image: str) -> Callable:
+    """`check_targets` in the stage image (nothing is installed at run time)."""
+    return dsl.component(base_image=image, install_kfp_package=False)(check_targets)

@@ -30,6 +30,9 @@ class KfpArgument:
     kind: str = "Dataset"  # an artifact (Model, Dataset, Artifact, Markdown), or str: a path, URI or hub name as text
     many: bool = False  # a list of artifacts
     required: bool = True
+    # "module:function"(artifact) -> the URIs the stage reads for one artifact of this argument; None: the one URI
+    # `kfp_artifacts.source` names (an artifact that stands for several, like the target finder's decisions, says which)
+    read: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,10 +344,19 @@ STAGES: tuple[Stage, ...] = (
             StageInput("gates", "Gate artifacts whose verdicts head the report.", required=False, many=True, kind="Artifact"),
             StageInput(
                 "targets",
-                "Target artifacts (evoesap pipeline target): marked on the frontier plot.",
+                "Target artifacts (evoesap pipeline target): each decision heads the report, marked on the frontier plot.",
                 required=False,
                 many=True,
-                kfp=(),
+                kfp=(
+                    KfpArgument(
+                        "decisions",
+                        "The quality target's decisions (the target finder's `decisions` output): the target artifact of "
+                        "every criterion, named by its metadata `targets`.",
+                        kind="Artifact",
+                        required=False,
+                        read="evoesap.components.kfp_artifacts:target_uris",
+                    ),
+                ),
             ),
         ),
         "the report artifact",

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, List, Mapping, NamedTuple
 
 from evoesap.components import StageComponents, make_components
 from evoesap.components.reference import make_reference
-from evoesap.components.target import make_target_finder
+from evoesap.components.target import make_target_check, make_target_finder
 from evoesap.components.trainjob import make_search_trainjob
 from evoesap.components.verdict import make_verdict_check
 from evoesap.pipeline import cluster, trainjob
@@ -197,7 +197,8 @@ def _hidden(config: PipelineConfig) -> tuple[str, ...]:
 
 def _found_grid(dag: "_Dag", target_params: Any) -> Any:
     """The fan-out of a quality target: the task that finds each criterion's sparsity (`components.target`), its
-    probes under the storage root; it runs the searches, so it takes the search stage's pod settings."""
+    probes under the storage root; it runs the searches, so it takes the search stage's pod settings. Its decisions
+    go to the report (`dag.target`)."""
     finder = make_target_finder(dag.config.stage_image("search"))
     task = finder(
         model=dag.model,
@@ -210,7 +211,16 @@ def _found_grid(dag: "_Dag", target_params: Any) -> Any:
         params=dag.params["search"],
         **_gate_target_inputs(dag),
     )
-    return dag.stage("search", task, "target: find the sparsities").outputs["Output"]
+    dag.target = dag.stage("search", task, "target: find the sparsities")
+    return dag.target.outputs["Output"]
+
+
+def _target_check(config: PipelineConfig, finder: Any, report: Any) -> Any:
+    """The task after the report that ends the run when a criterion missed the quality target (`check_targets`): the
+    finder hands on only the criteria that met it, so the report shows every decision first."""
+    task = make_target_check(config.stage_image("report"))(decisions=finder.outputs["decisions"])
+    task.after(report)
+    return _configure(task, "report", config, "target: every criterion met", retries=0)  # a miss is deterministic
 
 
 def _gate_target_inputs(dag: "_Dag") -> dict[str, Any]:
@@ -327,6 +337,8 @@ def build_subpipeline(
         with dsl.ParallelFor(points, name="criterion-x-sparsity", parallelism=config.parallelism) as point:
             searched, pruned, evals = dag.point(point, calibration_data)
         report = dag.report(full, searched, evals)
+        if dag.target is not None:
+            _target_check(config, dag.target, report)
         handed = dict(
             report=report.outputs["markdown"],
             report_html=report.outputs["page"],
@@ -370,6 +382,7 @@ class _Dag:
         )
         self.scores = self.cache = self.full = self.released = None  # released: the publish task, with publish_models
         self.verdict = None  # the gate task, when the configuration sets a threshold
+        self.target = None  # the task finding each criterion's sparsity, with a quality target
         self.release: dict[str, Any] = {}  # what publish releases instead of the pruned checkpoint (quantize on)
         self.heldout: dict[str, Any] = {}  # the held-out teacher cache, as the search's input
         self.teacher: dict[str, Any] = {}  # the same cache, as the evaluations' input
@@ -457,7 +470,8 @@ class _Dag:
                    "publish quantized" if self.quantize_on else "publish searched")  # fmt: skip
 
     def report(self, full: Any, searched: Any, evals: dict[str, Any]) -> Any:
-        """The report over the full model's evaluation and every point's searched, uniform (and quantized) ones."""
+        """The report over the full model's evaluation and every point's searched, uniform (and quantized) ones, the
+        gate's verdicts and the quality target's decisions."""
         return self.stage(
             "report",
             self.comps.report(
@@ -469,6 +483,7 @@ class _Dag:
                 params=self.params["report"],
                 **({"quantized": dsl.Collected(evals["quantized"].outputs["evaluation"])} if self.quantize_on else {}),
                 **({"gates": dsl.Collected(self.verdict.outputs["verdict"])} if self.verdict is not None else {}),
+                **({"decisions": self.target.outputs["decisions"]} if self.target is not None else {}),
             ),
         )
 

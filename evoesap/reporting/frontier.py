@@ -1,7 +1,7 @@
 """The quality-memory frontier: held-out ESAP against checkpoint bytes for the searched and uniform models of every
 evaluated sparsity, one line per method and criterion (each criterion orders experts its own way, uniform's too),
-the full model at the top right, the target and the chosen sparsity marked, and each release candidate coloured by
-the gate's verdict. The picture a release manager decides from."""
+the full model at the top right, the target, its probes and the chosen sparsity marked, and each release candidate
+coloured by the gate's verdict. The picture a release manager decides from."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.ticker import EngFormatter, MaxNLocator
 
 from evoesap.records import GateRecord, MetricsRecord, TargetRecord
@@ -48,11 +49,19 @@ def figure(
     colours = {c: f"C{i}" for i, c in enumerate(dict.fromkeys(criterion for _, criterion in series))}
     for (method, criterion), values in series.items():
         xs, ys = [v[0] for v in values], [v[1] for v in values]
-        style = "-" if method == "searched" else "--"
         label = method if criterion is None else f"{method} ({criterion})"
-        ax.plot(xs, ys, marker="o", linestyle=style, color=colours[criterion], label=label)
+        # searched: filled dots; uniform: hollow squares around them, so a point where both coincide shows both
+        marker = (
+            dict(marker="o", markersize=6) if method == "searched" else dict(marker="s", markersize=10, markerfacecolor="none")
+        )
+        style = "-" if method == "searched" else "--"
+        ax.plot(xs, ys, linestyle=style, color=colours[criterion], label=label, **marker)
+    column: dict[tuple[int, float], float] = {}  # each size's sparsity named once, over its highest point: the searched
+    for values in series.values():  # and uniform points of one sparsity share a size (a target run's, every criterion's)
         for x, y, sparsity in values:
-            ax.annotate(f"{sparsity:.0%}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize="x-small")
+            column[(x, sparsity)] = max(y, column.get((x, sparsity), y))
+    for (x, sparsity), y in column.items():
+        ax.annotate(_pct(sparsity), (x, y), textcoords="offset points", xytext=(5, 5), fontsize="x-small")
     full = [m for m in runs if m.labels.method == "full" and m.heldout_esap is not None]
     if full:
         ax.scatter([_bytes(full[0])], [full[0].heldout_esap.esap], marker="*", s=120, color="black", label="full")
@@ -69,14 +78,28 @@ def figure(
                 ax.axhline(check.limit, color="tab:red", linestyle=":", linewidth=1.5, zorder=3,
                            label="gate: least held-out ESAP")  # fmt: skip
                 _line_label(ax, check.limit, f"gate {check.limit:g}", "tab:red", above=True)
+    thresholds: dict[float, list[str]] = {}  # one line and one name per threshold, however many criteria share it
     for target in targets:
         if target.threshold is not None:  # a gate target's goal is the gate's checks, drawn with the verdicts
-            ax.axhline(target.threshold, color="tab:purple", linestyle="-.", linewidth=1, label=f"target ({target.criterion})")
-            _line_label(ax, target.threshold, f"target {target.threshold:g} ({target.criterion})", "tab:purple", above=False)
+            thresholds.setdefault(target.threshold, []).append(target.criterion)
+    for threshold, criteria in thresholds.items():
+        named = ", ".join(criteria)
+        ax.axhline(threshold, color="tab:purple", linestyle="-.", linewidth=1, label=f"target ({named})")
+        _line_label(ax, threshold, f"target {threshold:g} ({named})", "tab:purple", above=False)
+    per_expert = _bytes_per_expert(runs)
+    for target in targets:
         searched = series.get(("searched", target.criterion), [])
         chosen = [v for v in searched if target.chosen is not None and abs(v[2] - target.chosen) < 1e-9]
-        if chosen:
-            ax.scatter([chosen[0][0]], [chosen[0][1]], marker="D", s=90, color="tab:purple", label="chosen sparsity")
+        if chosen:  # a ring around the evaluated point, which stays visible inside it
+            ax.scatter([chosen[0][0]], [chosen[0][1]], marker="D", s=200, facecolors="none", edgecolors="tab:purple",
+                       linewidths=2, zorder=4, label="chosen sparsity")  # fmt: skip
+        if per_expert is not None and full:
+            _probes(ax, target, _bytes(full[0]), per_expert, colours.get(target.criterion, "tab:purple"), searched)
+    if any(target.probes for target in targets) and per_expert is not None and full:
+        for marker, word in (("^", "meets"), ("v", "misses")):
+            ax.add_line(Line2D([], [], marker=marker, linestyle="none", markerfacecolor="none", color="grey",
+                               label=f"target probe: {word}"))  # fmt: skip
+    ax.margins(x=0.1, y=0.08)  # room for the names beside the outermost points, inside the axes
     ax.set_xlabel("Checkpoint size")
     ax.xaxis.set_major_formatter(EngFormatter(unit="B"))  # 10 MB, not 1e7
     ax.xaxis.set_major_locator(MaxNLocator(nbins=5))  # "1.02 MB"-wide labels: at most 6 fit the axis side by side
@@ -87,6 +110,45 @@ def figure(
     ax.legend(unique.values(), unique.keys(), fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     return fig
+
+
+def _bytes_per_expert(runs: Sequence[MetricsRecord]) -> float | None:
+    """Checkpoint bytes one removed routed expert saves, from the full model's evaluation and the pruned ones' (the mean
+    over the pruned runs); None when no run says (no full model, or no pruned run that removed experts)."""
+    full = next((m for m in runs if m.labels.method == "full"), None)
+    if full is None:
+        return None
+    experts = sum(full.experts.num_experts)
+    saved = [
+        (_bytes(full) - _bytes(m)) / (experts - sum(m.experts.num_experts))
+        for m in runs
+        if m.labels.method in METHODS and m.quantization is None and sum(m.experts.num_experts) < experts
+    ]
+    return sum(saved) / len(saved) if saved else None
+
+
+def _probes(
+    ax: plt.Axes, target: TargetRecord, full_bytes: int, per_expert: float, colour: str, searched: list[tuple[int, float, float]]
+) -> None:
+    """The target's probes at their held-out values: hollow triangles, up where a probe met the threshold, down where
+    it missed; their size estimated from the experts each removed (its budget) at the evaluated runs' bytes per
+    expert, since only the chosen sparsity is pruned and evaluated. A probe at an evaluated sparsity keeps its
+    point's sparsity label; the others are named by theirs."""
+    evaluated = {round(v[2], 9) for v in searched}
+    for probe in target.probes:
+        if probe.heldout is None:
+            continue
+        x = full_bytes - probe.budget * per_expert
+        ax.scatter([x], [probe.heldout], marker="^" if probe.meets else "v", s=60, facecolors="none", edgecolors=colour,
+                   linewidths=1.5, zorder=3, gid=f"probe {'meets' if probe.meets else 'misses'}")  # fmt: skip
+        if round(probe.sparsity, 9) not in evaluated:
+            ax.annotate(_pct(probe.sparsity), (x, probe.heldout), textcoords="offset points", xytext=(7, 0),
+                        va="center", fontsize="x-small", color=colour)  # fmt: skip
+
+
+def _pct(sparsity: float) -> str:
+    """25%, 37.5%: a grid sparsity as exact as one decimal of a percent shows it."""
+    return f"{sparsity:.1%}".replace(".0%", "%")
 
 
 def _line_label(ax: plt.Axes, y: float, text: str, colour: str, *, above: bool) -> None:

@@ -287,3 +287,23 @@ def test_with_quantize_on_the_quantized_model_is_evaluated_reported_and_publishe
     inputs = artifacts.read_manifest(str(published)).inputs
     assert inputs["quantized"]["manifest_sha256"] == artifacts.manifest_sha256(str(quantized))
     assert "quantized (fp8-dynamic)" in (published / "README.md").read_text()
+
+
+def test_a_quality_target_run_reports_each_decision_and_marks_it_on_the_frontier(first_run, files):
+    """`pipeline run` with `target:` hands the finder's decisions to the report: it opens with each criterion's line
+    (threshold, chosen sparsity) and lists the target artifact among its inputs. Reuses the first run's storage root:
+    calibrate, the teacher caches and the full model's evaluation are found finished."""
+    storage = first_run["storage"]
+    config = _config(files, storage, target={"heldout_esap": 0.5})  # met everywhere: the bisection climbs the grid
+    del config["sparsities"]
+    report = Path(report_uri(run_local(load_config(config))))
+    (target,) = _artifacts(storage, "target")
+    decision = json.loads((target / "target.json").read_text())
+    assert decision["chosen"] is not None and decision["threshold"] == 0.5
+    text = (report / "report.md").read_text()
+    section = text[text.index("## Sparsity target") : text.index("## Summary")]
+    assert f"reap: sparsity {decision['chosen']:.4f} meets heldout_esap >= 0.5" in section
+    assert f"{len(decision['probes'])} of the grid's {len(decision['grid'])} points probed" in section
+    inputs = artifacts.read_manifest(str(report)).inputs
+    assert inputs["targets.0"]["manifest_sha256"] == artifacts.manifest_sha256(str(target))
+    assert (report / "frontier.png").exists()

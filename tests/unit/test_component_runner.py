@@ -47,11 +47,40 @@ def test_report_gathers_its_runs_full_uniform_searched_then_quantized(calls):
     )
     ((stage, root, inputs, params),) = calls["steps"]
     assert (stage, root, params) == ("report", "/store", {"digits": 2})
-    assert inputs == {"runs": ["/store/full", "/store/u1", "/store/s1", "/store/s2", "/store/q1"], "searches": [], "gates": []}
+    assert inputs == {
+        "runs": ["/store/full", "/store/u1", "/store/s1", "/store/s2", "/store/q1"], "searches": [], "gates": [], "targets": [],
+    }  # fmt: skip
     assert calls["filled"] == [
         ("publish_markdown", "markdown", "/store/report/key"),
         ("publish_page", "page", "/store/report/key"),
     ]
+
+
+def _report_with(calls, decisions):
+    _run(
+        "report", full=_ours("full"), searched=[_ours("s1")], uniform=[_ours("u1")], decisions=decisions,
+        markdown=dsl.Markdown(name="markdown", uri="kfp://md"), page=dsl.HTML(name="page", uri="kfp://page"),
+    )  # fmt: skip
+    ((_, _, inputs, _),) = calls["steps"]
+    return inputs
+
+
+def test_report_reads_the_target_artifact_of_every_criterion_the_finders_decisions_name(calls):
+    """The target finder's one `decisions` output stands for each criterion's target artifact (its metadata
+    `targets`), which the report stage reads, not the decisions file itself."""
+    targets = {"reap": "/store/target/a", "frequency": "/store/target/b"}
+    decisions = dsl.Artifact(name="decisions", uri="kfp://decisions", metadata={"chosen": {"reap": 0.25}, "targets": targets})
+    assert _report_with(calls, decisions)["targets"] == ["/store/target/a", "/store/target/b"]
+
+
+@pytest.mark.parametrize("metadata", [{}, {"targets": {}}, {"targets": "/store/target/a"}])
+def test_report_refuses_a_decisions_input_that_names_no_target_artifact(calls, metadata):
+    from evoesap.errors import ArtifactError
+
+    decisions = dsl.Artifact(name="decisions", uri="kfp://other", metadata=metadata)
+    with pytest.raises(ArtifactError, match=r"kfp://other names no target artifacts .*give the target finder's `decisions`"):
+        _report_with(calls, decisions)
+    assert calls["steps"] == []  # refused before the stage runs
 
 
 def test_publish_gathers_the_evaluations_quantized_first_and_skips_those_not_given(calls):

@@ -1,5 +1,7 @@
 """The quality-memory frontier: which runs it draws, where, and what it marks."""
 
+import dataclasses
+
 from evoesap import records
 from evoesap.reporting import frontier
 
@@ -92,3 +94,81 @@ def test_a_gate_and_a_target_at_the_same_value_both_stay_visible():
     names = {t.get_text(): t for t in ax.texts}
     assert {"gate 0.95", "target 0.95 (reap)"} <= set(names)  # each line named on the plot, one above, one below
     assert names["gate 0.95"].xyann[1] > 0 > names["target 0.95 (reap)"].xyann[1]
+
+
+def _pruned(method, sparsity, esap, criterion="reap", full=1_066_820, experts=32):
+    """A run of a model with `experts` equal routed experts, `sparsity` of them removed, each weighing 2.5% of it."""
+    removed = round((sparsity or 0) * experts)
+    run = _run(method, sparsity, esap, int(full * (1 - 0.025 * removed)), criterion=criterion)
+    return dataclasses.replace(run, experts=dataclasses.replace(run.experts, num_experts=(experts - removed,)))
+
+
+def _probe(sparsity, value, meets, experts=32):
+    return records.Probe(
+        sparsity=sparsity, budget=round(sparsity * experts), search=f"/s/{sparsity}", removal_counts=(round(sparsity * experts),),
+        fitness=value, heldout=value, stderr=0.01, meets=meets, samples=8,
+    )  # fmt: skip
+
+
+def _target_run() -> tuple[list, list]:
+    """What a target run evaluates: the full model and, per criterion, searched and uniform at the chosen sparsity
+    only (reap's two coincide: the search kept uniform), and both decisions at one threshold."""
+    runs = [
+        _pruned("full", None, 1.0), _pruned("searched", 0.375, 0.93), _pruned("uniform", 0.375, 0.93),
+        _pruned("searched", 0.25, 0.95, "frequency"), _pruned("uniform", 0.25, 0.94, "frequency"),
+    ]  # fmt: skip
+    grid = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)
+    reap = records.TargetRecord(
+        criterion="reap", metric="heldout_esap", threshold=0.92, grid=grid, max_probes=4, chosen=0.375, chosen_search="/s/a",
+        probes=(_probe(0.375, 0.931, True), _probe(0.625, 0.80, False), _probe(0.5, 0.90, False)),
+    )  # fmt: skip
+    frequency = records.TargetRecord(
+        criterion="frequency", metric="heldout_esap", threshold=0.92, grid=grid, max_probes=4, chosen=0.25, chosen_search="/s/b",
+        probes=(_probe(0.375, 0.91, False), _probe(0.125, 0.97, True), _probe(0.25, 0.95, True)),
+    )  # fmt: skip
+    return runs, [reap, frequency]
+
+
+def test_the_probes_are_marked_at_their_held_out_value_and_size_up_when_met_down_when_missed():
+    runs, targets = _target_run()
+    (ax,) = frontier.figure(runs, (), targets).axes
+    gids = {"probe meets": "^", "probe misses": "v"}
+    probes = {tuple(c.get_offsets()[0]): gids[c.get_gid()] for c in ax.collections if c.get_gid() in gids}
+    full, per_expert = 1_066_820, 1_066_820 * 0.025  # the runs' own bytes per removed expert
+    expected = {
+        (full - 12 * per_expert, 0.931): "^", (full - 20 * per_expert, 0.80): "v", (full - 16 * per_expert, 0.90): "v",
+        (full - 12 * per_expert, 0.91): "v", (full - 4 * per_expert, 0.97): "^", (full - 8 * per_expert, 0.95): "^",
+    }  # fmt: skip
+    assert {(round(x), y): m for (x, y), m in probes.items()} == {(round(x), y): m for (x, y), m in expected.items()}
+    labels = ax.get_legend_handles_labels()[1]
+    assert {"target probe: meets", "target probe: misses", "chosen sparsity", "target (reap, frequency)"} <= set(labels)
+    names = {t.get_text() for t in ax.texts}
+    assert {"62.5%", "50%", "12.5%"} <= names  # the probes no evaluated point names
+    chosen = [tuple(c.get_offsets()[0]) for c in ax.collections if c.get_label() == "chosen sparsity"]
+    assert sorted(chosen) == sorted([(runs[1].memory.checkpoint_bytes, 0.93), (runs[3].memory.checkpoint_bytes, 0.95)])
+
+
+def test_searched_and_uniform_at_one_point_both_stay_visible():
+    runs, targets = _target_run()
+    (ax,) = frontier.figure(runs, (), targets).axes
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    searched, uniform = lines["searched (reap)"], lines["uniform (reap)"]
+    assert list(searched.get_xydata()[0]) == list(uniform.get_xydata()[0])  # the same point
+    assert uniform.get_markerfacecolor() == "none" and uniform.get_markersize() > searched.get_markersize()
+    assert searched.get_marker() != uniform.get_marker()
+    (chosen,) = [c for c in ax.collections if c.get_label() == "chosen sparsity" and tuple(c.get_offsets()[0]) == (
+        runs[1].memory.checkpoint_bytes, 0.93)]  # fmt: skip
+    assert chosen.get_facecolor().size == 0 or chosen.get_facecolor()[0][3] == 0  # a ring: the point shows inside it
+
+
+def test_no_name_on_a_target_runs_frontier_overlaps_another_or_an_axis_label():
+    runs, targets = _target_run()
+    fig = frontier.figure(runs, (), targets)
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    texts = [t for t in ax.texts if t.get_text()] + [t for t in ax.get_xticklabels() + ax.get_yticklabels() if t.get_text()]
+    texts += [ax.xaxis.label, ax.yaxis.label]
+    boxes = [(t.get_text(), t.get_window_extent()) for t in texts]
+    clashes = [(a, b) for i, (a, box) in enumerate(boxes) for b, other in boxes[i + 1 :] if box.overlaps(other)]
+    assert clashes == []
+    assert [t.get_text() for t in ax.texts].count("25%") == 1  # frequency's searched, uniform and chosen probe: named once

@@ -310,6 +310,26 @@ def test_a_quality_target_compiles_to_a_finder_task_whose_points_feed_the_fan_ou
     assert loop["items"]["inputParameter"] == "pipelinechannel--find-sparsities-Output"
 
 
+def test_a_quality_targets_decisions_feed_the_report_and_a_check_after_it(tiny_model, tmp_path):
+    """The compiled DAG hands the finder's decisions to the report and to the task after it that ends the run on a
+    missed criterion; a configuration without a target has neither."""
+    import yaml
+    from evoesap.pipeline.config import load_config
+    from evoesap.pipeline.dag import compile_pipeline
+
+    config = load_config({**BASE, "model": tiny_model, "target": {"heldout_esap": 0.9}})
+    tasks = yaml.safe_load(compile_pipeline(config, str(tmp_path / "p.yaml")).read_text())["components"]["comp-evoesap-stages"]
+    tasks = tasks["dag"]["tasks"]
+    decisions = {"taskOutputArtifact": {"outputArtifactKey": "decisions", "producerTask": "find-sparsities"}}
+    assert tasks["report"]["inputs"]["artifacts"]["decisions"] == decisions
+    (check,) = [t for t in tasks.values() if t["componentRef"]["name"].startswith("comp-check-targets")]
+    assert check["inputs"]["artifacts"]["decisions"] == decisions and "report" in check["dependentTasks"]
+    plain = load_config({**BASE, "model": tiny_model, "sparsities": [0.5]})
+    tasks = yaml.safe_load(compile_pipeline(plain, str(tmp_path / "q.yaml")).read_text())["components"]["comp-evoesap-stages"]
+    assert "decisions" not in tasks["dag"]["tasks"]["report"]["inputs"]["artifacts"]
+    assert not [t for t in tasks["dag"]["tasks"].values() if t["componentRef"]["name"].startswith("comp-check-targets")]
+
+
 @pytest.mark.slow
 def test_target_probes_are_the_searches_a_sweep_makes_and_warm_starts_are_opt_in(tmp_path):
     from evoesap.pipeline.config import load_config
@@ -458,3 +478,56 @@ def test_an_unmet_target_within_the_noise_says_so():
     assert line.startswith("no probed sparsity meets heldout_esap >= 0.88 (the lowest sparsity tried, ")
     assert f"{len(record.probes)} of the grid's {len(points)} points probed" in line
     assert f"{points[0]:.4f}'s {0.9 - points[0]:.4f} +/- 0.0100 is within 2 standard errors of 0.88" in line
+
+
+def _decided(chosen: dict) -> list:
+    """(target URI, TargetRecord) per criterion, as `decide` returns them: `chosen` criterion -> sparsity or None."""
+    from evoesap import records
+
+    probe = records.Probe(
+        sparsity=0.25, budget=8, search="/s", removal_counts=(8,), fitness=0.9, heldout=0.9, stderr=None, meets=False
+    )
+    made = lambda c, s: records.TargetRecord(  # noqa: E731
+        criterion=c, metric="heldout_esap", threshold=0.95, grid=(0.25, 0.5), max_probes=2, probes=(probe,), chosen=s,
+        chosen_search=None if s is None else "/s",
+    )  # fmt: skip
+    return [(f"/store/target/{c}", made(c, s)) for c, s in chosen.items()]
+
+
+def _find(tmp_path, monkeypatch, chosen: dict):
+    """The finder task's function on stub inputs, `decide` answering `chosen`; (its points, its decisions artifact)."""
+    from evoesap.components.target import find_sparsities
+    from kfp import dsl
+
+    monkeypatch.setattr("evoesap.pipeline.target.decide", lambda *args: _decided(chosen))
+    ours = lambda name: dsl.Dataset(name=name, uri=f"kfp://{name}", metadata={"stage": "x", "uri": f"/store/{name}"})  # noqa: E731
+    tmp_path.mkdir(parents=True, exist_ok=True)  # KFP makes an output's folder
+    decisions = dsl.Artifact(name="decisions", uri=str(tmp_path / "decisions"), metadata={})
+    points = find_sparsities(
+        model=ours("model"), scores=ours("scores"), cache=ours("cache"), heldout_cache=ours("heldout"),
+        storage_root="/store", criteria=list(chosen), target={"heldout_esap": 0.95}, decisions=decisions,
+    )  # fmt: skip
+    return points, decisions
+
+
+def test_a_criterion_that_misses_the_target_reaches_the_report_and_the_run_ends_after_it(tmp_path, monkeypatch):
+    """The finder hands on the criteria that met the target and names every decision, the missed one's too, for the
+    report; the check after the report then ends the run with the missed one's reason."""
+    from evoesap.components.target import check_targets
+
+    points, decisions = _find(tmp_path, monkeypatch, {"reap": 0.5, "frequency": None})
+    assert points == [{"criterion": "reap", "sparsity": 0.5}]
+    assert decisions.metadata["targets"] == {"reap": "/store/target/reap", "frequency": "/store/target/frequency"}
+    with pytest.raises(ConfigError, match=r"^frequency: no probed sparsity meets heldout_esap >= 0.95") as ended:
+        check_targets(decisions=decisions)
+    assert "reap" not in str(ended.value) and "\n" not in str(ended.value)
+
+
+def test_when_no_criterion_meets_the_target_the_run_ends_at_the_finder_and_all_met_passes_the_check(tmp_path, monkeypatch):
+    from evoesap.components.target import check_targets
+
+    with pytest.raises(ConfigError, match="reap: no probed sparsity meets"):  # nothing to fan out over
+        _find(tmp_path / "a", monkeypatch, {"reap": None})
+    points, decisions = _find(tmp_path / "b", monkeypatch, {"reap": 0.25, "frequency": 0.5})
+    assert [p["sparsity"] for p in points] == [0.25, 0.5]
+    assert check_targets(decisions=decisions) is None
