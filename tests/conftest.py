@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
 import sys
+import threading
+import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from venv_support import venv_python
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +45,7 @@ def uses_side_env(item: pytest.Item) -> bool:
     fixture, or a call for one of those pythons in its body."""
     import inspect
 
-    if item.module.__name__ in SIDE_ENV_MODULES or "tiny_quantized" in getattr(item, "fixturenames", ()):
+    if item.module.__name__ in SIDE_ENV_MODULES or {"tiny_quantized", "mlflow_server"} & set(getattr(item, "fixturenames", ())):
         return True
     try:
         source = inspect.getsource(item.function)
@@ -152,3 +159,82 @@ def s3(monkeypatch):
     finally:
         fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
         server.stop()
+
+
+STARTUP_S = 300  # the first start creates the SQLite schema; on a busy machine that takes a while
+
+
+def mlflow_python() -> str:
+    return venv_python("EVOESAP_MLFLOW_PYTHON", ".venv-mlflow", "mlflow-venv", "MLflow", "mlflow")
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory) -> Iterator[str]:
+    """A real MLflow tracking server with its model registry on SQLite, on a free port; yields its URL."""
+    root = tmp_path_factory.mktemp("mlflow")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [mlflow_python(), "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+               "--default-artifact-root", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    ready, output = threading.Event(), []
+
+    def watch() -> None:  # the server says when it listens; no polling
+        for line in server.stdout:
+            output.append(line)
+            if "Uvicorn running on" in line or "Listening at" in line:
+                ready.set()
+        ready.set()  # it ended
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        if not ready.wait(STARTUP_S) or server.poll() is not None:
+            pytest.fail(f"mlflow server did not start: {''.join(output)[-2000:]}")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # its own session: the server and the uvicorn worker it starts
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+@pytest.fixture
+def s3_bucket(monkeypatch):
+    """A real S3 endpoint (moto_server on loopback) with one bucket, used through s3fs."""
+    moto_server = Path(sys.executable).with_name("moto_server")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [str(moto_server), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        for name, value in {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "FSSPEC_S3_ENDPOINT_URL": endpoint,
+        }.items():
+            monkeypatch.setenv(name, value)
+        import fsspec
+
+        fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = endpoint
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        fs.mkdir("evoesap-test")
+        yield "s3://evoesap-test"
+    finally:
+        import fsspec
+
+        fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
+        server.terminate()
+        server.wait()

@@ -11,6 +11,7 @@ from typing import List, NamedTuple  # noqa: UP035 - kfp reads typing.List
 
 import pytest
 from evoesap.components.reference import make_reference
+from evoesap.components.register import make_registrar
 from evoesap.components.verdict import make_verdict_reader
 from evoesap.pipeline.config import PipelineConfig, load_config
 from evoesap.pipeline.dag import build_subpipeline
@@ -18,6 +19,7 @@ from evoesap.pipeline.run import run_local
 from kfp import dsl
 from kfp.dsl import Artifact, Input, Model
 from test_pipeline_run import _artifacts, _config
+from test_register import _api
 from tiny_world import make_tiny_inputs
 
 from evoesap import records
@@ -51,10 +53,12 @@ class TeamOutputs(NamedTuple):
 
 
 def team_pipeline(config: PipelineConfig):
-    """The embed guide's recipe: EvoESAP as a step, the team's notify task under `dsl.If` on its verdict and its
-    release-notes task on `released_models`."""
+    """The embed guide's recipe: EvoESAP as a step, the team's notify task under `dsl.If` on its verdict, its
+    release-notes task on `released_models`, and the registrar handing each released model to MLflow's registry (it
+    skips a withheld entry)."""
     evoesap = build_subpipeline(config)
     reference, reader = make_reference(config.default_image), make_verdict_reader(config.default_image)
+    registrar = make_registrar(config.default_image)
     notifier, notes_task = (
         dsl.component(base_image=config.default_image, install_kfp_package=False)(step) for step in (notify, release_notes)
     )
@@ -67,6 +71,7 @@ def team_pipeline(config: PipelineConfig):
         with dsl.If(gate.output == "fail", name="gate-failed"):
             notifier(verdicts=evo.outputs["verdicts"], out=notes)
         notes_task(released=evo.outputs["released_models"], out=released)
+        registrar(released=evo.outputs["released_models"], name="tiny-olmoe-pruned")
         return TeamOutputs(evo.outputs["verdict"], evo.outputs["verdicts"], evo.outputs["pruned_models"])
 
     return release
@@ -80,7 +85,8 @@ def _run(config: PipelineConfig, tmp_path: Path, name: str, gate_params: dict) -
     return outputs, notes, json.loads(released.read_text())
 
 
-def test_a_failing_gate_withholds_the_release_and_a_passing_one_hands_it_on(tmp_path):
+def test_a_failing_gate_withholds_the_release_and_a_passing_one_hands_it_on(tmp_path, s3_bucket, mlflow_server, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)  # the registrar task's server, from its environment
     files = make_tiny_inputs(tmp_path / "tiny")
     storage = tmp_path / "run" / "artifacts"
 
@@ -104,6 +110,7 @@ def test_a_failing_gate_withholds_the_release_and_a_passing_one_hands_it_on(tmp_
     # the passing run chooses its sparsity by a gate target: the finder task before the fan-out probes search, prune,
     # evaluate and gate, and the fan-out's own tasks at the chosen sparsity find them finished
     passing = _config(files, storage, publish_models=True, gate={"min_heldout_esap": 0.01}, target={"gate": True})
+    passing["publish"] = {"to": f"{s3_bucket}/releases/tiny-olmoe-pruned"}  # where others read it: the registry's source
     passing["search"] = {**passing["search"], "granularity": 4}
     del passing["sparsities"]
     outputs, notes, released = _run(load_config(passing), tmp_path, "pass", {"min_heldout_esap": 0.01})
@@ -117,6 +124,13 @@ def test_a_failing_gate_withholds_the_release_and_a_passing_one_hands_it_on(tmp_
     (release,) = released
     assert release["withheld"] is False and release["stage"] == "publish"
     assert Path(release["uri"]) == Path(release["kfp_uri"]) == published
+    # the registrar task registered it (the failing run's withheld entry, nothing): one version, its lineage as tags
+    versions = _api(mlflow_server, "model-versions/search", filter="name='tiny-olmoe-pruned'")["model_versions"]
+    (version,) = versions
+    tags = {t["key"]: t["value"] for t in version["tags"]}
+    assert version["source"] == f"{s3_bucket}/releases/tiny-olmoe-pruned"
+    assert tags["evoesap.criterion"] == "reap" and float(tags["evoesap.sparsity"]) == release["sparsity"]
+    assert tags["evoesap.gate"] == verdict.metadata["verdict"]
     assert release["manifest_sha256"] == artifacts.manifest_sha256(str(published))
     assert (published / "README.md").is_file() and release["gate"] == verdict.metadata["verdict"]
 

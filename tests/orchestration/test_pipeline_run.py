@@ -4,7 +4,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -193,45 +192,6 @@ def test_killed_local_run_restarts_and_finishes_with_the_same_allocation(first_r
     original = _allocation_at(first_run["storage"], 0.5)  # the reuse test added a 25% search there
     assert resumed["removal_counts"] == original["removal_counts"]
     assert _artifacts(storage, "report")
-
-
-@pytest.fixture
-def s3_bucket(monkeypatch):
-    """A real S3 endpoint (moto_server on loopback) with one bucket, used through s3fs."""
-    moto_server = Path(sys.executable).with_name("moto_server")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen(
-        [str(moto_server), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        for name, value in {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "FSSPEC_S3_ENDPOINT_URL": endpoint,
-        }.items():
-            monkeypatch.setenv(name, value)
-        import fsspec
-
-        fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = endpoint
-        fs = fsspec.filesystem("s3", skip_instance_cache=True)
-        fs.mkdir("evoesap-test")
-        yield "s3://evoesap-test"
-    finally:
-        import fsspec
-
-        fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
-        server.terminate()
-        server.wait()
 
 
 def test_calibrate_to_prune_chain_against_s3(files, s3_bucket):

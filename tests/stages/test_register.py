@@ -6,14 +6,9 @@ line without the token."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import threading
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +16,6 @@ from evoesap.components.register import register_models
 from kfp import dsl
 from recording_http import JsonHandler, serving
 from tiny_artifacts import evaluate_params
-from venv_support import venv_python
 
 from evoesap import records
 from evoesap.cli import main
@@ -34,44 +28,6 @@ from evoesap.stages.publish import PublishParams, run_publish
 from evoesap.store import artifacts
 
 TOKEN = "mlflow-token-for-tests-0123456789"
-STARTUP_S = 300  # the first start creates the SQLite schema; on a busy machine that takes a while
-
-
-def mlflow_python() -> str:
-    return venv_python("EVOESAP_MLFLOW_PYTHON", ".venv-mlflow", "mlflow-venv", "MLflow", "mlflow")
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory) -> Iterator[str]:
-    """A real MLflow tracking server with its model registry on SQLite, on a free port; yields its URL."""
-    root = tmp_path_factory.mktemp("mlflow")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [mlflow_python(), "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-               "--default-artifact-root", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # fmt: skip
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    ready, output = threading.Event(), []
-
-    def watch() -> None:  # the server says when it listens; no polling
-        for line in server.stdout:
-            output.append(line)
-            if "Uvicorn running on" in line or "Listening at" in line:
-                ready.set()
-        ready.set()  # it ended
-
-    threading.Thread(target=watch, daemon=True).start()
-    try:
-        if not ready.wait(STARTUP_S) or server.poll() is not None:
-            pytest.fail(f"mlflow server did not start: {''.join(output)[-2000:]}")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)  # its own session: the server and the uvicorn worker it starts
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
 
 
 @pytest.fixture(scope="module")
