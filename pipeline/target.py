@@ -225,9 +225,9 @@ def fitting_sparsity(model: str, size: str | int, granularity: int, model_dtype:
     """The least grid sparsity at which every allocation's checkpoint fits in `size` bytes on disk, as prune writes it
     (`moe.checkpoint_bytes`: shards with their headers, index, config.json, a non-uniform result's modeling file,
     tokenizer and the other copied files), predicted from the headers without writing a weight. At one budget the
-    allocations differ in data bytes only where layers' experts differ in size, and in whether the modeling file is
-    written: a point's size is the larger of its uniform allocation's and its heaviest one's (removal on the lightest
-    layers first, non-uniform). Refused in one line when nothing needs pruning or `size` is below the smallest
+    allocations differ in data bytes only where layers' experts differ in size, in whether the modeling file is
+    written, and by a few header bytes with where the removal lies: a point's size is the largest of its uniform
+    allocation's and its heaviest ones' (removal packed into the lightest layers, equal ones taken from either end). Refused in one line when nothing needs pruning or `size` is below the smallest
     checkpoint prune can write (every layer at its fewest experts), naming that floor."""
     from evoesap.machine import runtime
     from evoesap.machine.sizes import parse_bytes
@@ -295,12 +295,22 @@ class _Sizer:
         if index not in self.sizes:
             n, k, g = self.space.num_experts, self.space.min_kept, self.space.granularity
             budget = alloc.budget(self.points[index], n, k, g)
-            caps, left, heaviest = alloc.unit_caps(n, k, g), budget // g, [0] * len(n)
-            for layer in sorted(range(len(n)), key=lambda i: self.weights[i]):  # removal where an expert weighs least
-                heaviest[layer] = min(caps[layer], left) * g
-                left -= heaviest[layer] // g
-            self.sizes[index] = self._bytes(alloc.uniform(n, k, budget, g), heaviest)
+            heaviest = [self._packed(budget, tie) for tie in (1, -1)]  # ties among equal experts to the first, the last
+            self.sizes[index] = self._bytes(alloc.uniform(n, k, budget, g), *heaviest)
         return self.sizes[index]
+
+    def _packed(self, budget: int, tie: int) -> list[int]:
+        """The removal of `budget` experts packed into the layers whose experts weigh least (the most data bytes kept),
+        equal layers taken first to last (`tie` 1) or last to first (-1): the headers and the index differ by a few
+        bytes with where the removal lies, so both ends are sized."""
+        from evoesap.method import allocation as alloc
+
+        n, k, g = self.space.num_experts, self.space.min_kept, self.space.granularity
+        caps, left, counts = alloc.unit_caps(n, k, g), budget // g, [0] * len(n)
+        for layer in sorted(range(len(n)), key=lambda i: (self.weights[i], tie * i)):
+            counts[layer] = min(caps[layer], left) * g
+            left -= counts[layer] // g
+        return counts
 
 
 def _expert_weights(model: str) -> tuple[int, ...]:
