@@ -139,6 +139,16 @@ def check_one_base(runs: Sequence[str], metrics: Sequence[records.MetricsRecord]
             )
 
 
+def _decision(record: records.TargetRecord, decisions: Sequence[records.TargetRecord]) -> str:
+    """The word heading a criterion's decision: CHOSEN or UNMET, and when the target chose among the criteria (a
+    challenger has a `start`), CHOSEN for the best one only and NOT CHOSEN for the others."""
+    from evoesap.planning.target import best
+
+    if any(d.start is not None for d in decisions):
+        return "CHOSEN" if record is best(decisions) else "NOT CHOSEN"
+    return "CHOSEN" if record.chosen is not None else "UNMET"
+
+
 def run_report(
     runs: list[str],
     params: ReportParams,
@@ -196,7 +206,7 @@ def run_report(
         context = {
             "title": params.title,
             "verdicts": [(v.passed, v.line()) for v in verdicts],
-            "targets": [(t.chosen is not None, f"{t.criterion}: {t.line()}") for t in chosen],
+            "targets": [(_decision(t, chosen), f"{t.criterion}: {t.line()}") for t in chosen],
             "notes": _notes(metrics),
             "headline": rp.headline(settings),
             "summary": rp.summary_table(settings, params.digits),

@@ -331,3 +331,20 @@ def test_a_gate_target_on_real_stages_matches_a_sweep_of_verdicts_and_reuses_its
         up = climbed.grid.index(record.chosen) + 1
         assert esap[record.chosen] >= threshold and (up == len(climbed.grid) or esap[climbed.grid[up]] < threshold)
     assert run_target(strict)[0][1] == record and made() == swept | new  # again: nothing to redo
+
+
+def test_the_report_heads_a_choice_with_one_chosen_criterion_and_the_others_not_chosen():
+    from evoesap.stages.report import _decision
+
+    def record(criterion, quality, start=None):
+        search, _ = _fake_search(quality)
+        return find(0.9, POINTS, search, N, K, 1, criterion, warm=False, rechecks=0, start=start)
+
+    first = record("reap", lambda s: 0.95 if s <= 0.5 else 0.5)
+    at = POINTS.index(first.chosen)
+    tied = record("ean", lambda s: 0.96 if s <= 0.5 else 0.5, at)  # ties reap, a higher held-out value there
+    beaten = record("frequency", lambda s: 0.5, at)
+    decisions = [first, tied, beaten]
+    assert [_decision(d, decisions) for d in decisions] == ["NOT CHOSEN", "CHOSEN", "NOT CHOSEN"]
+    alone = [first, record("seer", lambda s: 0.5)]  # each criterion's own target: chosen where it meets
+    assert [_decision(d, alone) for d in alone] == ["CHOSEN", "UNMET"]
