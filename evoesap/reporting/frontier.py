@@ -133,8 +133,10 @@ def _probes(
     """The target's probes at their held-out values: hollow triangles, up where a probe met the threshold, down where
     it missed; their size estimated from the experts each removed (its budget) at the evaluated runs' bytes per
     expert, since only the chosen sparsity is pruned and evaluated. A probe at an evaluated sparsity keeps its
-    point's sparsity label; the others are named by theirs."""
+    point's sparsity label; the others are named by theirs, and by their criterion when it has no evaluated point (a
+    criterion the choice of criterion did not choose)."""
     evaluated = {round(v[2], 9) for v in searched}
+    named = "" if searched else f"{target.criterion} "
     for probe in target.probes:
         if probe.heldout is None:
             continue
@@ -142,7 +144,7 @@ def _probes(
         ax.scatter([x], [probe.heldout], marker="^" if probe.meets else "v", s=60, facecolors="none", edgecolors=colour,
                    linewidths=1.5, zorder=3, gid=f"probe {'meets' if probe.meets else 'misses'}")  # fmt: skip
         if round(probe.sparsity, 9) not in evaluated:
-            ax.annotate(_pct(probe.sparsity), (x, probe.heldout), textcoords="offset points", xytext=(7, 0),
+            ax.annotate(named + _pct(probe.sparsity), (x, probe.heldout), textcoords="offset points", xytext=(7, 0),
                         va="center", fontsize="x-small", color=colour)  # fmt: skip
 
 
