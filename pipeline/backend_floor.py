@@ -107,4 +107,6 @@ def spec_floor(spec: Path | str, table: FloorTable | None = None) -> Floor:
         if table.fields[path] == top:
             field = path.rsplit(".*.", 1)[-1]  # the field within its named thing (task, executor, artifact)
             because.setdefault(field, place.removesuffix(f".{field}") if place != field else "")
-    return Floor(version=top, because=tuple((f"{f} in {at}" if at else f) for f, at in because.items()), unknown=tuple(sorted(unknown)))
+    return Floor(
+        version=top, because=tuple((f"{f} in {at}" if at else f) for f, at in because.items()), unknown=tuple(sorted(unknown))
+    )
