@@ -286,11 +286,13 @@ def submit(config: PipelineConfig | str | Path, submission: Submission, client_f
         config = load_config(config)  # after the endpoint check: its stage parameters import torch
     from kfp_server_api.exceptions import ApiException
 
+    from .backend_floor import spec_floor
     from .dag import compile_pipeline
 
     name = config.name
     with tempfile.TemporaryDirectory() as tmp:
         package = compile_pipeline(config, Path(tmp) / "pipeline.yaml")
+        log.info("the spec of %s %s", config.name, spec_floor(package).line())
         arguments = resolve_overrides(next(yaml.safe_load_all(package.read_text())), submission.overrides, config)
 
         def exchange(stop: Any) -> str:

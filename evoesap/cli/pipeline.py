@@ -39,6 +39,21 @@ def compile_cmd(
             bake_defaults(staged, values, loaded)  # a bad --set stops here: nothing is written at --output
         os.replace(staged, output)
     typer.echo(str(output))
+    _say_floor(output)
+
+
+def _say_floor(spec: Path) -> None:
+    """The lowest Kubeflow Pipelines backend the spec's fields need, and any field whose floor is not known."""
+    from evoesap.pipeline.backend_floor import TABLE_FILE, spec_floor
+
+    floor = spec_floor(spec)
+    typer.echo(f"the spec {floor.line()}")
+    if floor.unknown:
+        typer.echo(
+            f"warning: the floor leaves out {len(floor.unknown)} field(s) {TABLE_FILE.name} does not know: "
+            f"{', '.join(floor.unknown[:3])}; check them against the backend's release notes",
+            err=True,
+        )
 
 
 @pipeline_app.command("components")

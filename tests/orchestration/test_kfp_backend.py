@@ -1,7 +1,9 @@
-"""The compiled specs against the lowest KFP backend the docs name: every task's Kubernetes settings hold only
-fields the backend's own proto of that version knows (its Argo compiler parses them strictly: an unknown field
-refuses the run at creation). The field tables are vendored from kubeflow/pipelines (tests/data/kfp, with their
-tag and commit)."""
+"""The compiled specs against the backend releases the docs and `evoesap pipeline compile` name: the docs' lowest
+backend is the floor of the smallest configuration, and every task's Kubernetes settings hold only fields the
+backend's own proto of the spec's stated floor knows (its Argo compiler parses them strictly: an unknown field
+refuses the run at creation). The proto field tables are vendored from kubeflow/pipelines (tests/data/kfp, with
+their tag and commit), apart from the floor table the CLI reads (pipeline/backend_floors.yaml).
+"""
 
 import json
 import re
@@ -10,8 +12,10 @@ from typing import Any
 
 import pytest
 import yaml
+from evoesap.pipeline.backend_floor import floor_table, spec_floor, version_key
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
+from remote_config import REMOTE_CONFIG
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = json.loads((ROOT / "tests" / "data" / "kfp" / "kubernetes_executor_config_fields.json").read_text())
@@ -21,7 +25,7 @@ DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 def _floor() -> str:
-    """The lowest backend version the Kubeflow guide names."""
+    """The lowest backend version the Kubeflow guide names: every configuration's floor."""
     found = re.search(r"Kubeflow Pipelines backend (\d+\.\d+\.\d+) or later", KUBEFLOW_PAGE.read_text())
     assert found, f"{KUBEFLOW_PAGE.relative_to(ROOT)} no longer names the lowest Kubeflow Pipelines backend"
     return found.group(1)
@@ -82,34 +86,52 @@ CONFIGS = _configs()
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> dict[str, dict[str, Any]]:
+def compiled(tmp_path_factory) -> dict[str, tuple[dict[str, Any], str]]:
+    """Each configuration's executors' Kubernetes settings and the floor its spec states."""
     root = tmp_path_factory.mktemp("specs")
-    return {
-        name: _executor_configs(compile_pipeline(load_config(data), root / f"{name.replace('/', '_')}.yaml"))
-        for name, data in CONFIGS
-    }
+    out = {}
+    for name, data in CONFIGS:
+        path = compile_pipeline(load_config(data), root / f"{name.replace('/', '_')}.yaml")
+        out[name] = (_executor_configs(path), spec_floor(path).version)
+    return out
+
+
+def test_the_lowest_backend_the_docs_name_is_the_floor_of_the_smallest_configuration(tmp_path):
+    floor = spec_floor(compile_pipeline(load_config(dict(REMOTE_CONFIG)), tmp_path / "pipeline.yaml"))
+    assert floor.version == _floor(), floor.line()
 
 
 @pytest.mark.parametrize("name", [name for name, _ in CONFIGS])
-def test_every_compiled_kubernetes_setting_is_known_to_the_lowest_backend_the_docs_name(name, compiled):
-    floor = _floor()
-    assert floor in FIELDS, f"vendor the {floor} field table into tests/data/kfp (the Kubeflow guide names that backend)"
-    for executor, config in compiled[name].items():
-        assert unknown_fields(config, "kfp_kubernetes.KubernetesExecutorConfig", floor) == [], executor
+def test_every_compiled_kubernetes_setting_is_known_to_the_backend_the_spec_states(name, compiled):
+    executors, floor = compiled[name]
+    assert version_key(floor) >= version_key(_floor())
+    vendored = max((v for v in FIELDS if not v.startswith("_")), key=version_key)
+    against = floor if floor in FIELDS else vendored
+    assert version_key(against) <= version_key(floor), f"vendor the {floor} field table into tests/data/kfp"
+    prefix = "platforms.kubernetes.deploymentSpec.executors.*."
+    above = {
+        p.removeprefix(prefix)
+        for p, v in floor_table().fields.items()
+        if p.startswith(prefix) and version_key(v) > version_key(against)
+    }
+    for executor, config in executors.items():
+        unknown = {re.sub(r"\[\d+\]", "", p) for p in unknown_fields(config, "kfp_kubernetes.KubernetesExecutorConfig", against)}
+        assert unknown <= above, (executor, unknown)
 
 
-def test_a_secret_is_what_a_2_14_backend_refuses_so_the_floor_is_2_15(compiled):
-    """kfp-kubernetes 2.17 writes secretAsEnv.optional, which 2.14's proto lacks: the floor must be above 2.14."""
+def test_a_secret_is_what_a_2_14_backend_refuses_and_the_stated_floor_says_so(compiled):
+    """kfp-kubernetes 2.17 writes secretAsEnv.optional, which 2.14's proto lacks: exactly the configurations with
+    secrets state a floor above 2.14."""
     top = "kfp_kubernetes.KubernetesExecutorConfig"
     found = {
         name: [p for config in executors.values() for p in unknown_fields(config, top, "2.14.0")]
-        for name, executors in compiled.items()
+        for name, (executors, _) in compiled.items()
     }
     refused = {name: problems for name, problems in found.items() if problems}
     assert refused, "no configuration with secrets was compiled"
     assert {re.sub(r"\[\d+\]", "[i]", p) for problems in refused.values() for p in problems} == {"secretAsEnv[i].optional"}
     assert "olmoe-1b-7b-instruct+publish" in refused
-    assert tuple(int(x) for x in _floor().split(".")) >= (2, 15, 0)
+    assert {name for name, (_, floor) in compiled.items() if version_key(floor) > version_key("2.14.0")} == set(refused)
 
 
 def test_the_check_refuses_an_unknown_field_anywhere():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import email
 import json
+import logging
 import re
 import socket
 import subprocess
@@ -204,6 +205,15 @@ def test_no_task_is_submitted_with_kfp_caching_on(kfp_api):
     dags = [spec["root"]["dag"], *(c["dag"] for c in spec["components"].values() if "dag" in c)]
     tasks = [task for dag in dags for task in dag["tasks"].values()]
     assert len(tasks) > 5 and all(task.get("cachingOptions", {}).get("enableCache") is not True for task in tasks)
+
+
+def test_submit_logs_the_lowest_backend_the_uploaded_spec_needs(kfp_api, caplog):
+    volume = {"pvc": "hf-cache", "mount_path": "/cache", "sub_path": "hub"}
+    config = PipelineConfig(**{**CONFIG, "resources": {"search": {"volumes": [volume]}}})
+    with caplog.at_level(logging.INFO, logger="evoesap.pipeline.submit"):
+        submit(config, Submission(host=kfp_api))
+    floors = [r.getMessage() for r in caplog.records if "Kubeflow Pipelines backend" in r.getMessage()]
+    assert len(floors) == 1 and "needs a Kubeflow Pipelines backend >= 2.16.0 (because of pvcMount.subPath in " in floors[0]
 
 
 def test_token_is_sent_to_the_api_and_never_into_the_spec(kfp_api):
