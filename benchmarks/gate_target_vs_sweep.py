@@ -56,30 +56,23 @@ def main() -> int:
     args = parser.parse_args()
 
     from evoesap.pipeline.config import load_config
-    from evoesap.pipeline.target import Gating, _search_step, run_target, target_grid
+    from evoesap.pipeline.target import _search_step, gating_for, probe_inputs, run_target, target_grid
 
     from evoesap.planning.target import best
-    from evoesap.steps import run_step
 
     storage = args.storage or Path(tempfile.mkdtemp(prefix="gate-target-vs-sweep-")) / "artifacts"
     settings = _settings(args.world, storage, args.granularity, args.max_task_drop, args.criteria, False)
     base = load_config(settings)
     _, points = target_grid(base)
-    root, model = base.storage_root, base.pinned_model
-    cache_params = base.stage_params("cache-logits")
+    root = base.storage_root
     started = time.perf_counter()
-    scores = run_step("calibrate", root, {"model": model, "data": base.calibration_data}, base.stage_params("calibrate"))
-    cache = run_step("cache-logits", root, {"model": model, "data": base.search_data}, cache_params)
-    heldout = run_step("cache-logits", root, {"model": model, "data": base.heldout_data}, cache_params)
-    inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout}
-    evaluate = {"method": "full", **base.stage_params("evaluate")}
-    full = run_step("evaluate", root, {"model": model, "teacher_cache": heldout}, evaluate)
+    inputs = probe_inputs(base)
+    judging = gating_for(base, inputs)
     shared = time.perf_counter() - started
-    gating = Gating(full, None, {stage: base.stage_params(stage) for stage in ("prune", "evaluate", "gate")})
 
     passed, seconds, failing = {}, {}, {}
     for criterion in args.criteria:
-        search, judge = _search_step(root, inputs, base.stage_params("search"), criterion), gating.judge(root, inputs, criterion)
+        search, judge = _search_step(root, inputs, base.stage_params("search"), criterion), judging.judge(root, inputs, criterion)
         for sparsity in points:
             started = time.perf_counter()
             _, verdict = judge(sparsity, search(sparsity, None)[0])

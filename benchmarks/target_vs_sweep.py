@@ -69,7 +69,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from evoesap.pipeline.config import load_config
-    from evoesap.pipeline.target import run_target, target_grid
+    from evoesap.pipeline.target import probe_inputs, run_target, target_grid
 
     from evoesap import records
     from evoesap.steps import run_step
@@ -77,14 +77,10 @@ def main() -> int:
     storage = args.storage or Path(tempfile.mkdtemp(prefix="target-vs-sweep-"))
     base = load_config(_config(args.world, storage, args.granularity, None, args.samples))
     _, points = target_grid(base)
-    root, model = base.storage_root, base.pinned_model
-    cache_params = base.stage_params("cache-logits")
+    root = base.storage_root
     started = time.perf_counter()
-    scores = run_step("calibrate", root, {"model": model, "data": base.calibration_data}, base.stage_params("calibrate"))
-    cache = run_step("cache-logits", root, {"model": model, "data": base.search_data}, cache_params)
-    heldout = run_step("cache-logits", root, {"model": model, "data": base.heldout_data}, cache_params)
+    inputs = probe_inputs(base)
     shared = time.perf_counter() - started
-    inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout}
 
     swept, seconds = [], {}
     for sparsity in points:

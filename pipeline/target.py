@@ -114,10 +114,9 @@ class Gating:
         return judge
 
 
-def run_target(config: Any) -> list[tuple[str, records.Record]]:
-    """Find each criterion's sparsity for the configuration's target; return (target artifact URI, TargetRecord)."""
-    goal = _quality_target(config)
-    target_grid(config)  # before any work: a model with nothing to search is refused here
+def probe_inputs(config: Any) -> dict[str, str | None]:
+    """What every probe reads, made (or reused) under the storage root: the model, calibrate's scores and the teacher
+    caches of the search and held-out samples (None without heldout_data)."""
     root, model = config.storage_root, config.pinned_model
     scores = run_step("calibrate", root, {"model": model, "data": config.calibration_data}, config.stage_params("calibrate"))
     cache_params = config.stage_params("cache-logits")
@@ -127,14 +126,26 @@ def run_target(config: Any) -> list[tuple[str, records.Record]]:
         if config.heldout_data
         else None
     )
-    inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout}
-    gating = None
-    if goal.gate:  # the full model's evaluation, as the DAG's `evaluate full` task makes it
-        teacher = {"teacher_cache": heldout} if heldout else {}
-        full = run_step("evaluate", root, {"model": model, **teacher}, {"method": "full", **config.stage_params("evaluate")})
-        sections = {stage: config.stage_params(stage) for stage in ("prune", "evaluate", "gate")}
-        gating = Gating(full, config.previous_metrics, sections)
-    return decide(inputs, root, config.criteria, goal, config.stage_params("search"), gating)
+    return {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout}
+
+
+def gating_for(config: Any, inputs: Mapping[str, str | None]) -> Gating:
+    """A gate target's judge settings: the full model's evaluation as the DAG's `evaluate full` task makes it (made or
+    reused), the previous release's metrics and the prune, evaluate and gate sections."""
+    teacher = {"teacher_cache": inputs["heldout_cache"]} if inputs.get("heldout_cache") else {}
+    evaluate = {"method": "full", **config.stage_params("evaluate")}
+    full = run_step("evaluate", config.storage_root, {"model": inputs["model"], **teacher}, evaluate)
+    sections = {stage: config.stage_params(stage) for stage in ("prune", "evaluate", "gate")}
+    return Gating(full, config.previous_metrics, sections)
+
+
+def run_target(config: Any) -> list[tuple[str, records.Record]]:
+    """Find each criterion's sparsity for the configuration's target; return (target artifact URI, TargetRecord)."""
+    goal = _quality_target(config)
+    target_grid(config)  # before any work: a model with nothing to search is refused here
+    inputs = probe_inputs(config)
+    judged = gating_for(config, inputs) if goal.gate else None
+    return decide(inputs, config.storage_root, config.criteria, goal, config.stage_params("search"), judged)
 
 
 def decide(
