@@ -326,6 +326,7 @@ class _TrainJob:
         existing = self._get()
         if _condition(existing, ("Complete", "Failed")) is None:
             log.info("%s is already running (an earlier attempt of this task): following it", self.where)
+            self._own(existing)
             return
         log.info("%s ended in an earlier attempt without a usable artifact: replacing it", self.where)
         self._delete()
@@ -337,6 +338,31 @@ class _TrainJob:
             )
         except ApiException as exc:
             raise self._refused("create", exc) from None
+
+    def _own(self, existing: dict[str, Any]) -> None:
+        """Add this launcher's pod to the owners of the job an earlier attempt started: the earlier pod, once deleted,
+        must not take the job with it (the garbage collector deletes a dependent only when all its owners are gone).
+        Without patch on trainjobs this is said, and the job followed all the same."""
+        from kubernetes.client.exceptions import ApiException
+
+        theirs = existing.get("metadata", {}).get("ownerReferences") or []
+        known = {owner.get("uid") for owner in theirs}
+        ours = [owner for owner in self.body["metadata"].get("ownerReferences") or [] if owner["uid"] not in known]
+        if not ours:
+            return
+        patch = {"metadata": {"ownerReferences": [*theirs, *ours]}}  # a merge patch replaces the list: keep theirs
+        try:
+            self._call("patch", lambda: self.objects.patch_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, self.name, patch
+            ))  # fmt: skip
+            log.info("%s is owned by this launcher's pod too", self.where)
+        except ApiException as exc:
+            detail = _first_line(network.scrub(_api_message(exc.body) or network.decode(exc.reason)))
+            log.warning(
+                "%s stays owned by the earlier attempt's pod only (HTTP %s: %s): deleting that pod deletes the job; give "
+                "the pipeline's service account patch on trainjobs.%s",
+                self.where, exc.status, detail, GROUP,
+            )  # fmt: skip
 
     def _wait(self) -> dict[str, Any]:
         """Follow the job until it ends: its Complete or Failed condition (or past `deadline` after admission)."""

@@ -171,6 +171,7 @@ class KubeAPI(JsonHandler):
     pods: list[dict] = []
     existing: dict | None = None
     on_complete: Callable[[dict], None] | None = None
+    patch_status: int | None = None  # the status a PATCH is refused with; None: applied
 
     def _body(self) -> Any:
         length = int(self.headers.get("Content-Length") or 0)
@@ -207,6 +208,17 @@ class KubeAPI(JsonHandler):
         jobs = [{"name": "node", "active": 2, "ready": 2, "succeeded": 0, "failed": 0}] if state == "" else []
         self._reply({**KubeAPI.existing, "status": {"conditions": conditions, "jobsStatus": jobs}})
 
+    def do_PATCH(self):  # noqa: N802
+        body = self._body()
+        self.requests.append(("PATCH", self.path, body))
+        if KubeAPI.patch_status is not None:
+            self._reply(
+                {"kind": "Status", "message": "trainjobs is forbidden", "code": KubeAPI.patch_status}, KubeAPI.patch_status
+            )
+            return
+        KubeAPI.existing = {**KubeAPI.existing, "metadata": {**KubeAPI.existing["metadata"], **body["metadata"]}}
+        self._reply(KubeAPI.existing)
+
     def do_DELETE(self):  # noqa: N802
         self.requests.append(("DELETE", self.path, self._body()))
         KubeAPI.existing = None
@@ -217,7 +229,7 @@ class KubeAPI(JsonHandler):
 def kube(tmp_path, monkeypatch) -> Iterator[str]:
     """The API on 127.0.0.1, reached the way the launcher outside a cluster reaches one: a kubeconfig (namespace team-a)."""
     KubeAPI.requests, KubeAPI.states, KubeAPI.failure, KubeAPI.pods = [], [""], {}, []
-    KubeAPI.existing, KubeAPI.on_complete = None, None
+    KubeAPI.existing, KubeAPI.on_complete, KubeAPI.patch_status = None, None, None
     with serving(KubeAPI) as url:
         kubeconfig = {
             "apiVersion": "v1",
@@ -406,7 +418,38 @@ def test_a_retried_launcher_follows_the_job_its_earlier_attempt_started(kube, wo
     KubeAPI.states, KubeAPI.on_complete = ["", "Complete"], _rank_zero
     uri = run_search_job(_template(), root, world, params)
     assert len(_calls("POST")) == 1 and not _calls("DELETE")  # the 409, then only looks at the running job
+    assert not _calls("PATCH")  # outside a pod there is no owner to add
     artifacts.read_manifest(uri, "search")
+
+
+EARLIER_POD = {"apiVersion": "v1", "kind": "Pod", "name": "run-search-driver-1", "uid": "11111111-aaaa",
+               "controller": False, "blockOwnerDeletion": False}  # fmt: skip
+
+
+@pytest.mark.parametrize("refused", [None, 403])
+def test_a_retried_launcher_adds_its_pod_to_the_adopted_job_s_owners(kube, world, tmp_path, monkeypatch, caplog, refused):
+    """The earlier attempt's pod owns the job; deleted (Argo's pod GC, a drained node), it would take the job with it
+    while the retry follows it. The retry adds its own pod, keeping the earlier one; refused that, it says so."""
+    root = str(tmp_path / "store")
+    params = {**SMALL, "workers": 4}
+    args = {"inputs": world, "params": params, "out_uri": output_uri("search", root, world, SearchParams(**SMALL))}
+    KubeAPI.existing = {"metadata": {"name": "earlier", "ownerReferences": [EARLIER_POD]},
+                        "spec": {"trainer": {"args": [json.dumps(args)]}}}  # fmt: skip
+    KubeAPI.states, KubeAPI.on_complete, KubeAPI.patch_status = ["", "Complete"], _rank_zero, refused
+    monkeypatch.setenv("KFP_POD_NAME", "run-search-driver-2")
+    monkeypatch.setenv("KFP_POD_UID", "22222222-bbbb")
+    with caplog.at_level("INFO", logger="evoesap.pipeline.trainjob"):
+        uri = run_search_job(_template(), root, world, params)
+    ((path, patch),) = _calls("PATCH")
+    assert path == f"{JOBS}/{KubeAPI.requests[0][2]['metadata']['name']}"
+    assert [o["uid"] for o in patch["metadata"]["ownerReferences"]] == ["11111111-aaaa", "22222222-bbbb"]
+    assert not _calls("DELETE")
+    artifacts.read_manifest(uri, "search")  # followed to its end either way
+    if refused:
+        (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert "stays owned by the earlier attempt's pod only (HTTP 403" in warning and "patch on trainjobs" in warning
+    else:  # the job's owners now: both pods
+        assert [o["uid"] for o in KubeAPI.existing["metadata"]["ownerReferences"]] == ["11111111-aaaa", "22222222-bbbb"]
 
 
 def test_the_component_reads_the_job_s_inputs_where_every_pod_can_and_fills_its_artifact(kube, world, tmp_path):
