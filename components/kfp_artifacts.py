@@ -67,11 +67,12 @@ def target_uris(decisions: Any) -> list[str]:
     """The target artifacts the quality target's `decisions` (`components.target.find_sparsities`) names in its metadata
     `targets` (criterion -> URI), one per criterion: what the report reads to show each decision."""
     from evoesap.errors import ArtifactError
+    from evoesap.store import artifacts
 
     named = decisions.metadata.get("targets")
     if not isinstance(named, Mapping) or not named:
         raise ArtifactError(
-            f"artifact {decisions.uri} names no target artifacts (metadata `targets`: {named!r}): give the target "
+            f"artifact {artifacts.redact(decisions.uri)} names no target artifacts (metadata `targets`: {named!r}): give the target "
             "finder's `decisions` output"
         )
     return [str(uri) for uri in named.values()]

@@ -3,8 +3,8 @@
 A component's arguments (`evoesap.components.stages` makes its signature from the same entry) become the stage's
 inputs, each the URI `kfp_artifacts.source` names (a list input gathered from its arguments in their declared
 order, an argument with a `read` hook standing for the URIs that hook names; an optional text input's "" meaning
-none) and its parameters (its `params`, what its `kfp_params` hook adds, the grid's own arguments); `run_step` runs it under `storage_root`, and each output is filled from the finished
-artifact by its declared `fill`. A stage with a `withheld` hook (publish) that the release gate refuses fills each
+none) and its parameters (its `params`, what its `kfp_params` hook adds, the grid's own arguments); `run_step` runs
+it under `storage_root`, and each output is filled from the finished artifact by its declared `fill`. A stage with a `withheld` hook (publish) that the release gate refuses fills each
 output with what that hook writes (a withheld entry) and succeeds: its outputs are typed whether or not it released.
 """
 
