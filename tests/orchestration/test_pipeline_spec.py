@@ -102,8 +102,8 @@ _ARTIFACTS = {  # stage -> (input artifact classes, output artifact classes)
     "search": (["Dataset", "Dataset", "Dataset", "Model"], ["Artifact"]),
     "prune": (["Artifact", "Dataset", "Model"], ["Model"]),
     "evaluate": (["Dataset", "Model"], ["Dataset", "Metrics"]),
-    # + quantized and gates (optional)
-    "report": (["Artifact[]", "Artifact[]", "Dataset", "Dataset[]", "Dataset[]", "Dataset[]"], ["HTML", "Markdown"]),
+    # + quantized, gates and a quality target's decisions (optional)
+    "report": (["Artifact", "Artifact[]", "Artifact[]", "Dataset", "Dataset[]", "Dataset[]", "Dataset[]"], ["HTML", "Markdown"]),
 }
 
 
