@@ -198,8 +198,9 @@ class _Settings(BaseModel):
     def _gate_target(self) -> PipelineConfig:
         if self.target is None or not self.target.gate:
             return self
-        gate = getattr(self, "gate", {})
-        if not any(gate.get(k) is not None for k in ("min_heldout_esap", "max_task_drop", "max_previous_drop")):
+        from evoesap.steps import make_params
+
+        if not make_params("gate", getattr(self, "gate", {})).active:
             raise ValueError(
                 "target.gate asks for the largest sparsity passing the gate section's thresholds, and it sets none: "
                 "add e.g. gate: {max_task_drop: 0.05}"

@@ -55,9 +55,7 @@ def gate_words(section: Mapping[str, Any]) -> str:
     """The gate section's thresholds in words, as a gate target states its goal: `max_task_drop 0.05`."""
     from evoesap.steps import make_params
 
-    params = make_params("gate", section)
-    names = ("min_heldout_esap", "max_task_drop", "max_previous_drop")
-    return ", ".join(f"{name} {getattr(params, name):g}" for name in names if getattr(params, name) is not None)
+    return ", ".join(f"{name} {value:g}" for name, value in make_params("gate", section).thresholds.items())
 
 
 def cost_line(config: Any, model: str | None = None) -> str:
@@ -105,13 +103,18 @@ class Gating:
                 {**self.sections["prune"], **point},
             )  # fmt: skip
             labels = {k: v for k, v in facts.prune_facts(pruned).items() if k in LABELS}  # as the DAG's evaluate labels it
-            teacher = {"teacher_cache": inputs["heldout_cache"]} if inputs.get("heldout_cache") else {}
-            evaluation = run_step("evaluate", storage_root, {"model": pruned, **teacher}, {**self.sections["evaluate"], **labels})
+            evaluated = {"model": pruned, **_teacher(inputs)}
+            evaluation = run_step("evaluate", storage_root, evaluated, {**self.sections["evaluate"], **labels})
             gated = {"evaluation": evaluation, "full_evaluation": self.full_evaluation, "previous": self.previous}
             verdict = run_step("gate", storage_root, gated, self.sections["gate"])
             return verdict, records.read(verdict, records.GateRecord)
 
         return judge
+
+
+def _teacher(inputs: Mapping[str, str | None]) -> dict[str, str]:
+    """An evaluation's held-out teacher cache input, as the DAG's evaluate tasks take it (none without held-out data)."""
+    return {"teacher_cache": str(inputs["heldout_cache"])} if inputs.get("heldout_cache") else {}
 
 
 def probe_inputs(config: Any) -> dict[str, str | None]:
@@ -132,9 +135,8 @@ def probe_inputs(config: Any) -> dict[str, str | None]:
 def gating_for(config: Any, inputs: Mapping[str, str | None]) -> Gating:
     """A gate target's judge settings: the full model's evaluation as the DAG's `evaluate full` task makes it (made or
     reused), the previous release's metrics and the prune, evaluate and gate sections."""
-    teacher = {"teacher_cache": inputs["heldout_cache"]} if inputs.get("heldout_cache") else {}
     evaluate = {"method": "full", **config.stage_params("evaluate")}
-    full = run_step("evaluate", config.storage_root, {"model": inputs["model"], **teacher}, evaluate)
+    full = run_step("evaluate", config.storage_root, {"model": inputs["model"], **_teacher(inputs)}, evaluate)
     sections = {stage: config.stage_params(stage) for stage in ("prune", "evaluate", "gate")}
     return Gating(full, config.previous_metrics, sections)
 
@@ -171,7 +173,7 @@ def decide(
     # the granularity as the search stage reads its section (the sparsity is a placeholder: it sets no granularity)
     granularity = make_params("search", {**section, "criterion": criteria[0], "sparsity": 0.5}).granularity
     space, points = searchable(str(inputs["model"]), granularity)
-    words = gate_words(gating.sections["gate"]) if goal.gate and gating is not None else None
+    words = gate_words(gating.sections["gate"]) if goal.gate else None  # gating is given: refused above otherwise
     found: list[tuple[str, records.Record]] = []
     for criterion in criteria:
         search, made = _search_step(storage_root, inputs, section, criterion), []
@@ -181,7 +183,7 @@ def decide(
             return made[-1]
 
         best = target.best([record for _, record in found]) if goal.choose_criterion else None
-        judge = gating.judge(storage_root, inputs, criterion) if goal.gate and gating is not None else None
+        judge = gating.judge(storage_root, inputs, criterion) if goal.gate else None
         record = target.find(
             goal.heldout_esap, points, step, space.num_experts, space.min_kept, space.granularity, criterion,
             warm=goal.warm_start, rechecks=goal.rechecks, judge=judge, gate=words,

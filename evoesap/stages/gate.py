@@ -43,9 +43,15 @@ class GateParams(StageParams):
     )
 
     @property
+    def thresholds(self) -> dict[str, float]:
+        """The thresholds set, by name (unset ones are not checked)."""
+        names = ("min_heldout_esap", "max_task_drop", "max_previous_drop")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    @property
     def active(self) -> bool:
         """Whether any threshold is set (a gate with none has nothing to decide and is left out of the DAG)."""
-        return any(getattr(self, name) is not None for name in ("min_heldout_esap", "max_task_drop", "max_previous_drop"))
+        return bool(self.thresholds)
 
 
 def read_metrics(uri: str) -> records.MetricsRecord:
