@@ -18,7 +18,6 @@ def check_grid(model: str, grid: list[dict[str, Any]], search_params: dict[str, 
     from evoesap import moe
     from evoesap.machine import runtime
     from evoesap.method import allocation, search
-    from evoesap.scoring.forward import check_layerwise
     from evoesap.steps import make_params
     from evoesap.store.artifacts import redact
 
@@ -27,7 +26,6 @@ def check_grid(model: str, grid: list[dict[str, Any]], search_params: dict[str, 
     except (EvoESAPError, OSError) as exc:
         log.warning("the fan-out's sparsities are not checked against %s before the run: %s", redact(model), exc)
         return
-    check_layerwise(spec.family)  # every point is searched: a family the search cannot score is refused now
     for point in grid:
         for stage, section, done in (("search", search_params, "searched"), ("prune", prune_params, "pruned")):
             params = make_params(stage, {**section, **point})

@@ -103,21 +103,12 @@ def _scan() -> tuple[Coverage, ...]:
 
 
 def supported_notes(family: Family) -> str:
-    """What a user of a supported family should know: its routing, its notes, and what the search cannot run."""
+    """What a user of a supported family should know: its routing, its notes and its multi-token-prediction layers."""
     notes = [family.routing, family.notes]
     if family.mtp_field:
         notes.append(
             f"multi-token-prediction layers ({family.mtp_field}) are not built by transformers and never pruned: "
             "a streamed prune copies them as stored, an in-memory save leaves them out"
-        )
-    if not family.layerwise:
-        why = (
-            "they run a text-only causal LM layer by layer, and this is a multimodal checkpoint"
-            if family.text_config
-            else "its decoder layer is not in the family table's layer facts they run in halves"
-        )
-        notes.append(
-            f"search, ESAP scoring and held-out ESAP (evaluate with a teacher cache) refuse it, and a pipeline with it: {why}"
         )
     return "; ".join(n for n in notes if n)
 

@@ -94,9 +94,6 @@ class Family:
     shared_experts: tuple[str, ...] = ()  # paths inside a decoder layer of always-on shared experts (never pruned)
     dense_layer_fields: tuple[str, ...] = ()  # config fields that choose the dense (non-MoE) layers
     mtp_field: str | None = None  # config field counting multi-token-prediction layers (see `MTP_NOTE`)
-    # whether `evoesap.scoring.forward.LayerRunner` runs this family's decoder layers in halves exactly (the facts
-    # below, checked against the model's own forward for every such row); others are refused there, never run wrongly
-    layerwise: bool = True
     # decoder-layer attributes that may hold the token mixer (attention, linear attention, Mamba, convolution); each
     # layer has exactly one of them, and the scorer runs it as the layer's first half
     mixers: tuple[str, ...] = ("self_attn",)
@@ -623,7 +620,10 @@ _HYBRID_ROWS += (
 # the result loads as the multimodal model through its own auto class.
 _QWEN3_5_TEXT = next(row for row in _HYBRID_ROWS if row.model_type == "qwen3_5_moe_text")
 _MULTIMODAL = dict(text_config="text_config", auto_class="AutoModelForImageTextToText")
-_MULTIMODAL_NOTES = "multimodal: the language model's routed experts are pruned, the vision tower is kept unchanged"
+_MULTIMODAL_NOTES = (
+    "multimodal: the language model's routed experts are pruned, the vision tower is kept unchanged; calibration, "
+    "teacher caches, the search and ESAP run on text alone"
+)
 # the smallest vision tower of the Qwen-VL line (Qwen3.5, Qwen3-VL, GLM-4.5V): one block, 32 wide, 4-pixel patches
 _TINY_VISION = dict(
     depth=1,
@@ -641,7 +641,6 @@ _MULTIMODAL_ROWS = (
         model_type="qwen3_5_moe",
         layers="model.language_model.layers",
         **_MULTIMODAL,
-        layerwise=False,  # ESAP scoring runs text-only causal LMs layer by layer; prune its text model's checkpoint
         notes=_MULTIMODAL_NOTES,
         tiny=dict(
             text_config=dict(_QWEN3_5_TEXT.tiny),
@@ -659,7 +658,6 @@ _MULTIMODAL_ROWS += (
         dense_layer_fields=("first_k_dense_replace",),
         **{**_V3_ROUTER, **_MULTIMODAL},
         layers="model.language_model.layers",
-        layerwise=False,  # ESAP scoring runs text-only causal LMs layer by layer
         notes=_MULTIMODAL_NOTES,
         tiny=dict(
             text_config=dict(
@@ -683,7 +681,6 @@ _MULTIMODAL_ROWS += (
         renormalize=True,
         dense_layer_fields=("mlp_only_layers", "decoder_sparse_step"),
         layers="model.language_model.layers",
-        layerwise=False,  # ESAP scoring runs text-only causal LMs layer by layer
         notes=_MULTIMODAL_NOTES,
         **_MULTIMODAL,
         tiny=dict(

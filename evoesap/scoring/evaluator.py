@@ -28,7 +28,7 @@ import torch
 from evoesap import records
 from evoesap.errors import ConfigError
 from evoesap.scoring import metrics
-from evoesap.scoring.forward import LayerRunner, check_checkpoint_layerwise, head_logits, iter_batches, model_device, pad_right
+from evoesap.scoring.forward import LayerRunner, head_logits, iter_batches, model_device, pad_right
 from evoesap.scoring.prefix import PrefixCache, Sets
 from evoesap.scoring.teacher import TeacherCache, load_cache
 from evoesap.store import artifacts
@@ -122,7 +122,7 @@ class CandidateEvaluator:
         self._costs = self._runner.half_costs()
         self._starts = [layer.decoder_index for layer in inspect(model).layers]  # MoE ordinal -> decoder layer
         boundaries = list(range(len(self._starts)))
-        boundary_bytes = sum(self._lengths) * int(model.config.hidden_size) * next(model.parameters()).element_size()
+        boundary_bytes = sum(self._lengths) * int(self._runner.config.hidden_size) * next(model.parameters()).element_size()
         if prefix_cache_bytes is None:
             from evoesap.machine.runtime import free_memory_bytes
 
@@ -443,7 +443,6 @@ def score_allocation(
     from evoesap.machine import runtime
 
     runtime.check_model_dtype(model_dtype)
-    check_checkpoint_layerwise(model)
     if allocation and artifacts.exists(artifacts.join(allocation, artifacts.MANIFEST)):  # a search artifact: checked
         record = records.read(allocation, records.AllocationRecord)
         _, pruned = records.allocation_counts(record, allocation, runtime.inspect_checkpoint(model))

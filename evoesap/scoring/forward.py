@@ -108,40 +108,6 @@ def final_hidden(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
 # The stack half-layer by half-layer (a candidate's forward)
 
 
-def check_layerwise(model_type: str) -> None:
-    """Refuse (ModelError) a family whose decoder layers ESAP scoring cannot run in halves: the family table's
-    `layerwise` (today the multimodal checkpoints, whose language model sits beside a vision tower)."""
-    from evoesap.moe.families import family_of
-
-    family = family_of(model_type)
-    if not family.layerwise:
-        why = (
-            f"a multimodal checkpoint, and ESAP scoring runs a text-only causal LM layer by layer (its language model at "
-            f"{family.layers.removesuffix('.layers')} is not run on its own)"
-            if family.text_config
-            else "its decoder layer is not in the family table's layer facts"
-        )
-        raise ModelError(
-            f"{model_type} cannot be scored layer by layer: {why}; search, ESAP scoring and held-out ESAP (evaluate's "
-            "teacher_cache) do not support it yet; calibrate, prune and evaluate without a teacher cache do"
-        )
-
-
-def check_checkpoint_layerwise(model: str) -> None:
-    """`check_layerwise` from the config.json of `model` (path, URI or hub name) alone, before any weight loads;
-    a config that cannot be read here is left to the loader, which says what is wrong with it."""
-    from evoesap.moe import stream_prune
-
-    try:
-        config = stream_prune.read_config(*stream_prune.checkpoint_files(model, patterns=("config.json",)))
-    except Exception:  # noqa: BLE001 - offline hub, bad JSON, a config transformers refuses: the loader says which
-        return
-    from evoesap.moe.families import FAMILIES
-
-    if config.model_type in FAMILIES:  # an unsupported family is refused, with its reason, where the model loads
-        check_layerwise(config.model_type)
-
-
 @dataclasses.dataclass(frozen=True)
 class BatchContext:
     """What every decoder layer of one padded batch receives besides the hidden states."""
@@ -158,7 +124,6 @@ class LayerRunner:
         from evoesap.moe.families import family_of
 
         family = family_of(getattr(getattr(model, "config", None), "model_type", None))
-        check_layerwise(family.model_type)
         where = family.layers.rpartition(".")[0]  # the base model is what holds the decoder layers
         try:
             base = operator.attrgetter(where)(model) if where else model

@@ -114,9 +114,6 @@ def run_evaluate(
     if python is not None:
         _check_vllm_quantized(model, params.device)
     if teacher_cache:
-        from evoesap.scoring.forward import check_checkpoint_layerwise
-
-        check_checkpoint_layerwise(model)  # held-out ESAP runs the layers in halves: refused before lm-eval runs
         _check_heldout(teacher_cache, model, allocation)
     tokenizer = moe.load_tokenizer(model)
     if tokenizer is None:

@@ -343,12 +343,10 @@ def prepare_scoring(
     skips the held-out evaluator."""
     from evoesap import moe
     from evoesap.scoring.evaluator import CandidateEvaluator
-    from evoesap.scoring.forward import check_layerwise
     from evoesap.scoring.importance import model_orders, read_scores
     from evoesap.scoring.teacher import load_cache
 
     spec = runtime.inspect_checkpoint(model)
-    check_layerwise(spec.family)  # from config.json, before the scores, the caches or the weights load
     orders = model_orders(read_scores(scores), params.criterion, spec)
     space = moe.pruning_space(spec, params.granularity)
     n, kept, granularity = space.num_experts, space.min_kept, space.granularity
@@ -474,7 +472,6 @@ def run_search(
     runs the search and publishes the same artifact.
     """
     from evoesap.method import distributed, search
-    from evoesap.scoring.forward import check_checkpoint_layerwise
 
     inputs = {"model": model, "scores": scores, "cache": cache, "heldout_cache": heldout_cache}
     seen = artifacts.preflight(out_uri, "search", inputs)
@@ -486,7 +483,6 @@ def run_search(
     if not distributed.joined():
         _check_processes(params)
     bounds.check_stage(params, model)
-    check_checkpoint_layerwise(model)  # before the workers start
     for uri in (cache, heldout_cache):  # inputs must be finished artifacts before anything loads
         if uri:
             artifacts.read_manifest(uri, "cache-logits")

@@ -13,17 +13,20 @@ search costs as much as the rest of a family's chain:
 - granitemoehybrid: a decoder layer off the plain pre-norm pair (muP embedding, residual and logit multipliers, a
   dense MLP beside the MoE block, Mamba layers), run in halves from the family table's layer facts.
 
-Families whose decoder layers the search cannot run in halves (`layerwise=False`: the multimodal checkpoints) are
-refused by the search in one line, before their weights load. The non-uniform checkpoint's loading through `evoesap.moe.load_pruned` is the
+- qwen3_vl_moe: a multimodal checkpoint, whose language model (multimodal rotary positions on text) is searched
+  and whose vision tower is kept as it is.
+
+The non-uniform checkpoint's loading through `evoesap.moe.load_pruned` is the
 unit matrix's (tests/unit/test_moe.py), not repeated here.
 """
+
+import json
 
 import pytest
 import transformers
 from tiny_world import make_tiny_inputs
 
 from evoesap import moe
-from evoesap.errors import ModelError
 from evoesap.machine import runtime
 from evoesap.method import allocation as alloc
 from evoesap.records import MetricsRecord, read
@@ -34,7 +37,7 @@ from evoesap.stages.prune import PruneParams, run_prune
 from evoesap.stages.search import SearchParams, run_search
 from evoesap.store import artifacts
 
-FULL_CHAIN = ("kimi_linear", "deepseek_v3", "qwen3_next", "minimax_m2", "granitemoehybrid")
+FULL_CHAIN = ("kimi_linear", "deepseek_v3", "qwen3_next", "minimax_m2", "granitemoehybrid", "qwen3_vl_moe")
 CALIBRATE = CalibrateParams(samples=4, max_length=64)
 CACHE = CacheLogitsParams(samples=4, max_length=64, dtype="float32")
 # 25%: 50% of DeepSeek-V3's 16 experts in 4 groups (top 2 groups) leaves one allocation, nothing to search
@@ -62,17 +65,6 @@ def _counts(checkpoint: str) -> list[int]:
     return artifacts.read_json(artifacts.join(checkpoint, "pruning.json"))["num_experts"]
 
 
-def _refuses_search_before_loading(files: dict, scores: str, cache: str, out: str, monkeypatch) -> None:
-    def load_model(*args, **kwargs):
-        raise AssertionError("the search loaded the weights of a family it cannot score")
-
-    with monkeypatch.context() as patched:
-        patched.setattr(runtime, "load_model", load_model)
-        with pytest.raises(ModelError, match=r"cannot be scored layer by layer: .*calibrate, prune and evaluate"):
-            run_search(files["model"], scores, cache, SEARCH, out)
-    assert not artifacts.exists(out)
-
-
 @pytest.mark.parametrize("family", sorted(moe.FAMILIES))
 def test_stage_chain_runs_on_every_family(family, tmp_path, monkeypatch):
     row = moe.FAMILIES[family]
@@ -81,10 +73,7 @@ def test_stage_chain_runs_on_every_family(family, tmp_path, monkeypatch):
     run_calibrate(files["model"], files["calibration"], CALIBRATE, scores)
     spec = runtime.inspect_checkpoint(files["model"])
     cache, search, searched = (str(tmp_path / name) for name in ("cache", "search", "searched"))
-    if not row.layerwise:
-        run_cache_logits(files["model"], files["search"], CACHE, cache)  # a whole forward: every family caches
-        _refuses_search_before_loading(files, scores, cache, search, monkeypatch)
-    elif family in FULL_CHAIN:
+    if family in FULL_CHAIN:
         run_cache_logits(files["model"], files["search"], CACHE, cache)
         run_search(files["model"], scores, cache, SEARCH, search)
         removal = artifacts.read_json(artifacts.join(search, "allocation.json"))["removal_counts"]
@@ -105,22 +94,20 @@ def test_stage_chain_runs_on_every_family(family, tmp_path, monkeypatch):
     assert evaluated.memory.parameters == sum(p.numel() for p in stock.parameters())
 
 
-def test_held_out_esap_and_scoring_refuse_a_family_the_search_cannot_score_before_its_weights_load(tmp_path, monkeypatch):
-    """evaluate with a teacher cache (held-out ESAP) and `evoesap esap` run the layers in halves as the search does:
-    a family that cannot be run so is refused from config.json, not after loading and running lm-eval."""
+def test_held_out_esap_of_a_multimodal_checkpoint_scores_its_language_model_on_text(tmp_path):
+    """evaluate with a teacher cache (held-out ESAP) and `evoesap esap` run the language model in halves on text, as
+    the search does: the full model against its own cache agrees with itself, and the pruned one records less."""
     from evoesap.scoring.evaluator import score_allocation
 
     files = make_tiny_inputs(tmp_path, family="qwen3_vl_moe")
-    cache, out = str(tmp_path / "cache"), str(tmp_path / "evaluated")
+    scores, cache, uniform = str(tmp_path / "scores"), str(tmp_path / "cache"), str(tmp_path / "uniform")
+    run_calibrate(files["model"], files["calibration"], CALIBRATE, scores)
     run_cache_logits(files["model"], files["search"], CACHE, cache)
-
-    def load_model(*args, **kwargs):
-        raise AssertionError("the weights of a family ESAP cannot score were loaded")
-
-    monkeypatch.setattr(runtime, "load_model", load_model)
-    refused = r"qwen3_vl_moe cannot be scored layer by layer: a multimodal checkpoint.*evaluate without a teacher cache do"
-    with pytest.raises(ModelError, match=refused):
-        _evaluate(files["model"], files["tasks"], out, teacher_cache=cache)
-    assert not artifacts.exists(out)
-    with pytest.raises(ModelError, match=refused):
-        score_allocation(files["model"], cache, device="cpu")
+    assert score_allocation(files["model"], cache, device="cpu") == pytest.approx((1.0, 1.0))
+    run_prune(files["model"], scores, PRUNE, uniform)
+    evaluated = _evaluate(uniform, files["tasks"], str(tmp_path / "evaluated"), teacher_cache=cache)
+    # the same removal as a mask on the full model: masking equals removal through the language model's halves
+    masked = tmp_path / "masked.json"
+    masked.write_text(json.dumps({"pruned": artifacts.read_json(artifacts.join(uniform, "pruning.json"))["pruned"]}))
+    lower, upper = score_allocation(files["model"], cache, str(masked), device="cpu")
+    assert evaluated.heldout_esap.esap == pytest.approx(lower, abs=1e-6) and lower == upper < 0.99

@@ -12,12 +12,10 @@ from test_moe import TOL, UNGROUPED, nonuniform_sets
 from test_scoring_teacher import VOCAB, tiny
 
 from evoesap import moe
-from evoesap.errors import ModelError
 from evoesap.scoring import forward
 from evoesap.scoring.forward import LayerRunner
 
-FAMILIES = sorted(name for name, family in moe.FAMILIES.items() if family.layerwise)
-REFUSED = sorted(name for name, family in moe.FAMILIES.items() if not family.layerwise)
+FAMILIES = sorted(moe.FAMILIES)  # every family, multimodal ones by their language model
 # windows shorter than the samples, so that sliding-attention layers mask differently from full ones
 SLIDING = {
     "gpt_oss": dict(sliding_window=4),
@@ -136,26 +134,3 @@ def test_granite_logits_are_divided_by_its_logits_scaling_as_its_own_forward_doe
     with torch.inference_mode():
         hidden = forward.final_hidden(model, ids, torch.ones_like(ids))[0]  # [T, H]
         torch.testing.assert_close(forward.head_logits(model, hidden), model.lm_head(hidden) / 4.0, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("family", REFUSED)
-def test_a_family_whose_layers_cannot_run_in_halves_is_refused_layer_by_layer_not_scored_wrongly(family):
-    with pytest.raises(ModelError, match=f"{family} cannot be scored layer by layer: a multimodal checkpoint") as info:
-        LayerRunner(moe.tiny_model(family))
-    assert "\n" not in str(info.value)
-
-
-def test_every_text_family_runs_layer_by_layer():
-    assert REFUSED and all(moe.FAMILIES[name].text_config for name in REFUSED)
-
-
-def test_the_layerwise_check_reads_config_json_alone_and_leaves_an_unreadable_one_to_the_loader(tmp_path):
-    multimodal, olmoe, broken = tmp_path / "multimodal", tmp_path / "olmoe", tmp_path / "broken"
-    moe.tiny_model("qwen3_vl_moe").config.save_pretrained(multimodal)  # config.json only: no weights to load
-    moe.tiny_model("olmoe").config.save_pretrained(olmoe)
-    broken.mkdir()
-    (broken / "config.json").write_text("{not json")
-    with pytest.raises(ModelError, match="qwen3_vl_moe cannot be scored layer by layer: a multimodal checkpoint"):
-        forward.check_checkpoint_layerwise(str(multimodal))
-    for readable_or_not in (olmoe, broken, tmp_path / "missing"):
-        forward.check_checkpoint_layerwise(str(readable_or_not))  # nothing to refuse here

@@ -19,8 +19,9 @@ from evoesap.scoring.prefix import PrefixCache, spread
 HYBRIDS = ["qwen3_next", "qwen3_5_moe_text", "kimi_linear"]  # linear-attention layers between the cached states
 # one family per other layer layout: scaled halves and a dense MLP beside the block (Granite), norms after each half
 # only (FlexOlmo) or before and after (AFMoE), post-norm weighted residuals (MiniMax), Mamba or short convolutions
-# with renamed norms (Jamba, LFM2-MoE), a flattened MoE output and the base model off its prefix (Llama 4)
-LAYOUTS = ["granitemoeshared", "flex_olmo", "afmoe", "minimax", "jamba", "lfm2_moe", "llama4_text"]
+# with renamed norms (Jamba, LFM2-MoE), a flattened MoE output and the base model off its prefix (Llama 4), the
+# language model of a multimodal checkpoint with multimodal rotary positions (Qwen3-VL)
+LAYOUTS = ["granitemoeshared", "flex_olmo", "afmoe", "minimax", "jamba", "lfm2_moe", "llama4_text", "qwen3_vl_moe"]
 
 
 def _world(family: str, tmp_path, samples: int = 7):
