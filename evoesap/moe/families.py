@@ -701,8 +701,8 @@ _HYBRID = "hybrid layers (linear attention, state-space or convolution) beside a
 UNSUPPORTED: Mapping[str, tuple[str, str, str]] = MappingProxyType(
     {
         "llama4": (
-            "Llama4ForConditionalGeneration's forward fails on text alone in transformers 5.24 (its causal-LM output has "
-            "no image_outputs), so masking cannot be checked against removal",
+            "Llama4ForConditionalGeneration's forward fails on every input in transformers 5.24 (it reads image_outputs "
+            "from its language model's output, which has none), so masking cannot be checked against removal",
             "llama4_text",
             "the same language model, at .language_model; prune a text-only llama4_text checkpoint",
         ),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from transformers import CONFIG_MAPPING
 
 from evoesap import moe
@@ -77,3 +78,20 @@ def test_a_family_the_quantize_stage_cannot_walk_is_refused_there_in_one_line(mo
     with pytest.raises(ConfigError, match=f"{model_type} checkpoint .* leave the quantize step out") as info:
         quantize._family(str(tmp_path))
     assert "\n" not in str(info.value)
+
+
+def test_llama4_is_refused_because_its_multimodal_forward_fails_on_every_input(rows):
+    """The reason `llama4` has no row: its stock class cannot run in the pinned transformers, with or without
+    return_dict. When a transformers upgrade fixes it, this fails: then give llama4 a multimodal row."""
+    import transformers
+
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=2)
+    text |= dict(num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=1, head_dim=16)
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8)
+    vision |= dict(patch_size=4, vision_output_dim=16, projector_input_dim=16, projector_output_dim=32)
+    config = transformers.Llama4Config(text_config=text, vision_config=vision)
+    model = transformers.Llama4ForConditionalGeneration(config).eval()
+    for return_dict in (True, False):
+        with pytest.raises(AttributeError, match="image_outputs"):
+            model(input_ids=torch.randint(0, 64, (1, 5)), return_dict=return_dict)
+    assert rows["llama4"].status == coverage.NOT_SUPPORTED and "fails on every input" in rows["llama4"].reason
