@@ -248,7 +248,6 @@ def fitting_sparsity(model: str, size: str | int, granularity: int, model_dtype:
     exactly."""
     from evoesap.machine import runtime
     from evoesap.machine.sizes import parse_bytes
-
     from evoesap.planning import quantized
 
     wanted = parse_bytes(size)

@@ -150,7 +150,6 @@ def _other_bytes(directory: Path) -> int:
 def _stand_in(model: str, dtype: str | None, out: Path) -> tuple[Any, dict[str, Any]]:
     """Write a checkpoint of `model`'s family and configuration at tiny widths (uniform experts) with its small
     files, in `dtype` (else the model's); (its family, its config.json)."""
-    import torch
 
     from evoesap import moe
     from evoesap.moe import families, shards, stream_prune

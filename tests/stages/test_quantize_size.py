@@ -6,13 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from evoesap.pipeline.target import fitting_sparsity, searchable
 from test_quantize import quantize_python
 
 from evoesap import moe
 from evoesap.demo.tokenizer import build_tokenizer
 from evoesap.errors import ConfigError
 from evoesap.method import allocation as alloc
-from evoesap.pipeline.target import fitting_sparsity, searchable
 from evoesap.stages.quantize import QuantizeParams, run_quantize
 
 
