@@ -261,8 +261,7 @@ def fitting_sparsity(model: str, size: str | int, granularity: int, model_dtype:
     full = sizer.full()
     if full <= wanted:
         raise ConfigError(
-            f"target.bytes {size} ({wanted:,} bytes) is at least the full {what}'s {full:,} bytes on disk: "
-            "nothing needs pruning"
+            f"target.bytes {size} ({wanted:,} bytes) is at least the full {what}'s {full:,} bytes on disk: nothing needs pruning"
         )
     floor = sizer.floor()
     if wanted < floor:
