@@ -212,6 +212,18 @@ class _Settings(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _bytes_target_sizes_the_release(self) -> PipelineConfig:
+        if self.target is None or self.target.bytes is None:
+            return self
+        from evoesap.planning.quantized import refusal
+
+        section = getattr(self, "quantize", {})
+        refused = refusal(section.get("recipe"), section.get("model_dtype", "auto"))
+        if refused:
+            raise ValueError(refused)
+        return self
+
     @field_validator("storage_root")
     @classmethod
     def _storage_root_named(cls, value: str) -> str:

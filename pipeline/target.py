@@ -227,38 +227,47 @@ def fan_out(found: Sequence[tuple[str, records.Record]], choose: bool = False) -
 
 def memory_sparsity(config: Any) -> float:
     """The least grid sparsity whose checkpoint fits the configuration's `target.bytes` (`fitting_sparsity`): the
-    search's grid, the checkpoint as the prune section writes it (its `model_dtype`)."""
+    search's grid, the checkpoint as the prune section writes it (its `model_dtype`), quantized by the quantize
+    section's recipe when it sets one."""
     point = {"criterion": config.criteria[0], "sparsity": 0.5}  # placeholders: neither sets the grid or the dtype
     search, prune = config.parsed_params("search", point), config.parsed_params("prune", point)
-    return fitting_sparsity(config.pinned_model, config.target.bytes, search.granularity, prune.model_dtype)
+    recipe = config.stage_params("quantize").get("recipe")
+    return fitting_sparsity(config.pinned_model, config.target.bytes, search.granularity, prune.model_dtype, recipe)
 
 
 @functools.cache
-def fitting_sparsity(model: str, size: str | int, granularity: int, model_dtype: str) -> float:
+def fitting_sparsity(model: str, size: str | int, granularity: int, model_dtype: str, recipe: str | None = None) -> float:
     """The least grid sparsity at which every allocation's checkpoint fits in `size` bytes on disk, as prune writes it
     (`moe.checkpoint_bytes`: shards with their headers, index, config.json, a non-uniform result's modeling file,
     tokenizer and the other copied files), predicted from the headers without writing a weight. At one budget the
     allocations differ in data bytes only where layers' experts differ in size, in whether the modeling file is
     written, and by a few header bytes with where the removal lies: a point's size is the largest of its uniform
     allocation's and its heaviest ones' (removal packed into the lightest layers, equal ones taken from either end). Refused in one line when nothing needs pruning or `size` is below the smallest
-    checkpoint prune can write (every layer at its fewest experts), naming that floor."""
+    checkpoint prune can write (every layer at its fewest experts), naming that floor. With `recipe`, every size is
+    the checkpoint the quantize stage writes from the pruned one by that recipe (`planning.quantized`), predicted as
+    exactly."""
     from evoesap.machine import runtime
     from evoesap.machine.sizes import parse_bytes
+    from evoesap.planning import quantized
 
     wanted = parse_bytes(size)
+    refused = quantized.refusal(recipe)
+    if refused:
+        raise ConfigError(refused)
     dtype = runtime.MODEL_DTYPES[model_dtype]
-    sizer = _Sizer(model, None if dtype == "auto" else dtype, granularity)
+    sizer = _Sizer(model, None if dtype == "auto" else dtype, granularity, recipe)
+    what = f"checkpoint quantized by {recipe}" if recipe else "checkpoint"
+    smaller = "raise it" if recipe else "raise it, or quantize the pruned checkpoint"
     full = sizer.full()
     if full <= wanted:
         raise ConfigError(
-            f"target.bytes {size} ({wanted:,} bytes) is at least the full checkpoint's {full:,} bytes on disk: "
-            "nothing needs pruning"
+            f"target.bytes {size} ({wanted:,} bytes) is at least the full {what}'s {full:,} bytes on disk: nothing needs pruning"
         )
     floor = sizer.floor()
     if wanted < floor:
         raise ConfigError(
-            f"target.bytes {size} ({wanted:,} bytes) is below the model's floor, its smallest checkpoint: {floor:,} bytes "
-            "on disk, every layer at its fewest experts: raise it, or quantize the pruned checkpoint"
+            f"target.bytes {size} ({wanted:,} bytes) is below the model's floor, its smallest {what}: {floor:,} bytes "
+            f"on disk, every layer at its fewest experts: {smaller}"
         )
     points = sizer.points
     lo, hi = -1, len(points)  # size(lo) > wanted (the full model), size(hi) <= wanted (the floor)
@@ -268,9 +277,10 @@ def fitting_sparsity(model: str, size: str | int, granularity: int, model_dtype:
     if hi == len(points):
         last = sizer.at(len(points) - 1)
         raise ConfigError(
-            f"target.bytes {size} ({wanted:,} bytes) is below the smallest searchable checkpoint, {last:,} bytes at "
+            f"target.bytes {size} ({wanted:,} bytes) is below the smallest searchable {what}, {last:,} bytes at "
             f"sparsity {points[-1]:.4f}: only the model's floor ({floor:,} bytes, every layer at its fewest experts, a "
-            "single allocation with nothing to search) fits; raise it, lower the search's granularity, or quantize"
+            f"single allocation with nothing to search) fits; raise it{'' if recipe else ', or quantize'} or lower the "
+            "search's granularity"
         )
     return points[hi]
 
@@ -278,11 +288,11 @@ def fitting_sparsity(model: str, size: str | int, granularity: int, model_dtype:
 class _Sizer:
     """Checkpoint bytes on disk of a model's grid points, each computed once."""
 
-    def __init__(self, model: str, dtype: Any, granularity: int) -> None:
+    def __init__(self, model: str, dtype: Any, granularity: int, recipe: str | None = None) -> None:
         from evoesap import moe
         from evoesap.machine import runtime
 
-        self.model, self.dtype = model, dtype
+        self.model, self.dtype, self.recipe = model, dtype, recipe
         spec = runtime.inspect_checkpoint(model)
         self.space = moe.pruning_space(spec, granularity)
         self.least = moe.pruning_space(spec, 1).min_kept  # prune's own floor: granularity 1
@@ -294,6 +304,10 @@ class _Sizer:
         from evoesap import moe
 
         allocations = [{layer: list(range(c)) for layer, c in enumerate(r) if c} for r in counts]
+        if self.recipe is not None:
+            from evoesap.planning import quantized
+
+            return max(quantized.quantized_bytes(self.model, allocations, self.dtype, self.recipe))
         return max(moe.checkpoint_bytes(self.model, allocations, self.dtype))
 
     def full(self) -> int:

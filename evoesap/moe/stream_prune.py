@@ -200,20 +200,41 @@ def checkpoint_bytes(source: str, allocations: Sequence[Pruned], dtype: torch.dt
     """Bytes on disk of the checkpoint `prune_checkpoint` would write for each of `allocations`, without writing it:
     every shard (length prefix, JSON header, data), the index, config.json, a non-uniform result's modeling file and
     the copied small files. Only the config files are written, to a temporary directory, to be measured."""
+    return [weights + other for weights, other, _, _ in checkpoint_parts(source, allocations, dtype)]
+
+
+def checkpoint_parts(
+    source: str, allocations: Sequence[Pruned], dtype: torch.dtype | None = None
+) -> list[tuple[int, int, list[shards.Planned], dict[str, int]]]:
+    """Per allocation, the checkpoint `prune_checkpoint` would write in parts: (bytes of its weight files and index,
+    bytes of every other file, the tensors written, experts kept per decoder layer). The quantized checkpoint's size
+    starts from these."""
     src = _read_source(source, headers_only=True)
     small = sum(int(src.fs.size(path)) for path in _small_files(src))
-    sizes = []
+    parts = []
     for pruned in allocations:
         plans, weight_map, _, counts = _plan_shards(src, source, pruned, dtype)
         data = sum(t.nbytes for _, planned, _ in plans for t in planned)
-        size = small + sum(shards.file_bytes(planned, metadata) for _, planned, metadata in plans)
+        weights = sum(shards.file_bytes(planned, metadata) for _, planned, metadata in plans)
         if src.index is not None:
-            size += len(_index_text(src.index, data, weight_map).encode())
+            weights += len(_index_text(src.index, data, weight_map).encode())
         with tempfile.TemporaryDirectory() as tmp:
             _write_config(src, counts, dtype, Path(tmp))
-            size += sum(p.stat().st_size for p in Path(tmp).iterdir())
-        sizes.append(size)
-    return sizes
+            other = small + sum(p.stat().st_size for p in Path(tmp).iterdir())
+        parts.append((weights, other, [t for _, planned, _ in plans for t in planned], counts))
+    return parts
+
+
+def stored_tensors(source: str) -> list[shards.Entry]:
+    """Every tensor of the checkpoint at `source` as its headers list it (no weight read)."""
+    return [entry for _, _, entries, _ in _read_source(source, headers_only=True).headers for entry in entries.values()]
+
+
+def copy_small_files(source: str, out_dir: Path) -> None:
+    """Copy the files prune copies unchanged (tokenizer, generation config, ...) of `source` into `out_dir`."""
+    src = _read_source(source, headers_only=True)
+    for path in _small_files(src):
+        src.fs.get_file(path, str(out_dir / path.rstrip("/").rsplit("/", 1)[-1]))
 
 
 def _indexed_tensors(meta: torch.nn.Module, sets: dict[int, tuple[int, ...]]) -> dict[str, _Indexed]:

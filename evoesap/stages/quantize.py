@@ -146,6 +146,28 @@ def _per_layer(family: Any, config: dict[str, Any]) -> dict[str, Any] | None:
     return {"module_file": per_layer_modeling.__file__, "stock": stock, "facts": remote_code.facts(family, stock)}
 
 
+def worker_request(
+    name: str, family: Any, config: dict[str, Any], dtype: str, device_map: Any, input_ids: list[list[int]], max_length: int,
+    batch_size: int,
+) -> dict[str, Any]:  # fmt: skip
+    """What the worker is asked for a checkpoint of `family` with `config` (config.json), the model and out places aside."""
+    recipe = check_recipe(name)
+    return {
+        "recipe": {"name": name, "scheme": recipe.scheme, "algorithm": recipe.algorithm,
+                   "calibrated": recipe.calibrated, "ignore": ignored_modules(family)},
+        "counts": config.get(PER_LAYER_KEY),
+        "per_layer": _per_layer(family, config),
+        "num_experts_field": family.num_experts_field,
+        "block": family.block,
+        "experts": family.experts,
+        "dtype": dtype,
+        "device_map": device_map,
+        "input_ids": input_ids,
+        "max_length": max_length,
+        "batch_size": batch_size,
+    }  # fmt: skip
+
+
 def run_quantize(model: str, params: QuantizeParams, out_uri: str, data: str | None = None) -> artifacts.Manifest:
     """Quantize `model` (a prune artifact or any supported MoE checkpoint) and publish the compressed checkpoint."""
     from evoesap.moe import surgery
@@ -167,20 +189,8 @@ def run_quantize(model: str, params: QuantizeParams, out_uri: str, data: str | N
     if recipe.calibrated:
         _, tokenized = runtime.tokenized_samples(model, data, params)
         input_ids = [list(map(int, sample.input_ids)) for sample in tokenized]
-    request = {
-        "recipe": {"name": params.recipe, "scheme": recipe.scheme, "algorithm": recipe.algorithm,
-                   "calibrated": recipe.calibrated, "ignore": ignored_modules(family)},
-        "counts": config.get(PER_LAYER_KEY),
-        "per_layer": _per_layer(family, config),
-        "num_experts_field": family.num_experts_field,
-        "block": family.block,
-        "experts": family.experts,
-        "dtype": params.model_dtype,
-        "device_map": params.device_map,
-        "input_ids": input_ids,
-        "max_length": params.max_length,
-        "batch_size": params.batch_size,
-    }  # fmt: skip
+    request = worker_request(params.recipe, family, config, params.model_dtype, params.device_map, input_ids,
+                             params.max_length, params.batch_size)  # fmt: skip
     measured: dict[str, Any] = {}  # the worker's wall time per phase: in the manifest's run record, read when it is
     # written after the block, not in the payload (two runs that make the same checkpoint differ in it)
     with artifacts.stage_output(out_uri, "quantize", keyed(params), inputs, seen, run=measured) as staging:
