@@ -121,6 +121,27 @@ def tiny_artifacts(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def released(tiny_artifacts, tmp_path_factory) -> dict[str, str]:
+    """The tiny artifacts plus the full model's evaluation, a passing verdict, and the searched model published
+    with it and pushed to an fsspec URI (the release's location for others): what a model registry is handed."""
+    from tiny_artifacts import evaluate_params
+
+    from evoesap.stages.evaluate import run_evaluate
+    from evoesap.stages.gate import GateParams, run_gate
+    from evoesap.stages.publish import PublishParams, run_publish
+
+    root = tmp_path_factory.mktemp("released")
+    out = dict(tiny_artifacts)
+    out["evaluated_full"], out["gate"], out["published"] = (str(root / n) for n in ("evaluated_full", "gate", "published"))
+    out["to"] = f"memory://releases-{root.name}/olmoe-pruned"
+    run_evaluate(out["model"], evaluate_params(out["tasks"], method="full"), out["evaluated_full"])
+    run_gate(out["evaluated"], out["evaluated_full"], GateParams(max_task_drop=1.0), out["gate"])
+    run_publish(out["pruned"], [out["evaluated"], out["evaluated_full"]], PublishParams(to=out["to"]), out["published"],
+                search=out["search_out"], gate=out["gate"])  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_quantized(tiny_artifacts, tmp_path_factory):
     """The tiny artifacts plus the full model's evaluation, the searched pruned model quantized (fp8-dynamic, by
     llm-compressor from .venv-quantize) and its evaluation, and a report of the three evaluations."""

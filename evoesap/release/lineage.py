@@ -19,6 +19,10 @@ from evoesap.store.identity import is_uri
 PREFIX = "evoesap."  # every tag the hand-off writes; other tags on the same version are left alone
 _KEY_UNSAFE = re.compile(r"[^\w./ :-]")  # what MLflow refuses in a tag key (letters, digits, _ - . / : and space)
 VALUE_MAX = 5000  # MLflow's limit on a model version tag's value
+# the checkpoint's format, as a registry names it: safetensors (its one format version), or the compressed-tensors
+# layout of a quantized release at the version of compressed-tensors that wrote it
+SAFETENSORS = ("safetensors", "1")
+COMPRESSED_TENSORS = "compressed-tensors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +32,8 @@ class Release:
     uri: str  # the publish artifact (without credentials)
     source: str  # where the release lies for others: `to`, the Hub repository (hf://org/name), else `uri`
     manifest_sha256: str
-    tags: dict[str, str]  # `PREFIX`-named keys: base model, criterion, sparsity, allocation, gate, metrics
+    tags: dict[str, str]  # `PREFIX`-named keys: base model, criterion, sparsity, allocation, gate, metrics, format
+    model_format: tuple[str, str] = SAFETENSORS  # (name, version) of the released checkpoint's format
 
 
 def read(published: str, source: str | None = None) -> Release:
@@ -53,9 +58,11 @@ def read(published: str, source: str | None = None) -> Release:
         "publish_manifest_sha256": artifacts.manifest_sha256(published),
         "evoesap_version": manifest.version,
     }
+    quantized = None
     if "quantized" in manifest.inputs:
-        quantized = _input(manifest, "quantized", "quantize", published)
-        tags["quantization"] = records.read(quantized, records.QuantizationRecord).recipe
+        quantized = records.read(_input(manifest, "quantized", "quantize", published), records.QuantizationRecord)
+        tags["quantization"] = quantized.recipe
+    tags["model_format"], tags["model_format_version"] = model_format = format_of(quantized)
     metrics = records.read(evaluation, records.MetricsRecord)
     for row in metrics.primary():
         tags[f"metric.{row.task}/{row.metric}"] = f"{row.value:.6g}"
@@ -66,7 +73,16 @@ def read(published: str, source: str | None = None) -> Release:
         source=_source(manifest, published, source),
         manifest_sha256=tags["publish_manifest_sha256"],
         tags={_key(k): str(v)[:VALUE_MAX] for k, v in tags.items()},
+        model_format=model_format,
     )
+
+
+def format_of(quantized: records.QuantizationRecord | None) -> tuple[str, str]:
+    """(name, version) of a released checkpoint's format: compressed-tensors at the version that wrote it when it was
+    quantized, else safetensors."""
+    if quantized is None:
+        return SAFETENSORS
+    return COMPRESSED_TENSORS, quantized.versions.get(COMPRESSED_TENSORS) or "unknown"
 
 
 def _key(name: str) -> str:

@@ -10,9 +10,7 @@ MLFLOW_TRACKING_PASSWORD), as MLflow's own client reads them; the token is never
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
-import logging
 import os
 import threading
 import urllib.error
@@ -21,45 +19,21 @@ import urllib.request
 from typing import Any
 
 from evoesap import network
-from evoesap.errors import ConfigError, ReleaseError
-from evoesap.release import lineage
-
-log = logging.getLogger(__name__)
+from evoesap.errors import ReleaseError
+from evoesap.release import lineage, registry
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 TOKEN_ENV = "MLFLOW_TRACKING_TOKEN"
 USERNAME_ENV, PASSWORD_ENV = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"
-DEADLINE_ENV = "EVOESAP_REGISTRY_DEADLINE_S"  # seconds the whole hand-off may take, however slowly the server answers
-DEADLINE_S = 120.0
-REQUEST_TIMEOUT_S = 30.0  # one request silent this long: the server is down
 API = "api/2.0/mlflow"
-IDENTITY_TAG = lineage.PREFIX + "publish_manifest_sha256"
+NAMES_VERSIONS = False  # MLflow numbers a registered model's versions itself
+IDENTITY_TAG = registry.IDENTITY_TAG
+Registered = registry.Registered
 
 
-@dataclasses.dataclass(frozen=True)
-class Registered:
-    """A model version in the registry: the release's."""
-
-    name: str
-    version: str
-    source: str
-    tags: dict[str, str]
-    created: bool  # False: the release was registered before, and its tags were set again
-
-
-def tracking_uri() -> str:
+def server() -> str:
     """The MLflow server from MLFLOW_TRACKING_URI: an http(s) URL without credentials in it."""
-    uri = os.environ.get(TRACKING_URI_ENV, "").strip()
-    if not uri:
-        raise ConfigError(f"no model registry: set {TRACKING_URI_ENV} to the MLflow server's URL (https://mlflow.example.org)")
-    network.refuse_credentials(uri, TRACKING_URI_ENV)
-    parts = urllib.parse.urlsplit(uri)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(
-            f"{TRACKING_URI_ENV} {network.redact(uri)!r} is not the http(s):// URL of an MLflow server: the hand-off "
-            "speaks MLflow's REST API"
-        )
-    return uri.rstrip("/")
+    return registry.http_server(TRACKING_URI_ENV, "the MLflow server", "https://mlflow.example.org")
 
 
 def _authorization() -> tuple[dict[str, str], str]:
@@ -75,7 +49,7 @@ def _authorization() -> tuple[dict[str, str], str]:
 
 
 class _Client:
-    """MLflow's REST API at `base`: one JSON request at a time, each answered within REQUEST_TIMEOUT_S, none sent after
+    """MLflow's REST API at `base`: one JSON request at a time, each answered within registry.REQUEST_TIMEOUT_S, none sent after
     `stop` (the overall deadline passed); a failure is one scrubbed line."""
 
     def __init__(self, base: str, stop: threading.Event) -> None:
@@ -85,7 +59,7 @@ class _Client:
     def call(self, method: str, path: str, body: dict[str, Any], missing_ok: str | None = None) -> dict[str, Any]:
         """The answer to `method` on `path`; with `missing_ok`, an error whose error_code is that answers {} instead."""
         if self.stop.is_set():
-            raise network.Stopped(f"a request to the model registry abandoned at its deadline ({DEADLINE_ENV})")
+            raise registry.abandoned()
         url = f"{self.base}/{API}/{path}"
         data = None
         if method == "GET":
@@ -96,7 +70,7 @@ class _Client:
             url, data=data, method=method, headers={"Content-Type": "application/json", **self.headers}
         )
         try:
-            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:  # noqa: S310 - http(s) only (tracking_uri)
+            with urllib.request.urlopen(request, timeout=registry.REQUEST_TIMEOUT_S) as answer:  # noqa: S310 - http(s) only (tracking_uri)
                 return json.loads(answer.read() or b"{}")
         except urllib.error.HTTPError as exc:
             reply = exc.read()
@@ -136,44 +110,24 @@ def _error_message(reply: bytes) -> str:
 
 
 def register(published: str, name: str, *, source: str | None = None) -> Registered:
-    """Register the release at `published` (a publish artifact) as a version of the registered model `name`, its lineage
-    as the version's tags; the server from MLFLOW_TRACKING_URI. `source`: where others read it, in place of where it
-    was pushed (`lineage.read`)."""
-    if not name.strip():
-        raise ConfigError("--name is empty: give the registered model's name")
-    base = tracking_uri()
-    release = lineage.read(published, source)  # refused before any request: a release not readable from elsewhere
-    seconds = network.deadline_s(DEADLINE_ENV, DEADLINE_S)
-    registered = network.call(
-        lambda stop: _hand_off(_Client(base, stop), name, release),
-        seconds=seconds,
-        what=f"registering {name} at {network.redact(base)}",
-        knob=DEADLINE_ENV,
-        error=ReleaseError,
-    )
-    log.info(
-        "%s %s version %s (source %s) at %s",
-        "registered" if registered.created else "found already registered, tags set again:",
-        name,
-        registered.version,
-        registered.source,
-        network.redact(base),
-    )
-    return registered
+    """Register the release at `published` in MLflow's model registry (`evoesap.release.registry.register`)."""
+    return registry.register(published, name, registry="mlflow", source=source)
 
 
-def _hand_off(client: _Client, name: str, release: lineage.Release) -> Registered:
+def hand_off(base: str, name: str, release: lineage.Release, version: str | None, stop: threading.Event) -> Registered:
+    """The release as a version of `name` at the MLflow server `base`; `version` is always None (MLflow numbers)."""
+    client = _Client(base, stop)
     client.call("POST", "registered-models/create", {"name": name}, missing_ok="RESOURCE_ALREADY_EXISTS")
     query = f"name='{_quoted(name)}' and tags.`{IDENTITY_TAG}`='{release.manifest_sha256}'"
     found = client.call("GET", "model-versions/search", {"filter": query}).get("model_versions") or []
     if found:
-        version, created = str(found[0]["version"]), False
+        number, created = str(found[0]["version"]), False
     else:
         body = {"name": name, "source": release.source, "tags": [{"key": IDENTITY_TAG, "value": release.manifest_sha256}]}
-        version, created = str(client.call("POST", "model-versions/create", body)["model_version"]["version"]), True
+        number, created = str(client.call("POST", "model-versions/create", body)["model_version"]["version"]), True
     for key, value in release.tags.items():
-        client.call("POST", "model-versions/set-tag", {"name": name, "version": version, "key": key, "value": value})
-    return Registered(name, version, release.source, dict(release.tags), created)
+        client.call("POST", "model-versions/set-tag", {"name": name, "version": number, "key": key, "value": value})
+    return Registered(name, number, release.source, dict(release.tags), created)
 
 
 def _quoted(text: str) -> str:

@@ -15,34 +15,15 @@ import pytest
 from evoesap.components.register import register_models
 from kfp import dsl
 from recording_http import JsonHandler, serving
-from tiny_artifacts import evaluate_params
 
 from evoesap import records
 from evoesap.cli import main
 from evoesap.errors import ConfigError, ReleaseError
 from evoesap.records import facts
 from evoesap.release import mlflow_registry
-from evoesap.stages.evaluate import run_evaluate
-from evoesap.stages.gate import GateParams, run_gate
-from evoesap.stages.publish import PublishParams, run_publish
 from evoesap.store import artifacts
 
 TOKEN = "mlflow-token-for-tests-0123456789"
-
-
-@pytest.fixture(scope="module")
-def released(tiny_artifacts, tmp_path_factory) -> dict[str, str]:
-    """The tiny artifacts plus the full model's evaluation, a passing verdict, and the searched model published
-    with it and pushed to an fsspec URI (the release's location for others)."""
-    root = tmp_path_factory.mktemp("released")
-    out = dict(tiny_artifacts)
-    out["evaluated_full"], out["gate"], out["published"] = (str(root / n) for n in ("evaluated_full", "gate", "published"))
-    out["to"] = f"memory://releases-{root.name}/olmoe-pruned"
-    run_evaluate(out["model"], evaluate_params(out["tasks"], method="full"), out["evaluated_full"])
-    run_gate(out["evaluated"], out["evaluated_full"], GateParams(max_task_drop=1.0), out["gate"])
-    run_publish(out["pruned"], [out["evaluated"], out["evaluated_full"]], PublishParams(to=out["to"]), out["published"],
-                search=out["search_out"], gate=out["gate"])  # fmt: skip
-    return out
 
 
 def _api(base: str, path: str, **query: str) -> dict:
