@@ -262,8 +262,9 @@ def resolved(uri: str) -> str:
 
 def describe_inputs(inputs: Mapping[str, str | None]) -> dict[str, dict[str, Any]]:
     """Input locations (`resolved`: a manifest read from another directory still leads to them) with their content
-    identity (`evoesap.store.identity`): our artifacts by their manifest's sha256, other files and checkpoints by
-    content or store metadata, hub names by resolved revision. A missing input is refused here, before any work."""
+    identity (`evoesap.store.identity`): our artifacts by their content (stage, cache key, payload files' sha256) and
+    their manifest's sha256 (for lineage), other files and checkpoints by content or store metadata, hub names by
+    resolved revision. A missing input is refused here, before any work."""
     described: dict[str, dict[str, Any]] = {}
     for name, uri in sorted(inputs.items()):
         if uri is None:
@@ -279,9 +280,10 @@ def describe_inputs(inputs: Mapping[str, str | None]) -> dict[str, dict[str, Any
 
 
 def cache_key(stage: str, params: Mapping[str, Any], inputs: Mapping[str, Mapping[str, Any]]) -> str:
-    """Hash of what determines a stage's output: its name, parameters and inputs' identities (content, not the
-    URI they were read from: a byte-identical model that KFP put at a new URI reuses; the manifest keeps the URI)."""
-    identities = {name: {k: v for k, v in dict(described).items() if k != "uri"} for name, described in inputs.items()}
+    """Hash of what determines a stage's output: its name, parameters and inputs' identities (`identity.keyed`: content,
+    not the URI they were read from nor an artifact's manifest, which names where its own inputs lay: a byte-identical
+    model that KFP put at a new URI, or an upstream artifact made again elsewhere, reuses; the manifest keeps the URI)."""
+    identities = {name: identity.keyed(described) for name, described in inputs.items()}
     payload = json.dumps(
         {"stage": stage, "params": dict(params), "inputs": identities},
         sort_keys=True,

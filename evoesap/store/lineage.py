@@ -1,7 +1,7 @@
 """Lineage behind a report: follow artifact manifests from its inputs to every artifact and outside source.
 
-An artifact's manifest names its inputs; an input that is an artifact carries its manifest hash, one
-that is not (a model directory, a data file, a hub name) carries its content identity instead. Walking
+An artifact's manifest names its inputs; an input that is an artifact carries its manifest hash (what lineage checks
+the manifest read later against) beside its content identity (what reuse keys on), one that is not (a model directory, a data file, a hub name) carries its content identity instead. Walking
 those inputs from the report's runs and searches reaches every artifact a number depends on, and the
 model and data sources at the roots, with the parameters and software that made each artifact.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 from evoesap.errors import ArtifactError
 from evoesap.store import artifacts
-from evoesap.store.identity import summary
+from evoesap.store.identity import keyed, summary
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +162,9 @@ class Origin:
 
 
 def identity_of(entry: Mapping[str, Any]) -> dict[str, Any]:
-    """An input entry of a manifest without its URI: what two entries must share to name the same content."""
-    return {k: v for k, v in entry.items() if k != "uri"}
+    """An input entry of a manifest as content (`identity.keyed`: without its URI, and an artifact without its manifest
+    sha256 where its content identity is recorded): what two entries must share to name the same content."""
+    return keyed(entry)
 
 
 def model_origin(entry: Mapping[str, Any]) -> Origin:
