@@ -15,6 +15,7 @@ from evoesap import network, records
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.store import artifacts
 from evoesap.store.identity import is_uri, same
+from evoesap.store.lineage import changed
 
 PREFIX = "evoesap."  # every tag the hand-off writes; other tags on the same version are left alone
 _KEY_UNSAFE = re.compile(r"[^\w./ :-]")  # what MLflow refuses in a tag key (letters, digits, _ - . / : and space)
@@ -79,7 +80,7 @@ def _input(manifest: artifacts.Manifest, name: str, stage: str, published: str) 
     uri = entry.get("uri")
     if not uri:
         raise ArtifactError(f"{artifacts.redact(published)} names no {name} input: give a publish artifact of evoesap publish")
-    if artifacts.manifest_sha256(uri) != entry.get("manifest_sha256"):
+    if "manifest_sha256" not in entry or changed(entry, artifacts.artifact_identity(uri)):
         raise ArtifactError(
             f"the {stage} artifact {artifacts.redact(uri)} that {artifacts.redact(published)} released changed since: "
             "re-run evoesap publish on the artifacts as they are"

@@ -98,17 +98,10 @@ class _Inputs:
         return self.quantized_eval or self.pruned_eval or ""
 
 
-def _identity(uri: str) -> dict[str, Any]:
-    """The content identity of the finished artifact at `uri`: what a manifest that read it (or the same content made
-    again elsewhere) recorded (`identity.same`)."""
-    artifacts.read_manifest(uri)  # a clear error when unfinished
-    return identity.identify(uri)[0]
-
-
 def _check_quantized(quantized_uri: str, pruned_uri: str) -> artifacts.Manifest:
     """The quantize artifact's manifest, refused unless it was made from the pruned checkpoint given."""
     quantized = artifacts.read_manifest(quantized_uri, "quantize")
-    if not identity.same(quantized.inputs["model"], _identity(pruned_uri)):
+    if not identity.same(quantized.inputs["model"], artifacts.artifact_identity(pruned_uri)):
         raise ConfigError(
             f"--quantized {artifacts.redact(quantized_uri)} quantized {quantized.inputs['model']['uri']}, not --pruned "
             f"{artifacts.redact(pruned_uri)}: give the quantize artifact of this pruned model"
@@ -122,7 +115,8 @@ def _match_evaluations(pruned_uri: str, evaluations: Sequence[str], quantized_ur
     evaluation (the quantized one's when given) is required."""
     pruned = artifacts.read_manifest(pruned_uri, "prune")
     quantized = _check_quantized(quantized_uri, pruned_uri) if quantized_uri else None
-    made = [(_identity(pruned_uri), "pruned")] + ([(_identity(quantized_uri), "quantized")] if quantized_uri else [])
+    checkpoints = [(pruned_uri, "pruned")] + ([(quantized_uri, "quantized")] if quantized_uri else [])
+    made = [(artifacts.artifact_identity(uri), role) for uri, role in checkpoints]
     base = lineage.identity_of(pruned.inputs["model"])
     found: dict[str, str] = {}
     for uri in evaluations:
@@ -154,7 +148,7 @@ def _match_evaluations(pruned_uri: str, evaluations: Sequence[str], quantized_ur
 
 def _check_search(search: str, pruned: artifacts.Manifest, pruned_uri: str) -> None:
     artifacts.read_manifest(search, "search")
-    if not identity.same(pruned.inputs.get("allocation", {}), _identity(search)):
+    if not identity.same(pruned.inputs.get("allocation", {}), artifacts.artifact_identity(search)):
         raise ConfigError(
             f"--search {artifacts.redact(search)} is not the search {artifacts.redact(pruned_uri)} was "
             "pruned by: give the prune artifact's --allocation, or leave --search out"
@@ -163,7 +157,7 @@ def _check_search(search: str, pruned: artifacts.Manifest, pruned_uri: str) -> N
 
 def _check_report(report: str, pruned_eval: str) -> None:
     runs = artifacts.read_manifest(report, "report").inputs
-    evaluated = _identity(pruned_eval)
+    evaluated = artifacts.artifact_identity(pruned_eval)
     if not any(identity.same(entry, evaluated) for entry in runs.values()):
         raise ConfigError(
             f"--report {artifacts.redact(report)} does not cover the pruned model's evaluation "
@@ -417,7 +411,7 @@ def _check_gate(gate: str, published_eval: str) -> None:
     from evoesap.release.gate import GateFailed
 
     judged = artifacts.read_manifest(gate, "gate").inputs["evaluation"]
-    if not identity.same(judged, _identity(published_eval)):
+    if not identity.same(judged, artifacts.artifact_identity(published_eval)):
         raise ConfigError(
             f"--gate {artifacts.redact(gate)} judged {judged.get('uri')}, not the published model's evaluation "
             f"{artifacts.redact(published_eval)}: give the gate of this evaluation"

@@ -247,6 +247,13 @@ def manifest_sha256(uri: str) -> str:
     return sha256_bytes(read_bytes(join(uri, MANIFEST)))
 
 
+def artifact_identity(uri: str) -> dict[str, Any]:
+    """The identity of the finished artifact at `uri` as a reader records it (`identity.artifact_record`: its content
+    sha256 and its manifest's), to compare with what an earlier reader recorded (`identity.same`)."""
+    read_manifest(uri)  # raises a clear error when unfinished
+    return identity.artifact_record(read_bytes(join(uri, MANIFEST)))
+
+
 def _repo_type(name: str) -> str:
     return "dataset" if name.split(".")[0].endswith("data") else "model"
 
