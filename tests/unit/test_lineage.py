@@ -87,3 +87,22 @@ def test_facts_and_the_release_read_a_checkpoint_made_again_by_content(tmp_path,
     else:
         with pytest.raises(ArtifactError, match="changed since"):
             release_lineage._input(published, "pruned", "prune", "pub")
+
+
+def test_the_walk_names_an_artifact_by_content_so_a_reused_report_stays_true(tmp_path):
+    """The artifacts a report lists carry their content identity, not their manifest's sha256: a report reused after an
+    upstream artifact was made again from the same bytes still names what is there; other bytes show."""
+    pruned = _prune(tmp_path, "a")
+    reader = str(tmp_path / "publish")
+    with artifacts.stage_output(reader, "publish", {}, {"pruned": pruned}) as staging:
+        (staging / "release.txt").write_text("released")
+
+    def listed():
+        return {node.uri: node.content_sha256 for node in lineage.walk({"runs": reader}).nodes}
+
+    before = listed()
+    assert set(before) == {reader, pruned} and all(before.values())
+    _prune(tmp_path, "b")  # a new manifest, the same content
+    assert listed() == before
+    _prune(tmp_path, "c", b"other weights")
+    assert listed()[pruned] != before[pruned] and listed()[reader] == before[reader]
