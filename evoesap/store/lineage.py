@@ -29,7 +29,7 @@ class Node:
 
     uri: str  # without credentials
     manifest: artifacts.Manifest | None  # None: it could not be read (moved or deleted since)
-    manifest_sha256: str | None
+    content_sha256: str | None  # its content identity (identity.artifact_content): what keys and lineage checks use
     used_as: tuple[tuple[str, tuple[str, ...]], ...]  # ("<input name> of <stage>", settings of those artifacts) per edge
 
 
@@ -92,7 +92,7 @@ def walk(roots: Mapping[str, str], root_stage: str = "report") -> Lineage:
         Node(
             artifacts.redact(uri),
             manifests[uri],
-            _sha(uri) if manifests[uri] else None,
+            _content(uri) if manifests[uri] else None,
             tuple((edge, tuple(settings)) for edge, settings in used_as[uri].items()),
         )
         for uri in order
@@ -108,9 +108,11 @@ def _manifest(uri: str) -> artifacts.Manifest | None:
         return None
 
 
-def _sha(uri: str) -> str | None:
+def _content(uri: str) -> str | None:
+    """The artifact's content identity, not its manifest's sha256: a report reused after an upstream artifact was made
+    again from the same bytes (a new manifest) still names what is there."""
     try:
-        return artifacts.manifest_sha256(uri)
+        return artifacts.artifact_identity(uri).get("content_sha256")
     except ArtifactError:
         return None
 
