@@ -48,6 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # this checkout's evoesap; tests' tiny world
 
 from evoesap.registry import STAGES
+from evoesap.store import identity
 
 KINDS = ("kill9", "sigterm", "s3_outage", "disk_full", "corrupt", "kill9_worker", "sigterm_launcher", "push_outage")
 AIMED = {"kill9_worker": "search", "sigterm_launcher": "search", "push_outage": "publish"}  # kind -> its stage
@@ -201,27 +202,31 @@ def snapshot(root: str, report: str | None = None) -> dict[str, dict[str, str]]:
     others are what earlier runs made from inputs since rebuilt) as {lineage label: {payload file: sha256}}.
 
     Artifacts are matched by lineage (stage, parameters, inputs; artifact inputs by their own lineage),
-    since content-addressed locations and manifest hashes carry the manifests' times. For the same reason
-    a payload's bytes are hashed after each artifact location (or its last part, as a public model card names it)
-    and manifest sha256 in them (a report's lineage table, an evaluation's model URI) is replaced by its lineage
-    label; nothing else is changed.
+    since content-addressed locations and manifest hashes carry the manifests' times. An artifact input is followed
+    as the pipeline's lineage follows it (`store.lineage.changed`): by the content identity its reader recorded, so an
+    artifact made again from the same bytes (a new manifest) after its readers were made is still theirs; by manifest
+    sha256 where no content identity is recorded. For the same reason a payload's bytes are hashed after each
+    artifact location (or its last part, as a public model card names it) and manifest sha256 in them (an
+    evaluation's model URI) is replaced by its lineage label; nothing else is changed.
     """
     fs, base = storage_fs(root)
-    manifests, hashes = {}, {}
+    manifests, hashes, by_content = {}, {}, {}
     for path in fs.find(base):
         directory = path.rsplit("/", 1)[0]
         if path.endswith("/manifest.json") and not fs.exists(f"{directory}/publishing.json"):
             raw = fs.cat_file(path)
             manifests[directory], hashes[directory] = json.loads(raw), hashlib.sha256(raw).hexdigest()
+            by_content[identity.artifact_record(raw).get("content_sha256")] = directory
     by_hash = {digest: directory for directory, digest in hashes.items()}
+    by_content.pop(None, None)
     labels: dict[str, str] = {}
 
     def label(directory: str) -> str:
         if directory not in labels:
             manifest = manifests[directory]
             inputs = {
-                name: label(by_hash[record["manifest_sha256"]])
-                if record.get("manifest_sha256") in by_hash
+                name: label(read)
+                if (read := _read_from(record, by_content, by_hash))
                 else {k: v for k, v in record.items() if k != "uri"}
                 if record.get("kind") == "artifact"
                 else record
@@ -242,7 +247,7 @@ def snapshot(root: str, report: str | None = None) -> dict[str, dict[str, str]]:
         key=lambda pair: -len(pair[0]),
     )
     if report is not None:
-        manifests = {d: m for d, m in manifests.items() if d in _behind(split_path(report), manifests, by_hash)}
+        manifests = {d: m for d, m in manifests.items() if d in _behind(split_path(report), manifests, by_content, by_hash)}
     found: dict[str, dict[str, str]] = {}
     for directory, manifest in manifests.items():
         files = {}
@@ -260,17 +265,24 @@ def split_path(uri: str) -> str:
     return storage_fs(uri)[1].rstrip("/")
 
 
-def _behind(top: str, manifests: dict[str, Any], by_hash: dict[str, str]) -> set[str]:
-    """`top` and every artifact it was made from, through the manifests' input hashes."""
+def _read_from(record: dict[str, Any], by_content: dict[str, str], by_hash: dict[str, str]) -> str | None:
+    """The artifact (directory) a manifest's input record names: by its recorded content identity, else by manifest."""
+    if record.get("kind") != "artifact":
+        return None
+    if "content_sha256" in record:
+        return by_content.get(record["content_sha256"])
+    return by_hash.get(record.get("manifest_sha256"))
+
+
+def _behind(top: str, manifests: dict[str, Any], by_content: dict[str, str], by_hash: dict[str, str]) -> set[str]:
+    """`top` and every artifact it was made from, through the manifests' input records (`_read_from`)."""
     seen, todo = set(), [top]
     while todo:
         directory = todo.pop()
         if directory in seen or directory not in manifests:
             continue
         seen.add(directory)
-        todo += [
-            by_hash[r["manifest_sha256"]] for r in manifests[directory]["inputs"].values() if r.get("manifest_sha256") in by_hash
-        ]
+        todo += [d for r in manifests[directory]["inputs"].values() if (d := _read_from(r, by_content, by_hash))]
     return seen
 
 

@@ -3,8 +3,9 @@
 `run_stage` runs a stage into a given output URI unless the manifest there records the same stage,
 parameters and inputs (the CLI's entry). Orchestrators (the KFP components, `evoesap pipeline run`)
 call `run_step`, which picks the URI itself: `<storage_root>/<stage>/<key>`, the key hashing the
-stage, its parameters and its inputs' manifests, so a stage whose inputs and parameters are unchanged
-is found finished and skipped.
+stage, its parameters and its inputs' content identities (an artifact's: its stage, cache key and payload
+files' sha256, never where it or its inputs lay), so a stage whose inputs and parameters are unchanged is
+found finished and skipped, even when an upstream artifact was made again at another URI.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from typing import Any
 
 from evoesap import records, registry
 from evoesap.store import artifacts
+from evoesap.store.lineage import changed
 
 EXPORT_MAX_BYTES = 1 << 20  # files up to this size are copied into an orchestrator's artifact; weights never
 
@@ -87,11 +88,11 @@ def publish_facts(uri: str) -> dict[str, Any]:
 def _recorded(entry: dict[str, Any], stage: str) -> bool:
     """Whether a manifest's input entry is still the `stage` artifact it read (none: a checkpoint of ours no longer
     where it was, changed since, or any other checkpoint)."""
-    where, digest = entry.get("uri"), entry.get("manifest_sha256")
+    where = entry.get("uri")
     return (
-        bool(where and digest)
+        bool(where and entry.get("manifest_sha256"))
         and artifacts.exists(artifacts.join(where, artifacts.MANIFEST))
-        and artifacts.manifest_sha256(where) == digest
+        and not changed(entry, artifacts.artifact_identity(where))  # by content: made again from the same bytes counts
         and artifacts.read_manifest(where).stage == stage
     )
 

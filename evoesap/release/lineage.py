@@ -14,7 +14,8 @@ from typing import Any
 from evoesap import network, records
 from evoesap.errors import ArtifactError, ConfigError
 from evoesap.store import artifacts
-from evoesap.store.identity import is_uri
+from evoesap.store.identity import is_uri, same
+from evoesap.store.lineage import changed
 
 PREFIX = "evoesap."  # every tag the hand-off writes; other tags on the same version are left alone
 _KEY_UNSAFE = re.compile(r"[^\w./ :-]")  # what MLflow refuses in a tag key (letters, digits, _ - . / : and space)
@@ -44,7 +45,7 @@ def read(published: str, source: str | None = None) -> Release:
     pruned = records.read(pruned_uri, records.PruningRecord)
     prune_manifest = artifacts.read_manifest(pruned_uri, "prune")
     checkpoint = manifest.inputs.get("quantized") or manifest.inputs["pruned"]
-    evaluation = _published_evaluation(manifest, checkpoint.get("manifest_sha256"), published)
+    evaluation = _published_evaluation(manifest, checkpoint, published)
     allocation = prune_manifest.inputs.get("allocation", {}).get("manifest_sha256")
     tags = {
         "base_model": manifest.params.get("base_model") or _named(prune_manifest.inputs["model"]),
@@ -95,7 +96,7 @@ def _input(manifest: artifacts.Manifest, name: str, stage: str, published: str) 
     uri = entry.get("uri")
     if not uri:
         raise ArtifactError(f"{artifacts.redact(published)} names no {name} input: give a publish artifact of evoesap publish")
-    if artifacts.manifest_sha256(uri) != entry.get("manifest_sha256"):
+    if "manifest_sha256" not in entry or changed(entry, artifacts.artifact_identity(uri)):
         raise ArtifactError(
             f"the {stage} artifact {artifacts.redact(uri)} that {artifacts.redact(published)} released changed since: "
             "re-run evoesap publish on the artifacts as they are"
@@ -103,11 +104,11 @@ def _input(manifest: artifacts.Manifest, name: str, stage: str, published: str) 
     return uri
 
 
-def _published_evaluation(manifest: artifacts.Manifest, checkpoint_sha256: str | None, published: str) -> str:
+def _published_evaluation(manifest: artifacts.Manifest, checkpoint: dict[str, Any], published: str) -> str:
     """The evaluation among the publish's inputs of the checkpoint it released (the quantized one, when quantized)."""
     for name in sorted(n for n in manifest.inputs if n.startswith("evaluations.")):
         uri = _input(manifest, name, "evaluate", published)
-        if artifacts.read_manifest(uri, "evaluate").inputs["model"].get("manifest_sha256") == checkpoint_sha256:
+        if same(artifacts.read_manifest(uri, "evaluate").inputs["model"], checkpoint):  # by content, as publish matched it
             return uri
     raise ArtifactError(f"{artifacts.redact(published)} records no evaluation of the model it released: re-run evoesap publish")
 

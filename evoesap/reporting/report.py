@@ -469,17 +469,18 @@ def software_table(builds: Sequence[tuple[str, str | None, Sequence[str]]]) -> T
 
 
 def artifacts_table(nodes: Sequence[Node], gives: Mapping[str, str]) -> Table:
-    """Every artifact behind the page: what it gives the report (or how the DAG used it) and its manifest hash."""
+    """Every artifact behind the page: what it gives the report (or how the DAG used it) and its content identity (which
+    stays true of a reused report when an upstream artifact is made again from the same bytes, as its manifest would not)."""
     lines = [
         (
             Cell(n.uri, "code"),
             Cell(n.manifest.stage if n.manifest else "unreadable"),
             Cell(gives.get(n.uri) or _used_as(n)),
-            Cell(n.manifest_sha256 or "–", "code" if n.manifest_sha256 else ""),
+            Cell(n.content_sha256 or "–", "code" if n.content_sha256 else ""),
         )
         for n in nodes
     ]
-    return Table(("Artifact", "Stage", "Gives", "Manifest sha256"), tuple(lines), ("left",) * 4)
+    return Table(("Artifact", "Stage", "Gives", "Content sha256"), tuple(lines), ("left",) * 4)
 
 
 def _used_as(node: Node) -> str:

@@ -16,7 +16,7 @@ from evoesap.evaluation import lmeval, vllm_eval
 from evoesap.machine import bounds, runtime
 from evoesap.params import PlacementParams, check_declared, keyed, param
 from evoesap.store import artifacts
-from evoesap.store.identity import is_hub_name, is_uri
+from evoesap.store.identity import identify, is_hub_name, is_uri, same
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ def _stage(model: str) -> str | None:
 def _check_heldout(teacher_cache: str, model: str, allocation: str | None) -> None:
     """Refuse, by lineage, a teacher cache that the search behind `model` optimised on: its ESAP is not held out."""
     artifacts.read_manifest(teacher_cache, "cache-logits")  # a finished cache, before the model loads
-    digest = artifacts.manifest_sha256(teacher_cache)
+    cache = identify(teacher_cache)[0]
     search_uri = allocation
     if search_uri is None and _stage(model) == "quantize":  # the search behind the checkpoint that was quantized
         model = artifacts.read_manifest(model).inputs.get("model", {}).get("uri", "")
@@ -222,7 +222,7 @@ def _check_heldout(teacher_cache: str, model: str, allocation: str | None) -> No
     if not search_uri or not artifacts.exists(artifacts.join(search_uri, artifacts.MANIFEST)):
         return
     search_inputs = artifacts.read_manifest(search_uri).inputs
-    if search_inputs.get("cache", {}).get("manifest_sha256") == digest:
+    if same(search_inputs.get("cache", {}), cache):  # by content: the same cache made again elsewhere is not held out
         raise ConfigError(
             f"--teacher-cache {artifacts.redact(teacher_cache)} is the cache the search {artifacts.redact(search_uri)} "
             "optimised on, so its ESAP is not held out: give a cache of other samples (cache-logits on held-out data)"

@@ -101,7 +101,7 @@ class _Inputs:
 def _check_quantized(quantized_uri: str, pruned_uri: str) -> artifacts.Manifest:
     """The quantize artifact's manifest, refused unless it was made from the pruned checkpoint given."""
     quantized = artifacts.read_manifest(quantized_uri, "quantize")
-    if quantized.inputs["model"].get("manifest_sha256") != artifacts.manifest_sha256(pruned_uri):
+    if not identity.same(quantized.inputs["model"], artifacts.artifact_identity(pruned_uri)):
         raise ConfigError(
             f"--quantized {artifacts.redact(quantized_uri)} quantized {quantized.inputs['model']['uri']}, not --pruned "
             f"{artifacts.redact(pruned_uri)}: give the quantize artifact of this pruned model"
@@ -115,14 +115,15 @@ def _match_evaluations(pruned_uri: str, evaluations: Sequence[str], quantized_ur
     evaluation (the quantized one's when given) is required."""
     pruned = artifacts.read_manifest(pruned_uri, "prune")
     quantized = _check_quantized(quantized_uri, pruned_uri) if quantized_uri else None
-    shas = {artifacts.manifest_sha256(pruned_uri): "pruned"}
-    if quantized_uri:
-        shas[artifacts.manifest_sha256(quantized_uri)] = "quantized"
+    checkpoints = [(pruned_uri, "pruned")] + ([(quantized_uri, "quantized")] if quantized_uri else [])
+    made = [(artifacts.artifact_identity(uri), role) for uri, role in checkpoints]
     base = lineage.identity_of(pruned.inputs["model"])
     found: dict[str, str] = {}
     for uri in evaluations:
         entry = artifacts.read_manifest(uri, "evaluate").inputs["model"]
-        role = shas.get(entry.get("manifest_sha256") or "") or ("full" if lineage.identity_of(entry) == base else None)
+        role = next((r for made_id, r in made if identity.same(entry, made_id)), None) or (
+            "full" if lineage.identity_of(entry) == base else None
+        )
         if role is None:
             also = f", its quantized checkpoint {artifacts.redact(quantized_uri)}" if quantized_uri else ""
             raise ConfigError(
@@ -147,8 +148,7 @@ def _match_evaluations(pruned_uri: str, evaluations: Sequence[str], quantized_ur
 
 def _check_search(search: str, pruned: artifacts.Manifest, pruned_uri: str) -> None:
     artifacts.read_manifest(search, "search")
-    used = pruned.inputs.get("allocation", {}).get("manifest_sha256")
-    if used != artifacts.manifest_sha256(search):
+    if not identity.same(pruned.inputs.get("allocation", {}), artifacts.artifact_identity(search)):
         raise ConfigError(
             f"--search {artifacts.redact(search)} is not the search {artifacts.redact(pruned_uri)} was "
             "pruned by: give the prune artifact's --allocation, or leave --search out"
@@ -157,7 +157,8 @@ def _check_search(search: str, pruned: artifacts.Manifest, pruned_uri: str) -> N
 
 def _check_report(report: str, pruned_eval: str) -> None:
     runs = artifacts.read_manifest(report, "report").inputs
-    if artifacts.manifest_sha256(pruned_eval) not in {e.get("manifest_sha256") for e in runs.values()}:
+    evaluated = artifacts.artifact_identity(pruned_eval)
+    if not any(identity.same(entry, evaluated) for entry in runs.values()):
         raise ConfigError(
             f"--report {artifacts.redact(report)} does not cover the pruned model's evaluation "
             f"{artifacts.redact(pruned_eval)}: give a report made with it (evoesap report --runs ...)"
@@ -410,7 +411,7 @@ def _check_gate(gate: str, published_eval: str) -> None:
     from evoesap.release.gate import GateFailed
 
     judged = artifacts.read_manifest(gate, "gate").inputs["evaluation"]
-    if judged.get("manifest_sha256") != artifacts.manifest_sha256(published_eval):
+    if not identity.same(judged, artifacts.artifact_identity(published_eval)):
         raise ConfigError(
             f"--gate {artifacts.redact(gate)} judged {judged.get('uri')}, not the published model's evaluation "
             f"{artifacts.redact(published_eval)}: give the gate of this evaluation"

@@ -247,6 +247,13 @@ def manifest_sha256(uri: str) -> str:
     return sha256_bytes(read_bytes(join(uri, MANIFEST)))
 
 
+def artifact_identity(uri: str) -> dict[str, Any]:
+    """The identity of the finished artifact at `uri` as a reader records it (`identity.artifact_record`: its content
+    sha256 and its manifest's), to compare with what an earlier reader recorded (`identity.same`)."""
+    read_manifest(uri)  # raises a clear error when unfinished
+    return identity.artifact_record(read_bytes(join(uri, MANIFEST)))
+
+
 def _repo_type(name: str) -> str:
     return "dataset" if name.split(".")[0].endswith("data") else "model"
 
@@ -262,8 +269,9 @@ def resolved(uri: str) -> str:
 
 def describe_inputs(inputs: Mapping[str, str | None]) -> dict[str, dict[str, Any]]:
     """Input locations (`resolved`: a manifest read from another directory still leads to them) with their content
-    identity (`evoesap.store.identity`): our artifacts by their manifest's sha256, other files and checkpoints by
-    content or store metadata, hub names by resolved revision. A missing input is refused here, before any work."""
+    identity (`evoesap.store.identity`): our artifacts by their content (stage, cache key, payload files' sha256) and
+    their manifest's sha256 (for lineage), other files and checkpoints by content or store metadata, hub names by
+    resolved revision. A missing input is refused here, before any work."""
     described: dict[str, dict[str, Any]] = {}
     for name, uri in sorted(inputs.items()):
         if uri is None:
@@ -279,9 +287,10 @@ def describe_inputs(inputs: Mapping[str, str | None]) -> dict[str, dict[str, Any
 
 
 def cache_key(stage: str, params: Mapping[str, Any], inputs: Mapping[str, Mapping[str, Any]]) -> str:
-    """Hash of what determines a stage's output: its name, parameters and inputs' identities (content, not the
-    URI they were read from: a byte-identical model that KFP put at a new URI reuses; the manifest keeps the URI)."""
-    identities = {name: {k: v for k, v in dict(described).items() if k != "uri"} for name, described in inputs.items()}
+    """Hash of what determines a stage's output: its name, parameters and inputs' identities (`identity.keyed`: content,
+    not the URI they were read from nor an artifact's manifest, which names where its own inputs lay: a byte-identical
+    model that KFP put at a new URI, or an upstream artifact made again elsewhere, reuses; the manifest keeps the URI)."""
+    identities = {name: identity.keyed(described) for name, described in inputs.items()}
     payload = json.dumps(
         {"stage": stage, "params": dict(params), "inputs": identities},
         sort_keys=True,

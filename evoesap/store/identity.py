@@ -2,8 +2,9 @@
 
 One function, `identify(uri)`, gives a JSON-able record and its digest for any input a stage reads:
 
-- one of our artifacts (a directory with manifest.json): the sha256 of its manifest, which lists the
-  sha256 of every payload file;
+- one of our artifacts (a directory with manifest.json): its content (`artifact_content`: the stage, the
+  cache key of what made it, which holds its parameters and its own inputs' content identities, and the sha256
+  of every payload file), beside the sha256 of its manifest, which lineage checks against what it reads later;
 - a local file: its size and sha256;
 - a local directory (a checkpoint the user made): the size and sha256 of every file, the large ones (the
   weights) hashed once per file version and remembered across processes (`evoesap.store.digest_cache`), so a
@@ -14,8 +15,9 @@ One function, `identify(uri)`, gives a JSON-able record and its digest for any i
   resolves to now.
 
 Both the reuse key (`artifacts.cache_key`) and the manifest record these, so an input changed in place at
-the same URI makes the stage run again; the key holds the identity alone, never the URI, so the same content
-at another URI reuses. A name that is neither an existing path nor of the form
+the same URI makes the stage run again; the key holds the identity alone (`keyed`: never the URI, nor an
+artifact's manifest sha256, which names where its own inputs lay), so the same content at another URI reuses,
+all the way down a chain of artifacts. A name that is neither an existing path nor of the form
 `org/name` is refused here, so a mistyped path never goes to the hub.
 
 `locate` is where every loader (from_pretrained, the shard reader, lm-eval's vLLM) learns what to ask the hub
@@ -30,7 +32,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,50 @@ def digest(record: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 
 
+def artifact_record(manifest: bytes) -> dict[str, Any]:
+    """The identity of one of our artifacts from its manifest's bytes: its content (`artifact_content`) and the
+    manifest's sha256. A manifest too malformed to hold a content identity is identified by its sha256 alone
+    (whoever reads the artifact refuses it with the reason)."""
+    record = {"kind": "artifact", "manifest_sha256": hashlib.sha256(manifest).hexdigest()}
+    try:
+        content = artifact_content(json.loads(manifest))
+    except (ValueError, RecursionError):  # UnicodeDecodeError too
+        content = None
+    return record if content is None else {**record, "content_sha256": content}
+
+
+def artifact_content(manifest: Any) -> str | None:
+    """The content identity of an artifact from its manifest's fields: the sha256 of its stage, its cache key (its
+    parameters and its inputs' content identities, recursively) and every payload file's sha256; None when the
+    manifest lacks one of them. Neither where its inputs lay nor when or by what build it was made counts, so the
+    same artifact made again elsewhere has the same content, and a stage that made other bytes (a search run with
+    threads) does not."""
+    if not isinstance(manifest, dict):
+        return None
+    stage, key, files = manifest.get("stage"), manifest.get("cache_key"), manifest.get("files")
+    if not (isinstance(stage, str) and isinstance(key, str) and isinstance(files, dict)):
+        return None
+    return digest({"stage": stage, "cache_key": key, "files": files})
+
+
+def keyed(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """An input entry (a record, or a manifest's input with its `uri`) as reuse keys and lineage compare it: what the
+    content is, not where. Without the URI; for an artifact with a content identity, without its manifest's sha256
+    too (that changes with where the artifact's own inputs lay). An entry recorded before artifacts had a content
+    identity keeps its manifest sha256: it still names exactly one artifact, only not the same content elsewhere."""
+    drop = ("uri", "manifest_sha256") if "content_sha256" in entry else ("uri",)
+    return {k: v for k, v in entry.items() if k not in drop}
+
+
+def same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two identities (records, or manifests' input entries) name the same content: artifacts by content where
+    both record it, else by the same manifest; anything else by its whole identity (`keyed`). So an artifact made
+    again from the same bytes at another URI is the one a manifest recorded reading."""
+    if a.get("kind") == b.get("kind") == "artifact":
+        return any(key in a and a.get(key) == b.get(key) for key in ("content_sha256", "manifest_sha256"))
+    return keyed(a) == keyed(b)
+
+
 def summary(record: dict[str, Any]) -> str:
     """One short line naming the identity, for people (reports): kind, size or revision, digest prefix."""
     kind = record.get("kind")
@@ -78,6 +124,8 @@ def summary(record: dict[str, Any]) -> str:
         return f"file, {record.get('size')} bytes, sha256 {record['sha256'][:12]}"
     if kind == "directory":
         return f"directory of {len(record.get('files', {}))} files, digest {digest(record)[:12]}"
+    if kind == "artifact" and "content_sha256" in record:
+        return f"artifact, content sha256 {record['content_sha256'][:12]}"
     if kind == "artifact":
         return f"artifact, manifest sha256 {record.get('manifest_sha256', '')[:12]}"
     return f"{kind or 'input'}, digest {digest(record)[:12]}"
@@ -188,7 +236,7 @@ def _record(uri: str, repo_type: str) -> dict[str, Any]:
     manifest = f"{path.rstrip('/')}/{MANIFEST}"
     if fs.isfile(manifest):  # a manifest.json that is not a file is refused by whoever reads the artifact
         with fs.open(manifest, "rb") as f:
-            return {"kind": "artifact", "manifest_sha256": hashlib.sha256(f.read()).hexdigest()}
+            return artifact_record(f.read())
     root = path.rstrip("/")
     files = sorted(p for p in fs.find(root) if not Path(p).name.startswith("."))
     return {"kind": "directory", "files": {p[len(root) + 1 :]: _file(fs, p, local) for p in files}}

@@ -1,7 +1,9 @@
 """Lineage behind a report: follow artifact manifests from its inputs to every artifact and outside source.
 
-An artifact's manifest names its inputs; an input that is an artifact carries its manifest hash, one
-that is not (a model directory, a data file, a hub name) carries its content identity instead. Walking
+An artifact's manifest names its inputs; an input that is an artifact carries its content identity (what reuse keys
+on, and what lineage checks the artifact read later against, so the same artifact made again with a new manifest is
+still the one read) beside its manifest hash (all a record made before content identities holds, then checked
+instead); one that is not (a model directory, a data file, a hub name) carries its content identity alone. Walking
 those inputs from the report's runs and searches reaches every artifact a number depends on, and the
 model and data sources at the roots, with the parameters and software that made each artifact.
 """
@@ -16,7 +18,7 @@ from typing import Any
 
 from evoesap.errors import ArtifactError
 from evoesap.store import artifacts
-from evoesap.store.identity import summary
+from evoesap.store.identity import keyed, same, summary
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +29,7 @@ class Node:
 
     uri: str  # without credentials
     manifest: artifacts.Manifest | None  # None: it could not be read (moved or deleted since)
-    manifest_sha256: str | None
+    content_sha256: str | None  # its content identity (identity.artifact_content): what keys and lineage checks use
     used_as: tuple[tuple[str, tuple[str, ...]], ...]  # ("<input name> of <stage>", settings of those artifacts) per edge
 
 
@@ -90,7 +92,7 @@ def walk(roots: Mapping[str, str], root_stage: str = "report") -> Lineage:
         Node(
             artifacts.redact(uri),
             manifests[uri],
-            _sha(uri) if manifests[uri] else None,
+            _content(uri) if manifests[uri] else None,
             tuple((edge, tuple(settings)) for edge, settings in used_as[uri].items()),
         )
         for uri in order
@@ -106,9 +108,11 @@ def _manifest(uri: str) -> artifacts.Manifest | None:
         return None
 
 
-def _sha(uri: str) -> str | None:
+def _content(uri: str) -> str | None:
+    """The artifact's content identity, not its manifest's sha256: a report reused after an upstream artifact was made
+    again from the same bytes (a new manifest) still names what is there."""
     try:
-        return artifacts.manifest_sha256(uri)
+        return artifacts.artifact_identity(uri).get("content_sha256")
     except ArtifactError:
         return None
 
@@ -162,23 +166,35 @@ class Origin:
 
 
 def identity_of(entry: Mapping[str, Any]) -> dict[str, Any]:
-    """An input entry of a manifest without its URI: what two entries must share to name the same content."""
-    return {k: v for k, v in entry.items() if k != "uri"}
+    """An input entry of a manifest as content (`identity.keyed`: without its URI, and an artifact without its manifest
+    sha256 where its content identity is recorded): what two entries must share to name the same content."""
+    return keyed(entry)
+
+
+def changed(entry: Mapping[str, Any], current: Mapping[str, Any]) -> str:
+    """How the artifact an input `entry` recorded differs from `current` (`artifacts.artifact_identity` of what its URI
+    holds now), in words; "" when it is the content its reader read. Compared by content where the entry records it
+    (the same artifact made again, with a new manifest, is unchanged), else by manifest (an entry recorded before
+    artifacts had a content identity)."""
+    if same(entry, current):
+        return ""
+    key = "content_sha256" if "content_sha256" in entry else "manifest_sha256"
+    return f"{key.replace('_', ' ')} {str(current.get(key) or 'none')[:12]}, recorded {str(entry.get(key))[:12]}"
 
 
 def model_origin(entry: Mapping[str, Any]) -> Origin:
     """The model behind a manifest's `model` input `entry`: back through every prune and quantize artifact, each checked
-    by content (its manifest must still hash to what its reader recorded), to the first model that is neither."""
+    by content (`changed`: what its reader recorded), to the first model that is neither."""
     through: list[str] = []
     while "manifest_sha256" in entry:
         uri = entry["uri"]
         try:
-            manifest, digest = artifacts.read_manifest(uri), artifacts.manifest_sha256(uri)
+            manifest, current = artifacts.read_manifest(uri), artifacts.artifact_identity(uri)
         except ArtifactError as exc:
             raise ArtifactError(f"cannot follow the model's lineage at {uri}: {exc}") from None
-        if digest != entry["manifest_sha256"]:
+        if difference := changed(entry, current):
             raise ArtifactError(
-                f"{uri} changed since it was read (manifest sha256 {digest[:12]}, recorded {entry['manifest_sha256'][:12]}), "
+                f"{uri} changed since it was read ({difference}), "
                 "so its lineage no longer describes what was evaluated: re-run the stages from there"
             )
         if manifest.stage not in DERIVING_STAGES or "model" not in manifest.inputs:

@@ -225,6 +225,7 @@ def test_deleted_checkpoint_and_report_are_made_again_not_reported_from_a_cache(
     report_dir = team_run["root"] / "artifacts" / "report" / _only(team_run, "report")
     calibrate_dir = team_run["root"] / "artifacts" / "calibrate" / _only(team_run, "calibrate")
     calibrated = artifacts.read_manifest(str(calibrate_dir)).started
+    evaluated = {p: p.stat().st_mtime_ns for p in (team_run["root"] / "artifacts" / "evaluate").glob("*/manifest.json")}
     shutil.rmtree(pruned_dir)
     shutil.rmtree(report_dir)
     second = team_run["run"]()
@@ -232,11 +233,14 @@ def test_deleted_checkpoint_and_report_are_made_again_not_reported_from_a_cache(
     assert again.uri == str(pruned_dir)  # same inputs, same content address
     assert artifacts.read_manifest(str(pruned_dir)).stage == "prune"  # it exists again, made again
     assert list(moe.inspect(moe.load_pruned(str(pruned_dir))).num_experts) == facts(again.path)["expert_counts"]
-    # The re-made checkpoint has a new manifest, so its evaluation and the report are made again, at their
-    # new content addresses; the report the release names exists.
+    # The re-made checkpoint has a new manifest but the same content: its evaluations are reused (their lineage
+    # checks the checkpoint by content), and the deleted report is made again at its same content address, which
+    # the release names.
+    after = {p: p.stat().st_mtime_ns for p in (team_run["root"] / "artifacts" / "evaluate").glob("*/manifest.json")}
+    assert after == evaluated
     report_line = next(line for line in Path(second["release"].path).read_text().splitlines() if line.startswith("Report: "))
     report = Path(report_line.removeprefix("Report: "))
-    assert report != report_dir and (report / "report.md").is_file()
+    assert report == report_dir and (report / "report.md").is_file()
     # The team's train step came from kfp.local's cache (its output still exists), so EvoESAP saw the same
     # model and reused every stage whose output was untouched.
     assert artifacts.read_manifest(str(pruned_dir)).inputs["model"]["uri"] == first_model

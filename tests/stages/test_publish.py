@@ -83,15 +83,18 @@ def _table(body: str, header_start: str) -> list[list[str]]:
     return rows
 
 
-def _lineage_manifests(uris: list[str]) -> dict[str, str]:
-    """Every artifact reached from `uris` through manifest inputs -> its manifest sha256, by hand."""
+def _lineage_contents(uris: list[str]) -> dict[str, str]:
+    """Every artifact reached from `uris` through manifest inputs -> its content identity (the sha256 of its stage,
+    cache key and payload files' sha256 as sorted JSON), by hand."""
     found, todo = {}, list(uris)
     while todo:
         uri = todo.pop()
         if uri in found:
             continue
-        found[uri] = artifacts.sha256_bytes(Path(uri, "manifest.json").read_bytes())
-        inputs = json.loads(Path(uri, "manifest.json").read_text())["inputs"]
+        manifest = json.loads(Path(uri, "manifest.json").read_text())
+        content = {k: manifest[k] for k in ("stage", "cache_key", "files")}
+        found[uri] = artifacts.sha256_bytes(json.dumps(content, sort_keys=True).encode())
+        inputs = manifest["inputs"]
         todo += [e["uri"] for e in inputs.values() if e.get("kind") == "artifact"]
     return found
 
@@ -143,10 +146,10 @@ def test_card_metadata_is_the_hubs_and_every_number_comes_from_an_artifact(world
     assert f"{allocation['fitness']:.6f}" in body and f"{allocation['heldout']['searched']:.6f}" in body
     assert "## Quantization" in body and "None: the weights are stored in" in body  # no recipe in config.json
 
-    # lineage: every artifact behind the card with its manifest sha256, found here by walking manifests by hand
+    # lineage: every artifact behind the card with its content identity, found here by walking manifests by hand
     shown = {row[0]: row[3] for row in _table(body, "Artifact")}
     inputs = [world[k] for k in ("pruned", "evaluated", "evaluated_full", "search_out", "report")]
-    assert shown == _lineage_manifests(inputs)
+    assert shown == _lineage_contents(inputs)
     sources = {row[1]: row[2] for row in _table(body, "Input")}
     assert world["model"] in sources and world["calibration"] in sources
     assert (tmp_path / "published" / card.DENSITY_FILE).read_bytes().startswith(b"\x89PNG")
@@ -163,7 +166,7 @@ def test_a_public_card_names_no_internal_location_and_gives_the_hub_its_evaluati
     assert not [root for root in roots if root in text], "an internal path is in the public card"
     meta, body = _split_card(text)
     shown = sorted(row[0] for row in _table(body, "Artifact"))
-    behind = _lineage_manifests([world[k] for k in ("pruned", "evaluated", "evaluated_full", "search_out", "report")])
+    behind = _lineage_contents([world[k] for k in ("pruned", "evaluated", "evaluated_full", "search_out", "report")])
     assert shown == sorted("…/" + Path(uri).name for uri in behind)
     primary = [r for r in records.read(world["evaluated"], records.MetricsRecord).to_json()["records"] if r["primary"]]
     (index,) = meta["model-index"]
@@ -267,8 +270,8 @@ def test_a_quantized_checkpoint_is_published_with_its_recipe_bytes_and_lineage_t
 
     # lineage: the quantize manifest among every artifact behind the card, walked by hand
     shown = {row[0]: row[3] for row in _table(body, "Artifact")}
-    assert shown == _lineage_manifests([q["quantized"], q["pruned"], *evaluations, q["search_out"]])
-    assert shown[q["quantized"]] == artifacts.manifest_sha256(q["quantized"])
+    assert shown == _lineage_contents([q["quantized"], q["pruned"], *evaluations, q["search_out"]])
+    assert shown[q["quantized"]] == artifacts.artifact_identity(q["quantized"])["content_sha256"]
 
 
 def _header(body: str, header_start: str) -> list[str]:

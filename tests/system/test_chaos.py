@@ -72,3 +72,34 @@ def test_the_comparison_matches_equal_artifacts_and_catches_one_changed_byte(tin
     allocation.write_bytes(allocation.read_bytes().replace(b'"', b"'", 1))
     changed = chaos.snapshot(str(root))
     assert set(changed) == set(reference) and sum(changed[k] != reference[k] for k in reference) == 1
+
+
+def _made(root: Path, stage: str, payload: bytes, inputs: dict[str, str], made: int = 1) -> str:
+    """A `stage` artifact at `root/stage`; `made` is recorded in its manifest's run, so making it again gives another
+    manifest of the same content (as a later time would)."""
+    from evoesap.store import artifacts
+
+    out = root / stage
+    shutil.rmtree(out, ignore_errors=True)
+    with artifacts.stage_output(str(out), stage, {}, inputs, run={"made": made}) as staging:
+        (staging / "payload.bin").write_bytes(payload)
+    return str(out)
+
+
+def test_an_upstream_made_again_from_the_same_bytes_after_its_readers_compares_equal(tmp_path):
+    """The pipeline reuses downstream artifacts when an upstream one is made again from the same bytes (a damaged
+    payload repaired), so their manifests name a manifest that is gone: the comparison follows lineage by content, as
+    the pipeline does; other bytes still differ."""
+    from evoesap.store import artifacts
+
+    root = tmp_path / "artifacts"
+    cache = _made(root, "cache-logits", b"logits", {})
+    _made(root, "evaluate", b"metrics", {"teacher_cache": cache})
+    reference = chaos.snapshot(str(root), str(root / "evaluate"))
+    assert len(reference) == 2
+    first = artifacts.manifest_sha256(cache)
+    _made(root, "cache-logits", b"logits", {}, made=2)  # made again: another manifest, the same content
+    assert artifacts.manifest_sha256(cache) != first
+    assert chaos.snapshot(str(root), str(root / "evaluate")) == reference
+    _made(root, "cache-logits", b"other logits", {}, made=3)
+    assert chaos.snapshot(str(root), str(root / "evaluate")) != reference

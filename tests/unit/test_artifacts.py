@@ -56,6 +56,91 @@ def test_cache_key_follows_params_and_input_manifests(tmp_path):
     assert artifacts.cached(out, "b", {"p": 1}, {"src": src}) is None
 
 
+def _chain(root: Path, data: bytes, payloads: tuple[bytes, ...]) -> str:
+    """A data file under `root` and a chain of artifacts made from it (stage i reads stage i-1), each with its payload;
+    the URI of the last."""
+    root.mkdir(parents=True)
+    (root / "rows.jsonl").write_bytes(data)
+    upstream = str(root / "rows.jsonl")
+    for i, payload in enumerate(payloads):
+        out = str(root / f"step{i}")
+        with artifacts.stage_output(out, f"s{i}", {"i": i}, {"data" if i == 0 else "up": upstream}) as staging:
+            (staging / "payload.bin").write_bytes(payload)
+        upstream = out
+    return upstream
+
+
+def _key_downstream(upstream: str) -> str:
+    return artifacts.cache_key("next", {"p": 1}, artifacts.describe_inputs({"up": upstream}))
+
+
+def test_a_chain_made_again_from_the_same_bytes_elsewhere_keys_downstream_the_same(tmp_path):
+    first = _chain(tmp_path / "a", b"rows", (b"scores", b"logits"))
+    again = _chain(tmp_path / "b" / "deeper", b"rows", (b"scores", b"logits"))
+    assert artifacts.manifest_sha256(first) != artifacts.manifest_sha256(again)  # they name other input locations
+    assert _key_downstream(first) == _key_downstream(again)
+    out = str(tmp_path / "next")
+    with artifacts.stage_output(out, "next", {"p": 1}, {"up": first}):
+        pass
+    assert artifacts.cached(out, "next", {"p": 1}, {"up": again}) is not None  # reused, not made again
+
+
+@pytest.mark.parametrize("differs", [0, 1])
+def test_an_artifact_made_again_with_other_bytes_keys_downstream_anew(tmp_path, differs):
+    """A stage that is not deterministic (a search with threads) may make other bytes from the same parameters and
+    inputs: the same cache key, but not the same content, so nothing downstream of it is reused."""
+    payloads = [b"scores", b"logits"]
+    first = _chain(tmp_path / "a", b"rows", tuple(payloads))
+    payloads[differs] += b"!"
+    again = _chain(tmp_path / "b", b"rows", tuple(payloads))
+    assert artifacts.read_manifest(first).cache_key == artifacts.read_manifest(again).cache_key or differs == 0
+    assert _key_downstream(first) != _key_downstream(again)
+    out = str(tmp_path / "next")
+    with artifacts.stage_output(out, "next", {"p": 1}, {"up": first}):
+        pass
+    assert artifacts.cached(out, "next", {"p": 1}, {"up": again}) is None
+
+
+_NAME = st.text("abcdefghij0123456789_-", min_size=1, max_size=12)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=64), payloads=st.lists(st.binary(max_size=64), min_size=1, max_size=3), a=_NAME, b=_NAME)
+def test_a_downstream_key_depends_on_content_never_on_where_the_chain_lies(tmp_path_factory, data, payloads, a, b):
+    root = tmp_path_factory.mktemp("chain")
+    first = _chain(root / "one" / a, data, tuple(payloads))
+    again = _chain(root / "two" / b / "x", data, tuple(payloads))
+    assert _key_downstream(first) == _key_downstream(again)
+    other = _chain(root / "three", data + b"+", tuple(payloads))  # other data at the root of the chain
+    assert _key_downstream(other) != _key_downstream(first)
+
+
+def test_a_manifest_from_before_content_identities_is_read_and_its_reuse_makes_it_again(tmp_path, monkeypatch):
+    """A downstream artifact whose manifest recorded its artifact input by manifest sha256 alone (as before content
+    identities) reads as before and follows its lineage; its reuse key no longer matches, so it is made again, with
+    no error."""
+    from evoesap.store import identity, lineage
+
+    src = _chain(tmp_path / "src", b"rows", (b"scores",))
+    out = str(tmp_path / "old")
+    before = identity.artifact_record
+    monkeypatch.setattr(
+        identity, "artifact_record", lambda data: {k: v for k, v in before(data).items() if k != "content_sha256"}
+    )
+    with artifacts.stage_output(out, "next", {"p": 1}, {"up": src}) as staging:
+        (staging / "x").write_text("old")
+    monkeypatch.setattr(identity, "artifact_record", before)
+    old = artifacts.read_manifest(out)
+    assert set(old.inputs["up"]) == {"uri", "kind", "manifest_sha256"}
+    assert [node.uri for node in lineage.walk({"up": out}).nodes] == [out, src]
+    assert lineage.identity_of(old.inputs["up"]) == {"kind": "artifact", "manifest_sha256": artifacts.manifest_sha256(src)}
+    assert artifacts.cached(out, "next", {"p": 1}, {"up": src}) is None  # made again ...
+    with artifacts.stage_output(out, "next", {"p": 1}, {"up": src}) as staging:
+        (staging / "x").write_text("new")
+    assert artifacts.cached(out, "next", {"p": 1}, {"up": src}) is not None  # ... and reused from then on
+    assert "content_sha256" in artifacts.read_manifest(out).inputs["up"]
+
+
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
 def test_reuse_refuses_an_artifact_whose_payload_was_deleted_or_changed(tmp_path, damage):
     out = tmp_path / "out"

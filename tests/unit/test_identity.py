@@ -23,11 +23,17 @@ def test_a_local_file_is_identified_by_size_and_sha256(tmp_path):
     assert digest == identity.digest(record)
 
 
-def test_an_artifact_is_identified_by_its_manifest(tmp_path):
+def test_an_artifact_is_identified_by_its_content_and_its_manifest(tmp_path):
     out = str(tmp_path / "art")
     with artifacts.stage_output(out, "demo", {}, {}) as staging:
         (staging / "x").write_text("1")
-    assert identity.identify(out)[0] == {"kind": "artifact", "manifest_sha256": artifacts.manifest_sha256(out)}
+    manifest = artifacts.read_manifest(out)
+    content = {"stage": "demo", "cache_key": manifest.cache_key, "files": {"x": hashlib.sha256(b"1").hexdigest()}}
+    assert identity.identify(out)[0] == {
+        "kind": "artifact",
+        "content_sha256": hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest(),
+        "manifest_sha256": artifacts.manifest_sha256(out),  # what lineage checks a manifest read later against
+    }
 
 
 def test_an_object_without_a_store_identity_is_hashed():
