@@ -39,26 +39,36 @@ def _quantized(model: str, counts: list[int], root: Path, recipe: str) -> int:
     name = "-".join(map(str, counts))
     pruned, out = root / f"p{name}", root / f"q{name}"
     if not out.exists():
-        moe.prune_checkpoint(model, {layer: list(range(c)) for layer, c in enumerate(counts) if c}, pruned)
+        moe.prune_checkpoint(model, _pruned_sets(counts), pruned)
         run_quantize(str(pruned), QuantizeParams(recipe=recipe), str(out))
     return sum(p.stat().st_size for p in out.iterdir() if p.is_file() and p.name not in ("manifest.json", "quantization.json"))
 
 
+def _pruned_sets(counts: list[int]) -> dict[int, list[int]]:
+    return {layer: list(range(c)) for layer, c in enumerate(counts) if c}
+
+
 @pytest.mark.slow
 def test_memory_target_with_a_recipe_picks_the_least_sparsity_whose_quantized_checkpoint_fits(tmp_path):
+    """The predicted size is the real one, byte for byte, for a uniform and a non-uniform checkpoint; so the point
+    the target picks by predicted sizes fits as really quantized and the next-lower sparsity's does not."""
+    from evoesap.planning import quantized
+
     model = str(tmp_path / "full")
     moe.save_pruned(moe.tiny_model("olmoe", seed=3, hidden_size=128, intermediate_size=128), build_tokenizer(), model)
     space, points = searchable(model, 1)
     n, k = list(space.num_experts), list(space.min_kept)
-
-    def written(index: int) -> int:  # the largest quantized checkpoint among the point's sized allocations
-        budget = alloc.budget(points[index], n, k, 1)
-        return max(_quantized(model, counts, tmp_path, "fp8-dynamic") for counts in _allocations(n, k, budget))
-
     at = len(points) // 2
-    sizes = {i: written(i) for i in (at - 1, at, at + 1)}
-    unquantized = moe.checkpoint_bytes(model, [{}])[0]
-    assert sizes[at] < unquantized / 3  # the real quantized checkpoint, far below the pruned one: sized as quantized
+    uniform, packed, _ = _allocations(n, k, alloc.budget(points[at], n, k, 1))
+    real = [_quantized(model, counts, tmp_path, "fp8-dynamic") for counts in (uniform, packed)]
+    assert quantized.quantized_bytes(model, [_pruned_sets(uniform), _pruned_sets(packed)], None, "fp8-dynamic") == real
+    assert max(real) < moe.checkpoint_bytes(model, [{}])[0] / 3  # sized as quantized, far below the pruned checkpoint
+
+    def predicted(index: int) -> int:  # the largest quantized checkpoint among the point's sized allocations
+        counts = _allocations(n, k, alloc.budget(points[index], n, k, 1))
+        return max(quantized.quantized_bytes(model, [_pruned_sets(c) for c in counts], None, "fp8-dynamic"))
+
+    sizes = {i: predicted(i) for i in (at - 1, at, at + 1)}
     for budget, chosen in ((sizes[at], at), (sizes[at] - 1, at + 1), (sizes[at - 1] - 1, at)):
         assert fitting_sparsity(model, budget, 1, "auto", "fp8-dynamic") == points[chosen], budget
         assert sizes[chosen] <= budget < sizes[chosen - 1]  # it fits; the next-lower sparsity's does not
