@@ -211,7 +211,8 @@ def _refusal(err: Mapping[str, Any], given: Mapping[str, Any]) -> str:
     field, *rest = err["loc"] or ("",)
     if field in given:
         at = "".join(f"[{p!r}]" for p in rest if p != "[key]")
-        return f"the run-time input search_{field}{at} {given[field]!r}: {message}"
+        value = "" if repr(err.get("input")) in message else f" {err.get('input')!r}"  # a message naming it says it once
+        return f"the run-time input search_{field}{at}{value}: {message}"
     return f"with the run-time inputs {_named(given)}: {message}"
 
 
