@@ -639,3 +639,32 @@ def test_the_launcher_places_the_worker_pods_and_queues_the_job_as_the_run_says(
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a-gpus"
     assert job["metadata"]["labels"]["team"] == "ml"
     assert allocation.metadata["stage"] == "search" and Path(allocation.path, "allocation.json").is_file()
+
+
+def test_a_queue_for_every_stage_labels_their_pods_and_the_search_s_job_never_its_launcher(tmp_path):
+    compiled = _compile(tmp_path, search={"workers": 2}, resources={"all": {"queue_name": "batch"}, "search": GPU_NODES})
+    spec = compiled["spec"]
+    (launcher,) = [t for t in _tasks(spec).values() if t["componentRef"]["name"] == "comp-search-trainjob"]
+    job = launcher["inputs"]["parameters"]["job"]["runtimeValue"]["constant"]
+    body = trainjob.trainjob(job, "evoesap-search-x", {}, 2)
+    assert body["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "batch"
+    assert "kueue.x-k8s.io/queue-name" not in json.dumps(body["spec"])  # not on the worker pods
+    executors = spec["deploymentSpec"]["executors"]
+    for executor in executors:
+        labels = compiled["platform"].get(executor, {}).get("podMetadata", {}).get("labels", {})
+        queued = executor != "exec-search-trainjob"
+        assert labels.get("kueue.x-k8s.io/queue-name") == ("batch" if queued else None), executor
+
+
+def test_the_run_s_gpus_per_worker_sets_the_workers_per_node(kube, world, tmp_path):
+    """`--set search_params.gpus_per_worker=2` at submit: the job is built for the workers the run starts, not for
+    the compiled value (2 GPUs a node, one worker of 2 GPUs each: 4 nodes for 4 workers)."""
+    KubeAPI.states, KubeAPI.failure = ["Failed"], {"reason": "Stopped"}
+    params = {**SMALL, "workers": 4, "gpus_per_worker": 2, "device_map": "auto"}
+    with pytest.raises(EvoESAPError, match=r"failed \(Stopped\)"):
+        run_search_job(_template(), str(tmp_path / "store"), world, params)
+    ((_, job),) = _calls("POST")
+    trainer = job["spec"]["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (4, 1)
+    assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "2"
+    assert {"name": "OMP_NUM_THREADS", "value": "16"} in trainer["env"]  # 16 cores, one worker a node
