@@ -404,7 +404,7 @@ WORKER_NODES = {
 
 def test_a_multi_worker_search_takes_its_placement_and_queue_as_launcher_inputs(tmp_path):
     config = load_config({**BASE, "search": {"workers": 2}, "resources": {"search": WORKER_NODES}})
-    names = ["search.accelerator_count", "search.node_selector", "search.tolerations", "search.queue_name"]
+    names = ["search.accelerator_count", "search.node_selector", "search.tolerations", "search.queue_name", "search.image"]
     bind = {"search_accelerator_count": "4", "search_queue_name": "team-a-gpus"}
     spec, platform = _team_spec(tmp_path, config, bind, settings_inputs=names)
     inputs = spec["components"]["comp-evoesap-stages"]["inputDefinitions"]["parameters"]
@@ -414,17 +414,20 @@ def test_a_multi_worker_search_takes_its_placement_and_queue_as_launcher_inputs(
         "search_node_selector": ("STRUCT", {"pool": "a100"}),
         "search_tolerations": ("LIST", [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]),
         "search_queue_name": ("STRING", ""),  # unset: the launcher keeps the compiled (no) queue
+        "search_image": ("STRING", DEFAULT_IMAGE),
     }
     (launcher,) = [t for t in _tasks(spec).values() if t["componentRef"]["name"] == "comp-search-trainjob"]
     given = {k: v.get("componentInputParameter") for k, v in launcher["inputs"]["parameters"].items()}
-    for setting in ("accelerator_count", "node_selector", "tolerations", "queue_name"):
+    for setting in ("accelerator_count", "node_selector", "tolerations", "queue_name", "image"):
         assert given[setting] == f"pipelinechannel--search_{setting}"
-    assert not {"cpu", "memory", "image"} & given.keys()  # not made inputs: the launcher's defaults (as compiled)
+    assert not {"cpu", "memory", "cpu_request"} & given.keys()  # not made inputs: the launcher's defaults (as compiled)
     job = launcher["inputs"]["parameters"]["job"]["runtimeValue"]["constant"]
     assert job["settings"] == WORKER_NODES  # what the launcher rebuilds the job from
     (executor,) = _executors_by_stage(spec)["search-trainjob"]
     assert "search" not in _executors_by_stage(spec)
-    assert not spec["deploymentSpec"]["executors"][executor]["container"].get("resources")  # the launcher asks for none
+    container = spec["deploymentSpec"]["executors"][executor]["container"]
+    assert not container.get("resources")  # the launcher asks for none
+    assert container["image"] == "{{$.inputs.parameters['pipelinechannel--search_image']}}"  # the same code as its workers
     own = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].get(executor, {})
     assert not {"nodeSelector", "tolerations"} & own.keys()
     assert own["podMetadata"]["labels"] == {"team": "ml"}  # no queue: the launcher pod is not queued with its job
