@@ -20,8 +20,21 @@ def search_trainjob(
     allocation: Output[Artifact],
     heldout_cache: Optional[Input[Dataset]] = None,
     params: dict = {},
+    image: str = "",
+    cpu: str = "",
+    memory: str = "",
+    cpu_request: str = "",
+    memory_request: str = "",
+    accelerator_type: str = "",
+    accelerator_count: str = "",
+    node_selector: dict = {},
+    tolerations: list = [],
+    queue_name: str = "",
 ):
     """Search the per-layer expert allocation on several workers: a Kubeflow Trainer TrainJob, followed to its end.
+
+    The settings after `params` place the job's worker pods at run time (the sub-pipeline's `search_<setting>`
+    inputs); each replaces the compiled value of `resources.search`, and an empty one keeps it.
 
     Args:
         model: The full MoE model (as the search component's).
@@ -33,6 +46,16 @@ def search_trainjob(
         job: The TrainJob's template (evoesap.pipeline.trainjob.job_template): runtime, image, workers per node, resources, env.
         heldout_cache: Teacher cache of other samples for the held-out check; without it a share of `cache` is held out.
         params: Parameters of the search stage, as in the pipeline configuration's `search` section; `workers` processes in all.
+        image: The workers' image (fully qualified), and this launcher's.
+        cpu: CPU limit of each node (pod), e.g. "16"; it also sets the workers' OMP_NUM_THREADS.
+        memory: Memory limit of each node, e.g. "120Gi".
+        cpu_request: CPU request of each node.
+        memory_request: Memory request of each node.
+        accelerator_type: The accelerator resource, e.g. "nvidia.com/gpu".
+        accelerator_count: Accelerators per node, as digits, e.g. "8": a multiple of `gpus_per_worker`, and the workers a multiple of the workers per node.
+        node_selector: Node labels the worker pods must run on, in place of the compiled ones.
+        tolerations: Taints the worker pods tolerate (Kubernetes' form), in place of the compiled ones.
+        queue_name: Kueue LocalQueue: the label kueue.x-k8s.io/queue-name on the TrainJob (not on its pods).
 
     Returns:
         allocation: The chosen allocation (allocation.json, search history); metadata: fitness, held-out check, cost.
@@ -42,7 +65,19 @@ def search_trainjob(
     from evoesap.pipeline.trainjob import run_search_job
 
     inputs = {"model": shared(model), "scores": shared(scores), "cache": shared(cache), "heldout_cache": shared(heldout_cache)}
-    uri = run_search_job(job, storage_root, inputs, {**params, "criterion": criterion, "sparsity": sparsity})
+    runtime = dict(
+        image=image,
+        cpu=cpu,
+        memory=memory,
+        cpu_request=cpu_request,
+        memory_request=memory_request,
+        accelerator_type=accelerator_type,
+        accelerator_count=accelerator_count,
+        node_selector=node_selector,
+        tolerations=tolerations,
+        queue_name=queue_name,
+    )
+    uri = run_search_job(job, storage_root, inputs, {**params, "criterion": criterion, "sparsity": sparsity}, runtime=runtime)
     publish(allocation, uri)
 
 

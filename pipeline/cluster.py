@@ -4,10 +4,10 @@ The configuration's `resources` section holds one `StageSettings` per stage and 
 under each of them (lists add up, mappings merge, a stage's own value wins). `apply` puts them on a
 task: requests, limits, accelerators and environment variables through the KFP DSL; secrets, node
 selectors and affinity, tolerations, PVCs, an in-memory /dev/shm, scratch space, image pull secrets,
-pod labels and annotations and the timeout through kfp-kubernetes. A stage's `image` is the base image
-its component is built with (`pipeline.dag`). KFP's spec has no ephemeral-storage resource, so scratch
-space is a generic ephemeral volume with TMPDIR on it. `RUNTIME_SETTINGS` are the settings KFP takes from a
-pipeline parameter, which `pipeline.dag.build_subpipeline` can make inputs of the sub-pipeline.
+pod labels and annotations (the Kueue queue, `queue_name`, among them) and the timeout through kfp-kubernetes.
+A stage's `image` is the base image its component is built with (`pipeline.dag`). KFP's spec has no
+ephemeral-storage resource, so scratch space is a generic ephemeral volume with TMPDIR on it. `RUNTIME_SETTINGS`
+are the settings that `pipeline.dag.build_subpipeline` can make inputs of the sub-pipeline.
 """
 
 from __future__ import annotations
@@ -23,13 +23,18 @@ SCRATCH_MOUNT = "/scratch"
 # configuration loads, not as an internal error halfway through compiling
 _MEMORY = re.compile(r"[0-9]+(E|Ei|P|Pi|T|Ti|G|Gi|M|Mi|K|Ki)?")
 _CPU = re.compile(r"([0-9]*[.])?[0-9]+m?")
+# a Kueue LocalQueue's name as the value of the label Kueue reads: a lower-case DNS-1123 name of at most 63 characters
+_QUEUE = re.compile(r"[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?")
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 
-# The settings KFP 2.17 takes from a pipeline parameter, with the parameter's type; every other setting is a
-# constant of the spec (set_env_variable, pod labels and annotations, timeout, volumes and secrets take no
-# channel). Resources are strings, the accelerator count included: the driver reads the parameter's string
-# value (kubeflow/pipelines backend/src/v2/driver/driver.go, resolvePodSpecInputRuntimeParameter), so an
-# integer parameter would resolve to "" and the pod would get no accelerator.
+# The settings a pipeline parameter can carry, with the parameter's type: those KFP 2.17 takes from a pipeline
+# parameter, and `queue_name`, which only a multi-worker search takes at run time (its launcher puts it on the
+# TrainJob; a pod label is a constant of the spec). Every other setting is a constant of the spec (set_env_variable,
+# pod labels and annotations, timeout, volumes and secrets take no channel). Resources are strings, the accelerator
+# count included: the driver reads the parameter's string value (kubeflow/pipelines
+# backend/src/v2/driver/driver.go, resolvePodSpecInputRuntimeParameter), so an integer parameter would resolve to ""
+# and the pod would get no accelerator.
 RUNTIME_SETTINGS: dict[str, type] = {
     "image": str,
     "cpu": str,
@@ -40,6 +45,7 @@ RUNTIME_SETTINGS: dict[str, type] = {
     "accelerator_count": str,
     "node_selector": dict,
     "tolerations": list,
+    "queue_name": str,
 }
 
 
@@ -139,6 +145,11 @@ class StageSettings(_Strict):
         "2.2", description="The cluster's Kubeflow Trainer: 2.0, 2.1, or 2.2 and later."
     )
     suspend: bool = Field(False, description="Create the TrainJob suspended, for a queue (Kueue) to admit.")
+    queue_name: str | None = Field(
+        None,
+        description="Kueue LocalQueue: the label kueue.x-k8s.io/queue-name on the multi-worker search's TrainJob (never "
+        "on its pods), or on a single-pod stage's pod.",
+    )
 
     @field_validator("memory", "memory_request")
     @classmethod
@@ -154,10 +165,29 @@ class StageSettings(_Strict):
             raise ValueError(f"{value!r} is not a CPU quantity: write e.g. 8, 0.5 or 500m")
         return value
 
+    @field_validator("queue_name")
+    @classmethod
+    def _queue(cls, value: str | None) -> str | None:
+        if value is not None and not _QUEUE.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not a Kueue LocalQueue name: write lower-case letters, digits, '-' and '.', at most 63 "
+                "characters, e.g. team-a-gpus"
+            )
+        return value
+
     @model_validator(mode="after")
     def _accelerator_pair(self) -> StageSettings:
         if self.accelerator_count and not self.accelerator_type:
             raise ValueError("accelerator_count is set but accelerator_type is not (e.g. nvidia.com/gpu)")
+        return self
+
+    @model_validator(mode="after")
+    def _one_queue(self) -> StageSettings:
+        if self.queue_name and QUEUE_LABEL in self.labels:
+            raise ValueError(
+                f"the queue is named twice, queue_name {self.queue_name!r} and labels.{QUEUE_LABEL} "
+                f"{self.labels[QUEUE_LABEL]!r}: keep queue_name only"
+            )
         return self
 
 
@@ -247,6 +277,8 @@ def apply(task: Any, settings: StageSettings, retries: int, inputs: dict[str, An
         task.set_env_variable(name, value)
     for key, value in settings.labels.items():
         kubernetes.add_pod_label(task, label_key=key, label_value=value)
+    if settings.queue_name:  # a multi-worker search's launcher has none (`trainjob.launcher_settings`): its job does
+        kubernetes.add_pod_label(task, label_key=QUEUE_LABEL, label_value=settings.queue_name)
     for key, value in settings.annotations.items():
         kubernetes.add_pod_annotation(task, annotation_key=key, annotation_value=value)
     if settings.timeout:

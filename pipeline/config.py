@@ -281,6 +281,12 @@ class _Settings(BaseModel):
                     f"resources.{stage}: {stage} loads no model and cannot use an accelerator (prune works on the "
                     f"checkpoint files); remove its accelerator settings (stages that can: {', '.join(stages.MODEL_STAGES)})"
                 )
+        for stage in self.resources.keys() - {"all"} if shared is not None else ():  # checked again once merged
+            try:
+                self.settings(stage)
+            except ValidationError as exc:
+                problems = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+                raise ValueError(f"resources.{stage} with resources.all under it: {problems}") from None
         return self
 
     @model_validator(mode="after")

@@ -71,7 +71,8 @@ def _gpu_params(stage: str, config: PipelineConfig, gpus_at_run_time: bool = Fal
 
 def settings_parameters(config: PipelineConfig, names: Iterable[str]) -> dict[str, dict[str, inspect.Parameter]]:
     """stage -> setting -> the sub-pipeline parameter `<section>_<setting>` that carries it at run time, its
-    default the configured value, for each `<stage>.<setting>` of `names` (`cluster.RUNTIME_SETTINGS`)."""
+    default the configured value, for each `<stage>.<setting>` of `names` (`cluster.RUNTIME_SETTINGS`). A multi-worker
+    search takes them as inputs of its launcher (`_search_trainjob`), where an empty value keeps the compiled one."""
     if isinstance(names, str):
         raise ConfigError(f"settings_inputs {names!r}: give a list of <stage>.<setting> names, e.g. ['search.accelerator_count']")
     out: dict[str, dict[str, inspect.Parameter]] = {}
@@ -88,14 +89,24 @@ def settings_parameters(config: PipelineConfig, names: Iterable[str]) -> dict[st
         absent = {
             "quantize": not config.stage_params("quantize").get("recipe") and "the quantize section names no recipe",
             "publish": not config.publish_models and "publish_models is off",
-            "search": config.search_workers > 1 and "the search runs as a TrainJob (workers > 1), whose pods are fixed",
         }.get(stage)
         if absent:
             raise ConfigError(f"{where}: the DAG has no {stage} task to set, since {absent}")
+        # a multi-worker search's launcher takes them as inputs, not as its pod's settings; a quality target's finder
+        # runs the search in a pod of its own, which takes them as any stage's pod does
+        launched = stage == "search" and config.search_workers > 1 and not quality_target(config)
+        if setting == "queue_name" and not launched:
+            raise ConfigError(
+                f"{where}: KFP takes a pod label from no pipeline input, so only a multi-worker search (workers > 1, "
+                f"no quality target) takes its queue at run time, on its TrainJob; set resources.{stage}.queue_name "
+                "when building (`overrides`)"
+            )
         if setting.startswith("accelerator") and stage not in MODEL_STAGES:
             raise ConfigError(f"{where}: {stage} loads no model; stages that can use an accelerator: {', '.join(MODEL_STAGES)}")
         settings = config.settings(stage)
         default = config.stage_image(stage) if setting == "image" else cluster.runtime_default(settings, setting)
+        if default is None and launched:
+            default = ""  # the launcher keeps the compiled (unset) value
         if default is None:
             raise ConfigError(
                 f"{where} needs a configured value to start from: set resources.{stage}.{setting}"
@@ -126,15 +137,18 @@ def _signed(func: Callable, drop: tuple[str, ...] = (), extra: Iterable[inspect.
     return pipeline
 
 
-def _search_trainjob(config: PipelineConfig, args: dict[str, Any]) -> Any:
+def _search_trainjob(config: PipelineConfig, args: dict[str, Any], inputs: Mapping[str, Any]) -> Any:
     """The search task of a `workers > 1` configuration: the launcher (`pipeline.trainjob`), whose own pod asks for
-    no compute; the job's nodes get the search's image, resources and environment."""
+    no compute; the job's nodes get the search's image, resources and environment. `inputs`: the search's settings
+    that sub-pipeline parameters give (`settings_parameters`), bound to the launcher's inputs of the same names, which
+    it lays over the compiled template; its own pod takes only the image from them."""
     settings, image = config.settings("search"), config.stage_image("search")
     job = trainjob.job_template(settings, image, config.parsed_params("search").gpus_per_worker)
-    task = make_search_trainjob(image)(job=job, **args)
+    task = make_search_trainjob(image)(job=job, **args, **inputs)
     task.set_display_name(f"search on {config.search_workers} workers (TrainJob)")
     task.set_caching_options(enable_caching=False)
-    return cluster.apply(task, trainjob.launcher_settings(settings), config.retries)
+    own = {name: value for name, value in inputs.items() if name == "image"}  # the same code as its workers
+    return cluster.apply(task, trainjob.launcher_settings(settings), config.retries, own)
 
 
 class Outputs(NamedTuple):
@@ -327,11 +341,14 @@ def build_subpipeline(
         target_params: dict = d["target_params"],  # hidden without a quality target, `grid` with one
         **settings: Any,  # each stage's `<section>_params`, then the settings inputs (`runtime`), by parameter name
     ) -> Any:  # outputs_type(config)
-        def stage(name: str, task: Any, label: str | None = None) -> Any:
-            inputs = {setting: settings[parameter.name] for setting, parameter in runtime.get(name, {}).items()}
-            return _configure(task, name, config, label, inputs)
+        def given(name: str) -> dict[str, Any]:  # a stage's settings that parameters carry, by setting
+            return {setting: settings[parameter.name] for setting, parameter in runtime.get(name, {}).items()}
 
-        dag = _Dag(config, comps, stage, model, storage_root, {name: settings.get(params_input(name)) for name in NAMES})
+        def stage(name: str, task: Any, label: str | None = None) -> Any:
+            return _configure(task, name, config, label, given(name))
+
+        params = {name: settings.get(params_input(name)) for name in NAMES}
+        dag = _Dag(config, comps, stage, model, storage_root, params, given("search"))
         full = dag.once(calibration_data, search_data, heldout_data)
         points = _found_grid(dag, target_params) if quality_target(config) else grid
         with dsl.ParallelFor(points, name="criterion-x-sparsity", parallelism=config.parallelism) as point:
@@ -370,7 +387,14 @@ class _Dag:
     (`point`, inside the ParallelFor), and the report over all of them (`report`)."""
 
     def __init__(
-        self, config: PipelineConfig, comps: Any, stage: Callable, model: Any, storage_root: Any, params: Mapping[str, Any]
+        self,
+        config: PipelineConfig,
+        comps: Any,
+        stage: Callable,
+        model: Any,
+        storage_root: Any,
+        params: Mapping[str, Any],
+        search_settings: Mapping[str, Any],
     ) -> None:
         self.config, self.comps, self.stage, self.model, self.root, self.params = (
             config,
@@ -380,6 +404,7 @@ class _Dag:
             storage_root,
             params,
         )
+        self.search_settings = search_settings  # the search's settings given at run time, for a multi-worker launcher
         self.scores = self.cache = self.full = self.released = None  # released: the publish task, with publish_models
         self.verdict = None  # the gate task, when the configuration sets a threshold
         self.target = None  # the task finding each criterion's sparsity, with a quality target
@@ -428,7 +453,7 @@ class _Dag:
             **point_args,
         )
         if self.config.search_workers > 1:  # a Kubeflow Trainer job that this task launches and follows
-            searched = _search_trainjob(self.config, search_args)
+            searched = _search_trainjob(self.config, search_args, self.search_settings)
         else:
             searched = stage("search", comps.search(**search_args))
         allocations = {"searched": {"allocation": searched.outputs["allocation"]}, "uniform": {}}  # uniform: none

@@ -22,8 +22,14 @@ runtime's replicated job `node` and its container `node`. `suspend` creates the 
 (Kueue) to admit; `timeout` bounds the workers from admission, never the time queued: `activeDeadlineSeconds`
 from 2.2 on (Trainer's deadline, made to follow a Kubernetes Job's, whose clock restarts when a suspended job
 resumes); before 2.2 the launcher stops the job that long after it was admitted. A suspended job's launcher takes
-no timeout of its own. Progress and the end are read from the conditions Trainer v2 sets
+no timeout of its own. `queue_name` labels the TrainJob only (kueue.x-k8s.io/queue-name, where Kueue's TrainJob
+integration reads it), never its pods. Progress and the end are read from the conditions Trainer v2 sets
 (Suspended, Complete, Failed) and its `jobsStatus` counts. Node affinity and scratch volumes are refused.
+
+Run-time placement: the template compiled into the pipeline holds the search's settings (`settings`); the launcher
+takes the values of `cluster.RUNTIME_SETTINGS` a run gives (`at_run_time`: the image, resources, node selector,
+tolerations and queue), lays them over those settings, checks them as the configuration is checked and rebuilds the
+template with `job_template` before it creates the job.
 """
 
 from __future__ import annotations
@@ -39,11 +45,13 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from evoesap import network
 from evoesap.errors import ConfigError, EvoESAPError
 from evoesap.params import keyed
 
-from .cluster import StageSettings
+from .cluster import QUEUE_LABEL, RUNTIME_SETTINGS, StageSettings
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +99,7 @@ def launcher_settings(settings: StageSettings) -> StageSettings:
     A suspended job waits in a queue (Kueue) before it runs, so the launcher then takes no timeout of its own: the
     timeout bounds the workers from admission (the job's activeDeadlineSeconds, or the launcher's clock before
     Trainer 2.2), never the time spent queueing."""
-    dropped = {*COMPUTE, *PLACEMENT, *REFUSED, "training_runtime", "trainer_version", "suspend"}
+    dropped = {*COMPUTE, *PLACEMENT, *REFUSED, "training_runtime", "trainer_version", "suspend", "queue_name"}
     if settings.suspend:
         dropped.add("timeout")
     return StageSettings(**{k: v for k, v in settings.model_dump(exclude_unset=True).items() if k not in dropped})
@@ -103,7 +111,8 @@ def procs_per_node(settings: StageSettings, gpus_per_worker: int = 1) -> int:
 
 
 def job_template(settings: StageSettings, image: str, gpus_per_worker: int = 1) -> dict[str, Any]:
-    """What the launcher needs to make the job, fixed when the pipeline compiles (plain JSON, a task input)."""
+    """What the launcher needs to make the job (plain JSON, a task input), compiled into the pipeline and rebuilt at
+    run time from its `settings` (`at_run_time`)."""
     requests = {k: v for k, v in (("cpu", settings.cpu_request), ("memory", settings.memory_request)) if v}
     limits = {k: v for k, v in (("cpu", settings.cpu), ("memory", settings.memory)) if v}
     if settings.accelerator_count:
@@ -131,8 +140,84 @@ def job_template(settings: StageSettings, image: str, gpus_per_worker: int = 1) 
         "pod": _pod_fields(settings),
         "suspend": settings.suspend,
         **({"deadline": settings.timeout} if settings.timeout else {}),  # a KFP input holds no None
+        **({"queue_name": settings.queue_name} if settings.queue_name else {}),
         "poll_seconds": POLL_SECONDS,
+        "settings": settings.model_dump(mode="json", exclude_unset=True, exclude_none=True),  # what `at_run_time` starts from
     }
+
+
+def at_run_time(template: Mapping[str, Any], values: Mapping[str, Any], workers: int, gpus_per_worker: int = 1) -> dict[str, Any]:
+    """The job's template for this run: `values` (the launcher's inputs, named as `cluster.RUNTIME_SETTINGS`; an
+    empty one: as compiled) over the compiled settings, validated as the configuration is (`StageSettings`,
+    `check_workers` with this run's `workers` and `gpus_per_worker`), the template rebuilt by `job_template`.
+    A bad value is one line naming its pipeline input (`search_<setting>`) and the fix."""
+    given = {name: value for name, value in values.items() if value not in ("", None, {}, [])}
+    unknown = sorted(given.keys() - RUNTIME_SETTINGS.keys())
+    if unknown:
+        raise ConfigError(
+            f"run-time search settings {', '.join(unknown)}: not run-time settings; valid: {', '.join(RUNTIME_SETTINGS)}"
+        )
+    if "settings" not in template:  # a template made by hand, or compiled before the settings rode in it
+        if given:
+            raise ConfigError(
+                f"the search's job template carries no settings to lay {_named(given)} over: compile the pipeline again"
+            )
+        return dict(template)
+    compiled = dict(template["settings"])
+    update = {name: _setting(name, value) for name, value in given.items() if name != "image"}
+    try:
+        settings = StageSettings(**{**compiled, **update})
+    except ValidationError as exc:
+        raise ConfigError("; ".join(_refusal(err, given) for err in exc.errors())) from None
+    image = given.get("image") or template["image"]
+    if "image" in given:
+        from evoesap.components import qualified
+
+        if not isinstance(image, str) or not qualified(image):
+            raise ConfigError(
+                f"the run-time input search_image {image!r} is not fully qualified: write registry/name:tag "
+                "(e.g. registry.example.org/evoesap/stage:1)"
+            )
+    try:
+        check_workers(settings, workers, gpus_per_worker)
+    except ConfigError as exc:
+        if not given:
+            raise
+        raise ConfigError(f"with the run-time inputs {_named(given)}: {exc}") from None
+    return {**job_template(settings, image, gpus_per_worker), "poll_seconds": template.get("poll_seconds", POLL_SECONDS)}
+
+
+_SNAKE = {"tolerationSeconds": "toleration_seconds"}  # Kubernetes' toleration field -> `cluster.Toleration`'s
+
+
+def _setting(name: str, value: Any) -> Any:
+    """A run-time value in `StageSettings`' form: the accelerator count a string of digits (as KFP's driver reads
+    it), tolerations in Kubernetes' form."""
+    if name == "accelerator_count":
+        if not (isinstance(value, str) and value.strip().isdigit()):
+            raise ConfigError(
+                f"the run-time input search_accelerator_count {value!r} is not a whole number of accelerators per node: "
+                "give digits, e.g. '8'"
+            )
+        return int(value)
+    if name == "tolerations" and isinstance(value, list):
+        return [{_SNAKE.get(k, k): v for k, v in t.items()} if isinstance(t, Mapping) else t for t in value]
+    return value
+
+
+def _refusal(err: Mapping[str, Any], given: Mapping[str, Any]) -> str:
+    """One pydantic error of the run-time settings, at the pipeline input it came from."""
+    message = str(err["msg"]).removeprefix("Value error, ")
+    field, *rest = err["loc"] or ("",)
+    if field in given:
+        at = "".join(f"[{p!r}]" for p in rest if p != "[key]")
+        value = "" if repr(err.get("input")) in message else f" {err.get('input')!r}"  # a message naming it says it once
+        return f"the run-time input search_{field}{at}{value}: {message}"
+    return f"with the run-time inputs {_named(given)}: {message}"
+
+
+def _named(given: Mapping[str, Any]) -> str:
+    return ", ".join(f"search_{name}={value!r}" for name, value in given.items())
 
 
 def _pod_fields(settings: StageSettings) -> dict[str, Any]:
@@ -220,10 +305,10 @@ def trainjob(
         trainer["env"] = list(template["env"])
     if template["resources"]:
         trainer["resourcesPerNode"] = dict(template["resources"])
-    metadata: dict[str, Any] = {
-        "name": name,
-        "labels": {"app.kubernetes.io/name": "evoesap", "app.kubernetes.io/component": "search", **template["labels"]},
-    }
+    labels = {"app.kubernetes.io/name": "evoesap", "app.kubernetes.io/component": "search", **template["labels"]}
+    if template.get("queue_name"):  # the job's own label, where Kueue reads it; not the pods' (`pod_patch`)
+        labels[QUEUE_LABEL] = template["queue_name"]
+    metadata: dict[str, Any] = {"name": name, "labels": labels}
     if template["annotations"]:
         metadata["annotations"] = dict(template["annotations"])
     if owner is not None:
@@ -247,13 +332,17 @@ def run_search_job(
     params: Mapping[str, Any],
     api_client: Any = None,
     namespace: str | None = None,
+    runtime: Mapping[str, Any] | None = None,
 ) -> str:
-    """Run the search stage as a TrainJob (see the module docstring); return its artifact's URI."""
+    """Run the search stage as a TrainJob (see the module docstring); return its artifact's URI. `runtime`: this run's
+    values of `cluster.RUNTIME_SETTINGS` (the launcher's inputs; an empty one: as compiled), checked before anything
+    else (`at_run_time`)."""
     from evoesap.method import distributed
     from evoesap.steps import make_params, output_uri
     from evoesap.store import artifacts
 
     parsed = make_params("search", params)
+    template = at_run_time(template, runtime or {}, parsed.workers, parsed.gpus_per_worker)
     out = output_uri("search", storage_root, inputs, parsed)
     artifacts.preflight(out, "search", dict(inputs))
     if artifacts.cached(out, "search", keyed(parsed), dict(inputs)) is not None:

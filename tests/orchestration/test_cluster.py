@@ -252,6 +252,11 @@ def test_a_stage_s_own_image_and_the_config_s_image_for_the_rest(pod_settings):
         ({"search": {"node_affinity": [{"match_expressions": [{"key": "gpu", "operator": "Near"}]}]}}, "operator"),
         ({"search": {"node_affinity": [{"match_expressions": [{"key": "gpu", "operator": "Exists"}], "weight": 101}]}}, "weight"),
         ({"search": {"env": {"HF_HOME": 3}}}, "env"),
+        ({"prune": {"queue_name": "Team_A"}}, r"resources.prune.queue_name: .*'Team_A' is not a Kueue LocalQueue name"),
+        (
+            {"all": {"labels": {"kueue.x-k8s.io/queue-name": "a"}}, "search": {"queue_name": "b"}},
+            r"resources.search with resources.all under it: the queue is named twice, queue_name 'b' and labels.kueue.x-k8s.io/queue-name 'a'",
+        ),
     ],
 )
 def test_bad_pod_settings_are_refused_with_the_key(resources, message):
@@ -323,6 +328,8 @@ def test_an_override_changes_exactly_that_stage_s_tasks_and_nothing_else(tmp_pat
         ({"settings_inputs": ["quantize.image"]}, "no quantize task to set, since the quantize section names no recipe"),
         ({"settings_inputs": ["report.memory"]}, r"needs a configured value to start from: set resources.report.memory "),
         ({"settings_inputs": ["evaluate.accelerator_count"]}, "set resources.evaluate.accelerator_count and accelerator_type"),
+        ({"settings_inputs": ["prune.queue_name"]}, r"KFP takes a pod label from no pipeline input, so only a multi-worker"),
+        ({"settings_inputs": ["search.queue_name"]}, r"set resources.search.queue_name when building \(`overrides`\)"),
     ],
 )
 def test_an_unknown_or_unusable_override_or_settings_input_is_refused_in_one_line(build, message):
@@ -372,6 +379,58 @@ def test_settings_inputs_are_sub_pipeline_parameters_the_outer_pipeline_binds_at
     for evaluate in stages["evaluate"]:  # a stage not named keeps its fixed settings
         assert executors[evaluate]["container"].get("resources") is None
         assert k8s[evaluate]["nodeSelector"] == {"labels": {"pool": "eval"}}
+
+
+def test_a_single_pod_stage_s_queue_is_its_pod_label(tmp_path):
+    spec, platform = _compile(tmp_path, resources={"all": {"labels": {"team": "ml"}}, "prune": {"queue_name": "cpu-batch"}})
+    stages = _executors_by_stage(spec)
+    for stage, executors in stages.items():
+        for executor in executors:
+            queued = {"kueue.x-k8s.io/queue-name": "cpu-batch"} if stage == "prune" else {}
+            assert platform[executor]["podMetadata"]["labels"] == {"team": "ml", **queued}, executor
+    assert len(stages["prune"]) == 2
+
+
+WORKER_NODES = {
+    "cpu": "16",
+    "memory": "120Gi",
+    "accelerator_type": "nvidia.com/gpu",
+    "accelerator_count": 2,
+    "node_selector": {"pool": "a100"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "labels": {"team": "ml"},
+}
+
+
+def test_a_multi_worker_search_takes_its_placement_and_queue_as_launcher_inputs(tmp_path):
+    config = load_config({**BASE, "search": {"workers": 2}, "resources": {"search": WORKER_NODES}})
+    names = ["search.accelerator_count", "search.node_selector", "search.tolerations", "search.queue_name", "search.image"]
+    bind = {"search_accelerator_count": "4", "search_queue_name": "team-a-gpus"}
+    spec, platform = _team_spec(tmp_path, config, bind, settings_inputs=names)
+    inputs = spec["components"]["comp-evoesap-stages"]["inputDefinitions"]["parameters"]
+    added = inputs.keys() - build_subpipeline(config).component_spec.inputs.keys()
+    assert {k: (inputs[k]["parameterType"], inputs[k]["defaultValue"]) for k in added} == {
+        "search_accelerator_count": ("STRING", "2"),
+        "search_node_selector": ("STRUCT", {"pool": "a100"}),
+        "search_tolerations": ("LIST", [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]),
+        "search_queue_name": ("STRING", ""),  # unset: the launcher keeps the compiled (no) queue
+        "search_image": ("STRING", DEFAULT_IMAGE),
+    }
+    (launcher,) = [t for t in _tasks(spec).values() if t["componentRef"]["name"] == "comp-search-trainjob"]
+    given = {k: v.get("componentInputParameter") for k, v in launcher["inputs"]["parameters"].items()}
+    for setting in ("accelerator_count", "node_selector", "tolerations", "queue_name", "image"):
+        assert given[setting] == f"pipelinechannel--search_{setting}"
+    assert not {"cpu", "memory", "cpu_request"} & given.keys()  # not made inputs: the launcher's defaults (as compiled)
+    job = launcher["inputs"]["parameters"]["job"]["runtimeValue"]["constant"]
+    assert job["settings"] == WORKER_NODES  # what the launcher rebuilds the job from
+    (executor,) = _executors_by_stage(spec)["search-trainjob"]
+    assert "search" not in _executors_by_stage(spec)
+    container = spec["deploymentSpec"]["executors"][executor]["container"]
+    assert not container.get("resources")  # the launcher asks for none
+    assert container["image"] == "{{$.inputs.parameters['pipelinechannel--search_image']}}"  # the same code as its workers
+    own = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"].get(executor, {})
+    assert not {"nodeSelector", "tolerations"} & own.keys()
+    assert own["podMetadata"]["labels"] == {"team": "ml"}  # no queue: the launcher pod is not queued with its job
 
 
 def echo(text: str) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 from evoesap.pipeline import trainjob
+from evoesap.pipeline.cluster import StageSettings
 from evoesap.pipeline.config import load_config
 from evoesap.pipeline.dag import compile_pipeline
 from evoesap.pipeline.trainjob import job_template, launcher_settings, run_search_job
@@ -530,3 +531,140 @@ def test_a_kubernetes_api_answering_bytes_that_are_not_utf8_is_one_clear_line():
         with pytest.raises(EvoESAPError, match=f"the Kubernetes API {url} answered the request to read TrainJob team-a/s "
                                                "with bytes that are not UTF-8 text"):  # fmt: skip
             job._get()
+
+
+# ------------------------------------------------------------------------- the worker pods placed at run time
+
+NO_GPUS = {k: v for k, v in GPU_NODES.items() if not k.startswith("accelerator")}
+
+
+@pytest.mark.parametrize(
+    ("compiled", "values", "workers", "gpus_per_worker", "message"),
+    [
+        (GPU_NODES, {"cpu": "8 cores"}, 4, 1, r"the run-time input search_cpu: '8 cores' is not a CPU quantity: write e\.g\. 8"),
+        (GPU_NODES, {"memory_request": "lots"}, 4, 1, r"search_memory_request: 'lots' is not a memory quantity: write a whole"),
+        (
+            GPU_NODES,
+            {"accelerator_count": "3"},
+            4,
+            1,
+            r"with the run-time inputs search_accelerator_count='3': search.workers 4 is not a multiple of the 3 workers "
+            r"per node",
+        ),
+        (
+            GPU_NODES,
+            {"accelerator_count": "6"},
+            2,
+            4,
+            r"search_accelerator_count='6': resources.search.accelerator_count 6 is not a multiple of search.gpus_per_worker 4",
+        ),
+        (GPU_NODES, {"accelerator_count": "two"}, 4, 1, r"search_accelerator_count 'two' is not a whole number .* give digits"),
+        (
+            NO_GPUS,
+            {"accelerator_count": "2"},
+            4,
+            1,
+            r"with the run-time inputs search_accelerator_count='2': accelerator_count is set but accelerator_type is not",
+        ),
+        (GPU_NODES, {"tolerations": [{"key": "a", "operator": "Sometimes"}]}, 4, 1, r"search_tolerations\[0\]\['operator'\]"),
+        (GPU_NODES, {"node_selector": {"pool": 3}}, 4, 1, r"search_node_selector\['pool'\] 3: Input should be a valid string"),
+        (GPU_NODES, {"queue_name": "Team A"}, 4, 1, r"search_queue_name: 'Team A' is not a Kueue LocalQueue name: write lower"),
+        (GPU_NODES, {"image": "evoesap/stage:1"}, 4, 1, r"search_image 'evoesap/stage:1' is not fully qualified"),
+    ],
+)
+def test_a_bad_run_time_placement_is_one_line_naming_the_pipeline_input(compiled, values, workers, gpus_per_worker, message):
+    template = job_template(StageSettings(**compiled), BASE["image"])
+    with pytest.raises(ConfigError, match=message) as refused:
+        trainjob.at_run_time(template, values, workers, gpus_per_worker)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_template_without_its_settings_takes_no_run_time_placement():
+    template = {k: v for k, v in _template().items() if k != "settings"}
+    assert trainjob.at_run_time(template, {"cpu": ""}, 4) == template  # nothing given: used as it is
+    with pytest.raises(ConfigError, match=r"carries no settings to lay search_cpu='8' over: compile the pipeline again"):
+        trainjob.at_run_time(template, {"cpu": "8"}, 4)
+
+
+def test_a_bad_run_time_value_is_refused_before_the_cluster_or_the_store_is_touched(kube, world, tmp_path):
+    root = tmp_path / "store"
+    with pytest.raises(ConfigError, match="search_cpu"):
+        run_search_job(_template(), str(root), world, {**SMALL, "workers": 4}, runtime={"cpu": "eight"})
+    assert KubeAPI.requests == [] and not root.exists()
+
+
+def test_the_launcher_places_the_worker_pods_and_queues_the_job_as_the_run_says(kube, world, tmp_path):
+    from evoesap.components.trainjob import search_trainjob
+    from kfp import dsl
+
+    compiled = {**GPU_NODES, "node_selector": {"pool": "a100"}, "labels": {"team": "ml"}}
+    config = load_config({**BASE, "search": {"workers": 2}, "resources": {"search": compiled}})
+    template = {**job_template(config.settings("search"), config.stage_image("search")), "poll_seconds": 0}
+    model = dsl.Model(uri=world["model"], metadata={"revision": ""})
+    scores, cache = (dsl.Dataset(uri=world[name], metadata={}) for name in ("scores", "cache"))
+    allocation = dsl.Artifact(uri=str(tmp_path / "kfp" / "allocation"), metadata={})
+    KubeAPI.states, KubeAPI.on_complete = ["Complete"], _rank_zero
+    toleration = {"key": "dedicated", "operator": "Equal", "value": "search", "effect": "NoSchedule"}
+    search_trainjob(
+        model=model,
+        scores=scores,
+        cache=cache,
+        criterion="reap",
+        sparsity=0.5,
+        storage_root=str(tmp_path / "store"),
+        job=template,
+        allocation=allocation,
+        params={k: v for k, v in SMALL.items() if k not in ("criterion", "sparsity")} | {"workers": 2},
+        image="registry.example.org/evoesap/stage:2",
+        cpu="6",
+        accelerator_count="1",
+        node_selector={"pool": "h200"},
+        tolerations=[toleration],
+        queue_name="team-a-gpus",
+    )
+    ((_, job),) = _calls("POST")
+    trainer = job["spec"]["trainer"]
+    assert trainer["image"] == "registry.example.org/evoesap/stage:2"
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 1)  # one GPU a node now: two nodes of one worker
+    assert trainer["resourcesPerNode"] == {
+        "requests": {"cpu": "12", "memory": "100Gi"},  # not given: as compiled
+        "limits": {"cpu": "6", "memory": "120Gi", "nvidia.com/gpu": "1"},
+    }
+    assert {"name": "OMP_NUM_THREADS", "value": "6"} in trainer["env"]  # 6 cores, one worker a node
+    ((patch,),) = [job["spec"]["runtimePatches"]]  # Trainer 2.2, the default
+    (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = node["template"]["spec"]["template"]
+    assert pod["spec"] == {"nodeSelector": {"pool": "h200"}, "tolerations": [toleration]}
+    assert pod["metadata"]["labels"] == {"team": "ml"}  # the queue is the job's, never its pods'
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a-gpus"
+    assert job["metadata"]["labels"]["team"] == "ml"
+    assert allocation.metadata["stage"] == "search" and Path(allocation.path, "allocation.json").is_file()
+
+
+def test_a_queue_for_every_stage_labels_their_pods_and_the_search_s_job_never_its_launcher(tmp_path):
+    compiled = _compile(tmp_path, search={"workers": 2}, resources={"all": {"queue_name": "batch"}, "search": GPU_NODES})
+    spec = compiled["spec"]
+    (launcher,) = [t for t in _tasks(spec).values() if t["componentRef"]["name"] == "comp-search-trainjob"]
+    job = launcher["inputs"]["parameters"]["job"]["runtimeValue"]["constant"]
+    body = trainjob.trainjob(job, "evoesap-search-x", {}, 2)
+    assert body["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "batch"
+    assert "kueue.x-k8s.io/queue-name" not in json.dumps(body["spec"])  # not on the worker pods
+    executors = spec["deploymentSpec"]["executors"]
+    for executor in executors:
+        labels = compiled["platform"].get(executor, {}).get("podMetadata", {}).get("labels", {})
+        queued = executor != "exec-search-trainjob"
+        assert labels.get("kueue.x-k8s.io/queue-name") == ("batch" if queued else None), executor
+
+
+def test_the_run_s_gpus_per_worker_sets_the_workers_per_node(kube, world, tmp_path):
+    """`--set search_params.gpus_per_worker=2` at submit: the job is built for the workers the run starts, not for
+    the compiled value (2 GPUs a node, one worker of 2 GPUs each: 4 nodes for 4 workers)."""
+    KubeAPI.states, KubeAPI.failure = ["Failed"], {"reason": "Stopped"}
+    params = {**SMALL, "workers": 4, "gpus_per_worker": 2, "device_map": "auto"}
+    with pytest.raises(EvoESAPError, match=r"failed \(Stopped\)"):
+        run_search_job(_template(), str(tmp_path / "store"), world, params)
+    ((_, job),) = _calls("POST")
+    trainer = job["spec"]["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (4, 1)
+    assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "2"
+    assert {"name": "OMP_NUM_THREADS", "value": "16"} in trainer["env"]  # 16 cores, one worker a node

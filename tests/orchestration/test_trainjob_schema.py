@@ -9,8 +9,8 @@ from typing import Any
 
 import jsonschema
 import pytest
-from evoesap.pipeline.cluster import StageSettings
-from evoesap.pipeline.trainjob import _progress, job_template, trainjob
+from evoesap.pipeline.cluster import RUNTIME_SETTINGS, StageSettings
+from evoesap.pipeline.trainjob import _progress, at_run_time, job_template, trainjob
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "trainer"
 RELEASES = {"v2.0.0": "2.0", "v2.1.0": "2.1", "v2.2.0": "2.2", "v2.3.0": "2.2", "head": "2.2"}  # file -> trainer_version
@@ -118,3 +118,52 @@ def test_progress_is_read_from_trainer_v2_s_conditions_and_job_counts():
         }
     }
     assert _progress(running) == "running: 3 ready, 4 active"
+
+
+# what a run gives the launcher (its inputs, named as cluster.RUNTIME_SETTINGS), over PLACED compiled
+RUN_TIME = dict(
+    image="registry.example.org/e/s:2",
+    cpu="32",
+    memory="",  # empty: as compiled
+    accelerator_count="8",
+    node_selector={"pool": "h200"},
+    tolerations=[{"key": "dedicated", "operator": "Equal", "value": "search", "effect": "NoExecute", "tolerationSeconds": 30}],
+    queue_name="team-a-gpus",
+)
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_run_time_placement_rebuilds_a_body_each_release_keeps_with_the_queue_on_the_job_only(release):
+    version = RELEASES[release]
+    compiled = job_template(
+        StageSettings(**{**PLACED, "labels": {"team": "ml"}, "trainer_version": version}), "registry.example.org/e/s:1"
+    )
+    assert compiled["procs_per_node"] == 2 and "queue_name" not in compiled
+    template = at_run_time(compiled, RUN_TIME, workers=8, gpus_per_worker=2)
+    body = trainjob(template, "evoesap-search-0123456789ab", {"out": "s3://b/search/k"}, 8)
+    assert _errors(release, body) == []
+    trainer = body["spec"]["trainer"]
+    assert trainer["image"] == "registry.example.org/e/s:2"
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 4)  # 8 GPUs a node, 2 a worker: 4 a node, 8 in all
+    assert trainer["resourcesPerNode"] == {"limits": {"cpu": "32", "memory": "120Gi", "nvidia.com/gpu": "8"}}
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    assert env["OMP_NUM_THREADS"] == str(32 // 4) and env["NCCL_DEBUG"] == "WARN"  # the run's cores over its workers
+    pod = _pod_template(body, version)
+    assert pod["spec"]["nodeSelector"] == {"pool": "h200"}  # in place of the compiled pool, not merged with it
+    assert pod["spec"]["tolerations"] == RUN_TIME["tolerations"]
+    assert {v["name"] for v in pod["spec"]["volumes"]} == {"pvc-0", "shm"}  # compile-time placement kept
+    # Kueue reads the queue from the TrainJob; on the pods (or the 2.0 JobSet labels) it would queue them apart
+    assert body["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a-gpus"
+    assert pod["metadata"]["labels"] == {"team": "ml"}
+    assert body["spec"].get("labels", {"team": "ml"}) == {"team": "ml"}
+    assert body["spec"]["suspend"] is True
+
+
+def test_empty_run_time_values_keep_the_compiled_job():
+    settings = StageSettings(**{**PLACED, "labels": {"team": "ml"}, "queue_name": "compiled"})
+    compiled = job_template(settings, "registry.example.org/e/s:1")
+    empty = {name: kind() for name, kind in RUNTIME_SETTINGS.items()}  # "" {} []: what an unbound launcher input holds
+    assert at_run_time(compiled, empty, workers=4) == compiled
+    body = trainjob(compiled, "evoesap-search-0123456789ab", {}, 4)
+    assert body["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "compiled"
+    assert "kueue.x-k8s.io/queue-name" not in _pod_template(body, "2.2")["metadata"]["labels"]
