@@ -151,12 +151,16 @@ class Sequential:
     delta: float = 0.05  # declared chance of wrongly stopping a candidate that could enter the elite
     min_samples: int = 4  # the first checkpoint's samples (and the strata of the order)
     growth: float = 2.0  # each checkpoint scores this many times the samples of the previous one
+    waves: int = 4  # a generation's candidates race in this many waves, predicted fittest first
+    surrogate: bool = True  # subtract the differences a per-sample additive model predicts (evoesap.method.surrogate)
 
     def __post_init__(self) -> None:
         if not 0 < self.delta < 1:
             raise ConfigError(f"racing_delta must lie in (0, 1), got {self.delta}")
         if self.min_samples < 2:
             raise ConfigError(f"statistical racing needs racing_min_samples >= 2 (a variance), got {self.min_samples}")
+        if self.waves < 1:
+            raise ConfigError(f"statistical racing's waves must be >= 1, got {self.waves}")
         if not self.growth > 1:
             raise ConfigError(f"statistical racing's growth must exceed 1, got {self.growth}")
 
