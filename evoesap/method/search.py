@@ -38,11 +38,17 @@ removal counts, see `evoesap.method.allocation`) to a float, higher is better.
   off leaves Algorithm 1 and its results unchanged.
 - Statistical racing (`racing=Sequential(...)` with `sample_fitness`, or `sample_batch`): each generation's
   new candidates are scored on growing prefixes of one sample order fixed for the search and stop as soon as
-  their paired per-sample differences against the elite boundary member (the weakest parent; in generation 0
-  the first `elites` distinct members, scored on the full set first, and the weakest of them) say at error rate
-  `delta` that they cannot enter the elite (`evoesap.method.racing.Sequential`). The boundary only rises within
-  a search, so a candidate below it could never have become an elite or the best. `sample_fitness(allocation,
-  count)` gives the per-sample fitness (higher is better) on the order's first `count` samples (None: all).
+  their paired per-sample differences against the elite boundary member say at error rate `delta` that they
+  cannot enter the elite (`evoesap.method.racing.Sequential`). The boundary member is the `elites`-th fittest
+  distinct member of the population scored exactly on the full set (in generation 0 the first `elites`
+  distinct members are scored on the full set first); a candidate below it has `elites` members above it, so
+  it could never have become an elite or the best. The candidates race in `waves`, those a per-sample
+  additive model of the members scored before (`evoesap.method.surrogate`, fitted on the latest
+  SURROGATE_WINDOW full-set per-sample vectors, which the checkpoint keeps) predicts fittest first, so that
+  each wave's survivors may raise the boundary for the next; the model's predicted differences are
+  subtracted from the paired differences and their full-set mean added back, which narrows the bound where
+  the model is good and never makes it wrong. `sample_fitness(allocation, count)` gives the per-sample
+  fitness (higher is better) on the order's first `count` samples (None: all).
 - Scoring goes through one seam, a batch per generation and racing level: `score_batch(allocations,
   level, generation)` (level None: the full set), so that a caller can score a generation's candidates on
   several workers (`evoesap.method.distributed`). The search asks for the same allocations in the same order
