@@ -18,7 +18,8 @@ Pruning orders come from the observer pass over calibration samples (REAP).
 
 `--compare` instead runs, per world x criterion x seed and in one process, exact search (no prefix reuse), prefix
 reuse, today's racing (prefix reuse + the racing schedule) and statistical racing (prefix reuse +
-`racing.Sequential` at `--racing-delta`), and prints FFE per candidate (in the run and extrapolated to a whole
+`racing.Sequential` at `--racing-delta`, in `--racing-waves` waves, its additive model off with `--no-surrogate`;
+`--methods` picks among them, exact always first), and prints FFE per candidate (in the run and extrapolated to a whole
 default search of 50 generations from generation 0 and the mean later generation, as bench_search does), wall time
 per candidate and the final allocation's full-set ESAP, with exact search's as the baseline of the same run:
 
@@ -100,7 +101,8 @@ def compare(args: argparse.Namespace) -> None:
         "s / cand. | wall s | final full-set ESAP | vs exact |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    sums: dict[str, list[tuple[float, float, float]]] = {m: [] for m in COMPARED}
+    methods = {m: COMPARED[m] for m in dict.fromkeys(["exact", *args.methods])}  # exact first: the baseline
+    sums: dict[str, list[tuple[float, float, float]]] = {m: [] for m in methods}
     for name in args.worlds:
         model, tokenized, calibration = world(name, args)
         runtime.use_cpu_threads(runtime.parameter_count(model))
@@ -117,7 +119,7 @@ def compare(args: argparse.Namespace) -> None:
                 for seed in args.seeds:
                     judge = None
                     base = float("nan")
-                    for method, (prefix, race) in COMPARED.items():
+                    for method, (prefix, race) in methods.items():
                         row, result, evaluator = run_search(
                             model, cache, orders, n, k, budget, ids, args, prefix=prefix, race=race, seed=seed
                         )
@@ -145,7 +147,8 @@ def compare(args: argparse.Namespace) -> None:
         f"settings: {args.sparsity:.0%}, population {args.population}, elites {args.elites}, {args.generations} generations, "
         f"{args.samples} samples x {args.max_length} tokens, batch {args.batch_size}; racing schedule {args.racing_schedule} "
         f"(minimums {args.racing_min_samples} samples, {args.racing_min_positions} positions); statistical delta "
-        f"{args.racing_delta}, first checkpoint {args.racing_min_samples} samples"
+        f"{args.racing_delta}, first checkpoint {args.racing_min_samples} samples, {args.racing_waves} waves, "
+        f"additive model {'off' if args.no_surrogate else 'on'}"
     )
     print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
 
@@ -173,6 +176,11 @@ def main() -> None:
     parser.add_argument("--racing-min-samples", type=int, default=2)
     parser.add_argument("--racing-min-positions", type=int, default=64)
     parser.add_argument("--racing-delta", type=float, default=0.05, help="statistical racing's error rate (--compare)")
+    parser.add_argument("--racing-waves", type=int, default=4, help="statistical racing's waves per generation (--compare)")
+    parser.add_argument("--no-surrogate", action="store_true", help="statistical racing without its additive model (--compare)")
+    parser.add_argument(
+        "--methods", nargs="+", default=list(COMPARED), choices=list(COMPARED), help="with --compare (exact always runs)"
+    )
     parser.add_argument("--criteria", nargs="+", default=["reap"], help="with --compare: the criteria to search with")
     parser.add_argument("--compare", action="store_true", help="exact, prefix, racing and statistical racing (docstring)")
     args = parser.parse_args()

@@ -188,7 +188,12 @@ def run_search(
     )
     statistical = race == "statistical"
     if statistical:
-        schedule = racing.Sequential(getattr(args, "racing_delta", 0.05), args.racing_min_samples)
+        schedule = racing.Sequential(
+            getattr(args, "racing_delta", 0.05),
+            args.racing_min_samples,
+            waves=getattr(args, "racing_waves", 4),
+            surrogate=not getattr(args, "no_surrogate", False),
+        )
     else:
         schedule = racing.Racing.parse(args.racing_schedule, args.racing_min_samples, args.racing_min_positions) if race else None
     positions = (cache.offsets[1:] - cache.offsets[:-1]).tolist()  # [S] scored positions per sample

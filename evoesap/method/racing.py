@@ -132,8 +132,8 @@ def _permutation(n: int, seed: int, generation: int) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class Sequential:
     """Statistical racing: a new candidate stops once the evidence says, at error rate `delta`, that its full-set
-    fitness lies below that of the elite boundary member (the weakest parent; in generation 0 the weakest of the
-    first `elites` members, scored on the full set first).
+    fitness lies below that of the elite boundary member (the `elites`-th fittest member scored on the full set so
+    far; in generation 0 the first `elites` members are scored on the full set first).
 
     Every candidate is scored on growing prefixes of one sample order, fixed once per search (`order`: stratified
     by scored length, seeded), at the checkpoints `min_samples`, x `growth`, ... below the search set's size. At
@@ -146,17 +146,27 @@ class Sequential:
     range of d, would need hundreds of samples to stop anything at the differences between ESAP candidates), so
     `delta` is the declared rate of wrongly stopping a candidate that could have entered the elite, as far as
     that approximation holds; with few samples the t quantile is large and the test cautious.
+
+    With `surrogate`, the search subtracts from d the per-sample difference that an additive model of the members
+    scored before predicts (`evoesap.method.surrogate`, fixed before the candidate is scored) and adds back its
+    full-set mean, known exactly: the same bound on a quantity that spreads less (on the tiny world, the
+    residuals spread a third to a half as much as d). A generation's candidates race in `waves`, predicted
+    fittest first, and each wave's survivors may raise the boundary of the next.
     """
 
     delta: float = 0.05  # declared chance of wrongly stopping a candidate that could enter the elite
     min_samples: int = 4  # the first checkpoint's samples (and the strata of the order)
     growth: float = 2.0  # each checkpoint scores this many times the samples of the previous one
+    waves: int = 4  # a generation's candidates race in this many waves, predicted fittest first
+    surrogate: bool = True  # subtract the differences a per-sample additive model predicts (evoesap.method.surrogate)
 
     def __post_init__(self) -> None:
         if not 0 < self.delta < 1:
             raise ConfigError(f"racing_delta must lie in (0, 1), got {self.delta}")
         if self.min_samples < 2:
             raise ConfigError(f"statistical racing needs racing_min_samples >= 2 (a variance), got {self.min_samples}")
+        if self.waves < 1:
+            raise ConfigError(f"statistical racing's waves must be >= 1, got {self.waves}")
         if not self.growth > 1:
             raise ConfigError(f"statistical racing's growth must exceed 1, got {self.growth}")
 

@@ -38,11 +38,17 @@ removal counts, see `evoesap.method.allocation`) to a float, higher is better.
   off leaves Algorithm 1 and its results unchanged.
 - Statistical racing (`racing=Sequential(...)` with `sample_fitness`, or `sample_batch`): each generation's
   new candidates are scored on growing prefixes of one sample order fixed for the search and stop as soon as
-  their paired per-sample differences against the elite boundary member (the weakest parent; in generation 0
-  the first `elites` distinct members, scored on the full set first, and the weakest of them) say at error rate
-  `delta` that they cannot enter the elite (`evoesap.method.racing.Sequential`). The boundary only rises within
-  a search, so a candidate below it could never have become an elite or the best. `sample_fitness(allocation,
-  count)` gives the per-sample fitness (higher is better) on the order's first `count` samples (None: all).
+  their paired per-sample differences against the elite boundary member say at error rate `delta` that they
+  cannot enter the elite (`evoesap.method.racing.Sequential`). The boundary member is the `elites`-th fittest
+  distinct member of the population scored exactly on the full set (in generation 0 the first `elites`
+  distinct members are scored on the full set first); a candidate below it has `elites` members above it, so
+  it could never have become an elite or the best. The candidates race in `waves`, those a per-sample
+  additive model of the members scored before (`evoesap.method.surrogate`, fitted on the latest
+  SURROGATE_WINDOW full-set per-sample vectors, which the checkpoint keeps) predicts fittest first, so that
+  each wave's survivors may raise the boundary for the next; the model's predicted differences are
+  subtracted from the paired differences and their full-set mean added back, which narrows the bound where
+  the model is good and never makes it wrong. `sample_fitness(allocation, count)` gives the per-sample
+  fitness (higher is better) on the order's first `count` samples (None: all).
 - Scoring goes through one seam, a batch per generation and racing level: `score_batch(allocations,
   level, generation)` (level None: the full set), so that a caller can score a generation's candidates on
   several workers (`evoesap.method.distributed`). The search asks for the same allocations in the same order
@@ -74,6 +80,7 @@ from evoesap.errors import ArtifactError, ConfigError, DataError
 from evoesap.method import allocation
 from evoesap.method.allocation import Allocation
 from evoesap.method.racing import Racing, Sequential
+from evoesap.method.surrogate import Additive
 from evoesap.store import artifacts
 
 log = logging.getLogger(__name__)
@@ -95,6 +102,7 @@ OnGeneration = Callable[[int, Allocation, float, float, int], None]
 _FORMAT = "evoesap.search/1"  # a format name, not a module path: checkpoints written before stay readable
 _HEAD = json.dumps({"format": _FORMAT})[:-1].encode("utf-8")  # how every checkpoint file starts
 _REDRAWS = 32
+SURROGATE_WINDOW = 128  # the most recent full-set per-sample fitness vectors that statistical racing's model fits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +268,8 @@ class _Run:
         self.best: Allocation | None = None
         self.best_fitness = -math.inf
         self.subset_calls = 0
+        # statistical racing: full-set per-sample fitness (race order) of the latest members scored exactly
+        self.vectors: dict[Allocation, np.ndarray] = {}
 
     def scored(self, rs: list[Allocation], level: int | None, gen: int) -> list[float]:
         floored = self.elite_floor and level is None
@@ -293,7 +303,8 @@ class _Run:
         return values
 
     def race_sequential(self, gen: int, pop: list[Allocation]) -> dict[Allocation, tuple[int, float]]:
-        """Statistical racing of the new members against the elite boundary member (the module docstring);
+        """Statistical racing of the new members against the elite boundary member (the module docstring), in waves
+        of those predicted fittest first, so that survivors scored on the full set raise the boundary for the next;
         survivors get full-set fitness (memo). Returns the checkpoint and the score there of those stopped."""
         race = self.params.racing
         assert isinstance(race, Sequential)
@@ -301,13 +312,37 @@ class _Run:
         if gen == 0:  # a provisional elite first: the seeds lead the population
             first = entrants[: self.params.elites]
             self.score_full_set(first, gen)
-            entrants, leaders = entrants[len(first) :], first
-        else:
-            leaders = pop[: self.params.elites]  # the parents (`_next_population`)
+            self.keep_vectors(first)
+            entrants = entrants[len(first) :]
+        stopped: dict[Allocation, tuple[int, float]] = {}
         if not entrants:
-            return {}
-        boundary = min(leaders, key=lambda r: self.memo[r])
+            return stopped
+        model, boundary = self.surrogate(), self.boundary(pop)
+        if model is not None:  # predicted fittest first (stable: population order on ties)
+            entrants.sort(key=lambda r: -float(model.difference(r, boundary).mean()))
+        size = math.ceil(len(entrants) / race.waves)
+        for start in range(0, len(entrants), size):
+            if start:  # the last wave's survivors are data and may have raised the boundary
+                model, boundary = self.surrogate(), self.boundary(pop)
+            stopped.update(self.race_wave(entrants[start : start + size], boundary, model, gen))
+        return stopped
+
+    def boundary(self, pop: list[Allocation]) -> Allocation:
+        """The elite boundary member: the `elites`-th fittest distinct member of `pop` scored exactly on the full set
+        (the weakest of them when fewer). Every member below it has `elites` members above it: never an elite."""
+        exact = [r for r in dict.fromkeys(pop) if r in self.memo and (self.floor is None or self.memo[r] >= self.floor)]
+        ranked = sorted(exact, key=lambda r: -self.memo[r])
+        return ranked[min(self.params.elites, len(ranked)) - 1]
+
+    def race_wave(
+        self, entrants: list[Allocation], boundary: Allocation, model: Additive | None, gen: int
+    ) -> dict[Allocation, tuple[int, float]]:
+        """Race `entrants` over the checkpoints against `boundary`, the `model`'s predicted differences subtracted."""
+        race = self.params.racing
+        assert isinstance(race, Sequential)
         full = self.samples([boundary], None)[0]
+        # predicted per-sample difference to the boundary, fixed before any of the candidate's values are seen
+        shift = {r: model.difference(r, boundary) if model is not None else np.zeros(len(full)) for r in entrants}
         stopped: dict[Allocation, tuple[int, float]] = {}
         for level, count in enumerate(race.checkpoints(len(full))):
             if not entrants:
@@ -316,13 +351,35 @@ class _Run:
             self.subset_calls += len(entrants)
             going = []
             for r, v in zip(entrants, values):
-                if race.upper(v - full[:count], len(full)) < 0:
+                s = shift[r]
+                if race.upper(v - full[:count] - s[:count], len(full)) + float(s.mean()) < 0:
                     stopped[r] = (level, float(np.nanmean(v)))
                 else:
                     going.append(r)
             entrants = going
         self.score_full_set(entrants, gen)
+        self.keep_vectors(entrants)
         return stopped
+
+    def keep_vectors(self, rs: list[Allocation]) -> None:
+        """Remember the full-set per-sample fitness of those of `rs` scored exactly on the full set (with the elite
+        floor, those at or above it; the evaluator has them all, so nothing runs), the surrogate's data."""
+        race = self.params.racing
+        if not isinstance(race, Sequential) or not race.surrogate:
+            return
+        exact = [r for r in dict.fromkeys(rs) if r not in self.vectors and (self.floor is None or self.memo[r] >= self.floor)]
+        if exact:
+            self.vectors.update(zip(exact, self.samples(exact, None)))
+            for r in list(self.vectors)[: max(0, len(self.vectors) - SURROGATE_WINDOW)]:
+                del self.vectors[r]
+
+    def surrogate(self) -> Additive | None:
+        """The per-sample additive model of the members kept (`evoesap.method.surrogate`), None before any or off."""
+        race = self.params.racing
+        if not self.vectors or not isinstance(race, Sequential) or not race.surrogate:
+            return None
+        caps = [n - k for n, k in zip(self.params.num_experts, self.params.top_k)]
+        return Additive.fit(caps, list(self.vectors), np.stack(list(self.vectors.values())))
 
     def race(self, gen: int, pop: list[Allocation]) -> dict[Allocation, tuple[int, float]]:
         """Score the new members over the racing levels; survivors get full-set fitness (memo).
@@ -375,6 +432,7 @@ class _Run:
                 self.best_fitness,
                 self.rng,
                 self.subset_calls,
+                self.vectors,
             )
         self.report(gen, pop)
 
@@ -384,6 +442,7 @@ class _Run:
         self.history.extend(saved["history"])
         self.best, self.best_fitness = saved["best"], saved["best_fitness"]
         self.subset_calls = saved["subset_calls"]
+        self.vectors.update(saved["vectors"])
         self.rng.bit_generator.state = saved["rng"]
         self.report(saved["generation"], saved["population"])
         return saved["generation"], saved["population"]
@@ -588,6 +647,7 @@ def _write_checkpoint(
     best_fitness: float,
     rng: np.random.Generator,
     subset_calls: int,
+    vectors: dict[Allocation, np.ndarray] | None = None,
 ) -> None:
     payload = {
         "format": _FORMAT,
@@ -603,6 +663,7 @@ def _write_checkpoint(
         "best_fitness": best_fitness,
         "rng": rng.bit_generator.state,
         "subset_calls": subset_calls,
+        "vectors": [[list(r), v.tolist()] for r, v in (vectors or {}).items()],
     }
     data = json.dumps(payload).encode("utf-8")
     fs, path = artifacts.split(uri)
@@ -673,4 +734,5 @@ def _read_checkpoint(uri: str, params: _Params) -> dict[str, Any]:
         "best_fitness": float(payload["best_fitness"]),
         "rng": payload["rng"],
         "subset_calls": int(payload.get("subset_calls", 0)),
+        "vectors": {tuple(r): np.asarray(v, dtype=np.float64) for r, v in payload.get("vectors", [])},
     }
