@@ -45,7 +45,7 @@ _LINEAR_EXPERT = re.compile(r"\.experts\.\d+\.[A-Za-z_0-9]+\.weight$")  # a line
 
 def refusal(recipe: str | None, model_dtype: str = "auto") -> str | None:
     """Why a memory target cannot size the checkpoint `recipe` makes (one line naming the fix); None when it can."""
-    from evoesap.stages.quantize import check_recipe
+    from evoesap.release.quantize_recipes import check_recipe
 
     if recipe is None:
         return None
@@ -65,7 +65,7 @@ def refusal(recipe: str | None, model_dtype: str = "auto") -> str | None:
 
 
 def _recipes() -> dict[str, Any]:
-    from evoesap.stages.quantize import RECIPES
+    from evoesap.release.quantize_recipes import RECIPES
 
     return RECIPES
 
@@ -107,7 +107,7 @@ def _linear_modules(model: str) -> tuple[frozenset[str], tuple[str, ...]]:
     import torch
 
     from evoesap.moe import families, stream_prune
-    from evoesap.stages.quantize import ignored_modules
+    from evoesap.release.quantize_recipes import ignored_modules
 
     config = stream_prune.read_config(*stream_prune.checkpoint_files(model, patterns=("config.json",)))
     meta = stream_prune.meta_model(config)
@@ -127,16 +127,15 @@ def fixed_bytes(model: str, recipe: str, dtype: str | None) -> tuple[int, int]:
     config.json adds to that, the newline transformers leaves out), the same at every allocation: measured by
     quantizing a stand-in (`model`'s configuration at tiny widths, with its tokenizer and other small files) in the
     quantize environment. `dtype`: the pruned checkpoint's floating dtype (safetensors name), None for the model's own."""
-    from evoesap.release import quantize_env
-    from evoesap.stages import quantize
+    from evoesap.release import quantize_env, quantize_recipes
 
     python = quantize_env.quantize_python()
     with tempfile.TemporaryDirectory(prefix="evoesap-stand-in-") as tmp:
         source, out = Path(tmp) / "in", Path(tmp) / "out"
         family, config = _stand_in(model, dtype, source)
-        spec = quantize.check_recipe(recipe)
+        spec = quantize_recipes.check_recipe(recipe)
         ids = [[i % 8 for i in range(16)]] if spec.calibrated else []
-        request = quantize.worker_request(recipe, family, config, "auto", "cpu", ids, 16, 1)
+        request = quantize_recipes.worker_request(recipe, family, config, "auto", "cpu", ids, 16, 1)
         quantize_env.run_worker(python, {**request, "model": str(source), "out": str(out)}, device="cpu", threads=1)
         written = (out / "config.json").stat().st_size
         rewritten = len((json.dumps(json.loads((out / "config.json").read_text()), indent=2, sort_keys=True) + "\n").encode())
@@ -185,7 +184,7 @@ def quantized_bytes(model: str, allocations: Sequence[Any], dtype: Any, recipe: 
     own quantization.json and manifest.json not counted, as a prune artifact's pruning.json is not."""
     from evoesap import moe
     from evoesap.moe import shards
-    from evoesap.stages.quantize import check_recipe
+    from evoesap.release.quantize_recipes import check_recipe
 
     scheme = check_recipe(recipe).scheme
     fixed, rewrite = fixed_bytes(model, recipe, None if dtype is None else shards.NAMES[dtype])

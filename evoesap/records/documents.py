@@ -202,7 +202,7 @@ class QuantizationRecord(Record):
     FILE = QUANTIZATION_FILE
     STAGE = "quantize"
 
-    recipe: str  # the recipe's name (evoesap.stages.quantize.RECIPES)
+    recipe: str  # the recipe's name (evoesap.release.quantize_recipes.RECIPES)
     scheme: str  # compressed-tensors preset scheme
     algorithm: str  # rtn, gptq or awq
     calibration_samples: int  # samples the recipe calibrated on (0: uncalibrated)
