@@ -54,10 +54,16 @@ def vllm_python() -> str:
     return venv_python("EVOESAP_VLLM_PYTHON", ".venv-vllm", "vllm-venv", "vLLM", "vllm and serving/vllm")
 
 
+def vllm_env(**env: str) -> dict[str, str]:
+    """The environment of a vLLM process: this checkout's plugin first on its path, whatever is installed there."""
+    path = os.pathsep.join(p for p in (str(PLUGIN_SRC), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, **VLLM_ENV, "PYTHONPATH": path, **env}
+
+
 def run_vllm(args: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [vllm_python(), *args],
-        env={**os.environ, **VLLM_ENV, **env},
+        env=vllm_env(**env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -130,7 +136,36 @@ def test_plugin_registers_the_architecture_names_that_save_pruned_writes():
     assert served_families.PER_LAYER_KEY == moe.PER_LAYER_KEY
     assert served_families.ARCHITECTURE_PREFIX == moe.NONUNIFORM_ARCHITECTURE_PREFIX
     ours = {type(moe.tiny_model(f)).__name__ for f in moe.FAMILIES}
-    assert {f.architecture for f in served_families.FAMILIES} <= ours  # every served family is one of ours
+    served = {f.architecture for f in served_families.FAMILIES}
+    assert served <= ours  # every served family is one of ours, under the name save_pruned writes
+    assert len(served) == len(served_families.FAMILIES) == len(served_families.BY_NAME)  # one row per architecture
+    # every family we prune is served or says why not, so a new family cannot be left out silently
+    assert ours - served == set(served_families.NOT_SERVED), ours ^ served ^ set(served_families.NOT_SERVED)
+
+
+ROW_CHECK = """
+import importlib, json, sys
+from evoesap_vllm.families import FAMILIES
+found = {}
+for f in FAMILIES:
+    found[f.architecture] = [
+        isinstance(getattr(importlib.import_module(f.module), f.stock_class, None), type),
+        callable(getattr(importlib.import_module(f.make_layers_module), "make_layers", None)),
+    ]
+json.dump(found, open(sys.argv[1], "w"))
+"""
+
+
+@pytest.mark.slow
+def test_every_served_row_names_a_class_and_the_make_layers_of_the_pinned_vllm(tmp_path):
+    sys.path.insert(0, str(PLUGIN_SRC))
+    try:
+        from evoesap_vllm import families as served_families
+    finally:
+        sys.path.remove(str(PLUGIN_SRC))
+    run_vllm(["-c", ROW_CHECK, str(tmp_path / "rows.json")], 600)
+    found = json.loads((tmp_path / "rows.json").read_text())
+    assert found == {f.architecture: [True, True] for f in served_families.FAMILIES}, found
 
 
 def test_plugin_reads_per_layer_counts_and_refuses_what_assumes_one_count():
@@ -209,7 +244,7 @@ def test_openai_compatible_server_serves_a_nonuniform_checkpoint_with_transforme
         [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", made["dir"], "--served-model-name",
          "pruned", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
          "--max-model-len", "128", "--distributed-executor-backend", "uni"],
-        env={**os.environ, **VLLM_ENV}, stdout=log, stderr=subprocess.STDOUT,
+        env=vllm_env(), stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 600
@@ -297,8 +332,8 @@ def test_vllm_backend_scores_a_nonuniform_checkpoint_like_an_independent_computa
     moe.save_pruned(pruned, tok, str(tmp_path / "model"))
     tasks = str(write_tasks(tmp_path / "tasks"))
     monkeypatch.setenv("EVOESAP_VLLM_PYTHON", vllm_python())
-    for name, value in VLLM_ENV.items():
-        monkeypatch.setenv(name, value)
+    for name in (*VLLM_ENV, "PYTHONPATH"):
+        monkeypatch.setenv(name, vllm_env()[name])
 
     values = {}
     for backend in ("hf", "vllm"):

