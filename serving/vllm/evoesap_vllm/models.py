@@ -79,7 +79,7 @@ def _layers_built_with_counts(family: ServedFamily, config: Any, counts: Mapping
 def variant(name: str) -> type:
     """The per-layer-count subclass of the stock class behind architecture `name` (EvoESAP<Stock>)."""
     family = BY_NAME[name]
-    stock = getattr(importlib.import_module(family.module), family.stock_class)
+    stock = getattr(importlib.import_module(family.module), family.architecture)
 
     def __init__(self: Any, *, vllm_config: Any, prefix: str = "", **kwargs: Any) -> None:
         config = vllm_config.model_config.hf_config
