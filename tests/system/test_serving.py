@@ -61,7 +61,7 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
 }
 PROMPTS = ("2+3=", "def add(a, b):", "copy: abcabc", "The capital of")
 MAX_TOKENS = 8
-ENGINE_TIMEOUT_S = 3000  # 17 engines in one process (29 with EVOESAP_SERVING_ALL): 20-90 s each on two cores
+ENGINE_TIMEOUT_S = 3000  # 17 engines in one process (27 with EVOESAP_SERVING_ALL): 20-90 s each on two cores
 VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine runs in the calling process: one import for all
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; vLLM's CPU default books far more than tiny models need
