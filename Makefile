@@ -17,7 +17,7 @@ MLFLOW_PY := $(MLFLOW_VENV)/bin/python
 MLFLOW_STAMP := $(MLFLOW_VENV)/.installed
 MLFLOW_VERSION ?= 3.17.2
 
-.PHONY: install vllm-venv quantize-venv mlflow-venv test docs docs-screenshots demo demo-world-train report-screenshot bench chaos lock sbom image components clean
+.PHONY: install vllm-venv quantize-venv mlflow-venv test test-serving-all docs docs-screenshots demo demo-world-train report-screenshot bench chaos lock sbom image components clean
 
 WORLD := .cache/demo-world
 
@@ -67,6 +67,11 @@ test: $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP) $(MLFLOW_STAMP)  # the serving, q
 	$(VENV)/bin/ruff format --check .
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site  # a broken link fails (never --quiet: it hides the warnings strict counts)
 	EVOESAP_MLFLOW_PYTHON=$(abspath $(MLFLOW_PY)) $(PY) -m pytest -q -n 2 --durations=25  # two workers; the demo world is built beside them (tests/conftest.py)
+
+# Every family the vLLM plugin serves on a CPU, uniform (stock vLLM) and non-uniform (the plugin), greedy tokens against
+# transformers in one vLLM process; `make test` runs a representative subset (docs/results/serving.md, "Families")
+test-serving-all: $(STAMP) $(VLLM_STAMP)
+	EVOESAP_SERVING_ALL=1 $(PY) -m pytest -q tests/system/test_serving.py -k "greedy_tokens" --durations=5
 
 # The docs site (mkdocs.yml) into site/; the reference pages are generated from the code at every build.
 docs: $(STAMP)

@@ -3,7 +3,7 @@
     python tests/vllm_generate.py jobs.json results.json
 
 jobs.json: [{"model": dir, "prompts": [[token ids], ...], "max_tokens": n, "engine_args": {...}}, ...]
-(engine_args optional). Every engine starts in this one process (imports paid once; run it with
+(engine_args optional, overriding the defaults below). Every engine starts in this one process (imports paid once; run it with
 VLLM_ENABLE_V1_MULTIPROCESSING=0), eager and float32 so that tokens can equal transformers'.
 results.json: one entry per job, {"tokens": [[ids], ...]} or {"error": "<type>: <message>"}: a refused
 model is a result, not a crash, so the caller can assert on vLLM's own message.
@@ -20,16 +20,15 @@ def generate(job: dict) -> dict:
     from vllm.inputs import TokensPrompt
 
     try:
-        llm = LLM(
-            model=job["model"],
+        settings = dict(
             dtype="float32",
             enforce_eager=True,
             max_model_len=128,
             max_num_seqs=8,
             seed=0,
             distributed_executor_backend="uni",  # no worker process: every engine shares this one
-            **job.get("engine_args", {}),
         )
+        llm = LLM(model=job["model"], **{**settings, **job.get("engine_args", {})})  # a job may change any of them
     except Exception as exc:  # noqa: BLE001 (the caller asserts on the refusal message)
         return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, logprobs=2)

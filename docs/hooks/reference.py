@@ -581,6 +581,7 @@ def families_page() -> str:
                 rows,
             ),
             "",
+            *served_by_plugin(families),
             "## Other MoE model types of the installed transformers",
             "",
             "Every other `model_type` whose config declares an expert count, and why it is not supported.",
@@ -592,6 +593,39 @@ def families_page() -> str:
             "",
         ]
     )
+
+
+def served_by_plugin(families: Any) -> list[str]:
+    """The section of the families page that says, from the evoesap-vllm plugin's own table, which families it serves
+    on vLLM and why not the others (the plugin is a separate distribution: its table is read from its source)."""
+    import importlib.util
+
+    from transformers import AutoConfig
+
+    source = ROOT / "serving" / "vllm" / "evoesap_vllm" / "families.py"
+    spec = importlib.util.spec_from_file_location("_evoesap_vllm_families", source)
+    if spec is None or spec.loader is None:
+        return []
+    plugin = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = plugin  # its dataclass looks its module up while it is defined
+    spec.loader.exec_module(plugin)
+    served = {f.architecture for f in plugin.FAMILIES}
+    rows = []
+    for name, family in families.items():
+        architecture = family.model_class(AutoConfig.for_model(name)).__name__
+        status = "served" if architecture in served else _cell(plugin.NOT_SERVED.get(architecture, "not served"))
+        rows.append([f"`{name}`", f"`{plugin.ARCHITECTURE_PREFIX}{architecture}`", status])
+    return [
+        "## Served on vLLM",
+        "",
+        f"A non-uniformly pruned checkpoint names its architecture `{plugin.ARCHITECTURE_PREFIX}<class>`; the evoesap-vllm "
+        f"plugin serves {len(served)} of these families on vLLM ([Serve with vLLM](../guides/serve-vllm.md)), from its own "
+        "table (`serving/vllm/evoesap_vllm/families.py`). A uniformly pruned checkpoint keeps its stock name and runs on "
+        "stock vLLM wherever vLLM has the family.",
+        "",
+        _table(["model_type", "non-uniform architecture", "vLLM plugin"], rows),
+        "",
+    ]
 
 
 # ---------------------------------------------------------------- API

@@ -146,6 +146,14 @@ def test_the_families_page_has_every_family(reference):
     assert not any(f"| `{name}` |" in unsupported for name in families)
 
 
+def test_the_families_page_says_for_every_family_whether_the_vllm_plugin_serves_it(reference):
+    served = reference.families_page().split("## Served on vLLM", 1)[1].split("## Other MoE model types", 1)[0]
+    rows = {line.split(" | ")[0].strip("| `"): line for line in served.splitlines() if line.startswith("| `")}
+    assert set(rows) == set(reference._defined("FAMILIES", kind="constant"))
+    assert "| `EvoESAPOlmoeForCausalLM` | served |" in rows["olmoe"]  # from the plugin's own table
+    assert "Triton" in rows["kimi_linear"] and "served" not in rows["kimi_linear"]  # its NOT_SERVED reason
+
+
 def test_the_api_pages_follow_the_package_tree(reference):
     modules = reference.api_modules()
     assert "evoesap.stages" in modules and "pipeline.config" in modules

