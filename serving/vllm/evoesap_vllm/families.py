@@ -53,6 +53,10 @@ FAMILIES: tuple[ServedFamily, ...] = (
 
 BY_NAME: dict[str, ServedFamily] = {ARCHITECTURE_PREFIX + f.architecture: f for f in FAMILIES}
 
+_NO_TORCHVISION = (
+    "vLLM's {module} module imports torchvision, which vLLM's CPU environment leaves out because its CUDA build breaks "
+    "`import vllm`: not checked"
+)
 _TRANSFORMERS_BACKEND = "vLLM 0.32 runs it only through its transformers backend, with no model class of its own to build"
 # EvoESAP's families that the plugin does not serve (their architecture names, as save_pruned writes them), each with why:
 # a test checks that every family EvoESAP prunes is in FAMILIES or here, and the docs' families page lists both.
@@ -75,11 +79,8 @@ NOT_SERVED: dict[str, str] = {
     "Dots1ForCausalLM": "vLLM removed its class in 0.23",
     "MiniMaxForCausalLM": "vLLM removed its class (MiniMax-Text-01) in 0.23",
     "KimiLinearForCausalLM": "its KDA linear attention runs only on Triton, which vLLM's CPU build lacks: not checked",
-    "Qwen3_5MoeForCausalLM": (
-        "vLLM's qwen3_5 module imports torchvision (through qwen3_vl), which vLLM's CPU environment leaves out because its "
-        "CUDA build breaks `import vllm`: not checked"
-    ),
-    "Qwen3_5MoeForConditionalGeneration": "multimodal: not served yet (and as qwen3_5_moe_text)",
-    "Glm4vMoeForConditionalGeneration": "multimodal: not served yet",
-    "Qwen3VLMoeForConditionalGeneration": "multimodal: not served yet",
+    "Qwen3_5MoeForCausalLM": _NO_TORCHVISION.format(module="qwen3_5 (through qwen3_vl)"),
+    "Qwen3_5MoeForConditionalGeneration": _NO_TORCHVISION.format(module="qwen3_5 (through qwen3_vl)"),
+    "Glm4vMoeForConditionalGeneration": _NO_TORCHVISION.format(module="glm4_1v"),
+    "Qwen3VLMoeForConditionalGeneration": _NO_TORCHVISION.format(module="qwen3_vl_moe (through qwen3_vl)"),
 }
