@@ -13,6 +13,7 @@ are the settings that `pipeline.dag.build_subpipeline` can make inputs of the su
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -72,6 +73,21 @@ class Toleration(_Strict):
     toleration_seconds: int | None = Field(
         None, strict=True, description="NoExecute only: how long the pod stays after the taint appears; unset: forever."
     )
+
+    def kubernetes(self) -> dict[str, Any]:
+        """This toleration in Kubernetes' JSON form (camelCase names, unset fields left out)."""
+        return {KUBERNETES_NAMES.get(k, k): v for k, v in self.model_dump(exclude_none=True).items()}
+
+    @classmethod
+    def from_kubernetes(cls, value: Any) -> Any:
+        """A toleration given in Kubernetes' JSON form, in this model's field names (anything else as given)."""
+        if not isinstance(value, Mapping):
+            return value
+        return {_SNAKE_NAMES.get(k, k): v for k, v in value.items()}
+
+
+KUBERNETES_NAMES = {"toleration_seconds": "tolerationSeconds"}  # a toleration's field -> its name in Kubernetes' JSON
+_SNAKE_NAMES = {v: k for k, v in KUBERNETES_NAMES.items()}
 
 
 class Volume(_Strict):
@@ -214,10 +230,7 @@ def runtime_default(settings: StageSettings, name: str) -> Any:
     if name == "accelerator_count":
         return str(value) if settings.accelerator_type else None
     if name == "tolerations":  # Kubernetes' Toleration JSON, as kfp-kubernetes' add_toleration_json takes it
-        return [
-            {"tolerationSeconds" if k == "toleration_seconds" else k: v for k, v in t.model_dump(exclude_none=True).items()}
-            for t in value
-        ]
+        return [t.kubernetes() for t in value]
     return value
 
 

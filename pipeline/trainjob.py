@@ -51,7 +51,7 @@ from evoesap import network
 from evoesap.errors import ConfigError, EvoESAPError
 from evoesap.params import keyed
 
-from .cluster import QUEUE_LABEL, RUNTIME_SETTINGS, StageSettings
+from .cluster import QUEUE_LABEL, RUNTIME_SETTINGS, StageSettings, Toleration
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +187,6 @@ def at_run_time(template: Mapping[str, Any], values: Mapping[str, Any], workers:
     return {**job_template(settings, image, gpus_per_worker), "poll_seconds": template.get("poll_seconds", POLL_SECONDS)}
 
 
-_SNAKE = {"tolerationSeconds": "toleration_seconds"}  # Kubernetes' toleration field -> `cluster.Toleration`'s
-
-
 def _setting(name: str, value: Any) -> Any:
     """A run-time value in `StageSettings`' form: the accelerator count a string of digits (as KFP's driver reads
     it), tolerations in Kubernetes' form."""
@@ -201,7 +198,7 @@ def _setting(name: str, value: Any) -> Any:
             )
         return int(value)
     if name == "tolerations" and isinstance(value, list):
-        return [{_SNAKE.get(k, k): v for k, v in t.items()} if isinstance(t, Mapping) else t for t in value]
+        return [Toleration.from_kubernetes(t) for t in value]
     return value
 
 
@@ -232,12 +229,9 @@ def _pod_fields(settings: StageSettings) -> dict[str, Any]:
     if settings.shm_size:
         volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": settings.shm_size}})
         mounts.append({"name": "shm", "mountPath": SHM_MOUNT})
-    tolerations = [{_CAMEL.get(k, k): v for k, v in t.model_dump(exclude_none=True).items()} for t in settings.tolerations]
+    tolerations = [t.kubernetes() for t in settings.tolerations]
     fields = {"nodeSelector": dict(settings.node_selector), "tolerations": tolerations, "volumes": volumes}
     return {k: v for k, v in fields.items() if v} | ({"volumeMounts": mounts} if mounts else {})
-
-
-_CAMEL = {"toleration_seconds": "tolerationSeconds"}
 
 
 def pod_patch(template: Mapping[str, Any]) -> dict[str, Any]:
