@@ -17,7 +17,7 @@ MLFLOW_PY := $(MLFLOW_VENV)/bin/python
 MLFLOW_STAMP := $(MLFLOW_VENV)/.installed
 MLFLOW_VERSION ?= 3.17.2
 
-.PHONY: install vllm-venv quantize-venv mlflow-venv test test-serving-all docs docs-screenshots demo demo-world-train report-screenshot bench chaos lock sbom image components clean
+.PHONY: install vllm-venv quantize-venv mlflow-venv venvs test test-serving-all docs docs-screenshots demo demo-world-train report-screenshot bench chaos lock sbom image components clean
 
 WORLD := .cache/demo-world
 
@@ -62,7 +62,12 @@ $(MLFLOW_STAMP):
 
 mlflow-venv: $(MLFLOW_STAMP)
 
-test: $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP) $(MLFLOW_STAMP)  # the serving, quantize and register tests run vLLM, llm-compressor and MLflow from their own venvs
+# The four venvs at once (pip waits on the disk and the package index as much as on the CPU); each one's output kept
+# together.
+venvs:
+	$(MAKE) --no-print-directory -j 4 --output-sync=target $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP) $(MLFLOW_STAMP)
+
+test: venvs  # the serving, quantize and register tests run vLLM, llm-compressor and MLflow from their own venvs
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site  # a broken link fails (never --quiet: it hides the warnings strict counts)
