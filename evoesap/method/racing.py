@@ -161,8 +161,9 @@ class Sequential:
     mean difference to the boundary plus a Student-t multiple of the model's leave-one-out error (`screen_upper`,
     at its own share of delta: one more look in the union bound) below zero stops it at `SCREENED`. It needs
     `SCREEN_MEMBERS` members scored in full and a candidate whose removal counts the members cover (the model then
-    interpolates, where its leave-one-out errors say how far it may miss); on the tiny world it decides a third to
-    a half of the later generations' candidates, all of them clearly below the boundary.
+    interpolates, where its leave-one-out errors say how far it may miss). It saves the first checkpoints' samples of
+    clearly worse candidates and costs the checkpoints a slightly smaller share of delta (docs/results/speed.md,
+    #statistical-screen, has what that nets).
     """
 
     delta: float = 0.05  # declared chance of wrongly stopping a candidate that could enter the elite

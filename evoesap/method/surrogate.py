@@ -65,10 +65,11 @@ class Additive:
         slope = values.mean(axis=1)  # [p] the model of the full-set mean (it is linear in y)
         intercept = float(means.mean() - design.mean(axis=0) @ slope)
         m = len(allocations)
-        # leave-one-out errors of the means: residual / (1 - leverage), the intercept (centring) counted in
-        leverage = 1.0 / m + np.einsum("ij,ji->i", x, np.linalg.solve(gram, x.T))  # [m]
-        loo = (means - intercept - design @ slope) / (1.0 - leverage)
-        spread = float(np.sqrt(np.mean(loo**2))) if m > 1 else math.inf
+        spread = math.inf
+        if m > 1:  # leave-one-out errors of the means: residual / (1 - leverage), the intercept (centring) counted in
+            leverage = 1.0 / m + np.einsum("ij,ji->i", x, np.linalg.solve(gram, x.T))  # [m]
+            loo = (means - intercept - design @ slope) / (1.0 - leverage)
+            spread = float(np.sqrt(np.mean(loo**2)))
         return cls(offsets, values, intercept, spread, m, tuple(bool(v) for v in design.any(axis=0)))
 
     def difference(self, a: Sequence[int], b: Sequence[int]) -> np.ndarray:
