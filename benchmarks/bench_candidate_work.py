@@ -100,9 +100,9 @@ def compare(args: argparse.Namespace) -> None:
     """Exact, prefix, today's racing and statistical racing on the same data (the module docstring)."""
     print(
         "| world | criterion | seed | method | candidates | FFE / cand. | FFE / cand. whole default search (est.) | "
-        "s / cand. | wall s | final full-set ESAP | vs exact | screened |"
+        "s / cand. | wall s | final full-set ESAP | vs exact | screened | FFE by generation |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     methods = {m: COMPARED[m] for m in dict.fromkeys(["exact", *args.methods])}  # exact first: the baseline
     sums: dict[str, list[tuple[float, float, float]]] = {m: [] for m in methods}
     for name in args.worlds:
@@ -135,7 +135,8 @@ def compare(args: argparse.Namespace) -> None:
                         print(
                             f"| {name} | {criterion} | {seed} | {method} | {row.candidates} | {row.ffe / row.candidates:.3f} | "
                             f"{whole:.3f} | {row.seconds / row.candidates:.4f} | {row.seconds:.1f} | {esap:.6f} | "
-                            f"{100 * (esap - base) / base:+.3f}% | {sum(h.level == SCREENED for h in result.history)} |",
+                            f"{100 * (esap - base) / base:+.3f}% | {sum(h.level == SCREENED for h in result.history)} | "
+                            f"{' '.join(f'{v:.2f}' for v in np.diff([0.0, *(m[1] for m in row.marks)]))} |",
                             flush=True,
                         )
     print()
