@@ -19,7 +19,7 @@ Pruning orders come from the observer pass over calibration samples (REAP).
 `--compare` instead runs, per world x criterion x seed and in one process, exact search (no prefix reuse), prefix
 reuse, today's racing (prefix reuse + the racing schedule) and statistical racing (prefix reuse +
 `racing.Sequential` at `--racing-delta`, in `--racing-waves` waves, its additive model off with `--no-surrogate`, its
-zero-forward screen off with `--no-screen`;
+zero-forward screen (opt-in in the search, on here) off with `--no-screen`;
 `--methods` picks among them, exact always first), and prints FFE per candidate (in the run and extrapolated to a whole
 default search of 50 generations from generation 0 and the mean later generation, as bench_search does), wall time
 per candidate and the final allocation's full-set ESAP, with exact search's as the baseline of the same run:

@@ -83,6 +83,11 @@ class SearchParams(PlacementParams):
     racing_delta: float = param(
         0.05, "Statistical racing: the declared chance of wrongly stopping a candidate that could enter the elite.", gt=0, lt=1
     )
+    racing_screen: bool = param(
+        False,
+        "Statistical racing: stop a candidate before any forward when the additive model predicts it, with room for its "
+        "leave-one-out error, below the elite (opt-in: evoesap.method.racing.Sequential says when that bound fails).",
+    )
     racing_schedule: str = param("0.0625,0.25:0.25", "Subset shares of the racing levels, then the share that advances.")
     racing_min_samples: int = param(
         4, "Least samples any racing level scores (statistical racing: its first checkpoint, at least 2).", ge=1
@@ -156,7 +161,7 @@ class SearchParams(PlacementParams):
         if not self.racing:
             return None
         if self.racing_mode == "statistical":
-            return Sequential(self.racing_delta, self.racing_min_samples)
+            return Sequential(self.racing_delta, self.racing_min_samples, screen=self.racing_screen)
         return Racing.parse(self.racing_schedule, self.racing_min_samples, self.racing_min_positions)
 
 

@@ -275,7 +275,7 @@ def test_search_stage_records_its_work_in_allocation_json_for_each_racing_mode(s
     modes = {
         "off": {},
         "schedule": dict(racing=True, racing_schedule="0.25:0.25", racing_min_samples=3, racing_min_positions=8),
-        "statistical": dict(racing=True, racing_mode="statistical", racing_delta=0.2, racing_min_samples=3),
+        "statistical": dict(racing=True, racing_mode="statistical", racing_delta=0.2, racing_min_samples=3, racing_screen=True),
     }
     for mode, extra in modes.items():
         out = str(root / f"search-work-{mode}")
