@@ -18,7 +18,8 @@ Pruning orders come from the observer pass over calibration samples (REAP).
 
 `--compare` instead runs, per world x criterion x seed and in one process, exact search (no prefix reuse), prefix
 reuse, today's racing (prefix reuse + the racing schedule) and statistical racing (prefix reuse +
-`racing.Sequential` at `--racing-delta`, in `--racing-waves` waves, its additive model off with `--no-surrogate`;
+`racing.Sequential` at `--racing-delta`, in `--racing-waves` waves, its additive model off with `--no-surrogate`, its
+zero-forward screen (opt-in in the search, on here) off with `--no-screen`;
 `--methods` picks among them, exact always first), and prints FFE per candidate (in the run and extrapolated to a whole
 default search of 50 generations from generation 0 and the mean later generation, as bench_search does), wall time
 per candidate and the final allocation's full-set ESAP, with exact search's as the baseline of the same run:
@@ -45,6 +46,7 @@ from bench_search import build_shape, load_world, run_search  # noqa: E402
 from evoesap import moe  # noqa: E402
 from evoesap.machine import runtime
 from evoesap.method import allocation as alloc  # noqa: E402
+from evoesap.method.racing import SCREENED  # noqa: E402
 from evoesap.moe.tiny import tiny_model  # noqa: E402
 from evoesap.scoring import teacher  # noqa: E402
 from evoesap.scoring.importance import observe, pruning_order  # noqa: E402
@@ -98,9 +100,9 @@ def compare(args: argparse.Namespace) -> None:
     """Exact, prefix, today's racing and statistical racing on the same data (the module docstring)."""
     print(
         "| world | criterion | seed | method | candidates | FFE / cand. | FFE / cand. whole default search (est.) | "
-        "s / cand. | wall s | final full-set ESAP | vs exact |"
+        "s / cand. | wall s | final full-set ESAP | vs exact | screened | FFE by generation |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     methods = {m: COMPARED[m] for m in dict.fromkeys(["exact", *args.methods])}  # exact first: the baseline
     sums: dict[str, list[tuple[float, float, float]]] = {m: [] for m in methods}
     for name in args.worlds:
@@ -133,7 +135,8 @@ def compare(args: argparse.Namespace) -> None:
                         print(
                             f"| {name} | {criterion} | {seed} | {method} | {row.candidates} | {row.ffe / row.candidates:.3f} | "
                             f"{whole:.3f} | {row.seconds / row.candidates:.4f} | {row.seconds:.1f} | {esap:.6f} | "
-                            f"{100 * (esap - base) / base:+.3f}% |",
+                            f"{100 * (esap - base) / base:+.3f}% | {sum(h.level == SCREENED for h in result.history)} | "
+                            f"{' '.join(f'{v:.2f}' for v in np.diff([0.0, *(m[1] for m in row.marks)]))} |",
                             flush=True,
                         )
     print()
@@ -148,7 +151,7 @@ def compare(args: argparse.Namespace) -> None:
         f"{args.samples} samples x {args.max_length} tokens, batch {args.batch_size}; racing schedule {args.racing_schedule} "
         f"(minimums {args.racing_min_samples} samples, {args.racing_min_positions} positions); statistical delta "
         f"{args.racing_delta}, first checkpoint {args.racing_min_samples} samples, {args.racing_waves} waves, "
-        f"additive model {'off' if args.no_surrogate else 'on'}"
+        f"additive model {'off' if args.no_surrogate else 'on'}, screen {'off' if args.no_screen or args.no_surrogate else 'on'}"
     )
     print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
 
@@ -178,6 +181,7 @@ def main() -> None:
     parser.add_argument("--racing-delta", type=float, default=0.05, help="statistical racing's error rate (--compare)")
     parser.add_argument("--racing-waves", type=int, default=4, help="statistical racing's waves per generation (--compare)")
     parser.add_argument("--no-surrogate", action="store_true", help="statistical racing without its additive model (--compare)")
+    parser.add_argument("--no-screen", action="store_true", help="statistical racing without its zero-forward screen (--compare)")
     parser.add_argument(
         "--methods", nargs="+", default=list(COMPARED), choices=list(COMPARED), help="with --compare (exact always runs)"
     )

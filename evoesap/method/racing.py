@@ -129,6 +129,10 @@ def _permutation(n: int, seed: int, generation: int) -> tuple[int, ...]:
     return tuple(np.random.default_rng([seed, generation]).permutation(n).tolist())
 
 
+SCREENED = -1  # the racing level of a candidate statistical racing's screen stopped before any forward
+SCREEN_MEMBERS = 8  # members scored in full before the screen judges: a variance estimate worth a t quantile
+
+
 @dataclasses.dataclass(frozen=True)
 class Sequential:
     """Statistical racing: a new candidate stops once the evidence says, at error rate `delta`, that its full-set
@@ -152,6 +156,18 @@ class Sequential:
     full-set mean, known exactly: the same bound on a quantity that spreads less (on the tiny world, the
     residuals spread a third to a half as much as d). A generation's candidates race in `waves`, predicted
     fittest first, and each wave's survivors may raise the boundary of the next.
+
+    With `screen` (and the model), a candidate is first judged with no forward at all: the model's predicted full-set
+    mean difference to the boundary plus a Student-t multiple of the model's leave-one-out error (`screen_upper`,
+    at its own share of delta: one more look in the union bound) below zero stops it at `SCREENED`. It needs
+    `SCREEN_MEMBERS` members scored in full and a candidate whose removal counts the members cover (the model then
+    interpolates, where its leave-one-out errors say how far it may miss). It saves the first checkpoints' samples of
+    clearly worse candidates and costs the checkpoints a slightly smaller share of delta (docs/results/speed.md,
+    #statistical-screen, has what that nets). It is opt-in: its bound holds only while the model's bias is small
+    beside its leave-one-out scatter, true of the tiny world's ESAP (where the model errs towards caution) but not of
+    every fitness: on a strongly curved additive one (tests/unit/test_racing_sequential.py) about one random world
+    in 300 screened a member of exact search's elite, the ridge's smoothing missing a poorly supported count's
+    effect by four of its standard errors.
     """
 
     delta: float = 0.05  # declared chance of wrongly stopping a candidate that could enter the elite
@@ -159,6 +175,7 @@ class Sequential:
     growth: float = 2.0  # each checkpoint scores this many times the samples of the previous one
     waves: int = 4  # a generation's candidates race in this many waves, predicted fittest first
     surrogate: bool = True  # subtract the differences a per-sample additive model predicts (evoesap.method.surrogate)
+    screen: bool = False  # with the model: stop a candidate it predicts, with room for its error, below the boundary
 
     def __post_init__(self) -> None:
         if not 0 < self.delta < 1:
@@ -201,7 +218,19 @@ class Sequential:
         if n < 2:
             return math.inf
         spread = float(d.std(ddof=1)) * math.sqrt((1 - n / population) / n)
-        return float(d.mean()) + student_t(1 - self.delta / max(1, len(self.checkpoints(population))), n - 1) * spread
+        return float(d.mean()) + student_t(1 - self.delta / self.looks(population), n - 1) * spread
+
+    def looks(self, population: int) -> int:
+        """The tests a candidate may stop at, each at delta / looks (the union bound): the checkpoints, and the screen."""
+        return max(1, len(self.checkpoints(population)) + (self.screen and self.surrogate))
+
+    def screen_upper(self, predicted: float, error: float, members: int, population: int) -> float:
+        """Upper bound on a candidate's full-set mean difference to the boundary from the model alone: `predicted`
+        (the model's mean for it minus the boundary's exact mean) plus the t quantile at delta / looks, with the
+        members' degrees of freedom, times `error` (the model's leave-one-out error); inf where it may not judge."""
+        if not (self.screen and self.surrogate) or members < SCREEN_MEMBERS or not math.isfinite(error):
+            return math.inf
+        return predicted + student_t(1 - self.delta / self.looks(population), members - 1) * error
 
     def check(self, positions: Sequence[int]) -> None:
         """Refuse, before any search, a search set too small for a first checkpoint below it."""
@@ -213,8 +242,8 @@ class Sequential:
             )
 
     def samples_at(self, level: int, n: int) -> int:
-        """Samples a candidate stopped at `level` was scored on."""
-        return self.checkpoints(n)[level]
+        """Samples a candidate stopped at `level` was scored on (none when screened)."""
+        return 0 if level == SCREENED else self.checkpoints(n)[level]
 
 
 def student_t(p: float, df: int) -> float:

@@ -79,7 +79,7 @@ import numpy as np
 from evoesap.errors import ArtifactError, ConfigError, DataError
 from evoesap.method import allocation
 from evoesap.method.allocation import Allocation
-from evoesap.method.racing import Racing, Sequential
+from evoesap.method.racing import SCREENED, Racing, Sequential
 from evoesap.method.surrogate import Additive
 from evoesap.store import artifacts
 
@@ -110,7 +110,8 @@ class HistoryRecord:
     """One population slot of one generation; `elite` marks the slots kept for the next generation.
 
     `level` is None when `fitness` is on the full search set, else the racing level the candidate
-    stopped at, with `fitness` its score on that level's subset.
+    stopped at, with `fitness` its score on that level's subset (`racing.SCREENED`: stopped by statistical
+    racing's screen before any forward, with `fitness` the model's prediction).
     """
 
     generation: int
@@ -341,9 +342,10 @@ class _Run:
         race = self.params.racing
         assert isinstance(race, Sequential)
         full = self.samples([boundary], None)[0]
+        stopped = self.screen(entrants, full, model)
+        entrants = [r for r in entrants if r not in stopped]
         # predicted per-sample difference to the boundary, fixed before any of the candidate's values are seen
         shift = {r: model.difference(r, boundary) if model is not None else np.zeros(len(full)) for r in entrants}
-        stopped: dict[Allocation, tuple[int, float]] = {}
         for level, count in enumerate(race.checkpoints(len(full))):
             if not entrants:
                 break
@@ -360,6 +362,20 @@ class _Run:
         self.score_full_set(entrants, gen)
         self.keep_vectors(entrants)
         return stopped
+
+    def screen(self, entrants: list[Allocation], full: np.ndarray, model: Additive | None) -> dict[Allocation, tuple[int, float]]:
+        """Those of `entrants` the model alone says, at their share of delta, cannot reach the boundary (whose full-set
+        per-sample fitness is `full`): stopped at SCREENED with the model's predicted fitness, before any forward."""
+        race = self.params.racing
+        assert isinstance(race, Sequential)
+        if model is None:
+            return {}
+        predicted = {r: model.mean(r) for r in entrants if model.covers(r)}
+        return {
+            r: (SCREENED, f)
+            for r, f in predicted.items()
+            if race.screen_upper(f - float(full.mean()), model.spread, model.members, len(full)) < 0
+        }
 
     def keep_vectors(self, rs: list[Allocation]) -> None:
         """Remember the full-set per-sample fitness of those of `rs` scored exactly on the full set (with the elite

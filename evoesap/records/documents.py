@@ -60,11 +60,12 @@ class SearchWork(Record):
     full_forward_equivalents_per_candidate: float  # that over `candidates`
     candidates: int  # distinct allocations scored, on the full set or on a racing subset
     full_set_evaluations: int  # distinct allocations scored on the full search set
-    stopped_early: int  # race stops: a candidate stopped in two generations counts twice
+    stopped_early: int  # race stops after scoring some samples: a candidate stopped in two generations counts twice
     stopped_at: dict[int, int]  # samples scored at the stop -> race stops there
     racing: str  # off, schedule or statistical
     racing_delta: float | None = None  # statistical racing's declared error rate; None otherwise
     resumed: bool = False  # the search was resumed: FFE count only the work after the resume
+    screened: int = 0  # statistical racing's stops before any forward (its model's screen), not in stopped_early
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ from evoesap import records
 from evoesap.errors import ConfigError
 from evoesap.machine import bounds, runtime
 from evoesap.method import allocation as alloc
-from evoesap.method.racing import Racing, Sequential
+from evoesap.method.racing import SCREENED, Racing, Sequential
 from evoesap.params import PlacementParams, check_declared, keyed, param
 from evoesap.progress import progress
 from evoesap.scoring.criteria import Criterion
@@ -82,6 +82,11 @@ class SearchParams(PlacementParams):
     )
     racing_delta: float = param(
         0.05, "Statistical racing: the declared chance of wrongly stopping a candidate that could enter the elite.", gt=0, lt=1
+    )
+    racing_screen: bool = param(
+        False,
+        "Statistical racing: stop a candidate before any forward when the additive model predicts it, with room for its "
+        "leave-one-out error, below the elite (opt-in: evoesap.method.racing.Sequential says when that bound fails).",
     )
     racing_schedule: str = param("0.0625,0.25:0.25", "Subset shares of the racing levels, then the share that advances.")
     racing_min_samples: int = param(
@@ -156,7 +161,7 @@ class SearchParams(PlacementParams):
         if not self.racing:
             return None
         if self.racing_mode == "statistical":
-            return Sequential(self.racing_delta, self.racing_min_samples)
+            return Sequential(self.racing_delta, self.racing_min_samples, screen=self.racing_screen)
         return Racing.parse(self.racing_schedule, self.racing_min_samples, self.racing_min_positions)
 
 
@@ -192,7 +197,8 @@ def _checkpoint_uri(out_uri: str) -> str:
 
 def _history_frame(history: Any) -> pd.DataFrame:
     """One row per population slot; `fitness` is on the full search set. With racing, a candidate stopped
-    early has NaN there and its subset score in `race_fitness` at `race_level` (columns only then)."""
+    early has NaN there and its subset score in `race_fitness` at `race_level` (columns only then); one that
+    statistical racing's screen stopped has race_level -1 and the model's predicted fitness there."""
     frame = pd.DataFrame(
         {
             "generation": [h.generation for h in history],
@@ -215,7 +221,7 @@ def search_work(
     definition of FFE, for allocation.json and the manifest's `run.cost` alike.
 
     A resumed search counts only the work of this run; candidates are distinct allocations scored on
-    the full set or on a racing subset. `totals` sums the workers' `Scoring.totals`; `unit` is one plain
+    the full set or on a racing subset, or stopped by statistical racing's screen before any forward. `totals` sums the workers' `Scoring.totals`; `unit` is one plain
     forward over the search samples (`CandidateEvaluator.full_forward_work`).
     """
     raced_only = len(
@@ -224,8 +230,9 @@ def search_work(
     candidates = result.evaluations + raced_only
     total = totals["work"] / unit
     stops = {(h.generation, h.allocation, h.level) for h in result.history if h.level is not None}
+    screened = {stop for stop in stops if stop[2] == SCREENED}
     stopped_at: dict[int, int] = {}
-    for generation, _, level in stops:
+    for generation, _, level in stops - screened:
         count = scoring.samples_at(level, generation)
         stopped_at[count] = stopped_at.get(count, 0) + 1
     statistical = params.racing and params.racing_mode == "statistical"
@@ -234,11 +241,12 @@ def search_work(
         full_forward_equivalents_per_candidate=total / max(1, candidates),
         candidates=candidates,
         full_set_evaluations=result.evaluations,
-        stopped_early=len(stops),
+        stopped_early=len(stops - screened),
         stopped_at=dict(sorted(stopped_at.items())),
         racing=params.racing_mode if params.racing else "off",
         racing_delta=params.racing_delta if statistical else None,
         resumed=resumed,
+        screened=len(screened),
     )
 
 

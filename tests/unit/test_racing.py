@@ -275,7 +275,7 @@ def test_search_stage_records_its_work_in_allocation_json_for_each_racing_mode(s
     modes = {
         "off": {},
         "schedule": dict(racing=True, racing_schedule="0.25:0.25", racing_min_samples=3, racing_min_positions=8),
-        "statistical": dict(racing=True, racing_mode="statistical", racing_delta=0.2, racing_min_samples=3),
+        "statistical": dict(racing=True, racing_mode="statistical", racing_delta=0.2, racing_min_samples=3, racing_screen=True),
     }
     for mode, extra in modes.items():
         out = str(root / f"search-work-{mode}")
@@ -291,9 +291,11 @@ def test_search_stage_records_its_work_in_allocation_json_for_each_racing_mode(s
         full = {tuple(a) for a, f in zip(history["allocation"], history["fitness"]) if not np.isnan(f)}
         assert work["full_set_evaluations"] == len(full) and not work["resumed"]
         raced = history[history["fitness"].isna()] if mode != "off" else history.iloc[:0]
-        stops = {(g, tuple(a)) for g, a in zip(raced["generation"], raced["allocation"])}
-        assert work["stopped_early"] == len(stops) == sum(int(v) for v in work["stopped_at"].values())
-        assert work["candidates"] == len(full | {a for _, a in stops})
+        stops = {(g, tuple(a), int(v)) for g, a, v in zip(raced["generation"], raced["allocation"], raced.get("race_level", []))}
+        screened = {stop for stop in stops if stop[2] == -1}  # stopped by the model before any forward
+        assert work["screened"] == len(screened) and (mode == "statistical" or not screened)
+        assert work["stopped_early"] == len(stops - screened) == sum(int(v) for v in work["stopped_at"].values())
+        assert work["candidates"] == len(full | {a for _, a, _ in stops})
         if mode == "statistical":  # 9 search samples: checkpoints at 3 and 6 samples
             assert set(work["stopped_at"]) <= {"3", "6"}
         if mode == "schedule":  # one level of 3 samples (a quarter of 9, at least 3)
