@@ -24,8 +24,9 @@ from evoesap.components.reference import make_reference
 from evoesap.components.target import make_target_check, make_target_finder
 from evoesap.components.trainjob import make_search_trainjob
 from evoesap.components.verdict import make_verdict_check
+from evoesap.components.workspace import make_model_to_workspace
 from evoesap.pipeline import cluster, trainjob
-from evoesap.pipeline.config import PipelineConfig, with_resources
+from evoesap.pipeline.config import ModelWorkspace, PipelineConfig, with_resources
 from evoesap.pipeline.feasibility import check_grid
 from evoesap.pipeline.files import SPEC_MARKER, claim_output_file
 from kfp import compiler, dsl
@@ -224,6 +225,7 @@ def _found_grid(dag: "_Dag", target_params: Any) -> Any:
         target=target_params,
         params=dag.params["search"],
         **_gate_target_inputs(dag),
+        **dag.ws,
     )
     dag.target = dag.stage("search", task, "target: find the sparsities")
     return dag.target.outputs["Output"]
@@ -309,8 +311,44 @@ def _params_parameters(config: PipelineConfig, defaults: Mapping[str, Any]) -> l
     ]
 
 
+def workspace_config(config: PipelineConfig, model_workspace: ModelWorkspace | Mapping[str, Any] | None = None) -> Any:
+    """The `pipeline_config` of the pipeline that embeds the DAG: the run's workspace (`model_workspace`, else the
+    configuration's), or None without one. KFP creates a run's workspace from its root pipeline's config only, so the
+    embedding pipeline passes it: `@dsl.pipeline(pipeline_config=workspace_config(config))`."""
+    chosen = _model_workspace(config, model_workspace)
+    if chosen is None:
+        return None
+    kubernetes = dsl.KubernetesWorkspaceConfig(pvcSpecPatch=chosen.pvc_spec_patch) if chosen.pvc_spec_patch else None
+    return dsl.PipelineConfig(workspace=dsl.WorkspaceConfig(size=chosen.size, kubernetes=kubernetes))
+
+
+def _model_workspace(config: PipelineConfig, given: ModelWorkspace | Mapping[str, Any] | None) -> ModelWorkspace | None:
+    """The workspace the model is downloaded into: `given` (validated as the configuration's), else the configuration's."""
+    if given is None:
+        return config.model_workspace
+    if isinstance(given, ModelWorkspace):
+        return given
+    try:
+        return ModelWorkspace.model_validate(dict(given))
+    except (TypeError, ValueError) as exc:
+        problems = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in getattr(exc, "errors", lambda: [])())
+        raise ConfigError(f"model_workspace {given!r}: {problems or exc}; e.g. {{'size': '200Gi'}}") from None
+
+
+def _in_workspace(config: PipelineConfig, model: Any) -> Any:
+    """The model artifact copied once into the run's workspace (`components.workspace`): a reference naming the copy,
+    which is all each stage pod then downloads."""
+    task = make_model_to_workspace(config.default_image)(model=model, workspace=dsl.WORKSPACE_PATH_PLACEHOLDER)
+    cluster.apply(task, config.resources.get("all") or cluster.StageSettings(), config.retries)
+    task.set_display_name("model into the workspace").set_caching_options(enable_caching=False)
+    return task.outputs["reference"]
+
+
 def build_subpipeline(
-    config: PipelineConfig, overrides: Mapping[str, Any] | None = None, settings_inputs: Iterable[str] = ()
+    config: PipelineConfig,
+    overrides: Mapping[str, Any] | None = None,
+    settings_inputs: Iterable[str] = (),
+    model_workspace: ModelWorkspace | Mapping[str, Any] | None = None,
 ) -> Callable:
     """The whole EvoESAP DAG as a pipeline that takes the full model as an artifact (`Input[Model]`).
 
@@ -321,7 +359,16 @@ def build_subpipeline(
     `settings_inputs`: `<stage>.<setting>` names (`cluster.RUNTIME_SETTINGS`) that become inputs
     `<section>_<setting>` the outer pipeline binds at run time, e.g. `search.accelerator_count` ->
     `search_accelerator_count: str`, its default the configured value.
+    `model_workspace` (else the configuration's): the model is downloaded once into the run's KFP workspace and every
+    stage reads it there, where without it each stage pod downloads it; the embedding pipeline then declares that
+    workspace (`workspace_config`).
     """
+    workspace = _model_workspace(config, model_workspace)
+    if workspace is not None and config.search_workers > 1:
+        raise ConfigError(
+            f"model_workspace: a multi-worker search (search.workers {config.search_workers}) runs in TrainJob pods, which "
+            "do not mount the run's workspace: search with one worker, or drop model_workspace"
+        )
     if overrides:
         config = with_resources(config, overrides)
     runtime = settings_parameters(config, settings_inputs)
@@ -348,7 +395,9 @@ def build_subpipeline(
             return _configure(task, name, config, label, given(name))
 
         params = {name: settings.get(params_input(name)) for name in NAMES}
-        dag = _Dag(config, comps, stage, model, storage_root, params, given("search"))
+        if workspace is not None:
+            model = _in_workspace(config, model)
+        dag = _Dag(config, comps, stage, model, storage_root, params, given("search"), workspace is not None)
         full = dag.once(calibration_data, search_data, heldout_data)
         points = _found_grid(dag, target_params) if quality_target(config) else grid
         with dsl.ParallelFor(points, name="criterion-x-sparsity", parallelism=config.parallelism) as point:
@@ -379,7 +428,8 @@ def build_subpipeline(
     extra = [*_params_parameters(config, d), *(parameter for by_setting in runtime.values() for parameter in by_setting.values())]
     func = _returning(_signed(evoesap_stages, _hidden(config), extra), outputs)
     description = "EvoESAP stages: calibrate ... report, for a given full model"
-    return dsl.pipeline(name=f"{config.name}-stages", description=description)(func)
+    pipeline_config = workspace_config(config, workspace)  # KFP requires it of a pipeline whose tasks use the workspace
+    return dsl.pipeline(name=f"{config.name}-stages", description=description, pipeline_config=pipeline_config)(func)
 
 
 class _Dag:
@@ -395,6 +445,7 @@ class _Dag:
         storage_root: Any,
         params: Mapping[str, Any],
         search_settings: Mapping[str, Any],
+        in_workspace: bool = False,
     ) -> None:
         self.config, self.comps, self.stage, self.model, self.root, self.params = (
             config,
@@ -405,6 +456,8 @@ class _Dag:
             params,
         )
         self.search_settings = search_settings  # the search's settings given at run time, for a multi-worker launcher
+        # the tasks that take the full model, when it lies in the run's workspace: the placeholder has KFP mount it there
+        self.ws = {"workspace": dsl.WORKSPACE_PATH_PLACEHOLDER} if in_workspace else {}
         self.scores = self.cache = self.full = self.released = None  # released: the publish task, with publish_models
         self.verdict = None  # the gate task, when the configuration sets a threshold
         self.target = None  # the task finding each criterion's sparsity, with a quality target
@@ -420,22 +473,24 @@ class _Dag:
         """calibrate, the teacher caches and the full model's evaluation; returns that evaluation's task."""
         comps, stage, model, root, p = self.comps, self.stage, self.model, self.root, self.params
         self.scores = stage(
-            "calibrate", comps.calibrate(model=model, data=calibration_data, storage_root=root, params=p["calibrate"])
+            "calibrate", comps.calibrate(model=model, data=calibration_data, storage_root=root, params=p["calibrate"], **self.ws)
         )
         self.cache = stage(
             "cache-logits",
-            comps.cache_logits(model=model, data=search_data, storage_root=root, params=p["cache-logits"]),
+            comps.cache_logits(model=model, data=search_data, storage_root=root, params=p["cache-logits"], **self.ws),
             "cache-logits search set",
         )
         if self.config.heldout_data:
             self.heldout["heldout_cache"] = stage(
                 "cache-logits",
-                comps.cache_logits(model=model, data=heldout_data, storage_root=root, params=p["cache-logits"]),
+                comps.cache_logits(model=model, data=heldout_data, storage_root=root, params=p["cache-logits"], **self.ws),
                 "cache-logits held-out set",
             ).outputs["cache"]
         self.teacher = {"teacher_cache": self.heldout["heldout_cache"]} if self.heldout else {}
         self.full = stage(
-            "evaluate", comps.evaluate(model=model, storage_root=root, params=p["evaluate"], **self.teacher), "evaluate full"
+            "evaluate",
+            comps.evaluate(model=model, storage_root=root, params=p["evaluate"], **self.teacher, **self.ws),
+            "evaluate full",
         )
         return self.full
 
@@ -452,14 +507,15 @@ class _Dag:
             **self.heldout,
             **point_args,
         )
+        ws = self.ws if self.config.search_workers <= 1 else {}  # a TrainJob launcher takes no workspace
         if self.config.search_workers > 1:  # a Kubeflow Trainer job that this task launches and follows
             searched = _search_trainjob(self.config, search_args, self.search_settings)
         else:
-            searched = stage("search", comps.search(**search_args))
+            searched = stage("search", comps.search(**search_args, **ws))
         allocations = {"searched": {"allocation": searched.outputs["allocation"]}, "uniform": {}}  # uniform: none
         pruned = {
             method: stage("prune", comps.prune(model=model, scores=self.scores.outputs["scores"], params=p["prune"],
-                                               **allocation, **point_args), f"prune {method}")
+                                               **allocation, **point_args, **self.ws), f"prune {method}")
             for method, allocation in allocations.items()
         }  # fmt: skip
         evals = {
@@ -520,6 +576,12 @@ def build_pipeline(config: PipelineConfig) -> Callable:
     URIs only, so a hub name or a path cannot be imported there. A hub model's revision rides in the `model`
     parameter itself (`org/name@REV`, the configuration's `pinned_model`), never in metadata compiled with a
     run-time placeholder, which a cluster would store unresolved."""
+    if config.model_workspace is not None:
+        raise ConfigError(
+            f"model_workspace (size {config.model_workspace.size}) downloads a model handed in as an artifact once per "
+            "run, but the standalone pipeline names its model and every stage reads it from there: drop model_workspace, "
+            "or embed the DAG with build_subpipeline"
+        )
     stages = build_subpipeline(config)
     d = _defaults(config)
     reference = make_reference(config.default_image)
