@@ -84,11 +84,11 @@ def make_model_to_workspace(image: str) -> Callable:
 
 def share_digests(workspace: str) -> None:
     """In a stage given the run's workspace (its `workspace` input), keep the weights' digests there, one file each, so
-    that it reads those `model_to_workspace` computed instead of hashing the checkpoint again. A digest cache chosen in
-    the task's environment is kept."""
+    that it reads those `model_to_workspace` computed instead of hashing the checkpoint again (over a digest cache in
+    the pod's home, which no other pod sees). A digest directory chosen in the task's environment is kept."""
     import os
 
     from evoesap.store import digest_cache
 
-    if workspace and not (os.environ.get(digest_cache.DIRECTORY_ENV) or os.environ.get("EVOESAP_DIGEST_CACHE")):
+    if workspace:
         os.environ.setdefault(digest_cache.DIRECTORY_ENV, os.path.join(workspace, DIGEST_DIR))
