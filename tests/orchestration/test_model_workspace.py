@@ -216,3 +216,51 @@ def test_a_stage_without_a_workspace_keeps_its_digest_cache_and_one_with_it_uses
     monkeypatch.setenv(digest_cache.DIRECTORY_ENV, "/chosen")
     share_digests(str(tmp_path))
     assert os.environ[digest_cache.DIRECTORY_ENV] == "/chosen"
+
+
+def read_model(model: dsl.Input[Model], workspace: str) -> str:
+    """A stage's view of its model: what it reads, and its identity, computed with the workspace's digests alone."""
+    import os
+
+    from evoesap.components.kfp_artifacts import source
+    from evoesap.components.workspace import share_digests
+
+    from evoesap.store import identity
+
+    share_digests(workspace)
+
+    def hashed_again(path: str) -> str:
+        raise AssertionError(f"{path} hashed again in a stage")
+
+    identity._sha256_local_file = hashed_again
+    read = source(model)
+    assert read.startswith(workspace) and os.environ["EVOESAP_DIGEST_DIR"].startswith(workspace), (read, workspace)
+    return identity.identify(read)[1]
+
+
+@pytest.mark.slow  # kfp.local: three tasks
+def test_under_kfp_local_a_stage_reads_the_copy_with_the_digests_the_copy_made(tmp_path):
+    from evoesap.pipeline.dag import _in_workspace
+    from kfp import local
+
+    checkpoint = tmp_path / "team" / "model"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.json").write_text('{"num_experts": 4}')
+    (checkpoint / "model.safetensors").write_bytes(b"\x01" * (identity.SMALL_FILE_BYTES + 1))  # kept in the digest cache
+    config = load_config({**REMOTE_CONFIG, "model_workspace": {"size": "1Gi"}})
+    step = dsl.component(base_image=config.default_image, install_kfp_package=False)
+
+    def produce(model: Output[Model], source: str):
+        import shutil
+
+        shutil.copytree(source, model.path)
+
+    made, reader = step(produce), step(read_model)
+
+    @dsl.pipeline(pipeline_config=workspace_config(config))
+    def team(source: str) -> str:
+        trained = made(source=source)
+        return reader(model=_in_workspace(config, trained.outputs["model"]), workspace=dsl.WORKSPACE_PATH_PLACEHOLDER).output
+
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
+    assert team(source=str(checkpoint)).output == identity.identify(str(checkpoint))[1]
