@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from evoesap.pipeline.config import PipelineConfig, load_config
-from evoesap.pipeline.dag import build_subpipeline
+from evoesap.pipeline.dag import build_subpipeline, workspace_config
 from kfp import compiler, dsl
 from kfp.dsl import Input, Markdown, Metrics, Model, Output
 
@@ -119,7 +119,13 @@ def build_team_pipeline(config: PipelineConfig) -> Callable:
     step = dsl.component(base_image=config.default_image, install_kfp_package=False)
     train_step, notes_step = step(train), step(release_notes)
 
-    @dsl.pipeline(name=f"{config.name}-team-release", description="train -> EvoESAP -> release notes")
+    # with `model_workspace` in the configuration, the run's workspace the model is copied into (KFP creates a run's
+    # workspace from its root pipeline's config only); None without
+    @dsl.pipeline(
+        name=f"{config.name}-team-release",
+        description="train -> EvoESAP -> release notes",
+        pipeline_config=workspace_config(config),
+    )
     def team_release(
         train_data: str,
         base_model: str = config.model,

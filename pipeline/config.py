@@ -123,12 +123,22 @@ class ModelWorkspace(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     size: str = Field(description="The workspace volume's size, a Kubernetes quantity (e.g. 200Gi): the checkpoint's and more.")
-    pvc_spec_patch: dict[str, Any] = Field(
-        {},
-        description="Laid over the cluster's default workspace PVC spec (KFP's KubernetesWorkspaceConfig), e.g. "
-        "{accessModes: [ReadWriteMany], storageClassName: nfs}: every stage pod mounts it, so it must be mountable by "
-        "pods on several nodes at once.",
+    access_modes: list[Literal["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod", "ReadOnlyMany"]] | None = Field(
+        None,
+        description="The workspace PVC's access modes, over the cluster's default (KFP's pvcSpecPatch accessModes): "
+        "stage pods on several nodes mount it at once, so ReadWriteMany.",
     )
+    storage_class: str | None = Field(
+        None,
+        description="The workspace PVC's storage class, over the cluster's default (pvcSpecPatch storageClassName); "
+        "backends before 2.17.0 need one from here or the cluster's default workspace spec.",
+    )
+
+    @property
+    def pvc_spec_patch(self) -> dict[str, Any]:
+        """KFP's pvcSpecPatch: the fields the backend takes there (accessModes and storageClassName only)."""
+        patch = {"accessModes": self.access_modes, "storageClassName": self.storage_class}
+        return {key: value for key, value in patch.items() if value}
 
     @field_validator("size")
     @classmethod

@@ -20,7 +20,7 @@ from remote_config import REMOTE_CONFIG
 from evoesap.errors import ConfigError
 from evoesap.store import digest_cache, identity
 
-WORKSPACE = {"size": "20Gi", "pvc_spec_patch": {"accessModes": ["ReadWriteMany"]}}
+WORKSPACE = {"size": "20Gi", "access_modes": ["ReadWriteMany"], "storage_class": "nfs"}
 FULL_MODEL_STAGES = {"calibrate", "cache-logits", "evaluate", "search", "prune"}  # the tasks given the full model
 
 
@@ -78,7 +78,10 @@ def _stage(task: dict) -> str:
 def test_with_model_workspace_the_model_is_copied_once_and_every_full_model_task_reads_the_copy(tmp_path):
     spec, platform = _team_spec(tmp_path, {"sparsities": [0.25, 0.5], "model_workspace": WORKSPACE})
     workspace = platform["platforms"]["kubernetes"]["pipelineConfig"]["workspace"]
-    assert workspace == {"size": "20Gi", "kubernetes": {"pvcSpecPatch": {"accessModes": ["ReadWriteMany"]}}}
+    assert workspace == {
+        "size": "20Gi",
+        "kubernetes": {"pvcSpecPatch": {"accessModes": ["ReadWriteMany"], "storageClassName": "nfs"}},
+    }
     tasks = _tasks(spec)
     # the team's model goes to one task of the sub-pipeline, which copies it into the workspace
     takers = [
@@ -131,6 +134,9 @@ def test_the_embed_argument_sets_the_workspace_and_a_bad_one_is_refused_in_one_l
     assert "'lots'" in str(refused.value) and "200Gi" in str(refused.value) and "\n" not in str(refused.value)
     with pytest.raises(ConfigError, match="model_workspace.size"):
         load_config({**REMOTE_CONFIG, "model_workspace": {"size": "-"}})
+    # the backend's Argo compiler takes accessModes and storageClassName alone in a workspace's PVC patch
+    with pytest.raises(ConfigError, match="model_workspace.pvc_spec_patch: Extra inputs"):
+        load_config({**REMOTE_CONFIG, "model_workspace": {"size": "1Gi", "pvc_spec_patch": {"volumeMode": "Block"}}})
 
 
 @pytest.mark.parametrize(
