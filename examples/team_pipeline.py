@@ -120,11 +120,14 @@ def build_team_pipeline(config: PipelineConfig) -> Callable:
     train_step, notes_step = step(train), step(release_notes)
 
     # with `model_workspace` in the configuration, the run's workspace the model is copied into (KFP creates a run's
-    # workspace from its root pipeline's config only); None without
+    # workspace from its root pipeline's config only) and its path for the sub-pipeline; neither without
+    workspace = workspace_config(config)
+    mounted = {"workspace": dsl.WORKSPACE_PATH_PLACEHOLDER} if workspace is not None else {}
+
     @dsl.pipeline(
         name=f"{config.name}-team-release",
         description="train -> EvoESAP -> release notes",
-        pipeline_config=workspace_config(config),
+        pipeline_config=workspace,
     )
     def team_release(
         train_data: str,
@@ -136,7 +139,7 @@ def build_team_pipeline(config: PipelineConfig) -> Callable:
         trained = train_step(base_model=base_model, data=train_data, steps=train_steps, learning_rate=learning_rate)
         # Pass at least one parameter with the model: kfp.local 2.17 binds a sub-pipeline's artifact
         # inputs only then (a cluster binds them either way).
-        pruned = evoesap(model=trained.outputs["model"], storage_root=storage_root)
+        pruned = evoesap(model=trained.outputs["model"], storage_root=storage_root, **mounted)
         notes = notes_step(
             pruned_models=pruned.outputs["pruned_models"],
             pruned_metrics=pruned.outputs["pruned_metrics"],

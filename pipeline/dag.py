@@ -124,10 +124,11 @@ def settings_parameters(config: PipelineConfig, names: Iterable[str]) -> dict[st
 def _signed(func: Callable, drop: tuple[str, ...] = (), extra: Iterable[inspect.Parameter] = ()) -> Callable:
     """`func` as KFP reads it (`dsl.pipeline` reads the signature, then calls it with one argument per parameter, in
     order): without the parameters `drop` (their defaults stay: no pipeline input that no task uses), with the
-    `extra` keyword parameters it takes through `**`."""
+    `extra` keyword parameters it takes through `**`, those without a default first (as Python orders them)."""
     signature = inspect.signature(func)
     kept = [p for p in signature.parameters.values() if p.name not in drop and p.kind is not p.VAR_KEYWORD]
     parameters = kept + [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in extra]
+    parameters.sort(key=lambda p: p.default is not p.empty)  # stable: the order stays within each kind
     names = [p.name for p in parameters]
 
     @functools.wraps(func)
@@ -335,13 +336,19 @@ def _model_workspace(config: PipelineConfig, given: ModelWorkspace | Mapping[str
         raise ConfigError(f"model_workspace {given!r}: {problems or exc}; e.g. {{'size': '200Gi'}}") from None
 
 
-def _in_workspace(config: PipelineConfig, model: Any) -> Any:
+def _in_workspace(config: PipelineConfig, model: Any, workspace: Any) -> Any:
     """The model artifact copied once into the run's workspace (`components.workspace`): a reference naming the copy,
     which is all each stage pod then downloads."""
-    task = make_model_to_workspace(config.default_image)(model=model, workspace=dsl.WORKSPACE_PATH_PLACEHOLDER)
+    task = make_model_to_workspace(config.default_image)(model=model, workspace=workspace)
     cluster.apply(task, config.resources.get("all") or cluster.StageSettings(), config.retries)
     task.set_display_name("model into the workspace").set_caching_options(enable_caching=False)
     return task.outputs["reference"]
+
+
+WORKSPACE_INPUT = inspect.Parameter("workspace", inspect.Parameter.KEYWORD_ONLY, annotation=str)
+# the sub-pipeline's input that the embedding pipeline binds to dsl.WORKSPACE_PATH_PLACEHOLDER: a task given the
+# placeholder gets the workspace mounted, and KFP's SDK refuses a pipeline that gives it without declaring a workspace,
+# so a team pipeline that forgets `workspace_config` is refused when defined, not left waiting for a volume on a cluster
 
 
 def build_subpipeline(
@@ -360,8 +367,9 @@ def build_subpipeline(
     `<section>_<setting>` the outer pipeline binds at run time, e.g. `search.accelerator_count` ->
     `search_accelerator_count: str`, its default the configured value.
     `model_workspace` (else the configuration's): the model is downloaded once into the run's KFP workspace and every
-    stage reads it there, where without it each stage pod downloads it; the embedding pipeline then declares that
-    workspace (`workspace_config`).
+    stage reads it there, where without it each stage pod downloads it; the sub-pipeline then takes a required input
+    `workspace`, which the embedding pipeline binds to `dsl.WORKSPACE_PATH_PLACEHOLDER`, and the embedding pipeline
+    declares the workspace (`pipeline_config=workspace_config(config)`).
     """
     workspace = _model_workspace(config, model_workspace)
     if workspace is not None and config.search_workers > 1:
@@ -395,9 +403,10 @@ def build_subpipeline(
             return _configure(task, name, config, label, given(name))
 
         params = {name: settings.get(params_input(name)) for name in NAMES}
-        if workspace is not None:
-            model = _in_workspace(config, model)
-        dag = _Dag(config, comps, stage, model, storage_root, params, given("search"), workspace is not None)
+        in_workspace = settings.get(WORKSPACE_INPUT.name)  # the run's workspace path, with model_workspace
+        if in_workspace is not None:
+            model = _in_workspace(config, model, in_workspace)
+        dag = _Dag(config, comps, stage, model, storage_root, params, given("search"), in_workspace)
         full = dag.once(calibration_data, search_data, heldout_data)
         points = _found_grid(dag, target_params) if quality_target(config) else grid
         with dsl.ParallelFor(points, name="criterion-x-sparsity", parallelism=config.parallelism) as point:
@@ -426,10 +435,10 @@ def build_subpipeline(
 
     outputs = outputs_type(config)
     extra = [*_params_parameters(config, d), *(parameter for by_setting in runtime.values() for parameter in by_setting.values())]
+    extra += [WORKSPACE_INPUT] if workspace is not None else []
     func = _returning(_signed(evoesap_stages, _hidden(config), extra), outputs)
     description = "EvoESAP stages: calibrate ... report, for a given full model"
-    pipeline_config = workspace_config(config, workspace)  # KFP requires it of a pipeline whose tasks use the workspace
-    return dsl.pipeline(name=f"{config.name}-stages", description=description, pipeline_config=pipeline_config)(func)
+    return dsl.pipeline(name=f"{config.name}-stages", description=description)(func)
 
 
 class _Dag:
@@ -445,7 +454,7 @@ class _Dag:
         storage_root: Any,
         params: Mapping[str, Any],
         search_settings: Mapping[str, Any],
-        in_workspace: bool = False,
+        workspace: Any = None,
     ) -> None:
         self.config, self.comps, self.stage, self.model, self.root, self.params = (
             config,
@@ -456,8 +465,9 @@ class _Dag:
             params,
         )
         self.search_settings = search_settings  # the search's settings given at run time, for a multi-worker launcher
-        # the tasks that take the full model, when it lies in the run's workspace: the placeholder has KFP mount it there
-        self.ws = {"workspace": dsl.WORKSPACE_PATH_PLACEHOLDER} if in_workspace else {}
+        # the tasks that take the full model, when it lies in the run's workspace (`workspace`: its path, the sub-pipeline's
+        # input), which KFP mounts into a task given it
+        self.ws = {"workspace": workspace} if workspace is not None else {}
         self.scores = self.cache = self.full = self.released = None  # released: the publish task, with publish_models
         self.verdict = None  # the gate task, when the configuration sets a threshold
         self.target = None  # the task finding each criterion's sparsity, with a quality target
@@ -507,11 +517,10 @@ class _Dag:
             **self.heldout,
             **point_args,
         )
-        ws = self.ws if self.config.search_workers <= 1 else {}  # a TrainJob launcher takes no workspace
         if self.config.search_workers > 1:  # a Kubeflow Trainer job that this task launches and follows
             searched = _search_trainjob(self.config, search_args, self.search_settings)
         else:
-            searched = stage("search", comps.search(**search_args, **ws))
+            searched = stage("search", comps.search(**search_args, **self.ws))
         allocations = {"searched": {"allocation": searched.outputs["allocation"]}, "uniform": {}}  # uniform: none
         pruned = {
             method: stage("prune", comps.prune(model=model, scores=self.scores.outputs["scores"], params=p["prune"],

@@ -34,10 +34,13 @@ def _team_spec(tmp_path: Path, config: dict, **embed) -> list:
     evoesap = build_subpipeline(loaded, **embed)
     step = dsl.component(base_image=loaded.default_image, install_kfp_package=False)(train)
 
-    @dsl.pipeline(name="team", pipeline_config=workspace_config(loaded, embed.get("model_workspace")))
+    chosen = workspace_config(loaded, embed.get("model_workspace"))
+    mounted = {"workspace": dsl.WORKSPACE_PATH_PLACEHOLDER} if chosen else {}
+
+    @dsl.pipeline(name="team", pipeline_config=chosen)
     def team(storage_root: str = "s3://bucket/runs"):
         trained = step().set_caching_options(enable_caching=False)
-        evoesap(model=trained.outputs["model"], storage_root=storage_root).set_caching_options(enable_caching=False)
+        evoesap(model=trained.outputs["model"], storage_root=storage_root, **mounted).set_caching_options(enable_caching=False)
 
     path = tmp_path / "team.yaml"
     compiler.Compiler().compile(team, str(path))
@@ -55,19 +58,22 @@ def _tasks(spec: dict) -> dict[str, tuple[str, dict]]:
     }
 
 
-def _origin(spec: dict, component: str, task: dict, name: str) -> str:
-    """Which task's output an artifact input is, followed up through the loop's inputs: `task.output`, or `input:NAME`
-    for an input of the sub-pipeline itself."""
-    where = task["inputs"]["artifacts"][name]
-    while "componentInputArtifact" in where:
-        key = where["componentInputArtifact"]
+def _origin(spec: dict, component: str, task: dict, name: str, kind: str = "artifacts") -> str:
+    """Where an input comes from, followed up through the inputs of the loop and the sub-pipeline: `task.output`, or a
+    parameter's constant; `input:NAME` for an input of the root pipeline."""
+    where = task["inputs"][kind][name]
+    given = "componentInputArtifact" if kind == "artifacts" else "componentInputParameter"
+    while given in where:
+        key = where[given]
         parents = [(c, t) for c, t in _tasks(spec).values() if t["componentRef"]["name"] == component]
         if not parents:
             return f"input:{key}"
         component, parent = parents[0]
-        where = parent["inputs"]["artifacts"][key]
-    out = where["taskOutputArtifact"]
-    return f"{out['producerTask']}.{out['outputArtifactKey']}"
+        where = parent["inputs"][kind][key]
+    if "runtimeValue" in where:
+        return where["runtimeValue"]["constant"]
+    out = where["taskOutputArtifact" if kind == "artifacts" else "taskOutputParameter"]
+    return f"{out['producerTask']}.{out.get('outputArtifactKey') or out.get('outputParameterKey')}"
 
 
 def _stage(task: dict) -> str:
@@ -90,8 +96,8 @@ def test_with_model_workspace_the_model_is_copied_once_and_every_full_model_task
         if c != "root" and any(_origin(spec, c, t, a) == "train.model" for a in t.get("inputs", {}).get("artifacts", {}))
     ]
     assert [t["componentRef"]["name"] for _, t in takers] == ["comp-model-to-workspace"]
-    (copier,) = [t for _, t in takers]
-    assert copier["inputs"]["parameters"]["workspace"]["runtimeValue"]["constant"] == dsl.WORKSPACE_PATH_PLACEHOLDER
+    (copier,) = takers
+    assert _origin(spec, *copier, "workspace", "parameters") == dsl.WORKSPACE_PATH_PLACEHOLDER
     full = {
         key: (c, t)
         for key, (c, t) in tasks.items()
@@ -101,8 +107,8 @@ def test_with_model_workspace_the_model_is_copied_once_and_every_full_model_task
     }
     stages = sorted(_stage(t) for _, t in full.values())
     assert stages == ["cache-logits", "calibrate", "evaluate", "prune", "prune", "search"], stages
-    for key, (_, task) in full.items():  # each mounts the workspace (KFP mounts it for a task given the placeholder)
-        assert task["inputs"]["parameters"]["workspace"]["runtimeValue"]["constant"] == dsl.WORKSPACE_PATH_PLACEHOLDER, key
+    for key, (c, t) in full.items():  # each mounts the workspace (KFP mounts it for a task given the placeholder)
+        assert _origin(spec, c, t, "workspace", "parameters") == dsl.WORKSPACE_PATH_PLACEHOLDER, key
     others = [t for c, t in tasks.values() if "model" in t.get("inputs", {}).get("artifacts", {}) and (c, t) not in full.values()]
     assert {_origin(spec, c, t, "model").split(".")[1] for c, t in tasks.values() if t in others} == {"pruned", "model"}
     used, unknown = used_fields([spec, platform])
@@ -139,6 +145,24 @@ def test_the_embed_argument_sets_the_workspace_and_a_bad_one_is_refused_in_one_l
         load_config({**REMOTE_CONFIG, "model_workspace": {"size": "1Gi", "pvc_spec_patch": {"volumeMode": "Block"}}})
 
 
+def test_a_team_pipeline_that_forgets_the_workspace_or_its_path_is_refused_when_defined(tmp_path):
+    """Not left for a cluster, where a task given the workspace path would wait for a volume the run never made."""
+    loaded = load_config({**REMOTE_CONFIG, "model_workspace": WORKSPACE})
+    evoesap = build_subpipeline(loaded)
+    step = dsl.component(base_image=loaded.default_image, install_kfp_package=False)(train)
+    with pytest.raises(ValueError, match="PipelineConfig.workspace.size is not set"):
+
+        @dsl.pipeline
+        def without_workspace():
+            evoesap(model=step().outputs["model"], workspace=dsl.WORKSPACE_PATH_PLACEHOLDER)
+
+    with pytest.raises(TypeError, match="workspace"):
+
+        @dsl.pipeline(pipeline_config=workspace_config(loaded))
+        def without_its_path():
+            evoesap(model=step().outputs["model"])
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
@@ -164,9 +188,16 @@ def checkpoint(tmp_path, monkeypatch) -> Path:
     (root / "config.json").write_text('{"num_experts": 4}')
     for i in range(2):
         (root / f"model-{i}.safetensors").write_bytes(bytes([i + 1]) * 4096)
-    for name in (digest_cache.DIRECTORY_ENV, "EVOESAP_DIGEST_CACHE"):
-        monkeypatch.delenv(name, raising=False)  # restored after the test: what each step sets stays in it
+    _unset_digest_env(monkeypatch)
     return root
+
+
+def _unset_digest_env(monkeypatch) -> None:
+    """No digest cache chosen; whatever the test or the code under test sets is undone after it (set first, so that
+    monkeypatch records the variable's state even where it is absent)."""
+    for name in (digest_cache.DIRECTORY_ENV, "EVOESAP_DIGEST_CACHE"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def test_the_copy_has_the_original_s_identity_and_its_digests_spare_every_stage_the_hashing(checkpoint, tmp_path, monkeypatch):
@@ -214,7 +245,7 @@ def test_a_retried_copy_replaces_the_earlier_one_and_a_named_model_passes_throug
 
 
 def test_a_stage_without_a_workspace_keeps_its_digest_cache_and_one_with_it_uses_the_workspace(monkeypatch, tmp_path):
-    monkeypatch.delenv(digest_cache.DIRECTORY_ENV, raising=False)
+    _unset_digest_env(monkeypatch)
     share_digests("")
     assert digest_cache.DIRECTORY_ENV not in os.environ
     share_digests(str(tmp_path))
@@ -263,10 +294,14 @@ def test_under_kfp_local_a_stage_reads_the_copy_with_the_digests_the_copy_made(t
 
     made, reader = step(produce), step(read_model)
 
+    @dsl.pipeline
+    def stages(model: dsl.Input[Model], workspace: str) -> str:  # as build_subpipeline wires it
+        return reader(model=_in_workspace(config, model, workspace), workspace=workspace).output
+
     @dsl.pipeline(pipeline_config=workspace_config(config))
     def team(source: str) -> str:
         trained = made(source=source)
-        return reader(model=_in_workspace(config, trained.outputs["model"]), workspace=dsl.WORKSPACE_PATH_PLACEHOLDER).output
+        return stages(model=trained.outputs["model"], workspace=dsl.WORKSPACE_PATH_PLACEHOLDER).output
 
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
     assert team(source=str(checkpoint)).output == identity.identify(str(checkpoint))[1]
