@@ -44,6 +44,7 @@ def copy_into(model, workspace: str, reference) -> None:
     """`model_to_workspace`'s body: a model that names its model in its metadata (a reference, one of our artifacts) is
     read from there by every stage and passes through; a checkpoint is copied (under a private name, then renamed: a
     retry replaces a partial copy) and hashed into the workspace's digest directory."""
+    import glob
     import json
     import logging
     import os
@@ -64,6 +65,8 @@ def copy_into(model, workspace: str, reference) -> None:
                 f"the model artifact at {model.path} is not a checkpoint directory: give an Output[Model] directory"
             )
         target = os.path.join(workspace, MODEL_DIR)
+        for earlier in glob.glob(f"{glob.escape(target)}.*.partial"):  # an attempt killed while copying
+            shutil.rmtree(earlier, ignore_errors=True)
         staged = f"{target}.{uuid.uuid4().hex}.partial"
         shutil.copytree(model.path, staged)
         shutil.rmtree(target, ignore_errors=True)  # a retry's earlier copy: no stage has started on it

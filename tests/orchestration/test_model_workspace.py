@@ -232,6 +232,7 @@ def test_a_retried_copy_replaces_the_earlier_one_and_a_named_model_passes_throug
     workspace = tmp_path / "ws"
     (workspace / MODEL_DIR).mkdir(parents=True)
     (workspace / MODEL_DIR / "half-written.bin").write_bytes(b"x")  # an earlier attempt's copy
+    (workspace / ".evoesap" / "model.0123.partial").mkdir()  # and one killed while copying
     reference = SimpleNamespace(path=str(tmp_path / "r1"), metadata={})
     copy_into(SimpleNamespace(path=str(checkpoint), uri="", metadata={}), str(workspace), reference)
     assert sorted(p.name for p in (workspace / MODEL_DIR).iterdir()) == sorted(p.name for p in checkpoint.iterdir())
