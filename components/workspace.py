@@ -6,7 +6,8 @@ it. `model_to_workspace` takes it once (one download, into its own pod), copies 
 and hashes it there (the digests kept in the workspace: `store.digest_cache`), and hands on a reference naming the
 copy (`components.reference`), a file of one line that is all each stage pod downloads. A task whose input holds
 `dsl.WORKSPACE_PATH_PLACEHOLDER` gets the workspace mounted at /kfp-workspace (backend/src/v2/driver/driver.go
-`needsWorkspaceMount`, backend 2.15.0), so every stage takes that placeholder as its `workspace` input.
+`needsWorkspaceMount`, backend 2.15.0), so each task that takes the full model is given the workspace path (the
+sub-pipeline's `workspace` input, which the embedding pipeline binds to that placeholder) as its `workspace` input.
 
 Not KFP's own `dsl.importer(download_to_workspace=True)`: its consumers skip the download only where they take its
 output from the task itself; passed into a sub-DAG (the ParallelFor of the search and prune steps) the artifact is read
