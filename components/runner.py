@@ -20,12 +20,14 @@ def run_component(name: str, **arguments: Any) -> str | None:
     """Run stage `name` from its component's `arguments` and fill its outputs; what the stage declares it returns
     (the gate's "pass"/"fail"), else None."""
     from evoesap.components.kfp_artifacts import COPY_MODELS
+    from evoesap.components.workspace import share_digests
 
     from evoesap.machine.env import flag
     from evoesap.steps import run_step
 
     flag(COPY_MODELS)  # a switch that reads as neither on nor off is refused before the stage runs, not after
     stage = registry.get(name)
+    share_digests(arguments.get("workspace") or "")
     inputs = {item.name: _gathered(item, arguments) for item in stage.inputs if item.kfp_arguments}
     params = dict(arguments.get("params") or {})
     if stage.kfp_params is not None:

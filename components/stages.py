@@ -59,6 +59,10 @@ _MODEL_IN_KFP = (
     "object-store URIs only), or dsl.importer of an object-store URI; a hub name is identified by the commit its "
     "revision resolves to."
 )
+_WORKSPACE = (
+    "The run's KFP workspace (dsl.WORKSPACE_PATH_PLACEHOLDER) when the model was copied there "
+    "(evoesap.components.workspace): KFP mounts it into the pod, and the weights' digests are kept there. Empty: none."
+)
 _ARTIFACTS = {kind.__name__: kind for kind in (Artifact, Dataset, HTML, Markdown, Metrics, Model)}
 _PARAMETERS = (str, float, int, bool)  # the plain types a grid parameter may take as a typed argument
 
@@ -114,6 +118,8 @@ def _arguments(stage: Stage) -> list[_Argument]:
     grid = [_Argument(name, _grid_type(stage, name), parameters.describe(cls, fields[name], hints[name])) for name in stage.grid]
     storage = [_Argument("storage_root", "str", _STORAGE)]
     outputs = [_Argument(o.name, _annotation(o.kind, False, True, "Output"), o.help) for o in stage.outputs]
+    if any(item.model for item in stage.inputs):
+        optional.append(_Argument("workspace", "str", _WORKSPACE, '""'))
     return [*required, *grid, *storage, *outputs, *optional, _Argument("params", "dict", "", "{}")]
 
 

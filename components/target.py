@@ -31,6 +31,7 @@ def find_sparsities(
     prune_params: dict = {},
     evaluate_params: dict = {},
     gate_params: dict = {},
+    workspace: str = "",
 ) -> list:
     """Find, per criterion, the largest grid sparsity whose searched allocation keeps the target's held-out ESAP, or
     whose pruned model passes the gate; with choose_criterion, the one criterion that reaches the largest.
@@ -51,6 +52,7 @@ def find_sparsities(
             they reuse every probe's artifacts).
         evaluate_params: A gate target's: the evaluate stage's parameters, likewise.
         gate_params: A gate target's: the gate's thresholds, likewise.
+        workspace: The run's KFP workspace when the model was copied there (evoesap.components.workspace); "" for none.
 
     Returns:
         decisions: target.json of every criterion (probes, held-out values, the choice); metadata: chosen, targets,
@@ -62,11 +64,13 @@ def find_sparsities(
     from pathlib import Path
 
     from evoesap.components.kfp_artifacts import source
+    from evoesap.components.workspace import share_digests
     from evoesap.pipeline.config import quality_target
     from evoesap.pipeline.target import Gating, decide, fan_out, unmet
 
     from evoesap.store import artifacts
 
+    share_digests(workspace)
     inputs = {"model": source(model), "scores": source(scores), "cache": source(cache), "heldout_cache": source(heldout_cache)}
     goal = quality_target(target, "target_params")
     gating = (

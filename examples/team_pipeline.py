@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from evoesap.pipeline.config import PipelineConfig, load_config
-from evoesap.pipeline.dag import build_subpipeline
+from evoesap.pipeline.dag import build_subpipeline, workspace_config
 from kfp import compiler, dsl
 from kfp.dsl import Input, Markdown, Metrics, Model, Output
 
@@ -119,7 +119,16 @@ def build_team_pipeline(config: PipelineConfig) -> Callable:
     step = dsl.component(base_image=config.default_image, install_kfp_package=False)
     train_step, notes_step = step(train), step(release_notes)
 
-    @dsl.pipeline(name=f"{config.name}-team-release", description="train -> EvoESAP -> release notes")
+    # with `model_workspace` in the configuration, the run's workspace the model is copied into (KFP creates a run's
+    # workspace from its root pipeline's config only) and its path for the sub-pipeline; neither without
+    workspace = workspace_config(config)
+    mounted = {"workspace": dsl.WORKSPACE_PATH_PLACEHOLDER} if workspace is not None else {}
+
+    @dsl.pipeline(
+        name=f"{config.name}-team-release",
+        description="train -> EvoESAP -> release notes",
+        pipeline_config=workspace,
+    )
     def team_release(
         train_data: str,
         base_model: str = config.model,
@@ -130,7 +139,7 @@ def build_team_pipeline(config: PipelineConfig) -> Callable:
         trained = train_step(base_model=base_model, data=train_data, steps=train_steps, learning_rate=learning_rate)
         # Pass at least one parameter with the model: kfp.local 2.17 binds a sub-pipeline's artifact
         # inputs only then (a cluster binds them either way).
-        pruned = evoesap(model=trained.outputs["model"], storage_root=storage_root)
+        pruned = evoesap(model=trained.outputs["model"], storage_root=storage_root, **mounted)
         notes = notes_step(
             pruned_models=pruned.outputs["pruned_models"],
             pruned_metrics=pruned.outputs["pruned_metrics"],

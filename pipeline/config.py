@@ -116,6 +116,42 @@ def sparsities_in_range(values: list[float]) -> list[float]:
     return values
 
 
+class ModelWorkspace(BaseModel):
+    """The run's KFP workspace (a volume every task of the run may mount) into which a model handed in as an artifact is
+    downloaded once, for every stage to read there (`dag.build_subpipeline`; docs/guides/embed.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    size: str = Field(description="The workspace volume's size, a Kubernetes quantity (e.g. 200Gi): the checkpoint's and more.")
+    access_modes: list[Literal["ReadWriteMany", "ReadWriteOnce", "ReadWriteOncePod", "ReadOnlyMany"]] | None = Field(
+        None,
+        description="The workspace PVC's access modes, over the cluster's default (KFP's pvcSpecPatch accessModes): "
+        "stage pods on several nodes mount it at once, so ReadWriteMany.",
+    )
+    storage_class: str | None = Field(
+        None,
+        description="The workspace PVC's storage class, over the cluster's default (pvcSpecPatch storageClassName); "
+        "backends before 2.17.0 need one from here or the cluster's default workspace spec.",
+    )
+
+    @property
+    def pvc_spec_patch(self) -> dict[str, Any]:
+        """KFP's pvcSpecPatch: the fields the backend takes there (accessModes and storageClassName only)."""
+        patch = {"accessModes": self.access_modes, "storageClassName": self.storage_class}
+        return {key: value for key, value in patch.items() if value}
+
+    @field_validator("size")
+    @classmethod
+    def _a_quantity(cls, value: str) -> str:
+        from kfp import dsl
+
+        try:
+            dsl.WorkspaceConfig(size=value)  # KFP's own check, the one its compiler applies
+        except ValueError:
+            raise ValueError(f"size {value!r} is not a Kubernetes quantity: write e.g. 200Gi or 1Ti") from None
+        return value
+
+
 class GridPoint(BaseModel):
     """One point of the pipeline's `grid` parameter (the criterion x sparsity fan-out), as `grid()` writes it."""
 
@@ -162,6 +198,11 @@ class _Settings(BaseModel):
     )
     resources: dict[Literal[("all", *stages.NAMES)], StageSettings] = Field(  # type: ignore[valid-type]
         {}, description="Kubernetes settings per stage (pipeline.cluster.StageSettings); `all` applies to every stage."
+    )
+    model_workspace: ModelWorkspace | None = Field(
+        None,
+        description="Embedded only (build_subpipeline): download the model artifact once into the run's KFP workspace "
+        "(backend >= 2.15.0), where every stage reads it, instead of once per stage pod.",
     )
 
     @model_validator(mode="before")

@@ -24,8 +24,9 @@ from evoesap.components.reference import make_reference
 from evoesap.components.target import make_target_check, make_target_finder
 from evoesap.components.trainjob import make_search_trainjob
 from evoesap.components.verdict import make_verdict_check
+from evoesap.components.workspace import make_model_to_workspace
 from evoesap.pipeline import cluster, trainjob
-from evoesap.pipeline.config import PipelineConfig, with_resources
+from evoesap.pipeline.config import ModelWorkspace, PipelineConfig, with_resources
 from evoesap.pipeline.feasibility import check_grid
 from evoesap.pipeline.files import SPEC_MARKER, claim_output_file
 from kfp import compiler, dsl
@@ -123,10 +124,11 @@ def settings_parameters(config: PipelineConfig, names: Iterable[str]) -> dict[st
 def _signed(func: Callable, drop: tuple[str, ...] = (), extra: Iterable[inspect.Parameter] = ()) -> Callable:
     """`func` as KFP reads it (`dsl.pipeline` reads the signature, then calls it with one argument per parameter, in
     order): without the parameters `drop` (their defaults stay: no pipeline input that no task uses), with the
-    `extra` keyword parameters it takes through `**`."""
+    `extra` keyword parameters it takes through `**`, those without a default first (as Python orders them)."""
     signature = inspect.signature(func)
     kept = [p for p in signature.parameters.values() if p.name not in drop and p.kind is not p.VAR_KEYWORD]
     parameters = kept + [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in extra]
+    parameters.sort(key=lambda p: p.default is not p.empty)  # stable: the order stays within each kind
     names = [p.name for p in parameters]
 
     @functools.wraps(func)
@@ -224,6 +226,7 @@ def _found_grid(dag: "_Dag", target_params: Any) -> Any:
         target=target_params,
         params=dag.params["search"],
         **_gate_target_inputs(dag),
+        **dag.ws,
     )
     dag.target = dag.stage("search", task, "target: find the sparsities")
     return dag.target.outputs["Output"]
@@ -309,8 +312,50 @@ def _params_parameters(config: PipelineConfig, defaults: Mapping[str, Any]) -> l
     ]
 
 
+def workspace_config(config: PipelineConfig, model_workspace: ModelWorkspace | Mapping[str, Any] | None = None) -> Any:
+    """The `pipeline_config` of the pipeline that embeds the DAG: the run's workspace (`model_workspace`, else the
+    configuration's), or None without one. KFP creates a run's workspace from its root pipeline's config only, so the
+    embedding pipeline passes it: `@dsl.pipeline(pipeline_config=workspace_config(config))`."""
+    chosen = _model_workspace(config, model_workspace)
+    if chosen is None:
+        return None
+    kubernetes = dsl.KubernetesWorkspaceConfig(pvcSpecPatch=chosen.pvc_spec_patch) if chosen.pvc_spec_patch else None
+    return dsl.PipelineConfig(workspace=dsl.WorkspaceConfig(size=chosen.size, kubernetes=kubernetes))
+
+
+def _model_workspace(config: PipelineConfig, given: ModelWorkspace | Mapping[str, Any] | None) -> ModelWorkspace | None:
+    """The workspace the model is downloaded into: `given` (validated as the configuration's), else the configuration's."""
+    if given is None:
+        return config.model_workspace
+    if isinstance(given, ModelWorkspace):
+        return given
+    try:
+        return ModelWorkspace.model_validate(dict(given))
+    except (TypeError, ValueError) as exc:
+        problems = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in getattr(exc, "errors", lambda: [])())
+        raise ConfigError(f"model_workspace {given!r}: {problems or exc}; e.g. {{'size': '200Gi'}}") from None
+
+
+def _in_workspace(config: PipelineConfig, model: Any, workspace: Any) -> Any:
+    """The model artifact copied once into the run's workspace (`components.workspace`): a reference naming the copy,
+    which is all each stage pod then downloads."""
+    task = make_model_to_workspace(config.default_image)(model=model, workspace=workspace)
+    cluster.apply(task, config.resources.get("all") or cluster.StageSettings(), config.retries)
+    task.set_display_name("model into the workspace").set_caching_options(enable_caching=False)
+    return task.outputs["reference"]
+
+
+WORKSPACE_INPUT = inspect.Parameter("workspace", inspect.Parameter.KEYWORD_ONLY, annotation=str)
+# the sub-pipeline's input that the embedding pipeline binds to dsl.WORKSPACE_PATH_PLACEHOLDER: a task given the
+# placeholder gets the workspace mounted, and KFP's SDK refuses a pipeline that gives it without declaring a workspace,
+# so a team pipeline that forgets `workspace_config` is refused when defined, not left waiting for a volume on a cluster
+
+
 def build_subpipeline(
-    config: PipelineConfig, overrides: Mapping[str, Any] | None = None, settings_inputs: Iterable[str] = ()
+    config: PipelineConfig,
+    overrides: Mapping[str, Any] | None = None,
+    settings_inputs: Iterable[str] = (),
+    model_workspace: ModelWorkspace | Mapping[str, Any] | None = None,
 ) -> Callable:
     """The whole EvoESAP DAG as a pipeline that takes the full model as an artifact (`Input[Model]`).
 
@@ -321,7 +366,17 @@ def build_subpipeline(
     `settings_inputs`: `<stage>.<setting>` names (`cluster.RUNTIME_SETTINGS`) that become inputs
     `<section>_<setting>` the outer pipeline binds at run time, e.g. `search.accelerator_count` ->
     `search_accelerator_count: str`, its default the configured value.
+    `model_workspace` (else the configuration's): the model is downloaded once into the run's KFP workspace and every
+    stage reads it there, where without it each stage pod downloads it; the sub-pipeline then takes a required input
+    `workspace`, which the embedding pipeline binds to `dsl.WORKSPACE_PATH_PLACEHOLDER`, and the embedding pipeline
+    declares the workspace (`pipeline_config=workspace_config(config)`).
     """
+    workspace = _model_workspace(config, model_workspace)
+    if workspace is not None and config.search_workers > 1:
+        raise ConfigError(
+            f"model_workspace: a multi-worker search (search.workers {config.search_workers}) runs in TrainJob pods, which "
+            "do not mount the run's workspace: search with one worker, or drop model_workspace"
+        )
     if overrides:
         config = with_resources(config, overrides)
     runtime = settings_parameters(config, settings_inputs)
@@ -348,7 +403,10 @@ def build_subpipeline(
             return _configure(task, name, config, label, given(name))
 
         params = {name: settings.get(params_input(name)) for name in NAMES}
-        dag = _Dag(config, comps, stage, model, storage_root, params, given("search"))
+        in_workspace = settings.get(WORKSPACE_INPUT.name)  # the run's workspace path, with model_workspace
+        if in_workspace is not None:
+            model = _in_workspace(config, model, in_workspace)
+        dag = _Dag(config, comps, stage, model, storage_root, params, given("search"), in_workspace)
         full = dag.once(calibration_data, search_data, heldout_data)
         points = _found_grid(dag, target_params) if quality_target(config) else grid
         with dsl.ParallelFor(points, name="criterion-x-sparsity", parallelism=config.parallelism) as point:
@@ -377,6 +435,7 @@ def build_subpipeline(
 
     outputs = outputs_type(config)
     extra = [*_params_parameters(config, d), *(parameter for by_setting in runtime.values() for parameter in by_setting.values())]
+    extra += [WORKSPACE_INPUT] if workspace is not None else []
     func = _returning(_signed(evoesap_stages, _hidden(config), extra), outputs)
     description = "EvoESAP stages: calibrate ... report, for a given full model"
     return dsl.pipeline(name=f"{config.name}-stages", description=description)(func)
@@ -395,6 +454,7 @@ class _Dag:
         storage_root: Any,
         params: Mapping[str, Any],
         search_settings: Mapping[str, Any],
+        workspace: Any = None,
     ) -> None:
         self.config, self.comps, self.stage, self.model, self.root, self.params = (
             config,
@@ -405,6 +465,9 @@ class _Dag:
             params,
         )
         self.search_settings = search_settings  # the search's settings given at run time, for a multi-worker launcher
+        # the tasks that take the full model, when it lies in the run's workspace (`workspace`: its path, the sub-pipeline's
+        # input), which KFP mounts into a task given it
+        self.ws = {"workspace": workspace} if workspace is not None else {}
         self.scores = self.cache = self.full = self.released = None  # released: the publish task, with publish_models
         self.verdict = None  # the gate task, when the configuration sets a threshold
         self.target = None  # the task finding each criterion's sparsity, with a quality target
@@ -420,22 +483,24 @@ class _Dag:
         """calibrate, the teacher caches and the full model's evaluation; returns that evaluation's task."""
         comps, stage, model, root, p = self.comps, self.stage, self.model, self.root, self.params
         self.scores = stage(
-            "calibrate", comps.calibrate(model=model, data=calibration_data, storage_root=root, params=p["calibrate"])
+            "calibrate", comps.calibrate(model=model, data=calibration_data, storage_root=root, params=p["calibrate"], **self.ws)
         )
         self.cache = stage(
             "cache-logits",
-            comps.cache_logits(model=model, data=search_data, storage_root=root, params=p["cache-logits"]),
+            comps.cache_logits(model=model, data=search_data, storage_root=root, params=p["cache-logits"], **self.ws),
             "cache-logits search set",
         )
         if self.config.heldout_data:
             self.heldout["heldout_cache"] = stage(
                 "cache-logits",
-                comps.cache_logits(model=model, data=heldout_data, storage_root=root, params=p["cache-logits"]),
+                comps.cache_logits(model=model, data=heldout_data, storage_root=root, params=p["cache-logits"], **self.ws),
                 "cache-logits held-out set",
             ).outputs["cache"]
         self.teacher = {"teacher_cache": self.heldout["heldout_cache"]} if self.heldout else {}
         self.full = stage(
-            "evaluate", comps.evaluate(model=model, storage_root=root, params=p["evaluate"], **self.teacher), "evaluate full"
+            "evaluate",
+            comps.evaluate(model=model, storage_root=root, params=p["evaluate"], **self.teacher, **self.ws),
+            "evaluate full",
         )
         return self.full
 
@@ -455,11 +520,11 @@ class _Dag:
         if self.config.search_workers > 1:  # a Kubeflow Trainer job that this task launches and follows
             searched = _search_trainjob(self.config, search_args, self.search_settings)
         else:
-            searched = stage("search", comps.search(**search_args))
+            searched = stage("search", comps.search(**search_args, **self.ws))
         allocations = {"searched": {"allocation": searched.outputs["allocation"]}, "uniform": {}}  # uniform: none
         pruned = {
             method: stage("prune", comps.prune(model=model, scores=self.scores.outputs["scores"], params=p["prune"],
-                                               **allocation, **point_args), f"prune {method}")
+                                               **allocation, **point_args, **self.ws), f"prune {method}")
             for method, allocation in allocations.items()
         }  # fmt: skip
         evals = {
@@ -520,6 +585,12 @@ def build_pipeline(config: PipelineConfig) -> Callable:
     URIs only, so a hub name or a path cannot be imported there. A hub model's revision rides in the `model`
     parameter itself (`org/name@REV`, the configuration's `pinned_model`), never in metadata compiled with a
     run-time placeholder, which a cluster would store unresolved."""
+    if config.model_workspace is not None:
+        raise ConfigError(
+            f"model_workspace (size {config.model_workspace.size}) downloads a model handed in as an artifact once per "
+            "run, but the standalone pipeline names its model and every stage reads it from there: drop model_workspace, "
+            "or embed the DAG with build_subpipeline"
+        )
     stages = build_subpipeline(config)
     d = _defaults(config)
     reference = make_reference(config.default_image)

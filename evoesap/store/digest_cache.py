@@ -8,6 +8,12 @@ set back by a user), so a stale digest is never returned. The table lives in `$E
 `$XDG_CACHE_HOME/evoesap/digests.sqlite` (`~/.cache/...`); where it cannot be written (a read-only home in a
 pod) the file is hashed without remembering it. Concurrent processes share it (SQLite's own locking).
 
+SQLite's locking is not to be trusted on a network filesystem (NFS and the like: sqlite.org/faq.html#q5), which is
+what a volume shared by several pods usually is. `$EVOESAP_DIGEST_DIR` (it takes precedence) names a directory
+instead, holding one small file per digest, named by the sha256 of its key and published by an atomic rename: a reader
+sees a whole entry or none, concurrent writers of one entry write the same bytes, and no lock is taken. An entry is
+used only when the key it records is the file's key now, so a file rewritten since gets a new entry.
+
 It is only a cache, so it never stops a stage nor holds it up: a file it did not create is used only when it is
 a SQLite database holding this table alone, with this schema (anything else, an empty file included, is left
 byte-identical); a lock held by another process is waited for `BUSY_TIMEOUT_S` at most. A cache refused or
@@ -17,6 +23,8 @@ failing is named in one warning, then left alone for the rest of the process, an
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import re
@@ -41,8 +49,11 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _refused: set[str] = set()  # locations refused or failed in this process: not tried again
 
 
+DIRECTORY_ENV = "EVOESAP_DIGEST_DIR"  # a directory of one file per digest: for a volume several pods share
+
+
 def location() -> Path:
-    """Where the table is kept (see the module docstring)."""
+    """Where the table is kept (see the module docstring); `$EVOESAP_DIGEST_DIR`, when set, is used instead."""
     chosen = os.environ.get("EVOESAP_DIGEST_CACHE")
     if chosen:
         return Path(chosen)
@@ -139,18 +150,15 @@ def _connect() -> _Cache | None:
         return None
 
 
-def _refuse(where: Path, exc: BaseException) -> None:
+def _refuse(
+    where: Path, exc: BaseException, fix: str = "point EVOESAP_DIGEST_CACHE at a new file, or delete this one if evoesap made it"
+) -> None:
     """Warn once that the cache at `where` is not used, and leave it alone for the rest of the process."""
     if os.path.abspath(where) in _refused:
         return
     _refused.add(os.path.abspath(where))
     why = str(exc) if isinstance(exc, _Unusable) else f"{type(exc).__name__}: {exc}"
-    log.warning(
-        "digest cache %s is not used (%s): weights are hashed without it in this process; point EVOESAP_DIGEST_CACHE "
-        "at a new file, or delete this one if evoesap made it",
-        where,
-        why,
-    )
+    log.warning("digest cache %s is not used (%s): weights are hashed without it in this process; %s", where, why, fix)
 
 
 def sha256(path: str, compute: Callable[[str], str]) -> str:
@@ -158,6 +166,8 @@ def sha256(path: str, compute: Callable[[str], str]) -> str:
     real = os.path.realpath(path)
     st = os.stat(real)
     key = (real, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    if os.environ.get(DIRECTORY_ENV):
+        return _directory_sha256(Path(os.environ[DIRECTORY_ENV]), key, compute)
     where = location()
     cache = _connect()
     if cache is None:
@@ -186,3 +196,35 @@ def sha256(path: str, compute: Callable[[str], str]) -> str:
             except sqlite3.Error as exc:
                 _refuse(where, exc)
         return digest
+
+
+def _directory_sha256(directory: Path, key: tuple[Any, ...], compute: Callable[[str], str]) -> str:
+    """`sha256` with the one-file-per-digest layout in `directory` (see the module docstring)."""
+    real = key[0]
+    if os.path.abspath(directory) in _refused:
+        return compute(real)
+    entry = directory / f"{hashlib.sha256(json.dumps(key).encode()).hexdigest()}.json"
+    try:
+        recorded = json.loads(entry.read_text())
+    except FileNotFoundError:
+        recorded = None
+    except (OSError, ValueError) as exc:  # an entry being unreadable is a miss; it is written again below
+        log.debug("digest cache entry %s unreadable (%s): hashing", entry, exc)
+        recorded = None
+    if isinstance(recorded, dict) and recorded.get("key") == list(key):
+        found = recorded.get("sha256")
+        if isinstance(found, str) and _SHA256.fullmatch(found):
+            return found
+    digest = compute(real)
+    if os.stat(real).st_mtime_ns != key[2]:  # written while it was read: nothing to remember
+        return digest
+    staged = directory / f".{entry.name}.{uuid.uuid4().hex}.partial"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        staged.write_text(json.dumps({"key": list(key), "sha256": digest}))
+        os.replace(staged, entry)  # atomic: a reader in another pod sees the whole entry or none
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            staged.unlink()
+        _refuse(directory, _Unusable(f"an entry cannot be written: {exc}"), f"point {DIRECTORY_ENV} at a writable directory")
+    return digest

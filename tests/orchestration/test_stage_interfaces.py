@@ -45,7 +45,8 @@ def test_component_cli_and_registry_agree_on_inputs_outputs_and_parameters(stage
     root = component["root"]
     given = set(root["inputDefinitions"].get("artifacts", {})) | set(root["inputDefinitions"].get("parameters", {}))
     declared = {argument.name: argument for item in stage.inputs for argument in item.kfp_arguments}
-    assert given == set(declared) | set(stage.grid) | {"storage_root", "params"}
+    workspace = {"workspace"} if any(item.model for item in stage.inputs) else set()  # KFP only: the run's workspace
+    assert given == set(declared) | set(stage.grid) | {"storage_root", "params"} | workspace
     for name, argument in declared.items():  # each argument typed as declared: artifact kind, list, optional
         if argument.kind == "str":
             assert root["inputDefinitions"]["parameters"][name]["parameterType"] == "STRING", name

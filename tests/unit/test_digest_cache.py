@@ -160,3 +160,100 @@ def test_a_row_that_is_not_a_sha256_is_never_returned(weights, tmp_path, monkeyp
     connection.close()
     calls: list[str] = []
     assert _hashed(weights, calls) == _expected(weights) and len(calls) == 3
+
+
+# A directory of one file per digest (EVOESAP_DIGEST_DIR): for a volume several pods share, where SQLite's locks
+# are not to be trusted.
+
+
+def _entries(directory: Path) -> list[Path]:
+    return sorted(directory.iterdir())
+
+
+def test_a_digest_directory_remembers_each_digest_in_a_file_of_its_own_across_processes(weights, tmp_path, monkeypatch):
+    """Another process (a pod before this one) hashes the files into the directory; this one reads every digest back."""
+    import subprocess
+    import sys
+
+    directory = tmp_path / "workspace" / "digests"
+    monkeypatch.setenv("EVOESAP_DIGEST_DIR", str(directory))
+    monkeypatch.setenv("EVOESAP_DIGEST_CACHE", str(tmp_path / "home-cache.sqlite"))  # not the one used
+    script = (
+        "import hashlib, sys; from pathlib import Path; from evoesap.store import digest_cache\n"
+        "for f in sys.argv[1:]: digest_cache.sha256(f, lambda p: hashlib.sha256(Path(p).read_bytes()).hexdigest())"
+    )
+    subprocess.run([sys.executable, "-c", script, *map(str, weights)], check=True)
+    assert len(_entries(directory)) == 3 and not (tmp_path / "home-cache.sqlite").exists()
+
+    def never(path: str) -> str:
+        raise AssertionError(f"{path} hashed again")
+
+    assert [digest_cache.sha256(str(f), never) for f in weights] == _expected(weights)
+
+
+def test_a_file_rewritten_in_place_is_hashed_again_even_with_its_old_size_and_mtime(weights, tmp_path, monkeypatch):
+    import os
+
+    directory = tmp_path / "digests"
+    monkeypatch.setenv("EVOESAP_DIGEST_DIR", str(directory))
+    calls: list[str] = []
+    _hashed(weights, calls)
+    target = weights[0]
+    old = target.stat()
+    target.write_bytes(b"\xff" * old.st_size)  # same size, other bytes
+    os.utime(target, ns=(old.st_atime_ns, old.st_mtime_ns))  # mtime set back: only ctime tells
+    assert _hashed(weights, calls) == _expected(weights)
+    assert calls.count(os.path.realpath(target)) == 2 and len(calls) == 4
+    assert len(_entries(directory)) == 4  # the old version's entry stays, never matched again
+
+
+def test_a_damaged_or_foreign_entry_is_never_believed(weights, tmp_path, monkeypatch):
+    """An entry that does not parse, or records another file's key under this key's name, is a miss: the digest is
+    computed, right, and the entry rewritten whole."""
+    import json
+
+    directory = tmp_path / "digests"
+    monkeypatch.setenv("EVOESAP_DIGEST_DIR", str(directory))
+    _hashed(weights[:2], [])
+    first, second = _entries(directory)
+    first.write_text("{not json")
+    second.write_text(json.dumps({"key": ["/elsewhere", 1, 2, 3, 4], "sha256": "0" * 64}))
+    calls: list[str] = []
+    assert _hashed(weights[:2], calls) == _expected(weights[:2]) and len(calls) == 2
+    assert [json.loads(e.read_text())["sha256"] for e in (first, second)] != ["0" * 64] * 2
+    assert sorted(json.loads(e.read_text())["sha256"] for e in _entries(directory)) == sorted(_expected(weights[:2]))
+
+
+def test_writers_racing_on_one_entry_all_get_the_right_digest_and_leave_one_whole_entry(weights, tmp_path, monkeypatch):
+    import threading
+
+    directory = tmp_path / "digests"
+    monkeypatch.setenv("EVOESAP_DIGEST_DIR", str(directory))
+    start = threading.Barrier(8)
+    got: list[str] = []
+
+    def compute(path: str) -> str:
+        start.wait()  # every writer has missed the entry: all of them publish it at once
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+    threads = [threading.Thread(target=lambda: got.append(digest_cache.sha256(str(weights[0]), compute))) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert got == _expected(weights[:1]) * 8
+    (entry,) = _entries(directory)  # no partial file left behind
+    assert entry.suffix == ".json" and hashlib.sha256(weights[0].read_bytes()).hexdigest() in entry.read_text()
+
+
+def test_an_unwritable_digest_directory_is_named_in_one_warning_and_hashing_goes_on(weights, tmp_path, monkeypatch, caplog):
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file where the directory would be")
+    monkeypatch.setenv("EVOESAP_DIGEST_DIR", str(blocked / "digests"))
+    calls: list[str] = []
+    with caplog.at_level(logging.WARNING):
+        assert _hashed(weights, calls) == _expected(weights)
+    assert len(calls) == 3
+    (line,) = _warnings(caplog)
+    assert str(blocked / "digests") in line and "EVOESAP_DIGEST_DIR" in line
+    assert blocked.read_text() == "a file where the directory would be"
