@@ -75,10 +75,10 @@ class SearchParams(PlacementParams):
         False, "Race new candidates over growing sample subsets first (successive halving); elites are ranked on the full set."
     )
     racing_mode: Literal["schedule", "statistical"] = param(
-        "schedule",
-        "How racing stops candidates: schedule (successive halving by racing_schedule) or statistical (a candidate stops "
-        "once its paired per-sample differences against the weakest elite say, at error rate racing_delta, that it "
-        "cannot enter the elite; evoesap.method.racing.Sequential).",
+        "statistical",
+        "How racing stops candidates: statistical (a candidate stops once its paired per-sample differences against the "
+        "elite boundary member say, at error rate racing_delta, that it cannot enter the elite; "
+        "evoesap.method.racing.Sequential) or schedule (successive halving by racing_schedule).",
     )
     racing_delta: float = param(
         0.05, "Statistical racing: the declared chance of wrongly stopping a candidate that could enter the elite.", gt=0, lt=1

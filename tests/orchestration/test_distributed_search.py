@@ -28,7 +28,7 @@ from evoesap.store import artifacts
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(criterion="reap", sparsity=0.5, population=6, elites=2, generations=2, batch_size=8)
-RACING = dict(racing=True, racing_schedule="0.25,0.5:0.5", racing_min_samples=2, racing_min_positions=8)
+RACING = dict(racing=True, racing_mode="schedule", racing_schedule="0.25,0.5:0.5", racing_min_samples=2, racing_min_positions=8)
 STATISTICAL = dict(racing=True, racing_mode="statistical", racing_delta=0.3, racing_min_samples=2)
 MODES = {"exact": {}, "racing": RACING, "statistical": STATISTICAL}
 
