@@ -46,13 +46,13 @@ def copy_into(model, workspace: str, reference) -> None:
     read from there by every stage and passes through; a checkpoint is copied (under a private name, then renamed: a
     retry replaces a partial copy) and hashed into the workspace's digest directory."""
     import glob
-    import json
     import logging
     import os
     import shutil
     import uuid
 
     from evoesap.components.kfp_artifacts import referenced
+    from evoesap.components.reference import model_reference
 
     from evoesap.errors import ArtifactError
     from evoesap.store import digest_cache
@@ -75,10 +75,7 @@ def copy_into(model, workspace: str, reference) -> None:
         os.environ.setdefault(digest_cache.DIRECTORY_ENV, os.path.join(workspace, DIGEST_DIR))
         log.info("model copied into the workspace at %s: %s", target, summary(identify(target)[0]))
         named = target
-    os.makedirs(os.path.dirname(reference.path) or ".", exist_ok=True)
-    with open(reference.path, "w") as f:
-        json.dump({"model": named}, f)
-    reference.metadata["model"] = named
+    model_reference(named, reference)
 
 
 def make_model_to_workspace(image: str) -> Callable:
