@@ -19,11 +19,17 @@ Pruning orders come from the observer pass over calibration samples (REAP).
 `--compare` instead runs, per world x criterion x seed and in one process, exact search (no prefix reuse), prefix
 reuse, today's racing (prefix reuse + the racing schedule) and statistical racing (prefix reuse +
 `racing.Sequential` at `--racing-delta`, in `--racing-waves` waves, its additive model off with `--no-surrogate`;
-`--methods` picks among them, exact always first), and prints FFE per candidate (in the run and extrapolated to a whole
-default search of 50 generations from generation 0 and the mean later generation, as bench_search does), wall time
-per candidate and the final allocation's full-set ESAP, with exact search's as the baseline of the same run:
+`--methods` picks among them), and prints FFE per candidate (in the run and extrapolated to a whole default search of
+50 generations from generation 0 and the mean later generation, as bench_search does), wall time per candidate and
+the final allocation's full-set ESAP, scored by one plain evaluator (exact search's scoring), with exact search's as
+the baseline when it runs. `--out rows.jsonl` appends each search's row as it finishes (a stopped run keeps its
+rows); `--table` prints the markdown tables of one or more such files, a later file's rows replacing the same
+searches of an earlier one, so one column can be re-run alone:
 
     python benchmarks/bench_candidate_work.py --compare --worlds tiny --criteria reap frequency --seeds 0 1 2
+    python benchmarks/bench_candidate_work.py --compare --worlds tiny --criteria reap --out rows.jsonl
+    python benchmarks/bench_candidate_work.py --compare --worlds tiny --criteria reap --methods statistical --out new.jsonl
+    python benchmarks/bench_candidate_work.py --table rows.jsonl new.jsonl
 """
 
 from __future__ import annotations
