@@ -105,8 +105,8 @@ COMPARED = {"exact": (False, False), "prefix": (True, False), "racing": (True, T
 METHOD_ORDER = list(COMPARED)  # exact first: the baseline of the printed table
 
 
-def settings(args: argparse.Namespace, name: str, method: str) -> dict:
-    """What a row of `method` ran with: the settings every method shares, then the method's own."""
+def settings(args: argparse.Namespace, name: str, method: str, commit: str) -> dict:
+    """What a row of `method` ran with: the settings every method shares, then the method's own and the code's commit."""
     out = {key: getattr(args, key) for key in work_rows.SHARED}
     out["prefix_cache_bytes"] = args.prefix_cache_bytes if COMPARED[method][0] else 0
     if method == "racing":
@@ -116,12 +116,13 @@ def settings(args: argparse.Namespace, name: str, method: str) -> dict:
         out |= {"racing_waves": args.racing_waves, "surrogate": not args.no_surrogate}
     if name == "demo":
         out["model"] = str(Path(args.model).resolve())
-    out["commit"] = _commit()
+    out["commit"] = commit
     return out
 
 
 def _commit() -> str:
-    """The code's commit, with "+" when the work tree differs from it."""
+    """The code's commit, with "+" when the work tree differs from it (read once, when the run starts: the
+    code imported then is the code that runs, whatever is committed later)."""
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(
@@ -143,6 +144,7 @@ def compare(args: argparse.Namespace) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     methods = {m: COMPARED[m] for m in METHOD_ORDER if m in args.methods}
+    commit = _commit()
     sums: dict[str, list[tuple[float, float, float]]] = {m: [] for m in methods}
     for name in args.worlds:
         model, tokenized, calibration = world(name, args)
@@ -189,7 +191,7 @@ def compare(args: argparse.Namespace) -> None:
                                     "seconds": row.seconds,
                                     "allocation": list(result.best),
                                     "esap": esap,
-                                    "settings": settings(args, name, method),
+                                    "settings": settings(args, name, method, commit),
                                 },
                             )
                         print(

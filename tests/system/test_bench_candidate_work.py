@@ -39,6 +39,8 @@ def test_each_search_is_on_disk_before_the_next_starts(bench, tmp_path, monkeypa
         return real(*args, **kwargs)
 
     monkeypatch.setattr(bench, "run_search", run_search)
+    commits = iter(["1111111", "2222222", "3333333"])  # HEAD moving while the run goes on
+    monkeypatch.setattr(bench, "_commit", lambda: next(commits))
     with pytest.raises(KeyboardInterrupt):
         bench.main([*TINY, "--methods", "exact", "prefix", "racing", "--out", str(out)])
     written = read_lines(out)
@@ -46,6 +48,7 @@ def test_each_search_is_on_disk_before_the_next_starts(bench, tmp_path, monkeypa
     for r in written:
         assert (r["world"], r["criterion"], r["seed"]) == ("tiny", "reap", 0)
         assert r["settings"]["samples"] == 16 and r["settings"]["generations"] == 1
+        assert r["settings"]["commit"] == "1111111"  # the code that was imported, read when the run started
         assert sum(r["allocation"]) == sum(written[0]["allocation"])  # both meet the same budget
         assert 0 < r["esap"] <= 1 and 0 < r["ffe_per_candidate"] <= 1
     # prefix reuse does not change which allocation wins, nor its full-set score
