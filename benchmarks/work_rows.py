@@ -149,7 +149,7 @@ def tables(rows: Sequence[dict]) -> str:
                     f"{_mean(r['seconds_per_candidate'] for r in rs):.4f} | {_mean(r['esap'] for r in rs):.6f} | "
                     f"{pct(_mean(known))} | {pct(min(known, default=float('nan')))} | "
                     f"{sum(same is True for _, same in diffs)}/{len(known)} | {sum(worse(r, 'exact') for r in rs)}/{len(known)} | "
-                    + ("-" if method == "racing" else f"{sum(worse(r, 'racing') for r in rs)}/{n_racing}")
+                    + ("-" if method == "racing" or not n_racing else f"{sum(worse(r, 'racing') for r in rs)}/{n_racing}")
                     + (f" (worst {pct(worst_racing)})" if method != "racing" and worst_racing < 0 else "")
                     + " |"
                 )
