@@ -127,7 +127,7 @@ def tables(rows: Sequence[dict]) -> str:
             diff, same = versus(r, other)
             return same is False and diff < 0
 
-        lines += [f"### {world}", ""]
+        lines += [f"#### {world}", ""]
         lines.append(
             "| criterion | method | searches | FFE / cand. | FFE / cand. whole search (est.) | s / cand. | full-set ESAP | "
             "vs exact: mean | worst | same allocation as exact | worse than exact | worse than racing |"
