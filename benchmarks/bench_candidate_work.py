@@ -18,13 +18,19 @@ Pruning orders come from the observer pass over calibration samples (REAP).
 
 `--compare` instead runs, per world x criterion x seed and in one process, exact search (no prefix reuse), prefix
 reuse, today's racing (prefix reuse + the racing schedule) and statistical racing (prefix reuse +
-`racing.Sequential` at `--racing-delta`, in `--racing-waves` waves, its additive model off with `--no-surrogate`, its
-zero-forward screen (opt-in in the search, on here) off with `--no-screen`;
-`--methods` picks among them, exact always first), and prints FFE per candidate (in the run and extrapolated to a whole
-default search of 50 generations from generation 0 and the mean later generation, as bench_search does), wall time
-per candidate and the final allocation's full-set ESAP, with exact search's as the baseline of the same run:
+`racing.Sequential` at `--racing-delta`, in `--racing-waves` waves, its additive model off with `--no-surrogate`,
+its zero-forward screen on with `--screen`, off by default as in the search;
+`--methods` picks among them), and prints FFE per candidate (in the run and extrapolated to a whole default search of
+50 generations from generation 0 and the mean later generation, as bench_search does), wall time per candidate and
+the final allocation's full-set ESAP, scored by one plain evaluator (exact search's scoring), with exact search's as
+the baseline when it runs. `--out rows.jsonl` appends each search's row as it finishes (a stopped run keeps its
+rows); `--table` prints the markdown tables of one or more such files, a later file's rows replacing the same
+searches of an earlier one, so one column can be re-run alone:
 
     python benchmarks/bench_candidate_work.py --compare --worlds tiny --criteria reap frequency --seeds 0 1 2
+    python benchmarks/bench_candidate_work.py --compare --worlds tiny --criteria reap --out rows.jsonl
+    python benchmarks/bench_candidate_work.py --compare --worlds tiny --criteria reap --methods statistical --out new.jsonl
+    python benchmarks/bench_candidate_work.py --table rows.jsonl new.jsonl
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import argparse
 import dataclasses
 import platform
 import shlex
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -41,14 +48,17 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import work_rows  # noqa: E402
 from bench_search import build_shape, load_world, run_search  # noqa: E402
 
 from evoesap import moe  # noqa: E402
+from evoesap.errors import EvoESAPError  # noqa: E402
 from evoesap.machine import runtime
 from evoesap.method import allocation as alloc  # noqa: E402
 from evoesap.method.racing import SCREENED  # noqa: E402
 from evoesap.moe.tiny import tiny_model  # noqa: E402
 from evoesap.scoring import teacher  # noqa: E402
+from evoesap.scoring.evaluator import CandidateEvaluator  # noqa: E402
 from evoesap.scoring.importance import observe, pruning_order  # noqa: E402
 
 
@@ -94,6 +104,38 @@ def one_search(model, cache, orders, n, k, budget, args, seed: int, floor: bool,
 
 
 COMPARED = {"exact": (False, False), "prefix": (True, False), "racing": (True, True), "statistical": (True, "statistical")}
+METHOD_ORDER = list(COMPARED)  # exact first: the baseline of the printed table
+
+
+def settings(args: argparse.Namespace, name: str, method: str, commit: str) -> dict:
+    """What a row of `method` ran with: the settings every method shares, then the method's own and the code's commit."""
+    out = {key: getattr(args, key) for key in work_rows.SHARED}
+    out["prefix_cache_bytes"] = args.prefix_cache_bytes if COMPARED[method][0] else 0
+    if method == "racing":
+        out |= {k: getattr(args, k) for k in ("racing_schedule", "racing_min_samples", "racing_min_positions")}
+    if method == "statistical":
+        out |= {"racing_delta": args.racing_delta, "racing_min_samples": args.racing_min_samples}
+        out |= {"racing_waves": args.racing_waves, "surrogate": not args.no_surrogate, "screen": args.screen}
+    if name == "demo":
+        out["model"] = str(Path(args.model).resolve())
+    out["commit"] = commit
+    return out
+
+
+def _commit() -> str:
+    """The code's commit, with "+" when the work tree differs from it (read once, when the run starts: the
+    code imported then is the code that runs, whatever is committed later)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
 def compare(args: argparse.Namespace) -> None:
@@ -103,7 +145,8 @@ def compare(args: argparse.Namespace) -> None:
         "s / cand. | wall s | final full-set ESAP | vs exact | screened | FFE by generation |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    methods = {m: COMPARED[m] for m in dict.fromkeys(["exact", *args.methods])}  # exact first: the baseline
+    methods = {m: COMPARED[m] for m in METHOD_ORDER if m in args.methods}
+    commit = _commit()
     sums: dict[str, list[tuple[float, float, float]]] = {m: [] for m in methods}
     for name in args.worlds:
         model, tokenized, calibration = world(name, args)
@@ -116,26 +159,47 @@ def compare(args: argparse.Namespace) -> None:
             teacher.write_cache(model, tokenized, Path(tmp), mode="full", dtype="float16", batch_size=args.batch_size)
             cache = teacher.load_cache(tmp)
             ids = list(range(cache.num_samples))
-            for criterion in args.criteria:
-                orders = pruning_order(scores, criterion)
-                for seed in args.seeds:
-                    judge = None
+            # every final allocation is scored by one plain evaluator (no prefix reuse, no racing): exact search's
+            # own scoring, so a file of some methods' rows compares with another file's exact rows
+            judge = CandidateEvaluator(
+                model, cache, batch_size=args.batch_size, prefix_cache_bytes=0, keep=args.elites, verify=False
+            )
+            orders_of = {criterion: pruning_order(scores, criterion) for criterion in args.criteria}
+            for seed in args.seeds:  # seeds outermost: a run stopped early still has every criterion of its first seeds
+                for criterion, orders in orders_of.items():
                     base = float("nan")
                     for method, (prefix, race) in methods.items():
-                        row, result, evaluator = run_search(
+                        row, result, _ = run_search(
                             model, cache, orders, n, k, budget, ids, args, prefix=prefix, race=race, seed=seed
                         )
-                        judge = judge or evaluator  # exact search's evaluator: every value from the same forwards
                         esap = judge.score(alloc.pruned_sets(result.best, orders))
                         base = esap if method == "exact" else base
                         whole = row.default_search()[1] / (
                             args.population + 50 * (row.candidates - args.population) / max(1, args.generations)
                         )
                         sums[method].append((row.ffe / row.candidates, whole, esap - base))
+                        if args.out:
+                            work_rows.append(
+                                args.out,
+                                {
+                                    "world": name,
+                                    "criterion": criterion,
+                                    "seed": seed,
+                                    "method": method,
+                                    "candidates": row.candidates,
+                                    "ffe_per_candidate": row.ffe / row.candidates,
+                                    "ffe_per_candidate_whole_search": whole,
+                                    "seconds_per_candidate": row.seconds / row.candidates,
+                                    "seconds": row.seconds,
+                                    "allocation": list(result.best),
+                                    "esap": esap,
+                                    "settings": settings(args, name, method, commit),
+                                },
+                            )
                         print(
                             f"| {name} | {criterion} | {seed} | {method} | {row.candidates} | {row.ffe / row.candidates:.3f} | "
                             f"{whole:.3f} | {row.seconds / row.candidates:.4f} | {row.seconds:.1f} | {esap:.6f} | "
-                            f"{100 * (esap - base) / base:+.3f}% | {sum(h.level == SCREENED for h in result.history)} | "
+                            f"{work_rows.pct(100 * (esap - base) / base)} | {sum(h.level == SCREENED for h in result.history)} | "
                             f"{' '.join(f'{v:.2f}' for v in np.diff([0.0, *(m[1] for m in row.marks)]))} |",
                             flush=True,
                         )
@@ -151,12 +215,12 @@ def compare(args: argparse.Namespace) -> None:
         f"{args.samples} samples x {args.max_length} tokens, batch {args.batch_size}; racing schedule {args.racing_schedule} "
         f"(minimums {args.racing_min_samples} samples, {args.racing_min_positions} positions); statistical delta "
         f"{args.racing_delta}, first checkpoint {args.racing_min_samples} samples, {args.racing_waves} waves, "
-        f"additive model {'off' if args.no_surrogate else 'on'}, screen {'off' if args.no_screen or args.no_surrogate else 'on'}"
+        f"additive model {'off' if args.no_surrogate else 'on'}, screen {'on' if args.screen and not args.no_surrogate else 'off'}"
     )
     print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", nargs="+", default=["tiny", "olmoe"], choices=["tiny", "olmoe", "demo"])
     parser.add_argument("--model", help="with --worlds demo: the demo world's model directory")
@@ -181,13 +245,31 @@ def main() -> None:
     parser.add_argument("--racing-delta", type=float, default=0.05, help="statistical racing's error rate (--compare)")
     parser.add_argument("--racing-waves", type=int, default=4, help="statistical racing's waves per generation (--compare)")
     parser.add_argument("--no-surrogate", action="store_true", help="statistical racing without its additive model (--compare)")
-    parser.add_argument("--no-screen", action="store_true", help="statistical racing without its zero-forward screen (--compare)")
+    parser.add_argument("--screen", action="store_true", help="statistical racing with its opt-in zero-forward screen (--compare)")
     parser.add_argument(
-        "--methods", nargs="+", default=list(COMPARED), choices=list(COMPARED), help="with --compare (exact always runs)"
+        "--methods", nargs="+", default=list(COMPARED), choices=list(COMPARED), help="with --compare: the methods to run"
     )
     parser.add_argument("--criteria", nargs="+", default=["reap"], help="with --compare: the criteria to search with")
     parser.add_argument("--compare", action="store_true", help="exact, prefix, racing and statistical racing (docstring)")
-    args = parser.parse_args()
+    parser.add_argument("--out", help="with --compare: append each search's row to this JSONL file as it finishes")
+    parser.add_argument(
+        "--table", nargs="+", metavar="ROWS", help="print the tables of these --out files (later rows replace earlier)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        if args.table:
+            if args.compare or args.out:
+                parser.error("--table only reads rows: run it without --compare/--out")
+            print(work_rows.tables(work_rows.read(args.table)))
+            return
+        if args.out and not args.compare:
+            parser.error(f"--out {args.out} writes --compare's rows: add --compare")
+        if args.compare and "demo" in args.worlds and not (args.model and args.data):
+            parser.error("--worlds demo needs --model (the demo world's model directory) and --data (its search JSONL files)")
+        if args.out:
+            work_rows.check_writable(args.out)
+    except EvoESAPError as e:
+        parser.exit(1, f"error: {e}\n")
     if args.compare:
         compare(args)
         return

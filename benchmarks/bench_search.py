@@ -193,7 +193,7 @@ def run_search(
             args.racing_min_samples,
             waves=getattr(args, "racing_waves", 4),
             surrogate=not getattr(args, "no_surrogate", False),
-            screen=not getattr(args, "no_screen", False),
+            screen=getattr(args, "screen", False),
         )
     else:
         schedule = racing.Racing.parse(args.racing_schedule, args.racing_min_samples, args.racing_min_positions) if race else None

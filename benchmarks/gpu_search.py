@@ -15,7 +15,8 @@ scoring at the paper's search size (64 samples x 4096 tokens, the second half of
 With `--search-generations G`, each shape then runs the level-switch search itself (paper defaults:
 population 32, elites 4, seed 42; `--racing` for the default racing schedule) for G generations over
 the same random cache, with prefix reuse, and reports seconds per generation, FFE per candidate and the
-estimated time of a default 50-generation search.
+estimated time and FFE per candidate of a default 50-generation search; `--statistical` adds the same search with
+statistical racing (`racing.Sequential`'s defaults, the search stage's `racing_mode: statistical`).
 
 Meant to finish within 8 minutes on one H100 (80 GB). `--tiny` shrinks the models for a CPU smoke run
 (the tests run it in-process). Prints a short markdown table.
@@ -285,6 +286,7 @@ def search_timing(
         return evaluator.score(alloc.pruned_sets(r, orders), schedule.subset(samples, positions, level, 42, generation))
 
     stamps: list[float] = []
+    works: list[int] = []  # the evaluator's work at each generation's end
     sync(device)
     t0 = time.perf_counter()
     result = search.level_switch_search(
@@ -297,7 +299,7 @@ def search_timing(
         racing=schedule,
         subset_fitness=subset_fitness if schedule and not statistical else None,
         sample_fitness=sample_fitness if statistical else None,
-        on_generation=lambda *_: (sync(device), stamps.append(time.perf_counter())),
+        on_generation=lambda *_: (sync(device), stamps.append(time.perf_counter()), works.append(evaluator.work)),
         elite_floor=floor,
     )
     seconds = time.perf_counter() - t0
@@ -311,6 +313,11 @@ def search_timing(
     race = " statistical racing" if statistical else " racing" if args.racing else ""
     method = f"search {args.search_generations} gen" + race + (" elite floor" if floor else "")
     note = f"gen 0 {stamps[0] - t0:.1f} s, then {float(np.mean(later)):.1f} s/gen; 50 generations ~{estimate / 60:.1f} min"
+    if len(later):  # the same whole search's FFE per candidate: generation 0 as run, each later one as their mean
+        population = search.level_switch_search.__kwdefaults__["population"]
+        work = works[0] + 50 * float(np.mean(np.diff(works)))
+        whole = population + 50 * (candidates - population) / args.search_generations
+        note += f", {work / evaluator.full_forward_work() / whole:.3f} FFE/cand."
     note += f"; best fitness {result.best_fitness:.6f}"
     if evaluator.prefix is not None:
         note += f"; prefix peak {evaluator.prefix.peak_bytes / 2**30:.2f} GiB"

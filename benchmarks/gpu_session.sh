@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One prepared GPU run for search speed: OLMoE-1B-7B and Qwen3-30B-A3B shapes (random weights, real
 # dimensions), each with the batched reference scorer, exact, prefix, a truncated default search with racing
-# timed without and then with the elite floor, then with statistical racing (its extrapolation to 50
-# generations is the whole default search), and one candidate's time by part (profile_candidate.py). It installs nothing from the network:
+# timed without and then with the elite floor, then with statistical racing (each search's time and FFE per
+# candidate extrapolated to a whole default search of 50 generations, so one run gives both racing modes'
+# figures), and one candidate's time by part (profile_candidate.py). It installs nothing from the network:
 # a missing package comes only from wheels carried in images/wheels (pip --no-index). One Python process
 # runs every step (benchmarks/gpu_search.py and profile_candidate.py, called as they are); a step that would
 # start after BUDGET_S seconds (default 540: 9 minutes) is skipped and says so, so the whole fits 10 minutes.

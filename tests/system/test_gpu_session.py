@@ -22,8 +22,20 @@ def test_dry_run_prints_every_table_for_both_shapes(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     text = done.stdout
     for shape in ("olmoe", "qwen3"):
-        for method in ("(a) reference", "(b) exact", "(c) prefix", "search 1 gen racing", "search 1 gen racing elite floor"):
+        for method in (
+            "(a) reference",
+            "(b) exact",
+            "(c) prefix",
+            "search 1 gen racing",
+            "search 1 gen racing elite floor",
+            "search 1 gen statistical racing",
+        ):
             assert f"| {shape} | {method} |" in text, (shape, method)
+        for race in ("racing", "statistical racing"):  # both searches give a whole default search's time and work
+            (note,) = re.findall(
+                rf"\| {shape} \| search 1 gen {race} \|.*50 generations ~([0-9.]+) min, ([0-9.]+) FFE/cand\.", text
+            )
+            assert float(note[0]) > 0 and 0 < float(note[1]) <= 1, (shape, race, note)
         best = re.findall(rf"\| {shape} \| search 1 gen racing.*best fitness ([0-9.]+)", text)
         assert len(best) == 2 and best[0] == best[1]  # the elite floor keeps the search's best
     assert text.count("| experts |") == 2 and "total:" in text
