@@ -245,7 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--racing-delta", type=float, default=0.05, help="statistical racing's error rate (--compare)")
     parser.add_argument("--racing-waves", type=int, default=4, help="statistical racing's waves per generation (--compare)")
     parser.add_argument("--no-surrogate", action="store_true", help="statistical racing without its additive model (--compare)")
-    parser.add_argument("--screen", action="store_true", help="statistical racing with its opt-in zero-forward screen (--compare)")
+    parser.add_argument(
+        "--screen", action="store_true", help="statistical racing with its opt-in zero-forward screen (--compare)"
+    )
     parser.add_argument(
         "--methods", nargs="+", default=list(COMPARED), choices=list(COMPARED), help="with --compare: the methods to run"
     )
