@@ -259,7 +259,9 @@ def test_search_stage_refuses_a_racing_schedule_too_large_for_its_search_set_bef
         raise AssertionError("the model was loaded before the racing schedule was checked")
 
     monkeypatch.setattr(runtime, "load_model", no_model)
-    params = SearchParams(criterion="reap", sparsity=0.5, population=6, elites=2, generations=1, racing=True, racing_mode="schedule")
+    params = SearchParams(
+        criterion="reap", sparsity=0.5, population=6, elites=2, generations=1, racing=True, racing_mode="schedule"
+    )
     with pytest.raises(ConfigError, match="racing level 0 .* of the 9 search samples"):
         run_search(model, str(root / "scores"), str(root / "cache"), params, str(root / "search-refused"))
 
@@ -274,7 +276,9 @@ def test_search_stage_records_its_work_in_allocation_json_for_each_racing_mode(s
     small = dict(criterion="reap", sparsity=0.5, population=6, elites=2, generations=3, batch_size=8)
     modes = {
         "off": {},
-        "schedule": dict(racing=True, racing_mode="schedule", racing_schedule="0.25:0.25", racing_min_samples=3, racing_min_positions=8),
+        "schedule": dict(
+            racing=True, racing_mode="schedule", racing_schedule="0.25:0.25", racing_min_samples=3, racing_min_positions=8
+        ),
         "statistical": dict(racing=True, racing_mode="statistical", racing_delta=0.2, racing_min_samples=3, racing_screen=True),
     }
     for mode, extra in modes.items():
