@@ -197,11 +197,15 @@ def layered(r, noise: float) -> np.ndarray:
     return FULL(r) + reaction - reaction.mean() + noise * own
 
 
-def layered_run(race, seed: int = 0):
+def layered_run(race, seed: int = 0, asked: list[set] | None = None):
+    """The search on `layered` with `race`; the sample counts it asked for, and (into `asked`, per generation) the
+    allocations whose samples it asked for."""
     counts = []
 
     def sample_fitness(r, count):
         counts.append(SAMPLES if count is None else count)
+        if asked is not None:
+            asked[-1].add(r)
         return layered(r, 0.05)[:count]
 
     result = search.level_switch_search(
@@ -215,6 +219,7 @@ def layered_run(race, seed: int = 0):
         seed=seed,
         racing=race,
         sample_fitness=sample_fitness,
+        on_generation=None if asked is None else lambda *_: asked.append(set()),
     )
     return result, counts
 
@@ -320,25 +325,8 @@ def test_the_screen_stops_clearly_worse_candidates_before_any_forward_and_the_se
         lambda r: float(layered(r, 0.05).mean()), N, K, BUDGET, generations=6, population=12, elites=3, seed=0
     )
     asked: list[set] = [set()]  # per generation: the allocations whose samples the race asked for
-
-    def sample_fitness(r, count):
-        asked[-1].add(r)
-        return layered(r, 0.05)[:count]
-
     plain, _ = layered_run(racing.Sequential(delta=0.01, min_samples=4, screen=False))
-    screened = search.level_switch_search(
-        lambda r: float(layered(r, 0.05).mean()),
-        N,
-        K,
-        BUDGET,
-        generations=6,
-        population=12,
-        elites=3,
-        seed=0,
-        racing=racing.Sequential(delta=0.01, min_samples=4, screen=True),
-        sample_fitness=sample_fitness,
-        on_generation=lambda *_: asked.append(set()),
-    )
+    screened, _ = layered_run(racing.Sequential(delta=0.01, min_samples=4, screen=True), asked=asked)
     for result in (plain, screened):
         assert (result.best, result.best_fitness) == (exact.best, exact.best_fitness)
         assert [(h.allocation, h.elite) for h in result.history] == [(h.allocation, h.elite) for h in exact.history]
