@@ -55,7 +55,6 @@ def copy_into(model, workspace: str, reference) -> None:
     from evoesap.components.reference import model_reference
 
     from evoesap.errors import ArtifactError
-    from evoesap.store import digest_cache
     from evoesap.store.identity import identify, summary
 
     log = logging.getLogger(__name__)
@@ -72,7 +71,7 @@ def copy_into(model, workspace: str, reference) -> None:
         shutil.copytree(model.path, staged)
         shutil.rmtree(target, ignore_errors=True)  # a retry's earlier copy: no stage has started on it
         os.rename(staged, target)
-        os.environ.setdefault(digest_cache.DIRECTORY_ENV, os.path.join(workspace, DIGEST_DIR))
+        share_digests(workspace)
         log.info("model copied into the workspace at %s: %s", target, summary(identify(target)[0]))
         named = target
     model_reference(named, reference)
