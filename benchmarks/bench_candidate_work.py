@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.compare and "demo" in args.worlds and not (args.model and args.data):
             parser.error("--worlds demo needs --model (the demo world's model directory) and --data (its search JSONL files)")
         if args.out:
-            work_rows.check_writable(args.out)
+            args.out = work_rows.check_writable(args.out)
     except EvoESAPError as e:
         parser.exit(1, f"error: {e}\n")
     if args.compare:

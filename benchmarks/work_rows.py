@@ -37,26 +37,34 @@ SHARED = ("samples", "max_length", "calibration_samples", "sparsity", "populatio
 
 
 def append(path: str | Path, row: dict) -> None:
-    """Append one row as one line, flushed to disk before the next search starts."""
+    """Append one row as one line, flushed to disk before the next search starts; the file is checked again first
+    (`check_writable`), so what replaced it since the run started is refused, not appended to."""
     missing = [f for f in FIELDS if f not in row]
     if missing:
         raise ValueError(f"a work row lacks {missing}")
     line = json.dumps(row, sort_keys=True) + "\n"
-    with open(path, "a", encoding="utf-8") as f:
+    with open(check_writable(path), "a", encoding="utf-8") as f:
         f.write(line)
         f.flush()
         os.fsync(f.fileno())
 
 
-def check_writable(path: str | Path) -> None:
-    """Refuse an `--out` file that cannot be appended to, before any model is built."""
-    path = Path(path)
+def check_writable(path: str | Path) -> Path:
+    """The `--out` file, resolved (symlinks, `..`), refused before any model is built where it cannot be appended to
+    or holds anything but work rows: a row is never appended to a file that is not ours."""
+    path = Path(path).resolve()
     if path.is_dir():
         raise DataError(f"--out {str(path)!r} is a directory: give a file path such as {str(path / 'rows.jsonl')!r}")
     if not path.parent.is_dir():
         raise DataError(f"--out {str(path)!r}: its folder {str(path.parent)!r} does not exist; create it first")
     if not os.access(path if path.exists() else path.parent, os.W_OK):
         raise DataError(f"--out {str(path)!r} is not writable: choose a path you can write")
+    if path.exists() and path.stat().st_size:
+        try:
+            read([path])
+        except DataError as e:
+            raise DataError(f"--out {str(path)!r} is not a file of work rows ({e}): choose a new path") from None
+    return path
 
 
 def read(paths: Sequence[str | Path]) -> list[dict]:

@@ -153,3 +153,17 @@ def test_bad_options_stop_before_any_model_is_built(bench, tmp_path, monkeypatch
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()[-1]) > 20
     assert not (tmp_path / "rows.jsonl").exists()
+
+
+def test_out_refuses_a_file_that_is_not_work_rows_and_leaves_it_byte_identical(bench, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "world", lambda *a: pytest.fail("a world was built"))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(notes)  # the file it points at is judged, not the name
+    for given in (notes, link):
+        with pytest.raises(SystemExit) as stop:
+            bench.main([*TINY, "--out", str(given)])
+        assert stop.value.code == 1
+        assert "is not a file of work rows" in capsys.readouterr().err
+        assert notes.read_text() == "my notes\n"
