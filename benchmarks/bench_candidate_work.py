@@ -116,6 +116,7 @@ def settings(args: argparse.Namespace, name: str, method: str, commit: str) -> d
     if method == "statistical":
         out |= {"racing_delta": args.racing_delta, "racing_min_samples": args.racing_min_samples}
         out |= {"racing_waves": args.racing_waves, "surrogate": not args.no_surrogate, "screen": args.screen}
+        out |= {"racing_tolerance": args.racing_tolerance}
     if name == "demo":
         out["model"] = str(Path(args.model).resolve())
     out["commit"] = commit
@@ -214,7 +215,8 @@ def compare(args: argparse.Namespace) -> None:
         f"settings: {args.sparsity:.0%}, population {args.population}, elites {args.elites}, {args.generations} generations, "
         f"{args.samples} samples x {args.max_length} tokens, batch {args.batch_size}; racing schedule {args.racing_schedule} "
         f"(minimums {args.racing_min_samples} samples, {args.racing_min_positions} positions); statistical delta "
-        f"{args.racing_delta}, first checkpoint {args.racing_min_samples} samples, {args.racing_waves} waves, "
+        f"{args.racing_delta}, tolerance {args.racing_tolerance:g}, first checkpoint {args.racing_min_samples} samples, "
+        f"{args.racing_waves} waves, "
         f"additive model {'off' if args.no_surrogate else 'on'}, screen {'on' if args.screen and not args.no_surrogate else 'off'}"
     )
     print("command: " + " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]))
@@ -243,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--racing-min-samples", type=int, default=2)
     parser.add_argument("--racing-min-positions", type=int, default=64)
     parser.add_argument("--racing-delta", type=float, default=0.05, help="statistical racing's error rate (--compare)")
+    parser.add_argument(
+        "--racing-tolerance", type=float, default=0.0, help="statistical racing's tolerance in fitness (--compare)"
+    )
     parser.add_argument("--racing-waves", type=int, default=4, help="statistical racing's waves per generation (--compare)")
     parser.add_argument("--no-surrogate", action="store_true", help="statistical racing without its additive model (--compare)")
     parser.add_argument(

@@ -194,6 +194,7 @@ def run_search(
             waves=getattr(args, "racing_waves", 4),
             surrogate=not getattr(args, "no_surrogate", False),
             screen=getattr(args, "screen", False),
+            tolerance=getattr(args, "racing_tolerance", 0.0),
         )
     else:
         schedule = racing.Racing.parse(args.racing_schedule, args.racing_min_samples, args.racing_min_positions) if race else None

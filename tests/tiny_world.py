@@ -59,6 +59,7 @@ _SEARCH_OPTIONS = (
     "workers",
     "racing_mode",
     "racing_delta",
+    "racing_tolerance",
     "racing_schedule",
     "racing_min_samples",
     "racing_min_positions",

@@ -155,7 +155,17 @@ class Sequential:
     scored before predicts (`evoesap.method.surrogate`, fixed before the candidate is scored) and adds back its
     full-set mean, known exactly: the same bound on a quantity that spreads less (on the tiny world, the
     residuals spread a third to a half as much as d). A generation's candidates race in `waves`, predicted
-    fittest first, and each wave's survivors may raise the boundary of the next.
+    fittest first, and each wave's survivors may raise the boundary of the next. Within a wave the survivors of
+    every checkpoint are scored on the full set `elites` at a time, estimated fittest first; each round may raise
+    the boundary, and the rest are judged against it again with the least of the bounds their checkpoints gave: those
+    bounds are on the candidate's own full-set fitness (the boundary's is known exactly), and the union bound makes
+    them hold at once, so the higher boundary costs no more looks and no forward.
+
+    With `tolerance` (an indifference zone, in fitness units) a candidate stops once its bound says it cannot beat the
+    boundary by `tolerance` or more: `delta` then bounds the chance of wrongly stopping a candidate better than the
+    boundary by more than `tolerance`, and one within it may stop, so each such decision may cost up to `tolerance`.
+    It pays where candidates are near-tied (docs/results/speed.md, #racing-tolerance); 0 (the default) stops only
+    candidates below the boundary.
 
     With `screen` (and the model), a candidate is first judged with no forward at all: the model's predicted full-set
     mean difference to the boundary plus a Student-t multiple of the model's leave-one-out error (`screen_upper`,
@@ -176,6 +186,7 @@ class Sequential:
     waves: int = 4  # a generation's candidates race in this many waves, predicted fittest first
     surrogate: bool = True  # subtract the differences a per-sample additive model predicts (evoesap.method.surrogate)
     screen: bool = False  # with the model: stop a candidate it predicts, with room for its error, below the boundary
+    tolerance: float = 0.0  # stop a candidate that cannot beat the boundary by this much fitness or more
 
     def __post_init__(self) -> None:
         if not 0 < self.delta < 1:
@@ -186,6 +197,8 @@ class Sequential:
             raise ConfigError(f"statistical racing's waves must be >= 1, got {self.waves}")
         if not self.growth > 1:
             raise ConfigError(f"statistical racing's growth must exceed 1, got {self.growth}")
+        if not 0 <= self.tolerance < math.inf:
+            raise ConfigError(f"racing_tolerance must be >= 0 and finite, got {self.tolerance}")
 
     def checkpoints(self, n: int) -> tuple[int, ...]:
         """Sample counts at which candidates may stop, each below `n` (the full set follows)."""

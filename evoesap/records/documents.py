@@ -64,6 +64,7 @@ class SearchWork(Record):
     stopped_at: dict[int, int]  # samples scored at the stop -> race stops there
     racing: str  # off, schedule or statistical
     racing_delta: float | None = None  # statistical racing's declared error rate; None otherwise
+    racing_tolerance: float | None = None  # statistical racing's tolerance in fitness; None otherwise
     resumed: bool = False  # the search was resumed: FFE count only the work after the resume
     screened: int = 0  # statistical racing's stops before any forward (its model's screen), not in stopped_early
 

@@ -83,6 +83,14 @@ class SearchParams(PlacementParams):
     racing_delta: float = param(
         0.05, "Statistical racing: the declared chance of wrongly stopping a candidate that could enter the elite.", gt=0, lt=1
     )
+    racing_tolerance: float = param(
+        0.0,
+        "Statistical racing: stop a candidate that cannot beat the elite boundary member by this much fitness or more "
+        "(an indifference zone, in the metric's units; 0: only those below it). A candidate better by more is wrongly "
+        "stopped at most at racing_delta; one within the tolerance may be stopped, so the search may end up to about "
+        "this much below exact search (docs/results/speed.md, #racing-tolerance).",
+        ge=0,
+    )
     racing_screen: bool = param(
         False,
         "Statistical racing: stop a candidate before any forward when the additive model predicts it, with room for its "
@@ -161,7 +169,9 @@ class SearchParams(PlacementParams):
         if not self.racing:
             return None
         if self.racing_mode == "statistical":
-            return Sequential(self.racing_delta, self.racing_min_samples, screen=self.racing_screen)
+            return Sequential(
+                self.racing_delta, self.racing_min_samples, screen=self.racing_screen, tolerance=self.racing_tolerance
+            )
         return Racing.parse(self.racing_schedule, self.racing_min_samples, self.racing_min_positions)
 
 
@@ -245,6 +255,7 @@ def search_work(
         stopped_at=dict(sorted(stopped_at.items())),
         racing=params.racing_mode if params.racing else "off",
         racing_delta=params.racing_delta if statistical else None,
+        racing_tolerance=params.racing_tolerance if statistical else None,
         resumed=resumed,
         screened=len(screened),
     )

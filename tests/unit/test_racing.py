@@ -279,7 +279,14 @@ def test_search_stage_records_its_work_in_allocation_json_for_each_racing_mode(s
         "schedule": dict(
             racing=True, racing_mode="schedule", racing_schedule="0.25:0.25", racing_min_samples=3, racing_min_positions=8
         ),
-        "statistical": dict(racing=True, racing_mode="statistical", racing_delta=0.2, racing_min_samples=3, racing_screen=True),
+        "statistical": dict(
+            racing=True,
+            racing_mode="statistical",
+            racing_delta=0.2,
+            racing_min_samples=3,
+            racing_screen=True,
+            racing_tolerance=1e-3,
+        ),
     }
     for mode, extra in modes.items():
         out = str(root / f"search-work-{mode}")
@@ -288,6 +295,7 @@ def test_search_stage_records_its_work_in_allocation_json_for_each_racing_mode(s
         work = artifacts.read_manifest(out).run["cost"]
         history = pd.read_parquet(artifacts.join(out, "history.parquet"))
         assert work["racing"] == mode and work["racing_delta"] == (0.2 if mode == "statistical" else None)
+        assert work["racing_tolerance"] == (1e-3 if mode == "statistical" else None)
         assert work["full_forward_equivalents"] > 0
         assert work["full_forward_equivalents_per_candidate"] == pytest.approx(
             work["full_forward_equivalents"] / work["candidates"]

@@ -99,6 +99,7 @@ WORK = {
     "stopped_at": {"4": 60, "8": 30, "16": 5},
     "racing": "statistical",
     "racing_delta": 0.05,
+    "racing_tolerance": 0.0,
     "resumed": False,
     "screened": 12,
 }
@@ -296,7 +297,7 @@ def test_the_search_work_round_trips_with_its_types():
     assert work.stopped_at == {4: 60, 8: 30, 16: 5}  # sample counts come back as integers
     assert (work.candidates, work.full_set_evaluations, work.racing, work.racing_delta) == (130, 41, "statistical", 0.05)
     assert records.SearchWork.from_json(json.loads(json.dumps(work.to_json())), "x") == work
-    off = {**WORK, "racing": "off", "racing_delta": None, "screened": 0}
+    off = {**WORK, "racing": "off", "racing_delta": None, "racing_tolerance": None, "screened": 0}
     assert records.SearchWork.from_json(off, "x").to_json() == off
     before_screening = {key: value for key, value in WORK.items() if key != "screened"}
     assert records.SearchWork.from_json(before_screening, "x").screened == 0  # run.cost written before the screen
