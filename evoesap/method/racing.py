@@ -155,11 +155,7 @@ class Sequential:
     scored before predicts (`evoesap.method.surrogate`, fixed before the candidate is scored) and adds back its
     full-set mean, known exactly: the same bound on a quantity that spreads less (on the tiny world, the
     residuals spread a third to a half as much as d). A generation's candidates race in `waves`, predicted
-    fittest first, and each wave's survivors may raise the boundary of the next. Within a wave the survivors of
-    every checkpoint are scored on the full set `elites` at a time, estimated fittest first; each round may raise
-    the boundary, and the rest are judged against it again with the least of the bounds their checkpoints gave: those
-    bounds are on the candidate's own full-set fitness (the boundary's is known exactly), and the union bound makes
-    them hold at once, so the higher boundary costs no more looks and no forward.
+    fittest first, and each wave's survivors may raise the boundary of the next.
 
     With `tolerance` (an indifference zone, in fitness units) a candidate stops once its bound says it cannot beat the
     boundary by `tolerance` or more: `delta` then bounds the chance of wrongly stopping a candidate better than the

@@ -47,10 +47,8 @@ removal counts, see `evoesap.method.allocation`) to a float, higher is better.
   SURROGATE_WINDOW full-set per-sample vectors, which the checkpoint keeps) predicts fittest first, so that
   each wave's survivors may raise the boundary for the next; the model's predicted differences are
   subtracted from the paired differences and their full-set mean added back, which narrows the bound where
-  the model is good and never makes it wrong. A wave's survivors are scored on the full set `elites` at a time,
-  estimated fittest first, and each round's higher boundary stops, by the bounds they already have, those of the
-  rest it settles. With a `tolerance`, a candidate stops once it cannot beat the boundary by that much (the racing
-  module). `sample_fitness(allocation, count)` gives the per-sample
+  the model is good and never makes it wrong. With a `tolerance`, a candidate stops once it cannot beat the boundary
+  by that much (the racing module). `sample_fitness(allocation, count)` gives the per-sample
   fitness (higher is better) on the order's first `count` samples (None: all).
 - Scoring goes through one seam, a batch per generation and racing level: `score_batch(allocations,
   level, generation)` (level None: the full set), so that a caller can score a generation's candidates on
@@ -328,7 +326,7 @@ class _Run:
         for start in range(0, len(entrants), size):
             if start:  # the last wave's survivors are data and may have raised the boundary
                 model, boundary = self.surrogate(), self.boundary(pop)
-            stopped.update(self.race_wave(entrants[start : start + size], boundary, model, gen, pop))
+            stopped.update(self.race_wave(entrants[start : start + size], boundary, model, gen))
         return stopped
 
     def boundary(self, pop: list[Allocation]) -> Allocation:
@@ -339,11 +337,9 @@ class _Run:
         return ranked[min(self.params.elites, len(ranked)) - 1]
 
     def race_wave(
-        self, entrants: list[Allocation], boundary: Allocation, model: Additive | None, gen: int, pop: list[Allocation]
+        self, entrants: list[Allocation], boundary: Allocation, model: Additive | None, gen: int
     ) -> dict[Allocation, tuple[int, float]]:
-        """Race `entrants` over the checkpoints against `boundary`, the `model`'s predicted differences subtracted;
-        then score the survivors on the full set, `elites` at a time and estimated fittest first, each round's
-        scores raising the boundary that the rest are judged against again by the bounds they already have."""
+        """Race `entrants` over the checkpoints against `boundary`, the `model`'s predicted differences subtracted."""
         race = self.params.racing
         assert isinstance(race, Sequential)
         full = self.samples([boundary], None)[0]
@@ -351,32 +347,21 @@ class _Run:
         entrants = [r for r in entrants if r not in stopped]
         # predicted per-sample difference to the boundary, fixed before any of the candidate's values are seen
         shift = {r: model.difference(r, boundary) if model is not None else np.zeros(len(full)) for r in entrants}
-        # upper confidence bound on each candidate's full-set fitness (the least of its checkpoints' bounds: the union
-        # bound makes them hold at once), its estimate, and where it last stood
-        bound = dict.fromkeys(entrants, math.inf)
-        guess: dict[Allocation, float] = {}
-        reached: dict[Allocation, tuple[int, float]] = {}
-        threshold = float(np.nanmean(full)) + race.tolerance
         for level, count in enumerate(race.checkpoints(len(full))):
             if not entrants:
                 break
             values = self.samples(entrants, count)
             self.subset_calls += len(entrants)
+            going = []
             for r, v in zip(entrants, values):
                 s = shift[r]
-                residual, exact = v - full[:count] - s[:count], float(s.mean()) + float(np.nanmean(full))
-                bound[r] = min(bound[r], race.upper(residual, len(full)) + exact)
-                guess[r], reached[r] = float(np.nanmean(residual)) + exact, (level, float(np.nanmean(v)))
-            stopped.update((r, reached[r]) for r in entrants if bound[r] < threshold)
-            entrants = [r for r in entrants if r not in stopped]
-        entrants.sort(key=lambda r: -guess.get(r, math.inf))
-        while entrants:
-            now, entrants = entrants[: self.params.elites], entrants[self.params.elites :]
-            self.score_full_set(now, gen)
-            self.keep_vectors(now)
-            threshold = float(np.nanmean(self.samples([self.boundary(pop)], None)[0])) + race.tolerance
-            stopped.update((r, reached[r]) for r in entrants if bound[r] < threshold)
-            entrants = [r for r in entrants if r not in stopped]
+                if race.upper(v - full[:count] - s[:count], len(full)) + float(s.mean()) < race.tolerance:
+                    stopped[r] = (level, float(np.nanmean(v)))
+                else:
+                    going.append(r)
+            entrants = going
+        self.score_full_set(entrants, gen)
+        self.keep_vectors(entrants)
         return stopped
 
     def screen(self, entrants: list[Allocation], full: np.ndarray, model: Additive | None) -> dict[Allocation, tuple[int, float]]:
