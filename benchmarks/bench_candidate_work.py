@@ -103,6 +103,21 @@ def one_search(model, cache, orders, n, k, budget, args, seed: int, floor: bool,
     return Run(row.seconds, row.candidates, row.ffe, result.best, result.best_fitness)
 
 
+def endings(history) -> list[dict[str, int]]:
+    """Per generation, the candidates new in it by where they ended: "full" (scored on the full set) or the racing
+    level they stopped at ("-1" screened), each counted once, in the generation it first appeared."""
+    seen: set = set()
+    out: list[dict[str, int]] = []
+    for h in history:
+        while len(out) <= h.generation:
+            out.append({})
+        if h.allocation not in seen:
+            seen.add(h.allocation)
+            key = "full" if h.level is None else str(h.level)
+            out[h.generation][key] = out[h.generation].get(key, 0) + 1
+    return out
+
+
 COMPARED = {"exact": (False, False), "prefix": (True, False), "racing": (True, True), "statistical": (True, "statistical")}
 METHOD_ORDER = list(COMPARED)  # exact first: the baseline of the printed table
 
@@ -194,6 +209,9 @@ def compare(args: argparse.Namespace) -> None:
                                     "seconds": row.seconds,
                                     "allocation": list(result.best),
                                     "esap": esap,
+                                    "ffe_by_generation": [float(v) for v in np.diff([0.0, *(m[1] for m in row.marks)])],
+                                    "endings_by_generation": endings(result.history),
+                                    "elite_allocations": len({h.allocation for h in result.history if h.elite}),
                                     "settings": settings(args, name, method, commit),
                                 },
                             )

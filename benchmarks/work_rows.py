@@ -2,7 +2,10 @@
 
 A row is one search: world, criterion, seed, method, its work (FFE per candidate in the run and over a whole
 default search, estimated), seconds per candidate, candidates, the final allocation and its full-set ESAP, and
-the settings it ran with. Rows are appended one by one as searches finish, so a stopped run keeps what it did.
+the settings it ran with; newer rows also hold the FFE of each generation, how each generation's new candidates
+ended (`endings_by_generation`: "full", or the racing level they stopped at) and how many distinct allocations were
+ever elite (`elite_allocations`: scored on the full set by any search that takes this one's course). Rows are
+appended one by one as searches finish, so a stopped run keeps what it did.
 Reading several files, a later row replaces an earlier one of the same world, criterion, seed and method: a later
 file of statistical rows alone (`--methods statistical`) replaces that column and keeps the rest.
 """

@@ -66,6 +66,13 @@ def test_a_method_run_alone_is_judged_as_beside_exact(bench, tmp_path):
     assert [r["method"] for r in first] == ["exact", "statistical"] and [r["method"] for r in second] == ["statistical"]
     assert second[0]["allocation"] == first[1]["allocation"] and second[0]["esap"] == first[1]["esap"]
     assert second[0]["settings"]["racing_delta"] == 0.05 and "racing_schedule" not in second[0]["settings"]
+    assert second[0]["settings"]["racing_tolerance"] == 0.0
+    for r in first:  # where the work went: per generation, its FFE and how its new candidates ended
+        assert len(r["ffe_by_generation"]) == len(r["endings_by_generation"]) == 2
+        assert sum(r["ffe_by_generation"]) == pytest.approx(r["ffe_per_candidate"] * r["candidates"])
+        assert sum(sum(ends.values()) for ends in r["endings_by_generation"]) == r["candidates"]
+    assert set().union(*first[0]["endings_by_generation"]) == {"full"}  # exact search scores every one in full
+    assert 2 <= first[0]["elite_allocations"] <= sum(first[0]["endings_by_generation"][0].values())
 
 
 def row(method, seed, esap, allocation, ffe=0.5, criterion="reap", **settings):
