@@ -194,6 +194,7 @@ def compare(args: argparse.Namespace) -> None:
                             args.population + 50 * (row.candidates - args.population) / max(1, args.generations)
                         )
                         sums[method].append((row.ffe / row.candidates, whole, esap - base))
+                        by_generation = [float(v) for v in np.diff([0.0, *(m[1] for m in row.marks)])]  # FFE of each
                         if args.out:
                             work_rows.append(
                                 args.out,
@@ -209,7 +210,7 @@ def compare(args: argparse.Namespace) -> None:
                                     "seconds": row.seconds,
                                     "allocation": list(result.best),
                                     "esap": esap,
-                                    "ffe_by_generation": [float(v) for v in np.diff([0.0, *(m[1] for m in row.marks)])],
+                                    "ffe_by_generation": by_generation,
                                     "endings_by_generation": endings(result.history),
                                     "elite_allocations": len({h.allocation for h in result.history if h.elite}),
                                     "settings": settings(args, name, method, commit),
@@ -219,7 +220,7 @@ def compare(args: argparse.Namespace) -> None:
                             f"| {name} | {criterion} | {seed} | {method} | {row.candidates} | {row.ffe / row.candidates:.3f} | "
                             f"{whole:.3f} | {row.seconds / row.candidates:.4f} | {row.seconds:.1f} | {esap:.6f} | "
                             f"{work_rows.pct(100 * (esap - base) / base)} | {sum(h.level == SCREENED for h in result.history)} | "
-                            f"{' '.join(f'{v:.2f}' for v in np.diff([0.0, *(m[1] for m in row.marks)]))} |",
+                            f"{' '.join(f'{v:.2f}' for v in by_generation)} |",
                             flush=True,
                         )
     print()
