@@ -3,7 +3,6 @@ names what is short and how to free it, and leaves no venv behind."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -11,8 +10,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 HUGE = "100000000"  # GB: more than any disk holds
-
-pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 
 
 def _make(*args: str) -> subprocess.CompletedProcess[str]:
