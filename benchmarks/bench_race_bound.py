@@ -13,7 +13,8 @@ generations takes seconds. Per search, printed as a markdown row:
   average, s being the spread of the candidate's per-sample residual (paired difference minus the additive model's
   prediction at the time; known to this oracle, estimated by the race); a candidate truly within the tolerance of
   the boundary goes on to the full set. Per candidate the largest of its decisions counts. The same with s scaled
-  by 0.7 and 0.5: what a better control variate could give;
+  by 0.7 and 0.5, what a better control variate could give, and by 0: a perfect model, where only the candidates
+  that truly reach the boundary cost more than one sample (the floor of the elite semantics);
 - wrong stops: decisions on candidates truly above the boundary plus the tolerance (distinct candidate and boundary
   pairs), and how many of them stopped;
 - the final fitness, and whether it is exact search's (replayed first on the same vectors).
@@ -47,7 +48,7 @@ from evoesap.scoring import teacher  # noqa: E402
 from evoesap.scoring.evaluator import CandidateEvaluator  # noqa: E402
 from evoesap.scoring.importance import observe, pruning_order  # noqa: E402
 
-SCALES = (1.0, 0.7, 0.5)  # residual spreads of the bound: the race's model, and better control variates
+SCALES = (1.0, 0.7, 0.5, 0.0)  # residual spreads of the bound: the race's model, better ones, a perfect one
 
 
 class Vectors:
@@ -190,9 +191,9 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.vectors).mkdir(parents=True, exist_ok=True)
     print(
         "| criterion | seed | delta | tolerance | candidates | race work | Wald bound | x0.7 spread | x0.5 spread | "
-        "race / bound | above the boundary: decisions, stopped | final fitness | exact's |"
+        "perfect model | race / bound | above the boundary: decisions, stopped | final fitness | exact's |"
     )
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---|")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|")
     with scored_world(args) as w:
         for criterion in args.criteria:
             path = Path(args.vectors) / f"{args.world}-{criterion}-{args.samples}.npz"
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
                     print(
                         f"| {criterion} | {seed} | {delta:g} | {race.tolerance:g} | {len(candidates)} | "
                         f"{work / len(candidates):.3f} | {bounds[0] / len(candidates):.3f} | {bounds[1] / len(candidates):.3f} | "
-                        f"{bounds[2] / len(candidates):.3f} | {work / bounds[0]:.2f} | {len(above)}, {sum(above.values())} | "
+                        f"{bounds[2] / len(candidates):.3f} | {bounds[3] / len(candidates):.3f} | {work / bounds[0]:.2f} | {len(above)}, {sum(above.values())} | "
                         f"{result.best_fitness:.6f} | {'yes' if result.best == exact.best else 'no'} |",
                         flush=True,
                     )

@@ -68,6 +68,8 @@ def test_the_bound_is_walds_formula(bench):
     assert got == pytest.approx(1.0 + share[samples] + 1.0 + 1.0)  # the boundary, (1,), (2,) and (3,) in full
     halved = bench.bound(values.__getitem__, decisions, share, race, {(0,)}, 0.5)
     assert halved == pytest.approx(1.0 + share[math.ceil(samples / 4)] + 2.0)
+    perfect = bench.bound(values.__getitem__, decisions, share, race, {(0,)}, 0.0)  # one sample settles (1,)
+    assert perfect == pytest.approx(1.0 + share[1] + 2.0)
 
 
 def test_the_table_and_its_vectors_round_trip(bench, tmp_path, capsys, monkeypatch):
@@ -75,7 +77,11 @@ def test_the_table_and_its_vectors_round_trip(bench, tmp_path, capsys, monkeypat
     bench.main([*TINY, "--vectors", str(tmp_path), "--racing-delta", "0.05", "0.5"])
     first = capsys.readouterr().out.splitlines()
     rows = [line for line in first if line.startswith("| reap |")]
-    assert len(rows) == 4 and all(line.endswith(("| yes |", "| no |")) for line in rows)
+    assert (
+        len(rows) == 4
+        and all(line.count("|") == 15 for line in rows)
+        and all(line.endswith(("| yes |", "| no |")) for line in rows)
+    )
     saved = np.load(tmp_path / "tiny-reap-16.npz", allow_pickle=False)
     assert saved["allocations"].shape[0] == saved["values"].shape[0] > 0 and saved["values"].shape[1] == 16
     computed = []
