@@ -126,10 +126,11 @@ def replay(vectors: Vectors, w: argparse.Namespace, args: argparse.Namespace, se
     return result, float(sum(share[d] for d in depth.values())), decisions, share
 
 
-def bound(vectors: Vectors, decisions, share: np.ndarray, race, full_scored: set, scale: float) -> float:
-    """Wald's least expected work for the race's decisions (module docstring), residual spreads times `scale`."""
+def bound(vectors: Vectors, decisions, share: np.ndarray, race, unraced: set, scale: float) -> float:
+    """Wald's least expected work for the race's decisions (module docstring), residual spreads times `scale`;
+    `unraced`: those scored on the full set without a decision (generation 0's first `elites`)."""
     total = len(share) - 1
-    need: dict[tuple[int, ...], float] = {r: 1.0 for r in full_scored}
+    need: dict[tuple[int, ...], float] = {r: 1.0 for r in unraced}
     for r, boundary, spread, _ in decisions:
         gap = float(vectors(r).mean() - vectors(boundary).mean()) + race.tolerance
         if gap >= 0:
@@ -204,8 +205,8 @@ def main(argv: list[str] | None = None) -> None:
                     race = racing.Sequential(delta, args.racing_min_samples, tolerance=args.racing_tolerance)
                     result, work, decisions, share = replay(vectors, w, args, seed, race)
                     candidates = {h.allocation for h in result.history}
-                    full_scored = {h.allocation for h in result.history if h.level is None}
-                    bounds = [bound(vectors, decisions, share, race, full_scored, s) for s in SCALES]
+                    unraced = {h.allocation for h in result.history if h.level is None} - {r for r, *_ in decisions}
+                    bounds = [bound(vectors, decisions, share, race, unraced, s) for s in SCALES]
                     above = {
                         (r, b): stopped
                         for r, b, _, stopped in decisions
