@@ -36,6 +36,7 @@ searches of an earlier one, so one column can be re-run alone:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import platform
 import shlex
@@ -92,6 +93,26 @@ def world(name: str, args: argparse.Namespace):
         tokenized = [dataclasses.replace(s, input_ids=[3 + t % (vocab - 3) for t in s.input_ids]) for s in tokenized]
         calibration = [dataclasses.replace(s, input_ids=[3 + t % (vocab - 3) for t in s.input_ids]) for s in calibration]
     return model, tokenized, calibration
+
+
+@contextlib.contextmanager
+def cached_world(name: str, args: argparse.Namespace):
+    """A world ready to search: its model, a full float16 teacher cache of its search samples (in a temporary folder
+    for the block), calibration scores, experts and budget at `args.sparsity`; torch threads set for its size."""
+    model, tokenized, calibration = world(name, args)
+    runtime.use_cpu_threads(runtime.parameter_count(model))
+    spec = moe.inspect(model)
+    scores = observe(model, calibration, batch_size=args.batch_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        teacher.write_cache(model, tokenized, Path(tmp), mode="full", dtype="float16", batch_size=args.batch_size)
+        yield argparse.Namespace(
+            model=model,
+            cache=teacher.load_cache(tmp),
+            scores=scores,
+            n=spec.num_experts,
+            k=spec.top_k,
+            budget=alloc.budget(args.sparsity, spec.num_experts, spec.top_k),
+        )
 
 
 def one_search(model, cache, orders, n, k, budget, args, seed: int, floor: bool, race: bool) -> Run:
@@ -165,22 +186,15 @@ def compare(args: argparse.Namespace) -> None:
     commit = _commit()
     sums: dict[str, list[tuple[float, float, float]]] = {m: [] for m in methods}
     for name in args.worlds:
-        model, tokenized, calibration = world(name, args)
-        runtime.use_cpu_threads(runtime.parameter_count(model))
-        spec = moe.inspect(model)
-        n, k = spec.num_experts, spec.top_k
-        scores = observe(model, calibration, batch_size=args.batch_size)
-        budget = alloc.budget(args.sparsity, n, k)
-        with tempfile.TemporaryDirectory() as tmp:
-            teacher.write_cache(model, tokenized, Path(tmp), mode="full", dtype="float16", batch_size=args.batch_size)
-            cache = teacher.load_cache(tmp)
+        with cached_world(name, args) as w:
+            model, cache, n, k, budget = w.model, w.cache, w.n, w.k, w.budget
             ids = list(range(cache.num_samples))
             # every final allocation is scored by one plain evaluator (no prefix reuse, no racing): exact search's
             # own scoring, so a file of some methods' rows compares with another file's exact rows
             judge = CandidateEvaluator(
                 model, cache, batch_size=args.batch_size, prefix_cache_bytes=0, keep=args.elites, verify=False
             )
-            orders_of = {criterion: pruning_order(scores, criterion) for criterion in args.criteria}
+            orders_of = {criterion: pruning_order(w.scores, criterion) for criterion in args.criteria}
             for seed in args.seeds:  # seeds outermost: a run stopped early still has every criterion of its first seeds
                 for criterion, orders in orders_of.items():
                     base = float("nan")
@@ -307,15 +321,9 @@ def main(argv: list[str] | None = None) -> None:
     totals: dict[str, list[float]] = {"ffe_before": [], "ffe_after": [], "s_before": [], "s_after": []}
     agree = True
     for name in args.worlds:
-        model, tokenized, calibration = world(name, args)
-        runtime.use_cpu_threads(runtime.parameter_count(model))
-        spec = moe.inspect(model)
-        n, k = spec.num_experts, spec.top_k
-        orders = pruning_order(observe(model, calibration, batch_size=args.batch_size), args.criterion)
-        budget = alloc.budget(args.sparsity, n, k)
-        with tempfile.TemporaryDirectory() as tmp:
-            teacher.write_cache(model, tokenized, Path(tmp), mode="full", dtype="float16", batch_size=args.batch_size)
-            cache = teacher.load_cache(tmp)
+        with cached_world(name, args) as w:
+            model, cache, n, k, budget = w.model, w.cache, w.n, w.k, w.budget
+            orders = pruning_order(w.scores, args.criterion)
             for race in (False, True) if args.racing else (False,):
                 for seed in args.seeds:
                     before = one_search(model, cache, orders, n, k, budget, args, seed, False, race)

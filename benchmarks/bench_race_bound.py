@@ -32,21 +32,17 @@ import argparse
 import contextlib
 import math
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_candidate_work import world  # noqa: E402
+from bench_candidate_work import cached_world  # noqa: E402
 
-from evoesap import moe  # noqa: E402
-from evoesap.machine import runtime  # noqa: E402
 from evoesap.method import allocation as alloc  # noqa: E402
 from evoesap.method import racing, search  # noqa: E402
-from evoesap.scoring import teacher  # noqa: E402
 from evoesap.scoring.evaluator import CandidateEvaluator  # noqa: E402
-from evoesap.scoring.importance import observe, pruning_order  # noqa: E402
+from evoesap.scoring.importance import pruning_order  # noqa: E402
 
 SCALES = (1.0, 0.7, 0.5, 0.0)  # residual spreads of the bound: the race's model, better ones, a perfect one
 
@@ -144,27 +140,14 @@ def bound(vectors: Vectors, decisions, share: np.ndarray, race, unraced: set, sc
 
 @contextlib.contextmanager
 def scored_world(args: argparse.Namespace):
-    """The world's evaluator (plain: no prefix reuse, no racing) over a teacher cache of its search samples, and what
-    a replay needs: pruning scores, experts, budget, per-sample work and scored positions."""
-    model, tokenized, calibration = world(args.world, args)
-    runtime.use_cpu_threads(runtime.parameter_count(model))
-    spec = moe.inspect(model)
-    scores = observe(model, calibration, batch_size=args.batch_size)
-    with tempfile.TemporaryDirectory() as tmp:
-        teacher.write_cache(model, tokenized, Path(tmp), mode="full", dtype="float16", batch_size=args.batch_size)
-        cache = teacher.load_cache(tmp)
-        evaluator = CandidateEvaluator(model, cache, batch_size=args.batch_size, prefix_cache_bytes=0, keep=1, verify=False)
-        samples = list(range(cache.num_samples))
-        yield argparse.Namespace(
-            evaluator=evaluator,
-            samples=samples,
-            scores=scores,
-            n=spec.num_experts,
-            k=spec.top_k,
-            budget=alloc.budget(args.sparsity, spec.num_experts, spec.top_k),
-            lengths=np.asarray([evaluator.full_forward_work([s]) for s in samples], dtype=np.float64),
-            positions=(cache.offsets[1:] - cache.offsets[:-1]).tolist(),
-        )
+    """`cached_world` with what a replay needs besides: a plain evaluator (no prefix reuse, no racing), the search
+    samples, each one's work and scored positions."""
+    with cached_world(args.world, args) as w:
+        w.evaluator = CandidateEvaluator(w.model, w.cache, batch_size=args.batch_size, prefix_cache_bytes=0, keep=1, verify=False)
+        w.samples = list(range(w.cache.num_samples))
+        w.lengths = np.asarray([w.evaluator.full_forward_work([s]) for s in w.samples], dtype=np.float64)
+        w.positions = (w.cache.offsets[1:] - w.cache.offsets[:-1]).tolist()
+        yield w
 
 
 def main(argv: list[str] | None = None) -> None:
