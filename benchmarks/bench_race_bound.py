@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import math
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -48,30 +49,50 @@ SCALES = (1.0, 0.7, 0.5, 0.0)  # residual spreads of the bound: the race's model
 
 
 class Vectors:
-    """Every allocation's full-set per-sample fitness (dataset order), computed on first use, kept in an .npz."""
+    """Every allocation's full-set per-sample fitness (dataset order), computed on first use, kept in an .npz.
+
+    A file read back must be this world's: its first allocation is scored again and must match (a rebuilt model,
+    other data or another pruning order would otherwise pass stale values off as this world's)."""
 
     def __init__(self, path: Path, evaluator: CandidateEvaluator, orders, samples: list[int]) -> None:
         self.path, self.evaluator, self.orders, self.samples = path, evaluator, orders, samples
         self.values: dict[tuple[int, ...], np.ndarray] = {}
         if path.exists():
-            with np.load(path, allow_pickle=False) as saved:
-                self.values = {tuple(int(x) for x in r): v for r, v in zip(saved["allocations"], saved["values"])}
+            self.values = self._read()
         self.computed = 0
 
     def __call__(self, r: tuple[int, ...]) -> np.ndarray:
         if r not in self.values:
-            raw = self.evaluator.sample_values(alloc.pruned_sets(r, self.orders), samples=self.samples)
-            self.values[r] = self.evaluator.metric.sign * raw.double().numpy()
+            self.values[r] = self._score(r)
             self.computed += 1
         return self.values[r]
 
     def save(self) -> None:
         if self.computed:
             rs = list(self.values)
-            tmp = self.path.with_suffix(".tmp.npz")
-            np.savez(tmp, allocations=np.asarray(rs), values=np.stack([self.values[r] for r in rs]))
-            tmp.replace(self.path)
+            with tempfile.NamedTemporaryFile(dir=self.path.parent, suffix=".npz", delete=False) as tmp:
+                np.savez(tmp, allocations=np.asarray(rs), values=np.stack([self.values[r] for r in rs]))
+            Path(tmp.name).replace(self.path)
             self.computed = 0
+
+    def _score(self, r: tuple[int, ...]) -> np.ndarray:
+        raw = self.evaluator.sample_values(alloc.pruned_sets(r, self.orders), samples=self.samples)
+        return self.evaluator.metric.sign * raw.double().numpy()
+
+    def _read(self) -> dict[tuple[int, ...], np.ndarray]:
+        fix = "delete it or point --vectors at another folder"
+        try:
+            with np.load(self.path, allow_pickle=False) as saved:
+                allocations, values = saved["allocations"], saved["values"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"{self.path} is not a vectors file of this benchmark ({e}): {fix}") from None
+        if values.ndim != 2 or values.shape != (len(allocations), len(self.samples)) or not len(allocations):
+            raise SystemExit(f"{self.path} holds {values.shape} vectors, not n x {len(self.samples)} samples: {fix}")
+        read = {tuple(int(x) for x in r): v for r, v in zip(allocations, values)}
+        first = next(iter(read))
+        if not np.allclose(self._score(first), read[first], rtol=0, atol=1e-6):
+            raise SystemExit(f"{self.path} was computed for another model, data or pruning order: {fix}")
+        return read
 
 
 def replay(vectors: Vectors, w: argparse.Namespace, args: argparse.Namespace, seed: int, race: racing.Sequential | None):

@@ -101,3 +101,20 @@ def test_the_demo_world_needs_its_files(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--world", "demo"])
     assert "--model and --data" in capsys.readouterr().err
+
+
+def test_vectors_of_another_world_are_refused_and_kept(bench, tmp_path, capsys):
+    """A cached file that is not this world's (here: another criterion's vectors under this one's name, then a file
+    that is no vectors file at all) stops the run with the fix, and is left as it was."""
+    bench.main([*TINY, "--seeds", "0", "--vectors", str(tmp_path), "--criteria", "frequency"])
+    capsys.readouterr()
+    (tmp_path / "tiny-frequency-16.npz").rename(tmp_path / "tiny-reap-16.npz")
+    before = (tmp_path / "tiny-reap-16.npz").read_bytes()
+    with pytest.raises(SystemExit, match="another model, data or pruning order: delete it"):
+        bench.main([*TINY, "--seeds", "0", "--vectors", str(tmp_path)])
+    assert (tmp_path / "tiny-reap-16.npz").read_bytes() == before
+    (tmp_path / "tiny-reap-16.npz").write_bytes(b"not an npz")
+    with pytest.raises(SystemExit, match="not a vectors file of this benchmark"):
+        bench.main([*TINY, "--seeds", "0", "--vectors", str(tmp_path)])
+    assert (tmp_path / "tiny-reap-16.npz").read_bytes() == b"not an npz"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-reap-16.npz"]  # no temporary file left
